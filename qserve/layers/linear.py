@@ -1,0 +1,115 @@
+"""Linear layers with a pluggable ``LinearMethod`` (dense here; W4A16 in ``quant_methods``).
+
+Knows: how a (possibly fused) linear layer holds its output shards and delegates storage and
+math to its method. Must not know: checkpoint formats or file names; the model's weight router
+hands it ready tensors (dense ``[N_shard, K]`` in torch orientation) or ``PackedQuantWeight``.
+
+A fused layer (qkv, gate_up) has several output shards concatenated along N, in the order of
+``output_sizes``; ``shard_id`` indexes that list.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quant_kernels.layout import PackedQuantWeight
+
+
+class LinearMethod(ABC):
+    """How a linear layer stores its weight and computes ``x @ W``."""
+
+    @abstractmethod
+    def create_weights(self, layer: Linear) -> None:
+        """Register the layer's parameters/buffers (empty until loaded)."""
+
+    @abstractmethod
+    def load_weight(self, layer: Linear, shard_id: int, weight: torch.Tensor | PackedQuantWeight) -> None:
+        """Take one output shard's weight as the loader produced it."""
+
+    def process_after_loading(self, layer: Linear) -> None:
+        """One-time work after every shard arrived (fusing, repacking for kernels)."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``x: [num_tokens, K] -> [num_tokens, N]`` without the bias."""
+
+    def weight_nbytes(self, layer: Linear) -> int:
+        """Bytes of weight this method holds for the layer (bias excluded)."""
+        return sum(p.numel() * p.element_size() for name, p in layer.named_parameters() if name != "bias")
+
+
+class DenseLinearMethod(LinearMethod):
+    """Unquantized weights in the model dtype."""
+
+    def create_weights(self, layer: Linear) -> None:
+        weight = torch.empty(sum(layer.output_sizes), layer.in_features, dtype=layer.params_dtype)  # [N, K]
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+
+    def load_weight(self, layer: Linear, shard_id: int, weight: torch.Tensor | PackedQuantWeight) -> None:
+        if isinstance(weight, PackedQuantWeight):
+            raise ValueError(f"{layer.prefix}: got a quantized weight for a layer configured as unquantized")
+        start, size = layer.shard_range(shard_id)
+        expected = (size, layer.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"{layer.prefix} shard {shard_id}: weight shape {tuple(weight.shape)}, expected {expected}")
+        layer.weight.data[start : start + size].copy_(weight)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight)
+
+
+class Linear(nn.Module):
+    """``y = x @ W + b`` with ``W`` made of one or more output shards."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        *,
+        bias: bool,
+        params_dtype: torch.dtype,
+        method: LinearMethod,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(output_sizes)
+        self.params_dtype = params_dtype
+        self.method = method
+        self.prefix = prefix
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=params_dtype), requires_grad=False)
+        else:
+            self.bias = None
+        method.create_weights(self)
+
+    def shard_range(self, shard_id: int) -> tuple[int, int]:
+        """(start, size) of an output shard along N."""
+        if not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"{self.prefix}: shard {shard_id} out of range for {len(self.output_sizes)} shards")
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+
+    def load_weight(self, shard_id: int, weight: torch.Tensor | PackedQuantWeight) -> None:
+        self.method.load_weight(self, shard_id, weight)
+
+    def load_bias(self, shard_id: int, bias: torch.Tensor) -> None:
+        if self.bias is None:
+            raise ValueError(f"{self.prefix}: checkpoint has a bias but the config says the layer has none")
+        start, size = self.shard_range(shard_id)
+        if tuple(bias.shape) != (size,):
+            raise ValueError(f"{self.prefix} shard {shard_id}: bias shape {tuple(bias.shape)}, expected ({size},)")
+        self.bias.data[start : start + size].copy_(bias)
+
+    def process_after_loading(self) -> None:
+        self.method.process_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, K] -> [num_tokens, N]
+        out = self.method.apply(self, x)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
