@@ -1,0 +1,31 @@
+"""qserve: quantization-first LLM serving.
+
+The offline API mirrors vLLM: ``from qserve import LLM, SamplingParams``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+if TYPE_CHECKING:
+    from qserve.engine.llm import LLM
+    from qserve.outputs import CompletionOutput, RequestOutput
+    from qserve.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import qserve` light (no torch for the CLI's help)
+    if name == "LLM":
+        from qserve.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from qserve.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from qserve import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'qserve' has no attribute {name!r}")

@@ -60,7 +60,9 @@ class PackedQuantWeight:
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits={self.bits} is not supported; supported: {SUPPORTED_BITS}")
         if self.qweight.dtype != torch.int32 or self.qweight.dim() != 2:
-            raise ValueError(f"qweight must be a 2-D int32 tensor, got {self.qweight.dtype} {tuple(self.qweight.shape)}")
+            raise ValueError(
+                f"qweight must be a 2-D int32 tensor, got {self.qweight.dtype} {tuple(self.qweight.shape)}"
+            )
         expected_groups = math.ceil(self.in_features / self.group_size)
         if tuple(self.scales.shape) != (expected_groups, self.out_features):
             raise ValueError(
@@ -68,7 +70,9 @@ class PackedQuantWeight:
                 f"({expected_groups}, {self.out_features}) for K={self.in_features}, group_size={self.group_size}"
             )
         if self.zeros is not None and tuple(self.zeros.shape) != tuple(self.scales.shape):
-            raise ValueError(f"zeros shape {tuple(self.zeros.shape)} must equal scales shape {tuple(self.scales.shape)}")
+            raise ValueError(
+                f"zeros shape {tuple(self.zeros.shape)} must equal scales shape {tuple(self.scales.shape)}"
+            )
         if self.perm is not None and tuple(self.perm.shape) != (self.in_features,):
             raise ValueError(f"perm shape {tuple(self.perm.shape)} must be ({self.in_features},)")
 

@@ -32,6 +32,7 @@ class LinearMethod(ABC):
 
     def process_after_loading(self, layer: Linear) -> None:
         """One-time work after every shard arrived (fusing, repacking for kernels)."""
+        return None  # dense weights need none
 
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +56,9 @@ class DenseLinearMethod(LinearMethod):
         start, size = layer.shard_range(shard_id)
         expected = (size, layer.in_features)
         if tuple(weight.shape) != expected:
-            raise ValueError(f"{layer.prefix} shard {shard_id}: weight shape {tuple(weight.shape)}, expected {expected}")
+            raise ValueError(
+                f"{layer.prefix} shard {shard_id}: weight shape {tuple(weight.shape)}, expected {expected}"
+            )
         layer.weight.data[start : start + size].copy_(weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,40 @@
+"""Generate text for one prompt and stream it to the terminal.
+
+Knows: the ``qserve generate`` arguments and how to print a stream. Must not know: how the
+engine works inside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="path to a Hugging Face model directory")
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from qserve.engine.engine import Engine, EngineConfig
+    from qserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    engine = Engine(EngineConfig(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len))
+    engine.add_request("cli", args.prompt, params)
+    shown = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+    sys.stdout.write("\n")
+    return 0

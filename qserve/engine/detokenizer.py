@@ -1,0 +1,93 @@
+"""Incremental detokenization: token ids in, new text deltas out, one token at a time.
+
+Knows: a Hugging Face tokenizer's ``convert_ids_to_tokens`` / ``convert_tokens_to_string``
+and vLLM's prefix/read-offset scheme. Must not know: sampling, stopping, the scheduler or
+torch.
+
+Why offsets: decoding a token alone is wrong (byte-level BPE splits one UTF-8 character
+over several tokens; SentencePiece drops or adds leading spaces depending on context), and
+decoding the whole sequence each step is O(total). Instead we decode a short window:
+``tokens[prefix_offset:read_offset]`` is text already emitted (context only) and
+``tokens[prefix_offset:]`` is that plus the new tokens; the delta is the difference. While
+the window's text ends with U+FFFD (an incomplete character) the delta is held back.
+
+Streaming with stop strings: text that might be the start of a stop string must not be sent
+before we know; ``stop_buffer_len`` (max stop length - 1) chars are held back by
+``get_next_output_text`` until the sequence finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# Prompt tokens used as decode context for the first generated token (vLLM's value).
+INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        *,
+        stop_buffer_len: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop_buffer_len = stop_buffer_len
+        self._vocab_len = len(tokenizer)
+        # Context: the last few prompt tokens (as token strings), never emitted.
+        tail = list(prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET - 1 :])
+        self.tokens: list[str] = self._to_tokens(tail)
+        self.prefix_offset = max(len(self.tokens) - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
+        self.read_offset = len(self.tokens)
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+        self._num_sent_chars = 0  # for get_next_output_text
+
+    def _to_tokens(self, token_ids: list[int]) -> list[str]:
+        ids = [t for t in token_ids if 0 <= t < self._vocab_len]
+        tokens = self.tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=self.skip_special_tokens)
+        return [tokens] if isinstance(tokens, str) else list(tokens)
+
+    def add_token(self, token_id: int) -> str:
+        """Append one generated token; return the newly readable text (possibly empty)."""
+        self.output_token_ids.append(token_id)
+        self.tokens.extend(self._to_tokens([token_id]))
+        to_string = self.tokenizer.convert_tokens_to_string
+        window = self.tokens[self.prefix_offset :]
+        if len(window) == self.read_offset - self.prefix_offset:
+            return ""  # nothing new (skipped special token or out-of-vocab id)
+        prefix_text = (
+            to_string(self.tokens[self.prefix_offset : self.read_offset])
+            if self.read_offset > self.prefix_offset
+            else ""
+        )
+        new_text = to_string(window)
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            # An incomplete UTF-8 character (or nothing visible yet): wait for more tokens.
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.tokens)
+        self.output_text += delta
+        return delta
+
+    def truncate(self, num_chars: int) -> None:
+        """Cut ``output_text`` to its first ``num_chars`` characters (a stop string was found)."""
+        self.output_text = self.output_text[:num_chars]
+        self._num_sent_chars = min(self._num_sent_chars, num_chars)
+
+    def get_next_output_text(self, finished: bool, delta: bool = True) -> str:
+        """Text to stream now: the new part (``delta``) or all of it, minus the stop-string buffer."""
+        length = len(self.output_text) if finished else max(len(self.output_text) - self.stop_buffer_len, 0)
+        if not delta:
+            return self.output_text[:length]
+        if length <= self._num_sent_chars:
+            return ""
+        text = self.output_text[self._num_sent_chars : length]
+        self._num_sent_chars = length
+        return text

@@ -1,0 +1,331 @@
+"""The synchronous engine: requests in, one ``step()`` at a time, ``RequestOutput``s out.
+
+Knows: how the scheduler, model runner, detokenizer and stop checks fit into one step, and how
+``n > 1`` requests fan out into sequences and back. Must not know: HTTP, asyncio, or how
+kernels compute. The server drives ``add_request`` / ``abort_request`` / ``step``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qserve.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
+from qserve.engine.detokenizer import IncrementalDetokenizer
+from qserve.engine.stop_checker import check_stop
+from qserve.memory.planner import plan_num_kv_blocks
+from qserve.model.loader import load_model
+from qserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from qserve.request import Request, RequestStatus
+from qserve.runner.model_runner import ModelRunner, allocate_kv_caches
+from qserve.sampling_params import SamplingParams
+from qserve.scheduler.block_pool import BlockPool
+from qserve.scheduler.kv_cache_manager import KVCacheManager
+from qserve.scheduler.output import TokenLogprobs
+from qserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    device: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tokenizer: str | None = None
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """Engine-side state of one generated sequence (one scheduler request)."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(eq=False)
+class _Group:
+    """A user request: its prompt and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.sequences)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow; the CPU path is the reference
+    return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        model_config = ModelConfig.from_path(config.model)
+        self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{model_config.max_position_embeddings}"
+            )
+        self.max_model_len = max_model_len
+        cache = CacheConfig(config.block_size, config.num_kv_blocks, config.enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens or max(2048, config.block_size),
+        )
+        num_blocks = cache.num_kv_blocks or plan_num_kv_blocks(
+            self.model_config, self.dtype, cache.block_size, max_model_len, config.max_num_seqs, self.device
+        )
+        self.block_pool = BlockPool(num_blocks)
+        self.kv_manager = KVCacheManager(
+            self.block_pool, cache.block_size, cache.enable_prefix_caching, owner=str(config.model)
+        )
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            self.scheduler_config.max_num_seqs,
+            self.scheduler_config.max_num_batched_tokens,
+            max_model_len,
+        )
+        kv_caches = allocate_kv_caches(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.model_config, kv_caches, cache.block_size, self.device, config.seed)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._groups: dict[str, _Group] = {}
+        self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
+        self._pending_outputs: dict[str, _Group] = {}  # finished out-of-step (aborts)
+        self._arrival = itertools.count()
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+            config.model,
+            self.device,
+            self.dtype,
+            num_blocks,
+            cache.block_size,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Requests in
+    # ------------------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """Validate a prompt and return (text or None, token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt_token_ids", "prompt"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}; supported: prompt, prompt_token_ids")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_token_ids(self, token_ids: Any) -> list[int]:
+        if not isinstance(token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+        ):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab})")
+        return list(token_ids)
+
+    def validate_request(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int]]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.tokenize_prompt(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens long, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        vocab = self.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
+        return text, token_ids
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError for bad input; nothing else is disturbed then."""
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self.validate_request(prompt, params)
+        group = _Group(request_id, text, token_ids, params)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = params.clone(n=1, seed=seed)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(seq_id, token_ids, child_params, arrival_index=next(self._arrival))
+            sequence = _Sequence(
+                request,
+                index,
+                IncrementalDetokenizer(self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            group.sequences.append(sequence)
+        for sequence in group.sequences:
+            self.scheduler.add_request(sequence.request)
+            self._sequences[sequence.request.request_id] = (group, sequence)
+        self._groups[request_id] = group
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its pages return to the pool immediately."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for sequence in group.sequences:
+            if sequence.finish_reason is None:
+                self.scheduler.abort_request(sequence.request.request_id)
+                sequence.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
+        self._pending_outputs[request_id] = group
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ------------------------------------------------------------------------------------------
+    # One step
+    # ------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        touched: dict[str, _Group] = dict(self._pending_outputs)
+        self._pending_outputs.clear()
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.is_empty:
+            runner_output = self.runner.execute(scheduler_output)
+            self.scheduler.update_from_output(scheduler_output, runner_output)
+            for request_id, entries in runner_output.prompt_logprobs.items():
+                group, sequence = self._sequences[request_id]
+                if sequence.index == 0 and group.prompt_logprobs is not None:
+                    group.prompt_logprobs.extend(self._to_position_logprobs(e) for e in entries)
+                    touched[group.request_id] = group
+            for request_id, token in runner_output.sampled_token_ids.items():
+                group, sequence = self._sequences[request_id]
+                self._on_token(sequence, token, runner_output.logprobs.get(request_id))
+                touched[group.request_id] = group
+        outputs = []
+        for request_id, group in touched.items():
+            outputs.append(self._make_output(group))
+            if group.finished:
+                self._groups.pop(request_id, None)
+                for sequence in group.sequences:
+                    self._sequences.pop(sequence.request.request_id, None)
+        return outputs
+
+    def _on_token(self, sequence: _Sequence, token: int, token_logprobs: TokenLogprobs | None) -> None:
+        request = sequence.request
+        if sequence.logprobs is not None and token_logprobs is not None:
+            entry = self._to_position_logprobs(token_logprobs)
+            sequence.logprobs.append(entry)
+            sequence.cumulative_logprob += entry[token].logprob
+        delta = sequence.detokenizer.add_token(token)
+        decision = check_stop(
+            params=request.sampling_params,
+            new_token_id=token,
+            num_output_tokens=request.num_output_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            output_text=sequence.detokenizer.output_text,
+            new_char_count=len(delta),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        if decision is None:
+            sequence.text = sequence.detokenizer.output_text
+            return
+        sequence.text = decision.output_text
+        sequence.finish_reason = decision.finish_reason
+        sequence.stop_reason = decision.stop_reason
+        status = RequestStatus.FINISHED_STOPPED if decision.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
+        self.scheduler.finish_request(request.request_id, status)
+
+    def _to_position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
+        result: PositionLogprobs = {}
+        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+            if token_id not in result:
+                result[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+        return result
+
+    @staticmethod
+    def _visible_text(params: SamplingParams, seq: _Sequence) -> str:
+        """Text safe to show: while running, hold back what could still turn into a stop string."""
+        hold = params.max_stop_str_len - 1 if params.stop and seq.finish_reason is None else 0
+        return seq.text[: len(seq.text) - hold] if hold > 0 else seq.text
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=self._visible_text(group.params, seq),
+                token_ids=list(seq.request.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in group.sequences
+        ]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+            outputs=completions,
+            finished=group.finished,
+            num_cached_tokens=group.sequences[0].request.num_cached_tokens,
+        )

@@ -1,0 +1,88 @@
+"""The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, sampling_params)``.
+
+Knows: how to feed a batch of prompts through an ``Engine`` and return outputs in input order.
+Must not know: anything the engine does not expose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from qserve.engine.engine import Engine, EngineConfig, PromptInput
+from qserve.outputs import RequestOutput
+from qserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        device: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        tokenizer: str | None = None,
+    ) -> None:
+        self.engine = Engine(
+            EngineConfig(
+                model=str(model),
+                device=device,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching,
+                seed=seed,
+                tokenizer=tokenizer,
+            )
+        )
+        self._counter = 0
+
+    def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        All requests are validated before any is queued, so a bad one raises ValueError and
+        leaves the engine as it was.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        for prompt, params in zip(prompts, params_list):
+            self.engine.validate_request(prompt, params)
+        request_ids = []
+        for prompt, params in zip(prompts, params_list):
+            request_id = f"llm-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(request_id, prompt, params)
+            request_ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        while wanted - finished.keys():
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,233 @@
+"""One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+
+Knows: the layer structure, HF parameter names and how checkpoint tensors route into fused
+layers (q/k/v -> qkv_proj, gate/up -> gate_up_proj). Must not know: checkpoint formats (the
+loader hands it tensors or ``PackedQuantWeight``), scheduling or sampling. Every forward runs
+over all of the step's tokens at once: ``[num_tokens, hidden]``, no per-request loops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qserve.config import ModelConfig
+from qserve.layers.attention import PagedAttention
+from qserve.layers.linear import Linear, LinearMethod
+from qserve.layers.norm import RMSNorm
+from qserve.layers.rotary import RotaryEmbedding
+from qserve.runner.attn_metadata import AttentionMetadata
+from quant_kernels.layout import PackedQuantWeight
+
+logger = logging.getLogger(__name__)
+
+# Given the HF names of a layer's shards, return how that layer stores and multiplies weights.
+LinearMethodFactory = Callable[[list[str]], LinearMethod]
+
+# HF sub-module name -> (qserve fused module name, shard id)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, prefix: str, dtype: torch.dtype, make_method: LinearMethodFactory) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            [q_size, kv_size, kv_size],
+            bias=config.qkv_bias,
+            params_dtype=dtype,
+            method=make_method([f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"]),
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = Linear(
+            q_size,
+            [config.hidden_size],
+            bias=config.o_bias,
+            params_dtype=dtype,
+            method=make_method([f"{prefix}.o_proj"]),
+            prefix=f"{prefix}.o_proj",
+        )
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.sliding_window)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # int64 [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (H + 2 * Hkv) * D]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        query = query.reshape(num_tokens, self.num_heads, self.head_dim)
+        key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = rotary(positions, query, key)
+        out = self.attn(query, key, value, kv_cache, metadata)  # [num_tokens, H, D]
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, prefix: str, dtype: torch.dtype, make_method: LinearMethodFactory) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            [config.intermediate_size, config.intermediate_size],
+            bias=False,
+            params_dtype=dtype,
+            method=make_method([f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = Linear(
+            config.intermediate_size,
+            [config.hidden_size],
+            bias=False,
+            params_dtype=dtype,
+            method=make_method([f"{prefix}.down_proj"]),
+            prefix=f"{prefix}.down_proj",
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, prefix: str, dtype: torch.dtype, make_method: LinearMethodFactory) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, f"{prefix}.self_attn", dtype, make_method)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, f"{prefix}.mlp", dtype, make_method)
+
+    def forward(self, positions, hidden, rotary, kv_cache, metadata):  # noqa: ANN001 - see Attention.forward
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    """The decoder plus its LM head. Parameter names follow HF (``model.layers.0...``)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, make_method: LinearMethodFactory) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.model.embed_tokens.weight.requires_grad_(False)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(config, f"model.layers.{i}", dtype, make_method) for i in range(config.num_layers)
+        )
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(
+                config.hidden_size,
+                [config.vocab_size],
+                bias=False,
+                params_dtype=dtype,
+                method=make_method(["lm_head"]),
+                prefix="lm_head",
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [num_tokens]
+        positions: torch.Tensor,  # int64 [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (key, value) pair per layer
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(positions, hidden, self.rotary, kv_cache, metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> float32 [R, vocab]
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    # ------------------------------------------------------------------------------------------
+    # Weight loading
+    # ------------------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedQuantWeight]]) -> None:
+        """Route checkpoint tensors (HF names) into this model; every weight must arrive.
+
+        Dense tensors come as ``(param_name, tensor)``; quantized linears as
+        ``(module_prefix, PackedQuantWeight)``.
+        """
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
+        loaded_shards: dict[str, set[int]] = {name: set() for name in linears}
+        plain_params = {
+            name for name, _ in self.named_parameters() if not any(name.startswith(f"{lin}.") for lin in linears)
+        }
+        loaded_params: set[str] = set()
+        for name, value in weights:
+            if "rotary_emb" in name:
+                continue
+            if isinstance(value, PackedQuantWeight):
+                module_path, leaf = name, "weight"
+            else:
+                module_path, _, leaf = name.rpartition(".")
+            parent, _, sub = module_path.rpartition(".")
+            if sub in _FUSED_SHARDS:
+                layer_name, shard_id = f"{parent}.{_FUSED_SHARDS[sub][0]}", _FUSED_SHARDS[sub][1]
+            else:
+                layer_name, shard_id = module_path, 0
+            if layer_name in linears and leaf in ("weight", "bias"):
+                if leaf == "weight":
+                    linears[layer_name].load_weight(shard_id, value)
+                    loaded_shards[layer_name].add(shard_id)
+                else:
+                    linears[layer_name].load_bias(shard_id, value)
+            elif name in plain_params:
+                param = self.get_parameter(name)
+                if tuple(param.shape) != tuple(value.shape):
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(value.shape)} disagrees with the config's {tuple(param.shape)}"
+                    )
+                param.data.copy_(value)
+                loaded_params.add(name)
+            elif name.startswith("lm_head") and self.lm_head is None:
+                continue  # tied embeddings: the checkpoint's copy of lm_head is redundant
+            else:
+                logger.warning("ignoring checkpoint tensor %s (not used by %s)", name, self.config.architecture)
+        missing = sorted(plain_params - loaded_params)
+        for layer_name, layer in linears.items():
+            missing += [
+                f"{layer_name} shard {i}" for i in range(len(layer.output_sizes)) if i not in loaded_shards[layer_name]
+            ]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing tensors: {shown}")
+        for layer in linears.values():
+            layer.process_after_loading()

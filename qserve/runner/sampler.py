@@ -1,0 +1,330 @@
+"""Turn one step's logits into next tokens (and logprobs), vectorized over the batch.
+
+Knows: the math of vLLM's sampling (penalties, min_tokens masking, greedy, temperature,
+top-k, top-p, min-p, per-request seeds) and "raw" logprobs. Must not know: the scheduler,
+requests, the model or the tokenizer. Inputs are plain lists (built once per step into a
+``SamplingMetadata``) and a logits tensor; outputs are plain Python lists.
+
+Order of operations (as vLLM):
+  1. logprobs: ``log_softmax`` of the ORIGINAL logits (vLLM's default "raw_logprobs").
+  2. penalties: repetition over prompt+output tokens (positive logits divided, negative
+     multiplied), then frequency (x count) and presence (x seen) over OUTPUT tokens.
+  3. min_tokens: eos (unless ignore_eos) and stop_token_ids get -inf while
+     ``len(output) < min_tokens``.
+  4. greedy rows (temperature < 1e-5): argmax.
+  5. random rows: / temperature, top-k, top-p, min-p, softmax, then the exponential race
+     ``argmax(probs / q)`` with ``q ~ Exp(1)``: a sample from ``probs``.
+
+Determinism: a row with ``seed`` draws its noise from a generator seeded with a hash of
+(seed, output index), so its token depends only on (seed, index, its logits) and never on
+the rest of the batch. Unseeded rows share the Sampler's own generator (no global RNG).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from qserve.sampling_params import SAMPLING_EPS, SamplingParams
+from qserve.scheduler.output import TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-step, per-row sampling inputs as tensors on the logits' device. R = number of rows."""
+
+    vocab_size: int
+    temperature: torch.Tensor  # [R] float32; 1.0 on greedy rows (they take argmax instead)
+    is_greedy: torch.Tensor  # [R] bool
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # [R] int64, vocab_size where off; None when no row uses it
+    top_p: torch.Tensor | None  # [R] float32, 1.0 where off; None when no row uses it
+    min_p: torch.Tensor | None  # [R] float32, 0.0 where off; None when no row uses it
+    # Penalties (None when no row has any).
+    presence_penalties: torch.Tensor | None  # [R] float32
+    frequency_penalties: torch.Tensor | None  # [R] float32
+    repetition_penalties: torch.Tensor | None  # [R] float32
+    prompt_token_ids: torch.Tensor | None  # [R, max_prompt_len] int64, padded with vocab_size
+    output_token_ids: torch.Tensor | None  # [R, max_output_len] int64, padded with vocab_size
+    # min_tokens masking: logits[min_tokens_rows[i], min_tokens_token_ids[i]] = -inf.
+    min_tokens_rows: torch.Tensor | None  # [M] int64
+    min_tokens_token_ids: torch.Tensor | None  # [M] int64
+    # Per-request seeds: seeds[r] is None for unseeded rows; output_indices[r] = len(output).
+    seeds: list[int | None]
+    output_indices: list[int]
+    # Logprobs: per-row k (None = not requested) and the largest k (None when no row asks).
+    num_logprobs: list[int | None]
+    max_num_logprobs: int | None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seeds)
+
+
+def build_sampling_metadata(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_ids: Sequence[int],
+    vocab_size: int,
+    device: torch.device | str,
+) -> SamplingMetadata:
+    """Gather the rows' sampling parameters into tensors.
+
+    ``eos_token_ids`` are the MODEL's end-of-sequence ids (one or several, e.g. from
+    ``generation_config.json``), shared by all rows. ``output_token_ids[r]`` are the tokens
+    generated so far for row r (the token sampled now gets index ``len(output_token_ids[r])``).
+    """
+    num_rows = len(params)
+    assert len(prompt_token_ids) == num_rows and len(output_token_ids) == num_rows
+    device = torch.device(device)
+
+    greedy = [p.temperature < SAMPLING_EPS for p in params]
+    temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+    f32 = {"dtype": torch.float32, "device": device}
+
+    top_k = top_p = min_p = None
+    if any(p.top_k > 0 for p in params):
+        top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], device=device)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], **f32)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], **f32)
+
+    presence = frequency = repetition = prompt_ids = output_ids = None
+    if any(p.has_penalties for p in params):
+        presence = torch.tensor([p.presence_penalty for p in params], **f32)
+        frequency = torch.tensor([p.frequency_penalty for p in params], **f32)
+        repetition = torch.tensor([p.repetition_penalty for p in params], **f32)
+        prompt_ids = _pad(prompt_token_ids, vocab_size, device)
+        output_ids = _pad(output_token_ids, vocab_size, device)
+
+    mt_rows: list[int] = []
+    mt_ids: list[int] = []
+    for row, (p, out) in enumerate(zip(params, output_token_ids)):
+        if len(out) < p.min_tokens:
+            blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            ids = sorted(t for t in blocked if 0 <= t < vocab_size)
+            mt_rows.extend([row] * len(ids))
+            mt_ids.extend(ids)
+    min_tokens_rows = min_tokens_ids = None
+    if mt_rows:
+        min_tokens_rows = torch.tensor(mt_rows, dtype=torch.int64, device=device)
+        min_tokens_ids = torch.tensor(mt_ids, dtype=torch.int64, device=device)
+
+    num_logprobs = [p.logprobs for p in params]
+    requested = [k for k in num_logprobs if k is not None]
+    return SamplingMetadata(
+        vocab_size=vocab_size,
+        temperature=torch.tensor(temperature, **f32),
+        is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        all_greedy=all(greedy),
+        all_random=not any(greedy),
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        presence_penalties=presence,
+        frequency_penalties=frequency,
+        repetition_penalties=repetition,
+        prompt_token_ids=prompt_ids,
+        output_token_ids=output_ids,
+        min_tokens_rows=min_tokens_rows,
+        min_tokens_token_ids=min_tokens_ids,
+        seeds=[p.seed for p in params],
+        output_indices=[len(out) for out in output_token_ids],
+        num_logprobs=num_logprobs,
+        max_num_logprobs=max(requested) if requested else None,
+    )
+
+
+def _pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    padded = [list(r) + [pad_id] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(rows), width)  # [R, width]
+
+
+class Sampler:
+    """Callable: ``sampled, logprobs = Sampler(seed)(logits, metadata)``.
+
+    Owns one torch.Generator per device for unseeded rows, seeded from ``seed`` (the
+    engine's seed), so runs are reproducible without touching torch's global RNG.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._batch_generators: dict[torch.device, torch.Generator] = {}
+        self._row_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        return self.forward(logits, metadata)
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[list[int], list[TokenLogprobs | None]]:
+        # logits: [R, V]
+        assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows, (logits.shape, metadata.num_rows)
+        assert logits.shape[1] == metadata.vocab_size, (logits.shape, metadata.vocab_size)
+        original = logits.float()  # [R, V]
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(original, dim=-1)  # [R, V]
+
+        logits = original.clone()  # [R, V]; never modify the caller's tensor
+        if metadata.repetition_penalties is not None:
+            logits = apply_penalties(logits, metadata)
+        if metadata.min_tokens_rows is not None:
+            logits.index_put_(
+                (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
+                torch.tensor(float("-inf"), device=logits.device),
+            )
+
+        if metadata.all_greedy:
+            sampled = logits.argmax(dim=-1)  # [R]
+        else:
+            random_sampled = self._sample_random(logits, metadata)  # [R]
+            if metadata.all_random:
+                sampled = random_sampled
+            else:
+                sampled = torch.where(metadata.is_greedy, logits.argmax(dim=-1), random_sampled)
+
+        logprobs: list[TokenLogprobs | None] = [None] * metadata.num_rows
+        if raw_logprobs is not None:
+            rows = [r for r, n in enumerate(metadata.num_logprobs) if n is not None]
+            if len(rows) < metadata.num_rows:
+                index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [L]
+                raw_logprobs, chosen = raw_logprobs[index], sampled[index]  # [L, V], [L]
+            else:
+                chosen = sampled
+            gathered = gather_logprobs(raw_logprobs, chosen, metadata.max_num_logprobs or 0)
+            for r, full in zip(rows, gathered):
+                n = (metadata.num_logprobs[r] or 0) + 1  # chosen + its own top-k
+                logprobs[r] = TokenLogprobs(full.token_ids[:n], full.logprobs[:n], full.ranks[:n])
+        return sampled.tolist(), logprobs
+
+    # ------------------------------------------------------------------ internals
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        logits = logits / md.temperature.unsqueeze(1)  # [R, V]
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        probs = torch.softmax(logits, dim=-1)  # [R, V]
+        noise = self._exponential_noise(probs, md)  # [R, V]
+        return probs.div_(noise).argmax(dim=-1)  # [R]
+
+    def _exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        noise = torch.empty_like(probs)  # [R, V]
+        device = probs.device
+        if any(s is None for s in md.seeds):
+            noise.exponential_(generator=self._batch_generator(device))
+        seeded = [(r, s) for r, s in enumerate(md.seeds) if s is not None]
+        if seeded:
+            gen = self._row_generators.get(device)
+            if gen is None:
+                gen = self._row_generators[device] = torch.Generator(device=device)
+            for row, seed in seeded:  # the only per-row loop: one generator state per request
+                gen.manual_seed(row_seed(seed, md.output_indices[row]))
+                noise[row].exponential_(generator=gen)
+        return noise
+
+    def _batch_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._batch_generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed & _MASK64)
+            self._batch_generators[device] = gen
+        return gen
+
+
+def row_seed(seed: int, index: int) -> int:
+    """A 63-bit generator seed from (request seed, output index): splitmix64 of both."""
+    x = ((seed & _MASK64) ^ (((index + 1) * 0x9E3779B97F4A7C15) & _MASK64)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output), frequency and presence (output) penalties; returns new logits."""
+    assert md.prompt_token_ids is not None and md.output_token_ids is not None
+    assert md.presence_penalties is not None and md.frequency_penalties is not None
+    assert md.repetition_penalties is not None
+    num_rows, vocab = logits.shape
+    # Pad id == vocab: scatter into one extra column, then drop it.
+    output_counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)  # [R, V+1]
+    output_counts.scatter_add_(1, md.output_token_ids, torch.ones_like(md.output_token_ids, dtype=logits.dtype))
+    output_counts = output_counts[:, :vocab]  # [R, V]
+    prompt_mask = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)  # [R, V+1]
+    prompt_mask.scatter_(1, md.prompt_token_ids, True)
+    output_mask = output_counts > 0  # [R, V]
+    seen = prompt_mask[:, :vocab] | output_mask  # [R, V]
+
+    rep = torch.where(seen, md.repetition_penalties.unsqueeze(1), 1.0)  # [R, V]
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - md.frequency_penalties.unsqueeze(1) * output_counts
+    logits = logits - md.presence_penalties.unsqueeze(1) * output_mask.to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep the k largest logits (ties at the k-th kept) and the smallest nucleus with mass >= p."""
+    vocab = logits.shape[1]
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)  # [R, V] ascending
+    if top_k is not None:
+        kth_pos = (vocab - top_k).clamp(min=0, max=vocab - 1).unsqueeze(1)  # [R, 1]
+        kth_value = logits_sort.gather(1, kth_pos)  # [R, 1]
+        logits_sort.masked_fill_(logits_sort < kth_value, float("-inf"))
+    if top_p is not None:
+        probs_sort = logits_sort.softmax(dim=-1)  # [R, V]
+        cum = probs_sort.cumsum(dim=-1)  # [R, V] ascending mass
+        drop = cum <= (1.0 - top_p).unsqueeze(1)  # [R, V]
+        drop[:, -1] = False  # always keep the most likely token
+        logits_sort.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, logits_idx, logits_sort)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` x the top token's probability."""
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [R, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Entry 0: ``token_ids[r]`` with its logprob and 1-based rank; then the top-k of row r.
+
+    logprobs: [N, V] normalized log-probabilities; token_ids: [N] int64.
+    """
+    token_ids = token_ids.to(torch.int64)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [N]
+    ids = token_ids.unsqueeze(1)  # [N, 1]
+    values = chosen
+    if k > 0:
+        top_values, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)  # [N, k]
+        ids = torch.cat([ids, top_ids], dim=1)  # [N, 1 + k]
+        values = torch.cat([values, top_values], dim=1)  # [N, 1 + k]
+    ids_list = ids.tolist()
+    values_list = values.tolist()
+    ranks_list = ranks.tolist()
+    num_top = ids.shape[1] - 1
+    top_ranks = list(range(1, num_top + 1))
+    return [
+        TokenLogprobs(token_ids=i, logprobs=v, ranks=[r, *top_ranks])
+        for i, v, r in zip(ids_list, values_list, ranks_list)
+    ]
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Logprobs of the actual next prompt tokens. logits: [T, V]; target_token_ids: [T].
+
+    Entry 0 of each result is the target token (``k == 0`` gives only that), then the top-k.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
+    return gather_logprobs(logprobs, target_token_ids, k)

@@ -1,0 +1,72 @@
+"""The only messages that cross between the scheduler and the model runner.
+
+Knows: plain data describing one step's work (``SchedulerOutput``) and its result
+(``RunnerOutput``). Must not know: torch. Lists are shared references to the request's own
+lists (no copies on the hot path); the runner must treat them as read-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    """One request's share of a step: compute ``num_new_tokens`` tokens from ``start_position``."""
+
+    request_id: str
+    start_position: int  # == num_computed_tokens before this step
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table (covers start_position + num_new_tokens)
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: Any  # SamplingParams
+    sample: bool  # this chunk reaches the last known token: sample the next one
+
+    def input_token_ids(self) -> list[int]:
+        """The token ids at positions [start_position, start_position + num_new_tokens)."""
+        end = self.start_position + self.num_new_tokens
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[self.start_position : end]
+        head = self.prompt_token_ids[self.start_position : num_prompt] if self.start_position < num_prompt else []
+        out_start = max(self.start_position - num_prompt, 0)
+        return head + self.output_token_ids[out_start : end - num_prompt]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    sequences: list[ScheduledSequence]
+    num_batched_tokens: int
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that finished since the previous step (finish_request / abort_request, or the
+    # scheduler itself, below): the runner drops any per-request state it keeps for them.
+    finished_request_ids: list[str] = field(default_factory=list)
+    # Requests the scheduler finished itself (status FINISHED_LENGTH) because the KV pool can
+    # never hold their next token; the engine emits their final output.
+    capacity_finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprobs at one position: entry 0 is the chosen (or actual) token, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # 1-based rank of each token in the distribution
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    # request_id -> sampled token, for sequences scheduled with sample=True
+    sampled_token_ids: dict[str, int]
+    # request_id -> logprobs of the sampled token (only when SamplingParams.logprobs is set)
+    logprobs: dict[str, TokenLogprobs]
+    # request_id -> one entry per prompt position computed this step whose next token is a
+    # prompt token (only when SamplingParams.prompt_logprobs is set)
+    prompt_logprobs: dict[str, list[TokenLogprobs]]

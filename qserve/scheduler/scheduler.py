@@ -1,0 +1,236 @@
+"""Continuous batching for one model, in the manner of vLLM v1.
+
+Each ``schedule()`` picks the work of one step under a token budget (``max_num_batched_tokens``)
+and a sequence cap (``max_num_seqs``): first the RUNNING requests in FCFS (arrival) order —
+a decode takes 1 token, a prompt still being prefilled takes its next chunk (chunked
+prefill) — then WAITING requests in FCFS order, using prefix-cache hits, while budget, seats
+and pages last. When pages run out for a running request, the newest running request is
+preempted by recompute (its pages are freed; it goes back to the FRONT of the waiting queue
+and later recomputes its prompt and the outputs it had so far).
+
+Knows: requests' token counters and statuses, the waiting / running queues, this model's
+``KVCacheManager``. Must not know: torch, tensors, text, stop conditions (the engine decides
+when a request is finished and calls ``finish_request``), other models' queues.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+
+from qserve.request import Request, RequestStatus
+from qserve.scheduler.kv_cache_manager import KVCacheManager
+from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _arrival(request: Request) -> int:
+    return request.arrival_index
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or max_model_len <= 0:
+            raise ValueError(
+                "max_num_seqs, max_num_batched_tokens and max_model_len must be positive, got "
+                f"{max_num_seqs}, {max_num_batched_tokens}, {max_model_len}"
+            )
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests re-enter at the front
+        self.running: list[Request] = []  # sorted by arrival_index: the newest is last
+        self._finished_ids: list[str] = []  # finished since the last schedule()
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # ---------------------------------------------------------------- lifecycle
+    def add_request(self, request: Request) -> None:
+        num_prompt = request.num_prompt_tokens
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already in the scheduler")
+        if num_prompt == 0:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if num_prompt > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {num_prompt} tokens exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        kv = self.kv_cache_manager
+        if kv.num_blocks_for(request.num_tokens) > kv.max_num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {num_prompt} tokens can never fit in the KV "
+                f"cache, which holds at most {kv.max_num_tokens} tokens ({kv.max_num_blocks} blocks of "
+                f"{kv.block_size}) for this model"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish a request (the engine decided: stop / length / abort); its pages are freed now.
+
+        Returns the request, or None if the scheduler does not know it (already finished).
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_request: {status} is not a finished status")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = status
+        self._finished_ids.append(request_id)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        sequences: list[ScheduledSequence] = []
+        preempted_ids: list[str] = []
+        capacity_finished_ids: list[str] = []
+
+        # 1. RUNNING requests, FCFS.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            if kv.num_blocks_for(request.num_tokens) > kv.max_num_blocks:
+                self._finish_for_capacity(request)
+                capacity_finished_ids.append(request.request_id)
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (no token was sampled for it); leave it be
+                index += 1
+                continue
+            scheduled = True
+            while not kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # the newest: running is sorted by arrival
+                self._preempt(victim)
+                preempted_ids.append(victim.request_id)
+                if victim is request:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            sequences.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # 2. WAITING requests, strict FCFS. Not in a step that had to preempt: pages are short.
+        if not preempted_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                if kv.num_blocks_for(request.num_tokens) > kv.max_num_blocks:
+                    self._finish_for_capacity(request)
+                    capacity_finished_ids.append(request.request_id)
+                    continue
+                assert request.num_computed_tokens == 0, "a waiting request holds no KV"
+                computed_blocks, num_computed = kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_computed, budget)
+                if not kv.allocate_slots(request, num_new, computed_blocks):
+                    break  # no skipping ahead: later requests wait for this one
+                self.waiting.popleft()
+                request.num_computed_tokens = num_computed
+                request.num_cached_tokens = num_computed
+                request.status = RequestStatus.RUNNING
+                bisect.insort(self.running, request, key=_arrival)
+                sequences.append(self._scheduled(request, num_new))
+                budget -= num_new
+
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            sequences=sequences,
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            preempted_request_ids=preempted_ids,
+            finished_request_ids=finished_ids,
+            capacity_finished_request_ids=capacity_finished_ids,
+        )
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
+        """Advance every scheduled sequence, append sampled tokens, cache newly full blocks.
+
+        Returns the requests that received a new token this step (the engine checks their
+        stop conditions and calls ``finish_request``). Sequences finished or aborted since
+        ``schedule()`` are skipped.
+        """
+        kv = self.kv_cache_manager
+        sampled = runner_output.sampled_token_ids
+        with_new_token: list[Request] = []
+        for seq in scheduler_output.sequences:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += seq.num_new_tokens
+            if seq.sample:
+                token_id = sampled.get(seq.request_id)
+                if token_id is not None:
+                    request.output_token_ids.append(token_id)
+                    with_new_token.append(request)
+            kv.cache_full_blocks(request)
+        return with_new_token
+
+    # ---------------------------------------------------------------- helpers
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        return ScheduledSequence(
+            request_id=request.request_id,
+            start_position=start,
+            num_new_tokens=num_new,
+            block_ids=self.kv_cache_manager.block_table(request.request_id),
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            sampling_params=request.sampling_params,
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: drop its KV and put it back in the waiting queue (FCFS position)."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        # Front of the queue, but behind any older waiting request (keeps FCFS by arrival).
+        position = 0
+        while position < len(self.waiting) and self.waiting[position].arrival_index < request.arrival_index:
+            position += 1
+        self.waiting.insert(position, request)
+        logger.debug("preempted request %s (preemption #%d)", request.request_id, request.num_preemptions)
+
+    def _finish_for_capacity(self, request: Request) -> None:
+        logger.warning(
+            "request %s: %d tokens no longer fit in the KV cache (at most %d for this model); finishing it",
+            request.request_id,
+            request.num_tokens,
+            self.kv_cache_manager.max_num_tokens,
+        )
+        self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)

@@ -1,0 +1,88 @@
+"""Device dispatch for the quantized-linear op: Triton kernels on CUDA, the reference elsewhere.
+
+Knows: which implementation serves which device, and the one-time preparation of a weight for
+it (``prepare_w4a16``: the kernel layout is produced here once at load, never per call). Must
+not know: models or checkpoint formats. Triton stays an optional, lazy import: this module
+imports on a machine without triton, and only the CUDA branch touches it.
+
+The Triton kernels read the canonical layout as is (int32 words packed along K, N contiguous:
+16-byte coalesced loads along N), so preparation on CUDA adds only the split-K arrival
+counters; ``quant_kernels.repack`` is not needed for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from quant_kernels import reference
+from quant_kernels.layout import PackedQuantWeight
+
+
+@dataclass
+class W4A16Prepared:
+    """A weight ready for the Triton kernels: the canonical tensors plus per-weight scratch.
+
+    ``counters`` (int32, zeros) are the split-K arrival counters: each split-K launch leaves them
+    at zero again, so they are allocated once here and never reset per call.
+    """
+
+    weight: PackedQuantWeight
+    counters: torch.Tensor  # int32 [num_split_counters(N)]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.out_features
+
+
+def _triton_usable(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def prepare_w4a16(weight: PackedQuantWeight) -> Any:
+    """Turn a canonical weight (already on its device) into what ``w4a16_linear`` consumes.
+
+    On CUDA with triton available: a ``W4A16Prepared``; elsewhere the weight itself.
+    """
+    if not _triton_usable(weight.qweight.device):
+        return weight
+    from quant_kernels import w4a16_triton
+
+    counters = torch.zeros(
+        w4a16_triton.num_split_counters(weight.out_features), dtype=torch.int32, device=weight.qweight.device
+    )  # [num_split_counters(N)]
+    return W4A16Prepared(weight=weight, counters=counters)
+
+
+def w4a16_linear(x: torch.Tensor, prepared: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x: [..., K] -> [..., N]`` from a weight made by ``prepare_w4a16``."""
+    if isinstance(prepared, W4A16Prepared) and x.is_cuda:
+        from quant_kernels.w4a16_triton import w4a16_gemm
+
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        out = w4a16_gemm(x2, prepared.weight, bias, counters=prepared.counters)  # [M, N]
+        return out.reshape(*lead, out.shape[-1])
+    weight = prepared.weight if isinstance(prepared, W4A16Prepared) else prepared
+    return reference.w4a16_matmul(x, weight, bias)
+
+
+def warmup_w4a16(prepared: Any, dtype: torch.dtype, ms: list[int]) -> None:
+    """Compile the kernels each M will use (call before CUDA-graph capture). No-op off CUDA."""
+    if not isinstance(prepared, W4A16Prepared):
+        return
+    for m in ms:
+        x = torch.randn((m, prepared.in_features), dtype=dtype, device=prepared.weight.qweight.device)  # [M, K]
+        w4a16_linear(x, prepared)

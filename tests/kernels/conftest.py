@@ -1,0 +1,38 @@
+"""Kernel-test setup: on a machine without CUDA, run Triton kernels through the interpreter.
+
+TRITON_INTERPRET must be set before any ``@triton.jit`` function is defined, i.e. before
+``quant_kernels.w4a16_triton`` is imported; pytest loads this file before the test modules.
+
+Triton 3.6's interpreter turns a scalar into a Python int with ``int(array_of_shape_(1,))``,
+which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted"), so every loop with
+a run-time bound fails there. ``_fix_interpreter_index`` re-registers ``__index__`` to read the
+single element instead; it touches nothing outside interpreter runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _fix_interpreter_index() -> None:
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_qserve_fixed", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._qserve_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    _fix_interpreter_index()
