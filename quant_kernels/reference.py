@@ -67,9 +67,12 @@ def store_kv(
     slot_mapping: torch.Tensor,  # int64 [num_tokens]
 ) -> None:
     """Write new keys and values into their cache slots."""
-    num_blocks, block_size = key_cache.shape[:2]
-    key_cache.view(num_blocks * block_size, *key_cache.shape[2:])[slot_mapping] = key.to(key_cache.dtype)
-    value_cache.view(num_blocks * block_size, *value_cache.shape[2:])[slot_mapping] = value.to(value_cache.dtype)
+    block_size = key_cache.shape[1]
+    # Index by (block, offset) rather than flattening, so caches that are strided views into a
+    # shared page buffer work too.
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
 def paged_attention(

@@ -34,6 +34,7 @@ allocation-dependent decisions, so calls are safe to capture in a CUDA graph onc
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,9 @@ import triton
 import triton.language as tl
 
 from quant_kernels.layout import PackedQuantWeight, pack_factor
+
+# Under TRITON_INTERPRET=1 (CPU tests) bf16 tl.dot gives garbage in Triton 3.6's interpreter.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
@@ -56,12 +60,13 @@ def w4a16_gemm_kernel(
     perm_ptr,  # int64 [K] (unused when not HAS_PERM)
     bias_ptr,  # [N] (unused when not HAS_BIAS)
     out_ptr,  # [M, N] x dtype
-    ws_ptr,  # fp32 [SPLIT_K, M, N] split-K partials (unused when SPLIT_K == 1)
-    cnt_ptr,  # int32 [>= num tiles] zero-initialised arrival counters (unused when SPLIT_K == 1)
+    ws_ptr,  # fp32 [split_k, M, N] split-K partials (unused when not USE_SPLIT)
+    cnt_ptr,  # int32 [>= num tiles] zero-initialised arrival counters (unused when not USE_SPLIT)
     M,
     N,
     K,
     group_size,
+    split_k,
     stride_xm,
     stride_xk,
     stride_qk,
@@ -84,7 +89,8 @@ def w4a16_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     PF: tl.constexpr = 32 // BITS
     BLOCK_KW: tl.constexpr = BLOCK_K // PF  # int32 word rows per K-tile
@@ -92,6 +98,10 @@ def w4a16_gemm_kernel(
     MAGIC: tl.constexpr = 0x4B000000  # fp32 bits of 2**23
     SYM_ZERO: tl.constexpr = 8388608.0 + (1 << (BITS - 1))  # 2**23 + implicit zero
     dtype = x_ptr.dtype.element_ty
+    if DOT_F32:  # interpreter only: its bf16 tl.dot is wrong, so dot operands go as fp32 there
+        dot_dtype = tl.float32
+    else:
+        dot_dtype = dtype
 
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -102,7 +112,7 @@ def w4a16_gemm_kernel(
     mask_n = offs_n < N
     num_kw = K // PF
     num_k_tiles = (K + BLOCK_K - 1) // BLOCK_K
-    tiles_per_split = (num_k_tiles + SPLIT_K - 1) // SPLIT_K
+    tiles_per_split = (num_k_tiles + split_k - 1) // split_k
     kt_start = pid_k * tiles_per_split
     kt_end = tl.minimum(kt_start + tiles_per_split, num_k_tiles)
 
@@ -159,14 +169,15 @@ def w4a16_gemm_kernel(
             x_mask = mask_m[:, None] & mask_kw[None, :]
             xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_src[None, :] * stride_xk, mask=x_mask, other=0.0)
             if USE_DOT:
+                xj = xj.to(dot_dtype)
                 if SCALE_PER_TILE:
-                    b = qz.to(dtype)  # small exact integers
+                    b = qz.to(dot_dtype)  # small exact integers
                     if SWAP_AB:
                         part = tl.dot(tl.trans(b), tl.trans(xj), part)
                     else:
                         part = tl.dot(xj, b, part)
                 else:
-                    b = (qz * s).to(dtype)
+                    b = (qz * s).to(dtype).to(dot_dtype)
                     if SWAP_AB:
                         acc = tl.dot(tl.trans(b), tl.trans(xj), acc)
                     else:
@@ -191,7 +202,7 @@ def w4a16_gemm_kernel(
 
     mask_mn = mask_m[:, None] & mask_n[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if SPLIT_K == 1:
+    if not USE_SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(dtype), mask=mask_mn)
@@ -201,9 +212,9 @@ def w4a16_gemm_kernel(
         tl.debug_barrier()  # every thread's partial is written before the release below
         tile_id = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # last program of this tile: reduce, add bias, write, reset
+        if arrived == split_k - 1:  # last program of this tile: reduce, add bias, write, reset
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sk in tl.static_range(SPLIT_K):
+            for sk in range(0, split_k):
                 total += tl.load(ws_tile + sk * stride_wsk, mask=mask_mn, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -286,9 +297,7 @@ class W4A16Config:
         if self.kind == "dequant":
             return "dequant+mm"
         mode = ("dotT" if self.swap_ab else "dot") if self.use_dot else "fma"
-        return (
-            f"{mode} m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}"
-        )
+        return f"{mode} m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}"
 
 
 DEQUANT = W4A16Config(kind="dequant")
@@ -380,23 +389,18 @@ def candidate_configs(m: int, k: int, n: int, bits: int) -> list[W4A16Config]:
     splits = (1, 2, 4, 8)
     if m <= 4:
         block_m = triton.next_power_of_2(m)
-        for block_n in (64, 128, 256):
-            for block_k in (128, 256, 512):
-                if block_m * (block_k // pack_factor(bits)) * block_n > 32 * 32 * 128:
-                    continue
-                for split in splits:
-                    out.append(W4A16Config(False, False, block_m, block_n, block_k // block_m, split, 4, 2))
+        for block_n, block_k in ((64, 256), (64, 512), (128, 128), (128, 256), (256, 128)):
+            for split in splits:
+                out.append(W4A16Config("fused", False, False, block_m, block_n, block_k // block_m, split, 4, 2))
     if 2 <= m <= 128:
         block_m = max(16, triton.next_power_of_2(min(m, 64)))
         for swap in (False, True):
             for block_n in (64, 128):
                 for split in splits:
-                    for stages in (2, 4):
-                        out.append(W4A16Config("fused", True, swap, block_m, block_n, 128, split, 4, stages))
-    if m > 64:
+                    out.append(W4A16Config("fused", True, swap, block_m, block_n, 128, split, 4, 3))
+    if m >= 64:
         for block_m, block_n, warps in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 4)):
-            for stages in (3, 4):
-                out.append(W4A16Config("fused", True, False, block_m, block_n, 128, 1, warps, stages))
+            out.append(W4A16Config("fused", True, False, block_m, block_n, 128, 1, warps, 3))
         out.append(DEQUANT)
     uniq: list[W4A16Config] = []
     for cfg in out:
@@ -503,6 +507,7 @@ def w4a16_gemm(
         n,
         k,
         weight.group_size,
+        split,
         x.stride(0),
         x.stride(1),
         qw.stride(0),
@@ -525,7 +530,8 @@ def w4a16_gemm(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        SPLIT_K=split,
+        USE_SPLIT=split > 1,
+        DOT_F32=_INTERPRET and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -549,7 +555,7 @@ def tune_w4a16(
         best: tuple[float, W4A16Config] | None = None
         for cfg in candidate_configs(m, k, n, weight.bits):
             try:
-                t = do_bench(lambda cfg=cfg: w4a16_gemm(x, weight, None, cfg, counters), rep=rep_ms)
+                t = do_bench(lambda cfg=cfg, x=x: w4a16_gemm(x, weight, None, cfg, counters), rep=rep_ms)
             except Exception:  # a config the compiler rejects (resources) is skipped
                 continue
             if best is None or t < best[0]:

@@ -60,6 +60,9 @@ class _Sequence:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Prompt-logprob entries received since the last (re)start; a preempted sequence recomputes
+    # from position 0 and sends them again.
+    prompt_logprobs_received: int = 0
 
 
 @dataclass(eq=False)
@@ -247,14 +250,19 @@ class Engine:
         touched: dict[str, _Group] = dict(self._pending_outputs)
         self._pending_outputs.clear()
         scheduler_output = self.scheduler.schedule()
+        for request_id in scheduler_output.preempted_request_ids:
+            self._sequences[request_id][1].prompt_logprobs_received = 0
+        for request_id in scheduler_output.capacity_finished_request_ids:
+            group, sequence = self._sequences[request_id]
+            sequence.finish_reason = RequestStatus.FINISHED_LENGTH.finish_reason
+            touched[group.request_id] = group
         if not scheduler_output.is_empty:
             runner_output = self.runner.execute(scheduler_output)
             self.scheduler.update_from_output(scheduler_output, runner_output)
             for request_id, entries in runner_output.prompt_logprobs.items():
                 group, sequence = self._sequences[request_id]
-                if sequence.index == 0 and group.prompt_logprobs is not None:
-                    group.prompt_logprobs.extend(self._to_position_logprobs(e) for e in entries)
-                    touched[group.request_id] = group
+                self._on_prompt_logprobs(group, sequence, entries)
+                touched[group.request_id] = group
             for request_id, token in runner_output.sampled_token_ids.items():
                 group, sequence = self._sequences[request_id]
                 self._on_token(sequence, token, runner_output.logprobs.get(request_id))
@@ -267,6 +275,13 @@ class Engine:
                 for sequence in group.sequences:
                     self._sequences.pop(sequence.request.request_id, None)
         return outputs
+
+    def _on_prompt_logprobs(self, group: _Group, sequence: _Sequence, entries: list[TokenLogprobs]) -> None:
+        for entry in entries:
+            position = sequence.prompt_logprobs_received + 1  # entry i scores prompt token i + 1
+            sequence.prompt_logprobs_received += 1
+            if sequence.index == 0 and group.prompt_logprobs is not None and position == len(group.prompt_logprobs):
+                group.prompt_logprobs.append(self._to_position_logprobs(entry))
 
     def _on_token(self, sequence: _Sequence, token: int, token_logprobs: TokenLogprobs | None) -> None:
         request = sequence.request

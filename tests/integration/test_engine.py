@@ -202,3 +202,24 @@ def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         LLM(str(tmp_path), device="cpu")
+
+
+def test_preempted_requests_report_prompt_logprobs_once(llama_path):
+    prompts = mixed_prompts(12, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
+    roomy = LLM(llama_path, device="cpu", dtype="float32").generate(prompts, params)
+    tight_llm = LLM(llama_path, device="cpu", dtype="float32", num_kv_blocks=8)
+    tight = tight_llm.generate(prompts, params)
+    for prompt, a, b in zip(prompts, roomy, tight):
+        assert len(b.prompt_logprobs) == len(prompt["prompt_token_ids"])
+        assert [p and sorted(p) for p in a.prompt_logprobs] == [p and sorted(p) for p in b.prompt_logprobs]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert tight_llm.engine.block_pool.num_free_blocks == 8
+
+
+def test_sequence_outgrowing_the_pool_finishes_with_length(llama_path):
+    # 2 blocks = 32 tokens of KV in all: the sequence cannot grow past it and must not hang.
+    llm = LLM(llama_path, device="cpu", dtype="float32", num_kv_blocks=2, max_model_len=100)
+    out = llm.generate([{"prompt_token_ids": list(range(3, 23))}], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    assert 0 < len(out.outputs[0].token_ids) < 50

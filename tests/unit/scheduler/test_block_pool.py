@@ -112,9 +112,7 @@ def test_min_share_reserves_blocks_for_its_owner() -> None:
     assert pool.allocate(1, owner="a") == [5]
     assert pool.num_available("b") == 0  # a still has 2 reserved blocks unmet
     assert pool.allocate(2, owner="a") == [6, 7]
-    pool.free(
-        [6, 7, 5],
-    )
+    pool.free([6, 7, 5])
     assert pool.num_available("b") == 0
     assert pool.num_available("a") == 3
     pool.free([0])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from qserve.request import RequestStatus
@@ -234,3 +237,8 @@ def test_workload_runs_to_completion_and_pool_is_full_again() -> None:
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in requests)
     assert [r.num_output_tokens for r in requests] == [5 + i for i in range(8)]
     assert sched.kv_cache_manager.num_prefix_hits > 0
+
+
+def test_scheduler_package_does_not_import_torch() -> None:
+    code = "import sys, qserve.scheduler; assert 'torch' not in sys.modules, 'qserve.scheduler imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)

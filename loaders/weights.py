@@ -1,0 +1,144 @@
+"""``iter_weights(path, spec)``: stream a checkpoint as canonical weights, one module at a time.
+
+Knows: which tensors belong to one quantized Linear in each format, the layer shapes a
+Llama-family ``config.json`` implies (to refuse disagreeing tensors early), and the order in which
+to read tensors so that only one layer's raw tensors are in memory at a time. Must not know: the
+model classes (it yields HF names; the model routes them) or the device.
+
+Yields ``(module_prefix, PackedQuantWeight)`` for every quantized Linear, e.g.
+``("model.layers.0.self_attn.q_proj", packed)``, and ``(param_name, tensor)`` for everything else
+(biases, norms, embeddings, unquantized linears' ``.weight``), in their stored dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loaders import awq, compressed_tensors, gptq
+from loaders.detect import detect
+from loaders.safetensors_io import CheckpointFiles
+from loaders.spec import CheckpointSpec, is_quantizable
+from quant_kernels.layout import PackedQuantWeight
+
+CONVERTERS = {"gptq": gptq, "awq": awq, "compressed-tensors": compressed_tensors}
+_ALL_MAIN_SUFFIXES = (".qweight", ".weight_packed")
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    config_path = Path(path) / "config.json"
+    return json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+
+def expected_linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """HF Linear module name -> (in_features K, out_features N) for a Llama-family config."""
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        inter = int(config["intermediate_size"])
+        layers = int(config["num_hidden_layers"])
+        vocab = int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return {}
+    shapes: dict[str, tuple[int, int]] = {}
+    for i in range(layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        shapes[f"{attn}.q_proj"] = (hidden, heads * head_dim)
+        shapes[f"{attn}.k_proj"] = (hidden, kv_heads * head_dim)
+        shapes[f"{attn}.v_proj"] = (hidden, kv_heads * head_dim)
+        shapes[f"{attn}.o_proj"] = (heads * head_dim, hidden)
+        shapes[f"{mlp}.gate_proj"] = (hidden, inter)
+        shapes[f"{mlp}.up_proj"] = (hidden, inter)
+        shapes[f"{mlp}.down_proj"] = (inter, hidden)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head"] = (hidden, vocab)
+    return shapes
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointPlan:
+    """Which modules of a checkpoint are quantized, and which tensors each one consumes."""
+
+    files: CheckpointFiles
+    spec: CheckpointSpec
+    quantized: dict[str, str]  # module prefix -> name of its main tensor (qweight / weight_packed)
+    consumed: frozenset[str]  # tensor names read by quantized converters (not yielded as-is)
+    expected: dict[str, tuple[int, int]]  # HF Linear name -> (K, N) implied by config.json
+
+
+def plan_checkpoint(path: str | Path, spec: CheckpointSpec | None = None) -> CheckpointPlan:
+    """Open the checkpoint (headers only) and cross-check its tensors with the spec and config."""
+    spec = spec or detect(path)
+    files = CheckpointFiles(path)
+    expected = expected_linear_shapes(read_config(path))
+    names = set(files.names())
+    stored_quantized = {n.rsplit(".", 1)[0]: n for n in names if n.endswith(_ALL_MAIN_SUFFIXES)}
+    quantized: dict[str, str] = {}
+    consumed: set[str] = set()
+    for prefix, main in sorted(stored_quantized.items()):
+        if spec.method == "none":
+            raise ValueError(
+                f"{files.file_of[main]}: tensor {main!r} is quantized but {spec.source} has no quantization_config"
+            )
+        quant = spec.module_quant(prefix)
+        if quant is None:
+            why = "is not a decoder Linear or lm_head" if not is_quantizable(prefix) else "is listed as unquantized"
+            raise ValueError(
+                f"{files.file_of[main]}: tensor {main!r} is quantized but module {prefix!r} {why} according to "
+                f"{spec.source} (modules_to_not_convert / ignore / dynamic / lm_head)"
+            )
+        converter = CONVERTERS[spec.method]
+        if not main.endswith("." + converter.MAIN_SUFFIX):
+            raise ValueError(
+                f"{files.file_of[main]}: tensor {main!r} does not belong to a {spec.method} checkpoint "
+                f"(expected {prefix}.{converter.MAIN_SUFFIX}) as {spec.source} declares"
+            )
+        quantized[prefix] = main
+        consumed.update(f"{prefix}.{s}" for s in converter.SUFFIXES if f"{prefix}.{s}" in names)
+    for module, _ in expected.items():
+        quant = spec.module_quant(module)
+        if quant is not None and module not in quantized:
+            if f"{module}.weight" in names:
+                raise ValueError(
+                    f"{files.file_of[f'{module}.weight']}: module {module!r} is stored unquantized ({module}.weight) "
+                    f"but {spec.source} says it is quantized ({quant.bits}-bit)"
+                )
+            main = CONVERTERS[spec.method].MAIN_SUFFIX
+            raise ValueError(f"{files.root}: required tensor '{module}.{main}' is missing from the checkpoint")
+        if quant is None and module not in quantized and f"{module}.weight" not in names:
+            raise ValueError(f"{files.root}: required tensor '{module}.weight' is missing from the checkpoint")
+    for module, main in quantized.items():
+        if module not in expected and expected and module != "lm_head":
+            raise ValueError(f"{files.file_of[main]}: quantized module {module!r} does not exist in config.json's model")
+    return CheckpointPlan(files, spec, quantized, frozenset(consumed), expected)
+
+
+def iter_weights(
+    path: str | Path, spec: CheckpointSpec | None = None
+) -> Iterator[tuple[str, torch.Tensor | PackedQuantWeight]]:
+    """Stream every weight of the checkpoint in on-disk order (see the module docstring)."""
+    plan = plan_checkpoint(path, spec)
+    files, spec = plan.files, plan.spec
+    main_to_module = {main: module for module, main in plan.quantized.items()}
+    order = sorted(files.names(), key=lambda n: (str(files.infos[n].file), files.infos[n].begin))
+    try:
+        for name in order:
+            if name in main_to_module:
+                module = main_to_module[name]
+                quant = spec.module_quant(module)
+                assert quant is not None
+                converter = CONVERTERS[spec.method]
+                yield module, converter.convert(files, module, quant, spec, plan.expected.get(module))
+            elif name in plan.consumed:
+                continue
+            else:
+                yield name, files.get(name)
+    finally:
+        files.close()
