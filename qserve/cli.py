@@ -15,6 +15,7 @@ import sys
 SUBCOMMANDS = {
     "generate": "qserve.commands.generate",
     "inspect": "qserve.commands.inspect",
+    "plan": "qserve.commands.plan",
 }
 
 

@@ -1,23 +1,210 @@
-"""How many KV pages fit: the arithmetic that turns a memory budget into blocks.
+"""The memory planner: one budget becomes weights + activation peak + overheads + KV pages.
 
-Knows: bytes per KV block for a model and the budget rules. Must not know: the scheduler or
-the weights' contents. (The full GPU planner with a measured activation peak extends this.)
+Knows: the bytes each part of a served model takes — weights as qserve holds them (computed
+from ``config.json`` and the checkpoint's quantization metadata, no tensors read), the
+activation peak of the largest step (estimated here; the GPU runner replaces the estimate with
+a measured one), KV bytes per token per KV dtype — and how a budget given as bytes or as a
+fraction turns into KV pages. Must not know: the scheduler, weight values or kernels.
+These numbers are what ``qserve plan`` prints and what the engine logs at start-up.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from qserve.config import ModelConfig
 
-CPU_KV_BUDGET_BYTES = 1 << 30  # the CPU path is for tests and demos: 1 GiB of KV is plenty
-GPU_FREE_FRACTION = 0.85  # of the memory still free after the weights loaded
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+CPU_KV_BUDGET_BYTES = 1 << 30  # without a budget the CPU path (tests, demo) takes 1 GiB of KV
+GPU_DEFAULT_FRACTION = 0.9  # without a budget a GPU run takes this share of the card
+REPORT_CONTEXTS = (1024, 4096)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_memory_budget(text: str | int | float, device_total_bytes: int | None = None) -> int:
+    """``"24GiB"``, ``"512MB"``, ``25769803776`` or a fraction of the device such as ``"0.9"``."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        text = str(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"--gpu-memory-budget {text!r} is not understood; use bytes with a unit (24GiB, 22000MB) or a fraction (0.9)"
+        )
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if not unit and number <= 1.0:
+        if device_total_bytes is None:
+            raise ValueError(f"--gpu-memory-budget {text!r} is a fraction, but no device size is known; give bytes")
+        return int(number * device_total_bytes)
+    return int(number * _UNITS[unit])
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, model_dtype: torch.dtype) -> int:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return torch.empty((), dtype=model_dtype).element_size() if kv_cache_dtype == "auto" else 1
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
     return config.kv_bytes_per_token(torch.empty((), dtype=kv_dtype).element_size()) * block_size
+
+
+def _linear_shapes(config: ModelConfig) -> list[tuple[str, int, int]]:
+    """(HF module name, K, N) of every linear layer."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv, inter = config.num_heads * d, config.num_kv_heads * d, config.intermediate_size
+    shapes = []
+    for i in range(config.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        shapes += [(f"{attn}.q_proj", h, q), (f"{attn}.k_proj", h, kv), (f"{attn}.v_proj", h, kv)]
+        shapes += [(f"{attn}.o_proj", q, h), (f"{mlp}.gate_proj", h, inter), (f"{mlp}.up_proj", h, inter)]
+        shapes += [(f"{mlp}.down_proj", inter, h)]
+    if not config.tie_word_embeddings:
+        shapes.append(("lm_head", h, config.vocab_size))
+    return shapes
+
+
+def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype) -> int:
+    """Bytes of weights as qserve holds them (canonical packed layout for quantized linears).
+
+    ``spec`` is a ``loaders.CheckpointSpec`` (anything with ``module_quant(name)``) or None for
+    an unquantized model.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = config.vocab_size * config.hidden_size * elem  # embeddings
+    norms = config.num_layers * 2 + 1
+    total += norms * config.hidden_size * elem
+    if config.qk_norm:
+        total += config.num_layers * 2 * config.head_dim * elem
+    if config.qkv_bias:
+        total += config.num_layers * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim * elem
+    if config.o_bias:
+        total += config.num_layers * config.hidden_size * elem
+    for name, k, n in _linear_shapes(config):
+        quant = spec.module_quant(name) if spec is not None else None
+        if quant is None:
+            total += k * n * elem
+            continue
+        group = k if quant.group_size in (-1, None) else quant.group_size
+        num_groups = math.ceil(k / group)
+        total += k * n * quant.bits // 8  # packed codes
+        total += num_groups * n * elem  # scales (held in the activation dtype)
+        if not quant.sym:
+            total += num_groups * n  # uint8 zero points
+        if quant.desc_act:
+            total += k * 8  # int64 act-order permutation
+    return total
+
+
+def activation_bytes_estimate(config: ModelConfig, num_batched_tokens: int, num_seqs: int, dtype: torch.dtype) -> int:
+    """Upper estimate of the transient memory of the largest step (before measuring it).
+
+    The widest tensors of one decoder layer live at once (hidden, qkv, attention output,
+    gate_up and its activation), plus float32 logits and sampler temporaries for every sequence.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    d = config.head_dim
+    per_token = (
+        3 * config.hidden_size
+        + (config.num_heads + 2 * config.num_kv_heads) * d
+        + config.num_heads * d
+        + 3 * config.intermediate_size
+    )
+    layer_peak = num_batched_tokens * per_token * elem
+    sampler = num_seqs * config.vocab_size * 4 * 4  # logits + softmax + sort buffers, float32
+    return layer_peak + sampler
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    budget_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    overhead_bytes: int  # CUDA-graph pools, sampler buffers, allocator slack
+    kv_cache_bytes: int
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    block_size: int
+    num_kv_blocks: int
+    kv_tokens: int
+    max_model_len: int
+    max_concurrent_sequences: int  # at max_model_len
+    concurrent_sequences_at: dict[int, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        gib = 2**30
+        lines = [
+            f"budget            {self.budget_bytes / gib:8.2f} GiB",
+            f"weights           {self.weights_bytes / gib:8.2f} GiB",
+            f"activation peak   {self.activation_bytes / gib:8.2f} GiB",
+            f"overheads         {self.overhead_bytes / gib:8.2f} GiB",
+            f"KV cache          {self.kv_cache_bytes / gib:8.2f} GiB  ({self.kv_cache_dtype}, "
+            f"{self.kv_bytes_per_token / 1024:.1f} KiB/token)",
+            f"KV pages          {self.num_kv_blocks} x {self.block_size} tokens = {self.kv_tokens} tokens",
+            f"max concurrent sequences at max_model_len={self.max_model_len}: {self.max_concurrent_sequences}",
+        ]
+        lines += [f"max concurrent sequences at {ctx} tokens: {n}" for ctx, n in self.concurrent_sequences_at.items()]
+        return "\n".join(lines)
+
+
+def make_plan(
+    config: ModelConfig,
+    *,
+    weights_bytes: int,
+    budget_bytes: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 256,
+    activation_bytes: int | None = None,
+    overhead_bytes: int | None = None,
+) -> MemoryPlan:
+    """KV pages = budget - weights - activation peak - overheads. Refuses a budget that cannot
+    hold one request at ``max_model_len`` and names the largest context that fits."""
+    max_model_len = max_model_len or config.max_position_embeddings
+    if activation_bytes is None:
+        activation_bytes = activation_bytes_estimate(config, max_num_batched_tokens, max_num_seqs, dtype)
+    if overhead_bytes is None:
+        # CUDA-graph pools hold the decode activations of the largest captured batch.
+        overhead_bytes = activation_bytes_estimate(config, min(max_num_seqs, 256), 0, dtype) + (64 << 20)
+    per_token = config.kv_bytes_per_token(kv_dtype_bytes(kv_cache_dtype, dtype))
+    kv_budget = budget_bytes - weights_bytes - activation_bytes - overhead_bytes
+    num_blocks = max(kv_budget, 0) // (per_token * block_size)
+    kv_tokens = num_blocks * block_size
+    blocks_per_seq = math.ceil(max_model_len / block_size)
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"the budget of {budget_bytes / 2**30:.2f} GiB leaves {max(kv_budget, 0) / 2**30:.2f} GiB for KV after "
+            f"weights ({weights_bytes / 2**30:.2f} GiB) and activations; one request of max_model_len={max_model_len} "
+            f"needs {blocks_per_seq * block_size * per_token / 2**30:.2f} GiB. The largest context that fits is "
+            f"{kv_tokens} tokens: lower --max-model-len or raise --gpu-memory-budget"
+        )
+    return MemoryPlan(
+        budget_bytes=budget_bytes,
+        weights_bytes=weights_bytes,
+        activation_bytes=activation_bytes,
+        overhead_bytes=overhead_bytes,
+        kv_cache_bytes=num_blocks * block_size * per_token,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_bytes_per_token=per_token,
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        kv_tokens=kv_tokens,
+        max_model_len=max_model_len,
+        max_concurrent_sequences=num_blocks // blocks_per_seq,
+        concurrent_sequences_at={ctx: num_blocks // math.ceil(ctx / block_size) for ctx in REPORT_CONTEXTS},
+    )
 
 
 def plan_num_kv_blocks(
@@ -28,19 +215,20 @@ def plan_num_kv_blocks(
     max_num_seqs: int,
     device: torch.device,
 ) -> int:
-    """Blocks for the KV pool: never more than ``max_num_seqs`` full-length sequences need."""
+    """Blocks for the KV pool when no budget was given: what is free (GPU) or 1 GiB (CPU),
+    never more than ``max_num_seqs`` full-length sequences need."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * GPU_FREE_FRACTION)
+        budget = int(free * GPU_DEFAULT_FRACTION)
     else:
         budget = CPU_KV_BUDGET_BYTES
     block_bytes = kv_block_bytes(config, block_size, kv_dtype)
     blocks_per_seq = math.ceil(max_model_len / block_size)
     num_blocks = min(budget // block_bytes, blocks_per_seq * max_num_seqs)
     if num_blocks < blocks_per_seq:
-        largest = num_blocks * block_size
         raise ValueError(
             f"one sequence of max_model_len={max_model_len} tokens needs {blocks_per_seq * block_bytes} bytes of KV "
-            f"but only {budget} are available; the largest context that fits is {largest} tokens (--max-model-len)"
+            f"but only {budget} are available; the largest context that fits is {num_blocks * block_size} tokens "
+            "(--max-model-len)"
         )
     return int(num_blocks)

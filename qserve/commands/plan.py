@@ -1,0 +1,61 @@
+"""Print the memory plan for serving a model under a budget, without loading weights or a GPU.
+
+Knows: the ``qserve plan`` arguments and how to print a ``MemoryPlan``. Reads only
+``config.json`` and the checkpoint's quantization metadata (a directory holding just
+``config.json`` works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a model directory (config.json with its quantization_config is enough)")
+    parser.add_argument("--gpu-memory-budget", required=True, help="bytes (24GiB, 22000MB) or a fraction (0.9)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8 or int8")
+    parser.add_argument(
+        "--dtype", default="auto", help="activation dtype on the GPU (auto: the checkpoint's fp16/bf16)"
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--device-memory", default=None, help="card size, to resolve a fractional budget (e.g. 24GiB)")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import loaders
+    from qserve.config import ModelConfig, parse_dtype
+    from qserve.memory.planner import make_plan, parse_memory_budget, weight_bytes
+
+    config = ModelConfig.from_path(args.model)
+    spec = loaders.detect(args.model)
+    if args.dtype == "auto":
+        dtype = config.dtype if config.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    else:
+        dtype = parse_dtype(args.dtype)
+    total = parse_memory_budget(args.device_memory) if args.device_memory else None
+    if total is None and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+    plan = make_plan(
+        config,
+        weights_bytes=weight_bytes(config, spec, dtype),
+        budget_bytes=parse_memory_budget(args.gpu_memory_budget, total),
+        dtype=dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+    if args.json:
+        print(json.dumps({"model": args.model, "format": spec.method, **plan.to_json()}))
+    else:
+        print(f"model {args.model} ({config.architecture}, {spec.method})")
+        print(plan.describe())
+    return 0

@@ -1,0 +1,96 @@
+"""The memory planner and ``qserve plan`` on a config-only Qwen2.5-14B GPTQ directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qserve.cli import main
+from qserve.config import ModelConfig
+from qserve.memory.planner import make_plan, parse_memory_budget, weight_bytes
+
+GIB = 2**30
+
+QWEN25_14B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "eos_token_id": 151645,
+    "quantization_config": {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "desc_act": False,
+        "sym": True,
+        "checkpoint_format": "gptq",
+    },
+}
+
+
+@pytest.fixture()
+def qwen14b_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_14B))
+    return tmp_path
+
+
+def test_budget_parsing():
+    assert parse_memory_budget("24GiB") == 24 * GIB
+    assert parse_memory_budget("512MB") == 512 * 10**6
+    assert parse_memory_budget("0.5", device_total_bytes=80 * GIB) == 40 * GIB
+    with pytest.raises(ValueError, match="gpu-memory-budget"):
+        parse_memory_budget("lots")
+    with pytest.raises(ValueError, match="fraction"):
+        parse_memory_budget("0.9")
+
+
+def test_qwen14b_gptq_weights_match_the_reference_numbers(qwen14b_dir):
+    import loaders
+
+    config = ModelConfig.from_path(qwen14b_dir)
+    import torch
+
+    weights = weight_bytes(config, loaders.detect(qwen14b_dir), torch.float16)
+    # benchmarks.md: ~6.9 GB of 4-bit g128 linears + 1.56 GB fp16 lm_head + 1.56 GB embeddings ≈ 9.3 GiB.
+    assert 9.0 * GIB < weights < 9.6 * GIB
+    assert config.kv_bytes_per_token(2) == 192 * 1024
+
+
+def test_plan_fits_128_sequences_of_1k_with_fp8_kv_in_24gib(qwen14b_dir, capsys):
+    assert main(["plan", str(qwen14b_dir), "--gpu-memory-budget", "24GiB", "--kv-cache-dtype", "fp8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for key in ("weights_bytes", "kv_cache_bytes", "kv_tokens", "max_concurrent_sequences"):
+        assert key in plan
+    assert plan["kv_cache_bytes"] >= 12 * GIB
+    assert plan["concurrent_sequences_at"]["1024"] >= 128
+    total = plan["weights_bytes"] + plan["activation_bytes"] + plan["overhead_bytes"] + plan["kv_cache_bytes"]
+    assert total <= 24 * GIB
+
+
+def test_plan_refuses_a_budget_too_small_and_names_the_largest_context(qwen14b_dir):
+    import torch
+
+    config = ModelConfig.from_path(qwen14b_dir)
+    with pytest.raises(ValueError, match="largest context that fits is [0-9]+ tokens"):
+        make_plan(config, weights_bytes=9 * GIB, budget_bytes=11 * GIB, dtype=torch.float16, max_model_len=32768)
+
+
+def test_plan_text_output(qwen14b_dir, capsys):
+    assert main(["plan", str(qwen14b_dir), "--gpu-memory-budget", "24GiB", "--max-model-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "KV pages" in out and "max concurrent sequences at 1024 tokens" in out
+
+
+def test_bad_kv_cache_dtype_is_named(qwen14b_dir, capsys):
+    assert main(["plan", str(qwen14b_dir), "--gpu-memory-budget", "24GiB", "--kv-cache-dtype", "fp4"]) == 2
+    assert "kv-cache-dtype" in capsys.readouterr().err
