@@ -35,17 +35,27 @@ def convert(
     awq_qweight = fetch(files, qweight_name, f"AWQ layer {prefix}")  # int32 [K, N/8]
     check_dtype(files, qweight_name, awq_qweight, (torch.int32,), "AWQ GEMM int32 words")
     if awq_qweight.dim() != 2:
-        raise ValueError(f"{files.file_of[qweight_name]}: tensor {qweight_name!r} must be 2-D, got {list(awq_qweight.shape)}")
+        raise ValueError(
+            f"{files.file_of[qweight_name]}: tensor {qweight_name!r} must be 2-D, got {list(awq_qweight.shape)}"
+        )
     in_features, out_features = awq_qweight.shape[0], awq_qweight.shape[1] * 8
     check_layer_shape(files, qweight_name, (in_features, out_features), expected_kn, "AWQ GEMM qweight [K, N/8]")
     if in_features % 8:
-        raise ValueError(f"{files.file_of[qweight_name]}: tensor {qweight_name!r}: K={in_features} must be a multiple of 8")
+        raise ValueError(
+            f"{files.file_of[qweight_name]}: tensor {qweight_name!r}: K={in_features} must be a multiple of 8"
+        )
     group_size, num_groups = effective_group(quant.group_size, in_features)
 
     scales_name = f"{prefix}.scales"
     scales = fetch(files, scales_name, f"AWQ layer {prefix}")  # [ng, N]
     check_dtype(files, scales_name, scales, SCALE_DTYPES, "scales")
-    check_shape(files, scales_name, scales, (num_groups, out_features), f"[ceil(K/group_size), N], group_size={quant.group_size}")
+    check_shape(
+        files,
+        scales_name,
+        scales,
+        (num_groups, out_features),
+        f"[ceil(K/group_size), N], group_size={quant.group_size}",
+    )
 
     # Repack along K one slot at a time: K rows 8r + slot come from AWQ rows slot::8.
     qweight = torch.zeros(in_features // 8, out_features, dtype=torch.int32)  # [K/8, N]

@@ -22,7 +22,9 @@ def fetch(files: CheckpointFiles, name: str, module_hint: str = "") -> torch.Ten
     return files.get(name)
 
 
-def check_dtype(files: CheckpointFiles, name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...], what: str) -> None:
+def check_dtype(
+    files: CheckpointFiles, name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...], what: str
+) -> None:
     if tensor.dtype not in allowed:
         raise ValueError(
             f"{files.file_of[name]}: tensor {name!r} has dtype {tensor.dtype}; supported: "

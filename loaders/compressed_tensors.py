@@ -38,7 +38,9 @@ def convert(
     shape_name = f"{prefix}.weight_shape"
     weight_shape = fetch(files, shape_name, f"compressed-tensors layer {prefix}")  # int64 [2] = (N, K)
     if weight_shape.numel() != 2:
-        raise ValueError(f"{files.file_of[shape_name]}: tensor {shape_name!r} must hold (N, K), got {weight_shape.tolist()}")
+        raise ValueError(
+            f"{files.file_of[shape_name]}: tensor {shape_name!r} must hold (N, K), got {weight_shape.tolist()}"
+        )
     out_features, in_features = (int(v) for v in weight_shape.tolist())
     check_layer_shape(files, shape_name, (in_features, out_features), expected_kn, "weight_shape (N, K)")
     if in_features % pf:
@@ -46,7 +48,13 @@ def convert(
             f"{files.file_of[shape_name]}: tensor {shape_name!r}: K={in_features} is not a multiple of {pf}; "
             f"supported: {bits}-bit layers with K % {pf} == 0"
         )
-    check_shape(files, packed_name, packed, (out_features, in_features // pf), f"[N, K/{pf}] for weight_shape (N={out_features}, K={in_features})")
+    check_shape(
+        files,
+        packed_name,
+        packed,
+        (out_features, in_features // pf),
+        f"[N, K/{pf}] for weight_shape (N={out_features}, K={in_features})",
+    )
     qweight = packed.t().contiguous()  # int32 [K/pf, N], the canonical layout
     del packed
     group_size, num_groups = effective_group(quant.group_size, in_features)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,9 @@ def _method_of(cfg: dict[str, Any], source: str) -> str:
     if method in ("gptq", "awq"):
         return method
     if method == "marlin":
-        raise _refuse(source, "quant_method", cfg.get("quant_method"), _SUPPORTED_METHODS + " (Marlin-serialized GPTQ is not)")
+        raise _refuse(
+            source, "quant_method", cfg.get("quant_method"), _SUPPORTED_METHODS + " (Marlin-serialized GPTQ is not)"
+        )
     if method:
         raise _refuse(source, "quant_method", cfg.get("quant_method"), _SUPPORTED_METHODS)
     # No quant_method: AutoGPTQ-style quantize_config.json or AutoAWQ quant_config.json.
@@ -117,12 +120,16 @@ def _method_of(cfg: dict[str, Any], source: str) -> str:
         return "awq"
     if "bits" in cfg:
         return "gptq"
-    raise ValueError(f"{source}: cannot tell the quantization method (no 'quant_method' field); supported: {_SUPPORTED_METHODS}")
+    raise ValueError(
+        f"{source}: cannot tell the quantization method (no 'quant_method' field); supported: {_SUPPORTED_METHODS}"
+    )
 
 
 def _detect_gptq(cfg: dict[str, Any], source: str, root: Path, model_dtype: str | None) -> CheckpointSpec:
     if cfg.get("is_marlin_format"):
-        raise _refuse(source, "is_marlin_format", cfg["is_marlin_format"], "false (Marlin-serialized GPTQ is not supported)")
+        raise _refuse(
+            source, "is_marlin_format", cfg["is_marlin_format"], "false (Marlin-serialized GPTQ is not supported)"
+        )
     fmt_field = "format" if cfg.get("format") else "checkpoint_format"
     fmt = str(cfg.get(fmt_field) or "gptq").lower()
     other = cfg.get("checkpoint_format")
@@ -147,7 +154,11 @@ def _detect_gptq(cfg: dict[str, Any], source: str, root: Path, model_dtype: str 
         override = override or {}
         field = f"dynamic[{key!r}]"
         o_bits = _check_bits(source, f"{field}.bits", override["bits"]) if "bits" in override else None
-        o_group = _check_group_size(source, f"{field}.group_size", override["group_size"]) if "group_size" in override else None
+        o_group = (
+            _check_group_size(source, f"{field}.group_size", override["group_size"])
+            if "group_size" in override
+            else None
+        )
         if not skip and str(override.get("pack_dtype", "int32")).replace("torch.", "") != "int32":
             raise _refuse(source, f"{field}.pack_dtype", override["pack_dtype"], "int32")
         rules.append(
@@ -213,13 +224,23 @@ def _detect_awq(cfg: dict[str, Any], source: str, root: Path, model_dtype: str |
     )
 
 
-_ACTORDER_ALIASES = {None: None, False: None, True: "group", "group": "group", "dynamic": "group", "weight": "weight", "static": "weight"}
+_ACTORDER_ALIASES = {
+    None: None,
+    False: None,
+    True: "group",
+    "group": "group",
+    "dynamic": "group",
+    "weight": "weight",
+    "static": "weight",
+}
 
 
 def _detect_ct(cfg: dict[str, Any], source: str, root: Path, model_dtype: str | None) -> CheckpointSpec:
     transform = cfg.get("transform_config")
     if transform:
-        raise _refuse(source, "transform_config", transform, "empty or absent (online rotations/transforms are not supported)")
+        raise _refuse(
+            source, "transform_config", transform, "empty or absent (online rotations/transforms are not supported)"
+        )
     status = cfg.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse(source, "quantization_status", status, "compressed")
@@ -227,7 +248,9 @@ def _detect_ct(cfg: dict[str, Any], source: str, root: Path, model_dtype: str | 
     if sparsity.get("format") not in (None, "dense"):
         raise _refuse(source, "sparsity_config.format", sparsity.get("format"), "dense (no sparsity compression)")
     if cfg.get("kv_cache_scheme"):
-        raise _refuse(source, "kv_cache_scheme", cfg["kv_cache_scheme"], "null (quantized KV cache checkpoints are not supported)")
+        raise _refuse(
+            source, "kv_cache_scheme", cfg["kv_cache_scheme"], "null (quantized KV cache checkpoints are not supported)"
+        )
     global_format = cfg.get("format") or "pack-quantized"
     if global_format not in ("pack-quantized", "mixed-precision"):
         raise _refuse(source, "format", global_format, "pack-quantized")
@@ -253,7 +276,9 @@ def _detect_ct(cfg: dict[str, Any], source: str, root: Path, model_dtype: str | 
         if strategy == "group":
             group_size = weights.get("group_size")
             if not isinstance(group_size, int) or group_size <= 0:
-                raise _refuse(source, f"{field}.weights.group_size", group_size, "a positive group size with strategy group")
+                raise _refuse(
+                    source, f"{field}.weights.group_size", group_size, "a positive group size with strategy group"
+                )
         elif strategy == "channel":
             group_size = -1
         else:
@@ -262,7 +287,11 @@ def _detect_ct(cfg: dict[str, Any], source: str, root: Path, model_dtype: str | 
         if actorder not in _ACTORDER_ALIASES:
             raise _refuse(source, f"{field}.weights.actorder", actorder, "null, group, weight")
         targets = tuple(_flatten(group.get("targets")))
-        schemes.append(CTScheme(gname, targets, bits, group_size, bool(weights.get("symmetric", True)), _ACTORDER_ALIASES[actorder]))
+        schemes.append(
+            CTScheme(
+                gname, targets, bits, group_size, bool(weights.get("symmetric", True)), _ACTORDER_ALIASES[actorder]
+            )
+        )
     first = schemes[0]
     return CheckpointSpec(
         method="compressed-tensors",
@@ -300,7 +329,5 @@ def detect(path: str | Path) -> CheckpointSpec:
         spec = _detect_ct(cfg, source, root, model_dtype)
         lm_head = spec.module_quant("lm_head") is not None
         if lm_head:
-            from dataclasses import replace
-
             spec = replace(spec, lm_head_quantized=True)
     return spec

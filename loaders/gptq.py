@@ -36,15 +36,25 @@ def convert(
     qweight = fetch(files, qweight_name, f"GPTQ {bits}-bit layer {prefix}")  # int32 [K/pf, N]
     check_dtype(files, qweight_name, qweight, (torch.int32,), "GPTQ pack_dtype int32")
     if qweight.dim() != 2:
-        raise ValueError(f"{files.file_of[qweight_name]}: tensor {qweight_name!r} must be 2-D, got {list(qweight.shape)}")
+        raise ValueError(
+            f"{files.file_of[qweight_name]}: tensor {qweight_name!r} must be 2-D, got {list(qweight.shape)}"
+        )
     in_features, out_features = qweight.shape[0] * pf, qweight.shape[1]
-    check_layer_shape(files, qweight_name, (in_features, out_features), expected_kn, f"{bits}-bit GPTQ qweight [K/{pf}, N]")
+    check_layer_shape(
+        files, qweight_name, (in_features, out_features), expected_kn, f"{bits}-bit GPTQ qweight [K/{pf}, N]"
+    )
     group_size, num_groups = effective_group(quant.group_size, in_features)
 
     scales_name = f"{prefix}.scales"
     scales = fetch(files, scales_name, f"GPTQ layer {prefix}")  # [ng, N]
     check_dtype(files, scales_name, scales, SCALE_DTYPES, "scales")
-    check_shape(files, scales_name, scales, (num_groups, out_features), f"[ceil(K/group_size), N], group_size={quant.group_size}")
+    check_shape(
+        files,
+        scales_name,
+        scales,
+        (num_groups, out_features),
+        f"[ceil(K/group_size), N], group_size={quant.group_size}",
+    )
 
     zeros = None
     if not quant.sym:

@@ -160,7 +160,9 @@ class CheckpointFiles:
             for name, fname in weight_map.items():
                 file = self.root / fname
                 if name not in headers[file]:
-                    raise ValueError(f"{index_path}: tensor {name!r} is listed in {fname} but that file does not hold it")
+                    raise ValueError(
+                        f"{index_path}: tensor {name!r} is listed in {fname} but that file does not hold it"
+                    )
                 infos[name] = headers[file][name]
             return infos
         files = sorted(self.root.glob("*.safetensors"))

@@ -19,7 +19,9 @@ METHODS = ("gptq", "awq", "compressed-tensors", "none")
 PACK_FORMATS = ("gptq", "awq-gemm", "pack-quantized", "dense")
 
 # HF names of the Linear modules that quantized checkpoints may hold packed.
-DECODER_LINEAR_RE = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$")
+DECODER_LINEAR_RE = re.compile(
+    r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+)
 LM_HEAD = "lm_head"
 
 

@@ -116,7 +116,9 @@ def plan_checkpoint(path: str | Path, spec: CheckpointSpec | None = None) -> Che
             raise ValueError(f"{files.root}: required tensor '{module}.weight' is missing from the checkpoint")
     for module, main in quantized.items():
         if module not in expected and expected and module != "lm_head":
-            raise ValueError(f"{files.file_of[main]}: quantized module {module!r} does not exist in config.json's model")
+            raise ValueError(
+                f"{files.file_of[main]}: quantized module {module!r} does not exist in config.json's model"
+            )
     return CheckpointPlan(files, spec, quantized, frozenset(consumed), expected)
 
 

@@ -11,29 +11,34 @@ import importlib
 import logging
 import sys
 
-# Sub-command name -> module in qserve.commands defining register(parser) and run(args) -> int.
-SUBCOMMANDS = {
-    "generate": "qserve.commands.generate",
-    "inspect": "qserve.commands.inspect",
-    "plan": "qserve.commands.plan",
+# Sub-command name -> (module in qserve.commands defining register(parser) and run(args) -> int,
+# one-line help). Only the chosen command's module is imported, so one command's heavy or
+# optional imports never affect another.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("qserve.commands.serve", "serve models over an OpenAI-compatible HTTP API"),
+    "generate": ("qserve.commands.generate", "generate text for one prompt, streamed to the terminal"),
+    "plan": ("qserve.commands.plan", "print the memory plan for a model under a budget"),
+    "inspect": ("qserve.commands.inspect", "describe a checkpoint: format, quantization, bytes"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qserve", description="Quantization-first LLM serving.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name, module_name in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
-        sub = subparsers.add_parser(name, help=module.__doc__.strip().splitlines()[0] if module.__doc__ else None)
-        module.register(sub)
-        sub.set_defaults(_run=module.run)
+    chosen = next((arg for arg in argv if arg in SUBCOMMANDS), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.register(sub)
+            sub.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args._run(args) or 0)

@@ -1,0 +1,107 @@
+"""``qserve inspect MODEL``: what a checkpoint is and what serving it will cost, without loading it.
+
+Knows: how to present ``loaders.detect`` / ``loaders.inventory`` results (format, bits, groups,
+symmetry, act-order, zero convention, which modules are quantized, weight bytes as qserve holds
+them, KV bytes per token per KV dtype) as text or one JSON object. Must not know: format details
+(``loaders`` owns them) or the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import loaders
+from loaders.inventory import inventory
+
+KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("text_config") or config
+
+
+def describe(path: str) -> dict[str, Any]:
+    """Everything ``inspect`` prints, as plain JSON-able data."""
+    spec = loaders.detect(path)
+    inv = inventory(path, spec)
+    cfg = _text_config(inv.config)
+    num_heads = int(cfg.get("num_attention_heads") or 0)
+    num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+    head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size", 0)) // num_heads if num_heads else 0))
+    num_layers = int(cfg.get("num_hidden_layers") or 0)
+    kv = {name: 2 * num_layers * num_kv_heads * head_dim * size for name, size in KV_DTYPE_BYTES.items()}
+    quantized = dict(sorted(inv.quantized_counts.items()))
+    return {
+        "model": str(path),
+        "architecture": (inv.config.get("architectures") or [None])[0],
+        "format": spec.method,
+        "pack_format": spec.pack_format,
+        "config_source": spec.source,
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "sym": spec.sym if spec.method != "none" else None,
+        "act_order": spec.desc_act,
+        "act_order_layers": inv.act_order_layers,
+        "zero_convention": spec.zero_convention,
+        "scale_dtype": spec.scale_dtype,
+        "model_dtype": spec.model_dtype,
+        "lm_head_quantized": quantized.get("lm_head", 0) > 0,
+        "quantized_modules": quantized,
+        "num_quantized_modules": sum(quantized.values()),
+        "unquantized_linear_modules": dict(sorted(inv.unquantized_linear_counts.items())),
+        "dynamic_overrides": [("-:" if r.skip else "+:") + r.pattern for r in spec.dynamic],
+        "weight_bytes": inv.weight_bytes,
+        "quantized_weight_bytes": inv.quantized_bytes,
+        "dense_weight_bytes": inv.dense_bytes,
+        "checkpoint_bytes": inv.checkpoint_bytes,
+        "num_layers": num_layers,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "kv_bytes_per_token": kv,
+    }
+
+
+def _human(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"
+
+
+def run(args: argparse.Namespace) -> int:
+    info = describe(args.model)
+    if args.json:
+        print(json.dumps(info, sort_keys=False))
+        return 0
+    quantized = ", ".join(f"{k} x{v}" for k, v in info["quantized_modules"].items()) or "none"
+    dense = ", ".join(f"{k} x{v}" for k, v in info["unquantized_linear_modules"].items()) or "none"
+    lines = [
+        f"model:            {info['model']}",
+        f"architecture:     {info['architecture']}",
+        f"format:           {info['format']} ({info['pack_format']}; from {info['config_source']})",
+        f"bits:             {info['bits']}",
+        f"group size:       {info['group_size']}",
+        f"sym:              {info['sym']}",
+        f"act-order:        {info['act_order']} ({info['act_order_layers']} layers with a permutation)",
+        f"zero convention:  {info['zero_convention']}",
+        f"scale dtype:      {info['scale_dtype']}   model dtype: {info['model_dtype']}",
+        f"quantized:        {quantized}",
+        f"unquantized lin.: {dense}",
+        f"lm_head:          {'quantized' if info['lm_head_quantized'] else 'not quantized'}",
+        f"weights in qserve:{_human(info['weight_bytes']):>12}  (quantized {_human(info['quantized_weight_bytes'])}, "
+        f"dense {_human(info['dense_weight_bytes'])}; on disk {_human(info['checkpoint_bytes'])})",
+        "KV per token:     " + ", ".join(f"{k} {v} B" for k, v in info["kv_bytes_per_token"].items()),
+    ]
+    if info["dynamic_overrides"]:
+        lines.append(f"dynamic:          {', '.join(info['dynamic_overrides'])}")
+    print("\n".join(lines))
+    return 0
