@@ -3,39 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
+from qserve.cli import main
 from tests.helpers.quant_packers import awq_config, ct_config, gptq_config
 
 
-def _main(argv: list[str]) -> int:
-    """``qserve.cli.main``; falls back to the inspect sub-command alone while another sub-command
-    module the CLI wires in is still being written (the CLI imports them all to build its parser)."""
-    try:
-        from qserve.cli import main
-
-        return main(argv)
-    except ModuleNotFoundError as err:
-        if not (err.name or "").startswith("qserve.commands.") or err.name == "qserve.commands.inspect":
-            raise
-    import argparse
-
-    from qserve.commands import inspect as inspect_cmd
-
-    parser = argparse.ArgumentParser(prog="qserve inspect")
-    inspect_cmd.register(parser)
-    try:
-        return inspect_cmd.run(parser.parse_args(argv[1:]))
-    except ValueError as err:
-        print(f"qserve inspect: error: {err}", file=sys.stderr)
-        return 2
-
-
 def _inspect(capsys, path, *extra: str) -> str:
-    assert _main(["inspect", str(path), *extra]) == 0
+    assert main(["inspect", str(path), *extra]) == 0
     return capsys.readouterr().out
 
 
@@ -108,7 +85,7 @@ def test_inspect_text_unquantized_and_dynamic(make_ckpt, capsys) -> None:
 
 def test_inspect_refusal_exit_code(make_ckpt, capsys) -> None:
     path, _ = make_ckpt("awq", {**awq_config(32), "version": "gemv"}, sym=False)
-    assert _main(["inspect", str(path)]) == 2
+    assert main(["inspect", str(path)]) == 2
     assert "version" in capsys.readouterr().err
 
 
