@@ -9,6 +9,8 @@ mislabelling. Must not know: the engine or other formats.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from loaders.common import check_dtype, check_layer_shape, check_shape, effective_group, fetch
@@ -18,6 +20,17 @@ from loaders.spec import CheckpointSpec, ModuleQuant
 from quant_kernels.layout import PackedQuantWeight, pack_factor
 
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+logger = logging.getLogger(__name__)
+
+
+def _symmetric_zero_words(bits: int) -> tuple[int, int]:
+    """The int32 value every symmetric qzeros word holds in v1 (zero − 1) and in v2 (true zero)."""
+    pf = pack_factor(bits)
+    v1 = sum((1 << (bits - 1)) - 1 << (bits * i) for i in range(pf))
+    v2 = sum((1 << (bits - 1)) << (bits * i) for i in range(pf))
+    return tuple(w - 2**32 if w >= 2**31 else w for w in (v1, v2))
+
+
 MAIN_SUFFIX = "qweight"
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -65,6 +78,18 @@ def convert(
         if spec.zero_convention == "v1":
             qzeros = v1_words_to_v2(qzeros, bits)
         zeros = unpack_n(qzeros, bits, out_features).to(torch.uint8)  # [ng, N]
+    elif f"{prefix}.qzeros" in files:
+        # Symmetric weights ignore qzeros; still, words that are neither the v1 nor the v2
+        # constant hint at a mislabelled checkpoint (formats.md P1), which the user should know.
+        words = files.get(f"{prefix}.qzeros")
+        if not any(bool((words == w).all()) for w in _symmetric_zero_words(bits)):
+            logger.warning(
+                "%s: %s.qzeros are not the symmetric constant although sym=true; qzeros are ignored "
+                "(implicit zero %d) — check the checkpoint's sym/checkpoint_format",
+                files.file_of[f"{prefix}.qzeros"],
+                prefix,
+                1 << (bits - 1),
+            )
 
     perm = None
     g_idx_name = f"{prefix}.g_idx"

@@ -151,3 +151,31 @@ def test_sharded_checkpoint(make_ckpt) -> None:
     path, qm = make_ckpt("gptq", gptq_config(4, 32, sym=False, desc_act=True), num_shards=3, sym=False, act_order=True)
     assert (path / "model.safetensors.index.json").is_file()
     _check_all(path, qm)
+
+
+@pytest.mark.parametrize("stored_zero", [7, 8])
+def test_gptq_sym_qzeros_are_ignored_and_mislabels_warned(tmp_path, caplog, stored_zero) -> None:
+    """Symmetric GPTQ uses the implicit zero whatever qzeros say (v1 7s, v2 8s, or garbage);
+    garbage — a mislabelled checkpoint (formats.md P1) — is logged."""
+    gen = torch.Generator().manual_seed(5)
+    q = rtn_quantize(torch.randn(64, 64, generator=gen), 4, 32, sym=True)
+    cfg = tiny_llama_config(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4
+    )
+    from loaders.gptq import convert
+    from loaders.safetensors_io import CheckpointFiles
+
+    name = "model.layers.0.self_attn.q_proj"
+    for qzeros_word, warned in ((sum(stored_zero << (4 * i) for i in range(8)), False), (0x12345678, True)):
+        packed = pack_gptq(q, v1=True)
+        packed["qzeros"] = torch.full_like(packed["qzeros"], qzeros_word - (2**32 if qzeros_word >= 2**31 else 0))
+        path = tmp_path / f"w{qzeros_word}"
+        write_checkpoint(
+            path, {**cfg, "quantization_config": gptq_config(4, 32)}, {f"{name}.{k}": v for k, v in packed.items()}
+        )
+        spec = loaders.detect(path)
+        caplog.clear()
+        weight = convert(CheckpointFiles(path), name, spec.module_quant(name), spec, None)
+        assert weight.zeros is None
+        assert torch.equal(dequantize_input_order(weight, torch.float32), q.dequant)
+        assert ("not the symmetric constant" in caplog.text) == warned
