@@ -1,8 +1,9 @@
 """Paged attention layer: writes the step's K/V into the cache, then attends over each
 sequence's whole context.
 
-Knows: the attention math interface and which op implements it (the PyTorch reference on every
-device today; Triton kernels plug in here). Must not know: requests, scheduling or weights.
+Knows: the attention interface and its per-layer KV scales (fp8 / int8 caches). The ops come
+from ``quant_kernels.attention_ops`` (Triton on CUDA, the PyTorch reference elsewhere). Must not
+know: requests, scheduling or weights.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from qserve.runner.attn_metadata import AttentionMetadata
-from quant_kernels import reference
+from quant_kernels import attention_ops
 
 
 class PagedAttention(nn.Module):
@@ -22,6 +23,10 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        # Quantized (fp8 / int8) caches store x / scale. fp8 e4m3 covers +-448, so 1.0 suits
+        # typical K/V ranges (vLLM's default too); int8 caches get a scale from the runner.
+        self.register_buffer("k_scale", torch.tensor(1.0), persistent=False)
+        self.register_buffer("v_scale", torch.tensor(1.0), persistent=False)
 
     def forward(
         self,
@@ -32,8 +37,10 @@ class PagedAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         key_cache, value_cache = kv_cache
-        reference.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
-        return reference.paged_attention(
+        quantized = key_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+        k_scale, v_scale = (self.k_scale, self.v_scale) if quantized else (None, None)
+        attention_ops.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
+        return attention_ops.paged_attention(
             query,
             key_cache,
             value_cache,
@@ -44,4 +51,6 @@ class PagedAttention(nn.Module):
             metadata.max_seq_len,
             self.scale,
             self.sliding_window,
+            k_scale,
+            v_scale,
         )

@@ -1,0 +1,110 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with static inputs.
+
+Knows: how to capture ``model(...)`` + ``compute_logits`` for pure-decode batches (one new
+token per sequence) into graphs sharing one memory pool, and how to feed a step into the
+static buffers. Must not know: scheduling, sampling or the kernels' internals — it only
+relies on the kernels being capture-safe (no host sync, grids fixed by the arguments) and on
+the KV-store kernel skipping negative slots, which pad rows use.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left
+
+import torch
+
+from qserve.runner.attn_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+class DecodeGraphs:
+    """Captured decode graphs for batch sizes ``buckets`` (padded up to the next bucket)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.buckets = tuple(sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs}))
+        max_batch = self.buckets[-1]
+        max_blocks = -(-max_model_len // block_size)
+        int64 = {"dtype": torch.int64, "device": device}
+        # Static inputs, shared by every graph (a graph of batch B reads the first B rows).
+        self.input_ids = torch.zeros(max_batch, **int64)  # [max_batch]
+        self.positions = torch.zeros(max_batch, **int64)  # [max_batch]
+        self.slot_mapping = torch.full((max_batch,), -1, **int64)  # [max_batch]; -1 = pad row
+        self.seq_lens = torch.ones(max_batch, **int64)  # [max_batch]
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, **int64)  # [max_batch + 1]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> static [bucket, vocab] output
+        self.pool = None
+
+    def _metadata(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,  # fixed: kernels size their grids from it
+        )
+
+    def _run(self, batch: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._metadata(batch))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up (kernel compilation, autotuning) and capture, largest bucket first."""
+        torch.cuda.synchronize()
+        for batch in reversed(self.buckets):
+            self._run(batch)  # warm-up outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[batch] = self._run(batch)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[batch] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), list(self.buckets))
+
+    def bucket_for(self, batch: int) -> int | None:
+        if batch > self.buckets[-1]:
+            return None
+        return self.buckets[bisect_left(self.buckets, batch)]
+
+    @torch.inference_mode()
+    def replay(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Logits ``[batch, vocab]`` for a pure-decode batch (one token per sequence)."""
+        batch = len(input_ids)
+        bucket = self.bucket_for(batch)
+        pad = bucket - batch
+        width = self.block_tables.shape[1]
+        tables = [row + [0] * (width - len(row)) for row in block_tables] + [[0] * width] * pad
+        self.input_ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
+        self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        self.slot_mapping[:bucket].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
+        self.seq_lens[:bucket].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad), non_blocking=True)
+        self.block_tables[:bucket].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.graphs[bucket].replay()
+        return self.logits[bucket][:batch]
