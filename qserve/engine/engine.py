@@ -95,9 +95,46 @@ def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.devic
     return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.float16
 
 
+def _check_kv_caches(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> None:
+    """Refuse externally made KV caches that do not match this model and pool."""
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    if kv_caches is None or len(kv_caches) != config.num_layers:
+        raise ValueError(f"kv_caches must hold one (key, value) pair per layer ({config.num_layers})")
+    for layer, pair in enumerate(kv_caches):
+        for cache in pair:
+            if tuple(cache.shape) != shape or cache.dtype != dtype:
+                raise ValueError(
+                    f"kv_caches[{layer}] is {tuple(cache.shape)} {cache.dtype}; this model needs {shape} {dtype}"
+                )
+
+
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    """One model's engine.
+
+    By default it builds its own block pool and KV caches. A multi-model host passes instead
+    a ``block_pool`` shared by several engines, the ``owner`` name this model draws from it
+    under, and ``kv_caches`` (per layer (key, value), each ``[pool.num_blocks, block_size,
+    num_kv_heads, head_dim]``, possibly strided views into a shared buffer).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        block_pool: BlockPool | None = None,
+        owner: str | None = None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         from transformers import AutoTokenizer
+
+        if (block_pool is None) != (kv_caches is None):
+            raise ValueError("Engine: block_pool and kv_caches must be given together (a shared pool) or not at all")
 
         self.config = config
         self.device = resolve_device(config.device)
@@ -119,12 +156,18 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or max(2048, config.block_size),
         )
-        num_blocks = cache.num_kv_blocks or plan_num_kv_blocks(
-            self.model_config, self.dtype, cache.block_size, max_model_len, config.max_num_seqs, self.device
-        )
-        self.block_pool = BlockPool(num_blocks)
+        if block_pool is None:
+            num_blocks = cache.num_kv_blocks or plan_num_kv_blocks(
+                self.model_config, self.dtype, cache.block_size, max_model_len, config.max_num_seqs, self.device
+            )
+            block_pool = BlockPool(num_blocks)
+        else:
+            num_blocks = block_pool.num_blocks
+            _check_kv_caches(kv_caches, self.model_config, num_blocks, cache.block_size, self.dtype)
+        self.block_pool = block_pool
+        self.owner = owner or str(config.model)
         self.kv_manager = KVCacheManager(
-            self.block_pool, cache.block_size, cache.enable_prefix_caching, owner=str(config.model)
+            self.block_pool, cache.block_size, cache.enable_prefix_caching, owner=self.owner
         )
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -132,7 +175,8 @@ class Engine:
             self.scheduler_config.max_num_batched_tokens,
             max_model_len,
         )
-        kv_caches = allocate_kv_caches(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
+        if kv_caches is None:
+            kv_caches = allocate_kv_caches(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.model_config, kv_caches, cache.block_size, self.device, config.seed)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -1,0 +1,546 @@
+"""The multi-model host: one background thread steps every hosted ``Engine``; asyncio code
+submits requests and reads their outputs as streams.
+
+Knows: which models it hosts, the thread that owns the engines (only that thread calls
+``add_request`` / ``abort_request`` / ``step``; everything else reaches it through a command
+queue), round-robin interleaving of steps across models with work (one step per busy model
+per round, so a flooded model cannot starve a quiet one), per-model waiting-queue bounds, and
+per-request timing (arrival, first token, last token) that it reports to a listener. Must
+not know: HTTP, JSON, OpenAI shapes, Prometheus.
+
+Threads: the event loop thread calls ``submit`` / ``abort`` / ``shutdown`` and iterates
+``OutputStream``s; the step thread runs engines and hands outputs back with
+``loop.call_soon_threadsafe``. A tokenizer is not shared between threads: the engine's
+belongs to the step thread; the front end gets its own copy from ``frontend_tokenizer``.
+
+Also here: ``build_engines``, which loads several models onto one shared KV page pool
+(``qserve.memory.shared_pool``) under one memory budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from qserve.engine.engine import Engine, EngineConfig, PromptInput, resolve_device, resolve_dtype
+from qserve.outputs import RequestOutput
+from qserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long the idle step thread sleeps between checks (it is woken on new work)
+
+
+class QueueFullError(Exception):
+    """The model's waiting queue is at ``max_queue``; retry later."""
+
+    def __init__(self, model: str, max_queue: int, retry_after_s: int = 1) -> None:
+        super().__init__(f"model {model!r} has {max_queue} requests waiting (the most it queues); retry later")
+        self.model = model
+        self.max_queue = max_queue
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(RuntimeError):
+    """The host is shut down (or its step thread died); no new requests are taken."""
+
+
+class RequestListener(Protocol):
+    """Receives per-request events (the server's metrics implement it). Called on the loop thread."""
+
+    def on_first_token(self, model: str, seconds: float, num_prompt_tokens: int) -> None: ...
+
+    def on_tokens(self, model: str, num_tokens: int, seconds_since_last: float | None) -> None: ...
+
+    def on_finished(self, model: str, output: RequestOutput, seconds: float) -> None: ...
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """Loop-thread state of one engine request."""
+
+    request_id: str
+    stream: OutputStream
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestItem:
+    """One engine request of a submission: id, prompt (preferably token ids) and params."""
+
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+
+
+@dataclass(eq=False)
+class HostedModel:
+    """One model of the host: its engine and its front-end limits."""
+
+    name: str
+    engine: Engine
+    max_queue: int | None = None  # refuse new requests while this many sequences wait
+    active: set[str] = field(default_factory=set)  # unfinished request ids (step thread only)
+
+    def queue_is_full(self) -> bool:
+        return self.max_queue is not None and self.num_waiting >= self.max_queue
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.scheduler.num_running
+
+
+class OutputStream:
+    """The outputs of one submission (one or more engine requests), in arrival order.
+
+    ``async for request_id, output in stream`` yields cumulative ``RequestOutput``s and ends
+    once every request of the submission has finished. ``abort()`` stops the unfinished ones.
+    """
+
+    def __init__(self, host: AsyncEngine, model: str, request_ids: Sequence[str]) -> None:
+        self._host = host
+        self.model = model
+        self.request_ids = list(request_ids)
+        self._queue: asyncio.Queue[tuple[str, RequestOutput] | BaseException] = asyncio.Queue()
+        self._unfinished = set(request_ids)
+
+    def _put(self, item: tuple[str, RequestOutput] | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> tuple[str, RequestOutput]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        request_id, output = item
+        if output.finished:
+            self._unfinished.discard(request_id)
+        return request_id, output
+
+    def abort(self) -> None:
+        """Abort every unfinished request of this stream (idempotent)."""
+        for request_id in list(self._unfinished):
+            self._host.abort(self.model, request_id)
+        self._unfinished.clear()
+
+
+class AsyncEngine:
+    """Hosts several engines; steps them in one background thread."""
+
+    def __init__(
+        self,
+        engines: Mapping[str, Engine],
+        *,
+        max_queue: int | Mapping[str, int | None] | None = None,
+        listener: RequestListener | None = None,
+        retry_after_s: int = 1,
+    ) -> None:
+        if not engines:
+            raise ValueError("AsyncEngine needs at least one model")
+        self.models: dict[str, HostedModel] = {}
+        for name, engine in engines.items():
+            limit = max_queue.get(name) if isinstance(max_queue, Mapping) else max_queue
+            if limit is not None and limit < 0:
+                raise ValueError(f"max_queue must be >= 0, got {limit}")
+            self.models[name] = HostedModel(name, engine, limit)
+        self.listener = listener
+        self.retry_after_s = retry_after_s
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tracked: dict[tuple[str, str], _Tracked] = {}  # loop thread only
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.models)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the step thread; outputs are delivered on ``loop`` (default: the running loop)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="qserve-step", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the step thread; outstanding requests are aborted (their streams end with 'abort')."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the step thread did not stop within %.0f s", timeout)
+
+    # ------------------------------------------------------------------ requests (loop thread)
+    def get_model(self, name: str) -> HostedModel:
+        """KeyError naming the model if it is not hosted."""
+        if name not in self.models:
+            raise KeyError(name)
+        return self.models[name]
+
+    def check_queue(self, model: str) -> None:
+        """Raise QueueFullError now if ``model``'s queue is full (a cheap early check; ``submit``
+        checks again, exactly, on the step thread)."""
+        hosted = self.get_model(model)
+        if hosted.queue_is_full():
+            raise QueueFullError(model, hosted.max_queue or 0, self.retry_after_s)
+
+    async def submit(self, model: str, items: Sequence[RequestItem]) -> OutputStream:
+        """Queue the requests of one submission (all or none) and return their stream.
+
+        Raises KeyError (unknown model), QueueFullError, ValueError (bad request, message from
+        the engine) or EngineDeadError. Nothing is queued when it raises.
+        """
+        hosted = self.get_model(model)
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        stream = OutputStream(self, model, [item.request_id for item in items])
+        now = time.monotonic()
+        for item in items:
+            self._tracked[(model, item.request_id)] = _Tracked(item.request_id, stream, now)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def add() -> None:  # step thread
+            if not done.set_running_or_notify_cancel():
+                return  # the submitter gave up (client gone) before we got here
+            try:
+                if self._stopping.is_set():
+                    raise EngineDeadError("the engine is shutting down")
+                if hosted.queue_is_full():
+                    raise QueueFullError(model, hosted.max_queue or 0, self.retry_after_s)
+                for item in items:  # validate all before queuing any
+                    hosted.engine.validate_request(item.prompt, item.params)
+                for item in items:
+                    hosted.engine.add_request(item.request_id, item.prompt, item.params)
+                    hosted.active.add(item.request_id)
+            except BaseException as err:  # noqa: BLE001 - handed to the submitter
+                done.set_exception(err)
+            else:
+                done.set_result(None)
+
+        self._commands.put(add)
+        self._wake.set()
+        try:
+            await asyncio.wrap_future(done, loop=loop)
+        except BaseException as err:
+            for item in items:
+                self._tracked.pop((model, item.request_id), None)
+                if isinstance(err, asyncio.CancelledError):  # the add may still land: undo it
+                    self.abort(model, item.request_id)
+            raise
+        return stream
+
+    def abort(self, model: str, request_id: str) -> None:
+        """Abort a request; its pages are freed before the next step. Safe to call twice."""
+        hosted = self.models.get(model)
+        if hosted is None:
+            return
+        self._commands.put(lambda: hosted.engine.abort_request(request_id))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ step thread
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:  # noqa: BLE001 - a bad command must not kill the loop
+                logger.exception("engine command failed")
+
+    def _run(self) -> None:
+        rotation = 0
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands()
+                busy = [m for m in self.models.values() if m.engine.has_unfinished_requests()]
+                if not busy:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                start = rotation % len(busy)
+                rotation += 1
+                for hosted in busy[start:] + busy[:start]:
+                    self._step(hosted)
+                    self._drain_commands()  # aborts land between models' steps, within one step
+        finally:
+            self._abort_all()
+            self._drain_commands()  # submissions that raced with shutdown fail with EngineDeadError
+
+    def _step(self, hosted: HostedModel) -> None:
+        try:
+            outputs = hosted.engine.step()
+        except Exception as err:  # noqa: BLE001 - fail this model's requests, keep serving others
+            logger.exception("step of model %s failed; aborting its requests", hosted.name)
+            self._fail_model(hosted, err)
+            return
+        self.num_steps += 1
+        for output in outputs:
+            if output.finished:
+                hosted.active.discard(output.request_id)
+        if outputs:
+            self._publish(hosted.name, outputs)
+
+    def _fail_model(self, hosted: HostedModel, err: Exception) -> None:
+        request_ids = list(hosted.active)
+        hosted.active.clear()
+        for request_id in request_ids:
+            hosted.engine.abort_request(request_id)
+        try:
+            hosted.engine.step()  # flushes the aborts, freeing pages
+        except Exception:  # noqa: BLE001
+            logger.exception("could not flush aborts of model %s", hosted.name)
+        error = RuntimeError(f"model {hosted.name!r} failed: {err}")
+        self._call_in_loop(self._deliver_error, hosted.name, request_ids, error)
+
+    def _abort_all(self) -> None:
+        """On shutdown: abort everything, flush, and end every stream."""
+        self._drain_commands()
+        for hosted in self.models.values():
+            for request_id in hosted.active:
+                hosted.engine.abort_request(request_id)
+            hosted.active.clear()
+            try:
+                outputs = hosted.engine.step() if hosted.engine.has_unfinished_requests() else []
+            except Exception:  # noqa: BLE001
+                logger.exception("flushing aborts of model %s failed", hosted.name)
+                continue
+            if outputs:
+                self._publish(hosted.name, outputs)
+
+    def _publish(self, model: str, outputs: list[RequestOutput]) -> None:
+        self._call_in_loop(self._deliver, model, outputs, time.monotonic())
+
+    def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed meanwhile
+            pass
+
+    # ------------------------------------------------------------------ loop thread: delivery
+    def _deliver(self, model: str, outputs: list[RequestOutput], now: float) -> None:
+        for output in outputs:
+            tracked = self._tracked.get((model, output.request_id))
+            if tracked is None:
+                continue
+            self._observe(model, tracked, output, now)
+            if output.finished:
+                del self._tracked[(model, output.request_id)]
+            tracked.stream._put((output.request_id, output))  # noqa: SLF001
+
+    def _deliver_error(self, model: str, request_ids: list[str], error: Exception) -> None:
+        for request_id in request_ids:
+            tracked = self._tracked.pop((model, request_id), None)
+            if tracked is not None:
+                tracked.stream._put(error)  # noqa: SLF001
+
+    def _observe(self, model: str, tracked: _Tracked, output: RequestOutput, now: float) -> None:
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        new_tokens = num_tokens - tracked.num_tokens
+        tracked.num_tokens = num_tokens
+        listener = self.listener
+        if new_tokens > 0:
+            if tracked.first_token is None:
+                tracked.first_token = now
+                if listener is not None:
+                    listener.on_first_token(model, now - tracked.arrival, len(output.prompt_token_ids))
+            if listener is not None:
+                gap = None if tracked.last_token is None else now - tracked.last_token
+                listener.on_tokens(model, new_tokens, gap)
+            tracked.last_token = now
+        if output.finished and listener is not None:
+            listener.on_finished(model, output, now - tracked.arrival)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per-model queue and pool numbers (read from the step thread's state; approximate)."""
+        result = {}
+        for name, hosted in self.models.items():
+            pool = hosted.engine.block_pool
+            kv = hosted.engine.kv_manager
+            result[name] = {
+                "num_running": hosted.num_running,
+                "num_waiting": hosted.num_waiting,
+                "pool_pages_used": pool.num_used_by(hosted.engine.owner),
+                "pool_pages_total": pool.num_blocks,
+                "pool_pages_free": pool.num_free_blocks,
+                "prefix_cache_queries": kv.num_prefix_queries,
+                "prefix_cache_hits": kv.num_prefix_hits,
+            }
+        return result
+
+
+# ---------------------------------------------------------------------- building engines
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One model to serve: its public name and checkpoint path, and its pool shares."""
+
+    name: str
+    path: str
+    min_share: float | None = None
+    max_share: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HostConfig:
+    """Settings every hosted model shares."""
+
+    device: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    kv_cache_dtype: str = "auto"
+    gpu_memory_budget: str | None = None  # bytes with a unit or a fraction; None: the planner's default
+    num_kv_blocks: int | None = None  # pages of the shared pool, overriding the budget
+
+
+SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+
+
+def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, Engine]:
+    """Load every model onto ONE shared KV page pool sized by one budget.
+
+    Pages: ``--num-kv-blocks`` if given; else the budget (bytes, or a fraction of the device)
+    minus the weights of all models (from metadata) and the activation / overhead estimates,
+    divided by the page size; with no budget, the planner's default (1 GiB on CPU, 90% of
+    free memory on GPU).
+    """
+    from qserve.config import ModelConfig
+    from qserve.memory.shared_pool import ModelKVSpec, SharedKVPool, num_pages_for
+
+    if config.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype!r} is not supported by the server yet; "
+            f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
+        )
+    if not models:
+        raise ValueError("no model given")
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must be unique, got {names} (use name=path)")
+    device = resolve_device(config.device)
+    specs: list[ModelKVSpec] = []
+    model_configs: dict[str, ModelConfig] = {}
+    for m in models:
+        model_config = ModelConfig.from_path(m.path)
+        model_configs[m.name] = model_config
+        dtype = resolve_dtype(config.dtype, model_config.dtype, device)
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        specs.append(ModelKVSpec(m.name, model_config, dtype, config.block_size, max_model_len, config.max_num_seqs))
+    if config.num_kv_blocks is not None:
+        num_pages = config.num_kv_blocks
+    else:
+        num_pages = num_pages_for(specs, _kv_budget_bytes(models, specs, config, device))
+    pool = SharedKVPool(
+        specs,
+        num_pages,
+        device,
+        min_shares={m.name: m.min_share for m in models if m.min_share is not None},
+        max_shares={m.name: m.max_share for m in models if m.max_share is not None},
+    )
+    logger.info(
+        "shared KV pool: %d pages of %d bytes (%.1f MiB) for %s",
+        num_pages,
+        pool.page_bytes,
+        pool.num_bytes / 2**20,
+        ", ".join(names),
+    )
+    engines: dict[str, Engine] = {}
+    for m, spec in zip(models, specs):
+        engine_config = EngineConfig(
+            model=m.path,
+            device=str(device),
+            dtype=str(spec.dtype).removeprefix("torch."),
+            max_model_len=config.max_model_len,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            seed=config.seed,
+        )
+        engines[m.name] = Engine(
+            engine_config, block_pool=pool.block_pool, owner=m.name, kv_caches=pool.kv_caches(m.name)
+        )
+    return engines
+
+
+def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: HostConfig, device: Any) -> int:
+    """Bytes the shared KV pool may take."""
+    import os
+
+    import torch
+
+    import loaders
+    from qserve.memory.planner import (
+        CPU_KV_BUDGET_BYTES,
+        GPU_DEFAULT_FRACTION,
+        activation_bytes_estimate,
+        parse_memory_budget,
+        weight_bytes,
+    )
+
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if config.gpu_memory_budget is None:
+        if device.type != "cuda":
+            return CPU_KV_BUDGET_BYTES
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * GPU_DEFAULT_FRACTION)
+    else:
+        budget = parse_memory_budget(config.gpu_memory_budget, total)
+        if device.type != "cuda":
+            return budget  # on CPU the budget caps the KV pool itself
+    weights = sum(weight_bytes(s.config, loaders.detect(m.path), s.dtype) for m, s in zip(models, specs))
+    tokens = config.max_num_batched_tokens or 2048
+    activations = max(activation_bytes_estimate(s.config, tokens, config.max_num_seqs, s.dtype) for s in specs)
+    overhead = 64 << 20
+    kv_bytes = budget - weights - activations - overhead
+    if kv_bytes <= 0:
+        raise ValueError(
+            f"--gpu-memory-budget {config.gpu_memory_budget or budget} leaves no room for KV pages after "
+            f"weights ({weights / 2**30:.2f} GiB) and activations ({activations / 2**30:.2f} GiB)"
+        )
+    return kv_bytes

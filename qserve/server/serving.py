@@ -1,0 +1,590 @@
+"""OpenAI requests in, engine requests out; engine outputs in, OpenAI responses / SSE chunks out.
+
+Knows: how ``CompletionRequest`` / ``ChatCompletionRequest`` become ``SamplingParams`` and
+token-id prompts (chat template, echo, logprobs, n, batches of prompts), how cumulative
+``RequestOutput``s become OpenAI responses, streaming deltas and usage, and which
+``ServingError`` (status, type, param) each failure is. Must not know: routes, auth,
+uvicorn, Prometheus, or how engines are stepped (``AsyncEngine`` does that).
+
+Tokenizers: each model gets a front-end copy of its tokenizer, used only on the event loop
+thread (the engine's own one belongs to the step thread).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from qserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestItem
+from qserve.outputs import PositionLogprobs, RequestOutput
+from qserve.sampling_params import SamplingParams
+from qserve.server.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    UsageInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+# Fields copied from the request into SamplingParams when the client set them.
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+class ServingError(Exception):
+    """A failure with its HTTP status and OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "BadRequestError",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.headers = headers or {}
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
+
+
+def bad_request(message: str, param: str | None = None) -> ServingError:
+    return ServingError(400, message, type="BadRequestError", param=param)
+
+
+def _param_of(message: str, names: Sequence[str], rename: dict[str, str]) -> str | None:
+    """The request field a ValueError message is about (its first known word)."""
+    quoted = re.search(r"unknown sampling parameter '(\w+)'", message)
+    if quoted:
+        return quoted.group(1)
+    match = re.match(r"(\w+)", message)
+    if match and match.group(1) in names:
+        return rename.get(match.group(1), match.group(1))
+    return None
+
+
+@dataclass(eq=False)
+class ServedModel:
+    """What the front end needs of one hosted model."""
+
+    name: str
+    path: str
+    max_model_len: int
+    tokenizer: Any  # front-end copy: loop thread only
+
+
+@dataclass(eq=False)
+class _Prompt:
+    token_ids: list[int]
+    text: str | None  # None until decoded (token-id prompts)
+
+
+@dataclass(eq=False)
+class _ChoiceState:
+    """Streaming progress of one choice."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class _Submission:
+    request_ids: list[str]
+    prompts: list[_Prompt]
+    params: SamplingParams
+    index_of: dict[str, int] = field(default_factory=dict)
+
+
+def sse(payload: BaseModel | dict[str, Any] | str) -> str:
+    """One server-sent event carrying ``payload`` as JSON (or a raw string such as [DONE])."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        data = json.dumps(payload, ensure_ascii=False)
+    else:
+        data = payload
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    """The endpoints' logic, independent of the web framework."""
+
+    def __init__(self, host: AsyncEngine) -> None:
+        self.host = host
+        self.models: dict[str, ServedModel] = {}
+        for name, hosted in host.models.items():
+            engine = hosted.engine
+            self.models[name] = ServedModel(
+                name=name,
+                path=str(engine.config.model),
+                max_model_len=engine.max_model_len,
+                tokenizer=copy.deepcopy(engine.tokenizer),
+            )
+
+    # ------------------------------------------------------------------ models
+    def list_models(self) -> ModelList:
+        return ModelList(
+            data=[ModelCard(id=m.name, root=m.path, max_model_len=m.max_model_len) for m in self.models.values()]
+        )
+
+    def _model(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise ServingError(404, f"The model `{name}` does not exist.", type="NotFoundError", param="model")
+        return model
+
+    # ------------------------------------------------------------------ shared helpers
+    @staticmethod
+    def _sampling_params(
+        request: SamplingFields,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        rename: dict[str, str] | None = None,
+    ) -> SamplingParams:
+        kwargs: dict[str, Any] = {
+            "n": request.n,
+            "max_tokens": max_tokens,
+            "stop": request.stop,
+            "stop_token_ids": request.stop_token_ids,
+            "seed": request.seed,
+            "ignore_eos": request.ignore_eos,
+            "min_tokens": request.min_tokens,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "skip_special_tokens": request.skip_special_tokens,
+            "include_stop_str_in_output": request.include_stop_str_in_output,
+        }
+        for name in _OPTIONAL_SAMPLING_FIELDS:
+            value = getattr(request, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as err:
+            raise bad_request(str(err), _param_of(str(err), SamplingParams.field_names(), rename or {})) from err
+
+    def _check_length(self, model: ServedModel, prompt: _Prompt, param: str) -> None:
+        if len(prompt.token_ids) >= model.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {model.max_model_len} tokens. However, your prompt is "
+                f"{len(prompt.token_ids)} tokens long, which leaves no room to generate.",
+                param,
+            )
+        if not prompt.token_ids:
+            raise bad_request("the prompt is empty: at least one token is needed", param)
+
+    async def _submit(self, model: ServedModel, submission: _Submission, prompt_param: str) -> Any:
+        items = [
+            RequestItem(rid, {"prompt_token_ids": p.token_ids, "prompt": p.text}, submission.params)
+            for rid, p in zip(submission.request_ids, submission.prompts)
+        ]
+        try:
+            return await self.host.submit(model.name, items)
+        except QueueFullError as err:
+            raise ServingError(
+                429,
+                str(err),
+                type="RateLimitError",
+                headers={"Retry-After": str(err.retry_after_s)},
+            ) from err
+        except EngineDeadError as err:
+            raise ServingError(503, str(err), type="ServiceUnavailableError") from err
+        except ValueError as err:
+            message = str(err)
+            param = _param_of(message, SamplingParams.field_names(), {})
+            raise bad_request(message, param or prompt_param) from err
+
+    @staticmethod
+    async def _collect(stream: Any) -> dict[str, RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        try:
+            async for request_id, output in stream:
+                if output.finished:
+                    final[request_id] = output
+        finally:
+            stream.abort()  # no-op once everything finished; frees pages if we were cancelled
+        return final
+
+    # ------------------------------------------------------------------ completions
+    def _completion_prompts(self, model: ServedModel, request: CompletionRequest) -> list[_Prompt]:
+        raw = request.prompt
+        if isinstance(raw, str):
+            items: list[Any] = [raw]
+        elif raw and all(isinstance(x, int) for x in raw):
+            items = [raw]
+        else:
+            items = list(raw)
+        if not items:
+            raise bad_request("prompt is empty", "prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompt = _Prompt(model.tokenizer.encode(item), item)
+            else:
+                prompt = _Prompt(list(item), None)
+            self._check_length(model, prompt, "prompt")
+            prompts.append(prompt)
+        return prompts
+
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        model = self._model(request.model)
+        if request.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+        self._check_queue(model.name)
+        prompts = self._completion_prompts(model, request)
+        logprobs = request.logprobs
+        params = self._sampling_params(
+            request,
+            max_tokens=request.max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if request.echo and logprobs is not None else None,
+        )
+        if request.echo:
+            for prompt in prompts:
+                if prompt.text is None:
+                    prompt.text = model.tokenizer.decode(prompt.token_ids)
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        submission = _Submission(request_ids, prompts, params, {rid: i for i, rid in enumerate(request_ids)})
+        stream = await self._submit(model, submission, "prompt")
+        if request.stream:
+            return self._completion_stream(model, request, submission, stream, base_id)
+        final = await self._collect(stream)
+        choices: list[CompletionChoice] = []
+        for rid in request_ids:
+            output = final[rid]
+            i = submission.index_of[rid]
+            prompt = prompts[i]
+            for completion in output.outputs:
+                text = completion.text
+                token_ids = list(completion.token_ids)
+                positions: list[PositionLogprobs | None] = list(completion.logprobs or [])
+                if request.echo:
+                    text = (prompt.text or "") + text
+                    if logprobs is not None:
+                        token_ids = list(prompt.token_ids) + token_ids
+                        positions = list(output.prompt_logprobs or [None] * len(prompt.token_ids)) + positions
+                choices.append(
+                    CompletionChoice(
+                        index=i * request.n + completion.index,
+                        text=text,
+                        logprobs=self._completion_logprobs(model, token_ids, positions, 0)
+                        if logprobs is not None
+                        else None,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(id=base_id, model=model.name, choices=choices, usage=_usage(final.values()))
+
+    def _check_queue(self, name: str) -> None:
+        try:
+            self.host.check_queue(name)
+        except QueueFullError as err:
+            raise ServingError(
+                429, str(err), type="RateLimitError", headers={"Retry-After": str(err.retry_after_s)}
+            ) from err
+
+    @staticmethod
+    def _completion_logprobs(
+        model: ServedModel,
+        token_ids: Sequence[int],
+        positions: Sequence[PositionLogprobs | None],
+        initial_offset: int,
+    ) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        offset = initial_offset
+        for token_id, position in zip(token_ids, positions):
+            if position is None:
+                token = model.tokenizer.decode([token_id])
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                chosen = position.get(token_id)
+                token = chosen.decoded_token if chosen and chosen.decoded_token is not None else ""
+                result.token_logprobs.append(chosen.logprob if chosen else None)
+                ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)
+                result.top_logprobs.append({lp.decoded_token or "": lp.logprob for _, lp in ranked})
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+    async def _completion_stream(
+        self,
+        model: ServedModel,
+        request: CompletionRequest,
+        submission: _Submission,
+        stream: Any,
+        base_id: str,
+    ) -> AsyncIterator[str]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        created = int(time.time())
+        states: dict[int, _ChoiceState] = {}
+        final: dict[str, RequestOutput] = {}
+        try:
+            async for rid, output in stream:
+                i = submission.index_of[rid]
+                prompt = submission.prompts[i]
+                for completion in output.outputs:
+                    index = i * request.n + completion.index
+                    state = states.setdefault(index, _ChoiceState())
+                    if state.finished:
+                        continue
+                    text = completion.text[state.text_len :] if len(completion.text) >= state.text_len else ""
+                    new_ids = list(completion.token_ids[state.num_tokens :])
+                    positions: list[PositionLogprobs | None] = list((completion.logprobs or [])[state.num_tokens :])
+                    if request.echo and not state.started:
+                        text = (prompt.text or "") + text
+                        if request.logprobs is not None:
+                            new_ids = list(prompt.token_ids) + new_ids
+                            prompt_positions = output.prompt_logprobs or [None] * len(prompt.token_ids)
+                            positions = list(prompt_positions) + positions
+                    finishing = completion.finish_reason is not None
+                    if not text and not finishing and (not new_ids or request.logprobs is None):
+                        continue  # nothing to show yet (e.g. half a UTF-8 character)
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = self._completion_logprobs(model, new_ids, positions, state.text_offset)
+                        state.text_offset += sum(len(t) for t in logprobs.tokens)
+                    state.started = True
+                    state.text_len = len(completion.text)
+                    state.num_tokens = len(completion.token_ids)
+                    state.finished = finishing
+                    chunk = CompletionResponse(
+                        id=base_id,
+                        created=created,
+                        model=model.name,
+                        choices=[
+                            CompletionChoice(
+                                index=index,
+                                text=text,
+                                logprobs=logprobs,
+                                finish_reason=completion.finish_reason,
+                                stop_reason=completion.stop_reason,
+                            )
+                        ],
+                    )
+                    yield sse(_dump(chunk, include_usage))
+                if output.finished:
+                    final[rid] = output
+            if include_usage:
+                usage_chunk = CompletionResponse(
+                    id=base_id, created=created, model=model.name, choices=[], usage=_usage(final.values())
+                )
+                yield sse(usage_chunk)
+        except Exception as err:  # noqa: BLE001 - report in-stream; the HTTP status is already sent
+            logger.exception("completion stream %s failed", base_id)
+            yield sse(ServingError(500, str(err), type="InternalServerError").to_response())
+        finally:
+            stream.abort()
+        yield sse("[DONE]")
+
+    # ------------------------------------------------------------------ chat
+    def _chat_prompt(self, model: ServedModel, request: ChatCompletionRequest) -> _Prompt:
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        tokenizer = model.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise bad_request(f"model {model.name!r} has no chat template; use /v1/completions", "messages")
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=request.add_generation_prompt,
+                tokenize=False,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as err:  # noqa: BLE001 - template errors are the request's fault
+            raise bad_request(f"the chat template could not render these messages: {err}", "messages") from err
+        prompt = _Prompt(tokenizer.encode(text, add_special_tokens=False), text)
+        self._check_length(model, prompt, "messages")
+        return prompt
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        model = self._model(request.model)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        self._check_queue(model.name)
+        prompt = self._chat_prompt(model, request)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        rename = {"max_tokens": "max_completion_tokens" if request.max_completion_tokens else "max_tokens"}
+        rename["logprobs"] = "top_logprobs"
+        params = self._sampling_params(
+            request,
+            max_tokens=max_tokens,
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            rename=rename,
+        )
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        submission = _Submission([base_id], [prompt], params, {base_id: 0})
+        stream = await self._submit(model, submission, "messages")
+        if request.stream:
+            return self._chat_stream(model, request, stream, base_id)
+        final = await self._collect(stream)
+        output = final[base_id]
+        top = request.top_logprobs or 0
+        choices = [
+            ChatCompletionChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=_chat_logprobs(c.token_ids, c.logprobs or [], top) if request.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in output.outputs
+        ]
+        return ChatCompletionResponse(id=base_id, model=model.name, choices=choices, usage=_usage([output]))
+
+    async def _chat_stream(
+        self, model: ServedModel, request: ChatCompletionRequest, stream: Any, base_id: str
+    ) -> AsyncIterator[str]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        created = int(time.time())
+        top = request.top_logprobs or 0
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            return sse(
+                _dump(
+                    ChatCompletionChunk(id=base_id, created=created, model=model.name, choices=[choice]), include_usage
+                )
+            )
+
+        states: dict[int, _ChoiceState] = {}
+        last: RequestOutput | None = None
+        try:
+            for index in range(request.n):
+                states[index] = _ChoiceState(started=True)
+                yield chunk(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+            async for _, output in stream:
+                last = output
+                for completion in output.outputs:
+                    state = states[completion.index]
+                    if state.finished:
+                        continue
+                    text = completion.text[state.text_len :] if len(completion.text) >= state.text_len else ""
+                    new_ids = list(completion.token_ids[state.num_tokens :])
+                    positions = list((completion.logprobs or [])[state.num_tokens :])
+                    finishing = completion.finish_reason is not None
+                    if not text and not finishing and (not new_ids or not request.logprobs):
+                        continue  # nothing to show yet (e.g. half a UTF-8 character)
+                    state.text_len = len(completion.text)
+                    state.num_tokens = len(completion.token_ids)
+                    state.finished = finishing
+                    yield chunk(
+                        ChatCompletionStreamChoice(
+                            index=completion.index,
+                            delta=DeltaMessage(content=text) if text or not finishing else DeltaMessage(),
+                            logprobs=_chat_logprobs(new_ids, positions, top) if request.logprobs else None,
+                            finish_reason=completion.finish_reason,
+                            stop_reason=completion.stop_reason,
+                        )
+                    )
+            if include_usage and last is not None:
+                yield sse(
+                    ChatCompletionChunk(id=base_id, created=created, model=model.name, choices=[], usage=_usage([last]))
+                )
+        except Exception as err:  # noqa: BLE001 - report in-stream; the HTTP status is already sent
+            logger.exception("chat stream %s failed", base_id)
+            yield sse(ServingError(500, str(err), type="InternalServerError").to_response())
+        finally:
+            stream.abort()
+        yield sse("[DONE]")
+
+
+# ---------------------------------------------------------------------- helpers
+def _dump(model: BaseModel, include_usage: bool) -> dict[str, Any]:
+    """A chunk as JSON; ``usage`` appears (as null) only when the client asked for usage."""
+    data = model.model_dump(mode="json")
+    if not include_usage:
+        data.pop("usage", None)
+    for choice in data.get("choices", []):
+        if "delta" in choice:  # OpenAI omits unset delta fields
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return data
+
+
+def _usage(outputs: Any) -> UsageInfo:
+    prompt_tokens = 0
+    completion_tokens = 0
+    for output in outputs:
+        prompt_tokens += len(output.prompt_token_ids)
+        completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+def _chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top: int) -> ChatChoiceLogprobs:
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position.get(token_id)
+        token = (chosen.decoded_token if chosen else None) or ""
+        ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top), key=_rank)
+        content.append(
+            ChatTokenLogprob(
+                token=token,
+                logprob=chosen.logprob if chosen else float("-inf"),
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=[
+                    ChatTopLogprob(
+                        token=lp.decoded_token or "",
+                        logprob=lp.logprob,
+                        bytes=list((lp.decoded_token or "").encode("utf-8")),
+                    )
+                    for lp in ranked
+                ],
+            )
+        )
+    return ChatChoiceLogprobs(content=content)
+
+
+def _rank(lp: Any) -> int:
+    return lp.rank or 0
