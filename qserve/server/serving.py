@@ -217,6 +217,21 @@ class OpenAIServing:
         if not prompt.token_ids:
             raise bad_request("the prompt is empty: at least one token is needed", param)
 
+    @staticmethod
+    def _check_total_length(model: ServedModel, prompts: list[_Prompt], params: SamplingParams, param: str) -> None:
+        """Like vLLM and OpenAI: refuse prompt + max_tokens beyond the context instead of cutting it."""
+        if params.max_tokens is None:
+            return
+        for prompt in prompts:
+            total = len(prompt.token_ids) + params.max_tokens
+            if total > model.max_model_len:
+                raise bad_request(
+                    f"This model's maximum context length is {model.max_model_len} tokens. However, you requested "
+                    f"{total} tokens ({len(prompt.token_ids)} in the prompt, {params.max_tokens} in the completion). "
+                    "Please reduce the length of the prompt or the completion.",
+                    param,
+                )
+
     async def _submit(self, model: ServedModel, submission: _Submission, prompt_param: str) -> Any:
         items = [
             RequestItem(rid, {"prompt_token_ids": p.token_ids, "prompt": p.text}, submission.params)
@@ -285,6 +300,7 @@ class OpenAIServing:
             logprobs=logprobs,
             prompt_logprobs=logprobs if request.echo and logprobs is not None else None,
         )
+        self._check_total_length(model, prompts, params, "max_tokens")
         if request.echo:
             for prompt in prompts:
                 if prompt.text is None:
@@ -463,6 +479,7 @@ class OpenAIServing:
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             rename=rename,
         )
+        self._check_total_length(model, [prompt], params, rename["max_tokens"])
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         submission = _Submission([base_id], [prompt], params, {base_id: 0})
         stream = await self._submit(model, submission, "messages")

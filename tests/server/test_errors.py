@@ -49,6 +49,7 @@ def http(two_model_server):
         ({"prompt": []}, "prompt"),
         ({"prompt": [999999]}, "prompt"),
         ({"prompt": "word " * MAX_MODEL_LEN}, "prompt"),
+        ({"prompt": [5, 6, 7], "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ],
 )
 def test_completion_bad_parameters(http, body, param):
@@ -65,6 +66,11 @@ def test_completion_bad_parameters(http, body, param):
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
         ({"messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": MAX_MODEL_LEN},
+            "max_completion_tokens",
+        ),
     ],
 )
 def test_chat_bad_parameters(http, body, param):

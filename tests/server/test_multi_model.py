@@ -86,7 +86,7 @@ def test_client_disconnect_mid_stream_frees_pages(two_model_server):
     hosted = host.models["qwen"]
     pool = hosted.engine.block_pool
     assert wait_for(lambda: pool.num_used_blocks == 0)
-    body = {"model": "qwen", "prompt": "word " * 60, "max_tokens": 150, "ignore_eos": True, "stream": True}
+    body = {"model": "qwen", "prompt": "word " * 30, "max_tokens": 150, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=two_model_server.url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
