@@ -20,6 +20,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--gpu-memory-budget", default=None, help="bytes (24GiB) or a fraction of the device (0.9)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8 or int8")
+    parser.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,7 +30,17 @@ def run(args: argparse.Namespace) -> int:
     from qserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    engine = Engine(EngineConfig(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len))
+    engine = Engine(
+        EngineConfig(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            gpu_memory_budget=args.gpu_memory_budget,
+            kv_cache_dtype=args.kv_cache_dtype,
+            enforce_eager=args.enforce_eager,
+        )
+    )
     engine.add_request("cli", args.prompt, params)
     shown = 0
     while engine.has_unfinished_requests():

@@ -41,7 +41,10 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="memory qserve may use: bytes (24GiB, 512MiB) or a fraction of the device (0.9); on CPU it caps the KV pool",
     )
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache element type; the server supports: auto")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="KV cache element type: auto (the model dtype), fp8 (e4m3) or int8"
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs for decode")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once, per model")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
@@ -121,7 +124,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         raise ValueError("no model given: qserve serve MODEL [MODEL ...] (a model directory or NAME=PATH)")
     if args.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(
-            f"--kv-cache-dtype {args.kv_cache_dtype!r} is not supported by the server yet; "
+            f"--kv-cache-dtype {args.kv_cache_dtype!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
         )
     if args.gpu_memory_budget is not None:
@@ -152,6 +155,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_budget=args.gpu_memory_budget,
         num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=args.enforce_eager,
     )
 
     def factory() -> AsyncEngine:

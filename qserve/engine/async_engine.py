@@ -433,9 +433,10 @@ class HostConfig:
     kv_cache_dtype: str = "auto"
     gpu_memory_budget: str | None = None  # bytes with a unit or a fraction; None: the planner's default
     num_kv_blocks: int | None = None  # pages of the shared pool, overriding the budget
+    enforce_eager: bool = False  # no CUDA graphs
 
 
-SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
 def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, Engine]:
@@ -447,11 +448,12 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
     free memory on GPU).
     """
     from qserve.config import ModelConfig
+    from qserve.memory.profiler import kv_cache_torch_dtype
     from qserve.memory.shared_pool import ModelKVSpec, SharedKVPool, num_pages_for
 
     if config.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(
-            f"--kv-cache-dtype {config.kv_cache_dtype!r} is not supported by the server yet; "
+            f"--kv-cache-dtype {config.kv_cache_dtype!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
         )
     if not models:
@@ -465,7 +467,7 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
     for m in models:
         model_config = ModelConfig.from_path(m.path)
         model_configs[m.name] = model_config
-        dtype = resolve_dtype(config.dtype, model_config.dtype, device)
+        dtype = kv_cache_torch_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, model_config.dtype, device))
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         specs.append(ModelKVSpec(m.name, model_config, dtype, config.block_size, max_model_len, config.max_num_seqs))
     if config.num_kv_blocks is not None:
@@ -487,17 +489,19 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
         ", ".join(names),
     )
     engines: dict[str, Engine] = {}
-    for m, spec in zip(models, specs):
+    for m in models:
         engine_config = EngineConfig(
             model=m.path,
             device=str(device),
-            dtype=str(spec.dtype).removeprefix("torch."),
+            dtype=config.dtype,
             max_model_len=config.max_model_len,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             seed=config.seed,
+            kv_cache_dtype=config.kv_cache_dtype,
+            enforce_eager=config.enforce_eager,
         )
         engines[m.name] = Engine(
             engine_config, block_pool=pool.block_pool, owner=m.name, kv_caches=pool.kv_caches(m.name)
@@ -533,9 +537,12 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
         budget = parse_memory_budget(config.gpu_memory_budget, total)
         if device.type != "cuda":
             return budget  # on CPU the budget caps the KV pool itself
-    weights = sum(weight_bytes(s.config, loaders.detect(m.path), s.dtype) for m, s in zip(models, specs))
+    act_dtypes = [resolve_dtype(config.dtype, s.config.dtype, device) for s in specs]  # specs hold KV dtypes
+    weights = sum(weight_bytes(s.config, loaders.detect(m.path), d) for m, s, d in zip(models, specs, act_dtypes))
     tokens = config.max_num_batched_tokens or 2048
-    activations = max(activation_bytes_estimate(s.config, tokens, config.max_num_seqs, s.dtype) for s in specs)
+    activations = max(
+        activation_bytes_estimate(s.config, tokens, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes)
+    )
     overhead = 64 << 20
     kv_bytes = budget - weights - activations - overhead
     if kv_bytes <= 0:

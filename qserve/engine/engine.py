@@ -14,10 +14,19 @@ from typing import Any
 
 import torch
 
+import loaders
 from qserve.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
 from qserve.engine.detokenizer import IncrementalDetokenizer
 from qserve.engine.stop_checker import check_stop
-from qserve.memory.planner import plan_num_kv_blocks
+from qserve.memory.planner import (
+    GPU_DEFAULT_FRACTION,
+    MemoryPlan,
+    make_plan,
+    parse_memory_budget,
+    plan_num_kv_blocks,
+    weight_bytes,
+)
+from qserve.memory.profiler import kv_cache_torch_dtype, profile_model, set_kv_scales
 from qserve.model.loader import load_model
 from qserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from qserve.request import Request, RequestStatus
@@ -46,6 +55,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     tokenizer: str | None = None
+    gpu_memory_budget: str | None = None  # bytes ("24GiB") or a fraction of the device ("0.9")
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" | "int8"
+    enforce_eager: bool = False  # no CUDA graphs
 
 
 @dataclass(eq=False)
@@ -156,14 +168,36 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or max(2048, config.block_size),
         )
-        if block_pool is None:
-            num_blocks = cache.num_kv_blocks or plan_num_kv_blocks(
-                self.model_config, self.dtype, cache.block_size, max_model_len, config.max_num_seqs, self.device
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        if kv_dtype != self.dtype or (block_pool is None and cache.num_kv_blocks is None and self._plans_memory):
+            profile = profile_model(
+                self.model,
+                self.model_config,
+                num_tokens=self.scheduler_config.max_num_batched_tokens if self._plans_memory else 64,
+                max_model_len=max_model_len,
+                num_sample_rows=config.max_num_seqs,
+                block_size=cache.block_size,
+                dtype=self.dtype,
+                device=self.device,
             )
+            if kv_dtype != self.dtype:
+                set_kv_scales(self.model, profile, kv_dtype)
+        self.memory_plan = None
+        if block_pool is None:
+            if cache.num_kv_blocks is not None:
+                num_blocks = cache.num_kv_blocks
+            elif self._plans_memory:
+                self.memory_plan = self._plan_memory(profile.activation_bytes, max_model_len)
+                num_blocks = self.memory_plan.num_kv_blocks
+                logger.info("memory plan for %s:\n%s", config.model, self.memory_plan.describe())
+            else:
+                num_blocks = plan_num_kv_blocks(
+                    self.model_config, kv_dtype, cache.block_size, max_model_len, config.max_num_seqs, self.device
+                )
             block_pool = BlockPool(num_blocks)
         else:
             num_blocks = block_pool.num_blocks
-            _check_kv_caches(kv_caches, self.model_config, num_blocks, cache.block_size, self.dtype)
+            _check_kv_caches(kv_caches, self.model_config, num_blocks, cache.block_size, kv_dtype)
         self.block_pool = block_pool
         self.owner = owner or str(config.model)
         self.kv_manager = KVCacheManager(
@@ -176,8 +210,10 @@ class Engine:
             max_model_len,
         )
         if kv_caches is None:
-            kv_caches = allocate_kv_caches(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
+            kv_caches = allocate_kv_caches(self.model_config, num_blocks, cache.block_size, kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.model_config, kv_caches, cache.block_size, self.device, config.seed)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -192,6 +228,33 @@ class Engine:
             self.dtype,
             num_blocks,
             cache.block_size,
+        )
+
+    @property
+    def _plans_memory(self) -> bool:
+        """A budget was given, or the GPU needs one (its default is a share of the card)."""
+        return self.config.gpu_memory_budget is not None or self.device.type == "cuda"
+
+    def _plan_memory(self, activation_bytes: int, max_model_len: int) -> MemoryPlan:
+        """KV pages from the budget minus the weights as loaded and the measured activation peak."""
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            weights = torch.cuda.memory_allocated(self.device)  # the model is all that is allocated yet
+        else:
+            total = None
+            weights = weight_bytes(self.model_config, loaders.detect(self.config.model), self.dtype)
+        budget = parse_memory_budget(self.config.gpu_memory_budget or str(GPU_DEFAULT_FRACTION), total)
+        return make_plan(
+            self.model_config,
+            weights_bytes=weights,
+            budget_bytes=budget,
+            dtype=self.dtype,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            block_size=self.config.block_size,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            activation_bytes=activation_bytes or None,
         )
 
     # ------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         tokenizer: str | None = None,
+        gpu_memory_budget: str | None = None,
+        kv_cache_dtype: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         self.engine = Engine(
             EngineConfig(
@@ -41,6 +44,9 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 seed=seed,
                 tokenizer=tokenizer,
+                gpu_memory_budget=gpu_memory_budget,
+                kv_cache_dtype=kv_cache_dtype,
+                enforce_eager=enforce_eager,
             )
         )
         self._counter = 0

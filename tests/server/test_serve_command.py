@@ -32,7 +32,7 @@ def test_model_names():
     ("argv", "message"),
     [
         ((), "no model given"),
-        (("{llama}", "--kv-cache-dtype", "fp8"), "supported: auto"),
+        (("{llama}", "--kv-cache-dtype", "fp4"), "supported: auto, fp8, int8"),
         (("{llama}", "--gpu-memory-budget", "lots"), "not understood"),
         (("llama={llama}", "--min-share", "other=0.5"), "no model named 'other'"),
         (("llama={llama}", "--max-share", "llama=1.5"), "[0, 1]"),
