@@ -5,9 +5,10 @@ it (``prepare_w4a16``: the kernel layout is produced here once at load, never pe
 not know: models or checkpoint formats. Triton stays an optional, lazy import: this module
 imports on a machine without triton, and only the CUDA branch touches it.
 
-The Triton kernels read the canonical layout as is (int32 words packed along K, N contiguous:
-16-byte coalesced loads along N), so preparation on CUDA adds only the split-K arrival
-counters; ``quant_kernels.repack`` is not needed for them.
+On CUDA, preparation repacks the canonical weight once into the kernels' tile-interleaved
+layout (``quant_kernels.repack``) and allocates the split-K arrival counters; a weight the
+kernels do not serve (a group size that is not a multiple of 16) stays canonical and takes the
+reference path.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from quant_kernels.layout import PackedQuantWeight
 
 @dataclass
 class W4A16Prepared:
-    """A weight ready for the Triton kernels: the canonical tensors plus per-weight scratch.
+    """A weight ready for the Triton kernels: the tiled weight plus per-weight scratch.
 
-    ``counters`` (int32, zeros) are the split-K arrival counters: each split-K launch leaves them
-    at zero again, so they are allocated once here and never reset per call.
+    ``weight`` is a ``quant_kernels.repack.TiledQuantWeight``. ``counters`` (int32, zeros) are the
+    split-K arrival counters: each split-K launch leaves them at zero again, so they are
+    allocated once here and never reset per call.
     """
 
-    weight: PackedQuantWeight
+    weight: Any  # TiledQuantWeight (typed loosely: this module must import without triton)
     counters: torch.Tensor  # int32 [num_split_counters(N)]
 
     @property
@@ -60,10 +62,12 @@ def prepare_w4a16(weight: PackedQuantWeight) -> Any:
         return weight
     from quant_kernels import w4a16_triton
 
+    if not w4a16_triton.supports(weight):
+        return weight
     counters = torch.zeros(
         w4a16_triton.num_split_counters(weight.out_features), dtype=torch.int32, device=weight.qweight.device
     )  # [num_split_counters(N)]
-    return W4A16Prepared(weight=weight, counters=counters)
+    return W4A16Prepared(weight=w4a16_triton.prepare(weight), counters=counters)
 
 
 def w4a16_linear(x: torch.Tensor, prepared: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,8 +79,11 @@ def w4a16_linear(x: torch.Tensor, prepared: Any, bias: torch.Tensor | None = Non
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         out = w4a16_gemm(x2, prepared.weight, bias, counters=prepared.counters)  # [M, N]
         return out.reshape(*lead, out.shape[-1])
-    weight = prepared.weight if isinstance(prepared, W4A16Prepared) else prepared
-    return reference.w4a16_matmul(x, weight, bias)
+    if isinstance(prepared, W4A16Prepared):  # a CUDA-prepared weight used off CUDA: undo the tiling
+        from quant_kernels.repack import untile
+
+        prepared = untile(prepared.weight)
+    return reference.w4a16_matmul(x, prepared, bias)
 
 
 def warmup_w4a16(prepared: Any, dtype: torch.dtype, ms: list[int]) -> None:
@@ -84,5 +91,6 @@ def warmup_w4a16(prepared: Any, dtype: torch.dtype, ms: list[int]) -> None:
     if not isinstance(prepared, W4A16Prepared):
         return
     for m in ms:
-        x = torch.randn((m, prepared.in_features), dtype=dtype, device=prepared.weight.qweight.device)  # [M, K]
+        device = prepared.weight.qweight.device
+        x = torch.randn((m, prepared.in_features), dtype=dtype, device=device)  # [M, K]
         w4a16_linear(x, prepared)

@@ -1,0 +1,324 @@
+"""End-to-end GPU benchmark of the engine on a Qwen2.5-14B-shaped GPTQ-4bit checkpoint.
+
+Builds the checkpoint with random weights on local disk, loads it through the real loader under
+``--gpu-memory-budget``, and measures: cold start to first token, decode tok/s at batch
+1/8/32/128 against the bandwidth floor, a ShareGPT-like offline workload, capacity (concurrent
+1,024-token sequences running in one step) with model-dtype and fp8 KV, peak allocator memory vs
+the budget, the plan vs what the runtime allocated, and (on a small model) GPU logits vs the CPU
+reference path and CUDA graphs vs eager.
+
+    python bench/e2e.py --out results.md            # on the H200 (about 5-8 minutes)
+    python bench/e2e.py --small                     # a tiny shape, CPU or GPU, to check the script
+
+Numbers are printed as a table and written to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qserve import LLM, SamplingParams  # noqa: E402
+from tests.helpers.tokenizer import make_tokenizer  # noqa: E402
+
+QWEN14B = dict(hidden=5120, layers=48, heads=40, kv_heads=8, inter=13824, vocab=152064)
+SMALL = dict(hidden=256, layers=2, heads=4, kv_heads=2, inter=512, vocab=1024)
+GIB = 2**30
+
+
+def write_random_gptq(path: Path, shape: dict, group: int = 128) -> int:
+    """A GPTQ v1 sym 4-bit checkpoint with random codes; returns its size in bytes."""
+    path.mkdir(parents=True, exist_ok=True)
+    h, inter, vocab = shape["hidden"], shape["inter"], shape["vocab"]
+    d = 128 if h >= 1024 else h // shape["heads"]
+    q, kv = shape["heads"] * d, shape["kv_heads"] * d
+    gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
+    dev = gen.device
+
+    def linear(k: int, n: int) -> dict[str, torch.Tensor]:
+        qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), generator=gen, device=dev, dtype=torch.int64)
+        scales = torch.rand(k // group, n, generator=gen, device=dev) * 0.002 + 0.002
+        return {
+            "qweight": qweight.to(torch.int32).cpu(),
+            "qzeros": torch.full((k // group, n // 8), 0x77777777, dtype=torch.int32),
+            "scales": scales.half().cpu(),
+        }
+
+    total = 0
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+
+    def flush(index: int) -> None:
+        nonlocal shard, total
+        name = f"model-{index:05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        weight_map.update(dict.fromkeys(shard, name))
+        shard = {}
+
+    def dense(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen, device=dev) * 0.02).half().cpu()
+
+    shard["model.embed_tokens.weight"] = dense(vocab, h)
+    shard["lm_head.weight"] = dense(vocab, h)
+    shard["model.norm.weight"] = torch.ones(h, dtype=torch.float16)
+    flush(0)
+    for i in range(shape["layers"]):
+        p = f"model.layers.{i}"
+        for name, k, n in (
+            ("self_attn.q_proj", h, q),
+            ("self_attn.k_proj", h, kv),
+            ("self_attn.v_proj", h, kv),
+            ("self_attn.o_proj", q, h),
+            ("mlp.gate_proj", h, inter),
+            ("mlp.up_proj", h, inter),
+            ("mlp.down_proj", inter, h),
+        ):
+            for suffix, tensor in linear(k, n).items():
+                shard[f"{p}.{name}.{suffix}"] = tensor
+        for name, n in (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)):
+            shard[f"{p}.{name}.bias"] = torch.zeros(n, dtype=torch.float16)
+        shard[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
+        shard[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
+        flush(i + 1)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv_heads"],
+        "vocab_size": vocab,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "eos_token_id": 0,
+        "quantization_config": {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group,
+            "desc_act": False,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        },
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    make_tokenizer(str(path))
+    return total
+
+
+def lognormal_lengths(count: int, mean: float, cap: int, gen: torch.Generator) -> list[int]:
+    sigma = 1.0
+    mu = math.log(mean) - sigma**2 / 2
+    values = torch.exp(torch.randn(count, generator=gen) * sigma + mu)
+    return [max(1, min(cap, int(v))) for v in values]
+
+
+def timed_decode(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
+    """Decode tokens/s of ``batch`` sequences once their prompts are in."""
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        ids = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"dec{batch}-{i}", {"prompt_token_ids": ids}, params)
+    while any(not seq.request.output_token_ids for _, seq in engine._sequences.values()):
+        engine.step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return batch * steps / elapsed
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy (read + write counted)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    src = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync()
+    bw = 2 * src.numel() * 10 / (time.perf_counter() - start)
+    del src, dst
+    torch.cuda.empty_cache()
+    return bw
+
+
+def small_model_checks(rows: list[tuple[str, str]], tmp: Path) -> None:
+    """GPU logits vs the CPU reference path, and CUDA graphs vs eager, on a small model."""
+    from tests.helpers.tiny_models import make_tiny_model, save_tiny_checkpoint
+
+    model = make_tiny_model("LlamaForCausalLM", seed=1, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    path = save_tiny_checkpoint(model, tmp / "small-llama", dtype=torch.float16)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 40, 130)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
+    cpu = LLM(str(path), device="cpu", dtype="float32").generate(prompts, params)
+    for name, kwargs in (("eager", {"enforce_eager": True}), ("graphs", {})):
+        gpu = LLM(str(path), device="cuda", dtype="float16", **kwargs).generate(prompts, params)
+        diffs = [
+            abs(a.prompt_logprobs[i][t].logprob - b.prompt_logprobs[i][t].logprob)
+            for a, b in zip(cpu, gpu)
+            for i, t in enumerate(a.prompt_token_ids)
+            if i > 0
+        ]
+        same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(cpu, gpu))
+        rows.append(
+            (f"small model GPU fp16 ({name}) vs CPU fp32", f"max |dlogprob| {max(diffs):.4f}; {same}/3 greedy equal")
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--out", default="e2e.md")
+    parser.add_argument("--tmp", default="/tmp/qserve-bench")
+    parser.add_argument("--budget", default="24GiB")
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: small,decode,offline,capacity")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    shape = SMALL if args.small else QWEN14B
+    tmp = Path(args.tmp)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows: list[tuple[str, str]] = []
+
+    if device == "cuda" and "small" not in skip:
+        small_model_checks(rows, tmp)
+        print(rows[-2:], flush=True)
+
+    t0 = time.perf_counter()
+    ckpt = tmp / ("qwen14b-gptq" if not args.small else "small-gptq")
+    size = write_random_gptq(ckpt, shape)
+    rows.append(("checkpoint", f"{size / GIB:.2f} GiB written in {time.perf_counter() - t0:.1f} s"))
+    bandwidth = copy_bandwidth()
+    rows.append(("copy bandwidth", f"{bandwidth / 1e12:.2f} TB/s"))
+    print(rows, flush=True)
+
+    budget = args.budget if device == "cuda" else None
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    llm = LLM(str(ckpt), device=device, gpu_memory_budget=budget, max_model_len=4096, max_num_seqs=256)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1))
+    cold = time.perf_counter() - start
+    rows.append(("cold start to first token", f"{cold:.1f} s (target <= 30 s)"))
+    plan = llm.engine.memory_plan
+    if plan is not None:
+        rows.append(("plan", plan.describe().replace("\n", "; ")))
+        allocated = torch.cuda.memory_allocated()
+        planned = plan.weights_bytes + plan.kv_cache_bytes
+        rows.append(
+            (
+                "plan vs runtime",
+                f"planned weights+KV {planned / GIB:.3f} GiB, allocated {allocated / GIB:.3f} GiB "
+                f"({100 * (allocated - planned) / planned:+.2f}%)",
+            )
+        )
+    print(rows[-3:], flush=True)
+
+    # Bytes read per decode step at batch 1: every weight once (the floor ignores KV at short context).
+    weight_bytes = plan.weights_bytes - shape["vocab"] * shape["hidden"] * 2 if plan else 0  # embeddings not read
+    if "decode" not in skip:
+        for batch in (1, 8, 32, 128):
+            tps = timed_decode(llm, batch, 128, 32 if not args.small else 4, shape["vocab"])
+            floor = bandwidth / weight_bytes * batch if weight_bytes else float("nan")
+            rows.append(
+                (
+                    f"decode batch {batch}",
+                    f"{tps:.1f} tok/s ({100 * tps / floor:.0f}% of the weight-read floor {floor:.0f})",
+                )
+            )
+            print(rows[-1], flush=True)
+
+    if "offline" not in skip:
+        gen = torch.Generator().manual_seed(0)
+        n = args.num_requests if not args.small else 40
+        in_lens = lognormal_lengths(n, 256, 2048, gen)
+        out_lens = lognormal_lengths(n, 256, 2048, gen)
+        prompts = [
+            {"prompt_token_ids": torch.randint(3, shape["vocab"], (k,), generator=gen).tolist()} for k in in_lens
+        ]
+        params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in out_lens]
+        sync()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync()
+        elapsed = time.perf_counter() - start
+        useful = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append(
+            (
+                "offline ShareGPT-like",
+                f"{n} requests, {sum(in_lens)} prompt / {useful} output tokens in {elapsed:.1f} s: "
+                f"{useful / elapsed:.0f} output tok/s ({useful / elapsed / 75:.1f}x the HF transformers anchor of 75 tok/s)",
+            )
+        )
+        print(rows[-1], flush=True)
+    if device == "cuda":
+        rows.append(("peak allocator", f"{torch.cuda.max_memory_allocated() / GIB:.2f} GiB vs budget {budget}"))
+
+    if "capacity" not in skip:
+        for kv in ("auto", "fp8"):
+            if kv == "fp8":
+                del llm
+                gc.collect()
+                torch.cuda.empty_cache() if device == "cuda" else None
+                llm = LLM(
+                    str(ckpt),
+                    device=device,
+                    gpu_memory_budget=budget,
+                    max_model_len=4096,
+                    kv_cache_dtype="fp8",
+                    max_num_seqs=256,
+                )
+            engine = llm.engine
+            gen = torch.Generator().manual_seed(1)
+            count = 200 if not args.small else 8
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            for i in range(count):
+                ids = torch.randint(3, shape["vocab"], (1000,), generator=gen).tolist()
+                engine.add_request(f"cap-{kv}-{i}", {"prompt_token_ids": ids}, params)
+            most = 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                most = max(most, sum(r.num_computed_tokens >= 1000 for r in engine.scheduler.running))
+            plan = engine.memory_plan
+            planned = plan.concurrent_sequences_at[1024] if plan else "n/a"
+            rows.append((f"capacity, KV {kv}", f"{most} sequences of 1,024 tokens running at once (plan: {planned})"))
+            print(rows[-1], flush=True)
+
+    table = "| measure | result |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
+    print(table)
+    Path(args.out).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
