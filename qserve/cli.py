@@ -19,6 +19,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("qserve.commands.generate", "generate text for one prompt, streamed to the terminal"),
     "plan": ("qserve.commands.plan", "print the memory plan for a model under a budget"),
     "inspect": ("qserve.commands.inspect", "describe a checkpoint: format, quantization, bytes"),
+    "quantize": ("qserve.commands.quantize", "quantize an fp16 checkpoint to a standard GPTQ or AWQ checkpoint"),
+    "eval-ppl": ("qserve.commands.eval_ppl", "sliding-window perplexity of a text under a model"),
+    "recipe": ("qserve.commands.recipe", "run a quantize-then-serve recipe (or --dry-run / --list)"),
 }
 
 
