@@ -5,8 +5,8 @@ queue bound, API key), how they become ``ModelSpec`` / ``HostConfig``, and how t
 uvicorn with the app (models load in the background; ``/health`` is 503 until they are
 ready; SIGTERM / Ctrl-C shut down gracefully). Must not know: routes, engines' internals.
 
-``DEFAULT_MODEL`` is the hook for a built-in demo model: when it is set, ``qserve serve``
-with no model serves it; until then no model is an error.
+With no model argument it serves the built-in demo model (``DEFAULT_MODEL``): a tiny model
+trained by ``recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.
 """
 
 from __future__ import annotations
@@ -19,8 +19,15 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# A callable returning the path of a default model (e.g. the built-in demo), or None.
-DEFAULT_MODEL: Callable[[], str] | None = None
+
+def _demo_model() -> str:
+    from qserve.quantize.demo import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+# A callable returning the path of the model served when none is given.
+DEFAULT_MODEL: Callable[[], str] | None = _demo_model
 API_KEY_ENV = "QSERVE_API_KEY"
 GRACEFUL_SHUTDOWN_S = 10
 

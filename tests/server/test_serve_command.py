@@ -31,7 +31,6 @@ def test_model_names():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ((), "no model given"),
         (("{llama}", "--kv-cache-dtype", "fp4"), "supported: auto, fp8, int8"),
         (("{llama}", "--gpu-memory-budget", "lots"), "not understood"),
         (("llama={llama}", "--min-share", "other=0.5"), "no model named 'other'"),
@@ -115,6 +114,38 @@ def test_serve_process_answers_and_stops_on_sigterm(checkpoints):
         output = proc.stdout.read()
         assert "Application shutdown complete" in output, output
         assert "engine stopped" in output, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_without_a_model_serves_the_demo(tmp_path):
+    """The README's main job: `qserve serve` quantizes the demo model (cached) and answers."""
+    port = _free_port()
+    env = {**os.environ, "QSERVE_CACHE_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "qserve.cli", "serve", "--port", str(port), "--device", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the demo server did not become ready"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        (model,) = httpx.get(f"{url}/v1/models").json()["data"]
+        body = {"model": model["id"], "prompt": "def main(", "max_tokens": 16, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] > 0 and reply.json()["choices"][0]["text"]
+        assert any(tmp_path.iterdir()), "the quantized demo model was not cached"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
