@@ -216,8 +216,7 @@ def main() -> None:
             small_model_checks(rows, tmp)
         except Exception as err:  # noqa: BLE001 - report and go on with the other parts
             rows.append(("small model checks", f"FAILED: {type(err).__name__}: {err}"))
-        print(rows, flush=True)
-        Path(args.out).write_text(json.dumps(rows))
+        emit(rows, args.out)
 
     t0 = time.perf_counter()
     ckpt = tmp / ("qwen14b-gptq" if not args.small else "small-gptq")
@@ -225,7 +224,7 @@ def main() -> None:
     rows.append(("checkpoint", f"{size / GIB:.2f} GiB written in {time.perf_counter() - t0:.1f} s"))
     bandwidth = copy_bandwidth()
     rows.append(("copy bandwidth", f"{bandwidth / 1e12:.2f} TB/s"))
-    print(rows, flush=True)
+    emit(rows, args.out)
 
     budget = args.budget if device == "cuda" else None
     if device == "cuda":
@@ -255,7 +254,7 @@ def main() -> None:
                 f"({100 * (allocated - planned) / planned:+.2f}%)",
             )
         )
-    print(rows[-3:], flush=True)
+    emit(rows, args.out)
 
     # Bytes read per decode step at batch 1: every weight once (the floor ignores KV at short context).
     weight_bytes = plan.weights_bytes - shape["vocab"] * shape["hidden"] * 2 if plan else 0  # embeddings not read
@@ -269,7 +268,7 @@ def main() -> None:
                     f"{tps:.1f} tok/s ({100 * tps / floor:.0f}% of the weight-read floor {floor:.0f})",
                 )
             )
-            print(rows[-1], flush=True)
+            emit(rows, args.out)
 
     if "offline" not in skip:
         gen = torch.Generator().manual_seed(0)
@@ -293,7 +292,7 @@ def main() -> None:
                 f"{useful / elapsed:.0f} output tok/s ({useful / elapsed / 75:.1f}x the HF transformers anchor of 75 tok/s)",
             )
         )
-        print(rows[-1], flush=True)
+        emit(rows, args.out)
     if device == "cuda":
         rows.append(("peak allocator", f"{torch.cuda.max_memory_allocated() / GIB:.2f} GiB vs budget {budget}"))
 
@@ -325,11 +324,16 @@ def main() -> None:
             plan = engine.memory_plan
             planned = plan.concurrent_sequences_at[1024] if plan else "n/a"
             rows.append((f"capacity, KV {kv}", f"{most} sequences of 1,024 tokens running at once (plan: {planned})"))
-            print(rows[-1], flush=True)
+            emit(rows, args.out)
 
+    emit(rows, args.out)
+
+
+def emit(rows: list[tuple[str, str]], out: str) -> None:
+    """Print the newest row and rewrite the whole table (a run cut short keeps what it measured)."""
+    print(rows[-1], flush=True)
     table = "| measure | result |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
-    print(table)
-    Path(args.out).write_text(table + "\n")
+    Path(out).write_text(table + "\n")
 
 
 if __name__ == "__main__":
