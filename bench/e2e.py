@@ -297,36 +297,34 @@ def main() -> None:
         rows.append(("peak allocator", f"{torch.cuda.max_memory_allocated() / GIB:.2f} GiB vs budget {budget}"))
 
     if "capacity" not in skip:
-        for kv in ("auto", "fp8"):
-            if kv == "fp8":
-                del llm
-                gc.collect()
-                torch.cuda.empty_cache() if device == "cuda" else None
-                llm = LLM(
-                    str(ckpt),
-                    device=device,
-                    gpu_memory_budget=budget,
-                    max_model_len=4096,
-                    kv_cache_dtype="fp8",
-                    max_num_seqs=256,
-                )
-            engine = llm.engine
-            gen = torch.Generator().manual_seed(1)
-            count = 200 if not args.small else 8
-            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-            for i in range(count):
-                ids = torch.randint(3, shape["vocab"], (1000,), generator=gen).tolist()
-                engine.add_request(f"cap-{kv}-{i}", {"prompt_token_ids": ids}, params)
-            most = 0
-            while engine.has_unfinished_requests():
-                engine.step()
-                most = max(most, sum(r.num_computed_tokens >= 1000 for r in engine.scheduler.running))
-            plan = engine.memory_plan
-            planned = plan.concurrent_sequences_at[1024] if plan else "n/a"
-            rows.append((f"capacity, KV {kv}", f"{most} sequences of 1,024 tokens running at once (plan: {planned})"))
-            emit(rows, args.out)
-
+        rows.append(capacity(llm, "auto", shape, args.small))
+        emit(rows, args.out)
+        del llm
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        fp8 = LLM(str(ckpt), device=device, gpu_memory_budget=budget, max_model_len=4096, kv_cache_dtype="fp8")
+        rows.append(capacity(fp8, "fp8", shape, args.small))
+        if fp8.engine.memory_plan is not None:
+            rows.append(("plan, fp8 KV", fp8.engine.memory_plan.describe().replace("\n", "; ")))
     emit(rows, args.out)
+
+
+def capacity(llm: LLM, kv: str, shape: dict, small: bool) -> tuple[str, str]:
+    """The most 1,024-token sequences running in one step (each with >= 1,000 tokens computed)."""
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i in range(200 if not small else 8):
+        ids = torch.randint(3, shape["vocab"], (1000,), generator=gen).tolist()
+        engine.add_request(f"cap-{kv}-{i}", {"prompt_token_ids": ids}, params)
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most = max(most, sum(r.num_computed_tokens >= 1000 for r in engine.scheduler.running))
+    plan = engine.memory_plan
+    planned = plan.concurrent_sequences_at[1024] if plan else "n/a"
+    return (f"capacity, KV {kv}", f"{most} sequences of 1,024 tokens running at once (plan: {planned})")
 
 
 def emit(rows: list[tuple[str, str]], out: str) -> None:

@@ -10,6 +10,7 @@ know: checkpoint formats or files (``loaders`` converted everything already), or
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -67,8 +68,10 @@ class W4A16LinearMethod(LinearMethod):
                 f"{layer.prefix}: {len(self.module_names)} HF module names for {len(layer.output_sizes)} output shards"
             )
         layer.quant_shards = [None] * len(layer.output_sizes)  # list[PackedQuantWeight | None]
-        layer.quant_parts = []  # list[PackedQuantWeight] after process_after_loading
-        layer.quant_prepared = []  # list[Any]: what ops.w4a16_linear consumes, one per part
+        # After process_after_loading: what ops.w4a16_linear consumes, one per fused part. Only
+        # these are kept — on CUDA they are the kernels' repacked copy, and holding the
+        # canonical weights as well would double the weight memory.
+        layer.quant_prepared = []
 
     def load_weight(self, layer: Linear, shard_id: int, weight: torch.Tensor | PackedQuantWeight) -> None:
         start, size = layer.shard_range(shard_id)
@@ -96,9 +99,8 @@ class W4A16LinearMethod(LinearMethod):
             raise ValueError(f"{layer.prefix}: quantized shards never loaded: {', '.join(missing)}")
         shards: list[PackedQuantWeight] = list(layer.quant_shards)
         parts = [_fuse(shards)] if _fusable(shards) else shards
-        layer.quant_parts = parts
-        layer.quant_prepared = [ops.prepare_w4a16(p) for p in parts]
         layer.quant_shards = [None] * len(shards)  # release the per-shard copies
+        layer.quant_prepared = [ops.prepare_w4a16(p) for p in parts]
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         prepared: list[Any] = layer.quant_prepared
@@ -107,8 +109,18 @@ class W4A16LinearMethod(LinearMethod):
         return torch.cat([ops.w4a16_linear(x, p) for p in prepared], dim=-1)  # [num_tokens, N]
 
     def weight_nbytes(self, layer: Linear) -> int:
-        parts = layer.quant_parts or [w for w in layer.quant_shards if w is not None]
-        return sum(p.nbytes() for p in parts)
+        return tensor_nbytes(layer.quant_prepared) + tensor_nbytes(layer.quant_shards)
+
+
+def tensor_nbytes(obj: Any) -> int:
+    """Bytes of every tensor reachable through lists and dataclass fields of ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_nbytes(item) for item in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(tensor_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return 0
 
 
 def make_linear_method(spec: CheckpointSpec, hf_module_names: list[str]) -> LinearMethod:

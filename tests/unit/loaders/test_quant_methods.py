@@ -48,11 +48,30 @@ def test_fused_layer_matches_dense(shared_perm) -> None:
     layer.load_bias(1, bias[32:48])
     layer.load_bias(2, bias[48:])
     layer.process_after_loading()
-    assert len(layer.quant_parts) == (3 if shared_perm == "different" else 1)
+    assert len(layer.quant_prepared) == (3 if shared_perm == "different" else 1)
     dense = torch.cat([dequantize_input_order(s, torch.float32) for s in shards], dim=1)  # [K, N]
     x = torch.randn(5, K)
     torch.testing.assert_close(layer(x), x @ dense + bias, atol=1e-5, rtol=1e-5)
-    assert layer.method.weight_nbytes(layer) == sum(p.nbytes() for p in layer.quant_parts)
+    assert layer.method.weight_nbytes(layer) == sum(p.nbytes() for p in layer.quant_prepared)
+
+
+def test_only_the_prepared_weights_are_kept(monkeypatch) -> None:
+    """On CUDA prepare_w4a16 returns a repacked copy; the canonical weights must not stay alive
+    beside it (a 14B model once took 15.5 GiB instead of 9.3)."""
+    from qserve.layers import quant_methods
+
+    monkeypatch.setattr(
+        quant_methods.ops,
+        "prepare_w4a16",
+        lambda w: w.to("cpu").__class__(w.bits, w.group_size, w.qweight.clone(), w.scales.clone(), w.zeros, w.perm),
+    )
+    sizes = [32, 16, 16]
+    layer = _layer(sizes, W4A16LinearMethod(NAMES))
+    for i, n in enumerate(sizes):
+        layer.load_weight(i, _packed(n, i, perm=None, sym=True))
+    layer.process_after_loading()
+    held = quant_methods.tensor_nbytes([v for v in vars(layer).values() if not isinstance(v, torch.nn.Module)])
+    assert held == layer.method.weight_nbytes(layer) == quant_methods.tensor_nbytes(layer.quant_prepared)
 
 
 def test_shape_validation_names_module_and_shapes() -> None:
