@@ -66,13 +66,32 @@ def store_kv(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # int64 [num_tokens]
 ) -> None:
-    """Write new keys and values into their cache slots."""
+    """Write new keys and values into their cache slots; negative slots (pad rows) are skipped.
+
+    Model-dtype caches only: fp8 / int8 caches need scales (``reference_kv_quant.store_kv``).
+    """
+    if key_cache.dtype in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"store_kv: a {key_cache.dtype} cache needs scales; use reference_kv_quant.store_kv")
+    write_slots(key.to(key_cache.dtype), value.to(value_cache.dtype), key_cache, value_cache, slot_mapping)
+
+
+def write_slots(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], already in the cache dtype
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], already in the cache dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative = skip
+) -> None:
+    """Copy values into cache slots as they are (the store step shared by every cache dtype)."""
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     block_size = key_cache.shape[1]
     # Index by (block, offset) rather than flattening, so caches that are strided views into a
     # shared page buffer work too.
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    key_cache[blocks, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+    key_cache[blocks, offsets] = key
+    value_cache[blocks, offsets] = value
 
 
 def paged_attention(

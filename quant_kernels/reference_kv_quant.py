@@ -94,7 +94,7 @@ def store_kv(
     if not is_quantized(key_cache.dtype):
         reference.store_kv(key, value, key_cache, value_cache, slot_mapping)
         return
-    reference.store_kv(
+    reference.write_slots(
         quantize_kv(key, k_scale, key_cache.dtype),
         quantize_kv(value, v_scale, value_cache.dtype),
         key_cache,

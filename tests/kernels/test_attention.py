@@ -444,3 +444,14 @@ def test_dispatcher_uses_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None
     out = attention_ops.paged_attention(*args, None, b.k_scale, b.v_scale)
     assert calls == [1]
     assert_matches(out, reference_kv_quant.paged_attention(*args, None, b.k_scale, b.v_scale).float(), case.dtype)
+
+
+def test_reference_store_kv_refuses_quantized_caches_and_skips_pad_rows():
+    from quant_kernels import reference
+
+    cache = torch.zeros(2, 4, 1, 8)
+    key = torch.ones(3, 1, 8)
+    reference.store_kv(key, key * 2, cache, cache.clone(), torch.tensor([1, -1, 6]))
+    assert cache.view(8, 8)[[1, 6]].eq(1).all() and cache.view(8, 8)[[0, 2, 3, 4, 5, 7]].eq(0).all()
+    with pytest.raises(ValueError, match="needs scales"):
+        reference.store_kv(key, key, cache.to(torch.int8), cache.to(torch.int8), torch.tensor([0, 1, 2]))
