@@ -246,11 +246,11 @@ def main() -> None:
     if plan is not None:
         rows.append(("plan", plan.describe().replace("\n", "; ")))
         allocated = torch.cuda.memory_allocated()
-        planned = plan.weights_bytes + plan.kv_cache_bytes
+        planned = plan.weights_bytes + plan.kv_cache_bytes + plan.overhead_bytes
         rows.append(
             (
                 "plan vs runtime",
-                f"planned weights+KV {planned / GIB:.3f} GiB, allocated {allocated / GIB:.3f} GiB "
+                f"planned weights+KV+overheads {planned / GIB:.3f} GiB, allocated {allocated / GIB:.3f} GiB "
                 f"({100 * (allocated - planned) / planned:+.2f}%)",
             )
         )

@@ -214,6 +214,16 @@ class Engine:
         self.runner = ModelRunner(self.model, self.model_config, kv_caches, cache.block_size, self.device, config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
+        if self.memory_plan is not None and self.device.type == "cuda":
+            plan = self.memory_plan
+            planned = plan.weights_bytes + plan.kv_cache_bytes + plan.overhead_bytes
+            allocated = torch.cuda.memory_allocated(self.device)
+            logger.info(
+                "allocated after start-up %.2f GiB; planned weights + KV + overheads %.2f GiB (%+.1f%%)",
+                allocated / 2**30,
+                planned / 2**30,
+                100 * (allocated - planned) / planned,
+            )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

@@ -121,6 +121,16 @@ def activation_bytes_estimate(config: ModelConfig, num_batched_tokens: int, num_
     return layer_peak + sampler
 
 
+def cuda_graph_bytes_estimate(config: ModelConfig, max_num_seqs: int, dtype: torch.dtype) -> int:
+    """Decode CUDA graphs: the shared float32 logits buffer of the largest batch, and the graph
+    pool holding that batch's activations (LM-head output in the model dtype and as float32),
+    plus slack for the kernels' split-K workspaces and static inputs."""
+    batch = max_num_seqs
+    logits = batch * config.vocab_size * 4
+    pool = activation_bytes_estimate(config, batch, 0, dtype) + batch * config.vocab_size * (2 + 4)
+    return logits + pool + (64 << 20)
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
     budget_bytes: int
@@ -176,8 +186,7 @@ def make_plan(
     if activation_bytes is None:
         activation_bytes = activation_bytes_estimate(config, max_num_batched_tokens, max_num_seqs, dtype)
     if overhead_bytes is None:
-        # CUDA-graph pools hold the decode activations of the largest captured batch.
-        overhead_bytes = activation_bytes_estimate(config, min(max_num_seqs, 256), 0, dtype) + (64 << 20)
+        overhead_bytes = cuda_graph_bytes_estimate(config, max_num_seqs, dtype)
     per_token = config.kv_bytes_per_token(kv_dtype_bytes(kv_cache_dtype, dtype))
     kv_budget = budget_bytes - weights_bytes - activation_bytes - overhead_bytes
     num_blocks = max(kv_budget, 0) // (per_token * block_size)
