@@ -73,6 +73,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    """Poll /health until 200; fail with the server's output if it dies or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"server did not become ready in {timeout_s} s"
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+
+
 def test_serve_process_answers_and_stops_on_sigterm(checkpoints):
     port = _free_port()
     env = {**os.environ, "QSERVE_API_KEY": "k1"}
@@ -91,16 +105,7 @@ def test_serve_process_answers_and_stops_on_sigterm(checkpoints):
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not become ready"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_until_healthy(proc, url, timeout_s=60)
         headers = {"Authorization": "Bearer k1"}
         assert httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"] == "tiny"
         assert httpx.get(f"{url}/v1/models").status_code == 401
@@ -128,16 +133,7 @@ def test_serve_without_a_model_serves_the_demo(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the demo server did not become ready"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_until_healthy(proc, url, timeout_s=240)
         (model,) = httpx.get(f"{url}/v1/models").json()["data"]
         body = {"model": model["id"], "prompt": "def main(", "max_tokens": 16, "temperature": 0}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
