@@ -23,6 +23,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-budget", default=None, help="bytes (24GiB) or a fraction of the device (0.9)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8 or int8")
     parser.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over this many processes (one per GPU; gloo processes on CPU)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,18 +36,30 @@ def run(args: argparse.Namespace) -> int:
     from qserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    engine = Engine(
-        EngineConfig(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            gpu_memory_budget=args.gpu_memory_budget,
-            kv_cache_dtype=args.kv_cache_dtype,
-            enforce_eager=args.enforce_eager,
-        )
+    config = EngineConfig(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        gpu_memory_budget=args.gpu_memory_budget,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=args.enforce_eager,
     )
-    engine.add_request("cli", args.prompt, params)
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.tensor_parallel_size > 1:
+        from qserve.distributed.launcher import launch_engine
+
+        tensor_parallel = launch_engine(config, args.tensor_parallel_size)
+        try:
+            return _stream(tensor_parallel.engine, args.prompt, params)
+        finally:
+            tensor_parallel.shutdown()
+    return _stream(Engine(config), args.prompt, params)
+
+
+def _stream(engine, prompt: str, params) -> int:  # noqa: ANN001 - Engine, SamplingParams
+    engine.add_request("cli", prompt, params)
     shown = 0
     while engine.has_unfinished_requests():
         for output in engine.step():

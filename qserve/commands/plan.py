@@ -24,6 +24,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--device-memory", default=None, help="card size, to resolve a fractional budget (e.g. 24GiB)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="plan one rank of this many")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         total = torch.cuda.get_device_properties(0).total_memory
     plan = make_plan(
         config,
-        weights_bytes=weight_bytes(config, spec, dtype),
+        weights_bytes=weight_bytes(config, spec, dtype, args.tensor_parallel_size),
         budget_bytes=parse_memory_budget(args.gpu_memory_budget, total),
         dtype=dtype,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.json:
         print(json.dumps({"model": args.model, "format": spec.method, **plan.to_json()}))

@@ -64,6 +64,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--num-kv-blocks", type=int, default=None, help="pages in the shared KV pool (overrides the budget)"
     )
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="not served yet above 1 (use qserve generate or LLM(..., tensor_parallel_size=N))",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--min-share",
@@ -136,6 +142,12 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         )
     if args.gpu_memory_budget is not None:
         parse_memory_budget(args.gpu_memory_budget, device_total_bytes=1)  # syntax check only
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: qserve serve does not run tensor-parallel "
+            "models yet (its models share one KV pool in one process); qserve generate and "
+            "LLM(..., tensor_parallel_size=N) do"
+        )
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     pairs = parse_model_args(values)

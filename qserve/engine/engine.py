@@ -16,7 +16,9 @@ import torch
 
 import loaders
 from qserve.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
-from qserve.engine.detokenizer import IncrementalDetokenizer
+from qserve.distributed.parallel_state import TPGroup
+from qserve.distributed.sharding import per_rank_config
+from qserve.engine.detokenizer import IncrementalDetokenizer, TokenStrings
 from qserve.engine.stop_checker import check_stop
 from qserve.memory.planner import (
     GPU_DEFAULT_FRACTION,
@@ -142,18 +144,26 @@ class Engine:
         block_pool: BlockPool | None = None,
         owner: str | None = None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
         if (block_pool is None) != (kv_caches is None):
             raise ValueError("Engine: block_pool and kv_caches must be given together (a shared pool) or not at all")
+        if tp is not None and block_pool is not None:
+            raise ValueError("Engine: a tensor-parallel engine cannot draw from a shared block pool")
+        # Tensor parallel (qserve.distributed.launcher builds one Engine per rank): the model is
+        # this rank's shard, KV caches and the memory plan are per rank.
+        self.tp = tp
 
         self.config = config
         self.device = resolve_device(config.device)
         model_config = ModelConfig.from_path(config.model)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
-        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp=tp)
+        rank_config = per_rank_config(self.model_config, 1 if tp is None else tp.size)  # this rank's heads
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self._token_strings = TokenStrings(self.tokenizer)  # id -> token strings, shared by all sequences
 
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
@@ -172,7 +182,7 @@ class Engine:
         if kv_dtype != self.dtype or (block_pool is None and cache.num_kv_blocks is None and self._plans_memory):
             profile = profile_model(
                 self.model,
-                self.model_config,
+                rank_config,
                 num_tokens=self.scheduler_config.max_num_batched_tokens if self._plans_memory else 64,
                 max_model_len=max_model_len,
                 num_sample_rows=config.max_num_seqs,
@@ -192,8 +202,10 @@ class Engine:
                 logger.info("memory plan for %s:\n%s", config.model, self.memory_plan.describe())
             else:
                 num_blocks = plan_num_kv_blocks(
-                    self.model_config, kv_dtype, cache.block_size, max_model_len, config.max_num_seqs, self.device
+                    rank_config, kv_dtype, cache.block_size, max_model_len, config.max_num_seqs, self.device
                 )
+            if tp is not None:
+                num_blocks = tp.min_int(num_blocks)  # every rank must hold the same pages
             block_pool = BlockPool(num_blocks)
         else:
             num_blocks = block_pool.num_blocks
@@ -210,7 +222,7 @@ class Engine:
             max_model_len,
         )
         if kv_caches is None:
-            kv_caches = allocate_kv_caches(self.model_config, num_blocks, cache.block_size, kv_dtype, self.device)
+            kv_caches = allocate_kv_caches(rank_config, num_blocks, cache.block_size, kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.model_config, kv_caches, cache.block_size, self.device, config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
@@ -241,6 +253,10 @@ class Engine:
         )
 
     @property
+    def _tensor_parallel_size(self) -> int:
+        return 1 if self.tp is None else self.tp.size
+
+    @property
     def _plans_memory(self) -> bool:
         """A budget was given, or the GPU needs one (its default is a share of the card)."""
         return self.config.gpu_memory_budget is not None or self.device.type == "cuda"
@@ -252,7 +268,9 @@ class Engine:
             weights = torch.cuda.memory_allocated(self.device)  # the model is all that is allocated yet
         else:
             total = None
-            weights = weight_bytes(self.model_config, loaders.detect(self.config.model), self.dtype)
+            weights = weight_bytes(
+                self.model_config, loaders.detect(self.config.model), self.dtype, self._tensor_parallel_size
+            )
         budget = parse_memory_budget(self.config.gpu_memory_budget or str(GPU_DEFAULT_FRACTION), total)
         return make_plan(
             self.model_config,
@@ -265,6 +283,7 @@ class Engine:
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
             activation_bytes=activation_bytes or None,
+            tensor_parallel_size=self._tensor_parallel_size,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -335,7 +354,12 @@ class Engine:
             sequence = _Sequence(
                 request,
                 index,
-                IncrementalDetokenizer(self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens),
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    token_strings=self._token_strings,
+                ),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
@@ -363,34 +387,46 @@ class Engine:
     # One step
     # ------------------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one step; return a ``RequestOutput`` for each request it touched.
+
+        By default every request that got a token (or finished) this step gets a cumulative
+        output, which is what streaming needs. With ``finished_only=True`` only requests that
+        finished this step get one (the offline path, e.g. ``LLM.generate``): nobody reads the
+        intermediate outputs, so they are not built. The finished outputs are the same either way.
+        """
         touched: dict[str, _Group] = dict(self._pending_outputs)
         self._pending_outputs.clear()
         scheduler_output = self.scheduler.schedule()
+        sequences = self._sequences
         for request_id in scheduler_output.preempted_request_ids:
-            self._sequences[request_id][1].prompt_logprobs_received = 0
+            sequences[request_id][1].prompt_logprobs_received = 0
         for request_id in scheduler_output.capacity_finished_request_ids:
-            group, sequence = self._sequences[request_id]
+            group, sequence = sequences[request_id]
             sequence.finish_reason = RequestStatus.FINISHED_LENGTH.finish_reason
             touched[group.request_id] = group
         if not scheduler_output.is_empty:
             runner_output = self.runner.execute(scheduler_output)
             self.scheduler.update_from_output(scheduler_output, runner_output)
             for request_id, entries in runner_output.prompt_logprobs.items():
-                group, sequence = self._sequences[request_id]
+                group, sequence = sequences[request_id]
                 self._on_prompt_logprobs(group, sequence, entries)
                 touched[group.request_id] = group
+            logprobs = runner_output.logprobs
+            on_token = self._on_token
             for request_id, token in runner_output.sampled_token_ids.items():
-                group, sequence = self._sequences[request_id]
-                self._on_token(sequence, token, runner_output.logprobs.get(request_id))
-                touched[group.request_id] = group
+                group, sequence = sequences[request_id]
+                if on_token(sequence, token, logprobs.get(request_id) if logprobs else None) or not finished_only:
+                    touched[group.request_id] = group
         outputs = []
         for request_id, group in touched.items():
-            outputs.append(self._make_output(group))
-            if group.finished:
+            finished = group.finished
+            if finished or not finished_only:
+                outputs.append(self._make_output(group, finished))
+            if finished:
                 self._groups.pop(request_id, None)
                 for sequence in group.sequences:
-                    self._sequences.pop(sequence.request.request_id, None)
+                    sequences.pop(sequence.request.request_id, None)
         return outputs
 
     def _on_prompt_logprobs(self, group: _Group, sequence: _Sequence, entries: list[TokenLogprobs]) -> None:
@@ -400,7 +436,8 @@ class Engine:
             if sequence.index == 0 and group.prompt_logprobs is not None and position == len(group.prompt_logprobs):
                 group.prompt_logprobs.append(self._to_position_logprobs(entry))
 
-    def _on_token(self, sequence: _Sequence, token: int, token_logprobs: TokenLogprobs | None) -> None:
+    def _on_token(self, sequence: _Sequence, token: int, token_logprobs: TokenLogprobs | None) -> bool:
+        """Add one sampled token: logprobs, text, stop checks. Returns True if it finished the sequence."""
         request = sequence.request
         if sequence.logprobs is not None and token_logprobs is not None:
             entry = self._to_position_logprobs(token_logprobs)
@@ -419,12 +456,13 @@ class Engine:
         )
         if decision is None:
             sequence.text = sequence.detokenizer.output_text
-            return
+            return False
         sequence.text = decision.output_text
         sequence.finish_reason = decision.finish_reason
         sequence.stop_reason = decision.stop_reason
         status = RequestStatus.FINISHED_STOPPED if decision.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
         self.scheduler.finish_request(request.request_id, status)
+        return True
 
     def _to_position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
         result: PositionLogprobs = {}
@@ -439,7 +477,8 @@ class Engine:
         hold = params.max_stop_str_len - 1 if params.stop and seq.finish_reason is None else 0
         return seq.text[: len(seq.text) - hold] if hold > 0 else seq.text
 
-    def _make_output(self, group: _Group) -> RequestOutput:
+    def _make_output(self, group: _Group, finished: bool | None = None) -> RequestOutput:
+        """A cumulative output of the group (copies, so later steps do not change it)."""
         completions = [
             CompletionOutput(
                 index=seq.index,
@@ -458,6 +497,6 @@ class Engine:
             prompt_token_ids=group.prompt_token_ids,
             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
             outputs=completions,
-            finished=group.finished,
+            finished=group.finished if finished is None else finished,
             num_cached_tokens=group.sequences[0].request.num_cached_tokens,
         )

@@ -30,26 +30,42 @@ class LLM:
         gpu_memory_budget: str | None = None,
         kv_cache_dtype: str = "auto",
         enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
-        self.engine = Engine(
-            EngineConfig(
-                model=str(model),
-                device=device,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_prefix_caching=enable_prefix_caching,
-                seed=seed,
-                tokenizer=tokenizer,
-                gpu_memory_budget=gpu_memory_budget,
-                kv_cache_dtype=kv_cache_dtype,
-                enforce_eager=enforce_eager,
-            )
+        config = EngineConfig(
+            model=str(model),
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            tokenizer=tokenizer,
+            gpu_memory_budget=gpu_memory_budget,
+            kv_cache_dtype=kv_cache_dtype,
+            enforce_eager=enforce_eager,
         )
+        # tensor_parallel_size > 1: this process is rank 0 and drives; the other ranks are
+        # spawned processes (qserve.distributed.launcher), stopped by shutdown() or at exit.
+        self._tensor_parallel = None
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if tensor_parallel_size > 1:
+            from qserve.distributed.launcher import launch_engine
+
+            self._tensor_parallel = launch_engine(config, tensor_parallel_size)
+            self.engine = self._tensor_parallel.engine
+        else:
+            self.engine = Engine(config)
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (no-op for a single-process LLM)."""
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.shutdown()
 
     def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         return self.engine.tokenizer
@@ -88,7 +104,8 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
         while wanted - finished.keys():
-            for output in self.engine.step():
+            # Only finished outputs are needed here: the engine skips building the others.
+            for output in self.engine.step(finished_only=True):
                 if output.finished and output.request_id in wanted:
                     finished[output.request_id] = output
         return [finished[request_id] for request_id in request_ids]

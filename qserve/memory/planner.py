@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from qserve.config import ModelConfig
+from qserve.distributed.sharding import per_rank_config
 
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 CPU_KV_BUDGET_BYTES = 1 << 30  # without a budget the CPU path (tests, demo) takes 1 GiB of KV
@@ -55,44 +56,52 @@ def kv_block_bytes(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) 
     return config.kv_bytes_per_token(torch.empty((), dtype=kv_dtype).element_size()) * block_size
 
 
-def _linear_shapes(config: ModelConfig) -> list[tuple[str, int, int]]:
-    """(HF module name, K, N) of every linear layer."""
+def _linear_shapes(config: ModelConfig, tensor_parallel_size: int = 1) -> list[tuple[str, int, int, bool]]:
+    """(HF module name, K, N, row-parallel) of every linear layer, per rank (K of row-parallel
+    layers and N of column-parallel ones divided by ``tensor_parallel_size``)."""
+    rank = per_rank_config(config, tensor_parallel_size)
     h, d = config.hidden_size, config.head_dim
-    q, kv, inter = config.num_heads * d, config.num_kv_heads * d, config.intermediate_size
+    q, kv, inter = rank.num_heads * d, rank.num_kv_heads * d, rank.intermediate_size
     shapes = []
     for i in range(config.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        shapes += [(f"{attn}.q_proj", h, q), (f"{attn}.k_proj", h, kv), (f"{attn}.v_proj", h, kv)]
-        shapes += [(f"{attn}.o_proj", q, h), (f"{mlp}.gate_proj", h, inter), (f"{mlp}.up_proj", h, inter)]
-        shapes += [(f"{mlp}.down_proj", inter, h)]
+        shapes += [(f"{attn}.q_proj", h, q, False), (f"{attn}.k_proj", h, kv, False), (f"{attn}.v_proj", h, kv, False)]
+        shapes += [(f"{attn}.o_proj", q, h, True), (f"{mlp}.gate_proj", h, inter, False)]
+        shapes += [(f"{mlp}.up_proj", h, inter, False), (f"{mlp}.down_proj", inter, h, True)]
     if not config.tie_word_embeddings:
-        shapes.append(("lm_head", h, config.vocab_size))
+        shapes.append(("lm_head", h, math.ceil(config.vocab_size / tensor_parallel_size), False))
     return shapes
 
 
-def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype) -> int:
-    """Bytes of weights as qserve holds them (canonical packed layout for quantized linears).
+def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes of weights as qserve holds them (canonical packed layout for quantized linears),
+    on one rank of ``tensor_parallel_size`` (qserve.distributed.sharding's partition).
 
     ``spec`` is a ``loaders.CheckpointSpec`` (anything with ``module_quant(name)``) or None for
-    an unquantized model.
+    an unquantized model. Row-parallel act-order layers keep the full scales / zeros on every
+    rank; the few padding rows of their padded groups are not counted.
     """
+    tp = tensor_parallel_size
     elem = torch.empty((), dtype=dtype).element_size()
-    total = config.vocab_size * config.hidden_size * elem  # embeddings
+    rank = per_rank_config(config, tp)
+    total = math.ceil(config.vocab_size / tp) * config.hidden_size * elem  # embeddings (vocabulary-parallel)
     norms = config.num_layers * 2 + 1
     total += norms * config.hidden_size * elem
     if config.qk_norm:
         total += config.num_layers * 2 * config.head_dim * elem
     if config.qkv_bias:
-        total += config.num_layers * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim * elem
+        total += config.num_layers * (rank.num_heads + 2 * rank.num_kv_heads) * config.head_dim * elem
     if config.o_bias:
         total += config.num_layers * config.hidden_size * elem
-    for name, k, n in _linear_shapes(config):
+    for name, k, n, row_parallel in _linear_shapes(config, tp):
         quant = spec.module_quant(name) if spec is not None else None
         if quant is None:
             total += k * n * elem
             continue
-        group = k if quant.group_size in (-1, None) else quant.group_size
-        num_groups = math.ceil(k / group)
+        if quant.group_size in (-1, None):
+            num_groups = 1  # per-channel: one scale row, replicated on every rank
+        else:  # act-order row-parallel shards keep every group's scales (groups are global)
+            num_groups = math.ceil(k * (tp if row_parallel and quant.desc_act else 1) / quant.group_size)
         total += k * n * quant.bits // 8  # packed codes
         total += num_groups * n * elem  # scales (held in the activation dtype)
         if not quant.sym:
@@ -179,10 +188,16 @@ def make_plan(
     max_num_seqs: int = 256,
     activation_bytes: int | None = None,
     overhead_bytes: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> MemoryPlan:
     """KV pages = budget - weights - activation peak - overheads. Refuses a budget that cannot
-    hold one request at ``max_model_len`` and names the largest context that fits."""
+    hold one request at ``max_model_len`` and names the largest context that fits.
+
+    With ``tensor_parallel_size > 1`` everything is per rank: the budget is one device's,
+    ``weights_bytes`` one rank's shard (``weight_bytes(..., tensor_parallel_size)``), the KV pages
+    hold this rank's KV heads, so a page is the same number of tokens on every rank."""
     max_model_len = max_model_len or config.max_position_embeddings
+    config = per_rank_config(config, tensor_parallel_size)  # heads / intermediate per rank
     if activation_bytes is None:
         activation_bytes = activation_bytes_estimate(config, max_num_batched_tokens, max_num_seqs, dtype)
     if overhead_bytes is None:

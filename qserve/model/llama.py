@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from qserve.config import ModelConfig
+from qserve.distributed.parallel_linear import column_linear, lm_head_linear, row_linear, vocab_embedding
+from qserve.distributed.parallel_state import TPGroup
+from qserve.distributed.sharding import AttentionShard, attention_shard
 from qserve.layers.attention import PagedAttention
 from qserve.layers.linear import Linear, LinearMethod
 from qserve.layers.norm import RMSNorm
@@ -39,24 +42,37 @@ _FUSED_SHARDS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, dtype: torch.dtype, make_method: LinearMethodFactory) -> None:
+    """With a ``tp`` group: this rank's heads only (qkv column-parallel, o_proj row-parallel)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        dtype: torch.dtype,
+        make_method: LinearMethodFactory,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        shard = _attention_shard(config, tp)
+        self.num_heads = config.num_heads if shard is None else shard.num_heads
+        self.num_kv_heads = config.num_kv_heads if shard is None else shard.num_kv_heads
         self.head_dim = config.head_dim
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = Linear(
+        self.qkv_proj = column_linear(
             config.hidden_size,
             [q_size, kv_size, kv_size],
+            tp=tp,
+            shard_slices=None if shard is None else shard.qkv_slices(config.head_dim),
             bias=config.qkv_bias,
             params_dtype=dtype,
             method=make_method([f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"]),
             prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(
+        self.o_proj = row_linear(
             q_size,
             [config.hidden_size],
+            tp=tp,
             bias=config.o_bias,
             params_dtype=dtype,
             method=make_method([f"{prefix}.o_proj"]),
@@ -67,7 +83,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.sliding_window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, config.head_dim, config.sliding_window)
 
     def forward(
         self,
@@ -92,21 +108,36 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, q_size))
 
 
+def _attention_shard(config: ModelConfig, tp: TPGroup | None) -> AttentionShard | None:
+    return None if tp is None else attention_shard(config.num_heads, config.num_kv_heads, tp.rank, tp.size)
+
+
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, dtype: torch.dtype, make_method: LinearMethodFactory) -> None:
+    """With a ``tp`` group: gate_up column-parallel, down_proj row-parallel over the intermediate size."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        dtype: torch.dtype,
+        make_method: LinearMethodFactory,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
+        self.intermediate_size = config.intermediate_size // (1 if tp is None else tp.size)  # per rank
+        self.gate_up_proj = column_linear(
             config.hidden_size,
             [config.intermediate_size, config.intermediate_size],
+            tp=tp,
             bias=False,
             params_dtype=dtype,
             method=make_method([f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
             prefix=f"{prefix}.gate_up_proj",
         )
-        self.down_proj = Linear(
+        self.down_proj = row_linear(
             config.intermediate_size,
             [config.hidden_size],
+            tp=tp,
             bias=False,
             params_dtype=dtype,
             method=make_method([f"{prefix}.down_proj"]),
@@ -119,12 +150,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, dtype: torch.dtype, make_method: LinearMethodFactory) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        dtype: torch.dtype,
+        make_method: LinearMethodFactory,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, f"{prefix}.self_attn", dtype, make_method)
+        self.self_attn = Attention(config, f"{prefix}.self_attn", dtype, make_method, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, f"{prefix}.mlp", dtype, make_method)
+        self.mlp = MLP(config, f"{prefix}.mlp", dtype, make_method, tp)
 
     def forward(self, positions, hidden, rotary, kv_cache, metadata):  # noqa: ANN001 - see Attention.forward
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, metadata)
@@ -132,26 +170,35 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaFamilyForCausalLM(nn.Module):
-    """The decoder plus its LM head. Parameter names follow HF (``model.layers.0...``)."""
+    """The decoder plus its LM head. Parameter names follow HF (``model.layers.0...``).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, make_method: LinearMethodFactory) -> None:
+    With a ``tp`` group (qserve.distributed) the model is this rank's shard: vocabulary-parallel
+    embedding and LM head, column/row-parallel linears, this rank's attention heads; the
+    collectives run inside the forward, and ``compute_logits`` returns the full vocabulary on
+    every rank.
+    """
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, make_method: LinearMethodFactory, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.tp = tp
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.model.embed_tokens.weight.requires_grad_(False)
+        self.model.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, f"model.layers.{i}", dtype, make_method) for i in range(config.num_layers)
+            DecoderLayer(config, f"model.layers.{i}", dtype, make_method, tp) for i in range(config.num_layers)
         )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(
+            self.lm_head = lm_head_linear(
                 config.hidden_size,
-                [config.vocab_size],
+                config.vocab_size,
+                tp=tp,
                 bias=False,
                 params_dtype=dtype,
                 method=make_method(["lm_head"]),
@@ -171,6 +218,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> float32 [R, vocab]
+        if self.lm_head is None and self.tp is not None:
+            return self.model.embed_tokens.compute_logits(hidden).float()  # vocabulary-parallel, gathered
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
@@ -209,6 +258,9 @@ class LlamaFamilyForCausalLM(nn.Module):
                     loaded_shards[layer_name].add(shard_id)
                 else:
                     linears[layer_name].load_bias(shard_id, value)
+            elif name in plain_params and hasattr(self.get_parameter(name), "weight_loader"):
+                self.get_parameter(name).weight_loader(value)  # a sharded parameter slices for itself
+                loaded_params.add(name)
             elif name in plain_params:
                 param = self.get_parameter(name)
                 if tuple(param.shape) != tuple(value.shape):

@@ -13,6 +13,7 @@ import torch
 
 import loaders
 from qserve.config import ModelConfig
+from qserve.distributed.parallel_state import TPGroup
 from qserve.layers.quant_methods import make_linear_method
 from qserve.model.llama import LlamaFamilyForCausalLM
 
@@ -20,13 +21,17 @@ logger = logging.getLogger(__name__)
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device | str
+    path: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None
 ) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
-    """Instantiate the model on ``device`` in ``dtype`` and stream the checkpoint into it."""
+    """Instantiate the model on ``device`` in ``dtype`` and stream the checkpoint into it.
+
+    With a tensor-parallel group ``tp`` the model is this rank's shard: every rank streams the
+    whole checkpoint (one tensor at a time) and keeps its slice.
+    """
     config = ModelConfig.from_path(path)
     spec = loaders.detect(path)
     with torch.device(device):
-        model = LlamaFamilyForCausalLM(config, dtype, lambda names: make_linear_method(spec, names))
+        model = LlamaFamilyForCausalLM(config, dtype, lambda names: make_linear_method(spec, names), tp=tp)
     model.load_weights(_on_device(loaders.iter_weights(path, spec), device))
     model.eval()
     return model, config

@@ -25,6 +25,12 @@ from qserve.quantize.quantizer import QuantizedLinear
 logger = logging.getLogger(__name__)
 
 QUANTIZER_TAG = "qserve:0.1.0"
+# GPTQModel (checked: 7.7.0, models/loader.py) refuses to load sym=False + format "gptq" unless
+# meta.quantizer names "gptqmodel:<version >= 0.9.0>", its marker for "v1 zeros written as the
+# whole-word v2 -> v1 subtraction" that its loader inverts by whole-word addition. qserve's v1 zeros
+# are never 0 (gptq_tensors refuses them), so per-nibble "zero - 1" and the whole-word subtraction
+# give the same bytes: the marker is true of these files.
+GPTQMODEL_V1_ASYM_TAG = "gptqmodel:0.9.0"
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 SIDE_FILES = (
@@ -134,7 +140,10 @@ def gptq_quantization_config(
         "lm_head": False,
         "model_name_or_path": None,
         "model_file_base_name": None,
-        "meta": {"quantizer": [QUANTIZER_TAG], "qserve_method": method},
+        "meta": {
+            "quantizer": [QUANTIZER_TAG] if sym else [QUANTIZER_TAG, GPTQMODEL_V1_ASYM_TAG],
+            "qserve_method": method,
+        },
     }
 
 

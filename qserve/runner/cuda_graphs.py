@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from bisect import bisect_left
 
+import numpy as np
 import torch
 
 from qserve.runner.attn_metadata import AttentionMetadata
@@ -93,21 +94,33 @@ class DecodeGraphs:
     @torch.inference_mode()
     def replay(
         self,
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        block_tables: list[list[int]],
+        input_ids: list[int],  # [B]
+        positions: np.ndarray,  # int64 [B]
+        slots: np.ndarray,  # int64 [B]
+        block_tables: np.ndarray,  # int32 [B, width], width <= max blocks per sequence
     ) -> torch.Tensor:
-        """Logits ``[batch, vocab]`` for a pure-decode batch (one token per sequence)."""
+        """Logits ``[B, vocab]`` for a pure-decode batch (one token per sequence).
+
+        Rows past ``B`` up to the bucket are pad rows: slot -1 (not stored), length 1, block 0.
+        Block-table columns past ``width`` keep stale ids from earlier steps; kernels never
+        read past a sequence's length, so only valid ids matter and stale ones are valid.
+        """
         batch = len(input_ids)
         bucket = self.bucket_for(batch)
-        pad = bucket - batch
-        width = self.block_tables.shape[1]
-        tables = [row + [0] * (width - len(row)) for row in block_tables] + [[0] * width] * pad
-        self.input_ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
-        self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slot_mapping[:bucket].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
-        self.seq_lens[:bucket].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad), non_blocking=True)
-        self.block_tables[:bucket].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        host = np.zeros((4, bucket), dtype=np.int64)  # ids, positions, slots, seq_lens
+        host[0, :batch] = input_ids
+        host[1, :batch] = positions
+        host[2, :] = -1
+        host[2, :batch] = slots
+        host[3, :] = 1
+        host[3, :batch] = positions + 1
+        staged = torch.from_numpy(host)
+        self.input_ids[:bucket].copy_(staged[0], non_blocking=True)
+        self.positions[:bucket].copy_(staged[1], non_blocking=True)
+        self.slot_mapping[:bucket].copy_(staged[2], non_blocking=True)
+        self.seq_lens[:bucket].copy_(staged[3], non_blocking=True)
+        width = block_tables.shape[1]
+        self.block_tables[:batch, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        self.block_tables[batch:bucket, 0] = 0
         self.graphs[bucket].replay()
         return self.logits[:batch]

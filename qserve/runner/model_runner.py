@@ -4,19 +4,23 @@
 Knows: how to lay out a step's tokens (input ids, positions, slot mapping, block tables), the
 paged KV tensors, and when to compute logits (sampling rows and prompt-logprob rows). Must not
 know: scheduling policy, text, stop conditions or the HTTP layer. One forward per step over all
-scheduled tokens; Python loops here run over sequences to build index lists, never over
+scheduled tokens; Python loops here run over sequences (never over tokens: positions, slots
+and padded block tables are computed with numpy from per-sequence scalars), never over
 weights or inside layers.
 """
 
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 
 from qserve.config import ModelConfig
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.cuda_graphs import DecodeGraphs
 from qserve.runner.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
-from qserve.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
+from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprobs
 
 
 def allocate_kv_caches(
@@ -28,6 +32,30 @@ def allocate_kv_caches(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(config.num_layers)
     ]
+
+
+def _token_at(seq: ScheduledSequence) -> int:
+    """The token id at ``seq.start_position`` (a decode step's only input token)."""
+    prompt = seq.prompt_token_ids
+    position = seq.start_position
+    return prompt[position] if position < len(prompt) else seq.output_token_ids[position - len(prompt)]
+
+
+def pad_block_tables(table_lens: np.ndarray, flat_tables: np.ndarray) -> np.ndarray:
+    """Concatenated block tables -> one int32 ``[S, max_blocks]`` array (0 = unused entry),
+    without a per-row Python loop."""
+    num_seqs = len(table_lens)
+    block_tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)  # [S, max_blocks]
+    rows = np.repeat(np.arange(num_seqs), table_lens)  # [sum(lens)]
+    cols = np.arange(len(flat_tables)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
+    block_tables[rows, cols] = flat_tables
+    return block_tables
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on ``device`` (shares memory on CPU)."""
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 class ModelRunner:
@@ -60,78 +88,103 @@ class ModelRunner:
         sequences = scheduler_output.sequences
         if not sequences:
             return RunnerOutput({}, {}, {})
+        num_seqs = len(sequences)
         block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []  # token index whose logits are sampled, one per sampling sequence
+        # Per-sequence scalars, gathered once; everything per token is numpy from here on.
+        starts = np.fromiter((seq.start_position for seq in sequences), np.int64, num_seqs)  # [S]
+        counts = np.fromiter((seq.num_new_tokens for seq in sequences), np.int64, num_seqs)  # [S]
+        sample_mask = np.fromiter((seq.sample for seq in sequences), np.bool_, num_seqs)  # [S]
+        tables = [seq.block_ids for seq in sequences]
+        table_lens = np.fromiter(map(len, tables), np.int64, num_seqs)  # [S]
+        table_offsets = np.cumsum(table_lens) - table_lens  # [S] start of each table in flat_tables
+        flat_tables = np.fromiter(chain.from_iterable(tables), np.int64, int(table_lens.sum()))  # [sum(lens)]
+        ends = np.cumsum(counts)  # [S] query_start_loc[1:]
+        num_tokens = int(ends[-1])
+        is_decode = num_tokens == num_seqs  # one new token per sequence
+        if is_decode:
+            input_ids = [_token_at(seq) for seq in sequences]
+            positions = starts  # [T], T == S
+            token_tables = table_offsets  # [T] start of each token's table in flat_tables
+        else:
+            input_ids = list(chain.from_iterable(seq.input_token_ids() for seq in sequences))
+            positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(ends - counts - starts, counts)  # [T]
+            token_tables = np.repeat(table_offsets, counts)  # [T]
+        block_index = positions // block_size  # [T] logical block of each token
+        assert (block_index < (table_lens if is_decode else np.repeat(table_lens, counts))).all(), "short block table"
+        slots = flat_tables[token_tables + block_index] * block_size + positions % block_size  # [T]
+        seq_lens = starts + counts  # [S]
+        sample_rows = (ends - 1)[sample_mask]  # [R] the last token of each sampling sequence
+
         prompt_rows: list[int] = []  # token indices needing prompt logprobs
         prompt_targets: list[int] = []
         prompt_owners: list[tuple[str, int]] = []  # (request_id, k) per prompt-logprob row
+        offset = 0
         for seq in sequences:
-            start, count = seq.start_position, seq.num_new_tokens
-            offset = len(input_ids)
-            input_ids.extend(seq.input_token_ids())
-            seq_positions = range(start, start + count)
-            positions.extend(seq_positions)
-            table = seq.block_ids
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in seq_positions)
-            query_start_loc.append(offset + count)
-            seq_lens.append(start + count)
-            if seq.sample:
-                sample_rows.append(offset + count - 1)
             k = seq.sampling_params.prompt_logprobs
-            num_prompt = len(seq.prompt_token_ids)
-            if k is not None and start < num_prompt - 1:
+            if k is not None:
+                start, count = seq.start_position, seq.num_new_tokens
+                num_prompt = len(seq.prompt_token_ids)
                 for p in range(start, min(start + count, num_prompt - 1)):
                     prompt_rows.append(offset + p - start)
                     prompt_targets.append(seq.prompt_token_ids[p + 1])
                     prompt_owners.append((seq.request_id, k))
+            offset += seq.num_new_tokens
 
         graphs = self.decode_graphs
-        is_pure_decode = len(input_ids) == len(sequences) and len(sample_rows) == len(sequences) and not prompt_rows
-        if graphs is not None and is_pure_decode and graphs.bucket_for(len(sequences)) is not None:
-            sample_logits = graphs.replay(input_ids, positions, slots, [seq.block_ids for seq in sequences])
+        is_pure_decode = is_decode and len(sample_rows) == num_seqs and not prompt_rows
+        if graphs is not None and is_pure_decode and graphs.bucket_for(num_seqs) is not None:
+            block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
+            sample_logits = graphs.replay(input_ids, positions, slots, block_tables)
             prompt_logits = None
         else:
             sample_logits, prompt_logits = self._forward_eager(
-                sequences, input_ids, positions, slots, query_start_loc, seq_lens, sample_rows, prompt_rows
+                input_ids,
+                positions,
+                slots,
+                table_lens,
+                flat_tables,
+                np.concatenate(([0], ends)),
+                seq_lens,
+                int(counts.max()),
+                sample_rows,
+                prompt_rows,
             )
         return self._sample(sequences, sample_logits, prompt_logits, prompt_targets, prompt_owners)
 
     def _forward_eager(
         self,
-        sequences: list,
         input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        query_start_loc: list[int],
-        seq_lens: list[int],
-        sample_rows: list[int],
+        positions: np.ndarray,
+        slots: np.ndarray,
+        table_lens: np.ndarray,
+        flat_tables: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        max_query_len: int,
+        sample_rows: np.ndarray,
         prompt_rows: list[int],
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         device = self.device
-        max_blocks = max(len(seq.block_ids) for seq in sequences)
-        tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in sequences]
+        block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),  # [num_seqs, max_blocks]
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=device),
-            max_query_len=max(seq.num_new_tokens for seq in sequences),
-            max_seq_len=max(seq_lens),
+            slot_mapping=_to_device(slots, device),  # [T] int64
+            block_tables=_to_device(block_tables, device),  # [S, max_blocks] int32
+            seq_lens=_to_device(seq_lens, device),  # [S] int64
+            query_start_loc=_to_device(query_start_loc, device),  # [S + 1] int64
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()),
         )
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
+            torch.tensor(input_ids, dtype=torch.int64, device=device),  # [T]
+            _to_device(positions, device),  # [T] int64
             self.kv_caches,
             metadata,
-        )  # [num_tokens, hidden]
+        )  # [T, hidden]
         sample_logits = prompt_logits = None
-        if sample_rows:
-            sample_logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])  # [R, vocab]
+        if len(sample_rows) == len(input_ids):  # every token is sampled (pure decode): no gather
+            sample_logits = self.model.compute_logits(hidden)  # [R, vocab]
+        elif len(sample_rows):
+            sample_logits = self.model.compute_logits(hidden[_to_device(sample_rows, device)])  # [R, vocab]
         if prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[torch.tensor(prompt_rows, device=device)])  # [P, vocab]
         return sample_logits, prompt_logits
@@ -157,10 +210,11 @@ class ModelRunner:
                 self.device,
             )
             tokens, token_logprobs = self.sampler(sample_logits, sampling_metadata)
-            for seq, token, token_lp in zip(sampling_seqs, tokens, token_logprobs):
-                sampled[seq.request_id] = token
-                if token_lp is not None:
-                    logprobs[seq.request_id] = token_lp
+            sampled = dict(zip([seq.request_id for seq in sampling_seqs], tokens))
+            if sampling_metadata.max_num_logprobs is not None:
+                for seq, token_lp in zip(sampling_seqs, token_logprobs):
+                    if token_lp is not None:
+                        logprobs[seq.request_id] = token_lp
 
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if prompt_logits is not None:

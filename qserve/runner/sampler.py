@@ -174,10 +174,14 @@ class Sampler:
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(original, dim=-1)  # [R, V]
 
-        logits = original.clone()  # [R, V]; never modify the caller's tensor
+        # Never modify the caller's tensor: every step below makes a new tensor, except the
+        # min_tokens mask, which clones first if nothing has yet (greedy rows copy nothing).
+        logits = original  # [R, V]
         if metadata.repetition_penalties is not None:
             logits = apply_penalties(logits, metadata)
         if metadata.min_tokens_rows is not None:
+            if logits is original:
+                logits = logits.clone()
             logits.index_put_(
                 (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
                 torch.tensor(float("-inf"), device=logits.device),

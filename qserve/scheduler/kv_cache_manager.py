@@ -116,6 +116,10 @@ class KVCacheManager:
         """
         request_id = request.request_id
         table = self._tables.get(request_id)
+        if table and not computed_blocks:
+            # Fast path (most decode steps): the blocks held already cover the new tokens.
+            if -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(table):
+                return True
         if computed_blocks and table:
             raise ValueError(f"request {request_id}: computed blocks given but it already holds blocks")
         num_held = len(table) if table else 0

@@ -120,15 +120,18 @@ class Scheduler:
         preempted_ids: list[str] = []
         capacity_finished_ids: list[str] = []
 
+        max_num_tokens = kv.max_num_tokens  # fixed by the pool's shares: read once per step
+
         # 1. RUNNING requests, FCFS.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if kv.num_blocks_for(request.num_tokens) > kv.max_num_blocks:
+            num_tokens = request.num_tokens
+            if num_tokens > max_num_tokens:  # more blocks than this model can ever hold
                 self._finish_for_capacity(request)
                 capacity_finished_ids.append(request.request_id)
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute (no token was sampled for it); leave it be
                 index += 1
                 continue
@@ -150,7 +153,7 @@ class Scheduler:
         if not preempted_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                if kv.num_blocks_for(request.num_tokens) > kv.max_num_blocks:
+                if request.num_tokens > max_num_tokens:  # more blocks than this model can ever hold
                     self._finish_for_capacity(request)
                     capacity_finished_ids.append(request.request_id)
                     continue
@@ -184,19 +187,26 @@ class Scheduler:
         ``schedule()`` are skipped.
         """
         kv = self.kv_cache_manager
+        block_size = kv.block_size
+        requests = self.requests
+        running = RequestStatus.RUNNING
         sampled = runner_output.sampled_token_ids
         with_new_token: list[Request] = []
         for seq in scheduler_output.sequences:
-            request = self.requests.get(seq.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(seq.request_id)
+            if request is None or request.status != running:
                 continue
-            request.num_computed_tokens += seq.num_new_tokens
+            num_computed = request.num_computed_tokens
+            request.num_computed_tokens = num_computed + seq.num_new_tokens
             if seq.sample:
                 token_id = sampled.get(seq.request_id)
                 if token_id is not None:
                     request.output_token_ids.append(token_id)
                     with_new_token.append(request)
-            kv.cache_full_blocks(request)
+            # Blocks that are full and computed are registered in every step they become so;
+            # a step that fills no block (most decode steps) has nothing new to register.
+            if (num_computed + seq.num_new_tokens) // block_size != num_computed // block_size:
+                kv.cache_full_blocks(request)
         return with_new_token
 
     # ---------------------------------------------------------------- helpers

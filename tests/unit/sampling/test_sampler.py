@@ -233,3 +233,15 @@ def test_prompt_logprobs() -> None:
     out2 = compute_prompt_logprobs(logits, targets, k=2)
     assert all(len(e.token_ids) == 3 and e.ranks[1:] == [1, 2] for e in out2)
     assert out2[0].token_ids[1:] == raw[0].topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_min_tokens_and_penalties_leave_callers_logits_untouched(temperature: float) -> None:
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2))
+    before = logits.clone()
+    params = [SamplingParams(temperature=temperature, min_tokens=5, stop_token_ids=[3], seed=1)] * 2
+    params += [SamplingParams(temperature=temperature, repetition_penalty=1.5, seed=2)] * 2
+    _sample(logits, params, outputs=[[1]] * 4)
+    assert torch.equal(logits, before)
+    _sample(logits[:2], params[:2], outputs=[[1]] * 2)  # min_tokens only: the mask needs its own copy
+    assert torch.equal(logits, before)

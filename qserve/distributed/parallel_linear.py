@@ -1,0 +1,194 @@
+"""Tensor-parallel layers: column- and row-parallel linears (dense or 4/8-bit, through the
+layer's ``LinearMethod``), the vocabulary-parallel embedding and LM head.
+
+Knows: which slice of each checkpoint tensor the rank keeps (``sharding``) and which collective
+each layer needs — none after a column-parallel linear (its output stays split, e.g. by heads),
+an all-reduce after a row-parallel one, an all-reduce after the masked embedding lookup and an
+all-gather of the logits. Must not know: checkpoint formats, the engine, how kernels compute.
+
+The factories (``column_linear``, ``row_linear``, ``vocab_embedding``, ``lm_head_linear``) return
+the plain single-process module when ``tp`` is None, so a model built without a group is
+exactly what it was before tensor parallelism existed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qserve.distributed.parallel_state import TPGroup
+from qserve.distributed.sharding import column_shard, row_shard, split_evenly, vocab_shard
+from qserve.layers.linear import Linear, LinearMethod
+from quant_kernels.layout import PackedQuantWeight
+
+
+class ColumnParallelLinear(Linear):
+    """Output shards split along N: the rank holds ``shard_slices[i] = (start, size)`` of full
+    output shard ``i`` and computes ``[num_tokens, sum(sizes)]`` with no communication."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],  # full (unsplit) size of each output shard
+        *,
+        shard_slices: list[tuple[int, int]],
+        bias: bool,
+        params_dtype: torch.dtype,
+        method: LinearMethod,
+        prefix: str,
+        tp: TPGroup,
+    ) -> None:
+        if len(shard_slices) != len(output_sizes):
+            raise ValueError(f"{prefix}: {len(shard_slices)} shard slices for {len(output_sizes)} output shards")
+        super().__init__(
+            in_features,
+            [size for _, size in shard_slices],
+            bias=bias,
+            params_dtype=params_dtype,
+            method=method,
+            prefix=prefix,
+        )
+        self.full_output_sizes = list(output_sizes)
+        self.shard_slices = list(shard_slices)
+        self.tp = tp
+
+    def load_weight(self, shard_id: int, weight: torch.Tensor | PackedQuantWeight) -> None:
+        start, size = self.shard_slices[shard_id]
+        full = self.full_output_sizes[shard_id]
+        super().load_weight(shard_id, column_shard(weight, start, size, full, f"{self.prefix} shard {shard_id}"))
+
+    def load_bias(self, shard_id: int, bias: torch.Tensor) -> None:
+        start, size = self.shard_slices[shard_id]
+        if tuple(bias.shape) != (self.full_output_sizes[shard_id],):
+            raise ValueError(
+                f"{self.prefix} shard {shard_id}: bias shape {tuple(bias.shape)}, "
+                f"expected ({self.full_output_sizes[shard_id]},)"
+            )
+        super().load_bias(shard_id, bias[start : start + size])
+
+
+class RowParallelLinear(Linear):
+    """Input split along K: the rank multiplies its ``[num_tokens, K/tp]`` slice of the input by
+    its rows of W, the partial products are all-reduced, then the (full) bias is added once."""
+
+    # Act-order shards carry padded groups (sharding.row_shard_act_order): more packed rows
+    # than the layer has inputs. W4A16LinearMethod reads this to accept them.
+    accepts_padded_act_order = True
+
+    def __init__(
+        self,
+        in_features: int,  # full (unsplit) K
+        output_sizes: list[int],
+        *,
+        bias: bool,
+        params_dtype: torch.dtype,
+        method: LinearMethod,
+        prefix: str,
+        tp: TPGroup,
+    ) -> None:
+        k_local = split_evenly(in_features, tp.size, f"{prefix}: input size K")
+        super().__init__(k_local, output_sizes, bias=bias, params_dtype=params_dtype, method=method, prefix=prefix)
+        self.full_in_features = in_features
+        self.tp = tp
+
+    def load_weight(self, shard_id: int, weight: torch.Tensor | PackedQuantWeight) -> None:
+        shard = row_shard(weight, self.tp.rank, self.tp.size, self.full_in_features, self.prefix)
+        super().load_weight(shard_id, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, K/tp] -> [num_tokens, N]
+        out = self.tp.all_reduce(self.method.apply(self, x).contiguous())
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+def gather_vocab(logits: torch.Tensor, tp: TPGroup, vocab_size: int, chunk: int) -> torch.Tensor:
+    """Per-rank logits ``[R, rows held]`` -> full ``[R, vocab_size]`` (padded to ``chunk``, gathered, trimmed)."""
+    if logits.shape[-1] < chunk:
+        logits = F.pad(logits, (0, chunk - logits.shape[-1]))  # [R, chunk]
+    return tp.all_gather(logits, dim=-1)[:, :vocab_size]  # [R, vocab]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The rank holds ids ``[start, start + rows)`` (table padded to ``chunk`` rows with zeros);
+    a lookup zeroes ids it does not own and all-reduces, so every rank gets the full embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TPGroup) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp = tp
+        self.start, self.rows, self.chunk = vocab_shard(vocab_size, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.zeros(self.chunk, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.load_full_weight  # used by LlamaFamilyForCausalLM.load_weights
+
+    def load_full_weight(self, weight: torch.Tensor) -> None:  # [vocab, hidden]
+        if tuple(weight.shape) != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(
+                f"embedding: checkpoint shape {tuple(weight.shape)}, expected ({self.vocab_size}, {self.weight.shape[1]})"
+            )
+        self.weight.data[: self.rows].copy_(weight[self.start : self.start + self.rows])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # int64 [num_tokens] -> [num_tokens, hidden]
+        local = input_ids - self.start
+        owned = (local >= 0) & (local < self.rows)  # [num_tokens]
+        hidden = F.embedding(torch.where(owned, local, 0), self.weight)  # [num_tokens, hidden]
+        hidden = torch.where(owned.unsqueeze(-1), hidden, 0).contiguous()
+        return self.tp.all_reduce(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] (tied LM head)
+        return gather_vocab(F.linear(hidden, self.weight[: self.rows]), self.tp, self.vocab_size, self.chunk)
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """Column-parallel over the vocabulary, all-gathering the logits: every rank gets ``[R, vocab]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab]
+        vocab = self.full_output_sizes[0]
+        _, _, chunk = vocab_shard(vocab, self.tp.rank, self.tp.size)
+        return gather_vocab(super().forward(x), self.tp, vocab, chunk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Factories: plain modules without a group
+# ----------------------------------------------------------------------------------------------
+
+
+def column_linear(
+    in_features: int,
+    output_sizes: list[int],
+    *,
+    tp: TPGroup | None,
+    shard_slices: list[tuple[int, int]] | None = None,
+    **kwargs,
+) -> Linear:
+    """A ``Linear`` (``tp`` None) or a ``ColumnParallelLinear``; ``shard_slices`` default to even splits."""
+    if tp is None:
+        return Linear(in_features, output_sizes, **kwargs)
+    if shard_slices is None:
+        prefix = kwargs.get("prefix", "linear")
+        sizes = [split_evenly(n, tp.size, f"{prefix}: output size N") for n in output_sizes]
+        shard_slices = [(tp.rank * size, size) for size in sizes]
+    return ColumnParallelLinear(in_features, output_sizes, shard_slices=shard_slices, tp=tp, **kwargs)
+
+
+def row_linear(in_features: int, output_sizes: list[int], *, tp: TPGroup | None, **kwargs) -> Linear:
+    """A ``Linear`` (``tp`` None) or a ``RowParallelLinear``."""
+    if tp is None:
+        return Linear(in_features, output_sizes, **kwargs)
+    return RowParallelLinear(in_features, output_sizes, tp=tp, **kwargs)
+
+
+def vocab_embedding(vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TPGroup | None) -> nn.Module:
+    if tp is None:
+        embedding = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
+        embedding.weight.requires_grad_(False)
+        return embedding
+    return VocabParallelEmbedding(vocab_size, hidden_size, dtype, tp)
+
+
+def lm_head_linear(hidden_size: int, vocab_size: int, *, tp: TPGroup | None, **kwargs) -> Linear:
+    if tp is None:
+        return Linear(hidden_size, [vocab_size], **kwargs)
+    start, rows, _ = vocab_shard(vocab_size, tp.rank, tp.size)
+    return ParallelLMHead(hidden_size, [vocab_size], shard_slices=[(start, rows)], tp=tp, **kwargs)
