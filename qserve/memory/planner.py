@@ -227,7 +227,9 @@ def make_plan(
         kv_tokens=kv_tokens,
         max_model_len=max_model_len,
         max_concurrent_sequences=num_blocks // blocks_per_seq,
-        concurrent_sequences_at={ctx: num_blocks // math.ceil(ctx / block_size) for ctx in REPORT_CONTEXTS},
+        concurrent_sequences_at={
+            ctx: num_blocks // math.ceil(ctx / block_size) for ctx in REPORT_CONTEXTS if ctx <= max_model_len
+        },
     )
 
 

@@ -94,3 +94,11 @@ def test_plan_text_output(qwen14b_dir, capsys):
 def test_bad_kv_cache_dtype_is_named(qwen14b_dir, capsys):
     assert main(["plan", str(qwen14b_dir), "--gpu-memory-budget", "24GiB", "--kv-cache-dtype", "fp4"]) == 2
     assert "kv-cache-dtype" in capsys.readouterr().err
+
+
+def test_plan_reports_only_contexts_the_model_can_run(qwen14b_dir):
+    import torch
+
+    config = ModelConfig.from_path(qwen14b_dir)
+    plan = make_plan(config, weights_bytes=9 * GIB, budget_bytes=24 * GIB, dtype=torch.float16, max_model_len=2048)
+    assert list(plan.concurrent_sequences_at) == [1024]
