@@ -13,6 +13,8 @@ exactly what it was before tensor parallelism existed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,11 +72,14 @@ class ColumnParallelLinear(Linear):
 
 class RowParallelLinear(Linear):
     """Input split along K: the rank multiplies its ``[num_tokens, K/tp]`` slice of the input by
-    its rows of W, the partial products are all-reduced, then the (full) bias is added once."""
+    its rows of W, the partial products are all-reduced, then the (full) bias is added once.
 
-    # Act-order shards carry padded groups (sharding.row_shard_act_order): more packed rows
-    # than the layer has inputs. W4A16LinearMethod reads this to accept them.
-    accepts_padded_act_order = True
+    An act-order shard (``sharding.row_shard_act_order``: padded groups, perm into the local
+    input) is stored split in two: ``input_index`` (its perm, int64 ``[K_pad]``) gathers the
+    input once per call, and the method holds the weight without perm — a plain grouped
+    ``PackedQuantWeight`` of ``weight_in_features = K_pad`` rows, which the reference op and the
+    Triton kernels serve as they are (the padding's repeated input index never reaches them).
+    """
 
     def __init__(
         self,
@@ -91,12 +96,20 @@ class RowParallelLinear(Linear):
         super().__init__(k_local, output_sizes, bias=bias, params_dtype=params_dtype, method=method, prefix=prefix)
         self.full_in_features = in_features
         self.tp = tp
+        self.weight_in_features = k_local  # rows the method's weight has (K_pad for act-order)
+        self.register_buffer("input_index", None, persistent=False)  # int64 [K_pad] act-order only
 
     def load_weight(self, shard_id: int, weight: torch.Tensor | PackedQuantWeight) -> None:
         shard = row_shard(weight, self.tp.rank, self.tp.size, self.full_in_features, self.prefix)
+        if isinstance(shard, PackedQuantWeight) and shard.perm is not None:
+            self.input_index = shard.perm  # int64 [K_pad], values in [0, K/tp)
+            self.weight_in_features = shard.in_features
+            shard = dataclasses.replace(shard, perm=None)
         super().load_weight(shard_id, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, K/tp] -> [num_tokens, N]
+        if self.input_index is not None:
+            x = x.index_select(-1, self.input_index)  # [num_tokens, K_pad]
         out = self.tp.all_reduce(self.method.apply(self, x).contiguous())
         if self.bias is not None:
             out = out + self.bias

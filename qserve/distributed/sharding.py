@@ -18,8 +18,10 @@ Rules (shared/docs/formats.md §5.3, P3, P4):
   - act-order (perm present): groups are global, so every rank keeps the FULL scales and zeros
     and takes the packed rows whose ``perm`` value falls in its input range. Those rows belong
     to arbitrary groups, so they are laid out as *padded groups* (see ``row_shard_act_order``):
-    the result is an ordinary ``PackedQuantWeight`` that ``quant_kernels.reference`` (and the
-    Triton kernels) compute exactly, with a few zero-valued padding rows.
+    a ``PackedQuantWeight`` whose perm indexes the local input, which
+    ``quant_kernels.reference.w4a16_matmul`` computes exactly (padding rows are exactly 0).
+    ``RowParallelLinear`` then hoists that perm out as an input gather, so the kernels only
+    ever see a plain grouped weight (group size a multiple of 16).
 * KV heads: split when ``num_kv_heads >= tp``; otherwise replicated, rank ``r`` uses KV head
   ``r // (tp / num_kv_heads)`` (formats.md §5.3, vLLM's rule).
 * Vocabulary: rank ``r`` owns ids ``[r*chunk, min((r+1)*chunk, V))`` with ``chunk = ceil(V/tp)``.

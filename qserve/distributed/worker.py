@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import traceback
 from typing import Any
 
@@ -65,6 +66,8 @@ def run_worker(rank: int, size: int, init_method: str, engine_config: Any, error
     shard, KV caches; the same start-up as rank 0, so start-up collectives line up), serve steps.
 
     ``errors`` (a multiprocessing queue) receives ``(rank, traceback text)`` if anything fails.
+    A clean stop ends the process with ``os._exit(0)`` once the group is left: interpreter
+    finalization (torch, tokenizers) takes seconds and there is nothing left to release.
     """
     from qserve.engine.engine import Engine, resolve_device
 
@@ -82,3 +85,6 @@ def run_worker(rank: int, size: int, init_method: str, engine_config: Any, error
     finally:
         if tp is not None:
             destroy_tp_group(tp)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

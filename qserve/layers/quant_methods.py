@@ -81,15 +81,14 @@ class W4A16LinearMethod(LinearMethod):
                 f"{name} ({layer.prefix} shard {shard_id}): got a dense tensor {tuple(weight.shape)} for a layer "
                 "configured as quantized"
             )
-        # A row-parallel act-order shard (qserve.distributed.sharding) has padded groups: more
-        # packed rows than the layer has inputs, its perm indexing the layer's inputs.
-        padded = getattr(layer, "accepts_padded_act_order", False) and weight.perm is not None
-        k_ok = weight.in_features == layer.in_features or (padded and weight.in_features > layer.in_features)
-        if not k_ok or weight.out_features != size:
+        # A row-parallel act-order shard (qserve.distributed) multiplies a gathered input: its
+        # weight has more (padded) rows than the layer has inputs; the layer says how many.
+        expected_k = getattr(layer, "weight_in_features", layer.in_features)
+        if weight.in_features != expected_k or weight.out_features != size:
             raise ValueError(
                 f"{name} ({layer.prefix} shard {shard_id}): packed weight has K={weight.in_features}, "
                 f"N={weight.out_features} (qweight {tuple(weight.qweight.shape)}), but the layer expects "
-                f"K={layer.in_features}, N={size}"
+                f"K={expected_k}, N={size}"
             )
         if self.bits is not None and weight.bits != self.bits[shard_id]:
             raise ValueError(
