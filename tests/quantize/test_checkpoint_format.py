@@ -102,7 +102,7 @@ def test_gptq_layout_field_by_field(tmp_path, llama_ckpt, calib_file, method, bi
     assert qc["quant_method"] == "gptq" and qc["checkpoint_format"] == "gptq"
     assert (qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"]) == (bits, group_size, sym, desc_act)
     assert qc["true_sequential"] is True and qc["static_groups"] is False and qc["damp_percent"] == 0.01
-    assert qc["meta"]["quantizer"] == ["qserve:0.1.0"]
+    assert qc["meta"]["quantizer"] == (["qserve:0.1.0"] if sym else ["qserve:0.1.0", "gptqmodel:0.9.0"])
     assert json.loads((dst / "quantize_config.json").read_text()) == qc
     assert config["torch_dtype"] == "float16"
     for side in ("tokenizer.json", "tokenizer_config.json"):
@@ -193,3 +193,29 @@ def test_sharded_output_has_an_index(tmp_path, llama_ckpt, calib_file) -> None:
     assert not (dst / "model.safetensors").exists()
     assert set(index["weight_map"]) == set(read_all(dst))
     check_loader_bit_exact(dst, meant)
+
+
+def test_gptq_asym_v1_loadable_by_gptqmodel(tmp_path, llama_ckpt, calib_file) -> None:
+    """GPTQModel's loader refuses sym=False + format "gptq" unless meta.quantizer names gptqmodel
+    >= 0.9.0 (found by the peer check, tests/peer). Emulate that guard, and check that the claim
+    behind the tag holds: GPTQModel's whole-word v1 -> v2 addition reads back exactly zero - 1 + 1."""
+    dst = tmp_path / "out"
+    quantize(llama_ckpt, dst, calib_file, method="gptq", bits=4, group_size=32, sym=False, desc_act=True)
+    for qc in (
+        json.loads((dst / "config.json").read_text())["quantization_config"],
+        json.loads((dst / "quantize_config.json").read_text()),
+    ):
+        assert qc["sym"] is False and qc["format" if "format" in qc else "checkpoint_format"] == "gptq"
+        versions = [
+            tuple(int(v) for v in entry.split(":", 1)[1].split("."))
+            for entry in qc["meta"]["quantizer"]
+            if entry.split(":", 1)[0] == "gptqmodel"
+        ]
+        assert any(v >= (0, 9, 0) for v in versions), qc["meta"]["quantizer"]
+    tensors = read_all(dst)
+    for name in [n for n in tensors if n.endswith(".qzeros")]:
+        words = tensors[name].to(torch.int64) & 0xFFFFFFFF
+        whole_word = (words + 0x11111111) & 0xFFFFFFFF  # GPTQModel convert_gptq_v1_to_v2_format
+        shifts = torch.arange(0, 32, 4)
+        per_nibble = ((words.unsqueeze(-1) >> shifts) & 0xF) + 1
+        assert torch.equal((whole_word.unsqueeze(-1) >> shifts) & 0xF, per_nibble), name
