@@ -242,9 +242,16 @@ class AsyncEngine:
                     raise QueueFullError(model, hosted.max_queue or 0, self.retry_after_s)
                 for item in items:  # validate all before queuing any
                     hosted.engine.validate_request(item.prompt, item.params)
-                for item in items:
-                    hosted.engine.add_request(item.request_id, item.prompt, item.params)
-                    hosted.active.add(item.request_id)
+                added: list[str] = []
+                try:
+                    for item in items:
+                        hosted.engine.add_request(item.request_id, item.prompt, item.params)
+                        added.append(item.request_id)
+                except BaseException:
+                    for request_id in added:  # all or nothing: nobody would read the others
+                        hosted.engine.abort_request(request_id)  # pages back at once
+                    raise
+                hosted.active.update(added)
             except BaseException as err:  # noqa: BLE001 - handed to the submitter
                 done.set_exception(err)
             else:

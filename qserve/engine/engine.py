@@ -329,6 +329,12 @@ class Engine:
                 f"prompt is {len(token_ids)} tokens long, which leaves no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
+        kv = self.kv_manager
+        if kv.num_blocks_for(len(token_ids)) > kv.max_num_blocks:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens can never fit in the KV cache, which holds at most "
+                f"{kv.max_num_tokens} tokens for this model"
+            )
         vocab = self.model_config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
@@ -338,8 +344,10 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
         """Queue a request. Raises ValueError for bad input; nothing else is disturbed then."""
-        if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{index}" for index in range(params.n)]
+        taken = [i for i in [request_id, *seq_ids] if i in self._groups or i in self._sequences]
+        if taken:  # checked up front: a half-added request would run under an id that was refused
+            raise ValueError(f"request_id {request_id!r} is already in use (as {taken[0]!r})")
         text, token_ids = self.validate_request(prompt, params)
         group = _Group(request_id, text, token_ids, params)
         if params.prompt_logprobs is not None:
@@ -349,8 +357,7 @@ class Engine:
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + index
                 child_params = params.clone(n=1, seed=seed)
-            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            request = Request(seq_id, token_ids, child_params, arrival_index=next(self._arrival))
+            request = Request(seq_ids[index], token_ids, child_params, arrival_index=next(self._arrival))
             sequence = _Sequence(
                 request,
                 index,

@@ -52,6 +52,13 @@ from qserve.server.protocol import (
 
 logger = logging.getLogger(__name__)
 
+# chat_template_kwargs keys that would replace the template or change how it is applied.
+RESERVED_CHAT_TEMPLATE_KWARGS = frozenset(
+    {"chat_template", "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+     "return_dict", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs", "tools",
+     "documents", "padding", "truncation", "max_length"}
+)  # fmt: skip
+
 # Fields copied from the request into SamplingParams when the client set them.
 _OPTIONAL_SAMPLING_FIELDS = (
     "temperature",
@@ -109,6 +116,7 @@ class ServedModel:
     name: str
     path: str
     max_model_len: int
+    vocab_size: int
     tokenizer: Any  # front-end copy: loop thread only
 
 
@@ -160,6 +168,7 @@ class OpenAIServing:
                 name=name,
                 path=str(engine.config.model),
                 max_model_len=engine.max_model_len,
+                vocab_size=engine.model_config.vocab_size,
                 tokenizer=copy.deepcopy(engine.tokenizer),
             )
 
@@ -216,6 +225,28 @@ class OpenAIServing:
             )
         if not prompt.token_ids:
             raise bad_request("the prompt is empty: at least one token is needed", param)
+
+    @staticmethod
+    def _check_vocab(model: ServedModel, prompt: _Prompt, param: str) -> None:
+        vocab = model.vocab_size
+        bad = next((t for t in prompt.token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"prompt contains token id {bad}, outside the vocabulary [0, {vocab})", param)
+
+    @staticmethod
+    def _chat_template_kwargs(request: Any) -> dict[str, Any]:
+        """Extra variables for the model's chat template (e.g. ``enable_thinking``). Keys that
+        would replace the template or change how it is applied are refused: a client-supplied
+        template would run arbitrary Jinja in the server."""
+        kwargs = dict(request.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & RESERVED_CHAT_TEMPLATE_KWARGS)
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(reserved)}; they are reserved "
+                f"({', '.join(sorted(RESERVED_CHAT_TEMPLATE_KWARGS))})",
+                "chat_template_kwargs",
+            )
+        return kwargs
 
     @staticmethod
     def _check_total_length(model: ServedModel, prompts: list[_Prompt], params: SamplingParams, param: str) -> None:
@@ -304,6 +335,9 @@ class OpenAIServing:
         if request.echo:
             for prompt in prompts:
                 if prompt.text is None:
+                    # Decoding trusts the ids: check them first (an id past the vocabulary used to
+                    # overflow inside the tokenizer: a 500 instead of a 400).
+                    self._check_vocab(model, prompt, "prompt")
                     prompt.text = model.tokenizer.decode(prompt.token_ids)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
@@ -449,12 +483,13 @@ class OpenAIServing:
         tokenizer = model.tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise bad_request(f"model {model.name!r} has no chat template; use /v1/completions", "messages")
+        template_kwargs = self._chat_template_kwargs(request)
         try:
             text = tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=request.add_generation_prompt,
                 tokenize=False,
-                **(request.chat_template_kwargs or {}),
+                **template_kwargs,
             )
         except Exception as err:  # noqa: BLE001 - template errors are the request's fault
             raise bad_request(f"the chat template could not render these messages: {err}", "messages") from err

@@ -223,3 +223,25 @@ def test_sequence_outgrowing_the_pool_finishes_with_length(llama_path):
     out = llm.generate([{"prompt_token_ids": list(range(3, 23))}], SamplingParams(max_tokens=50, ignore_eos=True))[0]
     assert out.finished and out.outputs[0].finish_reason == "length"
     assert 0 < len(out.outputs[0].token_ids) < 50
+
+
+def test_a_refused_request_id_leaves_nothing_running(llama_path):
+    """`n > 1` sequences are named `<id>#<i>`: a clash with an existing request must refuse the
+    whole request up front, not after queuing some of its sequences."""
+    llm = LLM(llama_path, device="cpu", dtype="float32")
+    engine = llm.engine
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("a#1", {"prompt_token_ids": [3, 4]}, params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", {"prompt_token_ids": [3, 4]}, params.clone(n=2))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["a#1"]
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_a_prompt_the_pool_can_never_hold_is_refused_before_queuing(llama_path):
+    llm = LLM(llama_path, device="cpu", dtype="float32", num_kv_blocks=2, max_model_len=100)
+    with pytest.raises(ValueError, match="can never fit in the KV cache"):
+        llm.engine.validate_request({"prompt_token_ids": [3] * 40}, SamplingParams())
