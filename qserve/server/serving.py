@@ -18,7 +18,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,28 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     tokenizer: Any  # front-end copy: loop thread only
+
+
+class ClosingStream:
+    """An SSE body that always runs ``on_close`` when closed: the generator's own ``finally``
+    does not run if the response is closed before the generator ever started (a client that
+    leaves before the first byte), and the engine request must be aborted then too."""
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self._on_close = on_close
+
+    def __aiter__(self) -> ClosingStream:
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            self._on_close()
 
 
 @dataclass(eq=False)
@@ -344,7 +366,7 @@ class OpenAIServing:
         submission = _Submission(request_ids, prompts, params, {rid: i for i, rid in enumerate(request_ids)})
         stream = await self._submit(model, submission, "prompt")
         if request.stream:
-            return self._completion_stream(model, request, submission, stream, base_id)
+            return ClosingStream(self._completion_stream(model, request, submission, stream, base_id), stream.abort)
         final = await self._collect(stream)
         choices: list[CompletionChoice] = []
         for rid in request_ids:
@@ -519,7 +541,7 @@ class OpenAIServing:
         submission = _Submission([base_id], [prompt], params, {base_id: 0})
         stream = await self._submit(model, submission, "messages")
         if request.stream:
-            return self._chat_stream(model, request, stream, base_id)
+            return ClosingStream(self._chat_stream(model, request, stream, base_id), stream.abort)
         final = await self._collect(stream)
         output = final[base_id]
         top = request.top_logprobs or 0

@@ -58,3 +58,26 @@ def test_chat_template_kwargs_still_pass_template_variables(small_pool_server):
         "chat_template_kwargs": {"enable_thinking": False},
     }
     assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+
+
+def test_a_stream_closed_before_its_first_byte_still_aborts():
+    """If the response is closed before the SSE generator ever ran, the generator's own
+    ``finally`` never runs; the body wrapper must still abort the engine request."""
+    import asyncio
+
+    from qserve.server.serving import ClosingStream
+
+    aborted = []
+
+    async def chunks():
+        try:
+            yield "data: {}\n\n"
+        finally:
+            aborted.append("generator")
+
+    async def close_unstarted():
+        body = ClosingStream(chunks(), lambda: aborted.append("on_close"))
+        await body.aclose()
+
+    asyncio.run(close_unstarted())
+    assert aborted == ["on_close"]  # the unstarted generator's finally did not run; on_close did
