@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from loaders.common import check_dtype, check_layer_shape, check_shape, effective_group, fetch
+from loaders.common import (
+    check_dtype,
+    check_layer_shape,
+    check_shape,
+    effective_group,
+    fetch,
+    fetch_group_scales,
+    fetch_words,
+)
 from loaders.packing import shift_into_slot, unpack_n
 from loaders.safetensors_io import CheckpointFiles
 from loaders.spec import CheckpointSpec, ModuleQuant
@@ -19,7 +27,6 @@ from quant_kernels.layout import PackedQuantWeight
 SUFFIXES = ("qweight", "qzeros", "scales")
 MAIN_SUFFIX = "qweight"
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # slot i of a word holds column 8c + AWQ_ORDER[i]
-SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def convert(
@@ -32,12 +39,7 @@ def convert(
     """Read ``prefix.{qweight,qzeros,scales}`` (AWQ GEMM) and return the canonical weight."""
     bits = 4
     qweight_name = f"{prefix}.qweight"
-    awq_qweight = fetch(files, qweight_name, f"AWQ layer {prefix}")  # int32 [K, N/8]
-    check_dtype(files, qweight_name, awq_qweight, (torch.int32,), "AWQ GEMM int32 words")
-    if awq_qweight.dim() != 2:
-        raise ValueError(
-            f"{files.file_of[qweight_name]}: tensor {qweight_name!r} must be 2-D, got {list(awq_qweight.shape)}"
-        )
+    awq_qweight = fetch_words(files, qweight_name, f"AWQ layer {prefix}", "AWQ GEMM int32 words")  # int32 [K, N/8]
     in_features, out_features = awq_qweight.shape[0], awq_qweight.shape[1] * 8
     check_layer_shape(files, qweight_name, (in_features, out_features), expected_kn, "AWQ GEMM qweight [K, N/8]")
     if in_features % 8:
@@ -47,15 +49,9 @@ def convert(
     group_size, num_groups = effective_group(quant.group_size, in_features)
 
     scales_name = f"{prefix}.scales"
-    scales = fetch(files, scales_name, f"AWQ layer {prefix}")  # [ng, N]
-    check_dtype(files, scales_name, scales, SCALE_DTYPES, "scales")
-    check_shape(
-        files,
-        scales_name,
-        scales,
-        (num_groups, out_features),
-        f"[ceil(K/group_size), N], group_size={quant.group_size}",
-    )
+    scales = fetch_group_scales(
+        files, scales_name, f"AWQ layer {prefix}", num_groups, out_features, quant.group_size
+    )  # [ng, N]
 
     # Repack along K one slot at a time: K rows 8r + slot come from AWQ rows slot::8.
     qweight = torch.zeros(in_features // 8, out_features, dtype=torch.int32)  # [K/8, N]

@@ -13,6 +13,8 @@ import torch
 
 from loaders.safetensors_io import CheckpointFiles
 
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def fetch(files: CheckpointFiles, name: str, module_hint: str = "") -> torch.Tensor:
     """Read a tensor the format requires; a missing one is refused naming the checkpoint and tensor."""
@@ -54,3 +56,22 @@ def effective_group(group_size: int, in_features: int) -> tuple[int, int]:
     """(effective group size, number of groups) for a configured size (-1 = per-channel)."""
     geff = in_features if group_size == -1 else group_size
     return geff, math.ceil(in_features / geff)
+
+
+def fetch_words(files: CheckpointFiles, name: str, module_hint: str, what: str) -> torch.Tensor:
+    """A required 2-D int32 tensor of packed codes (``what`` names the layout in refusals)."""
+    words = fetch(files, name, module_hint)
+    check_dtype(files, name, words, (torch.int32,), what)
+    if words.dim() != 2:
+        raise ValueError(f"{files.file_of[name]}: tensor {name!r} must be 2-D, got {list(words.shape)}")
+    return words
+
+
+def fetch_group_scales(
+    files: CheckpointFiles, name: str, module_hint: str, num_groups: int, out_features: int, group_size: int
+) -> torch.Tensor:
+    """Required GPTQ/AWQ-style scales ``[num_groups, N]`` in a float dtype."""
+    scales = fetch(files, name, module_hint)
+    check_dtype(files, name, scales, SCALE_DTYPES, "scales")
+    check_shape(files, name, scales, (num_groups, out_features), f"[ceil(K/group_size), N], group_size={group_size}")
+    return scales

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from loaders.common import check_dtype, check_layer_shape, check_shape, effective_group, fetch
+from loaders.common import SCALE_DTYPES, check_dtype, check_layer_shape, check_shape, effective_group, fetch
 from loaders.packing import gather_k, perm_from_g_idx, unpack_n
 from loaders.safetensors_io import CheckpointFiles
 from loaders.spec import CheckpointSpec, ModuleQuant
@@ -19,7 +19,6 @@ from quant_kernels.layout import PackedQuantWeight, pack_factor
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 MAIN_SUFFIX = "weight_packed"
-SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def convert(

@@ -13,7 +13,15 @@ import logging
 
 import torch
 
-from loaders.common import check_dtype, check_layer_shape, check_shape, effective_group, fetch
+from loaders.common import (
+    check_dtype,
+    check_layer_shape,
+    check_shape,
+    effective_group,
+    fetch,
+    fetch_group_scales,
+    fetch_words,
+)
 from loaders.packing import gather_k, perm_from_g_idx, unpack_n, v1_words_to_v2
 from loaders.safetensors_io import CheckpointFiles
 from loaders.spec import CheckpointSpec, ModuleQuant
@@ -32,7 +40,6 @@ def _symmetric_zero_words(bits: int) -> tuple[int, int]:
 
 
 MAIN_SUFFIX = "qweight"
-SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def convert(
@@ -46,12 +53,9 @@ def convert(
     bits = quant.bits
     pf = pack_factor(bits)
     qweight_name = f"{prefix}.qweight"
-    qweight = fetch(files, qweight_name, f"GPTQ {bits}-bit layer {prefix}")  # int32 [K/pf, N]
-    check_dtype(files, qweight_name, qweight, (torch.int32,), "GPTQ pack_dtype int32")
-    if qweight.dim() != 2:
-        raise ValueError(
-            f"{files.file_of[qweight_name]}: tensor {qweight_name!r} must be 2-D, got {list(qweight.shape)}"
-        )
+    qweight = fetch_words(
+        files, qweight_name, f"GPTQ {bits}-bit layer {prefix}", "GPTQ pack_dtype int32"
+    )  # int32 [K/pf, N]
     in_features, out_features = qweight.shape[0] * pf, qweight.shape[1]
     check_layer_shape(
         files, qweight_name, (in_features, out_features), expected_kn, f"{bits}-bit GPTQ qweight [K/{pf}, N]"
@@ -59,15 +63,9 @@ def convert(
     group_size, num_groups = effective_group(quant.group_size, in_features)
 
     scales_name = f"{prefix}.scales"
-    scales = fetch(files, scales_name, f"GPTQ layer {prefix}")  # [ng, N]
-    check_dtype(files, scales_name, scales, SCALE_DTYPES, "scales")
-    check_shape(
-        files,
-        scales_name,
-        scales,
-        (num_groups, out_features),
-        f"[ceil(K/group_size), N], group_size={quant.group_size}",
-    )
+    scales = fetch_group_scales(
+        files, scales_name, f"GPTQ layer {prefix}", num_groups, out_features, quant.group_size
+    )  # [ng, N]
 
     zeros = None
     if not quant.sym:
