@@ -149,6 +149,104 @@ def timed_decode(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int) 
     return batch * steps / elapsed
 
 
+def profile_decode(llm: LLM, batch: int, vocab: int, folder: Path, steps: int = 8) -> tuple[str, str]:
+    """Per-kernel CUDA time of ``steps`` decode steps (torch.profiler), and how much of the
+    step's wall time the GPU was busy: the rest is host work the GPU waited for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(100 + batch)
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch):
+        ids = torch.randint(3, vocab, (128,), generator=gen).tolist()
+        engine.add_request(f"prof{batch}-{i}", {"prompt_token_ids": ids}, params)
+    while any(not seq.request.output_token_ids for _, seq in engine._sequences.values()):
+        engine.step()
+    engine.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels = sorted(
+        (
+            (e.key, e.self_device_time_total, e.count)
+            for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ),
+        key=lambda item: -item[1],
+    )
+    kernels = [k for k in kernels if k[1] > 0]
+    busy = sum(k[1] for k in kernels)
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# decode batch {batch}: {steps} steps, wall {wall * 1e3 / steps:.2f} ms/step, "
+        f"GPU kernels {busy / 1e3 / steps:.2f} ms/step",
+        "",
+        "| kernel | µs/step | calls/step |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name[:90]} | {t / steps:.1f} | {c / steps:.1f} |" for name, t, c in kernels[:40]]
+    (folder / f"profile_b{batch}.md").write_text("\n".join(lines) + "\n")
+    return (
+        f"profile decode batch {batch}",
+        f"wall {wall * 1e3 / steps:.2f} ms/step, GPU kernel time {busy / 1e3 / steps:.2f} ms/step, "
+        f"{sum(k[2] for k in kernels) / steps:.0f} kernels/step",
+    )
+
+
+class StepStats:
+    """Where an offline run's time goes: wraps the scheduler to record every step's token count
+    and kind, and the wall time from one schedule() to the next (the whole step)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.scheduler = llm.engine.scheduler
+        self.inner = self.scheduler.schedule
+        self.steps: list[tuple[int, int, bool, int]] = []  # (tokens, sequences, pure decode, preempted)
+        self.times: list[float] = []
+        self.last = None
+
+        def schedule():  # noqa: ANN202 - same as the wrapped method
+            now = time.perf_counter()
+            if self.last is not None:
+                self.times.append(now - self.last)
+            self.last = now
+            out = self.inner()
+            decode = all(seq.num_new_tokens == 1 for seq in out.sequences)
+            self.steps.append((out.num_batched_tokens, len(out.sequences), decode, len(out.preempted_request_ids)))
+            return out
+
+        self.scheduler.schedule = schedule
+
+    def close(self) -> None:
+        if self.last is not None:
+            self.times.append(time.perf_counter() - self.last)
+        self.scheduler.schedule = self.inner
+
+    def describe(self) -> str:
+        steps, times = self.steps, self.times
+        decode = [(s, t) for s, t in zip(steps, times) if s[2] and s[0]]
+        mixed = [(s, t) for s, t in zip(steps, times) if not s[2]]
+        preempted = sum(s[3] for s in steps)
+
+        def part(name: str, items: list) -> str:
+            if not items:
+                return f"{name}: none"
+            total = sum(t for _, t in items)
+            tokens = sum(s[0] for s, _ in items)
+            seqs = sum(s[1] for s, _ in items) / len(items)
+            return (
+                f"{name}: {len(items)} steps, {total:.1f} s, {1e3 * total / len(items):.1f} ms/step, "
+                f"{tokens / len(items):.0f} tokens and {seqs:.0f} sequences/step"
+            )
+
+        return f"{part('pure decode', decode)}; {part('with prefill', mixed)}; {preempted} preemptions"
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -204,6 +302,9 @@ def main() -> None:
     parser.add_argument("--budget", default="24GiB")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: small,decode,offline,capacity")
+    parser.add_argument(
+        "--profile", default="", help="write per-kernel CUDA time tables of decode steps to this folder"
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     shape = SMALL if args.small else QWEN14B
@@ -270,6 +371,11 @@ def main() -> None:
             )
             emit(rows, args.out)
 
+    if args.profile and device == "cuda":
+        for batch in (1, 64):
+            rows.append(profile_decode(llm, batch, shape["vocab"], Path(args.profile)))
+            emit(rows, args.out)
+
     if "offline" not in skip:
         gen = torch.Generator().manual_seed(0)
         n = args.num_requests if not args.small else 40
@@ -279,11 +385,14 @@ def main() -> None:
             {"prompt_token_ids": torch.randint(3, shape["vocab"], (k,), generator=gen).tolist()} for k in in_lens
         ]
         params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in out_lens]
+        stats = StepStats(llm)
         sync()
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         sync()
         elapsed = time.perf_counter() - start
+        stats.close()
+        rows.append(("offline step mix", stats.describe()))
         useful = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append(
             (

@@ -35,8 +35,9 @@ class LinearMethod(ABC):
         return None  # dense weights need none
 
     @abstractmethod
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        """``x: [num_tokens, K] -> [num_tokens, N]`` without the bias."""
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x: [num_tokens, K] -> [num_tokens, N]``, plus ``bias [N]`` when given (methods fuse
+        it into the matmul's epilogue: one kernel fewer per layer)."""
 
     def weight_nbytes(self, layer: Linear) -> int:
         """Bytes of weight this method holds for the layer (bias excluded)."""
@@ -61,8 +62,8 @@ class DenseLinearMethod(LinearMethod):
             )
         layer.weight.data[start : start + size].copy_(weight)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight)
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
 
 
 class Linear(nn.Module):
@@ -112,7 +113,4 @@ class Linear(nn.Module):
         self.method.process_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, K] -> [num_tokens, N]
-        out = self.method.apply(self, x)
-        if self.bias is not None:
-            out = out + self.bias
-        return out
+        return self.method.apply(self, x, self.bias)

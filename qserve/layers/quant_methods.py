@@ -105,11 +105,12 @@ class W4A16LinearMethod(LinearMethod):
         layer.quant_shards = [None] * len(shards)  # release the per-shard copies
         layer.quant_prepared = [ops.prepare_w4a16(p) for p in parts]
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         prepared: list[Any] = layer.quant_prepared
         if len(prepared) == 1:
-            return ops.w4a16_linear(x, prepared[0])
-        return torch.cat([ops.w4a16_linear(x, p) for p in prepared], dim=-1)  # [num_tokens, N]
+            return ops.w4a16_linear(x, prepared[0], bias)
+        out = torch.cat([ops.w4a16_linear(x, p) for p in prepared], dim=-1)  # [num_tokens, N]
+        return out if bias is None else out + bias
 
     def weight_nbytes(self, layer: Linear) -> int:
         return tensor_nbytes(layer.quant_prepared) + tensor_nbytes(layer.quant_shards)

@@ -2,7 +2,8 @@
 
 Knows: the inverse-frequency schedules and how to rotate query/key heads by position. Must not
 know: attention, caches or requests. The cos/sin table is built once for every position the
-model may see, so the per-step work is one gather.
+model may see; the per-step work (gather and rotation of query and key) is one fused op in
+``quant_kernels.elementwise_ops``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from qserve.config import RopeConfig
+from quant_kernels import elementwise_ops
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -44,16 +46,14 @@ class RotaryEmbedding(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,  # int64 [num_tokens]
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        positions: torch.Tensor,  # int64 [T]
+        query: torch.Tensor,  # [T, num_heads, head_dim] or [B, T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim] or [B, T, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x.dtype)
+        if query.dim() == 4:  # a batch of windows sharing positions (the quantizer's calibration)
+            batch = query.shape[0]
+            q, k = elementwise_ops.rotary_embedding(
+                positions.repeat(batch), query.flatten(0, 1), key.flatten(0, 1), self.cos, self.sin
+            )
+            return q.view(query.shape), k.view(key.shape)
+        return elementwise_ops.rotary_embedding(positions, query, key, self.cos, self.sin)

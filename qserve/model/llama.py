@@ -24,6 +24,7 @@ from qserve.layers.linear import Linear, LinearMethod
 from qserve.layers.norm import RMSNorm
 from qserve.layers.rotary import RotaryEmbedding
 from qserve.runner.attn_metadata import AttentionMetadata
+from quant_kernels import elementwise_ops
 from quant_kernels.layout import PackedQuantWeight
 
 logger = logging.getLogger(__name__)
@@ -145,8 +146,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(hidden)  # [num_tokens, 2 * intermediate (this rank's)]
+        return self.down_proj(elementwise_ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -164,9 +165,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, f"{prefix}.mlp", dtype, make_method, tp)
 
-    def forward(self, positions, hidden, rotary, kv_cache, metadata):  # noqa: ANN001 - see Attention.forward
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        positions: torch.Tensor,  # int64 [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (or the embeddings)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: the residual stream before ``hidden`` is added
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp_out, residual)``; the caller's next norm adds them. Carrying the residual
+        this way lets each add ride inside the following norm's kernel."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn_out = self.self_attn(positions, normed, rotary, kv_cache, metadata)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -213,9 +229,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, self.rotary, kv_cache, metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, self.rotary, kv_cache, metadata)
+        if residual is None:  # a model without layers
+            return self.model.norm(hidden)
+        return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> float32 [R, vocab]
         if self.lm_head is None and self.tp is not None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from qserve.config import ModelConfig
 from qserve.layers.rotary import RotaryEmbedding
+from quant_kernels import elementwise_ops
 
 # Short name -> HF name relative to "model.layers.{i}.", in the order a forward pass meets them.
 LINEARS = {
@@ -38,9 +39,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)  # [size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
-        x_float = x.float()
-        x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x_float.to(x.dtype)
+        return elementwise_ops.rms_norm(x, self.weight, self.eps)
 
 
 class _StopForward(Exception):

@@ -1,0 +1,86 @@
+"""Device dispatch for the per-token elementwise ops (RMSNorm, fused residual add + RMSNorm,
+rotary embedding, SiLU-and-mul): fused Triton kernels on CUDA, the PyTorch reference elsewhere.
+
+Knows: which implementation serves which device and dtype. Must not know: models or layers.
+Triton stays an optional, lazy import: this module imports on a machine without triton, and
+only the CUDA branch touches it. Semantics are those of ``quant_kernels.reference_elementwise``;
+every op returns new tensors, never writes its inputs, and is safe to capture in a CUDA graph
+(no host sync, no data-dependent branch).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from quant_kernels import reference_elementwise
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def _have_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_usable(*tensors: torch.Tensor) -> bool:
+    """All on CUDA, floating dtypes the kernels serve, and triton importable."""
+    if not all(t.device.type == "cuda" and t.dtype in _KERNEL_DTYPES for t in tensors):
+        return False
+    return _have_triton()
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., H], last dim contiguous for the kernel (anything else is copied first)
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> torch.Tensor:  # [..., H], new and contiguous, x's dtype (when weight has it)
+    """``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`` (HF Llama's RMSNorm)."""
+    if _triton_usable(x, weight):
+        from quant_kernels import elementwise_triton
+
+        return elementwise_triton.rms_norm(x, weight, eps)
+    return reference_elementwise.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, H], new_residual [T, H]), both new
+    """``new_residual = x + residual`` (in x's dtype) and ``rms_norm(new_residual)`` in one pass."""
+    if _triton_usable(x, residual, weight):
+        from quant_kernels import elementwise_triton
+
+        return elementwise_triton.fused_add_rms_norm(x, residual, weight, eps)
+    return reference_elementwise.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # int64 [T]
+    query: torch.Tensor,  # [T, Hq, D], may be a strided view into a fused qkv tensor
+    key: torch.Tensor,  # [T, Hk, D], likewise
+    cos: torch.Tensor,  # float32 [max_positions, D / 2]
+    sin: torch.Tensor,  # float32 [max_positions, D / 2]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), new and contiguous
+    """NeoX ("rotate half") rotary embedding of query and key at ``positions``: one launch on CUDA."""
+    if _triton_usable(query, key, cos, sin) and positions.device.type == "cuda":
+        from quant_kernels import elementwise_triton
+
+        return elementwise_triton.rotary_embedding(positions, query, key, cos, sin)
+    return reference_elementwise.rotary_embedding(positions, query, key, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I], new and contiguous
+    """``silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``."""
+    if _triton_usable(gate_up):
+        from quant_kernels import elementwise_triton
+
+        return elementwise_triton.silu_and_mul(gate_up)
+    return reference_elementwise.silu_and_mul(gate_up)

@@ -1,0 +1,346 @@
+"""Triton kernels for the per-token elementwise ops of a decoder layer: RMSNorm (optionally fused
+with the residual add before it), rotary embedding of query and key, and SiLU-and-mul.
+
+Knows: the semantics of ``quant_kernels.reference_elementwise`` and how to lay these ops out as
+one launch each. Must not know: models, layers, engines. Imported lazily (by
+``quant_kernels.elementwise_ops`` on CUDA only, or by tests under ``TRITON_INTERPRET=1``).
+
+Each op replaces a chain of 5-15 tiny torch kernels (casts, reductions, gathers, chunk/cat):
+at decode sizes they are launch-bound, so one launch with one read and one write of each
+row is the point; the arithmetic is all fp32 in registers.
+
+Kernels
+-------
+``rms_norm_kernel``: grid ``(n0, n1)``, one program per row of ``H`` elements, the whole row in
+  one ``BLOCK = next_power_of_2(H)`` masked tile. Rows are addressed through two leading strides,
+  so a ``[T, heads, D]`` view into a fused qkv tensor (Qwen3's q/k norms) is read in place.
+  With ``HAS_RESIDUAL`` it first forms ``x + residual``, rounds it to the activation dtype and
+  writes it out (the new residual stream), then normalises the rounded sum, as the reference
+  does. Rounding order matches Hugging Face: normalise in fp32, round to the activation dtype,
+  multiply by the weight in fp32, round again.
+``rotary_kernel``: grid ``(T, ceil(Hq / HPP) + ceil(Hk / HPP))``: a program owns ``HPP`` heads of
+  one token, of query (first block indices) or of key (the rest), so query and key take one
+  launch. It gathers that token's cos/sin row once and rotates ``[HPP, D/2]`` halves.
+``silu_and_mul_kernel``: grid ``(T, ceil(I / BLOCK))``: ``silu(gate) * up`` in fp32, rounded
+  once (the reference, torch's ``F.silu(gate) * up``, rounds the SiLU first: results may differ
+  by one ulp of the activation dtype).
+
+Numerics: fp32 arithmetic throughout; the GPU compiler may contract ``a * b - c * d`` into an
+FMA and reduces in another order than torch, so results agree with the reference to a few fp32
+ulps before the final rounding (at most one ulp of fp16/bf16 after it), not bit for bit.
+
+All launchers allocate their outputs with ``torch.empty`` (or take ``out=``), return early for
+zero rows, and never synchronise with the host: they can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SILU_BLOCK = 1024
+ROTARY_TILE = 1024  # elements of query/key a rotary program handles (HPP * D)
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def rms_norm_kernel(
+    X,
+    R,
+    W,
+    OUT,
+    RES_OUT,
+    n1,
+    n_cols,
+    stride_x0,
+    stride_x1,
+    stride_r0,
+    stride_r1,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i0 = tl.program_id(0).to(tl.int64)
+    i1 = tl.program_id(1).to(tl.int64)
+    row = i0 * n1 + i1  # outputs are contiguous [n0 * n1, H]
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + i0 * stride_r0 + i1 * stride_r1 + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(RES_OUT.dtype.element_ty)
+        tl.store(RES_OUT + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * n_cols + cols, (normed * w).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(
+    X,
+    OUT,
+    t,
+    first_head,
+    n_heads,
+    stride_t,
+    stride_h,
+    cos,  # fp32 [BLOCK_HALF]
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HPP: tl.constexpr,
+):
+    heads = first_head + tl.arange(0, HPP)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = (heads < n_heads)[:, None] & (offs < HALF)[None, :]
+    src = X + t * stride_t + heads[:, None].to(tl.int64) * stride_h + offs[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    dst = OUT + (t * n_heads + heads[:, None]) * (2 * HALF) + offs[None, :]
+    tl.store(dst, (x1 * c - x2 * s).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * c + x1 * s).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(
+    POS,
+    Q,
+    K,
+    COS,
+    SIN,
+    Q_OUT,
+    K_OUT,
+    n_q_heads,
+    n_k_heads,
+    n_q_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_sin,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HPP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    pos = tl.load(POS + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(COS + pos * stride_cos + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + pos * stride_sin + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    if block < n_q_blocks:
+        _rotate_heads(Q, Q_OUT, t, block * HPP, n_q_heads, stride_qt, stride_qh, cos, sin, HALF, BLOCK_HALF, HPP)
+    else:
+        first = (block - n_q_blocks) * HPP
+        _rotate_heads(K, K_OUT, t, first, n_k_heads, stride_kt, stride_kh, cos, sin, HALF, BLOCK_HALF, HPP)
+
+
+@triton.jit
+def silu_and_mul_kernel(GU, OUT, n_cols, stride_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(GU + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(GU + row * stride_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(OUT + row * n_cols + cols, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _norm_warps(block: int) -> int:
+    # ~16-32 elements per thread at large H (four 16-byte loads of fp16 per thread at H=5120);
+    # a single warp for head-sized rows (q/k norms), where programs are many and short.
+    if block >= 4096:
+        return 8
+    if block >= 1024:
+        return 4
+    if block >= 512:
+        return 2
+    return 1
+
+
+def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
+    """``(x', n0, n1, stride0, stride1)``: x' addresses row ``(i0, i1)`` at ``i0*s0 + i1*s1``, H contiguous.
+
+    Up to two leading dims are read in place with their own strides; a view the kernel cannot
+    address (last stride not 1, more leading dims that do not flatten) is copied first.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 1:
+        return x, 1, 1, 0, 0
+    if x.dim() == 2:
+        return x, x.shape[0], 1, x.stride(0), 0
+    if x.dim() > 3:
+        x = x.reshape(-1, x.shape[-1])  # a view when the leading dims flatten, else a copy
+        return x, x.shape[0], 1, x.stride(0), 0
+    return x, x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    out: torch.Tensor | None = None,  # [..., H] contiguous, dtype promote(x, weight)
+) -> torch.Tensor:  # [..., H], contiguous
+    """``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`` in one launch."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    xv, n0, n1, s0, s1 = _row_view(x)
+    n_cols = x.shape[-1]
+    if n0 * n1 == 0 or n_cols == 0:
+        return out
+    block = triton.next_power_of_2(n_cols)
+    rms_norm_kernel[(n0, n1)](
+        xv,
+        xv,
+        weight.contiguous(),
+        out,
+        out,
+        n1,
+        n_cols,
+        s0,
+        s1,
+        0,
+        0,
+        eps,
+        HAS_RESIDUAL=False,
+        BLOCK=block,
+        num_warps=_norm_warps(block),
+    )
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    out: torch.Tensor | None = None,  # [T, H] contiguous, dtype promote(x, weight)
+    residual_out: torch.Tensor | None = None,  # [T, H] contiguous, x's dtype
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, H], new_residual [T, H])
+    """``new_residual = (x + residual)`` rounded to x's dtype, and ``rms_norm(new_residual)``."""
+    n_cols = x.shape[-1]
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if residual_out is None:
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2 = x.reshape(-1, n_cols) if x.stride(-1) == 1 else x.contiguous().view(-1, n_cols)  # [T, H]
+    r2 = residual.reshape(-1, n_cols) if residual.stride(-1) == 1 else residual.contiguous().view(-1, n_cols)
+    rows = x2.shape[0]
+    if rows == 0 or n_cols == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(n_cols)
+    rms_norm_kernel[(rows, 1)](
+        x2,
+        r2,
+        weight.contiguous(),
+        out,
+        residual_out,
+        1,
+        n_cols,
+        x2.stride(0),
+        0,
+        r2.stride(0),
+        0,
+        eps,
+        HAS_RESIDUAL=True,
+        BLOCK=block,
+        num_warps=_norm_warps(block),
+    )
+    return out, residual_out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # int [T]
+    query: torch.Tensor,  # [T, Hq, D], any token / head strides
+    key: torch.Tensor,  # [T, Hk, D], any token / head strides
+    cos: torch.Tensor,  # float32 [max_positions, D / 2]
+    sin: torch.Tensor,  # float32 [max_positions, D / 2]
+    q_out: torch.Tensor | None = None,  # [T, Hq, D] contiguous, query's dtype
+    k_out: torch.Tensor | None = None,  # [T, Hk, D] contiguous, key's dtype
+) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), contiguous
+    """NeoX rotary embedding of query and key at ``positions``, both in one launch."""
+    num_tokens, n_q_heads, head_dim = query.shape
+    n_k_heads = key.shape[1]
+    if q_out is None:
+        q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if k_out is None:
+        k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    if num_tokens == 0 or head_dim == 0:
+        return q_out, k_out
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if cos.stride(-1) != 1:
+        cos = cos.contiguous()
+    if sin.stride(-1) != 1:
+        sin = sin.contiguous()
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    hpp = max(1, min(ROTARY_TILE // (2 * block_half), triton.next_power_of_2(max(n_q_heads, n_k_heads))))
+    n_q_blocks = triton.cdiv(n_q_heads, hpp)
+    grid = (num_tokens, n_q_blocks + triton.cdiv(n_k_heads, hpp))
+    rotary_kernel[grid](
+        positions,
+        query,
+        key,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        n_q_heads,
+        n_k_heads,
+        n_q_blocks,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HALF=half,
+        BLOCK_HALF=block_half,
+        HPP=hpp,
+        num_warps=4 if hpp * block_half >= 256 else 1,
+    )
+    return q_out, k_out
+
+
+def silu_and_mul(
+    gate_up: torch.Tensor,  # [T, 2I]
+    out: torch.Tensor | None = None,  # [T, I] contiguous, gate_up's dtype
+) -> torch.Tensor:  # [T, I]
+    """``silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``, in fp32, rounded once."""
+    n_cols = gate_up.shape[-1] // 2
+    if out is None:
+        out = torch.empty((*gate_up.shape[:-1], n_cols), dtype=gate_up.dtype, device=gate_up.device)
+    gu = gate_up.reshape(-1, gate_up.shape[-1])  # [T, 2I]
+    if gu.stride(-1) != 1:
+        gu = gu.contiguous()
+    rows = gu.shape[0]
+    if rows == 0 or n_cols == 0:
+        return out
+    block = min(SILU_BLOCK, triton.next_power_of_2(n_cols))
+    silu_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
+        gu,
+        out,
+        n_cols,
+        gu.stride(0),
+        BLOCK=block,
+        num_warps=4 if block >= 512 else 1,
+    )
+    return out
