@@ -294,6 +294,52 @@ def small_model_checks(rows: list[tuple[str, str]], tmp: Path) -> None:
         )
 
 
+def kv_dtype_perplexity(rows: list[tuple[str, str]]) -> None:
+    """Perplexity of the trained demo model on its held-out text with each KV cache dtype (GPU,
+    fp16), next to the CPU float32 reference path. Attention reads every key and value back
+    from the cache, prompt tokens included, so prompt log-probabilities see the cache's rounding."""
+    from qserve.quantize.perplexity import perplexity, qserve_scorer
+
+    repo = Path(__file__).resolve().parents[1]
+    demo = str(repo / "recipes" / "demo" / "model")
+    text = (repo / "recipes" / "demo" / "heldout.txt").read_text(encoding="utf-8")
+    runs = [("cpu float32, model-dtype KV", "cpu", "float32", "auto")]
+    runs += [(f"cuda float16, {kv} KV", "cuda", "float16", kv) for kv in ("auto", "fp8", "int8")]
+    results = []
+    for label, device, dtype, kv in runs:
+        llm = LLM(demo, device=device, dtype=dtype, max_model_len=513, enable_prefix_caching=False, kv_cache_dtype=kv)
+        ids = llm.get_tokenizer()(text)["input_ids"][:20000]  # bounded: the CPU run must stay short
+        result = perplexity(ids, qserve_scorer(llm), max_length=512, stride=256)
+        results.append(f"{label}: {result.perplexity:.4f}")
+        del llm
+    rows.append((f"demo model perplexity, held-out text ({result.num_scored} tokens)", "; ".join(results)))
+
+
+def offline(llm: LLM, shape: dict, n: int, rows: list[tuple[str, str]], label: str) -> None:
+    """The seeded ShareGPT-like workload, all requests at once; EOS ignored."""
+    gen = torch.Generator().manual_seed(0)
+    in_lens = lognormal_lengths(n, 256, 2048, gen)
+    out_lens = lognormal_lengths(n, 256, 2048, gen)
+    prompts = [{"prompt_token_ids": torch.randint(3, shape["vocab"], (k,), generator=gen).tolist()} for k in in_lens]
+    params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in out_lens]
+    stats = StepStats(llm)
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync()
+    elapsed = time.perf_counter() - start
+    stats.close()
+    rows.append((f"offline step mix, {label}", stats.describe()))
+    useful = sum(len(o.outputs[0].token_ids) for o in outs)
+    rows.append(
+        (
+            f"offline ShareGPT-like, {label}",
+            f"{n} requests, {sum(in_lens)} prompt / {useful} output tokens in {elapsed:.1f} s: "
+            f"{useful / elapsed:.0f} output tok/s ({useful / elapsed / 75:.1f}x the HF transformers anchor of 75 tok/s)",
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
@@ -317,6 +363,11 @@ def main() -> None:
             small_model_checks(rows, tmp)
         except Exception as err:  # noqa: BLE001 - report and go on with the other parts
             rows.append(("small model checks", f"FAILED: {type(err).__name__}: {err}"))
+        emit(rows, args.out)
+        try:
+            kv_dtype_perplexity(rows)
+        except Exception as err:  # noqa: BLE001
+            rows.append(("KV dtype perplexity", f"FAILED: {type(err).__name__}: {err}"))
         emit(rows, args.out)
 
     t0 = time.perf_counter()
@@ -376,31 +427,9 @@ def main() -> None:
             rows.append(profile_decode(llm, batch, shape["vocab"], Path(args.profile)))
             emit(rows, args.out)
 
+    n_offline = args.num_requests if not args.small else 40
     if "offline" not in skip:
-        gen = torch.Generator().manual_seed(0)
-        n = args.num_requests if not args.small else 40
-        in_lens = lognormal_lengths(n, 256, 2048, gen)
-        out_lens = lognormal_lengths(n, 256, 2048, gen)
-        prompts = [
-            {"prompt_token_ids": torch.randint(3, shape["vocab"], (k,), generator=gen).tolist()} for k in in_lens
-        ]
-        params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in out_lens]
-        stats = StepStats(llm)
-        sync()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        sync()
-        elapsed = time.perf_counter() - start
-        stats.close()
-        rows.append(("offline step mix", stats.describe()))
-        useful = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append(
-            (
-                "offline ShareGPT-like",
-                f"{n} requests, {sum(in_lens)} prompt / {useful} output tokens in {elapsed:.1f} s: "
-                f"{useful / elapsed:.0f} output tok/s ({useful / elapsed / 75:.1f}x the HF transformers anchor of 75 tok/s)",
-            )
-        )
+        offline(llm, shape, n_offline, rows, "model-dtype KV")
         emit(rows, args.out)
     if device == "cuda":
         rows.append(("peak allocator", f"{torch.cuda.max_memory_allocated() / GIB:.2f} GiB vs budget {budget}"))
@@ -412,10 +441,16 @@ def main() -> None:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         fp8 = LLM(str(ckpt), device=device, gpu_memory_budget=budget, max_model_len=4096, kv_cache_dtype="fp8")
         rows.append(capacity(fp8, "fp8", shape, args.small))
         if fp8.engine.memory_plan is not None:
             rows.append(("plan, fp8 KV", fp8.engine.memory_plan.describe().replace("\n", "; ")))
+        emit(rows, args.out)
+        if "offline" not in skip:
+            offline(fp8, shape, n_offline, rows, "fp8 KV")
+        if device == "cuda":
+            rows.append(("peak allocator (fp8 engine)", f"{torch.cuda.max_memory_allocated() / GIB:.2f} GiB"))
     emit(rows, args.out)
 
 

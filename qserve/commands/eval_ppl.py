@@ -20,6 +20,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "int8"],
+        help="KV cache storage (auto: the model dtype); scores what the cache does to quality",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -32,7 +38,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--text {text_path} does not exist")
     start = time.perf_counter()
     llm = LLM(
-        args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_length + 1, enable_prefix_caching=False
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_length + 1,
+        enable_prefix_caching=False,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     token_ids = llm.get_tokenizer()(text_path.read_text(encoding="utf-8"))["input_ids"]
     if args.max_tokens:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import math
 
 import pytest
@@ -63,4 +65,9 @@ def test_qserve_perplexity_matches_transformers(llama_ckpt, tmp_path, capsys) ->
     text.write_text(CALIB_TEXT[:1500])
     argv = [str(llama_ckpt), "--text", str(text), "--max-length", "128", "--stride", "64", "--device", "cpu", "--json"]
     assert run_command("eval-ppl", argv) == 0
-    assert '"perplexity"' in capsys.readouterr().out
+    model_dtype = json.loads(capsys.readouterr().out)
+    # An fp8 cache stores rounded keys and values: the score moves, but only a little.
+    assert run_command("eval-ppl", [*argv, "--kv-cache-dtype", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert fp8["perplexity"] != model_dtype["perplexity"]
+    assert fp8["perplexity"] == pytest.approx(model_dtype["perplexity"], rel=0.05)
