@@ -1,9 +1,11 @@
 """Serve one or more models over an OpenAI-compatible HTTP API (``qserve serve MODEL [MODEL ...]``).
 
 Knows: the ``qserve serve`` arguments (models as ``path`` or ``name=path``, budget, shares,
-queue bound, API key), how they become ``ModelSpec`` / ``HostConfig``, and how to run
-uvicorn with the app (models load in the background; ``/health`` is 503 until they are
-ready; SIGTERM / Ctrl-C shut down gracefully). Must not know: routes, engines' internals.
+queue bound, API key, tensor-parallel size), how they become ``ModelSpec`` / ``HostConfig``,
+which builder they pick (several models on one shared page pool, or one model sharded over
+``--tensor-parallel-size`` processes), and how to run uvicorn with the app (models load in the
+background; ``/health`` is 503 until they are ready; SIGTERM / Ctrl-C shut down gracefully,
+tensor-parallel workers included). Must not know: routes, engines' internals.
 
 With no model argument it serves the built-in demo model (``DEFAULT_MODEL``): a tiny model
 trained by ``recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.
@@ -68,7 +70,8 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         type=int,
         default=1,
-        help="not served yet above 1 (use qserve generate or LLM(..., tensor_parallel_size=N))",
+        help="shard the one served model over this many processes, one per GPU (cuda:0..N-1; "
+        "gloo processes on CPU); CUDA graphs are not captured above 1",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -127,6 +130,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         HostConfig,
         ModelSpec,
         build_engines,
+        build_tensor_parallel_engine,
     )
     from qserve.memory.planner import parse_memory_budget
 
@@ -142,18 +146,28 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         )
     if args.gpu_memory_budget is not None:
         parse_memory_budget(args.gpu_memory_budget, device_total_bytes=1)  # syntax check only
-    if getattr(args, "tensor_parallel_size", 1) > 1:
-        raise ValueError(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: qserve serve does not run tensor-parallel "
-            "models yet (its models share one KV pool in one process); qserve generate and "
-            "LLM(..., tensor_parallel_size=N) do"
-        )
+    tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
+    if tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     pairs = parse_model_args(values)
     names = [name for name, _ in pairs]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique, got {names}; use NAME=PATH")
+    if tensor_parallel_size > 1:
+        # Several models share one page pool in this process; a sharded model has a pool of its
+        # own on every device, so it is served alone (as vLLM serves one model per server).
+        if len(pairs) != 1:
+            raise ValueError(
+                f"--tensor-parallel-size {tensor_parallel_size} serves one model; got {len(pairs)} models "
+                f"({', '.join(names)})"
+            )
+        if args.min_share or args.max_share:
+            raise ValueError(
+                f"--min-share / --max-share divide a pool shared by several models; with "
+                f"--tensor-parallel-size {tensor_parallel_size} the one model has its own pool"
+            )
     for name, path in pairs:
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(
@@ -178,7 +192,15 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     )
 
     def factory() -> AsyncEngine:
-        return AsyncEngine(build_engines(specs, config), max_queue=args.max_queue)
+        if tensor_parallel_size == 1:
+            return AsyncEngine(build_engines(specs, config), max_queue=args.max_queue)
+        engines, hooks = build_tensor_parallel_engine(specs[0], config, tensor_parallel_size)
+        try:
+            return AsyncEngine(engines, max_queue=args.max_queue, hooks=hooks)
+        except BaseException:
+            if hooks.shutdown is not None:
+                hooks.shutdown()  # nobody else holds the workers yet
+            raise
 
     return factory
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import traceback
 from typing import Any
@@ -71,6 +72,8 @@ def run_worker(rank: int, size: int, init_method: str, engine_config: Any, error
     """
     from qserve.engine.engine import Engine, resolve_device
 
+    # Ctrl-C in a terminal reaches the whole process group; rank 0 stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(NCCL_SAFE_ENV)
     tp = None
     try:

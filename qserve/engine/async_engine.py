@@ -14,7 +14,10 @@ Threads: the event loop thread calls ``submit`` / ``abort`` / ``shutdown`` and i
 belongs to the step thread; the front end gets its own copy from ``frontend_tokenizer``.
 
 Also here: ``build_engines``, which loads several models onto one shared KV page pool
-(``qserve.memory.shared_pool``) under one memory budget.
+(``qserve.memory.shared_pool``) under one memory budget, and ``build_tensor_parallel_engine``,
+which loads one model sharded over N processes (``qserve.distributed.launcher``). The host
+learns nothing about tensor parallelism: such an engine comes with ``HostHooks`` (a keep-alive
+the step thread calls while it runs, and a shutdown that stops the worker processes after it).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from qserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle step thread sleeps between checks (it is woken on new work)
+KEEPALIVE_S = 60.0  # most seconds between two steps sent to tensor-parallel workers, idle or not
 
 
 class QueueFullError(Exception):
@@ -157,6 +161,7 @@ class AsyncEngine:
         max_queue: int | Mapping[str, int | None] | None = None,
         listener: RequestListener | None = None,
         retry_after_s: int = 1,
+        hooks: HostHooks | None = None,
     ) -> None:
         if not engines:
             raise ValueError("AsyncEngine needs at least one model")
@@ -168,6 +173,8 @@ class AsyncEngine:
             self.models[name] = HostedModel(name, engine, limit)
         self.listener = listener
         self.retry_after_s = retry_after_s
+        self.hooks = hooks or HostHooks()
+        self._hooks_closed = False
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -194,13 +201,20 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the step thread; outstanding requests are aborted (their streams end with 'abort')."""
+        """Stop the step thread; outstanding requests are aborted (their streams end with 'abort').
+        Then run ``hooks.shutdown`` once (e.g. stop tensor-parallel workers). Idempotent."""
         self._stopping.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("the step thread did not stop within %.0f s", timeout)
+        if self._hooks_closed:
+            return
+        self._hooks_closed = True
+        if self.hooks.shutdown is not None:
+            # After the step thread: workers must not be stopped under a step that still needs them.
+            self.hooks.shutdown()
 
     # ------------------------------------------------------------------ requests (loop thread)
     def get_model(self, name: str) -> HostedModel:
@@ -294,6 +308,7 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._drain_commands()
+                self._tick()
                 busy = [m for m in self.models.values() if m.engine.has_unfinished_requests()]
                 if not busy:
                     self._wake.wait(IDLE_WAIT_S)
@@ -307,6 +322,15 @@ class AsyncEngine:
         finally:
             self._abort_all()
             self._drain_commands()  # submissions that raced with shutdown fail with EngineDeadError
+
+    def _tick(self) -> None:
+        tick = self.hooks.tick
+        if tick is None:
+            return
+        try:
+            tick()
+        except Exception:  # noqa: BLE001 - a failed keep-alive shows up in the next step; keep serving
+            logger.exception("host tick failed")
 
     def _step(self, hosted: HostedModel) -> None:
         try:
@@ -446,6 +470,15 @@ class HostConfig:
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
+@dataclass(frozen=True, slots=True)
+class HostHooks:
+    """Duties of an ``AsyncEngine`` towards engines that hold resources outside this process
+    (a tensor-parallel engine's worker processes). Both are optional."""
+
+    tick: Callable[[], None] | None = None  # step thread, once per loop round (>= every IDLE_WAIT_S)
+    shutdown: Callable[[], None] | None = None  # once, after the step thread has stopped
+
+
 def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, Engine]:
     """Load every model onto ONE shared KV page pool sized by one budget.
 
@@ -514,6 +547,63 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
             engine_config, block_pool=pool.block_pool, owner=m.name, kv_caches=pool.kv_caches(m.name)
         )
     return engines
+
+
+def build_tensor_parallel_engine(
+    model: ModelSpec, config: HostConfig, tensor_parallel_size: int
+) -> tuple[dict[str, Engine], HostHooks]:
+    """Load ONE model sharded over ``tensor_parallel_size`` processes (this one is rank 0 and
+    drives; ``launch_engine`` spawns the others) and return ``({name: rank 0's engine}, hooks)``.
+
+    Pass the hooks to ``AsyncEngine``: ``shutdown`` stops the worker processes, ``tick`` keeps
+    them alive while the server is idle. The engine has its own page pool on every rank (a
+    tensor-parallel engine cannot draw from a shared pool), so pool shares do not apply;
+    ``gpu_memory_budget`` / ``num_kv_blocks`` are per device, as for ``LLM(...,
+    tensor_parallel_size=N)``. Errors of ``launch_engine`` (sizes, device count) pass unchanged.
+    """
+    from qserve.distributed.launcher import launch_engine
+    from qserve.distributed.parallel_state import DEFAULT_TIMEOUT_S
+    from qserve.scheduler.output import SchedulerOutput
+
+    if config.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
+        )
+    if model.min_share is not None or model.max_share is not None:
+        raise ValueError(f"model {model.name!r}: pool shares need a shared pool; a tensor-parallel model has its own")
+    engine_config = EngineConfig(
+        model=model.path,
+        device=config.device,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        block_size=config.block_size,
+        num_kv_blocks=config.num_kv_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        seed=config.seed,
+        gpu_memory_budget=config.gpu_memory_budget,
+        kv_cache_dtype=config.kv_cache_dtype,
+        enforce_eager=config.enforce_eager,
+    )
+    handle = launch_engine(engine_config, tensor_parallel_size)
+    engine = handle.engine
+    # The workers wait for the next step in a collective bounded by the group's timeout: an idle
+    # server would lose them after DEFAULT_TIMEOUT_S. An empty step (the runners return at once)
+    # is broadcast well within it; the step thread sends it, as it sends every step.
+    interval = min(KEEPALIVE_S, DEFAULT_TIMEOUT_S / 4)
+    empty_step = SchedulerOutput(sequences=[], num_batched_tokens=0)
+    last = time.monotonic()
+
+    def keepalive() -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= interval:
+            last = now
+            engine.runner.execute(empty_step)
+
+    return {model.name: engine}, HostHooks(tick=keepalive, shutdown=handle.shutdown)
 
 
 def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: HostConfig, device: Any) -> int:

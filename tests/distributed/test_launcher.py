@@ -1,6 +1,6 @@
 """The launcher behind ``LLM(..., tensor_parallel_size=N)`` and ``qserve generate
 --tensor-parallel-size N``: this process becomes rank 0 and spawns the others; results equal
-TP=1. Also: ``qserve serve --tensor-parallel-size N>1`` refuses clearly, bad sizes refuse."""
+TP=1. Also: ``qserve serve`` refuses tensor parallelism over several models, bad sizes refuse."""
 
 from __future__ import annotations
 
@@ -53,10 +53,10 @@ def test_generate_cli_uses_the_launcher(tp_checkpoints, capsys, monkeypatch) -> 
     assert calls[0][1] == 2 and calls[0][0].model == path and calls[-1] == "shutdown"
 
 
-def test_serve_refuses_tensor_parallel(tp_checkpoints, capsys) -> None:
-    code = main(["serve", tp_checkpoints["dense"], "--tensor-parallel-size", "2", "--device", "cpu"])
-    assert code == 2
-    assert "--tensor-parallel-size 2" in capsys.readouterr().err
+def test_serve_refuses_tensor_parallel_with_several_models(tp_checkpoints, capsys) -> None:
+    path = tp_checkpoints["dense"]
+    assert main(["serve", f"a={path}", f"b={path}", "--tensor-parallel-size", "2", "--device", "cpu"]) == 2
+    assert "--tensor-parallel-size 2 serves one model; got 2 models" in capsys.readouterr().err
 
 
 def test_bad_sizes_refused(tp_checkpoints) -> None:
