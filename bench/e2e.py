@@ -128,16 +128,23 @@ def lognormal_lengths(count: int, mean: float, cap: int, gen: torch.Generator) -
     return [max(1, min(cap, int(v))) for v in values]
 
 
-def timed_decode(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
-    """Decode tokens/s of ``batch`` sequences once their prompts are in."""
+def start_decoding(llm: LLM, batch: int, prompt_len: int, max_tokens: int, vocab: int, seed: int, tag: str):  # noqa: ANN201
+    """Add ``batch`` random prompts and step until every one has its first token (prefill done);
+    returns the engine, ready for decode-only steps."""
     engine = llm.engine
-    gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         ids = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"dec{batch}-{i}", {"prompt_token_ids": ids}, params)
+        engine.add_request(f"{tag}{batch}-{i}", {"prompt_token_ids": ids}, params)
     while any(not seq.request.output_token_ids for _, seq in engine._sequences.values()):
         engine.step()
+    return engine
+
+
+def timed_decode(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
+    """Decode tokens/s of ``batch`` sequences once their prompts are in."""
+    engine = start_decoding(llm, batch, prompt_len, steps + 2, vocab, seed=batch, tag="dec")
     sync()
     start = time.perf_counter()
     for _ in range(steps):
@@ -154,14 +161,7 @@ def profile_decode(llm: LLM, batch: int, vocab: int, folder: Path, steps: int = 
     step's wall time the GPU was busy: the rest is host work the GPU waited for."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = llm.engine
-    gen = torch.Generator().manual_seed(100 + batch)
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    for i in range(batch):
-        ids = torch.randint(3, vocab, (128,), generator=gen).tolist()
-        engine.add_request(f"prof{batch}-{i}", {"prompt_token_ids": ids}, params)
-    while any(not seq.request.output_token_ids for _, seq in engine._sequences.values()):
-        engine.step()
+    engine = start_decoding(llm, batch, 128, steps + 4, vocab, seed=100 + batch, tag="prof")
     engine.step()
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

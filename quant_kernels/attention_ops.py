@@ -12,24 +12,13 @@ and int8 caches; see ``quant_kernels.reference_kv_quant`` for the encodings.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from quant_kernels import reference_kv_quant
-
-
-@functools.lru_cache(maxsize=1)
-def _have_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from quant_kernels import have_triton, reference_kv_quant
 
 
 def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" and _have_triton()
+    return device.type == "cuda" and have_triton()
 
 
 def store_kv(

@@ -10,29 +10,18 @@ every op returns new tensors, never writes its inputs, and is safe to capture in
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from quant_kernels import reference_elementwise
+from quant_kernels import have_triton, reference_elementwise
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@functools.lru_cache(maxsize=1)
-def _have_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _triton_usable(*tensors: torch.Tensor) -> bool:
     """All on CUDA, floating dtypes the kernels serve, and triton importable."""
     if not all(t.device.type == "cuda" and t.dtype in _KERNEL_DTYPES for t in tensors):
         return False
-    return _have_triton()
+    return have_triton()
 
 
 def rms_norm(

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from quant_kernels import reference
+from quant_kernels import have_triton, reference
 from quant_kernels.layout import PackedQuantWeight
 
 
@@ -44,13 +44,7 @@ class W4A16Prepared:
 
 
 def _triton_usable(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and have_triton()
 
 
 def prepare_w4a16(weight: PackedQuantWeight) -> Any:

@@ -505,11 +505,10 @@ class W4A16Config:
     num_warps: int = 4
     num_stages: int = 2
     cat: bool = False  # one [BLOCK_K, BLOCK_N] dot per K-tile instead of PF thin ones (dot path)
-    chunk_n: int = 0  # dequant: columns per dequantize+cuBLAS round (0: the whole weight at once)
 
     def short(self) -> str:
         if self.kind == "dequant":
-            return f"dequant+mm c{self.chunk_n}" if self.chunk_n else "dequant+mm"
+            return "dequant+mm"
         mode = ("dotT" if self.swap_ab else "dot") if self.use_dot else "fma"
         mode += "C" if self.cat else ""
         return f"{mode} m{self.block_m} n{self.block_n} s{self.split_k} w{self.num_warps} st{self.num_stages}"
@@ -615,30 +614,17 @@ def candidate_configs(m: int, k: int, n: int, block_k: int) -> list[W4A16Config]
             for block_n in (64, 128, 256):
                 for split in splits:
                     out.append(W4A16Config("fused", True, swap, block_m, block_n, split, 4, 3))
-    if m <= 16:  # more warps / deeper pipelines: the decode path is latency-bound at 4 warps, 3 stages
-        for block_n, warps in ((128, 8), (256, 8)):
-            for stages in (3, 4, 5):
-                for split in (1, 2, 4):
-                    out.append(W4A16Config("fused", True, False, 16, block_n, split, warps, stages))
-        for stages in (4, 5):
-            for block_n in (128, 256):
-                for split in (1, 2, 4):
-                    out.append(W4A16Config("fused", True, False, 16, block_n, split, 4, stages))
     if 8 <= m <= 128:  # one K=BLOCK_K dot per tile (wgmma with the weight as A from registers)
         block_m = max(16, triton.next_power_of_2(min(m, 64)))
         for swap, block_n in ((True, 64), (True, 128), (False, 128)):
             for split in (1, 2, 4):
                 out.append(W4A16Config("fused", True, swap, block_m, block_n, split, 4, 3, cat=True))
-        for block_n, warps, stages in ((128, 8, 3), (128, 8, 4), (256, 8, 3), (64, 4, 4), (128, 4, 4)):
-            for split in (1, 2, 4):
-                out.append(W4A16Config("fused", True, True, block_m, block_n, split, warps, stages, cat=True))
     if m >= 128:
         for block_m, block_n, warps in ((64, 128, 4), (128, 128, 8), (128, 256, 8)):
             out.append(W4A16Config("fused", True, False, block_m, block_n, 1, warps, 3))
         for block_m, block_n, warps, stages in ((128, 128, 8, 3), (256, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4)):
             out.append(W4A16Config("fused", True, True, block_m, block_n, 1, warps, stages, cat=True))
         out.append(DEQUANT)
-        out += [W4A16Config(kind="dequant", chunk_n=c) for c in (1024, 2048, 4096)]
     uniq: list[W4A16Config] = []
     for cfg in out:
         cfg = _fix(cfg, m, k, n, block_k)
@@ -706,41 +692,6 @@ def dequantize_dense(weight: TiledQuantWeight, dtype: torch.dtype, out: torch.Te
     return out
 
 
-def _dequant_mm(
-    x: torch.Tensor,  # [M, K]
-    weight: TiledQuantWeight,
-    bias: torch.Tensor | None,  # [N]
-    out: torch.Tensor,  # [M, N]
-    chunk_n: int,
-) -> torch.Tensor:
-    """Dequantize to dense, then cuBLAS. With ``chunk_n`` the weight goes ``chunk_n`` columns at a
-    time through one scratch buffer small enough to stay in L2, so the dense copy is written
-    and read back on chip instead of through HBM."""
-    k, n = weight.in_features, weight.out_features
-    if chunk_n <= 0 or chunk_n >= n:
-        dense = dequantize_dense(weight, x.dtype)  # [K, N] input order: no gather of x
-        if bias is None:
-            return torch.mm(x, dense, out=out)
-        return torch.addmm(bias.to(x.dtype), x, dense, out=out)
-    scratch = torch.empty((k, chunk_n), dtype=x.dtype, device=x.device)  # [K, chunk_n], reused
-    part = torch.empty((x.shape[0], chunk_n), dtype=x.dtype, device=x.device)  # [M, chunk_n]
-    for n0 in range(0, n, chunk_n):
-        n1 = min(n, n0 + chunk_n)
-        piece = dataclasses.replace(
-            weight,
-            qweight=weight.qweight[:, n0:n1],
-            scales=weight.scales[:, n0:n1],
-            zeros=None if weight.zeros is None else weight.zeros[:, n0:n1],
-        )
-        dense = dequantize_dense(piece, x.dtype, out=scratch[:, : n1 - n0])  # [K, n1 - n0]
-        if bias is None:
-            torch.mm(x, dense, out=part[:, : n1 - n0])
-        else:
-            torch.addmm(bias[n0:n1].to(x.dtype), x, dense, out=part[:, : n1 - n0])
-        out[:, n0:n1].copy_(part[:, : n1 - n0])
-    return out
-
-
 def w4a16_gemm(
     x: torch.Tensor,  # [M, K] fp16 / bf16
     weight: TiledQuantWeight,
@@ -761,7 +712,10 @@ def w4a16_gemm(
     if m == 0:
         return out
     if cfg.kind == "dequant":
-        return _dequant_mm(x, weight, bias, out, cfg.chunk_n)
+        dense = dequantize_dense(weight, x.dtype)  # [K, N] input order: no gather of x
+        if bias is None:
+            return torch.mm(x, dense, out=out)
+        return torch.addmm(bias.to(x.dtype), x, dense, out=out)
 
     split = cfg.split_k
     num_pid_m = triton.cdiv(m, cfg.block_m)

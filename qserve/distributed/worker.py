@@ -15,15 +15,24 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
-from qserve.distributed.parallel_state import NCCL_SAFE_ENV, TPGroup, destroy_tp_group, init_tp_group, rank_device
+from qserve.distributed.parallel_state import (
+    DEFAULT_TIMEOUT_S,
+    NCCL_SAFE_ENV,
+    TPGroup,
+    destroy_tp_group,
+    init_tp_group,
+    rank_device,
+)
 from qserve.scheduler.output import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 STOP = None  # broadcast instead of a SchedulerOutput: the workers leave their loop
+KEEPALIVE_S = 60.0  # most seconds between two steps sent to the workers (``BroadcastingRunner.keepalive``)
 
 
 class BroadcastingRunner:
@@ -35,10 +44,19 @@ class BroadcastingRunner:
     def __init__(self, runner: Any, tp: TPGroup) -> None:
         self.runner = runner
         self.tp = tp
+        self._last_broadcast = time.monotonic()
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self.tp.broadcast_object(scheduler_output, src=0)
+        self._last_broadcast = time.monotonic()
         return self.runner.execute(scheduler_output)
+
+    def keepalive(self) -> None:
+        """Send an empty step if none went out for ``KEEPALIVE_S``. The workers wait for the next
+        step in a collective bounded by the group's timeout, so a driver idle for longer (a
+        server with no requests) would lose them; the runners return at once on an empty step."""
+        if time.monotonic() - self._last_broadcast >= min(KEEPALIVE_S, DEFAULT_TIMEOUT_S / 4):
+            self.execute(SchedulerOutput(sequences=[], num_batched_tokens=0))
 
     def stop_workers(self) -> None:
         self.tp.broadcast_object(STOP, src=0)

@@ -39,7 +39,6 @@ from qserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle step thread sleeps between checks (it is woken on new work)
-KEEPALIVE_S = 60.0  # most seconds between two steps sent to tensor-parallel workers, idle or not
 
 
 class QueueFullError(Exception):
@@ -479,6 +478,14 @@ class HostHooks:
     shutdown: Callable[[], None] | None = None  # once, after the step thread has stopped
 
 
+def _check_kv_cache_dtype(config: HostConfig) -> None:
+    if config.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
+        )
+
+
 def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, Engine]:
     """Load every model onto ONE shared KV page pool sized by one budget.
 
@@ -491,11 +498,7 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
     from qserve.memory.profiler import kv_cache_torch_dtype
     from qserve.memory.shared_pool import ModelKVSpec, SharedKVPool, num_pages_for
 
-    if config.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
-        raise ValueError(
-            f"--kv-cache-dtype {config.kv_cache_dtype!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
-        )
+    _check_kv_cache_dtype(config)
     if not models:
         raise ValueError("no model given")
     names = [m.name for m in models]
@@ -562,14 +565,8 @@ def build_tensor_parallel_engine(
     tensor_parallel_size=N)``. Errors of ``launch_engine`` (sizes, device count) pass unchanged.
     """
     from qserve.distributed.launcher import launch_engine
-    from qserve.distributed.parallel_state import DEFAULT_TIMEOUT_S
-    from qserve.scheduler.output import SchedulerOutput
 
-    if config.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
-        raise ValueError(
-            f"--kv-cache-dtype {config.kv_cache_dtype!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
-        )
+    _check_kv_cache_dtype(config)
     if model.min_share is not None or model.max_share is not None:
         raise ValueError(f"model {model.name!r}: pool shares need a shared pool; a tensor-parallel model has its own")
     engine_config = EngineConfig(
@@ -589,21 +586,7 @@ def build_tensor_parallel_engine(
     )
     handle = launch_engine(engine_config, tensor_parallel_size)
     engine = handle.engine
-    # The workers wait for the next step in a collective bounded by the group's timeout: an idle
-    # server would lose them after DEFAULT_TIMEOUT_S. An empty step (the runners return at once)
-    # is broadcast well within it; the step thread sends it, as it sends every step.
-    interval = min(KEEPALIVE_S, DEFAULT_TIMEOUT_S / 4)
-    empty_step = SchedulerOutput(sequences=[], num_batched_tokens=0)
-    last = time.monotonic()
-
-    def keepalive() -> None:
-        nonlocal last
-        now = time.monotonic()
-        if now - last >= interval:
-            last = now
-            engine.runner.execute(empty_step)
-
-    return {model.name: engine}, HostHooks(tick=keepalive, shutdown=handle.shutdown)
+    return {model.name: engine}, HostHooks(tick=engine.runner.keepalive, shutdown=handle.shutdown)
 
 
 def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: HostConfig, device: Any) -> int:

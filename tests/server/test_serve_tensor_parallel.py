@@ -29,7 +29,7 @@ import torch
 
 from qserve.cli import build_parser, main
 from qserve.commands.serve import build_host_factory
-from qserve.engine import async_engine
+from qserve.distributed import worker
 from qserve.server.app import create_app
 from tests.server.conftest import serve
 from tests.server.test_serve_command import _free_port, wait_until_healthy
@@ -126,7 +126,7 @@ def tp_server(checkpoints) -> Iterator[TPServer]:
     args = serve_args(f"tiny={checkpoints['llama']}", "--tensor-parallel-size", "2", *ENGINE_ARGS)
     with contextlib.ExitStack() as stack:
         patch = stack.enter_context(pytest.MonkeyPatch.context())
-        patch.setattr(async_engine, "KEEPALIVE_S", 0.2)  # read when the engine is built
+        patch.setattr(worker, "KEEPALIVE_S", 0.2)
         app = create_app(host_factory=build_host_factory(args))
         url = stack.enter_context(serve(app, timeout=START_TIMEOUT_S))
         yield TPServer(url, app, _workers(), stack)
@@ -146,9 +146,9 @@ def test_models_lists_the_one_model(tp_server) -> None:
 
 
 def test_idle_keepalive_keeps_workers_in_step(tp_server, tp1_answers) -> None:
-    engine = tp_server.app.state.qserve.host.models["tiny"].engine
-    counting = _CountingRunner(engine.runner)
-    engine.runner = counting  # the keep-alive reads engine.runner each time
+    broadcasting = tp_server.app.state.qserve.host.models["tiny"].engine.runner
+    counting = _CountingRunner(broadcasting.runner)
+    broadcasting.runner = counting  # rank 0's own runner: sees every step it broadcasts, keep-alives too
     try:
         deadline = time.monotonic() + 10
         while counting.num_empty < 2:
@@ -156,7 +156,7 @@ def test_idle_keepalive_keeps_workers_in_step(tp_server, tp1_answers) -> None:
             time.sleep(0.1)
         _assert_same(tp1_answers, _answers(tp_server.url))
     finally:
-        engine.runner = counting.runner
+        broadcasting.runner = counting.runner
     assert tp_server.workers[0].is_alive()
 
 
