@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 def _demo_model() -> str:
     from qserve.quantize.demo import ensure_demo_model
 
-    return ensure_demo_model()
+    return ensure_demo_model(report=lambda message: print(f"qserve: {message}", flush=True))
 
 
 # A callable returning the path of the model served when none is given.
@@ -205,6 +205,18 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     return factory
 
 
+def ready_line(url: str, host: object, block_size: int) -> str:
+    """The line printed once every model is loaded: where to send requests, which models, and
+    how much KV cache the pool holds (every model draws pages from the one pool)."""
+    stats = host.stats()  # type: ignore[attr-defined]
+    names = ", ".join(stats)
+    pages = max((s["pool_pages_total"] for s in stats.values()), default=0)
+    return (
+        f"qserve: ready on {url} (OpenAI API at {url}/v1) - models: {names}; "
+        f"KV cache: {pages:,} pages x {block_size} tokens = {pages * block_size:,} tokens"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -220,7 +232,10 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(host_factory=factory, api_key=api_key, on_load_failed=on_load_failed)
+    def on_ready(host: object) -> None:
+        print(ready_line(f"http://{args.host}:{args.port}", host, args.block_size), flush=True)
+
+    app = create_app(host_factory=factory, api_key=api_key, on_load_failed=on_load_failed, on_ready=on_ready)
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -136,3 +136,22 @@ class IncrementalDetokenizer:
         text = self.output_text[self._num_sent_chars : length]
         self._num_sent_chars = length
         return text
+
+
+class TokenIdsOnly:
+    """The detokenizer of an engine started without a tokenizer (``skip_tokenizer_init``):
+    it keeps the generated ids and produces no text, as vLLM does then."""
+
+    def __init__(self) -> None:
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+
+    def add_token(self, token_id: int) -> str:
+        self.output_token_ids.append(token_id)
+        return ""
+
+    def truncate(self, num_chars: int) -> None:
+        self.output_text = self.output_text[:num_chars]
+
+    def get_next_output_text(self, finished: bool, delta: bool = True) -> str:
+        return ""

@@ -18,8 +18,9 @@ import loaders
 from qserve.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
 from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import per_rank_config
-from qserve.engine.detokenizer import IncrementalDetokenizer, TokenStrings
+from qserve.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, TokenStrings
 from qserve.engine.stop_checker import check_stop
+from qserve.engine.tokenizer import load_tokenizer
 from qserve.memory.planner import (
     GPU_DEFAULT_FRACTION,
     MemoryPlan,
@@ -60,6 +61,7 @@ class EngineConfig:
     gpu_memory_budget: str | None = None  # bytes ("24GiB") or a fraction of the device ("0.9")
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" | "int8"
     enforce_eager: bool = False  # no CUDA graphs
+    skip_tokenizer_init: bool = False  # token-id prompts in, token ids out, no text (vLLM's name)
 
 
 @dataclass(eq=False)
@@ -68,7 +70,7 @@ class _Sequence:
 
     request: Request
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | TokenIdsOnly
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
@@ -146,8 +148,6 @@ class Engine:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         tp: TPGroup | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
-
         if (block_pool is None) != (kv_caches is None):
             raise ValueError("Engine: block_pool and kv_caches must be given together (a shared pool) or not at all")
         if tp is not None and block_pool is not None:
@@ -162,8 +162,10 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp=tp)
         rank_config = per_rank_config(self.model_config, 1 if tp is None else tp.size)  # this rank's heads
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        self._token_strings = TokenStrings(self.tokenizer)  # id -> token strings, shared by all sequences
+        # Checked before the weights load: a missing tokenizer is a quick, clear error.
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+        # id -> token strings, shared by all sequences
+        self._token_strings = None if self.tokenizer is None else TokenStrings(self.tokenizer)
 
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
@@ -237,7 +239,7 @@ class Engine:
                 100 * (allocated - planned) / planned,
             )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
@@ -293,6 +295,11 @@ class Engine:
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """Validate a prompt and return (text or None, token ids)."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "the engine was started with skip_tokenizer_init=True: give prompts as token ids "
+                    "({'prompt_token_ids': [...]} or a list of ints), not text"
+                )
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt_token_ids", "prompt"}
@@ -321,6 +328,8 @@ class Engine:
     def validate_request(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int]]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; with skip_tokenizer_init=True use stop_token_ids")
         text, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -361,7 +370,9 @@ class Engine:
             sequence = _Sequence(
                 request,
                 index,
-                IncrementalDetokenizer(
+                TokenIdsOnly()
+                if self.tokenizer is None
+                else IncrementalDetokenizer(
                     self.tokenizer,
                     token_ids,
                     skip_special_tokens=params.skip_special_tokens,
@@ -475,7 +486,8 @@ class Engine:
         result: PositionLogprobs = {}
         for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
             if token_id not in result:
-                result[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+                decoded = None if self.tokenizer is None else self.tokenizer.decode([token_id])
+                result[token_id] = Logprob(logprob, rank, decoded)
         return result
 
     @staticmethod

@@ -31,6 +31,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        skip_tokenizer_init: bool = False,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -47,6 +48,7 @@ class LLM:
             gpu_memory_budget=gpu_memory_budget,
             kv_cache_dtype=kv_cache_dtype,
             enforce_eager=enforce_eager,
+            skip_tokenizer_init=skip_tokenizer_init,
         )
         # tensor_parallel_size > 1: this process is rank 0 and drives; the other ranks are
         # spawned processes (qserve.distributed.launcher), stopped by shutdown() or at exit.
@@ -67,7 +69,7 @@ class LLM:
         if self._tensor_parallel is not None:
             self._tensor_parallel.shutdown()
 
-    def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+    def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer (None with skip_tokenizer_init)
         return self.engine.tokenizer
 
     def generate(

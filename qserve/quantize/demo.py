@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,22 +66,29 @@ def _stamp(source: Path) -> dict[str, object]:
     }
 
 
-def ensure_demo_model(cache_dir: str | None = None) -> str:
+def ensure_demo_model(cache_dir: str | None = None, report: Callable[[str], None] | None = None) -> str:
     """Path of the 4-bit GPTQ demo checkpoint, quantizing it on first use.
 
     ``cache_dir`` is the cache root (default ``$QSERVE_CACHE_DIR`` or ``~/.cache/qserve``); the
     checkpoint lives in ``<root>/demo-gptq``. A copy made from other weights or settings is
     replaced. Safe against concurrent first runs: each builds in its own temporary directory and
-    the first rename wins.
+    the first rename wins. ``report`` (e.g. ``print``) is told whether a cached copy is reused or
+    a new one is being made, and where.
     """
     source = demo_source()
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_root()
     target = root / CACHE_NAME
     stamp = _stamp(source)
     if _is_current(target, stamp):
+        if report is not None:
+            report(f"using the cached 4-bit demo model in {target} (set QSERVE_CACHE_DIR to move the cache)")
         return str(target)
     root.mkdir(parents=True, exist_ok=True)
-    logger.warning("quantizing the demo model (4-bit GPTQ, first run) into %s", target)
+    message = f"quantizing the demo model to 4-bit GPTQ into {target} (first run only; under a minute on CPU)"
+    if report is not None:
+        report(message)
+    else:
+        logger.warning(message)
     tmp = Path(tempfile.mkdtemp(prefix=f".{CACHE_NAME}-", dir=root))
     try:
         quantize_checkpoint(source, tmp / "ckpt", _options())

@@ -122,6 +122,7 @@ def create_app(
     host_factory: Callable[[], AsyncEngine] | None = None,
     api_key: str | None = None,
     on_load_failed: Callable[[BaseException], None] | None = None,
+    on_ready: Callable[[AsyncEngine], None] | None = None,
 ) -> FastAPI:
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
@@ -133,6 +134,8 @@ def create_app(
             built = await asyncio.to_thread(host_factory)
             state.attach(built, loop)
             logger.info("models ready: %s", ", ".join(built.model_names))
+            if on_ready is not None:
+                on_ready(built)
         except Exception as err:  # noqa: BLE001 - reported through /health and the callback
             logger.exception("loading the models failed")
             state.load_error = str(err)

@@ -142,7 +142,20 @@ def test_serve_without_a_model_serves_the_demo(tmp_path):
         assert any(tmp_path.iterdir()), "the quantized demo model was not cached"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
+        output = proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    # What the README promises the user sees: where the demo model goes, then one ready line.
+    cached = tmp_path / "demo-gptq"
+    assert f"quantizing the demo model to 4-bit GPTQ into {cached}" in output, output
+    ready = [line for line in output.splitlines() if line.startswith("qserve: ready on ")]
+    assert len(ready) == 1, output
+    assert f"http://127.0.0.1:{port}" in ready[0] and model["id"] in ready[0] and "KV cache:" in ready[0]
+    # A second start reuses the cached copy and says so.
+    from qserve.quantize.demo import ensure_demo_model
+
+    said: list[str] = []
+    assert ensure_demo_model(str(tmp_path), report=said.append) == str(cached)
+    assert said == [f"using the cached 4-bit demo model in {cached} (set QSERVE_CACHE_DIR to move the cache)"]
