@@ -43,7 +43,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (visible in the process list: prefer ${API_KEY_ENV} or --api-key-file)",
+    )
     parser.add_argument(
         "--gpu-memory-budget",
         default=None,
@@ -88,6 +92,71 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=FRACTION",
         help="most pages of the pool model NAME may hold (fraction of the pool); repeatable",
     )
+    _register_hardening(parser)
+
+
+# ---------------------------------------------------------------------- access and limits (hardening)
+def _register_hardening(parser: argparse.ArgumentParser) -> None:
+    from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES
+
+    parser.add_argument(
+        "--api-key-file", default=None, metavar="PATH", help="read the API key from this file (first line)"
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=[],
+        metavar="HOST[,HOST...]",
+        help="Host header values accepted (default: the bind host, localhost, 127.0.0.1, ::1; any host when "
+        "bound to 0.0.0.0); '*' accepts any; repeatable",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="refuse request bodies larger than this (413) before reading them; 0: no limit",
+    )
+    parser.add_argument(
+        "--metrics-without-key", action="store_true", help="serve /metrics without the API key"
+    )
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, $QSERVE_API_KEY or --api-key (warned: the process list shows it)."""
+    given = [name for name, value in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file)) if value]
+    if len(given) > 1:
+        raise ValueError("give the API key once: --api-key or --api-key-file")
+    if args.api_key_file:
+        path = Path(args.api_key_file)
+        try:
+            lines = path.read_text().strip().splitlines()
+        except OSError as err:
+            raise ValueError(f"--api-key-file {path}: cannot read it ({err.strerror})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {path}: the file is empty")
+        return key
+    if args.api_key:
+        logger.warning(
+            "--api-key is visible to every user of this machine in the process list; use $%s or --api-key-file",
+            API_KEY_ENV,
+        )
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def resolve_allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    from qserve.server.guard import default_allowed_hosts
+
+    hosts = [h.strip() for value in args.allowed_hosts for h in value.split(",") if h.strip()]
+    if not hosts:
+        hosts_or_none = default_allowed_hosts(args.host)
+        if hosts_or_none is None:
+            logger.warning(
+                "bound to %s: any Host header is accepted; pass --allowed-hosts to restrict it", args.host
+            )
+        return hosts_or_none
+    return None if "*" in hosts else hosts
 
 
 def parse_model_args(values: list[str]) -> list[tuple[str, str]]:
@@ -211,7 +280,9 @@ def run(args: argparse.Namespace) -> int:
     from qserve.server.app import create_app
 
     factory = build_host_factory(args)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(args)
+    if args.max_request_bytes < 0:
+        raise ValueError(f"--max-request-bytes must be >= 0, got {args.max_request_bytes}")
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -220,7 +291,14 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(host_factory=factory, api_key=api_key, on_load_failed=on_load_failed)
+    app = create_app(
+        host_factory=factory,
+        api_key=api_key,
+        on_load_failed=on_load_failed,
+        allowed_hosts=resolve_allowed_hosts(args),
+        max_request_bytes=args.max_request_bytes or None,
+        metrics_without_key=args.metrics_without_key,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
