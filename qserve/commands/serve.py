@@ -237,11 +237,19 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
                 f"--min-share / --max-share divide a pool shared by several models; with "
                 f"--tensor-parallel-size {tensor_parallel_size} the one model has its own pool"
             )
+    from qserve.model.checkpoint_check import check_checkpoint
+
     for name, path in pairs:
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(
                 f"model {name!r}: {path} has no config.json (is it a Hugging Face model directory?)"
             )
+        # The checks inspect runs (config, format, tensor headers, tokenizer), before the server
+        # starts: a broken checkpoint is one line on stderr, not a traceback from the loader thread.
+        try:
+            check_checkpoint(path)
+        except (ValueError, FileNotFoundError) as err:
+            raise type(err)(f"model {name!r}: {err}") from err
     min_shares = parse_shares(args.min_share, "--min-share", names)
     max_shares = parse_shares(args.max_share, "--max-share", names)
     specs = [ModelSpec(name, path, min_shares.get(name), max_shares.get(name)) for name, path in pairs]
@@ -310,5 +318,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"qserve: serving on http://{args.host}:{args.port} (models load in the background; see /health)")
     server.run()
     if failed:
-        raise ValueError(f"loading the models failed: {failed[0]}")
+        raise ValueError(f"loading the models failed: {failed[0]}") from failed[0]  # --debug: its traceback
     return 0

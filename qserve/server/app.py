@@ -160,7 +160,11 @@ def create_app(
             state.attach(built, loop)
             logger.info("models ready: %s", ", ".join(built.model_names))
         except Exception as err:  # noqa: BLE001 - reported through /health and the callback
-            logger.exception("loading the models failed")
+            if on_load_failed is not None and isinstance(err, (ValueError, FileNotFoundError)):
+                # A user error (a broken checkpoint): the callback's owner reports it in one line.
+                logger.debug("loading the models failed", exc_info=True)
+            else:
+                logger.exception("loading the models failed")
             state.load_error = str(err)
             if on_load_failed is not None:
                 on_load_failed(err)
