@@ -88,10 +88,13 @@ def _human(nbytes: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qserve.model.checkpoint_check import check_checkpoint
+    from qserve.model.checkpoint_check import check_checkpoint, has_tokenizer
 
-    check_checkpoint(args.model, tensors=not args.headers_only)  # ValueError: one line, exit 2
+    # A weights-only directory (tokenizer kept elsewhere) is still described; a broken tokenizer is not.
+    tokenizer = has_tokenizer(args.model)
+    check_checkpoint(args.model, tokenizer=tokenizer, tensors=not args.headers_only)  # ValueError: one line, exit 2
     info = describe(args.model)
+    info["tokenizer"] = tokenizer
     if args.json:
         print(json.dumps(info, sort_keys=False))
         return 0
@@ -114,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         f"dense {_human(info['dense_weight_bytes'])}; on disk {_human(info['checkpoint_bytes'])})",
         "KV per token:     " + ", ".join(f"{k} {v} B" for k, v in info["kv_bytes_per_token"].items()),
     ]
+    if not info["tokenizer"]:
+        lines.append("tokenizer:        none in this directory (serving it needs one)")
     if info["dynamic_overrides"]:
         lines.append(f"dynamic:          {', '.join(info['dynamic_overrides'])}")
     print("\n".join(lines))

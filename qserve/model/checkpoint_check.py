@@ -30,6 +30,10 @@ class CheckedCheckpoint:
     spec: loaders.CheckpointSpec
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def check_tokenizer(path: str | Path) -> None:
     """Load the tokenizer the engine will load; a failure names its file."""
     from transformers import AutoTokenizer
