@@ -116,9 +116,7 @@ def _register_hardening(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="refuse request bodies larger than this (413) before reading them; 0: no limit",
     )
-    parser.add_argument(
-        "--metrics-without-key", action="store_true", help="serve /metrics without the API key"
-    )
+    parser.add_argument("--metrics-without-key", action="store_true", help="serve /metrics without the API key")
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -152,9 +150,7 @@ def resolve_allowed_hosts(args: argparse.Namespace) -> list[str] | None:
     if not hosts:
         hosts_or_none = default_allowed_hosts(args.host)
         if hosts_or_none is None:
-            logger.warning(
-                "bound to %s: any Host header is accepted; pass --allowed-hosts to restrict it", args.host
-            )
+            logger.warning("bound to %s: any Host header is accepted; pass --allowed-hosts to restrict it", args.host)
         return hosts_or_none
     return None if "*" in hosts else hosts
 

@@ -216,8 +216,7 @@ def create_app(
         loc = [x for x in first.get("loc", ()) if x != "body"]
         param = ".".join(str(x) for x in loc) if loc and isinstance(loc[0], str) else None
         message = "; ".join(
-            f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-            for e in errors[:5]
+            f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
         )
         if len(errors) > 5:
             message += f"; and {len(errors) - 5} more errors"

@@ -103,9 +103,7 @@ class RequestGuard:
         if self._hosts is not None:
             name = host_name(headers.get("host", ""))
             if name not in self._hosts:
-                return self.respond(
-                    400, "Host header not allowed (see --allowed-hosts)", None
-                )
+                return self.respond(400, "Host header not allowed (see --allowed-hosts)", None)
         authorized = self.config.authorized
         path = scope.get("path", "")
         if authorized is not None and path not in OPEN_PATHS:

@@ -107,9 +107,7 @@ def check_limits(request: Any, limits: RequestLimits = DEFAULT_LIMITS) -> int:
     stop = request.stop
     if isinstance(stop, list):
         if len(stop) > limits.max_stop:
-            raise RequestLimitError(
-                f"stop: {len(stop)} stop strings; at most {limits.max_stop} are allowed", "stop"
-            )
+            raise RequestLimitError(f"stop: {len(stop)} stop strings; at most {limits.max_stop} are allowed", "stop")
         stops = stop
     else:
         stops = [] if stop is None else [stop]

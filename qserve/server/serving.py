@@ -29,8 +29,6 @@ from pydantic import BaseModel
 from qserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestItem
 from qserve.outputs import PositionLogprobs, RequestOutput
 from qserve.sampling_params import SamplingParams
-from qserve.server.request_limits import DEFAULT_LIMITS, RequestLimitError, RequestLimits, check_limits, check_text, clip
-from qserve.server.tokenizing import PromptTokenizer
 from qserve.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -53,6 +51,15 @@ from qserve.server.protocol import (
     SamplingFields,
     UsageInfo,
 )
+from qserve.server.request_limits import (
+    DEFAULT_LIMITS,
+    RequestLimitError,
+    RequestLimits,
+    check_limits,
+    check_text,
+    clip,
+)
+from qserve.server.tokenizing import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 

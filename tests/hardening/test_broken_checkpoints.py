@@ -15,17 +15,22 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qserve.cli import main
+from qserve.cli import build_parser, main
 from qserve.commands.serve import build_host_factory
-from qserve.cli import build_parser
-from tests.helpers.quant_packers import gptq_config, awq_config, quantize_state_dict, random_llama_state, tiny_llama_config
-from tests.helpers.quant_packers import write_checkpoint
+from tests.helpers.quant_packers import (
+    awq_config,
+    gptq_config,
+    quantize_state_dict,
+    random_llama_state,
+    tiny_llama_config,
+    write_checkpoint,
+)
 from tests.helpers.tokenizer import VOCAB_SIZE, make_tokenizer
 
 Q = "model.layers.0.self_attn.q_proj"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tensors(fmt: str | None) -> dict[str, torch.Tensor]:
     state = random_llama_state(tiny_llama_config(vocab_size=VOCAB_SIZE), dtype=torch.float32)
     return dict(state) if fmt is None else quantize_state_dict(state, fmt, group_size=32).tensors
@@ -87,7 +92,9 @@ def _shard_index_escaping(path: Path) -> None:
 
 
 def _missing_shard(path: Path) -> None:
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "nope.safetensors"}}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "nope.safetensors"}})
+    )
 
 
 def _truncate(path: Path) -> None:
@@ -137,25 +144,75 @@ CASES: dict[str, tuple[dict, Callable[[Path], None] | None, tuple[str, ...], boo
     "rope_type": ({}, _edit_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}), ("config.json", "yarn"), True),
     "three_bits": ({"quant_config": gptq_config(3, 32)}, None, ("config.json", "bits"), True),
     "gptq_labelled_awq": ({"quant_config": awq_config(32)}, None, ("model.safetensors", ".qweight", "awq"), True),
-    "quantized_without_config": ({"quant_config": {}}, _edit_config(quantization_config=None), ("qweight", "quantization_config"), True),
+    "quantized_without_config": (
+        {"quant_config": {}},
+        _edit_config(quantization_config=None),
+        ("qweight", "quantization_config"),
+        True,
+    ),
     "no_weights": ({}, _remove("model.safetensors"), ("safetensors",), True),
     "pickled_only": ({}, _pickled_only, ("pytorch_model.bin",), True),
     "truncated": ({}, _truncate, ("model.safetensors", "truncated"), True),
-    "corrupt_header": ({}, _write("model.safetensors", "\x10\x00\x00\x00\x00\x00\x00\x00{{{{{{{{{{{{{{{{"), ("model.safetensors", "header"), True),
+    "corrupt_header": (
+        {},
+        _write("model.safetensors", "\x10\x00\x00\x00\x00\x00\x00\x00{{{{{{{{{{{{{{{{"),
+        ("model.safetensors", "header"),
+        True,
+    ),
     "shard_escapes_dir": ({}, _shard_index_escaping, ("model.safetensors.index.json", "outside"), True),
-    "index_not_json": ({}, _write("model.safetensors.index.json", "[1, 2"), ("model.safetensors.index.json", "weight_map"), True),
+    "index_not_json": (
+        {},
+        _write("model.safetensors.index.json", "[1, 2"),
+        ("model.safetensors.index.json", "weight_map"),
+        True,
+    ),
     "index_missing_shard": ({}, _missing_shard, ("nope.safetensors", "missing"), True),
-    "dense_wrong_shape": ({"edit": _set("model.embed_tokens.weight", lambda t: t[:-1])}, None, ("model.safetensors", "model.embed_tokens.weight", "shape"), True),
-    "dense_wrong_dtype": ({"edit": _set("model.norm.weight", lambda t: t.to(torch.int32))}, None, ("model.safetensors", "model.norm.weight", "dtype"), True),
+    "dense_wrong_shape": (
+        {"edit": _set("model.embed_tokens.weight", lambda t: t[:-1])},
+        None,
+        ("model.safetensors", "model.embed_tokens.weight", "shape"),
+        True,
+    ),
+    "dense_wrong_dtype": (
+        {"edit": _set("model.norm.weight", lambda t: t.to(torch.int32))},
+        None,
+        ("model.safetensors", "model.norm.weight", "dtype"),
+        True,
+    ),
     "missing_dense": ({"edit": lambda t: t.pop("model.norm.weight")}, None, ("model.norm.weight", "missing"), False),
     "qweight_wrong_shape": ({"edit": _set(f"{Q}.qweight", lambda t: t[:, :-1])}, None, (f"{Q}.qweight", "shape"), True),
-    "scales_wrong_dtype": ({"edit": _set(f"{Q}.scales", lambda t: t.to(torch.int32))}, None, (f"{Q}.scales", "dtype"), False),
+    "scales_wrong_dtype": (
+        {"edit": _set(f"{Q}.scales", lambda t: t.to(torch.int32))},
+        None,
+        (f"{Q}.scales", "dtype"),
+        False,
+    ),
     "scales_wrong_shape": ({"edit": _set(f"{Q}.scales", lambda t: t[:, :-1])}, None, (f"{Q}.scales", "shape"), False),
-    "nan_scales": ({"edit": _set(f"{Q}.scales", _nan_at_0)}, None, ("model.safetensors", f"{Q}.scales", "non-finite"), False),
-    "inf_dense": ({"edit": _set("model.norm.weight", lambda t: t.clone().fill_(float("inf")))}, None, ("model.norm.weight", "non-finite"), False),
-    "nan_embedding_dense_model": ({"fmt": None, "edit": _set("model.embed_tokens.weight", _nan_at_0)}, None, ("model.embed_tokens.weight", "non-finite"), False),
+    "nan_scales": (
+        {"edit": _set(f"{Q}.scales", _nan_at_0)},
+        None,
+        ("model.safetensors", f"{Q}.scales", "non-finite"),
+        False,
+    ),
+    "inf_dense": (
+        {"edit": _set("model.norm.weight", lambda t: t.clone().fill_(float("inf")))},
+        None,
+        ("model.norm.weight", "non-finite"),
+        False,
+    ),
+    "nan_embedding_dense_model": (
+        {"fmt": None, "edit": _set("model.embed_tokens.weight", _nan_at_0)},
+        None,
+        ("model.embed_tokens.weight", "non-finite"),
+        False,
+    ),
     "tokenizer_corrupt": ({}, _write("tokenizer.json", '{"garbage": 1}'), ("tokenizer.json",), True),
-    "tokenizer_missing": ({}, lambda p: [(p / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json") if (p / f).exists()], ("tokenizer",), True),
+    "tokenizer_missing": (
+        {},
+        lambda p: [(p / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json") if (p / f).exists()],
+        ("tokenizer",),
+        True,
+    ),
 }
 
 

@@ -20,13 +20,11 @@ TEXT = st.text(st.characters(codec=None, categories=None), max_size=12) | st.sam
     ["\ud800", "a\udfffb", "hello", "", "<|im_start|>", "\x00"]
 )
 SCALAR = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**80), 2**80)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | TEXT
+    st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats(allow_nan=True, allow_infinity=True) | TEXT
 )
-ANY = st.recursive(SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=6)
+ANY = st.recursive(
+    SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=6
+)
 
 SMALL_N = st.integers(-3, 4) | st.integers(129, 2**80) | st.floats(allow_nan=True, allow_infinity=True)
 SMALL_MAX_TOKENS = st.integers(-3, 6) | st.integers(10**6, 2**80) | st.none() | TEXT
@@ -64,7 +62,10 @@ COMPLETION = st.fixed_dictionaries(
 )
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant"]) | TEXT},
-    optional={"content": TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2) | ANY, "name": TEXT},
+    optional={
+        "content": TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2) | ANY,
+        "name": TEXT,
+    },
 )
 CHAT = st.fixed_dictionaries(
     {"model": MODEL, "messages": st.lists(MESSAGE, max_size=3) | ANY},
@@ -79,7 +80,9 @@ CHAT = st.fixed_dictionaries(
         **SAMPLING,
     },
 )
-REQUEST = st.tuples(st.just("/v1/completions"), COMPLETION | ANY) | st.tuples(st.just("/v1/chat/completions"), CHAT | ANY)
+REQUEST = st.tuples(st.just("/v1/completions"), COMPLETION | ANY) | st.tuples(
+    st.just("/v1/chat/completions"), CHAT | ANY
+)
 
 
 @pytest.fixture(scope="module")

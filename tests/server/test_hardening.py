@@ -112,7 +112,9 @@ def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenizin
     assert time.monotonic() - start < 5
     assert not calls and tokenizer is served.engine.tokenizer
     error = assert_error(
-        http.post("/v1/chat/completions", json={"model": "qwen", "messages": [{"role": "user", "content": "w" * 5_000_000}]}),
+        http.post(
+            "/v1/chat/completions", json={"model": "qwen", "messages": [{"role": "user", "content": "w" * 5_000_000}]}
+        ),
         400,
     )
     assert error["param"] == "messages"
@@ -145,7 +147,12 @@ def test_health_answers_while_a_prompt_is_tokenized(http, two_model_server):
         result = {}
         thread = threading.Thread(
             target=lambda: result.setdefault(
-                "r", httpx.post(f"{two_model_server.url}/v1/completions", json={"model": "llama", "prompt": "hi", "max_tokens": 2}, timeout=30)
+                "r",
+                httpx.post(
+                    f"{two_model_server.url}/v1/completions",
+                    json={"model": "llama", "prompt": "hi", "max_tokens": 2},
+                    timeout=30,
+                ),
             )
         )
         thread.start()
@@ -174,7 +181,9 @@ def test_queue_bound_counts_prompts_times_n_and_refuses_whole(bounded_server):
     long = {"model": "llama", "prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url, timeout=30) as client:
         # Can never fit: 2 prompts x n=2 = 4 > 3.
-        error = assert_error(client.post("/v1/completions", json={**long, "stream": False, "prompt": ["a", "b"], "n": 2}), 400, "n")
+        error = assert_error(
+            client.post("/v1/completions", json={**long, "stream": False, "prompt": ["a", "b"], "n": 2}), 400, "n"
+        )
         assert "4 sequences" in error["message"]
         with client.stream("POST", "/v1/completions", json=long) as running:
             assert running.status_code == 200
@@ -231,9 +240,13 @@ def test_body_limit_by_content_length_and_by_stream(gated_server):
             yield b"x" * 1000
         yield b'"}'
 
-    response = httpx.post(f"{gated_server}/v1/completions", content=chunks(), headers={**auth, "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{gated_server}/v1/completions", content=chunks(), headers={**auth, "Content-Type": "application/json"}
+    )
     assert_error(response, 413)
-    small = httpx.post(f"{gated_server}/v1/completions", json={"model": "llama", "prompt": "x", "max_tokens": 2}, headers=auth)
+    small = httpx.post(
+        f"{gated_server}/v1/completions", json={"model": "llama", "prompt": "x", "max_tokens": 2}, headers=auth
+    )
     assert small.status_code == 200
 
 
@@ -256,7 +269,9 @@ def pair_server(checkpoints):
 
 def _quick(url: str) -> float:
     start = time.monotonic()
-    response = httpx.post(f"{url}/v1/completions", json={"model": "qwen", "prompt": "hello", "max_tokens": 4}, timeout=60)
+    response = httpx.post(
+        f"{url}/v1/completions", json={"model": "qwen", "prompt": "hello", "max_tokens": 4}, timeout=60
+    )
     assert response.status_code == 200
     return time.monotonic() - start
 
