@@ -12,7 +12,10 @@ model. Here each tensor is read straight into its own fresh buffer; nothing else
 
 Every header is validated when the directory is opened: a truncated or corrupt file, an
 index that names a missing shard or a tensor whose byte range disagrees with its dtype and
-shape is refused with a ``ValueError`` naming the file.
+shape is refused with a ``ValueError`` naming the file. Shard names in an index are resolved
+and refused, before anything is opened, if they point outside the checkpoint directory
+(``../../etc/passwd``). Every floating-point tensor read is checked for NaN / inf: a NaN scale
+used to load and serve empty text.
 """
 
 from __future__ import annotations
@@ -136,6 +139,17 @@ def read_metadata(file: Path) -> dict[str, str]:
     return dict(header.get("__metadata__") or {})
 
 
+_FINITE_CHUNK = 1 << 20  # elements per isfinite pass: the check must not double a tensor's memory
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    flat = tensor.reshape(-1)  # [numel], a view (the buffer is contiguous)
+    for start in range(0, flat.numel(), _FINITE_CHUNK):
+        if not bool(torch.isfinite(flat[start : start + _FINITE_CHUNK]).all()):
+            return False
+    return True
+
+
 class CheckpointFiles:
     """Maps tensor names to the safetensors file that holds them; reads one tensor at a time."""
 
@@ -152,13 +166,16 @@ class CheckpointFiles:
         if index_path.is_file():
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                if not isinstance(weight_map, dict):
+                    raise TypeError("expected an object of tensor name -> shard file")
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
                 raise ValueError(f"{index_path}: corrupt index (field 'weight_map': {err})") from None
-            files = sorted({self.root / fname for fname in weight_map.values()})
+            shard_of = {fname: self._shard_path(index_path, fname) for fname in set(weight_map.values())}
+            files = sorted(set(shard_of.values()))
             headers = {file: read_header(file) for file in files}
             infos: dict[str, TensorInfo] = {}
             for name, fname in weight_map.items():
-                file = self.root / fname
+                file = shard_of[fname]
                 if name not in headers[file]:
                     raise ValueError(
                         f"{index_path}: tensor {name!r} is listed in {fname} but that file does not hold it"
@@ -181,6 +198,19 @@ class CheckpointFiles:
                     raise ValueError(f"{file}: tensor {name!r} is also stored in {infos[name].file.name}")
                 infos[name] = info
         return infos
+
+    def _shard_path(self, index_path: Path, fname: object) -> Path:
+        """The shard file an index names, refused unless it lies inside the checkpoint directory."""
+        if not isinstance(fname, str) or not fname:
+            raise ValueError(f"{index_path}: field 'weight_map' names a shard {fname!r}; expected a file name")
+        root = self.root.resolve()
+        file = (root / fname).resolve()
+        if not file.is_relative_to(root) or file == root:
+            raise ValueError(
+                f"{index_path}: field 'weight_map' names shard {fname[:200]!r}, which is outside the checkpoint "
+                f"directory {root}"
+            )
+        return file
 
     def names(self) -> list[str]:
         return list(self.infos)
@@ -207,7 +237,12 @@ class CheckpointFiles:
             if got <= 0:
                 raise ValueError(f"{info.file}: truncated safetensors file while reading tensor {name!r}")
             done += got
-        return buf.view(info.torch_dtype).reshape(info.shape)
+        tensor = buf.view(info.torch_dtype).reshape(info.shape)
+        if tensor.is_floating_point() and not _all_finite(tensor):
+            raise ValueError(
+                f"{info.file}: tensor {name!r} holds non-finite values (NaN or inf); the checkpoint is broken"
+            )
+        return tensor
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, one at a time, file by file in on-disk order."""

@@ -119,7 +119,77 @@ def plan_checkpoint(path: str | Path, spec: CheckpointSpec | None = None) -> Che
             raise ValueError(
                 f"{files.file_of[main]}: quantized module {module!r} does not exist in config.json's model"
             )
+    _check_headers(files, spec, quantized, consumed, read_config(path), expected)
     return CheckpointPlan(files, spec, quantized, frozenset(consumed), expected)
+
+
+_FLOAT_TAGS = ("F16", "BF16", "F32", "F64")
+
+
+def _dense_shapes(config: dict[str, Any], expected: dict[str, tuple[int, int]]) -> dict[str, tuple[int, ...]]:
+    """Shapes of the dense tensors a Llama-family config implies (from its header fields)."""
+    try:
+        hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return {}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for module, (k, n) in expected.items():
+        shapes[f"{module}.weight"] = (n, k)  # torch orientation [out, in]
+    for i in range(int(config.get("num_hidden_layers") or 0)):
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
+        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
+    return shapes
+
+
+def _check_headers(
+    files: CheckpointFiles,
+    spec: CheckpointSpec,
+    quantized: dict[str, str],
+    consumed: set[str],
+    config: dict[str, Any],
+    expected: dict[str, tuple[int, int]],
+) -> None:
+    """Header-only checks (no tensor data read): dense tensors are floating point and have the
+    shapes config.json implies; each quantized layer's main tensor is int32, 2-D, and implies
+    the layer's (K, N). These are what ``serve`` checks before it starts and what ``inspect``
+    reports; the converters check the rest (scales, zeros, g_idx) while loading."""
+    from quant_kernels.layout import pack_factor
+
+    dense = _dense_shapes(config, expected)
+    for name, info in files.infos.items():
+        if name in consumed or name in quantized.values():
+            continue
+        if info.dtype not in _FLOAT_TAGS and not name.endswith(("g_idx", "weight_shape")):
+            raise ValueError(
+                f"{info.file}: tensor {name!r} has dtype {info.dtype}; a dense weight must be one of "
+                f"{', '.join(_FLOAT_TAGS)}"
+            )
+        want = dense.get(name)
+        if want is not None and tuple(info.shape) != want:
+            raise ValueError(
+                f"{info.file}: tensor {name!r} has shape {list(info.shape)}, but config.json implies {list(want)}"
+            )
+    for module, main in quantized.items():
+        info = files.infos[main]
+        quant = spec.module_quant(module)
+        if info.dtype != "I32" or len(info.shape) != 2:
+            raise ValueError(
+                f"{info.file}: tensor {main!r} has dtype {str(info.torch_dtype).replace('torch.', '')} and shape "
+                f"{list(info.shape)}; {spec.method} packs 2-D int32 words"
+            )
+        want_kn = expected.get(module)
+        if quant is None or want_kn is None or spec.method == "compressed-tensors":
+            continue  # compressed-tensors stores (N, K) in weight_shape: checked by its converter
+        rows, cols = info.shape
+        pf = pack_factor(quant.bits)
+        got_kn = (rows, cols * pf) if spec.method == "awq" else (rows * pf, cols)
+        if got_kn != want_kn:
+            layout = f"[K, N/{pf}]" if spec.method == "awq" else f"[K/{pf}, N]"
+            raise ValueError(
+                f"{info.file}: tensor {main!r} has shape {list(info.shape)}, which as {quant.bits}-bit {spec.method} {layout} means "
+                f"K={got_kn[0]}, N={got_kn[1]}, but config.json implies K={want_kn[0]}, N={want_kn[1]} "
+                f"(is the checkpoint's format labelled correctly in {spec.source}?)"
+            )
 
 
 def iter_weights(

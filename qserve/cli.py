@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
 
 # Sub-command name -> (module in qserve.commands defining register(parser) and run(args) -> int,
 # one-line help). Only the chosen command's module is imported, so one command's heavy or
@@ -28,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qserve", description="Quantization-first LLM serving.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error, not just its message")
     subparsers = parser.add_subparsers(dest="command", required=True)
     chosen = next((arg for arg in argv if arg in SUBCOMMANDS), None)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as err:
+        # User errors (bad arguments, broken checkpoints) are one line; --debug shows where.
+        if args.debug:
+            traceback.print_exc()
         print(f"qserve {args.command}: error: {err}", file=sys.stderr)
         return 2
 

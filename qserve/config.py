@@ -79,7 +79,21 @@ class ModelConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face model directory?)")
-        return cls.from_hf(json.loads(config_path.read_text()), source=str(config_path))
+        try:
+            cfg = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{config_path}: not valid JSON ({err})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{config_path}: expected a JSON object, got {type(cfg).__name__}")
+        # Every user error names the file and the field, in one line (no traceback).
+        try:
+            return cls.from_hf(cfg, source=str(config_path))
+        except KeyError as err:
+            raise ValueError(f"{config_path}: required field {err.args[0]!r} is missing") from None
+        except (TypeError, ValueError, ZeroDivisionError) as err:
+            if str(err).startswith(str(config_path)):
+                raise
+            raise ValueError(f"{config_path}: a field has an invalid value ({err})") from None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -91,6 +105,10 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         features = SUPPORTED_ARCHITECTURES[arch]
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            value = cfg.get(key)
+            if key in cfg and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{source}: {key}={value!r} must be a positive integer")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,19 +52,19 @@ class SamplingParams:
         set_("frequency_penalty", _float_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
         rep = _float("repetition_penalty", self.repetition_penalty)
         if rep <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            raise ValueError(f"repetition_penalty must be > 0, got {_show(self.repetition_penalty)}")
         set_("repetition_penalty", rep)
         temp = _float("temperature", self.temperature)
         if temp < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be >= 0, got {_show(self.temperature)}")
         set_("temperature", temp)
         top_p = _float("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be in (0, 1], got {_show(self.top_p)}")
         set_("top_p", top_p)
         top_k = _int("top_k", self.top_k)
         if top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {_show(self.top_k)}")
         set_("top_k", max(top_k, 0))
         set_("min_p", _float_range("min_p", self.min_p, 0.0, 1.0))
         if self.seed is not None:
@@ -75,7 +76,7 @@ class SamplingParams:
             set_("max_tokens", _int("max_tokens", self.max_tokens, minimum=1))
         set_("min_tokens", _int("min_tokens", self.min_tokens, minimum=0))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {_show(self.min_tokens)}")
         if self.logprobs is not None:
             set_("logprobs", _int("logprobs", self.logprobs, minimum=0))
         if self.prompt_logprobs is not None:
@@ -132,9 +133,15 @@ SamplingParams.__init__ = _checked_init  # type: ignore[method-assign]
 
 
 # ---------------------------------------------------------------------- validators
+def _show(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, bounded (messages never echo unbounded input)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+        raise ValueError(f"{name} must be a bool, got {_show(value)}")
     return value
 
 
@@ -143,25 +150,25 @@ def _int(name: str, value: Any, minimum: int | None = None) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise ValueError(f"{name} must be an integer, got {_show(value)}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be >= {minimum}, got {_show(value)}")
     return int(value)
 
 
 def _float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name} must be a number, got {_show(value)}")
     value = float(value)
-    if value != value:  # NaN
-        raise ValueError(f"{name} must not be NaN")
+    if not math.isfinite(value):  # NaN or +-inf (JSON's NaN / Infinity parse in Python)
+        raise ValueError(f"{name} must be a finite number, got {_show(value)}")
     return value
 
 
 def _float_range(name: str, value: Any, low: float, high: float) -> float:
     v = _float(name, value)
     if not low <= v <= high:
-        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {_show(value)}")
     return v
 
 
@@ -173,7 +180,7 @@ def _str_list(name: str, value: Any) -> list[str]:
     out = list(value)
     for s in out:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {value!r}")
+            raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {_show(s)}")
     return out
 
 
@@ -185,5 +192,5 @@ def _int_list(name: str, value: Any) -> list[int]:
     out = list(value)
     for t in out:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"{name} must be a list of non-negative token ids, got {value!r}")
+            raise ValueError(f"{name} must be a list of non-negative token ids, got {_show(t)}")
     return out

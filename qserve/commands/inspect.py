@@ -1,5 +1,10 @@
 """``qserve inspect MODEL``: what a checkpoint is and what serving it will cost, without loading it.
 
+First it runs the checks ``qserve serve`` runs (``qserve.model.checkpoint_check``: config,
+architecture, format, tensor shapes and dtypes, tokenizer; and, unless ``--headers-only``, every
+tensor streamed through the loaders on the ``meta`` device: non-finite values, scales/zeros
+shapes) and exits non-zero with a one-line error if the checkpoint would not serve.
+
 Knows: how to present ``loaders.detect`` / ``loaders.inventory`` results (format, bits, groups,
 symmetry, act-order, zero convention, which modules are quantized, weight bytes as qserve holds
 them, KV bytes per token per KV dtype) as text or one JSON object. Must not know: format details
@@ -21,6 +26,11 @@ KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="checkpoint directory (config.json + safetensors)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument(
+        "--headers-only",
+        action="store_true",
+        help="check metadata and tensor headers only (do not read tensor data: faster on large checkpoints)",
+    )
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +88,13 @@ def _human(nbytes: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qserve.model.checkpoint_check import check_checkpoint, has_tokenizer
+
+    # A weights-only directory (tokenizer kept elsewhere) is still described; a broken tokenizer is not.
+    tokenizer = has_tokenizer(args.model)
+    check_checkpoint(args.model, tokenizer=tokenizer, tensors=not args.headers_only)  # ValueError: one line, exit 2
     info = describe(args.model)
+    info["tokenizer"] = tokenizer
     if args.json:
         print(json.dumps(info, sort_keys=False))
         return 0
@@ -101,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         f"dense {_human(info['dense_weight_bytes'])}; on disk {_human(info['checkpoint_bytes'])})",
         "KV per token:     " + ", ".join(f"{k} {v} B" for k, v in info["kv_bytes_per_token"].items()),
     ]
+    if not info["tokenizer"]:
+        lines.append("tokenizer:        none in this directory (serving it needs one)")
     if info["dynamic_overrides"]:
         lines.append(f"dynamic:          {', '.join(info['dynamic_overrides'])}")
     print("\n".join(lines))

@@ -43,7 +43,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (visible in the process list: prefer ${API_KEY_ENV} or --api-key-file)",
+    )
     parser.add_argument(
         "--gpu-memory-budget",
         default=None,
@@ -88,6 +92,67 @@ def register(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=FRACTION",
         help="most pages of the pool model NAME may hold (fraction of the pool); repeatable",
     )
+    _register_hardening(parser)
+
+
+# ---------------------------------------------------------------------- access and limits (hardening)
+def _register_hardening(parser: argparse.ArgumentParser) -> None:
+    from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES
+
+    parser.add_argument(
+        "--api-key-file", default=None, metavar="PATH", help="read the API key from this file (first line)"
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=[],
+        metavar="HOST[,HOST...]",
+        help="Host header values accepted (default: the bind host, localhost, 127.0.0.1, ::1; any host when "
+        "bound to 0.0.0.0); '*' accepts any; repeatable",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="refuse request bodies larger than this (413) before reading them; 0: no limit",
+    )
+    parser.add_argument("--metrics-without-key", action="store_true", help="serve /metrics without the API key")
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, $QSERVE_API_KEY or --api-key (warned: the process list shows it)."""
+    given = [name for name, value in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file)) if value]
+    if len(given) > 1:
+        raise ValueError("give the API key once: --api-key or --api-key-file")
+    if args.api_key_file:
+        path = Path(args.api_key_file)
+        try:
+            lines = path.read_text().strip().splitlines()
+        except OSError as err:
+            raise ValueError(f"--api-key-file {path}: cannot read it ({err.strerror})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {path}: the file is empty")
+        return key
+    if args.api_key:
+        logger.warning(
+            "--api-key is visible to every user of this machine in the process list; use $%s or --api-key-file",
+            API_KEY_ENV,
+        )
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def resolve_allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    from qserve.server.guard import default_allowed_hosts
+
+    hosts = [h.strip() for value in args.allowed_hosts for h in value.split(",") if h.strip()]
+    if not hosts:
+        hosts_or_none = default_allowed_hosts(args.host)
+        if hosts_or_none is None:
+            logger.warning("bound to %s: any Host header is accepted; pass --allowed-hosts to restrict it", args.host)
+        return hosts_or_none
+    return None if "*" in hosts else hosts
 
 
 def parse_model_args(values: list[str]) -> list[tuple[str, str]]:
@@ -168,11 +233,19 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
                 f"--min-share / --max-share divide a pool shared by several models; with "
                 f"--tensor-parallel-size {tensor_parallel_size} the one model has its own pool"
             )
+    from qserve.model.checkpoint_check import check_checkpoint
+
     for name, path in pairs:
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(
                 f"model {name!r}: {path} has no config.json (is it a Hugging Face model directory?)"
             )
+        # The checks inspect runs (config, format, tensor headers, tokenizer), before the server
+        # starts: a broken checkpoint is one line on stderr, not a traceback from the loader thread.
+        try:
+            check_checkpoint(path)
+        except (ValueError, FileNotFoundError) as err:
+            raise type(err)(f"model {name!r}: {err}") from err
     min_shares = parse_shares(args.min_share, "--min-share", names)
     max_shares = parse_shares(args.max_share, "--max-share", names)
     specs = [ModelSpec(name, path, min_shares.get(name), max_shares.get(name)) for name, path in pairs]
@@ -223,7 +296,9 @@ def run(args: argparse.Namespace) -> int:
     from qserve.server.app import create_app
 
     factory = build_host_factory(args)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(args)
+    if args.max_request_bytes < 0:
+        raise ValueError(f"--max-request-bytes must be >= 0, got {args.max_request_bytes}")
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -235,7 +310,15 @@ def run(args: argparse.Namespace) -> int:
     def on_ready(host: object) -> None:
         print(ready_line(f"http://{args.host}:{args.port}", host, args.block_size), flush=True)
 
-    app = create_app(host_factory=factory, api_key=api_key, on_load_failed=on_load_failed, on_ready=on_ready)
+    app = create_app(
+        host_factory=factory,
+        api_key=api_key,
+        on_load_failed=on_load_failed,
+        allowed_hosts=resolve_allowed_hosts(args),
+        max_request_bytes=args.max_request_bytes or None,
+        metrics_without_key=args.metrics_without_key,
+        on_ready=on_ready,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -247,5 +330,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"qserve: serving on http://{args.host}:{args.port} (models load in the background; see /health)")
     server.run()
     if failed:
-        raise ValueError(f"loading the models failed: {failed[0]}")
+        raise ValueError(f"loading the models failed: {failed[0]}") from failed[0]  # --debug: its traceback
     return 0

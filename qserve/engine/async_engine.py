@@ -44,8 +44,11 @@ IDLE_WAIT_S = 0.5  # how long the idle step thread sleeps between checks (it is 
 class QueueFullError(Exception):
     """The model's waiting queue is at ``max_queue``; retry later."""
 
-    def __init__(self, model: str, max_queue: int, retry_after_s: int = 1) -> None:
-        super().__init__(f"model {model!r} has {max_queue} requests waiting (the most it queues); retry later")
+    def __init__(self, model: str, max_queue: int, retry_after_s: int = 1, num_adding: int = 1) -> None:
+        what = "a request" if num_adding == 1 else f"{num_adding} sequences (prompts x n)"
+        super().__init__(
+            f"model {model!r} keeps at most {max_queue} sequences waiting; {what} would pass that bound; retry later"
+        )
         self.model = model
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
@@ -95,8 +98,22 @@ class HostedModel:
     max_queue: int | None = None  # refuse new requests while this many sequences wait
     active: set[str] = field(default_factory=set)  # unfinished request ids (step thread only)
 
-    def queue_is_full(self) -> bool:
-        return self.max_queue is not None and self.num_waiting >= self.max_queue
+    def queue_is_full(self, num_adding: int = 1) -> bool:
+        """Would queuing ``num_adding`` more sequences pass ``max_queue``? (A submission counts
+        every sequence it adds, prompts x n, and is refused whole.)"""
+        return self.max_queue is not None and self.num_waiting + num_adding > self.max_queue
+
+    def check_queue(self, num_adding: int, retry_after_s: int) -> None:
+        """ValueError if ``num_adding`` could never be queued; QueueFullError if not now."""
+        if self.max_queue is None:
+            return
+        if num_adding > self.max_queue > 0:
+            raise ValueError(
+                f"n: this request adds {num_adding} sequences (prompts x n), more than model "
+                f"{self.name!r} ever queues ({self.max_queue})"
+            )
+        if self.queue_is_full(num_adding):
+            raise QueueFullError(self.name, self.max_queue, retry_after_s, num_adding)
 
     @property
     def num_waiting(self) -> int:
@@ -222,12 +239,10 @@ class AsyncEngine:
             raise KeyError(name)
         return self.models[name]
 
-    def check_queue(self, model: str) -> None:
-        """Raise QueueFullError now if ``model``'s queue is full (a cheap early check; ``submit``
-        checks again, exactly, on the step thread)."""
-        hosted = self.get_model(model)
-        if hosted.queue_is_full():
-            raise QueueFullError(model, hosted.max_queue or 0, self.retry_after_s)
+    def check_queue(self, model: str, num_adding: int = 1) -> None:
+        """Raise QueueFullError now if ``num_adding`` more sequences would pass ``model``'s queue
+        bound (a cheap early check; ``submit`` checks again, exactly, on the step thread)."""
+        self.get_model(model).check_queue(num_adding, self.retry_after_s)
 
     async def submit(self, model: str, items: Sequence[RequestItem]) -> OutputStream:
         """Queue the requests of one submission (all or none) and return their stream.
@@ -251,8 +266,7 @@ class AsyncEngine:
             try:
                 if self._stopping.is_set():
                     raise EngineDeadError("the engine is shutting down")
-                if hosted.queue_is_full():
-                    raise QueueFullError(model, hosted.max_queue or 0, self.retry_after_s)
+                hosted.check_queue(sum(item.params.n for item in items), self.retry_after_s)
                 for item in items:  # validate all before queuing any
                     hosted.engine.validate_request(item.prompt, item.params)
                 added: list[str] = []

@@ -32,7 +32,12 @@ def load_model(
     spec = loaders.detect(path)
     with torch.device(device):
         model = LlamaFamilyForCausalLM(config, dtype, lambda names: make_linear_method(spec, names), tp=tp)
-    model.load_weights(_on_device(loaders.iter_weights(path, spec), device))
+    try:
+        model.load_weights(_on_device(loaders.iter_weights(path, spec), device))
+    except ValueError as err:
+        if str(path) in str(err):
+            raise
+        raise ValueError(f"{path}: {err}") from err  # name the checkpoint in every user error
     model.eval()
     return model, config
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import deque
 
 from qserve.request import Request, RequestStatus
 from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput
+from qserve.scheduler.request_queue import RequestQueue
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()  # FCFS; preempted requests re-enter at the front
+        self.waiting = RequestQueue()  # FCFS; preempted requests re-enter at the front; O(1) removal
         self.running: list[Request] = []  # sorted by arrival_index: the newest is last
         self._finished_ids: list[str] = []  # finished since the last schedule()
 
@@ -101,9 +101,9 @@ class Scheduler:
         if request is None:
             return None
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._remove_running(request)
         else:
-            self.waiting.remove(request)
+            self.waiting.remove(request_id)
         self.kv_cache_manager.free(request)
         request.status = status
         self._finished_ids.append(request_id)
@@ -152,7 +152,7 @@ class Scheduler:
         # 2. WAITING requests, strict FCFS. Not in a step that had to preempt: pages are short.
         if not preempted_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
+                request = self.waiting.peek()
                 if request.num_tokens > max_num_tokens:  # more blocks than this model can ever hold
                     self._finish_for_capacity(request)
                     capacity_finished_ids.append(request.request_id)
@@ -230,11 +230,19 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         # Front of the queue, but behind any older waiting request (keeps FCFS by arrival).
-        position = 0
-        while position < len(self.waiting) and self.waiting[position].arrival_index < request.arrival_index:
-            position += 1
-        self.waiting.insert(position, request)
+        self.waiting.push_front_by_arrival(request)
         logger.debug("preempted request %s (preemption #%d)", request.request_id, request.num_preemptions)
+
+    def _remove_running(self, request: Request) -> None:
+        """Remove from ``running`` by binary search on arrival (``list.remove`` scanned it)."""
+        running = self.running
+        index = bisect.bisect_left(running, request.arrival_index, key=_arrival)
+        while index < len(running) and running[index] is not request:
+            index += 1  # equal arrival indices (only in hand-built tests): step past the others
+        if index == len(running):
+            running.remove(request)  # not sorted as expected; still correct
+        else:
+            del running[index]
 
     def _finish_for_capacity(self, request: Request) -> None:
         logger.warning(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -27,8 +27,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from qserve.engine.async_engine import AsyncEngine
+from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from qserve.server.request_limits import clip
 from qserve.server.serving import OpenAIServing, ServingError
 
 logger = logging.getLogger(__name__)
@@ -67,11 +69,29 @@ class AppState:
         return self.host is not None and self.serving is not None and self.host.is_running
 
 
+MAX_ERROR_MESSAGE_CHARS = 1000  # error messages never echo unbounded input
+
+
+def _safe(text: str | None, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str | None:
+    """Error text that is bounded and always encodable (a lone surrogate in a message made
+    the error response itself fail: a 500 and a broken keep-alive connection)."""
+    return None if text is None else clip(text, limit)
+
+
 def error_response(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    type: str | None = None,  # noqa: A002 - OpenAI's field name
 ) -> JSONResponse:
     body = ErrorResponse(
-        error=ErrorInfo(message=message, type=_STATUS_TYPES.get(status, "Error"), param=param, code=status)
+        error=ErrorInfo(
+            message=_safe(message) or "",
+            type=type or _STATUS_TYPES.get(status, "Error"),
+            param=_safe(param, 200),
+            code=status,
+        )
     )
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
@@ -123,7 +143,13 @@ def create_app(
     api_key: str | None = None,
     on_load_failed: Callable[[BaseException], None] | None = None,
     on_ready: Callable[[AsyncEngine], None] | None = None,
+    allowed_hosts: Collection[str] | None = None,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+    metrics_without_key: bool = False,
 ) -> FastAPI:
+    """``allowed_hosts``: names the ``Host`` header may carry (None: any). ``max_request_bytes``:
+    bodies above it get 413 before they are read (None: no limit). With ``api_key`` every route
+    but ``/health`` and ``/ping`` needs it (``/metrics`` too unless ``metrics_without_key``)."""
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
     state = AppState(api_key)
@@ -137,7 +163,11 @@ def create_app(
             if on_ready is not None:
                 on_ready(built)
         except Exception as err:  # noqa: BLE001 - reported through /health and the callback
-            logger.exception("loading the models failed")
+            if on_load_failed is not None and isinstance(err, (ValueError, FileNotFoundError)):
+                # A user error (a broken checkpoint): the callback's owner reports it in one line.
+                logger.debug("loading the models failed", exc_info=True)
+            else:
+                logger.exception("loading the models failed")
             state.load_error = str(err)
             if on_load_failed is not None:
                 on_load_failed(err)
@@ -162,10 +192,25 @@ def create_app(
     app = FastAPI(title="qserve", lifespan=lifespan)
     app.state.qserve = state
 
+    # ------------------------------------------------------------------ the gate (hardening)
+    def authorized(header: str) -> bool:
+        return _bearer_matches(header, state.api_key)
+
+    app.add_middleware(
+        RequestGuard,
+        config=GuardConfig(
+            authorized=authorized if api_key is not None else None,
+            allowed_hosts=allowed_hosts,
+            max_request_bytes=max_request_bytes,
+            metrics_without_key=metrics_without_key,
+        ),
+        respond=lambda status, message, headers: error_response(status, message, headers=headers),
+    )
+
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ServingError)
     async def _serving_error(_: Request, err: ServingError) -> JSONResponse:
-        return JSONResponse(err.to_response().model_dump(), status_code=err.status, headers=err.headers)
+        return error_response(err.status, err.message, err.param, headers=err.headers, type=err.type)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -174,8 +219,10 @@ def create_app(
         loc = [x for x in first.get("loc", ()) if x != "body"]
         param = ".".join(str(x) for x in loc) if loc and isinstance(loc[0], str) else None
         message = "; ".join(
-            f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors
+            f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
         )
+        if len(errors) > 5:
+            message += f"; and {len(errors) - 5} more errors"
         return error_response(400, message or "invalid request", param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -191,9 +238,7 @@ def create_app(
     async def require_api_key(request: Request) -> None:
         if state.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+        if not _bearer_matches(request.headers.get("authorization", ""), state.api_key):
             raise ServingError(
                 401, "Invalid or missing API key (Authorization: Bearer <key>)", type="AuthenticationError"
             )
@@ -210,6 +255,10 @@ def create_app(
         if state.ready:
             return Response(status_code=200)
         return error_response(503, state.load_error or "loading models")
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -236,6 +285,14 @@ def create_app(
         return await _respond(request, s.create_chat_completion(body))
 
     return app
+
+
+def _bearer_matches(header: str, api_key: str | None) -> bool:
+    """``Authorization: Bearer <key>`` with the right key (constant-time compare)."""
+    if api_key is None:
+        return True
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
 
 
 async def _respond(request: Request, work: Awaitable[Any]) -> Any:

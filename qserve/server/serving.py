@@ -7,7 +7,9 @@ token-id prompts (chat template, echo, logprobs, n, batches of prompts), how cum
 uvicorn, Prometheus, or how engines are stepped (``AsyncEngine`` does that).
 
 Tokenizers: each model gets a front-end copy of its tokenizer, used only on the event loop
-thread (the engine's own one belongs to the step thread).
+thread (the engine's own one belongs to the step thread), and a ``PromptTokenizer`` that
+tokenizes prompts and renders chat templates in a worker thread, so the loop keeps answering.
+Before any work, a request's text and caps are checked (``request_limits``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ from qserve.server.protocol import (
     SamplingFields,
     UsageInfo,
 )
+from qserve.server.request_limits import (
+    DEFAULT_LIMITS,
+    RequestLimitError,
+    RequestLimits,
+    check_limits,
+    check_text,
+    clip,
+)
+from qserve.server.tokenizing import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +129,7 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     tokenizer: Any  # front-end copy: loop thread only
+    prompts: PromptTokenizer | None = None  # encode / chat template in a worker thread
 
 
 class ClosingStream:
@@ -181,8 +193,9 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
 class OpenAIServing:
     """The endpoints' logic, independent of the web framework."""
 
-    def __init__(self, host: AsyncEngine) -> None:
+    def __init__(self, host: AsyncEngine, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         self.host = host
+        self.limits = limits
         self.models: dict[str, ServedModel] = {}
         for name, hosted in host.models.items():
             engine = hosted.engine
@@ -192,21 +205,46 @@ class OpenAIServing:
                 max_model_len=engine.max_model_len,
                 vocab_size=engine.model_config.vocab_size,
                 tokenizer=copy.deepcopy(engine.tokenizer),
+                prompts=PromptTokenizer(engine.tokenizer, engine.max_model_len, name),
             )
 
     # ------------------------------------------------------------------ models
     def list_models(self) -> ModelList:
         return ModelList(
-            data=[ModelCard(id=m.name, root=m.path, max_model_len=m.max_model_len) for m in self.models.values()]
+            # root is the served name, never the checkpoint's filesystem path (it tells clients
+            # nothing they can use and tells attackers about the host).
+            data=[ModelCard(id=m.name, root=m.name, max_model_len=m.max_model_len) for m in self.models.values()]
         )
 
     def _model(self, name: str) -> ServedModel:
         model = self.models.get(name)
         if model is None:
-            raise ServingError(404, f"The model `{name}` does not exist.", type="NotFoundError", param="model")
+            raise ServingError(404, f"The model `{clip(name)}` does not exist.", type="NotFoundError", param="model")
         return model
 
     # ------------------------------------------------------------------ shared helpers
+    def _check_request(self, request: SamplingFields) -> int:
+        """Text and caps, before anything else; returns the sequences it would queue."""
+        try:
+            check_text(request)
+            return check_limits(request, self.limits)
+        except RequestLimitError as err:
+            raise bad_request(str(err), err.param) from err
+
+    def _check_prompt_chars(self, model: ServedModel, num_chars: int, param: str) -> None:
+        if model.prompts is not None and model.prompts.too_long(num_chars):
+            raise bad_request(
+                f"This model's maximum context length is {model.max_model_len} tokens. However, your prompt is "
+                f"{num_chars} characters long, more than {model.max_model_len} tokens can hold.",
+                param,
+            )
+
+    async def _encode(self, model: ServedModel, text: str, param: str, **kwargs: Any) -> list[int]:
+        self._check_prompt_chars(model, len(text), param)
+        if model.prompts is None:
+            return model.tokenizer.encode(text, **kwargs)
+        return await model.prompts.encode(text, **kwargs)
+
     @staticmethod
     def _sampling_params(
         request: SamplingFields,
@@ -318,7 +356,7 @@ class OpenAIServing:
         return final
 
     # ------------------------------------------------------------------ completions
-    def _completion_prompts(self, model: ServedModel, request: CompletionRequest) -> list[_Prompt]:
+    async def _completion_prompts(self, model: ServedModel, request: CompletionRequest) -> list[_Prompt]:
         raw = request.prompt
         if isinstance(raw, str):
             items: list[Any] = [raw]
@@ -331,7 +369,7 @@ class OpenAIServing:
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompt = _Prompt(model.tokenizer.encode(item), item)
+                prompt = _Prompt(await self._encode(model, item, "prompt"), item)
             else:
                 prompt = _Prompt(list(item), None)
             self._check_length(model, prompt, "prompt")
@@ -339,13 +377,14 @@ class OpenAIServing:
         return prompts
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        num_sequences = self._check_request(request)
         model = self._model(request.model)
         if request.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of is not supported (only best_of == n)", "best_of")
-        self._check_queue(model.name)
-        prompts = self._completion_prompts(model, request)
+        self._check_queue(model.name, num_sequences)
+        prompts = await self._completion_prompts(model, request)
         logprobs = request.logprobs
         params = self._sampling_params(
             request,
@@ -396,9 +435,11 @@ class OpenAIServing:
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=base_id, model=model.name, choices=choices, usage=_usage(final.values()))
 
-    def _check_queue(self, name: str) -> None:
+    def _check_queue(self, name: str, num_sequences: int = 1) -> None:
         try:
-            self.host.check_queue(name)
+            self.host.check_queue(name, num_sequences)
+        except ValueError as err:
+            raise bad_request(str(err), "n") from err
         except QueueFullError as err:
             raise ServingError(
                 429, str(err), type="RateLimitError", headers={"Retry-After": str(err.retry_after_s)}
@@ -500,33 +541,40 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     # ------------------------------------------------------------------ chat
-    def _chat_prompt(self, model: ServedModel, request: ChatCompletionRequest) -> _Prompt:
+    async def _chat_prompt(self, model: ServedModel, request: ChatCompletionRequest) -> _Prompt:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         tokenizer = model.tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise bad_request(f"model {model.name!r} has no chat template; use /v1/completions", "messages")
+        self._check_prompt_chars(model, sum(len(m["content"]) for m in messages), "messages")
         template_kwargs = self._chat_template_kwargs(request)
+        render = model.prompts.apply_chat_template if model.prompts is not None else tokenizer.apply_chat_template
         try:
-            text = tokenizer.apply_chat_template(
+            text = render(
                 messages,
                 add_generation_prompt=request.add_generation_prompt,
                 tokenize=False,
                 **template_kwargs,
             )
+            if model.prompts is not None:
+                text = await text
         except Exception as err:  # noqa: BLE001 - template errors are the request's fault
-            raise bad_request(f"the chat template could not render these messages: {err}", "messages") from err
-        prompt = _Prompt(tokenizer.encode(text, add_special_tokens=False), text)
+            raise bad_request(
+                f"the chat template could not render these messages: {clip(str(err), 200)}", "messages"
+            ) from err
+        prompt = _Prompt(await self._encode(model, text, "messages", add_special_tokens=False), text)
         self._check_length(model, prompt, "messages")
         return prompt
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        num_sequences = self._check_request(request)
         model = self._model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        self._check_queue(model.name)
-        prompt = self._chat_prompt(model, request)
+        self._check_queue(model.name, num_sequences)
+        prompt = await self._chat_prompt(model, request)
         max_tokens = request.max_completion_tokens or request.max_tokens
         rename = {"max_tokens": "max_completion_tokens" if request.max_completion_tokens else "max_tokens"}
         rename["logprobs"] = "top_logprobs"

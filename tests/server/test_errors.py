@@ -114,8 +114,11 @@ def test_api_key_enforced(guarded_server):
     assert_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Basic sekret"}), 401)
     ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
     assert ok.status_code == 200
-    assert httpx.get(f"{url}/health").status_code == 200  # health and metrics stay open
-    assert httpx.get(f"{url}/metrics").status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200  # liveness probes stay open
+    assert httpx.get(f"{url}/ping").status_code == 200
+    for path in ("/metrics", "/openapi.json", "/docs", "/no-such-route"):  # everything else needs the key
+        assert_error(httpx.get(f"{url}{path}"), 401)
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
 
 
 def test_queue_full_gives_429_with_retry_after(guarded_server):

@@ -242,3 +242,38 @@ def test_workload_runs_to_completion_and_pool_is_full_again() -> None:
 def test_scheduler_package_does_not_import_torch() -> None:
     code = "import sys, qserve.scheduler; assert 'torch' not in sys.modules, 'qserve.scheduler imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_aborting_a_huge_waiting_queue_is_linear() -> None:
+    """Aborts are O(1) each (a deque.remove per abort made 50k aborts, newest first, take minutes
+    and stalled the step thread that serves every model)."""
+    import time
+
+    sched, pool = make_scheduler(num_blocks=8)
+    num = 50_000
+    for i in range(num):
+        sched.add_request(make_request(f"r{i}", _prompt(4, i % 100), arrival_index=i))
+    start = time.perf_counter()
+    for i in reversed(range(1, num)):
+        sched.abort_request(f"r{i}")
+    elapsed = time.perf_counter() - start
+    assert elapsed < 2.0, f"{num - 1} aborts took {elapsed:.1f} s"
+    assert sched.num_waiting == 1 and [r.request_id for r in sched.waiting] == ["r0"]
+    out = step(sched)
+    assert scheduled(out) == {"r0": (0, 4, True)}
+    assert len(out.finished_request_ids) == num - 1
+    sched.abort_request("r0")
+    step(sched)
+    assert pool.num_free_blocks == 8 and not sched.has_unfinished_requests()
+
+
+def test_finishing_running_requests_keeps_arrival_order() -> None:
+    sched, _ = make_scheduler(num_blocks=16)
+    for i, rid in enumerate("ABCDE"):
+        sched.add_request(make_request(rid, _prompt(2, 10 * i), arrival_index=i))
+    step(sched)
+    sched.finish_request("C", RequestStatus.FINISHED_STOPPED)
+    sched.abort_request("A")
+    assert [r.request_id for r in sched.running] == ["B", "D", "E"]
+    sched.finish_request("E", RequestStatus.FINISHED_LENGTH)
+    assert [r.request_id for r in sched.running] == ["B", "D"]

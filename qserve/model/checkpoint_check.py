@@ -1,0 +1,67 @@
+"""``check_checkpoint(path)``: the checks ``qserve serve`` and ``qserve inspect`` share, run
+before anything is served.
+
+Knows: which checks exist and their order: ``config.json`` (JSON, fields, architecture),
+quantization metadata (``loaders.detect``), tensor headers against the config and the format
+(``loaders.plan_checkpoint``), the tokenizer, and, when asked, every tensor streamed through
+the same converters and model routing that serving uses, on the ``meta`` device (shapes and
+dtypes of scales / zeros / g_idx, non-finite values) without keeping any weight in memory.
+Must not know: the engine, the server, the CLI's output.
+
+Every failure is a ``ValueError`` (or ``FileNotFoundError``) whose one-line message names the
+file and the field or tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import loaders
+from qserve.config import ModelConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedCheckpoint:
+    path: Path
+    config: ModelConfig
+    spec: loaders.CheckpointSpec
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def check_tokenizer(path: str | Path) -> None:
+    """Load the tokenizer the engine will load; a failure names its file."""
+    from transformers import AutoTokenizer
+
+    root = Path(path)
+    present = [name for name in TOKENIZER_FILES if (root / name).is_file()]
+    if not present:
+        raise ValueError(f"{root}: no tokenizer found (expected one of {', '.join(TOKENIZER_FILES)})")
+    try:
+        AutoTokenizer.from_pretrained(str(root))
+    except Exception as err:  # noqa: BLE001 - tokenizers raise many kinds (KeyError, Exception, OSError)
+        detail = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        raise ValueError(f"{root / present[0]}: the tokenizer could not be loaded ({detail})") from None
+
+
+def check_checkpoint(path: str | Path, *, tokenizer: bool = True, tensors: bool = False) -> CheckedCheckpoint:
+    """Run the checks (see the module docstring); ``tensors=True`` also reads every tensor."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not a directory (expected a Hugging Face model directory)")
+    config = ModelConfig.from_path(root)
+    spec = loaders.detect(root)
+    plan = loaders.plan_checkpoint(root, spec)
+    plan.files.close()
+    if tokenizer:
+        check_tokenizer(root)
+    if tensors:
+        from qserve.model.loader import load_model
+
+        load_model(root, config.dtype, "meta")
+    return CheckedCheckpoint(root, config, spec)
