@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import queue
 import threading
@@ -65,6 +66,25 @@ class RequestListener(Protocol):
     def on_finished(self, model: str, output: RequestOutput, seconds: float) -> None: ...
 
 
+class Listeners:
+    """Several ``RequestListener``s behind one (e.g. metrics and the request log)."""
+
+    def __init__(self, *listeners: RequestListener) -> None:
+        self.listeners = listeners
+
+    def on_first_token(self, model: str, seconds: float, num_prompt_tokens: int) -> None:
+        for listener in self.listeners:
+            listener.on_first_token(model, seconds, num_prompt_tokens)
+
+    def on_tokens(self, model: str, num_tokens: int, seconds_since_last: float | None) -> None:
+        for listener in self.listeners:
+            listener.on_tokens(model, num_tokens, seconds_since_last)
+
+    def on_finished(self, model: str, output: RequestOutput, seconds: float) -> None:
+        for listener in self.listeners:
+            listener.on_finished(model, output, seconds)
+
+
 @dataclass(eq=False)
 class _Tracked:
     """Loop-thread state of one engine request."""
@@ -75,6 +95,9 @@ class _Tracked:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    # The submitter's context (e.g. the HTTP request id a log filter reads): listener calls
+    # for this request run inside it, as if the submitting task made them.
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +413,7 @@ class AsyncEngine:
             tracked = self._tracked.get((model, output.request_id))
             if tracked is None:
                 continue
-            self._observe(model, tracked, output, now)
+            tracked.context.run(self._observe, model, tracked, output, now)
             if output.finished:
                 del self._tracked[(model, output.request_id)]
             tracked.stream._put((output.request_id, output))  # noqa: SLF001
@@ -416,6 +439,8 @@ class AsyncEngine:
                 listener.on_tokens(model, new_tokens, gap)
             tracked.last_token = now
         if output.finished and listener is not None:
+            if tracked.first_token is not None:  # vLLM's RequestOutput.metrics name
+                output.metrics["first_token_latency"] = tracked.first_token - tracked.arrival
             listener.on_finished(model, output, now - tracked.arrival)
 
     # ------------------------------------------------------------------ introspection
@@ -433,8 +458,22 @@ class AsyncEngine:
                 "pool_pages_free": pool.num_free_blocks,
                 "prefix_cache_queries": kv.num_prefix_queries,
                 "prefix_cache_hits": kv.num_prefix_hits,
+                "num_preemptions": hosted.engine.num_preemptions,
             }
         return result
+
+    def cache_info(self) -> dict[str, dict[str, Any]]:
+        """Per-model KV-cache settings (vLLM's ``cache_config_info`` labels)."""
+        return {
+            name: {
+                "block_size": hosted.engine.config.block_size,
+                "num_gpu_blocks": hosted.engine.block_pool.num_blocks,
+                "cache_dtype": hosted.engine.config.kv_cache_dtype,
+                "enable_prefix_caching": hosted.engine.config.enable_prefix_caching,
+                "max_model_len": hosted.engine.max_model_len,
+            }
+            for name, hosted in self.models.items()
+        }
 
 
 # ---------------------------------------------------------------------- building engines

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,9 @@ class _Group:
     params: SamplingParams
     sequences: list[_Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Timing for metrics (time.monotonic()): queue time is first_scheduled_time - arrival_time.
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -243,6 +247,7 @@ class Engine:
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
         self._pending_outputs: dict[str, _Group] = {}  # finished out-of-step (aborts)
         self._arrival = itertools.count()
+        self.num_preemptions = 0  # sequences preempted since start (vllm:num_preemptions_total)
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model,
@@ -408,6 +413,12 @@ class Engine:
         sequences = self._sequences
         for request_id in scheduler_output.preempted_request_ids:
             sequences[request_id][1].prompt_logprobs_received = 0
+        self.num_preemptions += len(scheduler_output.preempted_request_ids)
+        now = time.monotonic()
+        for scheduled in scheduler_output.sequences:
+            group = sequences[scheduled.request_id][0]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
         for request_id in scheduler_output.capacity_finished_request_ids:
             group, sequence = sequences[request_id]
             sequence.finish_reason = RequestStatus.FINISHED_LENGTH.finish_reason
@@ -506,4 +517,15 @@ class Engine:
             outputs=completions,
             finished=group.finished if finished is None else finished,
             num_cached_tokens=group.sequences[0].request.num_cached_tokens,
+            metrics=self._timing(group) if (group.finished if finished is None else finished) else {},
         )
+
+    @staticmethod
+    def _timing(group: _Group) -> dict[str, float]:
+        """vLLM's ``RequestOutput.metrics`` names (monotonic seconds) for a finished request."""
+        first = group.first_scheduled_time
+        timing = {"arrival_time": group.arrival_time}
+        if first is not None:  # None: aborted while still waiting
+            timing["first_scheduled_time"] = first
+            timing["time_in_queue"] = first - group.arrival_time
+        return timing

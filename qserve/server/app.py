@@ -26,10 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from qserve.engine.async_engine import AsyncEngine
+from qserve.engine.async_engine import AsyncEngine, Listeners
+from qserve.server.drain import DrainMiddleware, DrainState
 from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from qserve.server.request_context import RequestIdMiddleware
+from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
 from qserve.server.serving import OpenAIServing, ServingError
+from qserve.server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +53,17 @@ _STATUS_TYPES = {
 class AppState:
     """What the routes need; filled in when the models are loaded."""
 
-    def __init__(self, api_key: str | None) -> None:
+    def __init__(self, api_key: str | None, *, log_requests: bool = True) -> None:
         self.api_key = api_key
         self.host: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
         self.load_error: str | None = None
         self.metrics = ServerMetrics(lambda: self.host)
+        self.request_log = RequestLog(log_requests=log_requests)
+        self.drain = DrainState()
 
     def attach(self, host: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
-        host.listener = self.metrics
+        host.listener = Listeners(self.metrics, self.request_log)
         host.start(loop)
         self.serving = OpenAIServing(host)
         self.host = host
@@ -122,10 +128,15 @@ def create_app(
     host_factory: Callable[[], AsyncEngine] | None = None,
     api_key: str | None = None,
     on_load_failed: Callable[[BaseException], None] | None = None,
+    log_requests: bool = True,
+    log_stats: bool = True,
+    stats_interval_s: float = STATS_INTERVAL_S,
 ) -> FastAPI:
+    """``log_requests`` / ``log_stats``: the per-request log line and the periodic stats line
+    (``qserve.server.request_log``). Shut down gracefully with ``drain_app``."""
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
-    state = AppState(api_key)
+    state = AppState(api_key, log_requests=log_requests)
 
     async def load(loop: asyncio.AbstractEventLoop) -> None:
         assert host_factory is not None
@@ -147,9 +158,14 @@ def create_app(
             state.attach(host, loop)
         else:
             loading = asyncio.create_task(load(loop))
+        stats_task = None
+        if log_stats:
+            stats_task = asyncio.create_task(StatsLogger(lambda: state.host, state.request_log, stats_interval_s).run())
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             if loading is not None and not loading.done():
                 loading.cancel()
             if state.host is not None:
@@ -158,6 +174,9 @@ def create_app(
 
     app = FastAPI(title="qserve", lifespan=lifespan)
     app.state.qserve = state
+    # Outermost last: X-Request-Id is set (and echoed) even on a drain's 503.
+    app.add_middleware(DrainMiddleware, state=state.drain)
+    app.add_middleware(RequestIdMiddleware)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ServingError)
@@ -204,6 +223,8 @@ def create_app(
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health() -> Response:
+        if state.drain.draining:
+            return error_response(503, "shutting down")
         if state.ready:
             return Response(status_code=200)
         return error_response(503, state.load_error or "loading models")
@@ -232,7 +253,24 @@ def create_app(
     ) -> Any:
         return await _respond(request, s.create_chat_completion(body))
 
+    # ------------------------------------------------------------------ vLLM-compatible worker routes
+    add_worker_routes(app, health=health, require_api_key=require_api_key, serving=serving)
+
     return app
+
+
+async def drain_app(app: FastAPI, timeout_s: float) -> bool:
+    """Graceful shutdown of an app from ``create_app``: new requests get 503 and ``/health``
+    503 at once; in-flight requests get up to ``timeout_s`` seconds to finish; then the engine
+    is stopped, which ends every remaining stream with ``finish_reason: "abort"`` and ``[DONE]``.
+    Returns True if every request finished by itself. Call it on the app's event loop."""
+    state: AppState = app.state.qserve
+
+    async def abort_all() -> None:
+        if state.host is not None:
+            await asyncio.to_thread(state.host.shutdown)
+
+    return await state.drain.drain(timeout_s, abort_all)
 
 
 async def _respond(request: Request, work: Awaitable[Any]) -> Any:
