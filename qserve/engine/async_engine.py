@@ -116,6 +116,8 @@ class HostedModel:
     name: str
     engine: Engine
     max_queue: int | None = None  # refuse new requests while this many sequences wait
+    # Request fields a client did not send take these values (generation_config.json, as vLLM).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     active: set[str] = field(default_factory=set)  # unfinished request ids (step thread only)
 
     def queue_is_full(self) -> bool:

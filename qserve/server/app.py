@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from qserve.engine.async_engine import AsyncEngine, Listeners
 from qserve.server.drain import DrainMiddleware, DrainState
+from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from qserve.server.request_context import RequestIdMiddleware
@@ -67,6 +68,11 @@ class AppState:
         host.start(loop)
         self.serving = OpenAIServing(host)
         self.host = host
+
+    def apply_sampling_defaults(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        hosted = self.host.models.get(body.model) if self.host is not None else None
+        if hosted is not None and hosted.sampling_defaults:
+            apply_sampling_defaults(body, hosted.sampling_defaults)
 
     @property
     def ready(self) -> bool:
@@ -243,6 +249,7 @@ def create_app(
         request: Request,
         s: OpenAIServing = Depends(serving),  # noqa: B008
     ) -> Any:
+        state.apply_sampling_defaults(body)
         return await _respond(request, s.create_completion(body))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
@@ -251,6 +258,7 @@ def create_app(
         request: Request,
         s: OpenAIServing = Depends(serving),  # noqa: B008
     ) -> Any:
+        state.apply_sampling_defaults(body)
         return await _respond(request, s.create_chat_completion(body))
 
     # ------------------------------------------------------------------ vLLM-compatible worker routes
