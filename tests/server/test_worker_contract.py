@@ -157,3 +157,17 @@ def test_request_id_is_echoed_and_logged(two_model_server, caplog):
         made = httpx.get(f"{url}/v1/models", headers={"X-Request-Id": bad}).headers["x-request-id"]
         assert made != bad and len(made) == 32
     assert httpx.get(f"{url}/health").headers["x-request-id"]
+
+
+def test_generation_config_defaults_reach_requests(two_model_server):
+    hosted = two_model_server.host.models["llama"]
+    hosted.sampling_defaults = {"max_tokens": 2}
+    try:
+        body = {"model": "llama", "prompt": "a b", "ignore_eos": True}
+        reply = httpx.post(f"{two_model_server.url}/v1/completions", json=body, timeout=30)
+        assert reply.json()["usage"]["completion_tokens"] == 2
+        body["max_tokens"] = 4  # the client's value wins
+        reply = httpx.post(f"{two_model_server.url}/v1/completions", json=body, timeout=30)
+        assert reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        hosted.sampling_defaults = {}
