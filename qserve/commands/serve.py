@@ -4,8 +4,9 @@ Knows: the ``qserve serve`` arguments (models as ``path`` or ``name=path``, budg
 queue bound, API key, tensor-parallel size), how they become ``ModelSpec`` / ``HostConfig``,
 which builder they pick (several models on one shared page pool, or one model sharded over
 ``--tensor-parallel-size`` processes), and how to run uvicorn with the app (models load in the
-background; ``/health`` is 503 until they are ready; SIGTERM / Ctrl-C shut down gracefully,
-tensor-parallel workers included). Must not know: routes, engines' internals.
+background; ``/health`` is 503 until they are ready; SIGTERM drains for ``--shutdown-timeout``
+seconds, then shuts down, tensor-parallel workers included), and vLLM's flag names (resolved
+onto qserve's own options by ``apply_worker_flags``). Must not know: routes, engines' internals.
 
 With no model argument it serves the built-in demo model (``DEFAULT_MODEL``): a tiny model
 trained by ``recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.
