@@ -150,6 +150,13 @@ def register_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--log-level", default=argparse.SUPPRESS, help="logging level (also accepted before the sub-command)"
     )
+    group.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV-cache events for prefix-aware routers (vLLM's format), e.g. '{\"enable_kv_cache_events\": "
+        'true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'; topic default kv@{pod}:{port}@{model}',
+    )
 
 
 def apply_worker_flags(args: argparse.Namespace) -> None:
@@ -246,6 +253,11 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
 
     apply_worker_flags(args)
     chat_template = read_chat_template(getattr(args, "chat_template", None))
+    kv_events_config = None
+    if getattr(args, "kv_events_config", None):
+        from qserve.engine.kv_events import parse_kv_events_config
+
+        kv_events_config = parse_kv_events_config(args.kv_events_config)
     generation_config = getattr(args, "generation_config", "vllm")
     values = list(args.models)
     if not values and DEFAULT_MODEL is not None:
@@ -304,12 +316,21 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         enforce_eager=args.enforce_eager,
     )
 
+    def kv_events(engines: dict) -> object | None:
+        if kv_events_config is None:
+            return None
+        from qserve.engine.kv_events import ZmqKVEventPublisher
+
+        device = next(iter(engines.values())).device
+        return ZmqKVEventPublisher(kv_events_config, port=args.port, medium="GPU" if device.type == "cuda" else "CPU")
+
     def build() -> AsyncEngine:
         if tensor_parallel_size == 1:
-            return AsyncEngine(build_engines(specs, config), max_queue=args.max_queue)
+            engines = build_engines(specs, config)
+            return AsyncEngine(engines, max_queue=args.max_queue, kv_events=kv_events(engines))
         engines, hooks = build_tensor_parallel_engine(specs[0], config, tensor_parallel_size)
         try:
-            return AsyncEngine(engines, max_queue=args.max_queue, hooks=hooks)
+            return AsyncEngine(engines, max_queue=args.max_queue, hooks=hooks, kv_events=kv_events(engines))
         except BaseException:
             if hooks.shutdown is not None:
                 hooks.shutdown()  # nobody else holds the workers yet

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from qserve.engine.engine import Engine, EngineConfig, PromptInput, resolve_device, resolve_dtype
 from qserve.outputs import RequestOutput
 from qserve.sampling_params import SamplingParams
+from qserve.scheduler.kv_events import KVEvent, KVEventRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,14 @@ class QueueFullError(Exception):
 
 class EngineDeadError(RuntimeError):
     """The host is shut down (or its step thread died); no new requests are taken."""
+
+
+class KVEventPublisher(Protocol):
+    """Sends KV-cache events somewhere (``qserve.engine.kv_events.ZmqKVEventPublisher``). Step thread only."""
+
+    def publish(self, events: Sequence[KVEvent], model_of_owner: Mapping[str, str]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class RequestListener(Protocol):
@@ -186,6 +195,7 @@ class AsyncEngine:
         listener: RequestListener | None = None,
         retry_after_s: int = 1,
         hooks: HostHooks | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         if not engines:
             raise ValueError("AsyncEngine needs at least one model")
@@ -206,6 +216,17 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tracked: dict[tuple[str, str], _Tracked] = {}  # loop thread only
         self.num_steps = 0
+        # KV-cache events (prefix-aware routing): one recorder per distinct page pool, drained
+        # and published by the step thread after every step.
+        self.kv_events = kv_events
+        self._kv_recorders: list[KVEventRecorder] = []
+        self._model_of_owner = {hosted.engine.owner: name for name, hosted in self.models.items()}
+        if kv_events is not None:
+            for hosted in self.models.values():
+                pool = hosted.engine.block_pool
+                if pool.kv_events is None:
+                    pool.kv_events = KVEventRecorder()
+                    self._kv_recorders.append(pool.kv_events)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -236,6 +257,8 @@ class AsyncEngine:
         if self._hooks_closed:
             return
         self._hooks_closed = True
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.hooks.shutdown is not None:
             # After the step thread: workers must not be stopped under a step that still needs them.
             self.hooks.shutdown()
@@ -364,11 +387,23 @@ class AsyncEngine:
             self._fail_model(hosted, err)
             return
         self.num_steps += 1
+        if self.kv_events is not None:
+            self._publish_kv_events()
         for output in outputs:
             if output.finished:
                 hosted.active.discard(output.request_id)
         if outputs:
             self._publish(hosted.name, outputs)
+
+    def _publish_kv_events(self) -> None:
+        assert self.kv_events is not None
+        for recorder in self._kv_recorders:
+            events = recorder.take()
+            if events:
+                try:
+                    self.kv_events.publish(events, self._model_of_owner)
+                except Exception:  # noqa: BLE001 - a router's index is best effort; keep serving
+                    logger.exception("publishing %d KV events failed", len(events))
 
     def _fail_model(self, hosted: HostedModel, err: Exception) -> None:
         request_ids = list(hosted.active)

@@ -74,6 +74,7 @@ def test_flag_translations():
         (("{llama}", "--generation-config", "/not/a/dir"), "--generation-config"),
         (("{llama}", "--chat-template", "/not/a/file.jinja"), "--chat-template"),
         (("{llama}", "--kv-cache-dtype", "fp8_e5m2"), "supported: auto, fp8, int8"),
+        (("{llama}", "--kv-events-config", '{{"enable_kv_cache_events": true, "topic": "kv@{{x}}"}}'), "may only use"),
     ],
 )
 def test_flag_errors(checkpoints, capsys, argv, message):
