@@ -497,6 +497,8 @@ class Engine:
 
     def _make_output(self, group: _Group, finished: bool | None = None) -> RequestOutput:
         """A cumulative output of the group (copies, so later steps do not change it)."""
+        if finished is None:
+            finished = group.finished
         completions = [
             CompletionOutput(
                 index=seq.index,
@@ -515,9 +517,9 @@ class Engine:
             prompt_token_ids=group.prompt_token_ids,
             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
             outputs=completions,
-            finished=group.finished if finished is None else finished,
+            finished=finished,
             num_cached_tokens=group.sequences[0].request.num_cached_tokens,
-            metrics=self._timing(group) if (group.finished if finished is None else finished) else {},
+            metrics=self._timing(group) if finished else {},
         )
 
     @staticmethod

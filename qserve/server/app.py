@@ -2,8 +2,9 @@
 
 Knows: the HTTP surface (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
 ``/health``, ``/metrics``; the vLLM-compatible worker routes come from ``worker_api``), the
-middleware (``X-Request-Id``; the drain's in-flight count and 503s), how errors of every kind (pydantic validation, ``ServingError``,
-unknown routes, bugs) become OpenAI's ``{"error": {...}}`` body, how a client disconnect
+middleware (``X-Request-Id``; the drain's in-flight count and 503s), how errors of every
+kind (pydantic validation, ``ServingError``, unknown routes, bugs) become OpenAI's
+``{"error": {...}}`` body, how a client disconnect
 cancels its request, and the app's lifetime (load models in the background so ``/health``
 answers 503 while loading; start and stop the ``AsyncEngine``). Must not know: how requests
 become engine inputs (``serving``), how engines are stepped (``AsyncEngine``).

@@ -56,7 +56,12 @@ def test_first_series_is_the_process_total(two_model_server):
     assert cache.labels["model_name"] == "" and cache.value == 1
     (lora,) = metrics["vllm:lora_requests_info"]
     assert lora.labels["running_lora_adapters"] == "llama,qwen" and lora.labels["max_lora"] == "2"
-    assert first(metrics["vllm:num_preemptions"], "vllm:num_preemptions_total").value >= 0
+    preemptions = {s.labels["model_name"]: s.value for s in metrics["vllm:num_preemptions"]}
+    engines = {name: hosted.engine for name, hosted in two_model_server.host.models.items()}
+    assert preemptions == {
+        "": sum(e.num_preemptions for e in engines.values()),
+        **{name: e.num_preemptions for name, e in engines.items()},
+    }
 
 
 def test_request_histograms_count_what_was_served(two_model_server):
@@ -171,3 +176,27 @@ def test_generation_config_defaults_reach_requests(two_model_server):
         assert reply.json()["usage"]["completion_tokens"] == 4
     finally:
         hosted.sampling_defaults = {}
+
+
+def test_engine_counts_preemptions_and_queue_time(checkpoints):
+    """What vllm:num_preemptions_total and vllm:request_queue_time_seconds are fed from."""
+    from qserve import LLM, SamplingParams
+
+    # 4 pages of 16 tokens; two 60-token sequences cannot both stay: one is preempted.
+    llm = LLM(
+        checkpoints["llama"],
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=4,
+        enable_prefix_caching=False,
+        max_model_len=64,
+    )
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+    prompts = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": list(range(30, 50))}]
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.num_preemptions > 0
+    for output in outputs:
+        assert (
+            output.metrics["time_in_queue"] == output.metrics["first_scheduled_time"] - output.metrics["arrival_time"]
+        )
+        assert output.metrics["time_in_queue"] >= 0
