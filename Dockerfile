@@ -27,7 +27,7 @@ COPY quant_kernels ./quant_kernels
 COPY loaders ./loaders
 COPY recipes ./recipes
 # Editable: the demo model and recipes are found next to the package.
-RUN pip install -e ".[server]"
+RUN pip install -e ".[server,kv-events]"
 
 RUN useradd --create-home --uid 1000 qserve && mkdir -p /cache /models && chown qserve /cache
 USER qserve
