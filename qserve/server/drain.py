@@ -33,11 +33,16 @@ class DrainState:
     def __init__(self) -> None:
         self.draining = False
         self.in_flight = 0
+        self._cut = False
 
-    async def _wait_idle(self, timeout_s: float) -> bool:
+    def cut(self) -> None:
+        """End the wait now, as if the timeout had passed (a second signal while draining)."""
+        self._cut = True
+
+    async def _wait_idle(self, timeout_s: float, *, cuttable: bool = True) -> bool:
         deadline = time.monotonic() + timeout_s
         while self.in_flight > 0:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or (cuttable and self._cut):
                 return False
             await asyncio.sleep(POLL_S)
         return True
@@ -51,12 +56,12 @@ class DrainState:
             logger.info("drained: every request finished")
             return True
         logger.warning(
-            "shutdown timeout (%.0f s) reached: ending %d request(s) with finish_reason 'abort'",
-            timeout_s,
+            "%s: ending %d request(s) with finish_reason 'abort'",
+            "asked to stop now" if self._cut else f"shutdown timeout ({timeout_s:.0f} s) reached",
             self.in_flight,
         )
         await abort_all()
-        if not await self._wait_idle(FLUSH_TIMEOUT_S):
+        if not await self._wait_idle(FLUSH_TIMEOUT_S, cuttable=False):
             logger.warning("%d request(s) still open after aborting; closing anyway", self.in_flight)
         return False
 

@@ -5,7 +5,8 @@ server's loop before uvicorn's own shutdown. The first SIGTERM drains for
 ``shutdown_timeout`` seconds (503 to new requests and ``/health``; in-flight requests may
 finish; the rest end with finish_reason 'abort' and ``[DONE]``); the process then exits 0,
 because the signal was handled (uvicorn would otherwise re-raise it after shutting down).
-The first Ctrl-C drains without waiting. A second signal is uvicorn's own forced exit.
+The first Ctrl-C drains without waiting. A second signal while draining ends the wait at
+once (what still runs ends with 'abort', as at the deadline); a third is uvicorn's forced exit.
 Must not know: routes, engines (``drain_app`` does the work).
 """
 
@@ -31,6 +32,7 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_requested = False
+        self._cut_requested = False
         self._drain_task: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: Any = None) -> None:
@@ -38,8 +40,12 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._loop is None or self._drain_requested or self.should_exit:
-            super().handle_exit(sig, frame)  # not serving yet, or a second signal: uvicorn's way
+        if self._loop is None or self.should_exit or self._cut_requested:
+            super().handle_exit(sig, frame)  # not serving yet, drained already, or a third signal
+            return
+        if self._drain_requested:  # a second signal: stop waiting for the in-flight requests
+            self._cut_requested = True
+            self._loop.call_soon_threadsafe(self._app.state.qserve.drain.cut)
             return
         self._drain_requested = True
         timeout = self.shutdown_timeout if sig == signal.SIGTERM else 0.0

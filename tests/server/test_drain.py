@@ -64,3 +64,17 @@ def test_drain_returns_as_soon_as_the_streams_are_done(slow_app):
         assert time.monotonic() - started < 10
         stream.join(timeout=10)
         assert stream.finish_reason() == "length"
+
+
+def test_a_second_signal_ends_the_wait(slow_app):
+    app, host = slow_app
+    with serve(app) as url:
+        (stream,) = start_streams(url, 240)  # >= 12 s of steps
+        started = time.monotonic()
+        draining = asyncio.run_coroutine_threadsafe(drain_app(app, 60.0), host._loop)  # noqa: SLF001
+        time.sleep(0.5)
+        host._loop.call_soon_threadsafe(app.state.qserve.drain.cut)  # noqa: SLF001 - what SIGTERM #2 does
+        assert draining.result(timeout=20) is False
+        assert time.monotonic() - started < 10
+        stream.join(timeout=10)
+        assert stream.finish_reason() == "abort"
