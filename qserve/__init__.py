@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+__version__ = "0.1.0"  # the package version (pyproject.toml reads it)
 
 if TYPE_CHECKING:
     from qserve.engine.llm import LLM

@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qserve", description="Quantization-first LLM serving.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    parser.add_argument("--log-level", default=None, help="logging level (DEBUG, INFO, WARNING, ...; default WARNING)")
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error, not just its message")
     subparsers = parser.add_subparsers(dest="command", required=True)
     chosen = next((arg for arg in argv if arg in SUBCOMMANDS), None)
@@ -44,7 +44,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=(args.log_level or "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as err:

@@ -43,4 +43,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    # Timing (vLLM's names: arrival_time, first_scheduled_time, time_in_queue, first_token_latency);
+    # not part of the result, so two runs of the same request compare equal.
+    metrics: dict[str, float] = field(default_factory=dict, compare=False)

@@ -4,8 +4,9 @@ Knows: the ``qserve serve`` arguments (models as ``path`` or ``name=path``, budg
 queue bound, API key, tensor-parallel size), how they become ``ModelSpec`` / ``HostConfig``,
 which builder they pick (several models on one shared page pool, or one model sharded over
 ``--tensor-parallel-size`` processes), and how to run uvicorn with the app (models load in the
-background; ``/health`` is 503 until they are ready; SIGTERM / Ctrl-C shut down gracefully,
-tensor-parallel workers included). Must not know: routes, engines' internals.
+background; ``/health`` is 503 until they are ready; SIGTERM drains for ``--shutdown-timeout``
+seconds, then shuts down, tensor-parallel workers included), and vLLM's flag names (resolved
+onto qserve's own options by ``apply_worker_flags``). Must not know: routes, engines' internals.
 
 With no model argument it serves the built-in demo model (``DEFAULT_MODEL``): a tiny model
 trained by ``recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.
@@ -93,6 +94,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="most pages of the pool model NAME may hold (fraction of the pool); repeatable",
     )
     _register_hardening(parser)
+    register_worker_flags(parser)
 
 
 # ---------------------------------------------------------------------- access and limits (hardening)
@@ -155,6 +157,121 @@ def resolve_allowed_hosts(args: argparse.Namespace) -> list[str] | None:
     return None if "*" in hosts else hosts
 
 
+# ---------------------------------------------------------------------- vLLM-compatible worker flags
+# The names Helm charts and launch scripts pass to `vllm serve`, plus the shutdown drain and
+# the log switches. Resolved onto qserve's own options by apply_worker_flags().
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
+DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0  # inside Kubernetes' default 30 s termination grace period
+
+
+def register_worker_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("vLLM-compatible worker options")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the name(s) the model(s) are served under, one per MODEL, in order (as NAME=PATH does)",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of the device qserve may use (vLLM's name; same as --gpu-memory-budget FRACTION)",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse KV pages of shared prompt prefixes (default: on)",
+    )
+    group.add_argument(
+        "-tp", dest="tensor_parallel_size", type=int, default=argparse.SUPPRESS, help="--tensor-parallel-size"
+    )
+    group.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template (file path or the template itself) for every model"
+    )
+    group.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves out: 'auto' (each model's generation_config.json), "
+        "'vllm' (none) or a directory holding a generation_config.json",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM: refuse new requests (503), let in-flight ones finish for up to this many seconds, "
+        "then end the rest with finish_reason 'abort' and exit",
+    )
+    group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line while busy")
+    group.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's own log level (default: follows --log-level)",
+    )
+    group.add_argument(
+        "--log-level", default=argparse.SUPPRESS, help="logging level (also accepted before the sub-command)"
+    )
+    group.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV-cache events for prefix-aware routers (vLLM's format), e.g. '{\"enable_kv_cache_events\": "
+        'true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'; topic default kv@{pod}:{port}@{model}',
+    )
+
+
+def apply_worker_flags(args: argparse.Namespace) -> None:
+    """Resolve the vLLM-named flags onto qserve's own options (in place); ValueError on conflicts."""
+    utilization = getattr(args, "gpu_memory_utilization", None)
+    if utilization is not None:
+        if args.gpu_memory_budget is not None:
+            raise ValueError("give --gpu-memory-budget or --gpu-memory-utilization, not both")
+        if not 0.0 < utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+        args.gpu_memory_budget = str(utilization)
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        if args.no_prefix_caching and args.enable_prefix_caching:
+            raise ValueError("--no-prefix-caching contradicts --enable-prefix-caching")
+        args.no_prefix_caching = not args.enable_prefix_caching
+    args.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype)
+    if getattr(args, "shutdown_timeout", 0.0) < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    source = getattr(args, "generation_config", "auto")
+    if source not in ("auto", "vllm") and not Path(source).is_dir():
+        raise FileNotFoundError(f"--generation-config {source}: not 'auto', 'vllm' or a directory")
+
+
+def apply_served_model_names(pairs: list[tuple[str, str]], names: list[str] | None) -> list[tuple[str, str]]:
+    """``--served-model-name``: rename the models, one name per model, in order."""
+    if not names:
+        return pairs
+    if len(names) != len(pairs):
+        raise ValueError(
+            f"--served-model-name gives {len(names)} name(s) for {len(pairs)} model(s); "
+            "give one name per model (qserve serves a model under one name)"
+        )
+    return [(name, path) for name, (_, path) in zip(names, pairs)]
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the argument itself when it is not a file."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # e.g. a template too long to be a file name
+        pass
+    if "{" not in value:
+        raise FileNotFoundError(f"--chat-template {value}: no such file (and it does not look like a template)")
+    return value
+
+
 def parse_model_args(values: list[str]) -> list[tuple[str, str]]:
     """``["a=/m/x", "/m/y"]`` -> ``[("a", "/m/x"), ("y", "/m/y")]``."""
     result = []
@@ -199,6 +316,14 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     )
     from qserve.memory.planner import parse_memory_budget
 
+    apply_worker_flags(args)
+    chat_template = read_chat_template(getattr(args, "chat_template", None))
+    kv_events_config = None
+    if getattr(args, "kv_events_config", None):
+        from qserve.engine.kv_events import parse_kv_events_config
+
+        kv_events_config = parse_kv_events_config(args.kv_events_config)
+    generation_config = getattr(args, "generation_config", "vllm")
     values = list(args.models)
     if not values and DEFAULT_MODEL is not None:
         values = [DEFAULT_MODEL()]
@@ -216,7 +341,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    pairs = parse_model_args(values)
+    pairs = apply_served_model_names(parse_model_args(values), getattr(args, "served_model_name", None))
     names = [name for name, _ in pairs]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique, got {names}; use NAME=PATH")
@@ -264,16 +389,36 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         enforce_eager=args.enforce_eager,
     )
 
-    def factory() -> AsyncEngine:
+    def kv_events(engines: dict) -> object | None:
+        if kv_events_config is None:
+            return None
+        from qserve.engine.kv_events import ZmqKVEventPublisher
+
+        device = next(iter(engines.values())).device
+        return ZmqKVEventPublisher(kv_events_config, port=args.port, medium="GPU" if device.type == "cuda" else "CPU")
+
+    def build() -> AsyncEngine:
         if tensor_parallel_size == 1:
-            return AsyncEngine(build_engines(specs, config), max_queue=args.max_queue)
+            engines = build_engines(specs, config)
+            return AsyncEngine(engines, max_queue=args.max_queue, kv_events=kv_events(engines))
         engines, hooks = build_tensor_parallel_engine(specs[0], config, tensor_parallel_size)
         try:
-            return AsyncEngine(engines, max_queue=args.max_queue, hooks=hooks)
+            return AsyncEngine(engines, max_queue=args.max_queue, hooks=hooks, kv_events=kv_events(engines))
         except BaseException:
             if hooks.shutdown is not None:
                 hooks.shutdown()  # nobody else holds the workers yet
             raise
+
+    def factory() -> AsyncEngine:
+        from qserve.server.generation_config import load_sampling_defaults
+
+        host = build()
+        for spec in specs:  # worker flags that shape the front end, per model
+            hosted = host.models[spec.name]
+            hosted.sampling_defaults = load_sampling_defaults(generation_config, spec.path)
+            if chat_template is not None:
+                hosted.engine.tokenizer.chat_template = chat_template  # the front end copies it
+        return host
 
     return factory
 
@@ -294,6 +439,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from qserve.server.app import create_app
+    from qserve.server.draining_server import DrainingServer
 
     factory = build_host_factory(args)
     api_key = resolve_api_key(args)
@@ -318,17 +464,32 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes or None,
         metrics_without_key=args.metrics_without_key,
         on_ready=on_ready,
+        log_requests=not args.disable_log_requests,
+        log_stats=not args.disable_log_stats,
     )
+    show_worker_logs(args)
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
-        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+        log_level=args.uvicorn_log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app, args.shutdown_timeout)
     print(f"qserve: serving on http://{args.host}:{args.port} (models load in the background; see /health)")
     server.run()
     if failed:
         raise ValueError(f"loading the models failed: {failed[0]}") from failed[0]  # --debug: its traceback
     return 0
+
+
+# ---------------------------------------------------------------------- shutdown drain and worker logs
+# Loggers whose INFO lines a worker prints even at the default level (as vLLM does): the per-request
+# and stats lines, and the drain's progress. An explicit --log-level decides for them too.
+WORKER_LOGGERS = ("qserve.server.request_log", "qserve.server.drain")
+
+
+def show_worker_logs(args: argparse.Namespace) -> None:
+    if getattr(args, "log_level", None) is None:
+        for name in WORKER_LOGGERS:
+            logging.getLogger(name).setLevel(logging.INFO)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import queue
 import threading
@@ -35,6 +36,7 @@ from typing import Any, Protocol
 from qserve.engine.engine import Engine, EngineConfig, PromptInput, resolve_device, resolve_dtype
 from qserve.outputs import RequestOutput
 from qserve.sampling_params import SamplingParams
+from qserve.scheduler.kv_events import KVEvent, KVEventRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,14 @@ class EngineDeadError(RuntimeError):
     """The host is shut down (or its step thread died); no new requests are taken."""
 
 
+class KVEventPublisher(Protocol):
+    """Sends KV-cache events somewhere (``qserve.engine.kv_events.ZmqKVEventPublisher``). Step thread only."""
+
+    def publish(self, events: Sequence[KVEvent], model_of_owner: Mapping[str, str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class RequestListener(Protocol):
     """Receives per-request events (the server's metrics implement it). Called on the loop thread."""
 
@@ -66,6 +76,25 @@ class RequestListener(Protocol):
     def on_tokens(self, model: str, num_tokens: int, seconds_since_last: float | None) -> None: ...
 
     def on_finished(self, model: str, output: RequestOutput, seconds: float) -> None: ...
+
+
+class Listeners:
+    """Several ``RequestListener``s behind one (e.g. metrics and the request log)."""
+
+    def __init__(self, *listeners: RequestListener) -> None:
+        self.listeners = listeners
+
+    def on_first_token(self, model: str, seconds: float, num_prompt_tokens: int) -> None:
+        for listener in self.listeners:
+            listener.on_first_token(model, seconds, num_prompt_tokens)
+
+    def on_tokens(self, model: str, num_tokens: int, seconds_since_last: float | None) -> None:
+        for listener in self.listeners:
+            listener.on_tokens(model, num_tokens, seconds_since_last)
+
+    def on_finished(self, model: str, output: RequestOutput, seconds: float) -> None:
+        for listener in self.listeners:
+            listener.on_finished(model, output, seconds)
 
 
 @dataclass(eq=False)
@@ -78,6 +107,9 @@ class _Tracked:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    # The submitter's context (e.g. the HTTP request id a log filter reads): listener calls
+    # for this request run inside it, as if the submitting task made them.
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +128,8 @@ class HostedModel:
     name: str
     engine: Engine
     max_queue: int | None = None  # refuse new requests while this many sequences wait
+    # Request fields a client did not send take these values (generation_config.json, as vLLM).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     active: set[str] = field(default_factory=set)  # unfinished request ids (step thread only)
 
     def queue_is_full(self, num_adding: int = 1) -> bool:
@@ -178,6 +212,7 @@ class AsyncEngine:
         listener: RequestListener | None = None,
         retry_after_s: int = 1,
         hooks: HostHooks | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         if not engines:
             raise ValueError("AsyncEngine needs at least one model")
@@ -198,6 +233,17 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tracked: dict[tuple[str, str], _Tracked] = {}  # loop thread only
         self.num_steps = 0
+        # KV-cache events (prefix-aware routing): one recorder per distinct page pool, drained
+        # and published by the step thread after every step.
+        self.kv_events = kv_events
+        self._kv_recorders: list[KVEventRecorder] = []
+        self._model_of_owner = {hosted.engine.owner: name for name, hosted in self.models.items()}
+        if kv_events is not None:
+            for hosted in self.models.values():
+                pool = hosted.engine.block_pool
+                if pool.kv_events is None:
+                    pool.kv_events = KVEventRecorder()
+                    self._kv_recorders.append(pool.kv_events)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -228,6 +274,8 @@ class AsyncEngine:
         if self._hooks_closed:
             return
         self._hooks_closed = True
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.hooks.shutdown is not None:
             # After the step thread: workers must not be stopped under a step that still needs them.
             self.hooks.shutdown()
@@ -353,11 +401,23 @@ class AsyncEngine:
             self._fail_model(hosted, err)
             return
         self.num_steps += 1
+        if self.kv_events is not None:
+            self._publish_kv_events()
         for output in outputs:
             if output.finished:
                 hosted.active.discard(output.request_id)
         if outputs:
             self._publish(hosted.name, outputs)
+
+    def _publish_kv_events(self) -> None:
+        assert self.kv_events is not None
+        for recorder in self._kv_recorders:
+            events = recorder.take()
+            if events:
+                try:
+                    self.kv_events.publish(events, self._model_of_owner)
+                except Exception:  # noqa: BLE001 - a router's index is best effort; keep serving
+                    logger.exception("publishing %d KV events failed", len(events))
 
     def _fail_model(self, hosted: HostedModel, err: Exception) -> None:
         request_ids = list(hosted.active)
@@ -404,7 +464,7 @@ class AsyncEngine:
             tracked = self._tracked.get((model, output.request_id))
             if tracked is None:
                 continue
-            self._observe(model, tracked, output, now)
+            tracked.context.run(self._observe, model, tracked, output, now)
             if output.finished:
                 del self._tracked[(model, output.request_id)]
             tracked.stream._put((output.request_id, output))  # noqa: SLF001
@@ -430,6 +490,8 @@ class AsyncEngine:
                 listener.on_tokens(model, new_tokens, gap)
             tracked.last_token = now
         if output.finished and listener is not None:
+            if tracked.first_token is not None:  # vLLM's RequestOutput.metrics name
+                output.metrics["first_token_latency"] = tracked.first_token - tracked.arrival
             listener.on_finished(model, output, now - tracked.arrival)
 
     # ------------------------------------------------------------------ introspection
@@ -447,8 +509,22 @@ class AsyncEngine:
                 "pool_pages_free": pool.num_free_blocks,
                 "prefix_cache_queries": kv.num_prefix_queries,
                 "prefix_cache_hits": kv.num_prefix_hits,
+                "num_preemptions": hosted.engine.num_preemptions,
             }
         return result
+
+    def cache_info(self) -> dict[str, dict[str, Any]]:
+        """Per-model KV-cache settings (vLLM's ``cache_config_info`` labels)."""
+        return {
+            name: {
+                "block_size": hosted.engine.config.block_size,
+                "num_gpu_blocks": hosted.engine.block_pool.num_blocks,
+                "cache_dtype": hosted.engine.config.kv_cache_dtype,
+                "enable_prefix_caching": hosted.engine.config.enable_prefix_caching,
+                "max_model_len": hosted.engine.max_model_len,
+            }
+            for name, hosted in self.models.items()
+        }
 
 
 # ---------------------------------------------------------------------- building engines

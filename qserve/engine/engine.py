@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,9 @@ class _Group:
     params: SamplingParams
     sequences: list[_Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Timing for metrics (time.monotonic()): queue time is first_scheduled_time - arrival_time.
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -245,6 +249,7 @@ class Engine:
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
         self._pending_outputs: dict[str, _Group] = {}  # finished out-of-step (aborts)
         self._arrival = itertools.count()
+        self.num_preemptions = 0  # sequences preempted since start (vllm:num_preemptions_total)
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model,
@@ -419,6 +424,12 @@ class Engine:
         sequences = self._sequences
         for request_id in scheduler_output.preempted_request_ids:
             sequences[request_id][1].prompt_logprobs_received = 0
+        self.num_preemptions += len(scheduler_output.preempted_request_ids)
+        now = time.monotonic()
+        for scheduled in scheduler_output.sequences:
+            group = sequences[scheduled.request_id][0]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
         for request_id in scheduler_output.capacity_finished_request_ids:
             group, sequence = sequences[request_id]
             sequence.finish_reason = RequestStatus.FINISHED_LENGTH.finish_reason
@@ -498,6 +509,8 @@ class Engine:
 
     def _make_output(self, group: _Group, finished: bool | None = None) -> RequestOutput:
         """A cumulative output of the group (copies, so later steps do not change it)."""
+        if finished is None:
+            finished = group.finished
         completions = [
             CompletionOutput(
                 index=seq.index,
@@ -516,6 +529,17 @@ class Engine:
             prompt_token_ids=group.prompt_token_ids,
             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
             outputs=completions,
-            finished=group.finished if finished is None else finished,
+            finished=finished,
             num_cached_tokens=group.sequences[0].request.num_cached_tokens,
+            metrics=self._timing(group) if finished else {},
         )
+
+    @staticmethod
+    def _timing(group: _Group) -> dict[str, float]:
+        """vLLM's ``RequestOutput.metrics`` names (monotonic seconds) for a finished request."""
+        first = group.first_scheduled_time
+        timing = {"arrival_time": group.arrival_time}
+        if first is not None:  # None: aborted while still waiting
+            timing["first_scheduled_time"] = first
+            timing["time_in_queue"] = first - group.arrival_time
+        return timing

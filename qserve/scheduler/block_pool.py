@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from qserve.scheduler.kv_events import AllBlocksCleared, BlockRemoved, KVEventRecorder
+
 DEFAULT_OWNER = "default"
 
 
@@ -50,6 +52,8 @@ class BlockPool:
         self._shares: dict[str, OwnerShare] = {}
         for owner, share in (shares or {}).items():
             self.set_share(owner, min_blocks=share.min_blocks, max_blocks=share.max_blocks)
+        # KV-cache events (prefix-aware routing): recorded only when a recorder is attached.
+        self.kv_events: KVEventRecorder | None = None
 
     # ---------------------------------------------------------------- shares / accounting
     def set_share(self, owner: str, min_blocks: int = 0, max_blocks: int | None = None) -> None:
@@ -182,9 +186,13 @@ class BlockPool:
         for block_id in self._hash_to_block.values():
             self._block_hash[block_id] = None
         self._hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.record(AllBlocksCleared(None))
 
     def _evict_hash(self, block_id: int) -> None:
         block_hash = self._block_hash[block_id]
         if block_hash is not None:
             self._block_hash[block_id] = None
             del self._hash_to_block[block_hash]
+            if self.kv_events is not None:
+                self.kv_events.record(BlockRemoved(self._owner[block_id] or DEFAULT_OWNER, [block_hash]))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from qserve.request import Request
 from qserve.scheduler.block_pool import DEFAULT_OWNER, BlockPool
+from qserve.scheduler.kv_events import BlockStored, KVEventRecorder, block_token_ids
 from qserve.scheduler.prefix_cache import (
     find_longest_cache_hit,
     max_cache_hit_blocks,
@@ -95,10 +96,42 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         hashes = update_block_hashes(request, self.block_size, self.hash_seed)
-        for i in range(num_cached, num_full):
-            # False when another block already holds this hash (computed concurrently): keep that one.
-            self.pool.cache_block(table[i], hashes[i])
+        events = self.pool.kv_events
+        if events is not None:
+            self._cache_blocks_with_events(request, table, hashes, num_cached, num_full, events)
+        else:
+            for i in range(num_cached, num_full):
+                # False when another block already holds this hash (computed concurrently): keep that one.
+                self.pool.cache_block(table[i], hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
+
+    def _cache_blocks_with_events(
+        self,
+        request: Request,
+        table: list[int],
+        hashes: list[int],
+        first: int,
+        end: int,
+        events: KVEventRecorder,
+    ) -> None:
+        """``cache_full_blocks`` recording a ``BlockStored`` per run of newly registered blocks."""
+        run_start: int | None = None
+
+        def flush(stop: int) -> None:
+            if run_start is None:
+                return
+            parent = hashes[run_start - 1] if run_start > 0 else None
+            tokens = block_token_ids(request, run_start, stop - run_start, self.block_size)
+            events.record(BlockStored(self.owner, hashes[run_start:stop], parent, tokens, self.block_size))
+
+        for i in range(first, end):
+            stored = self.pool.block_hash(table[i]) is None and self.pool.cache_block(table[i], hashes[i])
+            if stored and run_start is None:
+                run_start = i
+            elif not stored and run_start is not None:
+                flush(i)
+                run_start = None
+        flush(end)
 
     # ---------------------------------------------------------------- allocate / free
     def allocate_slots(

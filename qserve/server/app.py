@@ -1,14 +1,17 @@
 """The FastAPI app: routes, API-key check, OpenAI-shaped errors, health, metrics, lifespan.
 
 Knows: the HTTP surface (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/metrics``), how errors of every kind (pydantic validation, ``ServingError``,
-unknown routes, bugs) become OpenAI's ``{"error": {...}}`` body, how a client disconnect
+``/health``, ``/metrics``; the vLLM-compatible worker routes come from ``worker_api``), the
+middleware (``X-Request-Id``; the drain's in-flight count and 503s), how errors of every
+kind (pydantic validation, ``ServingError``, unknown routes, bugs) become OpenAI's
+``{"error": {...}}`` body, how a client disconnect
 cancels its request, and the app's lifetime (load models in the background so ``/health``
 answers 503 while loading; start and stop the ``AsyncEngine``). Must not know: how requests
 become engine inputs (``serving``), how engines are stepped (``AsyncEngine``).
 
 ``create_app(host)`` serves an ``AsyncEngine`` that already exists; ``create_app(
-host_factory=...)`` builds it in a worker thread after the server is up.
+host_factory=...)`` builds it in a worker thread after the server is up. ``drain_app`` is
+the graceful shutdown (SIGTERM).
 """
 
 from __future__ import annotations
@@ -26,12 +29,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from qserve.engine.async_engine import AsyncEngine
+from qserve.engine.async_engine import AsyncEngine, Listeners
+from qserve.server.drain import DrainMiddleware, DrainState
+from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from qserve.server.request_context import RequestIdMiddleware
 from qserve.server.request_limits import clip
+from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
 from qserve.server.serving import OpenAIServing, ServingError
+from qserve.server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +59,25 @@ _STATUS_TYPES = {
 class AppState:
     """What the routes need; filled in when the models are loaded."""
 
-    def __init__(self, api_key: str | None) -> None:
+    def __init__(self, api_key: str | None, *, log_requests: bool = True) -> None:
         self.api_key = api_key
         self.host: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
         self.load_error: str | None = None
         self.metrics = ServerMetrics(lambda: self.host)
+        self.request_log = RequestLog(log_requests=log_requests)
+        self.drain = DrainState()
 
     def attach(self, host: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
-        host.listener = self.metrics
+        host.listener = Listeners(self.metrics, self.request_log)
         host.start(loop)
         self.serving = OpenAIServing(host)
         self.host = host
+
+    def apply_sampling_defaults(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        hosted = self.host.models.get(body.model) if self.host is not None else None
+        if hosted is not None and hosted.sampling_defaults:
+            apply_sampling_defaults(body, hosted.sampling_defaults)
 
     @property
     def ready(self) -> bool:
@@ -146,13 +161,18 @@ def create_app(
     allowed_hosts: Collection[str] | None = None,
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     metrics_without_key: bool = False,
+    log_requests: bool = True,
+    log_stats: bool = True,
+    stats_interval_s: float = STATS_INTERVAL_S,
 ) -> FastAPI:
     """``allowed_hosts``: names the ``Host`` header may carry (None: any). ``max_request_bytes``:
     bodies above it get 413 before they are read (None: no limit). With ``api_key`` every route
-    but ``/health`` and ``/ping`` needs it (``/metrics`` too unless ``metrics_without_key``)."""
+    but ``/health`` and ``/ping`` needs it (``/metrics`` too unless ``metrics_without_key``).
+    ``log_requests`` / ``log_stats``: the per-request log line and the periodic stats line
+    (``qserve.server.request_log``). Shut down gracefully with ``drain_app``."""
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
-    state = AppState(api_key)
+    state = AppState(api_key, log_requests=log_requests)
 
     async def load(loop: asyncio.AbstractEventLoop) -> None:
         assert host_factory is not None
@@ -180,9 +200,14 @@ def create_app(
             state.attach(host, loop)
         else:
             loading = asyncio.create_task(load(loop))
+        stats_task = None
+        if log_stats:
+            stats_task = asyncio.create_task(StatsLogger(lambda: state.host, state.request_log, stats_interval_s).run())
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             if loading is not None and not loading.done():
                 loading.cancel()
             if state.host is not None:
@@ -206,6 +231,10 @@ def create_app(
         ),
         respond=lambda status, message, headers: error_response(status, message, headers=headers),
     )
+
+    # Outermost last: X-Request-Id is set (and echoed) even on a drain's 503.
+    app.add_middleware(DrainMiddleware, state=state.drain)
+    app.add_middleware(RequestIdMiddleware)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ServingError)
@@ -252,6 +281,8 @@ def create_app(
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health() -> Response:
+        if state.drain.draining:
+            return error_response(503, "shutting down")
         if state.ready:
             return Response(status_code=200)
         return error_response(503, state.load_error or "loading models")
@@ -274,6 +305,7 @@ def create_app(
         request: Request,
         s: OpenAIServing = Depends(serving),  # noqa: B008
     ) -> Any:
+        state.apply_sampling_defaults(body)
         return await _respond(request, s.create_completion(body))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
@@ -282,7 +314,11 @@ def create_app(
         request: Request,
         s: OpenAIServing = Depends(serving),  # noqa: B008
     ) -> Any:
+        state.apply_sampling_defaults(body)
         return await _respond(request, s.create_chat_completion(body))
+
+    # ------------------------------------------------------------------ vLLM-compatible worker routes
+    add_worker_routes(app, health=health, require_api_key=require_api_key, serving=serving)
 
     return app
 
@@ -293,6 +329,20 @@ def _bearer_matches(header: str, api_key: str | None) -> bool:
         return True
     scheme, _, token = header.partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
+
+
+async def drain_app(app: FastAPI, timeout_s: float) -> bool:
+    """Graceful shutdown of an app from ``create_app``: new requests get 503 and ``/health``
+    503 at once; in-flight requests get up to ``timeout_s`` seconds to finish; then the engine
+    is stopped, which ends every remaining stream with ``finish_reason: "abort"`` and ``[DONE]``.
+    Returns True if every request finished by itself. Call it on the app's event loop."""
+    state: AppState = app.state.qserve
+
+    async def abort_all() -> None:
+        if state.host is not None:
+            await asyncio.to_thread(state.host.shutdown)
+
+    return await state.drain.drain(timeout_s, abort_all)
 
 
 async def _respond(request: Request, work: Awaitable[Any]) -> Any:

@@ -9,6 +9,7 @@ per app: no global state. Must not know: HTTP routing, engines' internals.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -26,8 +27,38 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 
 
+REQUEST_LATENCY_BUCKETS = E2E_BUCKETS + (480.0, 960.0, 1920.0, 7680.0)
+
+# The process-wide series of a multi-model server carries this model_name (see _HostCollector).
+ALL_MODELS = ""
+
+
+def _token_buckets(max_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_len`` (vLLM's ``build_1_2_5_buckets``)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_len:
+                return tuple(buckets)
+            buckets.append(float(value))
+        scale *= 10
+
+
+# vLLM stops these at the context length; the registry exists before the models are loaded,
+# so qserve stops them at 1M tokens.
+TOKEN_BUCKETS = _token_buckets(1_000_000)
+
+
 class _HostCollector(Collector):
-    """Gauges read from the host at scrape time (queues, page pool, prefix cache)."""
+    """Gauges read from the host at scrape time (queues, page pool, prefix cache, preemptions).
+
+    Routers (the Gateway API inference extension's endpoint picker, llm-d) read the FIRST
+    series of a metric. So when the process serves several models, every gauge and info metric
+    opens with a process-wide series (``model_name=""``: all models together) followed by one
+    series per model; with one model, that model's series is the process total and the only one.
+    """
 
     def __init__(self, host: Callable[[], AsyncEngine | None]) -> None:
         self._host = host
@@ -40,6 +71,11 @@ class _HostCollector(Collector):
         usage = GaugeMetricFamily(
             "vllm:kv_cache_usage_perc", "Fraction of the shared KV page pool this model holds (1 = all).", labels=labels
         )
+        gpu_usage = GaugeMetricFamily(
+            "vllm:gpu_cache_usage_perc",
+            "Same as vllm:kv_cache_usage_perc (the older name some routers read).",
+            labels=labels,
+        )
         used = GaugeMetricFamily(
             "qserve:pool_pages_used", "KV pages of the shared pool held by the model.", labels=labels
         )
@@ -49,17 +85,79 @@ class _HostCollector(Collector):
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=labels
         )
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=labels)
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "Sequences preempted (KV dropped, recomputed later).", labels=labels
+        )
+        cache_info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV cache settings (value 1).",
+            labels=[*labels, "block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
+        )
+        lora_info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Resident models (as running_lora_adapters) and models with waiting requests; value: time of the scrape.",
+            labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        families = (running, waiting, usage, gpu_usage, used, total, free, queries, hits, preemptions)
         if host is not None:
-            for name, stats in host.stats().items():
-                running.add_metric([name], stats["num_running"])
-                waiting.add_metric([name], stats["num_waiting"])
-                usage.add_metric([name], stats["pool_pages_used"] / max(stats["pool_pages_total"], 1))
-                used.add_metric([name], stats["pool_pages_used"])
-                total.add_metric([name], stats["pool_pages_total"])
-                free.add_metric([name], stats["pool_pages_free"])
-                queries.add_metric([name], stats["prefix_cache_queries"])
-                hits.add_metric([name], stats["prefix_cache_hits"])
-        yield from (running, waiting, usage, used, total, free, queries, hits)
+            stats = host.stats()
+            infos = host.cache_info()
+            several = len(stats) > 1
+            if several:  # the process-wide series first (see the class docstring)
+                first = next(iter(stats.values()))
+                pages_used = sum(s["pool_pages_used"] for s in stats.values())
+                values = {
+                    "num_running": sum(s["num_running"] for s in stats.values()),
+                    "num_waiting": sum(s["num_waiting"] for s in stats.values()),
+                    "pool_pages_used": pages_used,
+                    "pool_pages_total": first["pool_pages_total"],
+                    "pool_pages_free": first["pool_pages_free"],
+                    "prefix_cache_queries": sum(s["prefix_cache_queries"] for s in stats.values()),
+                    "prefix_cache_hits": sum(s["prefix_cache_hits"] for s in stats.values()),
+                    "num_preemptions": sum(s["num_preemptions"] for s in stats.values()),
+                }
+                self._add(families, ALL_MODELS, values)
+            for name, values in stats.items():
+                self._add(families, name, values)
+            # Info metrics: one process-wide series (the pool and its page size are shared).
+            info = next(iter(infos.values()))
+            process_label = ALL_MODELS if several else next(iter(stats))
+            cache_info.add_metric(
+                [
+                    process_label,
+                    str(info["block_size"]),
+                    str(info["num_gpu_blocks"]),
+                    str(info["cache_dtype"]),
+                    str(info["enable_prefix_caching"]),
+                ],
+                1.0,
+            )
+            lora_info.add_metric(
+                [
+                    process_label,
+                    str(len(stats)),
+                    ",".join(stats),
+                    ",".join(name for name, values in stats.items() if values["num_waiting"] > 0),
+                ],
+                time.time(),
+            )
+        yield from families
+        yield from (cache_info, lora_info)
+
+    @staticmethod
+    def _add(families: tuple[Metric, ...], label: str, values: dict[str, int]) -> None:
+        running, waiting, usage, gpu_usage, used, total, free, queries, hits, preemptions = families
+        fraction = values["pool_pages_used"] / max(values["pool_pages_total"], 1)
+        running.add_metric([label], values["num_running"])
+        waiting.add_metric([label], values["num_waiting"])
+        usage.add_metric([label], fraction)
+        gpu_usage.add_metric([label], fraction)
+        used.add_metric([label], values["pool_pages_used"])
+        total.add_metric([label], values["pool_pages_total"])
+        free.add_metric([label], values["pool_pages_free"])
+        queries.add_metric([label], values["prefix_cache_queries"])
+        hits.add_metric([label], values["prefix_cache_hits"])
+        preemptions.add_metric([label], values["num_preemptions"])
 
 
 class ServerMetrics:
@@ -87,6 +185,35 @@ class ServerMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+        # vLLM's Grafana dashboard: per-request sizes and phases.
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            labels,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens per finished request (all its choices).",
+            labels,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time a request waited before its first step.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time between tokens (the older name of vllm:inter_token_latency_seconds).",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
         self.registry.register(_HostCollector(host))
 
     # RequestListener --------------------------------------------------------------
@@ -98,11 +225,17 @@ class ServerMetrics:
         self.generation_tokens.labels(model).inc(num_tokens)
         if seconds_since_last is not None:
             self.itl.labels(model).observe(seconds_since_last)
+            self.tpot.labels(model).observe(seconds_since_last)
 
     def on_finished(self, model: str, output: RequestOutput, seconds: float) -> None:
         reason = output.outputs[0].finish_reason if output.outputs else None
         self.request_success.labels(model, reason or "abort").inc()
         self.e2e.labels(model).observe(seconds)
+        self.request_prompt_tokens.labels(model).observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.labels(model).observe(sum(len(c.token_ids) for c in output.outputs))
+        queued = output.metrics.get("time_in_queue")
+        if queued is not None:
+            self.queue_time.labels(model).observe(queued)
 
     # -------------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -1,0 +1,1 @@
+"""Deployment recipes for running qserve replicas under other people's orchestrators."""
