@@ -27,7 +27,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # 16 MiB: far above any prompt a context can hold
-OPEN_PATHS = frozenset({"/health", "/ping"})  # liveness probes never need the key
+# Liveness probes never need the key; nor does /version, which tells only the version string and
+# is how the SGLang gateway recognises a vLLM-compatible backend before it polls its load.
+OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
 # respond(status, message, headers) -> an ASGI app that sends the error body

@@ -106,13 +106,14 @@ def add_worker_routes(
                 add_generation_prompt=body.add_generation_prompt,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
-            prompt = s._chat_prompt(model, chat)  # noqa: SLF001 - the same template path as chat
+            prompt = await s._chat_prompt(model, chat)  # noqa: SLF001 - the same template path as chat
             tokens = list(prompt.token_ids)
             if body.add_special_tokens:  # vLLM's default for messages is False: the template adds them
                 tokens = list(tokenizer.encode(prompt.text or "", add_special_tokens=True))
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            tokens = list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
+            # The same bounded, off-the-event-loop tokenization as the completion routes.
+            tokens = await s._encode(model, body.prompt, "prompt", add_special_tokens=add_special)  # noqa: SLF001
         strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=model.max_model_len, tokens=tokens, token_strs=strs)
 
