@@ -103,21 +103,35 @@ def test_unknown_model_name_is_not_echoed_unbounded(http):
 
 
 def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenizing(http, two_model_server):
-    served = two_model_server.host.models["llama"]
+    serving = two_model_server.app.state.qserve.serving
     calls = []
-    tokenizer = served.engine.tokenizer
-    start = time.monotonic()
-    error = assert_error(http.post("/v1/completions", json={"model": "llama", "prompt": "w" * 5_000_000}), 400)
-    assert error["param"] == "prompt" and "characters" in error["message"]
-    assert time.monotonic() - start < 5
-    assert not calls and tokenizer is served.engine.tokenizer
-    error = assert_error(
-        http.post(
-            "/v1/chat/completions", json={"model": "qwen", "messages": [{"role": "user", "content": "w" * 5_000_000}]}
-        ),
-        400,
-    )
-    assert error["param"] == "messages"
+
+    class Spy:
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(self.real, name)
+
+    spies = {name: serving.models[name].prompts for name in ("llama", "qwen")}
+    reals = {name: p._tokenizer for name, p in spies.items()}  # noqa: SLF001
+    for name, p in spies.items():
+        p._tokenizer = Spy(reals[name])  # noqa: SLF001
+    try:
+        start = time.monotonic()
+        error = assert_error(http.post("/v1/completions", json={"model": "llama", "prompt": "w" * 5_000_000}), 400)
+        assert error["param"] == "prompt" and "characters" in error["message"]
+        assert time.monotonic() - start < 5
+        content = {"role": "user", "content": "w" * 5_000_000}
+        error = assert_error(http.post("/v1/chat/completions", json={"model": "qwen", "messages": [content]}), 400)
+        assert error["param"] == "messages"
+        assert not calls, calls  # neither encoded nor templated
+        assert http.post("/v1/completions", json={"model": "llama", "prompt": "hi", "max_tokens": 1}).status_code == 200
+        assert "encode" in calls  # the spy sees ordinary prompts: the check above can fail
+    finally:
+        for name, p in spies.items():
+            p._tokenizer = reals[name]  # noqa: SLF001
 
 
 def test_models_list_has_no_filesystem_path(http, checkpoints):
