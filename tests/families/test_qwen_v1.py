@@ -1,0 +1,81 @@
+"""Qwen v1 (``QWenLMHeadModel``) against its oracle: a renamed Qwen2 (families.md section 8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qserve import LLM, SamplingParams
+from qserve.config import ModelConfig
+from tests.helpers.family_models import qwen2_oracle, qwen_long_oracle, qwen_v1_config, save_qwen_v1
+from tests.integration.test_hf_parity import hf_greedy, hf_prompt_logprobs
+
+PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 47))]
+
+
+def _ours(llm: LLM, prompts: list[list[int]], max_tokens: int = 6):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    result = []
+    for prompt, output in zip(prompts, outputs):
+        lps = torch.tensor([output.prompt_logprobs[i][tok].logprob for i, tok in enumerate(prompt) if i > 0])
+        result.append((lps, output.outputs[0].token_ids))
+    return result
+
+
+def test_config_translation():
+    model = qwen2_oracle()
+    cfg = ModelConfig.from_hf(qwen_v1_config(model, seq_length=16))
+    assert cfg.architecture == "QWenLMHeadModel" and cfg.family == "qwen"
+    assert cfg.intermediate_size == model.config.intermediate_size  # halved
+    assert cfg.num_kv_heads == cfg.num_heads == 4
+    assert cfg.qkv_bias and not cfg.o_bias
+    assert cfg.dynamic_ntk and cfg.logn_attn and cfg.seq_length == 16
+
+
+def test_aliases_and_default_stop_ids():
+    cfg = qwen_v1_config(qwen2_oracle(), seq_length=16)
+    for new, old in (("hidden_size", "n_embd"), ("num_attention_heads", "n_head"), ("num_hidden_layers", "n_layer")):
+        cfg[old] = cfg.pop(new)
+    cfg["ffn_hidden_size"] = cfg.pop("intermediate_size")
+    cfg["vocab_size"] = 151936
+    del cfg["eos_token_id"]
+    parsed = ModelConfig.from_hf(cfg)
+    assert parsed.hidden_size == 64 and parsed.num_layers == 2
+    assert parsed.eos_token_ids == (151643, 151645, 151644)  # <|endoftext|>, <|im_end|>, <|im_start|>
+
+
+def test_matches_oracle_within_seq_length(tmp_path):
+    model = qwen2_oracle(seed=1)
+    path = save_qwen_v1(model, tmp_path / "qwen", seq_length=64)
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    for prompt, (lps, tokens) in zip(PROMPTS, _ours(llm, PROMPTS)):
+        theirs = hf_prompt_logprobs(model, prompt)
+        assert torch.allclose(lps, theirs, atol=1e-4, rtol=0), (lps - theirs).abs().max()
+        assert tokens == hf_greedy(model, prompt, 6)
+
+
+def test_dynamic_ntk_and_logn_beyond_seq_length(tmp_path):
+    """seq_length 16: prompts of 12 (alpha 1), 20 (alpha 3) and 40 tokens (alpha 7) in one batch;
+    generation crosses seq_length for the first, and logn scales every query past position 15."""
+    seq_length = 16
+    model = qwen2_oracle(seed=2)
+    path = save_qwen_v1(model, tmp_path / "qwen-long", seq_length=seq_length)
+    llm = LLM(str(path), device="cpu", dtype="float32", enable_prefix_caching=False)
+    prompts = [list(range(30, 42)), list(range(50, 70)), [(7 * i) % 300 + 3 for i in range(40)]]
+    ours = _ours(llm, prompts, max_tokens=8)
+    for prompt, (lps, tokens) in zip(prompts, ours):
+        oracle = qwen_long_oracle(model, len(prompt), seq_length)
+        theirs = hf_prompt_logprobs(oracle, prompt)
+        assert torch.allclose(lps, theirs, atol=1e-4, rtol=0), (len(prompt), (lps - theirs).abs().max())
+        assert tokens == hf_greedy(oracle, prompt, 8)
+    # Not a tautology: plain Qwen2 (no NTK, no logn) disagrees beyond seq_length.
+    plain = hf_prompt_logprobs(model, prompts[2])
+    assert (ours[2][0] - plain).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("prompt_len,expected", [(1, 0), (16, 0), (17, 1), (32, 1), (33, 2), (64, 2), (65, 3)])
+def test_ntk_alpha_index(prompt_len, expected):
+    from qserve.layers.rotary import ntk_alpha_index
+
+    assert ntk_alpha_index(prompt_len, 16) == expected

@@ -1,0 +1,120 @@
+"""Tiny random checkpoints of the non-Llama families, built by renaming native transformers models
+(families.md section 8): each is saved in its family's own names and config, and the native model
+is the oracle.
+
+Knows: the tensor names and config fields of Qwen v1, ChatGLM2/3, Baichuan2 (remote-code formats
+that transformers does not ship) and how they correspond to Qwen2 / Glm / Llama. Must not know:
+qserve internals.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from tests.helpers.tiny_models import make_tiny_model
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def _layers(state: dict[str, torch.Tensor], num_layers: int):
+    for i in range(num_layers):
+        yield i, {k[len(f"model.layers.{i}.") :]: v for k, v in state.items() if k.startswith(f"model.layers.{i}.")}
+
+
+# ------------------------------------------------------------------------------------ Qwen v1
+def qwen2_oracle(seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """A Qwen2 model with as many KV heads as query heads: Qwen v1's math."""
+    kwargs = dict(num_key_value_heads=4, num_attention_heads=4, max_position_embeddings=128)
+    kwargs.update(overrides)
+    return make_tiny_model("Qwen2ForCausalLM", seed=seed, **kwargs)
+
+
+def qwen_v1_tensors(model: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:
+    cfg = model.config
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {
+        "transformer.wte.weight": state["model.embed_tokens.weight"],
+        "transformer.ln_f.weight": state["model.norm.weight"],
+        "lm_head.weight": state["lm_head.weight"],
+    }
+    for i, layer in _layers(state, cfg.num_hidden_layers):
+        p = f"transformer.h.{i}"
+        out[f"{p}.ln_1.weight"] = layer["input_layernorm.weight"]
+        out[f"{p}.ln_2.weight"] = layer["post_attention_layernorm.weight"]
+        out[f"{p}.attn.c_attn.weight"] = torch.cat([layer[f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        out[f"{p}.attn.c_attn.bias"] = torch.cat([layer[f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        out[f"{p}.attn.c_proj.weight"] = layer["self_attn.o_proj.weight"]
+        out[f"{p}.mlp.w2.weight"] = layer["mlp.gate_proj.weight"]  # the SiLU branch
+        out[f"{p}.mlp.w1.weight"] = layer["mlp.up_proj.weight"]
+        out[f"{p}.mlp.c_proj.weight"] = layer["mlp.down_proj.weight"]
+    return out
+
+
+def qwen_v1_config(model: transformers.PreTrainedModel, seq_length: int, **extra) -> dict:
+    cfg = model.config
+    config = {
+        "architectures": ["QWenLMHeadModel"],
+        "model_type": "qwen",
+        "auto_map": {"AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel"},
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "kv_channels": cfg.hidden_size // cfg.num_attention_heads,
+        "intermediate_size": 2 * cfg.intermediate_size,
+        "rotary_pct": 1.0,
+        "rotary_emb_base": cfg.rope_parameters["rope_theta"],
+        "seq_length": seq_length,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "layer_norm_epsilon": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "use_dynamic_ntk": True,
+        "use_logn_attn": True,
+        "no_bias": True,
+        "fp32": True,
+        "eos_token_id": cfg.eos_token_id,
+    }
+    config.update(extra)
+    return config
+
+
+def save_qwen_v1(model: transformers.PreTrainedModel, path: Path, seq_length: int = 2048) -> Path:
+    from tests.helpers.tokenizer import make_tokenizer
+
+    _save(path, qwen_v1_tensors(model), qwen_v1_config(model, seq_length))
+    make_tokenizer(str(path))
+    return path
+
+
+def qwen_long_oracle(model: transformers.PreTrainedModel, prompt_len: int, seq_length: int):
+    """Qwen v1's inference math for a sequence whose prompt has ``prompt_len`` tokens: a Qwen2
+    copy with the NTK-scaled base (alpha fixed by the prompt length) and logn query scaling."""
+    import copy
+
+    oracle = copy.deepcopy(model)
+    dim = model.config.hidden_size // model.config.num_attention_heads
+    alpha = max(2 ** math.ceil(math.log2(prompt_len / seq_length) + 1) - 1, 1)
+    base = model.config.rope_parameters["rope_theta"] * alpha ** (dim / (dim - 2))
+    rotary = oracle.model.rotary_emb
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    rotary.inv_freq = inv_freq
+    rotary.original_inv_freq = inv_freq
+
+    def logn_hook(_module, _inputs, output):  # [B, L, H * D]; positions 0..L-1 (no cache)
+        positions = torch.arange(output.shape[1], dtype=torch.float32)
+        factor = (torch.log(positions + 1) / math.log(seq_length)).clamp(min=1.0)
+        return output * factor.view(1, -1, 1)
+
+    for layer in oracle.model.layers:
+        layer.self_attn.q_proj.register_forward_hook(logn_hook)
+    return oracle
