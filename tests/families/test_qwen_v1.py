@@ -7,7 +7,13 @@ import torch
 
 from qserve import LLM, SamplingParams
 from qserve.config import ModelConfig
-from tests.helpers.family_models import qwen2_oracle, qwen_long_oracle, qwen_v1_config, save_qwen_v1
+from tests.helpers.family_models import (
+    qwen2_oracle,
+    qwen_long_oracle,
+    qwen_v1_config,
+    save_qwen_v1,
+    save_qwen_v1_gptq,
+)
 from tests.integration.test_hf_parity import hf_greedy, hf_prompt_logprobs
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 47))]
@@ -79,3 +85,26 @@ def test_ntk_alpha_index(prompt_len, expected):
     from qserve.layers.rotary import ntk_alpha_index
 
     assert ntk_alpha_index(prompt_len, 16) == expected
+
+
+def test_gptq_int4_release_layout(tmp_path):
+    """Fused c_attn quantized whole (split by the loader), zero biases on the other quantized
+    layers skipped, w2/w1 as gate/up; the oracle holds the dequantized weights."""
+    model = qwen2_oracle(seed=3)
+    path = save_qwen_v1_gptq(model, tmp_path / "qwen-int4")
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    for prompt, (lps, tokens) in zip(PROMPTS, _ours(llm, PROMPTS)):
+        theirs = hf_prompt_logprobs(model, prompt)
+        assert torch.allclose(lps, theirs, atol=1e-4, rtol=0), (lps - theirs).abs().max()
+        assert tokens == hf_greedy(model, prompt, 6)
+
+
+def test_gptq_nonzero_bias_on_unbiased_layer_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_qwen_v1_gptq(qwen2_oracle(seed=3), tmp_path / "qwen-int4-bad")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["transformer.h.0.mlp.w1.bias"] = torch.ones_like(tensors["transformer.h.0.mlp.w1.bias"])
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="non-zero bias"):
+        LLM(str(path), device="cpu", dtype="float32")

@@ -118,3 +118,53 @@ def qwen_long_oracle(model: transformers.PreTrainedModel, prompt_len: int, seq_l
     for layer in oracle.model.layers:
         layer.self_attn.q_proj.register_forward_hook(logn_hook)
     return oracle
+
+
+def save_qwen_v1_gptq(model: transformers.PreTrainedModel, path: Path, group_size: int = 32) -> Path:
+    """The Qwen v1 GPTQ Int4 release layout (auto-gptq v1, sym, desc_act false): fused c_attn
+    quantized whole with its real bias, every other quantized layer with an all-zero bias, fp16
+    scales; ``model`` is overwritten with the dequantized weights, so it stays the oracle."""
+    from tests.helpers.quant_packers import pack_gptq, rtn_quantize
+    from tests.helpers.tokenizer import make_tokenizer
+
+    tensors = qwen_v1_tensors(model)
+    cfg = model.config
+    dequant: dict[str, torch.Tensor] = {}
+    for name in list(tensors):
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or not module.startswith("transformer.h.") or ".ln_" in module:
+            continue
+        weight = tensors.pop(name)  # [N, K]
+        q = rtn_quantize(weight.t(), 4, group_size, sym=True)
+        for suffix, tensor in pack_gptq(q, v1=True).items():
+            tensors[f"{module}.{suffix}"] = tensor
+        if f"{module}.bias" not in tensors:
+            tensors[f"{module}.bias"] = torch.zeros(weight.shape[0], dtype=torch.float16)
+        dequant[module] = q.dequant.t()  # [N, K]
+    state = model.state_dict()
+    with torch.no_grad():
+        for i in range(cfg.num_hidden_layers):
+            p, h = f"transformer.h.{i}", f"model.layers.{i}"
+            q, k, v = dequant[f"{p}.attn.c_attn"].split(cfg.hidden_size)
+            for proj, w in (("q", q), ("k", k), ("v", v)):
+                state[f"{h}.self_attn.{proj}_proj.weight"].copy_(w)
+            state[f"{h}.self_attn.o_proj.weight"].copy_(dequant[f"{p}.attn.c_proj"])
+            state[f"{h}.mlp.gate_proj.weight"].copy_(dequant[f"{p}.mlp.w2"])
+            state[f"{h}.mlp.up_proj.weight"].copy_(dequant[f"{p}.mlp.w1"])
+            state[f"{h}.mlp.down_proj.weight"].copy_(dequant[f"{p}.mlp.c_proj"])
+    config = qwen_v1_config(model, seq_length=2048, fp32=False, fp16=True)
+    config["quantization_config"] = {
+        "bits": 4,
+        "group_size": group_size,
+        "damp_percent": 0.01,
+        "desc_act": False,
+        "static_groups": False,
+        "sym": True,
+        "true_sequential": True,
+        "model_name_or_path": None,
+        "model_file_base_name": "model",
+        "quant_method": "gptq",
+    }
+    _save(path, tensors, config)
+    make_tokenizer(str(path))
+    return path
