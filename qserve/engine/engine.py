@@ -128,6 +128,24 @@ def _check_kv_caches(
                 )
 
 
+def _prefix_caching(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> bool:
+    """Qwen v1's dynamic NTK rotates a prompt's keys with a base chosen from the WHOLE prompt's
+    length, so equal prefixes of prompts longer than seq_length hold different keys: block hashes
+    (token ids only) cannot tell them apart. Such models serve without prefix caching."""
+    seq_length = model_config.seq_length
+    if config.enable_prefix_caching and model_config.dynamic_ntk and seq_length and max_model_len > seq_length:
+        logger.warning(
+            "%s: prefix caching disabled: dynamic NTK (use_dynamic_ntk) changes cached keys past seq_length=%d "
+            "(max_model_len=%d); pass --max-model-len %d to keep it",
+            config.model,
+            seq_length,
+            max_model_len,
+            seq_length,
+        )
+        return False
+    return config.enable_prefix_caching
+
+
 class Engine:
     """One model's engine.
 
@@ -146,7 +164,7 @@ class Engine:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         tp: TPGroup | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
+        from qserve.tokenization import load_tokenizer
 
         if (block_pool is None) != (kv_caches is None):
             raise ValueError("Engine: block_pool and kv_caches must be given together (a shared pool) or not at all")
@@ -162,7 +180,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp=tp)
         rank_config = per_rank_config(self.model_config, 1 if tp is None else tp.size)  # this rank's heads
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)  # families without remote code
         self._token_strings = TokenStrings(self.tokenizer)  # id -> token strings, shared by all sequences
 
         max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -172,7 +190,7 @@ class Engine:
                 f"{model_config.max_position_embeddings}"
             )
         self.max_model_len = max_model_len
-        cache = CacheConfig(config.block_size, config.num_kv_blocks, config.enable_prefix_caching)
+        cache = CacheConfig(config.block_size, config.num_kv_blocks, _prefix_caching(config, model_config, max_model_len))
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,

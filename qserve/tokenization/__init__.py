@@ -1,0 +1,43 @@
+"""Tokenizer loading for every family, without remote code.
+
+Knows: which tokenizer files each family ships and which builder reads them: Qwen v1's
+``qwen.tiktoken`` (``qserve.tokenization.qwen``), ChatGLM's and Baichuan's SentencePiece
+``tokenizer.model`` when no ``tokenizer.json`` is there (``qserve.tokenization.spm``); everything
+else goes to ``transformers.AutoTokenizer``. Must not know: the engine or models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _architectures(root: Path) -> list[str]:
+    config = root / "config.json"
+    if not config.is_file():
+        return []
+    try:
+        return list(json.loads(config.read_text()).get("architectures") or [])
+    except (json.JSONDecodeError, AttributeError):
+        return []
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A ``transformers`` fast tokenizer for the checkpoint (or tokenizer) directory ``path``."""
+    root = Path(path)
+    if (root / "qwen.tiktoken").is_file():
+        from qserve.tokenization import qwen  # noqa: PLC0415
+
+        return qwen.load(root)
+    if (root / "tokenizer.model").is_file() and not (root / "tokenizer.json").is_file():
+        from qserve.tokenization import spm  # noqa: PLC0415
+
+        archs = _architectures(root)
+        if any(a.startswith("ChatGLM") for a in archs):
+            return spm.load_chatglm(root)
+        if "BaichuanForCausalLM" in archs:
+            return spm.load_baichuan(root)
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    return AutoTokenizer.from_pretrained(str(root))

