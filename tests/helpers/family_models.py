@@ -168,3 +168,67 @@ def save_qwen_v1_gptq(model: transformers.PreTrainedModel, path: Path, group_siz
     _save(path, tensors, config)
     make_tokenizer(str(path))
     return path
+
+
+# ------------------------------------------------------------------------------------ Baichuan2
+def baichuan_tensors(model: transformers.PreTrainedModel, raw_lm_head: torch.Tensor) -> dict[str, torch.Tensor]:
+    cfg = model.config
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {k: v for k, v in state.items() if not any(f".{x}_proj." in k for x in "qkv")}
+    out["lm_head.weight"] = raw_lm_head
+    for i, layer in _layers(state, cfg.num_hidden_layers):
+        out[f"model.layers.{i}.self_attn.W_pack.weight"] = torch.cat([layer[f"self_attn.{x}_proj.weight"] for x in "qkv"])
+    return out
+
+
+def save_baichuan(model: transformers.PreTrainedModel, path: Path, position_embedding: str, seed: int = 0) -> Path:
+    """Baichuan2 names and config; ``model``'s lm_head becomes the row-normalized copy of the raw
+    (stored) rows, so it stays the oracle (NormHead)."""
+    from tests.helpers.tokenizer import make_tokenizer
+
+    cfg = model.config
+    torch.manual_seed(seed)
+    raw = torch.randn_like(model.lm_head.weight) * 0.5  # rows of varied norms
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.nn.functional.normalize(raw, dim=-1))
+    config = {
+        "architectures": ["BaichuanForCausalLM"],
+        "model_type": "baichuan",
+        "auto_map": {"AutoModelForCausalLM": "modeling_baichuan.BaichuanForCausalLM"},
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "model_max_length": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eos_token_id": cfg.eos_token_id,
+        "qserve_position_embedding": position_embedding,
+        "qserve_norm_head": True,
+    }
+    _save(path, baichuan_tensors(model, raw), config)
+    make_tokenizer(str(path))
+    return path
+
+
+def alibi_bias(num_heads: int, length: int) -> torch.Tensor:
+    """[1, H, L, L] additive mask: HF Baichuan's slope * j on visible keys, -inf above the diagonal."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2 ** (-8 * (i + 1) / closest) for i in range(closest)]
+    slopes += [2 ** (-8 * (i + 1) / (2 * closest)) for i in range(2 * closest)][0::2][: num_heads - closest]
+    slopes = torch.tensor(slopes)
+    bias = slopes.view(-1, 1, 1) * torch.arange(length).view(1, 1, -1).float()  # [H, 1, L]
+    causal = torch.full((length, length), float("-inf")).triu(1)
+    return (bias + causal).unsqueeze(0)  # [1, H, L, L]
+
+
+def alibi_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
+    """Baichuan2-13B's math on a Llama: RoPE disabled by position 0 everywhere, ALiBi as the mask."""
+    length = len(token_ids)
+    mask = alibi_bias(model.config.num_attention_heads, length)
+    with torch.no_grad():
+        return model(
+            torch.tensor([token_ids]), attention_mask=mask, position_ids=torch.zeros(1, length, dtype=torch.long)
+        ).logits[0].float()  # [L, V]
