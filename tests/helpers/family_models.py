@@ -232,3 +232,95 @@ def alibi_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> t
         return model(
             torch.tensor([token_ids]), attention_mask=mask, position_ids=torch.zeros(1, length, dtype=torch.long)
         ).logits[0].float()  # [L, V]
+
+
+# ------------------------------------------------------------------------------------ GLM
+def glm_oracle(architecture: str = "GlmForCausalLM", seed: int = 0, rope_theta: float = 10000.0):
+    """A native transformers GLM (random weights, like ``make_tiny_model``)."""
+    from tests.helpers.tokenizer import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    config_cls = {"GlmForCausalLM": transformers.GlmConfig, "Glm4ForCausalLM": transformers.Glm4Config}[architecture]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": 0.5},
+    )
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 0.08)
+            elif "bias" in name:
+                param.normal_(0, 0.02)
+            else:  # norms: not all ones, so that a missing or misplaced norm shows
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def save_native(model: transformers.PreTrainedModel, path: Path) -> Path:
+    from tests.helpers.tokenizer import make_tokenizer
+
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer(str(path))
+    return path
+
+
+def save_chatglm(model: transformers.PreTrainedModel, path: Path, rope_ratio: float) -> Path:
+    """ChatGLM2/3's remote-code names and config from a GlmForCausalLM (theta = 10000 * rope_ratio)."""
+    from tests.helpers.tokenizer import make_tokenizer
+
+    cfg = model.config
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {
+        "transformer.embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
+        "transformer.encoder.final_layernorm.weight": state["model.norm.weight"],
+        "transformer.output_layer.weight": state["lm_head.weight"],
+        "transformer.rotary_pos_emb.inv_freq": torch.ones(cfg.head_dim // 4),
+    }
+    for i, layer in _layers(state, cfg.num_hidden_layers):
+        p = f"transformer.encoder.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = layer["input_layernorm.weight"]
+        out[f"{p}.post_attention_layernorm.weight"] = layer["post_attention_layernorm.weight"]
+        out[f"{p}.self_attention.query_key_value.weight"] = torch.cat([layer[f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        out[f"{p}.self_attention.query_key_value.bias"] = torch.cat([layer[f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        out[f"{p}.self_attention.dense.weight"] = layer["self_attn.o_proj.weight"]
+        out[f"{p}.mlp.dense_h_to_4h.weight"] = layer["mlp.gate_up_proj.weight"]
+        out[f"{p}.mlp.dense_4h_to_h.weight"] = layer["mlp.down_proj.weight"]
+    config = {
+        "architectures": ["ChatGLMModel"],
+        "model_type": "chatglm",
+        "auto_map": {"AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration"},
+        "num_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "ffn_hidden_size": cfg.intermediate_size,
+        "kv_channels": cfg.head_dim,
+        "num_attention_heads": cfg.num_attention_heads,
+        "multi_query_attention": True,
+        "multi_query_group_num": cfg.num_key_value_heads,
+        "padded_vocab_size": cfg.vocab_size,
+        "seq_length": cfg.max_position_embeddings,
+        "layernorm_epsilon": cfg.rms_norm_eps,
+        "rmsnorm": True,
+        "add_qkv_bias": True,
+        "add_bias_linear": False,
+        "post_layer_norm": True,
+        "apply_residual_connection_post_layernorm": False,
+        "rope_ratio": rope_ratio,
+        "eos_token_id": cfg.eos_token_id,
+        "torch_dtype": "float32",
+    }
+    _save(path, out, config)
+    make_tokenizer(str(path))
+    return path

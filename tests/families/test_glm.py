@@ -1,0 +1,48 @@
+"""ChatGLM2/3 (remote-code ``chatglm`` format) and native GLM / GLM-4-0414 against transformers'
+GlmForCausalLM / Glm4ForCausalLM (families.md section 8: ChatGLM is a renamed Glm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qserve import LLM, SamplingParams
+from qserve.config import ModelConfig
+from tests.helpers.family_models import glm_oracle, save_chatglm, save_native
+from tests.integration.test_hf_parity import hf_greedy, hf_prompt_logprobs
+
+PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 47))]
+
+
+def _check(model, path):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    for prompt, output in zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)):
+        ours = torch.tensor([output.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i > 0])
+        theirs = hf_prompt_logprobs(model, prompt)
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), (ours - theirs).abs().max()
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 6)
+
+
+def test_chatglm_matches_glm_oracle(tmp_path):
+    model = glm_oracle(seed=6, rope_theta=10000.0 * 4)
+    path = save_chatglm(model, tmp_path / "chatglm3", rope_ratio=4)
+    cfg = ModelConfig.from_path(path)
+    assert (cfg.architecture, cfg.num_kv_heads, cfg.rotary_dim, cfg.rope_interleaved) == ("ChatGLMModel", 2, 8, True)
+    assert cfg.rope.theta == 40000.0
+    _check(model, path)
+
+
+@pytest.mark.parametrize("arch", ["GlmForCausalLM", "Glm4ForCausalLM"])
+def test_native_glm_matches_transformers(tmp_path, arch):
+    model = glm_oracle(arch, seed=7)
+    path = save_native(model, tmp_path / arch)
+    assert ModelConfig.from_path(path).sandwich_norms == (arch == "Glm4ForCausalLM")
+    _check(model, path)
+
+
+def test_chatglm_unsupported_variant_is_refused():
+    cfg = {"architectures": ["ChatGLMModel"], "num_layers": 1, "hidden_size": 64, "ffn_hidden_size": 96,
+           "kv_channels": 16, "num_attention_heads": 4, "padded_vocab_size": 100, "add_bias_linear": True}
+    with pytest.raises(ValueError, match="add_bias_linear"):
+        ModelConfig.from_hf(cfg)
