@@ -96,3 +96,75 @@ def test_qwen_changed_file_is_reread(tmp_path):
     small = len(load_tokenizer(tmp_path))
     write_tiktoken(tmp_path / "qwen.tiktoken", bpe_ranks(TEXT, qwen_tok.PAT_STR, 60))
     assert len(load_tokenizer(tmp_path)) == small + 40
+
+
+# ------------------------------------------------------------------ SentencePiece: ChatGLM, Baichuan
+def _spm_dir(root, architecture, **options):
+    import sentencepiece as spm
+
+    from tests.helpers.family_tokenizers import train_sentencepiece
+
+    (root / "tokenizer.model").write_bytes(train_sentencepiece(**options))
+    (root / "config.json").write_text(json.dumps({"architectures": [architecture], "_name_or_path": "THUDM/chatglm3-6b"}))
+    return root, spm.SentencePieceProcessor(model_file=str(root / "tokenizer.model"))
+
+
+def test_chatglm3_specials_prefix_and_template(tmp_path):
+    root, sp = _spm_dir(tmp_path, "ChatGLMModel", add_dummy_prefix=False)
+    tok = load_tokenizer(root)
+    n = sp.vocab_size()
+    names = ["[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+    assert tok.convert_tokens_to_ids(names) == list(range(n, n + 9))
+    for text in SAMPLES[:4]:
+        assert tok.encode(text, add_special_tokens=False) == sp.encode(text)
+        assert tok.encode(text) == [n + 1, n + 3] + sp.encode(text)  # [gMASK] sop prefix
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello world!"},
+        {"role": "assistant", "content": "你好，世界。"},
+        {"role": "user", "content": "12345"},
+    ]
+    role_id = {"system": n + 5, "user": n + 6, "assistant": n + 7}
+    expected = [n + 1, n + 3]  # ChatGLM3's build_chat_input: role token, encode(meta + "\n"), encode(content)
+    for m in messages:
+        expected += [role_id[m["role"]]] + sp.encode("\n") + sp.encode(m["content"])
+    expected.append(n + 7)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.encode(text, add_special_tokens=False) == expected
+
+
+def test_chatglm2_round_template(tmp_path):
+    import sentencepiece as spm
+
+    from tests.helpers.family_tokenizers import train_sentencepiece
+
+    (tmp_path / "tokenizer.model").write_bytes(train_sentencepiece(add_dummy_prefix=False))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["ChatGLMModel"], "_name_or_path": "chatglm2-6b"}))
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    tok = load_tokenizer(tmp_path)
+    assert len(tok) == sp.vocab_size() + 5  # no ChatGLM3 role tokens
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]
+    prompt = "[Round 1]\n\n问：Hello\n\n答：Hi\n\n[Round 2]\n\n问：Bye\n\n答："
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    n = sp.vocab_size()
+    assert tok.encode(text, add_special_tokens=False) == [n + 1, n + 3] + sp.encode(prompt)
+
+
+def test_baichuan_template_token_by_token(tmp_path):
+    root, sp = _spm_dir(tmp_path, "BaichuanForCausalLM", user_defined_symbols=["<reserved_106>", "<reserved_107>"])
+    tok = load_tokenizer(root)
+    user, assistant = sp.piece_to_id("<reserved_106>"), sp.piece_to_id("<reserved_107>")
+    assert tok.convert_tokens_to_ids(["<reserved_106>", "<reserved_107>"]) == [user, assistant]
+    assert len(tok) == sp.vocab_size()  # the reserved tokens are the model's own pieces
+    for text in SAMPLES[:4]:
+        assert tok.encode(text) == sp.encode(text)  # no BOS
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello world!"},
+        {"role": "assistant", "content": "你好"},
+        {"role": "user", "content": "The quick brown fox"},
+    ]
+    expected = sp.encode(messages[0]["content"]) + [user] + sp.encode("Hello world!") + [assistant] + sp.encode("你好")
+    expected += [user] + sp.encode("The quick brown fox") + [assistant]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.encode(text, add_special_tokens=False) == expected

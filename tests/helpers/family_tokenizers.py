@@ -52,7 +52,7 @@ def write_tiktoken(path: Path, ranks: dict[bytes, int]) -> Path:
     return path
 
 
-def train_sentencepiece(vocab_size: int = 120, **options) -> bytes:
+def train_sentencepiece(vocab_size: int = 400, **options) -> bytes:
     """A small SentencePiece model (serialized proto) trained on ``TEXT``."""
     import sentencepiece as spm
 
@@ -64,6 +64,7 @@ def train_sentencepiece(vocab_size: int = 120, **options) -> bytes:
         model_type="bpe",
         byte_fallback=True,
         character_coverage=1.0,
+        minloglevel=2,
         **options,
     )
     return model.getvalue()

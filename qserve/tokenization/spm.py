@@ -1,0 +1,99 @@
+"""ChatGLM2/3 and Baichuan SentencePiece tokenizers (``tokenizer.model``), without remote code.
+
+Knows (families.md (b), (c)): both encode text with the SentencePiece model as is
+(transformers' ``SentencePieceBackend`` in legacy mode calls ``sp.encode`` per text segment).
+ChatGLM appends its commands after the model's pieces, in a fixed order ([MASK], [gMASK],
+[sMASK], sop, eop, then ChatGLM3's <|system|>, <|user|>, <|assistant|>, <|observation|>), starts
+every prompt with ``[gMASK]sop``, and formats chats as ChatGLM2's "[Round n]" text or ChatGLM3's
+role tokens (each role token, then ``metadata + "\\n"``, then the content; a turn's segments are
+encoded separately, which the text template reproduces because special tokens split the text);
+ChatGLM3 stops on eos, <|user|> and <|observation|>. Baichuan2's chat marks user turns with
+``<reserved_106>`` (id 195) and assistant turns with ``<reserved_107>`` (196), no BOS. Must not
+know: models or the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATGLM_COMMANDS = ["[MASK]", "[gMASK]", "[sMASK]", "sop", "eop"]
+CHATGLM3_ROLES = ["<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+
+CHATGLM3_TEMPLATE = (
+    "[gMASK]sop"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message.get('metadata', '') + '\\n' + message['content'] }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+CHATGLM2_TEMPLATE = (
+    "[gMASK]sop"
+    "{% set ns = namespace(round=0) %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{% set ns.round = ns.round + 1 %}"
+    "{{ ('\\n\\n' if ns.round > 1 else '') + '[Round ' + ns.round|string + ']\\n\\n问：' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '\\n\\n答：' + message['content'] }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\\n\\n答：' }}{% endif %}"
+)
+BAICHUAN_USER, BAICHUAN_ASSISTANT = "<reserved_106>", "<reserved_107>"
+BAICHUAN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}{{ '<reserved_106>' + message['content'] }}"
+    "{% else %}{{ '<reserved_107>' + message['content'] }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<reserved_107>' }}{% endif %}"
+)
+
+
+def _backend_class():  # noqa: ANN202 - a transformers tokenizer class
+    from transformers import SentencePieceBackend
+
+    class ChatGLMSentencePieceTokenizer(SentencePieceBackend):
+        """Prefixes ``[gMASK]sop`` when special tokens are added (ChatGLM's ``get_prefix_tokens``)."""
+
+        def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None):  # noqa: ANN001, ANN201
+            prefix = self.convert_tokens_to_ids(["[gMASK]", "sop"])
+            ids = prefix + list(token_ids_0)
+            if token_ids_1 is not None:
+                ids += list(token_ids_1) + [self.eos_token_id]
+            return ids
+
+    return ChatGLMSentencePieceTokenizer
+
+
+def load_chatglm(root: str | Path, chatglm3: bool | None = None):  # noqa: ANN201
+    """ChatGLM2 / ChatGLM3. ``chatglm3`` None: ChatGLM3 if the directory's tokenizer_config.json
+    or config.json mentions it, else ChatGLM2 (no role tokens)."""
+    root = Path(root)
+    if chatglm3 is None:
+        texts = [(root / f).read_text() for f in ("tokenizer_config.json", "config.json") if (root / f).is_file()]
+        chatglm3 = any("chatglm3" in t.lower() for t in texts)
+    commands = CHATGLM_COMMANDS + (CHATGLM3_ROLES if chatglm3 else [])
+    tokenizer = _backend_class()(
+        vocab_file=str(root / "tokenizer.model"),
+        legacy=True,
+        unk_token="<unk>",
+        eos_token="</s>",
+        pad_token="<unk>",
+        chat_template=CHATGLM3_TEMPLATE if chatglm3 else CHATGLM2_TEMPLATE,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": commands})
+    return tokenizer
+
+
+def load_baichuan(root: str | Path):  # noqa: ANN201
+    from transformers import SentencePieceBackend
+
+    tokenizer = SentencePieceBackend(
+        vocab_file=str(Path(root) / "tokenizer.model"),
+        legacy=True,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+        chat_template=BAICHUAN_TEMPLATE,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": [BAICHUAN_USER, BAICHUAN_ASSISTANT]})
+    return tokenizer
