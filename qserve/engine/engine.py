@@ -164,7 +164,7 @@ class Engine:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         tp: TPGroup | None = None,
     ) -> None:
-        from qserve.tokenization import load_tokenizer
+        from qserve.tokenization import load_tokenizer, stop_token_ids
 
         if (block_pool is None) != (kv_caches is None):
             raise ValueError("Engine: block_pool and kv_caches must be given together (a shared pool) or not at all")
@@ -257,6 +257,7 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids.update(stop_token_ids(self.tokenizer))  # family chat stops (Qwen v1, ChatGLM3)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
         self._pending_outputs: dict[str, _Group] = {}  # finished out-of-step (aborts)

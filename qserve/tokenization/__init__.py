@@ -23,6 +23,15 @@ def _architectures(root: Path) -> list[str]:
         return []
 
 
+STOP_IDS_ATTR = "qserve_stop_token_ids"
+
+
+def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Chat stop ids a family's builder declared beyond ``eos_token_id`` (Qwen v1: <|im_end|>,
+    <|im_start|>; ChatGLM3: <|user|>, <|observation|>); empty for other tokenizers."""
+    return tuple(getattr(tokenizer, STOP_IDS_ATTR, ()))
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """A ``transformers`` fast tokenizer for the checkpoint (or tokenizer) directory ``path``."""
     root = Path(path)

@@ -65,4 +65,5 @@ def load(root: str | Path):  # noqa: ANN201 - transformers.PreTrainedTokenizerFa
     num_ranks = backend.get_vocab_size(with_added_tokens=False)
     if tokenizer.convert_tokens_to_ids(ENDOFTEXT) != num_ranks:
         raise ValueError(f"{vocab_file}: ranks are not contiguous from 0; special tokens would get wrong ids")
+    tokenizer.qserve_stop_token_ids = tuple(tokenizer.convert_tokens_to_ids([IM_END, IM_START]))
     return tokenizer

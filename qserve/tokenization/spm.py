@@ -80,6 +80,8 @@ def load_chatglm(root: str | Path, chatglm3: bool | None = None):  # noqa: ANN20
         chat_template=CHATGLM3_TEMPLATE if chatglm3 else CHATGLM2_TEMPLATE,
     )
     tokenizer.add_special_tokens({"additional_special_tokens": commands})
+    if chatglm3:
+        tokenizer.qserve_stop_token_ids = tuple(tokenizer.convert_tokens_to_ids(["<|user|>", "<|observation|>"]))
     return tokenizer
 
 

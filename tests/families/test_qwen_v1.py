@@ -108,3 +108,34 @@ def test_gptq_nonzero_bias_on_unbiased_layer_is_refused(tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="non-zero bias"):
         LLM(str(path), device="cpu", dtype="float32")
+
+
+def test_served_with_its_tiktoken_tokenizer(tmp_path):
+    """A Qwen v1 directory as released: qwen.tiktoken and a remote-code tokenizer_config, no
+    tokenizer.json. The engine loads the tokenizer without remote code and stops on ChatML ends."""
+    import json
+
+    from tests.helpers.family_models import qwen_v1_tensors
+    from tests.helpers.family_tokenizers import TEXT, bpe_ranks, write_tiktoken
+    from qserve.tokenization import qwen as qwen_tok
+
+    root = tmp_path / "qwen-chat"
+    root.mkdir()
+    write_tiktoken(root / "qwen.tiktoken", bpe_ranks(TEXT, qwen_tok.PAT_STR, 40))
+    num_ranks = 256 + 40
+    model = qwen2_oracle(seed=9, vocab_size=num_ranks + len(qwen_tok.SPECIAL_TOKENS) + 10)  # padded like Qwen's
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in qwen_v1_tensors(model).items()}, str(root / "model.safetensors"))
+    config = qwen_v1_config(model, seq_length=64)
+    del config["eos_token_id"]  # as released: none in config.json
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "QWenTokenizer"}))
+    llm = LLM(str(root), device="cpu", dtype="float32")
+    tok = llm.get_tokenizer()
+    assert {num_ranks, num_ranks + 1, num_ranks + 2} <= llm.engine.eos_token_ids  # endoftext, im_start, im_end
+    text = tok.apply_chat_template([{"role": "user", "content": "Hello world"}], add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=0))[0]
+    lps = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i > 0])
+    assert torch.allclose(lps, hf_prompt_logprobs(model, prompt), atol=1e-4, rtol=0)

@@ -168,3 +168,13 @@ def test_baichuan_template_token_by_token(tmp_path):
     expected += [user] + sp.encode("The quick brown fox") + [assistant]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert tok.encode(text, add_special_tokens=False) == expected
+
+
+def test_declared_chat_stop_ids(qwen_dir, tmp_path):
+    from qserve.tokenization import stop_token_ids
+
+    tok = load_tokenizer(qwen_dir)
+    assert stop_token_ids(tok) == tuple(tok.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"]))
+    root, sp = _spm_dir(tmp_path, "ChatGLMModel", add_dummy_prefix=False)
+    n = sp.vocab_size()
+    assert stop_token_ids(load_tokenizer(root)) == (n + 6, n + 8)  # <|user|>, <|observation|>
