@@ -18,4 +18,13 @@ from loaders.renamed import CheckpointView, ModuleTarget
 from loaders.spec import CheckpointSpec, ModuleQuant, is_quantizable
 from loaders.weights import iter_weights, plan_checkpoint
 
-__all__ = ["CheckpointSpec", "CheckpointView", "ModuleQuant", "ModuleTarget", "detect", "is_quantizable", "iter_weights", "plan_checkpoint"]
+__all__ = [
+    "CheckpointSpec",
+    "CheckpointView",
+    "ModuleQuant",
+    "ModuleTarget",
+    "detect",
+    "is_quantizable",
+    "iter_weights",
+    "plan_checkpoint",
+]

@@ -105,7 +105,9 @@ class RenamedFiles:
                     source = _Source(name, dim, start, size)
                     shape = info.shape[:dim] + (size,) + info.shape[dim + 1 :]
                 if new_name in self._sources:
-                    raise ValueError(f"{info.file}: tensors {self._sources[new_name].name!r} and {name!r} both map to {new_name!r}")
+                    raise ValueError(
+                        f"{info.file}: tensors {self._sources[new_name].name!r} and {name!r} both map to {new_name!r}"
+                    )
                 self._sources[new_name] = source
                 nbytes = math.prod(shape) * DTYPE_BYTES[info.dtype]
                 self.infos[new_name] = replace(info, name=new_name, shape=tuple(shape), end=info.begin + nbytes)

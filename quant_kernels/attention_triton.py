@@ -269,7 +269,9 @@ def paged_attention_decode_kernel(
         )  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k)) * scale_s  # [BLOCK_G, BLOCK_N] fp32, log2 units
         if USE_ALIBI:  # slope * (key position - query position), the query at seq_len - 1
-            s += tl.load(alibi_ptr + heads, mask=gmask, other=0.0)[:, None] * (pos - seq_len + 1).to(tl.float32)[None, :]
+            s += (
+                tl.load(alibi_ptr + heads, mask=gmask, other=0.0)[:, None] * (pos - seq_len + 1).to(tl.float32)[None, :]
+            )
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -424,7 +426,9 @@ def paged_attention_decode_packed_kernel(
         s = tl.dot(q3, tl.trans(k3.to(q3.dtype)), s)  # [BLOCK_G, BLOCK_N]
         s = s * scale_s
         if USE_ALIBI:
-            s += tl.load(alibi_ptr + heads, mask=gmask, other=0.0)[:, None] * (pos - seq_len + 1).to(tl.float32)[None, :]
+            s += (
+                tl.load(alibi_ptr + heads, mask=gmask, other=0.0)[:, None] * (pos - seq_len + 1).to(tl.float32)[None, :]
+            )
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -583,9 +587,9 @@ def paged_attention_prefill_kernel(
         )  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k)) * scale_s  # [BLOCK_M, BLOCK_N]
         if USE_ALIBI:
-            s += tl.load(alibi_ptr + heads, mask=row_mask, other=0.0)[:, None] * (
-                pos[None, :] - q_pos[:, None]
-            ).to(tl.float32)
+            s += tl.load(alibi_ptr + heads, mask=row_mask, other=0.0)[:, None] * (pos[None, :] - q_pos[:, None]).to(
+                tl.float32
+            )
         visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
         visible = visible & ((pos[None, :] > q_pos[:, None] - sliding_window) | (sliding_window == 0))
         s = tl.where(visible, s, float("-inf"))

@@ -43,7 +43,9 @@ def pickled_weight_files(src: Path) -> list[Path]:
         p for p in src.iterdir() if p.suffix in PICKLED_SUFFIXES and p.name not in SKIP_NAMES
     )
     if not files:
-        raise ValueError(f"{src}: no pickled weights to convert (looked for {BIN_INDEX}, pytorch_model*.bin, *.bin, *.pt)")
+        raise ValueError(
+            f"{src}: no pickled weights to convert (looked for {BIN_INDEX}, pytorch_model*.bin, *.bin, *.pt)"
+        )
     return files
 
 

@@ -190,7 +190,9 @@ class Engine:
                 f"{model_config.max_position_embeddings}"
             )
         self.max_model_len = max_model_len
-        cache = CacheConfig(config.block_size, config.num_kv_blocks, _prefix_caching(config, model_config, max_model_len))
+        cache = CacheConfig(
+            config.block_size, config.num_kv_blocks, _prefix_caching(config, model_config, max_model_len)
+        )
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,

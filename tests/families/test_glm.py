@@ -42,7 +42,15 @@ def test_native_glm_matches_transformers(tmp_path, arch):
 
 
 def test_chatglm_unsupported_variant_is_refused():
-    cfg = {"architectures": ["ChatGLMModel"], "num_layers": 1, "hidden_size": 64, "ffn_hidden_size": 96,
-           "kv_channels": 16, "num_attention_heads": 4, "padded_vocab_size": 100, "add_bias_linear": True}
+    cfg = {
+        "architectures": ["ChatGLMModel"],
+        "num_layers": 1,
+        "hidden_size": 64,
+        "ffn_hidden_size": 96,
+        "kv_channels": 16,
+        "num_attention_heads": 4,
+        "padded_vocab_size": 100,
+        "add_bias_linear": True,
+    }
     with pytest.raises(ValueError, match="add_bias_linear"):
         ModelConfig.from_hf(cfg)

@@ -115,9 +115,9 @@ def test_served_with_its_tiktoken_tokenizer(tmp_path):
     tokenizer.json. The engine loads the tokenizer without remote code and stops on ChatML ends."""
     import json
 
+    from qserve.tokenization import qwen as qwen_tok
     from tests.helpers.family_models import qwen_v1_tensors
     from tests.helpers.family_tokenizers import TEXT, bpe_ranks, write_tiktoken
-    from qserve.tokenization import qwen as qwen_tok
 
     root = tmp_path / "qwen-chat"
     root.mkdir()
@@ -134,8 +134,12 @@ def test_served_with_its_tiktoken_tokenizer(tmp_path):
     llm = LLM(str(root), device="cpu", dtype="float32")
     tok = llm.get_tokenizer()
     assert {num_ranks, num_ranks + 1, num_ranks + 2} <= llm.engine.eos_token_ids  # endoftext, im_start, im_end
-    text = tok.apply_chat_template([{"role": "user", "content": "Hello world"}], add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hello world"}], add_generation_prompt=True, tokenize=False
+    )
     prompt = tok.encode(text, add_special_tokens=False)
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=0))[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=0))[
+        0
+    ]
     lps = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i > 0])
     assert torch.allclose(lps, hf_prompt_logprobs(model, prompt), atol=1e-4, rtol=0)

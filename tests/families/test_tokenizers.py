@@ -29,7 +29,12 @@ def qwen_dir(tmp_path_factory):
     write_tiktoken(root / "qwen.tiktoken", bpe_ranks(TEXT, qwen_tok.PAT_STR, 150))
     (root / "config.json").write_text(json.dumps({"architectures": ["QWenLMHeadModel"]}))
     (root / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "QWenTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", None]}})
+        json.dumps(
+            {
+                "tokenizer_class": "QWenTokenizer",
+                "auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", None]},
+            }
+        )
     )
     return root
 
@@ -105,7 +110,9 @@ def _spm_dir(root, architecture, **options):
     from tests.helpers.family_tokenizers import train_sentencepiece
 
     (root / "tokenizer.model").write_bytes(train_sentencepiece(**options))
-    (root / "config.json").write_text(json.dumps({"architectures": [architecture], "_name_or_path": "THUDM/chatglm3-6b"}))
+    (root / "config.json").write_text(
+        json.dumps({"architectures": [architecture], "_name_or_path": "THUDM/chatglm3-6b"})
+    )
     return root, spm.SentencePieceProcessor(model_file=str(root / "tokenizer.model"))
 
 
@@ -139,11 +146,17 @@ def test_chatglm2_round_template(tmp_path):
     from tests.helpers.family_tokenizers import train_sentencepiece
 
     (tmp_path / "tokenizer.model").write_bytes(train_sentencepiece(add_dummy_prefix=False))
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["ChatGLMModel"], "_name_or_path": "chatglm2-6b"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["ChatGLMModel"], "_name_or_path": "chatglm2-6b"})
+    )
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     tok = load_tokenizer(tmp_path)
     assert len(tok) == sp.vocab_size() + 5  # no ChatGLM3 role tokens
-    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]
+    messages = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi"},
+        {"role": "user", "content": "Bye"},
+    ]
     prompt = "[Round 1]\n\n问：Hello\n\n答：Hi\n\n[Round 2]\n\n问：Bye\n\n答："
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     n = sp.vocab_size()

@@ -177,7 +177,9 @@ def baichuan_tensors(model: transformers.PreTrainedModel, raw_lm_head: torch.Ten
     out = {k: v for k, v in state.items() if not any(f".{x}_proj." in k for x in "qkv")}
     out["lm_head.weight"] = raw_lm_head
     for i, layer in _layers(state, cfg.num_hidden_layers):
-        out[f"model.layers.{i}.self_attn.W_pack.weight"] = torch.cat([layer[f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        out[f"model.layers.{i}.self_attn.W_pack.weight"] = torch.cat(
+            [layer[f"self_attn.{x}_proj.weight"] for x in "qkv"]
+        )
     return out
 
 
@@ -229,9 +231,11 @@ def alibi_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> t
     length = len(token_ids)
     mask = alibi_bias(model.config.num_attention_heads, length)
     with torch.no_grad():
-        return model(
-            torch.tensor([token_ids]), attention_mask=mask, position_ids=torch.zeros(1, length, dtype=torch.long)
-        ).logits[0].float()  # [L, V]
+        return (
+            model(torch.tensor([token_ids]), attention_mask=mask, position_ids=torch.zeros(1, length, dtype=torch.long))
+            .logits[0]
+            .float()
+        )  # [L, V]
 
 
 # ------------------------------------------------------------------------------------ GLM
@@ -293,7 +297,9 @@ def save_chatglm(model: transformers.PreTrainedModel, path: Path, rope_ratio: fl
         p = f"transformer.encoder.layers.{i}"
         out[f"{p}.input_layernorm.weight"] = layer["input_layernorm.weight"]
         out[f"{p}.post_attention_layernorm.weight"] = layer["post_attention_layernorm.weight"]
-        out[f"{p}.self_attention.query_key_value.weight"] = torch.cat([layer[f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        out[f"{p}.self_attention.query_key_value.weight"] = torch.cat(
+            [layer[f"self_attn.{x}_proj.weight"] for x in "qkv"]
+        )
         out[f"{p}.self_attention.query_key_value.bias"] = torch.cat([layer[f"self_attn.{x}_proj.bias"] for x in "qkv"])
         out[f"{p}.self_attention.dense.weight"] = layer["self_attn.o_proj.weight"]
         out[f"{p}.mlp.dense_h_to_4h.weight"] = layer["mlp.gate_up_proj.weight"]

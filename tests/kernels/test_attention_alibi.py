@@ -74,7 +74,15 @@ def test_reference_alibi_is_relative_distance():
     reference_kv_quant.store_kv(b.key, b.value, b.key_cache, b.value_cache, b.slot_mapping, None, None)
     slopes = alibi_slopes(5)
     out = reference_kv_quant.paged_attention(
-        b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 7, 7, 0.125,
+        b.query,
+        b.key_cache,
+        b.value_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.query_start_loc,
+        7,
+        7,
+        0.125,
         alibi_slopes=slopes,
     )
     keys, values = b.key, b.value  # [7, 5, 64]: the whole sequence is this step's tokens
@@ -89,4 +97,6 @@ def test_reference_alibi_is_relative_distance():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cache", ["auto", "fp8", "int8"])
 def test_alibi_kernels_real_size(cache):
-    _run(Case((1,) * 8 + (300, 77), (700,) * 8 + (300, 900), num_heads=40, num_kv_heads=40, head_dim=128, cache=cache), 1)
+    _run(
+        Case((1,) * 8 + (300, 77), (700,) * 8 + (300, 900), num_heads=40, num_kv_heads=40, head_dim=128, cache=cache), 1
+    )

@@ -47,7 +47,10 @@ def module_map(prefix: str, cfg: dict[str, Any]) -> list[ModuleTarget] | None:
     if match is None:
         return None
     size = cfg["intermediate_size"]
-    return [ModuleTarget(f"{match.group(1)}.gate_proj", (0, size)), ModuleTarget(f"{match.group(1)}.up_proj", (size, size))]
+    return [
+        ModuleTarget(f"{match.group(1)}.gate_proj", (0, size)),
+        ModuleTarget(f"{match.group(1)}.up_proj", (size, size)),
+    ]
 
 
 GLM_ADAPTER = FamilyAdapter(
