@@ -22,3 +22,12 @@ def test_readme_lists_every_architecture():
 def test_unknown_architecture_is_refused_naming_the_supported_ones():
     with pytest.raises(ValueError, match="FooForCausalLM.*QWenLMHeadModel.*BaichuanForCausalLM"):
         ModelConfig.from_hf({"architectures": ["FooForCausalLM"], "hidden_size": 8})
+
+
+def test_quantize_refuses_other_families(tmp_path):
+    from qserve.quantize.pipeline import _check_source
+    from tests.helpers.family_models import qwen2_oracle, save_qwen_v1
+
+    path = save_qwen_v1(qwen2_oracle(), tmp_path / "qwen")
+    with pytest.raises(ValueError, match="QWenLMHeadModel"):
+        _check_source(path)
