@@ -5,8 +5,7 @@ Knows (families.md (b), (c)): both encode text with the SentencePiece model as i
 ChatGLM appends its commands after the model's pieces, in a fixed order ([MASK], [gMASK],
 [sMASK], sop, eop, then ChatGLM3's <|system|>, <|user|>, <|assistant|>, <|observation|>), starts
 every prompt with ``[gMASK]sop``, and formats chats as ChatGLM2's "[Round n]" text or ChatGLM3's
-role tokens (each role token, then ``metadata + "\\n"``, then the content; a turn's segments are
-encoded separately, which the text template reproduces because special tokens split the text);
+role tokens (each role token, then ``metadata + "\\n"`` and the content, encoded separately);
 ChatGLM3 stops on eos, <|user|> and <|observation|>. Baichuan2's chat marks user turns with
 ``<reserved_106>`` (id 195) and assistant turns with ``<reserved_107>`` (196), no BOS. Must not
 know: models or the engine.
@@ -51,7 +50,27 @@ def _backend_class():  # noqa: ANN202 - a transformers tokenizer class
     from transformers import SentencePieceBackend
 
     class ChatGLMSentencePieceTokenizer(SentencePieceBackend):
-        """Prefixes ``[gMASK]sop`` when special tokens are added (ChatGLM's ``get_prefix_tokens``)."""
+        """Prefixes ``[gMASK]sop`` when special tokens are added (ChatGLM's ``get_prefix_tokens``),
+        and encodes the text after a ChatGLM3 role token as ChatGLM3 does: ``metadata + "\n"``
+        and the content as two separate SentencePiece calls (with a dummy prefix they differ from
+        one call over both)."""
+
+        def tokenize(self, text, **kwargs):  # noqa: ANN001, ANN201
+            segments = self.tokens_trie.split(text)
+            if not any(seg in CHATGLM3_ROLES for seg in segments):
+                return super().tokenize(text, **kwargs)
+            tokens: list[str] = []
+            previous = None
+            for seg in segments:
+                if previous in CHATGLM3_ROLES and seg not in self.all_special_tokens and "\n" in seg:
+                    head, _, rest = seg.partition("\n")
+                    tokens += super().tokenize(head + "\n", **kwargs)
+                    if rest:
+                        tokens += super().tokenize(rest, **kwargs)
+                elif seg:
+                    tokens += super().tokenize(seg, **kwargs)
+                previous = seg
+            return tokens
 
         def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None):  # noqa: ANN001, ANN201
             prefix = self.convert_tokens_to_ids(["[gMASK]", "sop"])

@@ -117,9 +117,11 @@ def _spm_dir(root, architecture, **options):
 
 
 def test_chatglm3_specials_prefix_and_template(tmp_path):
-    root, sp = _spm_dir(tmp_path, "ChatGLMModel", add_dummy_prefix=False)
+    # A dummy prefix (SentencePiece's default): encode("\n") + encode(content) != encode("\n" + content)
+    root, sp = _spm_dir(tmp_path, "ChatGLMModel", remove_extra_whitespaces=False)
     tok = load_tokenizer(root)
     n = sp.vocab_size()
+    assert sp.encode("\n") + sp.encode("Hello world!") != sp.encode("\nHello world!")
     names = ["[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
     assert tok.convert_tokens_to_ids(names) == list(range(n, n + 9))
     for text in SAMPLES[:4]:
