@@ -67,6 +67,7 @@ def test_alibi_slopes_match_baichuan(num_heads):
     assert torch.allclose(alibi_slopes(num_heads), expected)
 
 
+@pytest.mark.slow
 def test_rope_variant_with_norm_head(tmp_path):
     model = _llama(4, seed=4)
     path = save_baichuan(model, tmp_path / "baichuan-7b", "rope")
@@ -77,6 +78,7 @@ def test_rope_variant_with_norm_head(tmp_path):
 
 
 @pytest.mark.parametrize("num_heads", [4, 5])  # 5: the non-power-of-two slope branch
+@pytest.mark.slow
 def test_alibi_variant_matches_oracle(tmp_path, num_heads):
     model = _llama(num_heads, seed=5)
     path = save_baichuan(model, tmp_path / "baichuan-13b", "alibi")

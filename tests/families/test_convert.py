@@ -33,6 +33,7 @@ def _to_bin(src, dst, shards: int = 2):
     return tensors
 
 
+@pytest.mark.slow
 def test_bin_only_refused_then_converted(tmp_path):
     model = glm_oracle(seed=8, rope_theta=10000.0)
     src = save_chatglm(model, tmp_path / "st", rope_ratio=1)

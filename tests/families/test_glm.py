@@ -33,6 +33,7 @@ def test_chatglm_matches_glm_oracle(tmp_path):
     _check(model, path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["GlmForCausalLM", "Glm4ForCausalLM"])
 def test_native_glm_matches_transformers(tmp_path, arch):
     model = glm_oracle(arch, seed=7)

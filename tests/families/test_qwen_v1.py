@@ -61,6 +61,7 @@ def test_matches_oracle_within_seq_length(tmp_path):
         assert tokens == hf_greedy(model, prompt, 6)
 
 
+@pytest.mark.slow
 def test_dynamic_ntk_and_logn_beyond_seq_length(tmp_path):
     """seq_length 16: prompts of 12 (alpha 1), 20 (alpha 3) and 40 tokens (alpha 7) in one batch;
     generation crosses seq_length for the first, and logn scales every query past position 15."""
@@ -110,6 +111,7 @@ def test_gptq_nonzero_bias_on_unbiased_layer_is_refused(tmp_path):
         LLM(str(path), device="cpu", dtype="float32")
 
 
+@pytest.mark.slow
 def test_served_with_its_tiktoken_tokenizer(tmp_path):
     """A Qwen v1 directory as released: qwen.tiktoken and a remote-code tokenizer_config, no
     tokenizer.json. The engine loads the tokenizer without remote code and stops on ChatML ends."""

@@ -59,6 +59,7 @@ def _run(case: Case, seed: int) -> None:
     assert_matches(out, ref, case.dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"q{c.query_lens}-s{c.seq_lens}-h{c.num_heads}-{c.cache}")
 def test_alibi_kernels_match_reference(case):
     if DEVICE == "cpu" and case.cache == "fp8" and not hasattr(torch, "float8_e4m3fn"):
