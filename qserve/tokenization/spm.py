@@ -46,12 +46,41 @@ BAICHUAN_TEMPLATE = (
 )
 
 
-def _backend_class():  # noqa: ANN202 - a transformers tokenizer class
+def _classes():  # noqa: ANN202 - (SentencePiece tokenizer class, ChatGLM tokenizer class)
     from transformers import SentencePieceBackend
 
-    class ChatGLMSentencePieceTokenizer(SentencePieceBackend):
+    class SentencePieceTokenizer(SentencePieceBackend):
+        """Decodes runs of pieces with SentencePiece itself (byte-fallback pieces become their
+        bytes, the dummy-prefix space is dropped only at the start), special tokens verbatim,
+        as ``sp.decode`` would; the base class only joins piece strings and strips spaces."""
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            special = set(self.all_special_tokens) | set(self.added_tokens_encoder)
+            parts: list[str] = []
+            run: list[str] = []
+            for token in tokens:
+                if token in special:
+                    if run:
+                        parts.append(self._decode_run(run, first=not parts))
+                        run = []
+                    parts.append(token)
+                else:
+                    run.append(token)
+            if run:
+                parts.append(self._decode_run(run, first=not parts))
+            return "".join(parts)
+
+        def _decode_run(self, pieces: list[str], first: bool) -> str:
+            if first:
+                return self.sp_model.decode_pieces(pieces)
+            # SentencePiece drops a leading space only at the start of a text: decode after an
+            # anchor so that a run following a special token keeps its space, as sp.decode does.
+            anchor = self.sp_model.encode("a", out_type=str)
+            return self.sp_model.decode_pieces(anchor + pieces)[len(self.sp_model.decode_pieces(anchor)) :]
+
+    class ChatGLMSentencePieceTokenizer(SentencePieceTokenizer):
         """Prefixes ``[gMASK]sop`` when special tokens are added (ChatGLM's ``get_prefix_tokens``),
-        and encodes the text after a ChatGLM3 role token as ChatGLM3 does: ``metadata + "\n"``
+        and encodes the text after a ChatGLM3 role token as ChatGLM3 does: ``metadata + "\\n"``
         and the content as two separate SentencePiece calls (with a dummy prefix they differ from
         one call over both)."""
 
@@ -79,7 +108,7 @@ def _backend_class():  # noqa: ANN202 - a transformers tokenizer class
                 ids += list(token_ids_1) + [self.eos_token_id]
             return ids
 
-    return ChatGLMSentencePieceTokenizer
+    return SentencePieceTokenizer, ChatGLMSentencePieceTokenizer
 
 
 def load_chatglm(root: str | Path, chatglm3: bool | None = None):  # noqa: ANN201
@@ -90,7 +119,7 @@ def load_chatglm(root: str | Path, chatglm3: bool | None = None):  # noqa: ANN20
         texts = [(root / f).read_text() for f in ("tokenizer_config.json", "config.json") if (root / f).is_file()]
         chatglm3 = any("chatglm3" in t.lower() for t in texts)
     commands = CHATGLM_COMMANDS + (CHATGLM3_ROLES if chatglm3 else [])
-    tokenizer = _backend_class()(
+    tokenizer = _classes()[1](
         vocab_file=str(root / "tokenizer.model"),
         legacy=True,
         unk_token="<unk>",
@@ -105,9 +134,7 @@ def load_chatglm(root: str | Path, chatglm3: bool | None = None):  # noqa: ANN20
 
 
 def load_baichuan(root: str | Path):  # noqa: ANN201
-    from transformers import SentencePieceBackend
-
-    tokenizer = SentencePieceBackend(
+    tokenizer = _classes()[0](
         vocab_file=str(Path(root) / "tokenizer.model"),
         legacy=True,
         unk_token="<unk>",

@@ -55,3 +55,28 @@ def test_chatglm_unsupported_variant_is_refused():
     }
     with pytest.raises(ValueError, match="add_bias_linear"):
         ModelConfig.from_hf(cfg)
+
+
+def test_chatglm3_served_with_its_sentencepiece_tokenizer(tmp_path):
+    """As released: tokenizer.model only (no tokenizer.json). Text prompts get ChatGLM's
+    [gMASK]sop prefix and streamed text equals SentencePiece's decoding of the tokens."""
+    import json
+
+    import sentencepiece as spm
+
+    from tests.helpers.family_tokenizers import train_sentencepiece
+
+    path = save_chatglm(glm_oracle(seed=3), tmp_path / "chatglm3", rope_ratio=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    (path / "tokenizer.model").write_bytes(train_sentencepiece(330))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "_name_or_path": "THUDM/chatglm3-6b"}))
+    sp = spm.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    out = llm.generate(["Hello world"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == [330 + 1, 330 + 3] + sp.encode("Hello world")
+    generated = [t for t in out.outputs[0].token_ids if t < 330]
+    assert generated == out.outputs[0].token_ids  # the tiny model stays inside the SentencePiece vocabulary
+    text = out.outputs[0].text  # the detokenizer holds back a trailing incomplete UTF-8 character
+    assert text and sp.decode(generated).startswith(text) and "<0x" not in text

@@ -193,3 +193,15 @@ def test_declared_chat_stop_ids(qwen_dir, tmp_path):
     root, sp = _spm_dir(tmp_path, "ChatGLMModel", add_dummy_prefix=False)
     n = sp.vocab_size()
     assert stop_token_ids(load_tokenizer(root)) == (n + 6, n + 8)  # <|user|>, <|observation|>
+
+
+def test_sentencepiece_decoding_matches_sentencepiece(tmp_path):
+    """Byte-fallback pieces decode to their bytes and specials stay verbatim (the base class
+    would print ``<0xE4>`` and strip spaces)."""
+    root, sp = _spm_dir(tmp_path, "BaichuanForCausalLM", user_defined_symbols=["<reserved_106>", "<reserved_107>"])
+    tok = load_tokenizer(root)
+    for text in ["Hello world!", "模型 生成 🙂 emoji", "  two  spaces"]:
+        ids = sp.encode(text)
+        assert tok.decode(ids) == sp.decode(ids), text
+    ids = sp.encode("Hello") + [sp.piece_to_id("<reserved_107>")] + sp.encode("world")
+    assert tok.decode(ids) == sp.decode(ids) == "Hello<reserved_107> world"
