@@ -43,6 +43,8 @@ def load_tokenizer(path: str | Path) -> Any:
         from qserve.tokenization import spm  # noqa: PLC0415
 
         archs = _architectures(root)
+        if any(a.startswith("ChatGLM") or a == "BaichuanForCausalLM" for a in archs):
+            spm.check_model_file(root / "tokenizer.model")
         if any(a.startswith("ChatGLM") for a in archs):
             return spm.load_chatglm(root)
         if "BaichuanForCausalLM" in archs:

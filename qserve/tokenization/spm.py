@@ -46,6 +46,20 @@ BAICHUAN_TEMPLATE = (
 )
 
 
+def check_model_file(path: Path) -> None:
+    """Refuse a ``tokenizer.model`` that SentencePiece cannot read, e.g. GLM-4's remote-code
+    release, whose file of that name holds tiktoken ranks."""
+    import sentencepiece as spm
+
+    try:
+        spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError) as err:
+        raise ValueError(
+            f"{path}: not a SentencePiece model ({err}); for GLM-4 use its -hf release, which ships a "
+            "tokenizer.json (or LLM(..., tokenizer=DIR) with one)"
+        ) from None
+
+
 def _classes():  # noqa: ANN202 - (SentencePiece tokenizer class, ChatGLM tokenizer class)
     from transformers import SentencePieceBackend
 

@@ -205,3 +205,10 @@ def test_sentencepiece_decoding_matches_sentencepiece(tmp_path):
         assert tok.decode(ids) == sp.decode(ids), text
     ids = sp.encode("Hello") + [sp.piece_to_id("<reserved_107>")] + sp.encode("world")
     assert tok.decode(ids) == sp.decode(ids) == "Hello<reserved_107> world"
+
+
+def test_non_sentencepiece_tokenizer_model_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["ChatGLMModel"]}))
+    write_tiktoken(tmp_path / "tokenizer.model", bpe_ranks(TEXT, qwen_tok.PAT_STR, 5))  # GLM-4's remote format
+    with pytest.raises(ValueError, match="tokenizer.model: not a SentencePiece model"):
+        load_tokenizer(tmp_path)
