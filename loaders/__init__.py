@@ -14,7 +14,17 @@ Public API::
 from __future__ import annotations
 
 from loaders.detect import detect
+from loaders.renamed import CheckpointView, ModuleTarget
 from loaders.spec import CheckpointSpec, ModuleQuant, is_quantizable
 from loaders.weights import iter_weights, plan_checkpoint
 
-__all__ = ["CheckpointSpec", "ModuleQuant", "detect", "is_quantizable", "iter_weights", "plan_checkpoint"]
+__all__ = [
+    "CheckpointSpec",
+    "CheckpointView",
+    "ModuleQuant",
+    "ModuleTarget",
+    "detect",
+    "is_quantizable",
+    "iter_weights",
+    "plan_checkpoint",
+]

@@ -16,6 +16,7 @@ from typing import Any
 
 from loaders.detect import detect
 from loaders.packing import perm_from_g_idx
+from loaders.renamed import CheckpointView
 from loaders.safetensors_io import DTYPE_BYTES
 from loaders.spec import CheckpointSpec
 from loaders.weights import plan_checkpoint, read_config
@@ -54,10 +55,10 @@ def _layer_kn(method: str, shape: tuple[int, ...], bits: int) -> tuple[int, int]
     return shape[0] * pack_factor(bits), shape[1]
 
 
-def inventory(path: str | Path, spec: CheckpointSpec | None = None) -> Inventory:
+def inventory(path: str | Path, spec: CheckpointSpec | None = None, view: CheckpointView | None = None) -> Inventory:
     spec = spec or detect(path)
-    config = read_config(path)
-    plan = plan_checkpoint(path, spec)
+    config = view.config if view is not None else read_config(path)
+    plan = plan_checkpoint(path, spec, view)
     files = plan.files
     model_dtype = str(spec.model_dtype or "float16")
     dense_elem = _DTYPE_BYTES.get(model_dtype, 2)

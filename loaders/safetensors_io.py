@@ -188,7 +188,8 @@ class CheckpointFiles:
             if pickled:
                 raise ValueError(
                     f"{self.root}: only pickled weights found ({', '.join(pickled)}); qserve never unpickles "
-                    "checkpoints. Supported: safetensors (model.safetensors or a model.safetensors.index.json)."
+                    "checkpoints. Supported: safetensors (model.safetensors or a model.safetensors.index.json); "
+                    f"convert them once with `qserve convert {self.root} OUT` (torch.load weights_only=True)."
                 )
             raise ValueError(f"{self.root}: no safetensors weights found (expected {SINGLE_FILE} or {INDEX_FILE})")
         infos = {}

@@ -22,6 +22,7 @@ import torch
 
 from loaders import awq, compressed_tensors, gptq
 from loaders.detect import detect
+from loaders.renamed import CheckpointView, RenamedFiles
 from loaders.safetensors_io import CheckpointFiles
 from loaders.spec import CheckpointSpec, is_quantizable
 from quant_kernels.layout import PackedQuantWeight
@@ -66,18 +67,26 @@ def expected_linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]
 class CheckpointPlan:
     """Which modules of a checkpoint are quantized, and which tensors each one consumes."""
 
-    files: CheckpointFiles
+    files: CheckpointFiles | RenamedFiles
     spec: CheckpointSpec
     quantized: dict[str, str]  # module prefix -> name of its main tensor (qweight / weight_packed)
     consumed: frozenset[str]  # tensor names read by quantized converters (not yielded as-is)
     expected: dict[str, tuple[int, int]]  # HF Linear name -> (K, N) implied by config.json
 
 
-def plan_checkpoint(path: str | Path, spec: CheckpointSpec | None = None) -> CheckpointPlan:
-    """Open the checkpoint (headers only) and cross-check its tensors with the spec and config."""
+def plan_checkpoint(
+    path: str | Path, spec: CheckpointSpec | None = None, view: CheckpointView | None = None
+) -> CheckpointPlan:
+    """Open the checkpoint (headers only) and cross-check its tensors with the spec and config.
+
+    ``view`` (from ``qserve.model.registry.checkpoint_view``) presents another family's tensors
+    under the decoder's Llama names, and its translated config gives the expected shapes.
+    """
     spec = spec or detect(path)
-    files = CheckpointFiles(path)
-    expected = expected_linear_shapes(read_config(path))
+    files: CheckpointFiles | RenamedFiles = CheckpointFiles(path)
+    if view is not None:
+        files = RenamedFiles(files, view, spec.method, spec.bits)
+    expected = expected_linear_shapes(view.config if view is not None else read_config(path))
     names = set(files.names())
     stored_quantized = {n.rsplit(".", 1)[0]: n for n in names if n.endswith(_ALL_MAIN_SUFFIXES)}
     quantized: dict[str, str] = {}
@@ -193,10 +202,10 @@ def _check_headers(
 
 
 def iter_weights(
-    path: str | Path, spec: CheckpointSpec | None = None
+    path: str | Path, spec: CheckpointSpec | None = None, view: CheckpointView | None = None
 ) -> Iterator[tuple[str, torch.Tensor | PackedQuantWeight]]:
     """Stream every weight of the checkpoint in on-disk order (see the module docstring)."""
-    plan = plan_checkpoint(path, spec)
+    plan = plan_checkpoint(path, spec, view)
     files, spec = plan.files, plan.spec
     main_to_module = {main: module for module, main in plan.quantized.items()}
     order = sorted(files.names(), key=lambda n: (str(files.infos[n].file), files.infos[n].begin))

@@ -23,6 +23,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("qserve.commands.quantize", "quantize an fp16 checkpoint to a standard GPTQ or AWQ checkpoint"),
     "eval-ppl": ("qserve.commands.eval_ppl", "sliding-window perplexity of a text under a model"),
     "recipe": ("qserve.commands.recipe", "run a quantize-then-serve recipe (or --dry-run / --list)"),
+    # model families (issue 15): ChatGLM / Baichuan ship pickled .bin weights only
+    "convert": ("qserve.commands.convert", "rewrite a checkpoint's .bin weights as safetensors (weights_only load)"),
 }
 
 

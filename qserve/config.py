@@ -2,14 +2,17 @@
 scheduler, and the engine that ties them together.
 
 Knows: how to read and validate HF Llama-family configs (both the classic ``rope_theta`` /
-``rope_scaling`` keys and transformers v5's ``rope_parameters``). Must not know: weights,
-tensors on devices, or the engine's moving parts.
+``rope_scaling`` keys and transformers v5's ``rope_parameters``); other families' configs are
+first translated into that shape by their adapter (``qserve.model.registry``), which also
+declares their behaviours (partial / interleaved rotary, ALiBi, normalized lm_head, dynamic
+NTK + logn, sandwich norms). Must not know: weights, tensors on devices, or the engine's
+moving parts.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +76,16 @@ class ModelConfig:
     dtype: torch.dtype  # the checkpoint's declared dtype
     eos_token_ids: tuple[int, ...]
     raw: dict[str, Any] = field(repr=False, compare=False, hash=False, default_factory=dict)
+    # Declared behaviours of non-Llama families (qserve.model.registry); defaults are Llama's.
+    family: str = "llama"
+    rotary_dim: int | None = None  # dims of each head that rotate (None: all of head_dim)
+    rope_interleaved: bool = False  # rotate pairs (2i, 2i+1) instead of NeoX halves (ChatGLM / GLM)
+    alibi: bool = False  # ALiBi position biases instead of rotary (Baichuan2-13B)
+    lm_head_normalized: bool = False  # NormHead: lm_head rows L2-normalized at load (Baichuan2)
+    sandwich_norms: bool = False  # extra norms after attention and MLP outputs (GLM-4-0414)
+    dynamic_ntk: bool = False  # Qwen v1: rotary base scaled per sequence from its prompt length
+    logn_attn: bool = False  # Qwen v1: query scaled by log_S(position + 1) beyond seq_length
+    seq_length: int | None = None  # Qwen v1: the training length that gates dynamic NTK and logn
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
@@ -97,13 +110,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        from qserve.model.registry import supported_architectures, translate_config  # noqa: PLC0415 - no cycle
+
         architectures = cfg.get("architectures") or []
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(
-                f"{source}: architecture {architectures or cfg.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            translated = translate_config(cfg, source)
+            if translated is None:
+                raise ValueError(
+                    f"{source}: architecture {architectures or cfg.get('model_type')!r} is not supported; "
+                    f"supported: {', '.join(supported_architectures())}"
+                )
+            canonical, behaviours = translated
+            config = cls.from_hf(canonical, source)
+            return replace(config, architecture=behaviours.pop("architecture"), raw=cfg, **behaviours)
         features = SUPPORTED_ARCHITECTURES[arch]
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             value = cfg.get(key)
@@ -118,6 +138,7 @@ class ModelConfig:
                 f"{source}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
             )
         attention_bias = bool(cfg.get("attention_bias", False))
+        o_bias = bool(cfg.get("o_bias", attention_bias))  # adapters of families with q/k/v-only biases set it
         if cfg.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
         sliding_window = cfg.get("sliding_window")
@@ -140,7 +161,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias or features["qkv_bias"],
-            o_bias=attention_bias,
+            o_bias=o_bias,
             qk_norm=features["qk_norm"],
             sliding_window=int(sliding_window) if sliding_window else None,
             dtype=parse_dtype(dtype_name),

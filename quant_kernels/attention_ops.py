@@ -54,6 +54,7 @@ def paged_attention(
     v_scale: torch.Tensor | float | None = None,
     *,
     num_splits: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads]: ALiBi bias slope * (j - i)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its paged context (see the reference).
 
@@ -64,5 +65,7 @@ def paged_attention(
     if _use_triton(query.device):
         from quant_kernels import attention_triton
 
-        return attention_triton.paged_attention(*args, sliding_window, k_scale, v_scale, num_splits=num_splits)
-    return reference_kv_quant.paged_attention(*args, sliding_window, k_scale, v_scale)
+        return attention_triton.paged_attention(
+            *args, sliding_window, k_scale, v_scale, num_splits=num_splits, alibi_slopes=alibi_slopes
+        )
+    return reference_kv_quant.paged_attention(*args, sliding_window, k_scale, v_scale, alibi_slopes=alibi_slopes)

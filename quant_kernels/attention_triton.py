@@ -218,12 +218,14 @@ def paged_attention_decode_kernel(
     stride_vcd,
     stride_bts,
     stride_scale_h,
+    alibi_ptr,  # fp32 [num_heads]: ALiBi slopes * log2(e) (unused unless USE_ALIBI)
     KV_QUANT: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_ALIBI: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -270,6 +272,10 @@ def paged_attention_decode_kernel(
             k_base + page[:, None] * stride_kcb + off[:, None] * stride_kcs, kv_mask, KV_QUANT, q.dtype
         )  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k)) * scale_s  # [BLOCK_G, BLOCK_N] fp32, log2 units
+        if USE_ALIBI:  # slope * (key position - query position), the query at seq_len - 1
+            s += (
+                tl.load(alibi_ptr + heads, mask=gmask, other=0.0)[:, None] * (pos - seq_len + 1).to(tl.float32)[None, :]
+            )
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -352,12 +358,14 @@ def paged_attention_decode_packed_kernel(
     stride_vch,
     stride_bts,
     stride_scale_h,
+    alibi_ptr,  # fp32 [num_heads]: ALiBi slopes * log2(e) (unused unless USE_ALIBI)
     KV_QUANT: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,  # a power of two >= 64, contiguous in the cache
+    USE_ALIBI: tl.constexpr = False,
 ):
     """``paged_attention_decode_kernel`` for fp8 / int8 caches read as 32-bit words.
 
@@ -420,7 +428,12 @@ def paged_attention_decode_packed_kernel(
         s = tl.dot(q1, tl.trans(k1.to(q1.dtype)), s)
         s = tl.dot(q2, tl.trans(k2.to(q2.dtype)), s)
         s = tl.dot(q3, tl.trans(k3.to(q3.dtype)), s)  # [BLOCK_G, BLOCK_N]
-        s = tl.where(nmask[None, :], s * scale_s, float("-inf"))
+        s = s * scale_s
+        if USE_ALIBI:
+            s += (
+                tl.load(alibi_ptr + heads, mask=gmask, other=0.0)[:, None] * (pos - seq_len + 1).to(tl.float32)[None, :]
+            )
+        s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -519,6 +532,7 @@ def paged_attention_prefill_kernel(
     stride_vcd,
     stride_bts,
     stride_scale_h,
+    alibi_ptr,  # fp32 [num_heads]: ALiBi slopes * log2(e) (unused unless USE_ALIBI)
     KV_QUANT: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -526,6 +540,7 @@ def paged_attention_prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_ALIBI: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -577,6 +592,10 @@ def paged_attention_prefill_kernel(
             k_base + page[:, None] * stride_kcb + off[:, None] * stride_kcs, kv_mask, KV_QUANT, q.dtype
         )  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k)) * scale_s  # [BLOCK_M, BLOCK_N]
+        if USE_ALIBI:
+            s += tl.load(alibi_ptr + heads, mask=row_mask, other=0.0)[:, None] * (pos[None, :] - q_pos[:, None]).to(
+                tl.float32
+            )
         visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
         visible = visible & (pos[None, :] > win_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -768,8 +787,9 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads]
 ) -> torch.Tensor:
-    """Same contract as ``reference.paged_attention`` (+ KV scales); returns ``out``.
+    """Same contract as ``reference.paged_attention`` (+ KV scales, ALiBi slopes); returns ``out``.
 
     ``max_query_len == 1``: split-KV decode only. Otherwise the prefill kernel, plus (with
     several sequences) the decode kernel for the sequences that have one new token.
@@ -793,7 +813,9 @@ def paged_attention(
     window = int(sliding_window) if sliding_window else 0
     qk_scale = float(scale) * LOG2E
     block_d = triton.next_power_of_2(head_dim)
-    cache_args = (*kc.stride(), *vc.stride(), block_tables.stride(0), stride_scale_h)
+    use_alibi = alibi_slopes is not None
+    alibi = (alibi_slopes.float() * LOG2E).contiguous() if use_alibi else ks  # [num_heads] in log2 units
+    cache_args = (*kc.stride(), *vc.stride(), block_tables.stride(0), stride_scale_h, alibi)
 
     run_decode = max_query_len == 1 or num_seqs > 1
     run_prefill = max_query_len > 1
@@ -821,6 +843,7 @@ def paged_attention(
             *out.stride(),
             *cache_args,
             KV_QUANT=quant,
+            USE_ALIBI=use_alibi,
             SKIP_DECODE=run_decode,
             DOT_F32=_INTERPRET,
             BLOCK_M=block_m,
@@ -855,6 +878,7 @@ def paged_attention(
             packed = (kp, vp) if kp is not None and vp is not None else None
         common = dict(
             KV_QUANT=quant,
+            USE_ALIBI=use_alibi,
             USE_SPLIT=use_split,
             DOT_F32=_INTERPRET,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -890,6 +914,7 @@ def paged_attention(
                 *vp.stride()[:3],
                 block_tables.stride(0),
                 stride_scale_h,
+                alibi,
                 HEAD_DIM=head_dim,
                 **common,
             )

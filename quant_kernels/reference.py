@@ -105,6 +105,8 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads]
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -112,6 +114,8 @@ def paged_attention(
     cached prefix) in one batched call. A new token at position ``p`` sees keys ``j <= p`` and,
     with a sliding window ``w``, only ``j > p - w`` (Mistral's convention). Returns
     ``[num_tokens, num_heads, head_dim]`` in the query dtype; the math runs in float32.
+    With ``alibi_slopes`` each score of head ``h`` gets ``slope[h] * (j - p)`` added (ALiBi; the
+    same softmax as HF Baichuan's ``slope * j``, which differs by a per-row constant).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -139,6 +143,9 @@ def paged_attention(
 
     query_pos = (seq_lens - query_lens).unsqueeze(1) + torch.arange(max_query_len, device=device)  # [S, Q]
     key_pos = torch.arange(ctx_len, device=device)  # [L]
+    if alibi_slopes is not None:
+        distance = (key_pos.view(1, 1, -1) - query_pos.unsqueeze(-1)).float()  # [S, Q, L]
+        scores = scores + alibi_slopes.float().view(1, -1, 1, 1) * distance.unsqueeze(1)
     visible = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [S, Q, L]
     if sliding_window is not None:
         visible &= key_pos.view(1, 1, -1) > (query_pos.unsqueeze(-1) - sliding_window)

@@ -116,6 +116,8 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
+    *,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """``reference.paged_attention`` over a quantized cache: dequantize (to fp32), then attend."""
     if is_quantized(key_cache.dtype):
@@ -132,4 +134,5 @@ def paged_attention(
         max_seq_len,
         scale,
         sliding_window,
+        alibi_slopes=alibi_slopes,
     )

@@ -39,8 +39,12 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def describe(path: str) -> dict[str, Any]:
     """Everything ``inspect`` prints, as plain JSON-able data."""
+    from qserve.model.registry import checkpoint_view  # noqa: PLC0415
+
     spec = loaders.detect(path)
-    inv = inventory(path, spec)
+    raw = loaders.weights.read_config(path)
+    view = checkpoint_view(raw, f"{path}/config.json")  # other families: their Llama-style view
+    inv = inventory(path, spec, view)
     cfg = _text_config(inv.config)
     num_heads = int(cfg.get("num_attention_heads") or 0)
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
@@ -50,7 +54,7 @@ def describe(path: str) -> dict[str, Any]:
     quantized = dict(sorted(inv.quantized_counts.items()))
     return {
         "model": str(path),
-        "architecture": (inv.config.get("architectures") or [None])[0],
+        "architecture": (raw.get("architectures") or [None])[0],
         "format": spec.method,
         "pack_format": spec.pack_format,
         "config_source": spec.source,

@@ -21,7 +21,6 @@ from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import per_rank_config
 from qserve.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, TokenStrings
 from qserve.engine.stop_checker import check_stop
-from qserve.engine.tokenizer import load_tokenizer
 from qserve.memory.planner import (
     GPU_DEFAULT_FRACTION,
     MemoryPlan,
@@ -40,6 +39,7 @@ from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
+from qserve.tokenization import load_tokenizer, stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,24 @@ def _check_kv_caches(
                 )
 
 
+def _prefix_caching(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> bool:
+    """Qwen v1's dynamic NTK rotates a prompt's keys with a base chosen from the WHOLE prompt's
+    length, so equal prefixes of prompts longer than seq_length hold different keys: block hashes
+    (token ids only) cannot tell them apart. Such models serve without prefix caching."""
+    seq_length = model_config.seq_length
+    if config.enable_prefix_caching and model_config.dynamic_ntk and seq_length and max_model_len > seq_length:
+        logger.warning(
+            "%s: prefix caching disabled: dynamic NTK (use_dynamic_ntk) changes cached keys past seq_length=%d "
+            "(max_model_len=%d); pass --max-model-len %d to keep it",
+            config.model,
+            seq_length,
+            max_model_len,
+            seq_length,
+        )
+        return False
+    return config.enable_prefix_caching
+
+
 class Engine:
     """One model's engine.
 
@@ -178,7 +196,9 @@ class Engine:
                 f"{model_config.max_position_embeddings}"
             )
         self.max_model_len = max_model_len
-        cache = CacheConfig(config.block_size, config.num_kv_blocks, config.enable_prefix_caching)
+        cache = CacheConfig(
+            config.block_size, config.num_kv_blocks, _prefix_caching(config, model_config, max_model_len)
+        )
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -245,6 +265,8 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        if self.tokenizer is not None:
+            self.eos_token_ids.update(stop_token_ids(self.tokenizer))  # family chat stops (Qwen v1, ChatGLM3)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
         self._pending_outputs: dict[str, _Group] = {}  # finished out-of-step (aborts)

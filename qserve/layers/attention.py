@@ -1,12 +1,15 @@
 """Paged attention layer: writes the step's K/V into the cache, then attends over each
 sequence's whole context.
 
-Knows: the attention interface and its per-layer KV scales (fp8 / int8 caches). The ops come
+Knows: the attention interface, its per-layer KV scales (fp8 / int8 caches) and ALiBi slopes
+(Baichuan2-13B) when the model declares ALiBi instead of rotary. The ops come
 from ``quant_kernels.attention_ops`` (Triton on CUDA, the PyTorch reference elsewhere). Must not
 know: requests, scheduling or weights.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -15,9 +18,29 @@ from qserve.runner.attn_metadata import AttentionMetadata
 from quant_kernels import attention_ops
 
 
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """float32 [num_heads]: 2^(-8k/n) for k = 1..n with n the largest power of two <= num_heads;
+    the remaining heads take the odd k = 1, 3, 5, ... of the 2n-head sequence (Press et al.)."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * k / closest) for k in range(1, closest + 1)]
+    extra = [2.0 ** (-4.0 * k / closest) for k in range(1, 2 * (num_heads - closest), 2)]
+    return torch.tensor(slopes + extra, dtype=torch.float32)
+
+
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None,
+        alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads] (this rank's heads)
+    ) -> None:
         super().__init__()
+        if alibi_slopes is not None:
+            self.register_buffer("alibi_slopes", alibi_slopes.float(), persistent=False)
+        else:
+            self.alibi_slopes = None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -53,4 +76,5 @@ class PagedAttention(nn.Module):
             self.sliding_window,
             k_scale,
             v_scale,
+            alibi_slopes=self.alibi_slopes,
         )

@@ -1,14 +1,19 @@
 """Rotary position embeddings (NeoX "rotate half" layout) with default, linear and llama3 scaling.
 
-Knows: the inverse-frequency schedules and how to rotate query/key heads by position. Must not
-know: attention, caches or requests. The cos/sin table is built once for every position the
-model may see; the per-step work (gather and rotation of query and key) is one fused op in
+Knows: the inverse-frequency schedules and how to rotate query/key heads by position, plus the
+declared variants of other families: partial rotary (only the first ``rotary_dim`` dims of each
+head rotate), interleaved pairs (ChatGLM / GLM rotate (2i, 2i+1); q and k are permuted alike so
+the NeoX op serves them, which leaves every q.k unchanged), Qwen v1's dynamic NTK (one table per
+base scale alpha = 1, 3, 7, ...; each token picks its sequence's table) and logn query scaling.
+Must not know: attention, caches or requests. The cos/sin table is built once for every position
+the model may see; the per-step work (gather and rotation of query and key) is one fused op in
 ``quant_kernels.elementwise_ops``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -35,25 +40,79 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
+def ntk_alpha_index(prompt_len: int, seq_length: int) -> int:
+    """Qwen v1's dynamic NTK, fixed per sequence at prefill from its prompt length L:
+    alpha = max(2^ceil(log2(L / S) + 1) - 1, 1) = 2^(k + 1) - 1 with k = ceil(log2(L / S)) for
+    L > S. Returns k (0 for L <= S), the index of the sequence's table. Integer arithmetic."""
+    k = 0
+    while seq_length << k < prompt_len:
+        k += 1
+    return k
+
+
+def num_ntk_tables(max_positions: int, seq_length: int) -> int:
+    return ntk_alpha_index(max_positions, seq_length) + 1
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self,
+        rope: RopeConfig,
+        head_dim: int,
+        max_positions: int,
+        *,
+        rotary_dim: int | None = None,
+        interleaved: bool = False,
+        num_ntk_tables: int = 1,
+        logn_seq_length: int | None = None,
+    ) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(rope, head_dim)  # [head_dim / 2]
+        self.head_dim = head_dim
+        self.rotary_dim = rot = rotary_dim or head_dim
+        self.max_positions = max_positions
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        tables = []
+        for k in range(num_ntk_tables):  # alpha = 2^(k+1) - 1; base' = base * alpha^(d / (d - 2))
+            alpha = 2 ** (k + 1) - 1
+            scaled = rope if alpha == 1 else replace(rope, theta=rope.theta * alpha ** (rot / (rot - 2)))
+            tables.append(torch.outer(positions, inverse_frequencies(scaled, rot)))  # [max_positions, rot / 2]
+        freqs = torch.cat(tables)  # [num_ntk_tables * max_positions, rot / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        if interleaved:  # pairs (2i, 2i+1) -> NeoX halves (i, i + rot/2); dims past rot stay put
+            perm = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, head_dim)])
+            self.register_buffer("perm", perm, persistent=False)  # [head_dim]
+        else:
+            self.perm = None
+        if logn_seq_length is not None:  # max(1, log_S(p + 1)), applied to the query after rotation
+            logn = (torch.log(positions + 1) / math.log(logn_seq_length)).clamp(min=1.0)
+            self.register_buffer("logn", logn, persistent=False)  # [max_positions]
+        else:
+            self.logn = None
 
     def forward(
         self,
         positions: torch.Tensor,  # int64 [T]
         query: torch.Tensor,  # [T, num_heads, head_dim] or [B, T, num_heads, head_dim]
         key: torch.Tensor,  # [T, num_kv_heads, head_dim] or [B, T, num_kv_heads, head_dim]
+        ntk_tables: torch.Tensor | None = None,  # int64 [T]: each token's NTK table (None: table 0)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if query.dim() == 4:  # a batch of windows sharing positions (the quantizer's calibration)
             batch = query.shape[0]
-            q, k = elementwise_ops.rotary_embedding(
-                positions.repeat(batch), query.flatten(0, 1), key.flatten(0, 1), self.cos, self.sin
-            )
+            q, k = self.forward(positions.repeat(batch), query.flatten(0, 1), key.flatten(0, 1))
             return q.view(query.shape), k.view(key.shape)
-        return elementwise_ops.rotary_embedding(positions, query, key, self.cos, self.sin)
+        rows = positions if ntk_tables is None else positions + ntk_tables * self.max_positions
+        if self.perm is not None:
+            query, key = query.index_select(-1, self.perm), key.index_select(-1, self.perm)
+        rot = self.rotary_dim
+        if rot == self.head_dim:
+            query, key = elementwise_ops.rotary_embedding(rows, query, key, self.cos, self.sin)
+        else:
+            q_rot, k_rot = elementwise_ops.rotary_embedding(
+                rows, query[..., :rot].contiguous(), key[..., :rot].contiguous(), self.cos, self.sin
+            )
+            query = torch.cat([q_rot, query[..., rot:]], dim=-1)
+            key = torch.cat([k_rot, key[..., rot:]], dim=-1)
+        if self.logn is not None:
+            query = query * self.logn[positions].to(query.dtype)[:, None, None]
+        return query, key

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import loaders
 from qserve.config import ModelConfig
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+from qserve.tokenization import load_tokenizer
+from qserve.tokenization.files import find_tokenizer_files
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,22 +31,13 @@ class CheckedCheckpoint:
 
 
 def has_tokenizer(path: str | Path) -> bool:
-    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+    return bool(find_tokenizer_files(path))
 
 
 def check_tokenizer(path: str | Path) -> None:
-    """Load the tokenizer the engine will load; a failure names its file."""
-    from transformers import AutoTokenizer
-
-    root = Path(path)
-    present = [name for name in TOKENIZER_FILES if (root / name).is_file()]
-    if not present:
-        raise ValueError(f"{root}: no tokenizer found (expected one of {', '.join(TOKENIZER_FILES)})")
-    try:
-        AutoTokenizer.from_pretrained(str(root))
-    except Exception as err:  # noqa: BLE001 - tokenizers raise many kinds (KeyError, Exception, OSError)
-        detail = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-        raise ValueError(f"{root / present[0]}: the tokenizer could not be loaded ({detail})") from None
+    """Load the tokenizer the engine will load (every family's); a failure names the directory and
+    its tokenizer files (``TokenizerFilesError``, a ValueError)."""
+    load_tokenizer(path)
 
 
 def check_checkpoint(path: str | Path, *, tokenizer: bool = True, tensors: bool = False) -> CheckedCheckpoint:

@@ -1,7 +1,11 @@
-"""One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+"""One decoder for every family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and,
+through ``qserve.model.registry`` (config translation + checkpoint name map), Qwen v1, ChatGLM,
+GLM / GLM-4 and Baichuan.
 
 Knows: the layer structure, HF parameter names and how checkpoint tensors route into fused
-layers (q/k/v -> qkv_proj, gate/up -> gate_up_proj). Must not know: checkpoint formats (the
+layers (q/k/v -> qkv_proj, gate/up -> gate_up_proj), and the behaviours ``ModelConfig`` declares:
+partial / interleaved / NTK-scaled rotary with logn (``RotaryEmbedding``), ALiBi instead of
+rotary, a row-normalized lm_head (NormHead) and sandwich norms. Must not know: checkpoint formats (the
 loader hands it tensors or ``PackedQuantWeight``), scheduling or sampling. Every forward runs
 over all of the step's tokens at once: ``[num_tokens, hidden]``, no per-request loops.
 """
@@ -19,10 +23,10 @@ from qserve.config import ModelConfig
 from qserve.distributed.parallel_linear import column_linear, lm_head_linear, row_linear, vocab_embedding
 from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import AttentionShard, attention_shard
-from qserve.layers.attention import PagedAttention
+from qserve.layers.attention import PagedAttention, alibi_slopes
 from qserve.layers.linear import Linear, LinearMethod
 from qserve.layers.norm import RMSNorm
-from qserve.layers.rotary import RotaryEmbedding
+from qserve.layers.rotary import RotaryEmbedding, num_ntk_tables
 from qserve.runner.attn_metadata import AttentionMetadata
 from quant_kernels import elementwise_ops
 from quant_kernels.layout import PackedQuantWeight
@@ -84,13 +88,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, config.head_dim, config.sliding_window)
+        slopes = None
+        if config.alibi:  # this rank's heads' slopes
+            start = 0 if shard is None else shard.q_head_start
+            slopes = alibi_slopes(config.num_heads)[start : start + self.num_heads]
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, config.head_dim, config.sliding_window, slopes)
 
     def forward(
         self,
         positions: torch.Tensor,  # int64 [num_tokens]
         hidden: torch.Tensor,  # [num_tokens, hidden]
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -104,9 +112,30 @@ class Attention(nn.Module):
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = rotary(positions, query, key)
+        if rotary is not None:  # None: ALiBi models
+            query, key = rotary(positions, query, key, metadata.ntk_tables)
         out = self.attn(query, key, value, kv_cache, metadata)  # [num_tokens, H, D]
         return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+def _rotary(config: ModelConfig) -> RotaryEmbedding:
+    """The model's rotary embedding with its declared variants (partial, interleaved, Qwen NTK/logn)."""
+    max_positions = config.max_position_embeddings
+    tables, logn = 1, None
+    if config.seq_length is not None and max_positions > config.seq_length:
+        if config.dynamic_ntk:
+            tables = num_ntk_tables(max_positions, config.seq_length)
+        if config.logn_attn:
+            logn = config.seq_length
+    return RotaryEmbedding(
+        config.rope,
+        config.head_dim,
+        max_positions,
+        rotary_dim=config.rotary_dim,
+        interleaved=config.rope_interleaved,
+        num_ntk_tables=tables,
+        logn_seq_length=logn,
+    )
 
 
 def _attention_shard(config: ModelConfig, tp: TPGroup | None) -> AttentionShard | None:
@@ -164,13 +193,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, f"{prefix}.self_attn", dtype, make_method, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, f"{prefix}.mlp", dtype, make_method, tp)
+        if config.sandwich_norms:  # GLM-4-0414: each sub-block's output is normalized before the add
+            self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        else:
+            self.post_self_attn_layernorm = self.post_mlp_layernorm = None
 
     def forward(
         self,
         positions: torch.Tensor,  # int64 [num_tokens]
         hidden: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (or the embeddings)
         residual: torch.Tensor | None,  # [num_tokens, hidden]: the residual stream before ``hidden`` is added
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,8 +215,13 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         attn_out = self.self_attn(positions, normed, rotary, kv_cache, metadata)
+        if self.post_self_attn_layernorm is not None:
+            attn_out = self.post_self_attn_layernorm(attn_out)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        return self.mlp(normed), residual
+        mlp_out = self.mlp(normed)
+        if self.post_mlp_layernorm is not None:
+            mlp_out = self.post_mlp_layernorm(mlp_out)
+        return mlp_out, residual
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -207,7 +246,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             DecoderLayer(config, f"model.layers.{i}", dtype, make_method, tp) for i in range(config.num_layers)
         )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.rotary = None if config.alibi else _rotary(config)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -271,6 +310,12 @@ class LlamaFamilyForCausalLM(nn.Module):
                 layer_name, shard_id = f"{parent}.{_FUSED_SHARDS[sub][0]}", _FUSED_SHARDS[sub][1]
             else:
                 layer_name, shard_id = module_path, 0
+            if layer_name in linears and leaf == "bias" and linears[layer_name].bias is None:
+                # GPTQ (auto-gptq v1) writes a bias for every quantized layer, zero where the
+                # float model had none (Qwen v1 Int4): skip those, refuse a real one.
+                if bool((value != 0).any()):
+                    raise ValueError(f"{name}: non-zero bias for a layer that has none in {self.config.architecture}")
+                continue
             if layer_name in linears and leaf in ("weight", "bias"):
                 if leaf == "weight":
                     linears[layer_name].load_weight(shard_id, value)
@@ -300,5 +345,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing tensors: {shown}")
+        if self.config.lm_head_normalized:
+            self._normalize_lm_head()
         for layer in linears.values():
             layer.process_after_loading()
+
+    def _normalize_lm_head(self) -> None:
+        """NormHead (Baichuan2): logits = x . normalize(W, dim=1)^T; rows normalized once here."""
+        weight = getattr(self.lm_head, "weight", None) if self.lm_head is not None else None
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError(f"{self.config.architecture}: a normalized lm_head must be stored unquantized")
+        weight.data.copy_(F.normalize(weight.data.float(), dim=-1).to(weight.dtype))

@@ -16,6 +16,7 @@ from qserve.config import ModelConfig
 from qserve.distributed.parallel_state import TPGroup
 from qserve.layers.quant_methods import make_linear_method
 from qserve.model.llama import LlamaFamilyForCausalLM
+from qserve.model.registry import checkpoint_view
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +31,11 @@ def load_model(
     """
     config = ModelConfig.from_path(path)
     spec = loaders.detect(path)
+    view = checkpoint_view(config.raw, str(Path(path) / "config.json"))  # other families' names -> Llama's
     with torch.device(device):
         model = LlamaFamilyForCausalLM(config, dtype, lambda names: make_linear_method(spec, names), tp=tp)
     try:
-        model.load_weights(_on_device(loaders.iter_weights(path, spec), device))
+        model.load_weights(_on_device(loaders.iter_weights(path, spec, view), device))
     except ValueError as err:
         if str(path) in str(err):
             raise

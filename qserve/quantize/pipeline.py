@@ -95,7 +95,13 @@ def _check_source(src: Path) -> ModelConfig:
         raise ValueError(
             f"{src} is already quantized ({spec.source} says quant_method={spec.method}); give an fp16/bf16 checkpoint"
         )
-    return ModelConfig.from_path(src)
+    config = ModelConfig.from_path(src)
+    if config.family != "llama":  # the writers emit Llama tensor names; other families' layouts differ
+        raise ValueError(
+            f"{src}: qserve quantize supports Llama-family checkpoints only; {config.architecture} "
+            f"(family {config.family}) is served from its own GPTQ releases"
+        )
+    return config
 
 
 def quantize_checkpoint(

@@ -19,3 +19,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int64 [num_seqs + 1]: cumulative new-token counts
     max_query_len: int
     max_seq_len: int
+    # Qwen v1 dynamic NTK: int64 [num_tokens], each token's rotary table (its sequence's alpha,
+    # fixed at prefill from the prompt length); None when every token uses table 0.
+    ntk_tables: torch.Tensor | None = None

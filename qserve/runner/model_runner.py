@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from qserve.config import ModelConfig
+from qserve.layers.rotary import ntk_alpha_index
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.cuda_graphs import DecodeGraphs
 from qserve.runner.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
@@ -114,6 +115,14 @@ class ModelRunner:
         slots = flat_tables[token_tables + block_index] * block_size + positions % block_size  # [T]
         seq_lens = starts + counts  # [S]
         sample_rows = (ends - 1)[sample_mask]  # [R] the last token of each sampling sequence
+        ntk_tables = None  # Qwen v1 dynamic NTK: each sequence's table, fixed by its prompt length
+        if self.config.dynamic_ntk and self.config.seq_length is not None:
+            seq_length = self.config.seq_length
+            per_seq = np.fromiter(
+                (ntk_alpha_index(len(seq.prompt_token_ids), seq_length) for seq in sequences), np.int64, num_seqs
+            )  # [S]
+            if per_seq.any():
+                ntk_tables = per_seq if is_decode else np.repeat(per_seq, counts)  # [T]
 
         prompt_rows: list[int] = []  # token indices needing prompt logprobs
         prompt_targets: list[int] = []
@@ -131,7 +140,7 @@ class ModelRunner:
             offset += seq.num_new_tokens
 
         graphs = self.decode_graphs
-        is_pure_decode = is_decode and len(sample_rows) == num_seqs and not prompt_rows
+        is_pure_decode = is_decode and len(sample_rows) == num_seqs and not prompt_rows and ntk_tables is None
         if graphs is not None and is_pure_decode and graphs.bucket_for(num_seqs) is not None:
             block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
             sample_logits = graphs.replay(input_ids, positions, slots, block_tables)
@@ -148,6 +157,7 @@ class ModelRunner:
                 int(counts.max()),
                 sample_rows,
                 prompt_rows,
+                ntk_tables,
             )
         return self._sample(sequences, sample_logits, prompt_logits, prompt_targets, prompt_owners)
 
@@ -163,6 +173,7 @@ class ModelRunner:
         max_query_len: int,
         sample_rows: np.ndarray,
         prompt_rows: list[int],
+        ntk_tables: np.ndarray | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         device = self.device
         block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
@@ -173,6 +184,7 @@ class ModelRunner:
             query_start_loc=_to_device(query_start_loc, device),  # [S + 1] int64
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
+            ntk_tables=None if ntk_tables is None else _to_device(ntk_tables, device),  # [T] int64
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=device),  # [T]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from qserve import LLM, SamplingParams
-from qserve.engine.tokenizer import TokenizerFilesError, find_tokenizer_files
+from qserve.tokenization.files import TokenizerFilesError, find_tokenizer_files
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = {"prompt_token_ids": [5, 17, 42, 99, 3]}

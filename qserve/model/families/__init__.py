@@ -1,0 +1,1 @@
+"""Per-family adapters for ``qserve.model.registry`` (config translation + checkpoint name map)."""
