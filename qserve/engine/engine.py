@@ -7,6 +7,7 @@ kernels compute. The server drives ``add_request`` / ``abort_request`` / ``step`
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from qserve.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
 from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import per_rank_config
 from qserve.engine.detokenizer import IncrementalDetokenizer, TokenStrings
-from qserve.engine.stop_checker import check_stop
+from qserve.engine.stop_checker import StopResult, check_stop
 from qserve.memory.planner import (
     GPU_DEFAULT_FRACTION,
     MemoryPlan,
@@ -38,6 +39,7 @@ from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
+from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +241,10 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        # Structured outputs: grammars compiled per constraint (cached; the server warms it from
+        # another thread), one matcher per constrained sequence.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self._grammar_matchers = GrammarMatchers(self.grammar_compiler)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
         self._pending_outputs: dict[str, _Group] = {}  # finished out-of-step (aborts)
@@ -340,6 +346,12 @@ class Engine:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
+        if params.logit_bias:
+            bad = next((t for t in params.logit_bias if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias has token id {bad}, outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)  # GrammarError (a ValueError) if bad
         return text, token_ids
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
@@ -371,6 +383,9 @@ class Engine:
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             group.sequences.append(sequence)
+        if params.structured_outputs is not None:
+            for sequence in group.sequences:
+                self._grammar_matchers.add(sequence.request.request_id, params.structured_outputs)
         for sequence in group.sequences:
             self.scheduler.add_request(sequence.request)
             self._sequences[sequence.request.request_id] = (group, sequence)
@@ -413,6 +428,8 @@ class Engine:
             sequence.finish_reason = RequestStatus.FINISHED_LENGTH.finish_reason
             touched[group.request_id] = group
         if not scheduler_output.is_empty:
+            if len(self._grammar_matchers):
+                scheduler_output = self._with_grammar_bitmask(scheduler_output)
             runner_output = self.runner.execute(scheduler_output)
             self.scheduler.update_from_output(scheduler_output, runner_output)
             for request_id, entries in runner_output.prompt_logprobs.items():
@@ -434,7 +451,20 @@ class Engine:
                 self._groups.pop(request_id, None)
                 for sequence in group.sequences:
                     sequences.pop(sequence.request.request_id, None)
+                    self._grammar_matchers.remove(sequence.request.request_id)
         return outputs
+
+    def _with_grammar_bitmask(self, scheduler_output: Any) -> Any:
+        """The step's work plus the next-token bitmasks of its sampling sequences under a grammar."""
+        matchers = self._grammar_matchers
+        request_ids = [
+            seq.request_id for seq in scheduler_output.sequences if seq.sample and seq.request_id in matchers
+        ]
+        if not request_ids:
+            return scheduler_output
+        return dataclasses.replace(
+            scheduler_output, grammar_request_ids=request_ids, grammar_bitmask=matchers.fill_bitmask(request_ids)
+        )
 
     def _on_prompt_logprobs(self, group: _Group, sequence: _Sequence, entries: list[TokenLogprobs]) -> None:
         for entry in entries:
@@ -461,6 +491,10 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
         )
+        grammar_done = self._grammar_matchers.accept(request.request_id, token)
+        if decision is None and grammar_done:
+            # The grammar took its stop token (possible with ignore_eos): nothing may follow.
+            decision = StopResult("stop", None, sequence.detokenizer.output_text)
         if decision is None:
             sequence.text = sequence.detokenizer.output_text
             return False
