@@ -74,6 +74,14 @@ def register(parser: argparse.ArgumentParser) -> None:
         "gloo processes on CPU); CUDA graphs are not captured above 1",
     )
     parser.add_argument("--seed", type=int, default=0)
+    # ---- playground and tool calling (issue 18)
+    parser.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /")
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        default=None,
+        help="format of tool calls in model output (default: from each model's chat template)",
+    )
     parser.add_argument(
         "--min-share",
         action="append",
@@ -220,7 +228,13 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(host_factory=factory, api_key=api_key, on_load_failed=on_load_failed)
+    app = create_app(
+        host_factory=factory,
+        api_key=api_key,
+        on_load_failed=on_load_failed,
+        ui=not getattr(args, "no_ui", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+    )
     config = uvicorn.Config(
         app,
         host=args.host,

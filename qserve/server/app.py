@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from qserve.engine.async_engine import AsyncEngine
 from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from qserve.server.playground import add_offline_docs, add_playground
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from qserve.server.serving import OpenAIServing, ServingError
 
@@ -55,16 +56,23 @@ class AppState:
         self.serving: OpenAIServing | None = None
         self.load_error: str | None = None
         self.metrics = ServerMetrics(lambda: self.host)
+        self.tool_call_parser: str | None = None  # None: from each model's chat template
 
     def attach(self, host: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
         host.listener = self.metrics
         host.start(loop)
-        self.serving = OpenAIServing(host)
+        self.serving = OpenAIServing(host, self.tool_call_parser)
         self.host = host
 
     @property
     def ready(self) -> bool:
         return self.host is not None and self.serving is not None and self.host.is_running
+
+
+def _validation_message(error: dict[str, Any]) -> str:
+    if error.get("type") == "extra_forbidden":  # a field we do not implement: say so, never ignore it
+        return "unsupported field: qserve does not implement it"
+    return str(error.get("msg"))
 
 
 def error_response(
@@ -122,10 +130,13 @@ def create_app(
     host_factory: Callable[[], AsyncEngine] | None = None,
     api_key: str | None = None,
     on_load_failed: Callable[[BaseException], None] | None = None,
+    ui: bool = True,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
     state = AppState(api_key)
+    state.tool_call_parser = tool_call_parser
 
     async def load(loop: asyncio.AbstractEventLoop) -> None:
         assert host_factory is not None
@@ -156,8 +167,12 @@ def create_app(
                 await asyncio.to_thread(state.host.shutdown)
                 logger.info("engine stopped; outstanding requests aborted")
 
-    app = FastAPI(title="qserve", lifespan=lifespan)
+    # /docs from assets shipped in a package (no CDN); ReDoc likewise.
+    app = FastAPI(title="qserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.qserve = state
+    add_offline_docs(app)
+    if ui:
+        add_playground(app, state)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ServingError)
@@ -171,7 +186,8 @@ def create_app(
         loc = [x for x in first.get("loc", ()) if x != "body"]
         param = ".".join(str(x) for x in loc) if loc and isinstance(loc[0], str) else None
         message = "; ".join(
-            f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors
+            f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {_validation_message(e)}"
+            for e in errors
         )
         return error_response(400, message or "invalid request", param)
 
