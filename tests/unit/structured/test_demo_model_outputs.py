@@ -197,3 +197,23 @@ def test_bad_constraints_are_refused_before_queuing(llm):
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_llm_chat_matches_generate_on_the_rendered_prompt(llm, capsys):
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (chatted,) = llm.chat(conversation, params, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert chatted.prompt == text and text.endswith("<|im_start|>assistant\n")
+    (generated,) = llm.generate(
+        {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}, params, use_tqdm=False
+    )
+    assert chatted.outputs[0].token_ids == generated.outputs[0].token_ids
+    assert "Processed prompts" not in capsys.readouterr().err
+    # Several conversations, with a progress bar.
+    outputs = llm.chat([conversation, conversation[1:]], params, use_tqdm=True)
+    assert len(outputs) == 2 and outputs[0].outputs[0].token_ids == chatted.outputs[0].token_ids
+    assert "Processed prompts" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="conversation 1"):
+        llm.chat([conversation, []], params)
