@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from qserve.engine.llm import LLM
     from qserve.outputs import CompletionOutput, RequestOutput
     from qserve.sampling_params import SamplingParams
+    from qserve.structured.params import StructuredOutputsParams
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import qserve` light (no torch for the CLI's help)
@@ -24,6 +25,10 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import qserve` 
         from qserve.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from qserve.structured.params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name in ("RequestOutput", "CompletionOutput"):
         from qserve import outputs
 

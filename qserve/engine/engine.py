@@ -1,7 +1,9 @@
 """The synchronous engine: requests in, one ``step()`` at a time, ``RequestOutput``s out.
 
 Knows: how the scheduler, model runner, detokenizer and stop checks fit into one step, and how
-``n > 1`` requests fan out into sequences and back. Must not know: HTTP, asyncio, or how
+``n > 1`` requests fan out into sequences and back; for structured outputs, when to fill the
+grammar bitmasks of a step's sampling sequences and advance their matchers (the grammar
+library itself stays in ``qserve.structured.grammar``). Must not know: HTTP, asyncio, or how
 kernels compute. The server drives ``add_request`` / ``abort_request`` / ``step``.
 """
 
@@ -37,7 +39,7 @@ from qserve.runner.model_runner import ModelRunner, allocate_kv_caches
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
-from qserve.scheduler.output import TokenLogprobs
+from qserve.scheduler.output import SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 
@@ -454,7 +456,7 @@ class Engine:
                     self._grammar_matchers.remove(sequence.request.request_id)
         return outputs
 
-    def _with_grammar_bitmask(self, scheduler_output: Any) -> Any:
+    def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """The step's work plus the next-token bitmasks of its sampling sequences under a grammar."""
         matchers = self._grammar_matchers
         request_ids = [

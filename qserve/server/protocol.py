@@ -41,6 +41,7 @@ class ErrorResponse(BaseModel):
 
 # ---------------------------------------------------------------------- shared pieces
 class StreamOptions(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
 

@@ -264,7 +264,17 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ structured outputs
     @staticmethod
+    def _refuse_unimplemented(request: SamplingFields) -> None:
+        """Fields the schema accepts but qserve does not act on: refused, never ignored."""
+        if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+            raise bad_request(
+                "stream_options.continuous_usage_stats is not supported (use include_usage)",
+                "stream_options.continuous_usage_stats",
+            )
+
+    @staticmethod
     def _constraint(request: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+        OpenAIServing._refuse_unimplemented(request)
         try:
             return constraint_of(request)
         except ConstraintError as err:

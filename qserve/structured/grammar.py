@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from qserve.structured.params import StructuredOutputsParams
 
@@ -164,8 +165,6 @@ class GrammarMatchers:
 
     def fill_bitmask(self, request_ids: Sequence[str]) -> np.ndarray:
         """Next-token bitmasks of these sequences: ``[len(request_ids), ceil(vocab / 32)]`` int32."""
-        import torch
-
         bitmask = torch.full((len(request_ids), self.compiler.bitmask_width), -1, dtype=torch.int32)  # [N, W]
         for row, request_id in enumerate(request_ids):  # one C++ call per sequence, none per token id
             matcher = self._matchers[request_id]

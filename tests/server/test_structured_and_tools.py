@@ -165,6 +165,11 @@ def test_streamed_guided_json_and_json_object_on_completions(client):
         ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"frobnicate": 1}, "frobnicate"),
+        (
+            {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ({"stream_options": {"include_usage": True, "shiny": True}}, "stream_options.shiny"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"logit_bias": {"5": 500}}, "logit_bias"),
         ({"logit_bias": {"999999": 1}}, "logit_bias"),

@@ -174,3 +174,28 @@ def test_throughput_meter():
     assert meter.rate("m", 30, now=2.0) == pytest.approx(15.0)
     assert meter.rate("m", 30, now=5.0) == pytest.approx(0.0, abs=7.0)  # old samples age out
     assert meter.rate("m", 30, now=9.0) == pytest.approx(0.0)
+
+
+def test_serving_tool_stream_auto_and_whole_message():
+    from qserve.server.serving import OpenAIServing, ServedModel, _ToolStream
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[tool])
+    plan = plan_tools(request)
+    text = 'ok <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    stream = _ToolStream(plan, "hermes")
+    content, deltas = "", []
+    for i in range(0, len(text), 4):
+        piece, new = stream.feed(text[i : i + 4], finishing=i + 4 >= len(text))
+        content += piece
+        deltas += new
+    assert content == "ok "
+    assert deltas[0].id and deltas[0].function.name == "f" and deltas[0].function.arguments == ""
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"a": 1}
+    assert {d.index for d in deltas} == {0} and stream.num_calls == 1
+
+    model = ServedModel(name="m", path="p", max_model_len=8, vocab_size=8, tokenizer=None)
+    message, finish = OpenAIServing._chat_message(model, plan, text, "stop")
+    assert finish == "tool_calls" and message.content == "ok" and message.tool_calls[0].function.name == "f"
+    message, finish = OpenAIServing._chat_message(model, plan, "just text", "stop")
+    assert finish == "stop" and message.content == "just text" and message.tool_calls is None
