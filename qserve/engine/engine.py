@@ -247,6 +247,7 @@ class Engine:
         # another thread), one matcher per constrained sequence.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._grammar_matchers = GrammarMatchers(self.grammar_compiler)
+        self.grammar_compiler.prepare()  # here, on the thread that owns the tokenizer
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
         self._pending_outputs: dict[str, _Group] = {}  # finished out-of-step (aborts)
