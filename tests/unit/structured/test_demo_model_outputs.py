@@ -102,6 +102,7 @@ def _mixed_batch(llm: LLM, max_tokens: int) -> None:
             continue
         assert completion.finish_reason == "stop", completion.text
         _check(completion.text, schema)
+    assert len(llm.engine._grammar_matchers) == 0  # finished sequences leave no matcher behind
 
 
 @pytest.mark.slow
