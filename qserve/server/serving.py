@@ -664,6 +664,8 @@ class OpenAIServing:
             return ChatResponseMessage(content=text), finish_reason
         if not calls:
             return ChatResponseMessage(content=text), finish_reason
+        if not tools.parallel:
+            calls = calls[:1]
         # OpenAI: "tool_calls" when the model chose to call; a named (forced) call ends with "stop".
         if finish_reason == "stop" and tools.mode != "named":
             finish_reason = "tool_calls"
@@ -759,6 +761,8 @@ class _ToolStream:
 
     def _deltas(self, calls: Sequence[Any]) -> list[DeltaToolCall]:
         deltas = []
+        if not self.plan.parallel:
+            calls = list(calls)[: max(0, 1 - self.num_calls)]
         for call in calls:
             index = self.num_calls
             self.num_calls += 1

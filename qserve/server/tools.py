@@ -52,6 +52,7 @@ class ToolPlan:
     named: str | None = None
     constraint: StructuredOutputsParams | None = None  # for "required" / "named"
     names: list[str] = field(default_factory=list)
+    parallel: bool = True  # parallel_tool_calls: False keeps only the first call
 
     @property
     def parses_calls(self) -> bool:
@@ -71,7 +72,7 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
         raise ConstraintError(f"tools must have unique function names, got {names}", "tools")
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
     if choice is None or choice == "auto":
-        return ToolPlan("auto", template_tools, names=names)
+        return ToolPlan("auto", template_tools, names=names, parallel=request.parallel_tool_calls)
     if choice == "none":
         return ToolPlan("none", None, names=names)  # as OpenAI: the model is not told about tools
     if choice == "required":
@@ -87,7 +88,13 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not request.parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolPlan("required", template_tools, constraint=StructuredOutputsParams(json=schema), names=names)
+        return ToolPlan(
+            "required",
+            template_tools,
+            constraint=StructuredOutputsParams(json=schema),
+            names=names,
+            parallel=request.parallel_tool_calls,
+        )
     name = choice.function.name
     tool = next((t for t in tools if t.function.name == name), None)
     if tool is None:

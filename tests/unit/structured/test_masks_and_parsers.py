@@ -197,5 +197,13 @@ def test_serving_tool_stream_auto_and_whole_message():
     model = ServedModel(name="m", path="p", max_model_len=8, vocab_size=8, tokenizer=None)
     message, finish = OpenAIServing._chat_message(model, plan, text, "stop")
     assert finish == "tool_calls" and message.content == "ok" and message.tool_calls[0].function.name == "f"
+    two = text + '<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>'
+    assert len(OpenAIServing._chat_message(model, plan, two, "stop")[0].tool_calls) == 2
+    single = plan_tools(request.model_copy(update={"parallel_tool_calls": False}))
+    (only,) = OpenAIServing._chat_message(model, single, two, "stop")[0].tool_calls
+    assert json.loads(only.function.arguments) == {"a": 1}
+    single_stream = _ToolStream(single, "hermes")
+    _, deltas = single_stream.feed(two, finishing=True)
+    assert {d.index for d in deltas} == {0} and single_stream.num_calls == 1
     message, finish = OpenAIServing._chat_message(model, plan, "just text", "stop")
     assert finish == "stop" and message.content == "just text" and message.tool_calls is None
