@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 __version__ = "0.1.0"  # the package version (pyproject.toml reads it)
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from qserve.engine.llm import LLM
     from qserve.outputs import CompletionOutput, RequestOutput
     from qserve.sampling_params import SamplingParams
+    from qserve.structured.params import StructuredOutputsParams
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import qserve` light (no torch for the CLI's help)
@@ -26,6 +27,10 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import qserve` 
         from qserve.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from qserve.structured.params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name in ("RequestOutput", "CompletionOutput"):
         from qserve import outputs
 

@@ -11,6 +11,9 @@ Semantics (as vLLM):
 - ``max_tokens=None`` means "until the model's context length" (the engine caps it).
 - ``logprobs`` / ``prompt_logprobs``: number of top alternatives to return in addition to the
   chosen (or actual prompt) token; 0 returns only the chosen token's logprob.
+- ``logit_bias``: token id -> value in [-100, 100] added to that token's logit (OpenAI's).
+- ``structured_outputs``: a ``StructuredOutputsParams`` the output must match (a JSON
+  schema, regex, choice or grammar), enforced by token masks; not with ``min_tokens``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import functools
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from qserve.structured.params import StructuredOutputsParams
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 
@@ -44,6 +49,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -83,6 +90,15 @@ class SamplingParams:
             set_("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs, minimum=0))
         set_("skip_special_tokens", _bool("skip_special_tokens", self.skip_special_tokens))
         set_("include_stop_str_in_output", _bool("include_stop_str_in_output", self.include_stop_str_in_output))
+        if self.logit_bias is not None:
+            set_("logit_bias", _logit_bias(self.logit_bias) or None)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
+                )
+            if self.min_tokens > 0:
+                raise ValueError("min_tokens cannot be combined with structured_outputs (the grammar decides the end)")
         if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation knobs have no effect; turn them off (as vLLM does).
             set_("top_p", 1.0)
@@ -181,6 +197,18 @@ def _str_list(name: str, value: Any) -> list[str]:
     for s in out:
         if not isinstance(s, str) or not s:
             raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {_show(s)}")
+    return out
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {value!r}")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        out[token] = _float_range("logit_bias", bias, -100.0, 100.0)
     return out
 
 

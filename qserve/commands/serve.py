@@ -79,6 +79,14 @@ def register(parser: argparse.ArgumentParser) -> None:
         "gloo processes on CPU); CUDA graphs are not captured above 1",
     )
     parser.add_argument("--seed", type=int, default=0)
+    # ---- playground and tool calling (issue 18)
+    parser.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /")
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        default=None,
+        help="format of tool calls in model output (default: from each model's chat template)",
+    )
     parser.add_argument(
         "--min-share",
         action="append",
@@ -466,6 +474,8 @@ def run(args: argparse.Namespace) -> int:
         on_ready=on_ready,
         log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats,
+        ui=not getattr(args, "no_ui", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
     )
     show_worker_logs(args)
     config = uvicorn.Config(

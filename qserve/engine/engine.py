@@ -1,12 +1,15 @@
 """The synchronous engine: requests in, one ``step()`` at a time, ``RequestOutput``s out.
 
 Knows: how the scheduler, model runner, detokenizer and stop checks fit into one step, and how
-``n > 1`` requests fan out into sequences and back. Must not know: HTTP, asyncio, or how
+``n > 1`` requests fan out into sequences and back; for structured outputs, when to fill the
+grammar bitmasks of a step's sampling sequences and advance their matchers (the grammar
+library itself stays in ``qserve.structured.grammar``). Must not know: HTTP, asyncio, or how
 kernels compute. The server drives ``add_request`` / ``abort_request`` / ``step``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -20,7 +23,7 @@ from qserve.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
 from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import per_rank_config
 from qserve.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, TokenStrings
-from qserve.engine.stop_checker import check_stop
+from qserve.engine.stop_checker import StopResult, check_stop
 from qserve.memory.planner import (
     GPU_DEFAULT_FRACTION,
     MemoryPlan,
@@ -37,8 +40,9 @@ from qserve.runner.model_runner import ModelRunner, allocate_kv_caches
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
-from qserve.scheduler.output import TokenLogprobs
+from qserve.scheduler.output import SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
+from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.tokenization import load_tokenizer, stop_token_ids
 
 logger = logging.getLogger(__name__)
@@ -267,6 +271,12 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         if self.tokenizer is not None:
             self.eos_token_ids.update(stop_token_ids(self.tokenizer))  # family chat stops (Qwen v1, ChatGLM3)
+        # Structured outputs: grammars compiled per constraint (cached; the server warms it from
+        # another thread), one matcher per constrained sequence.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self._grammar_matchers = GrammarMatchers(self.grammar_compiler)
+        if self.tokenizer is not None:  # skip_tokenizer_init: structured outputs are refused
+            self.grammar_compiler.prepare()  # here, on the thread that owns the tokenizer
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
         self._pending_outputs: dict[str, _Group] = {}  # finished out-of-step (aborts)
@@ -376,6 +386,14 @@ class Engine:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
+        if params.logit_bias:
+            bad = next((t for t in params.logit_bias if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias has token id {bad}, outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the tokenizer; the engine has skip_tokenizer_init=True")
+            self.grammar_compiler.compile(params.structured_outputs)  # GrammarError (a ValueError) if bad
         return text, token_ids
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
@@ -409,6 +427,9 @@ class Engine:
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             group.sequences.append(sequence)
+        if params.structured_outputs is not None:
+            for sequence in group.sequences:
+                self._grammar_matchers.add(sequence.request.request_id, params.structured_outputs)
         for sequence in group.sequences:
             self.scheduler.add_request(sequence.request)
             self._sequences[sequence.request.request_id] = (group, sequence)
@@ -457,6 +478,8 @@ class Engine:
             sequence.finish_reason = RequestStatus.FINISHED_LENGTH.finish_reason
             touched[group.request_id] = group
         if not scheduler_output.is_empty:
+            if len(self._grammar_matchers):
+                scheduler_output = self._with_grammar_bitmask(scheduler_output)
             runner_output = self.runner.execute(scheduler_output)
             self.scheduler.update_from_output(scheduler_output, runner_output)
             for request_id, entries in runner_output.prompt_logprobs.items():
@@ -478,7 +501,20 @@ class Engine:
                 self._groups.pop(request_id, None)
                 for sequence in group.sequences:
                     sequences.pop(sequence.request.request_id, None)
+                    self._grammar_matchers.remove(sequence.request.request_id)
         return outputs
+
+    def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The step's work plus the next-token bitmasks of its sampling sequences under a grammar."""
+        matchers = self._grammar_matchers
+        request_ids = [
+            seq.request_id for seq in scheduler_output.sequences if seq.sample and seq.request_id in matchers
+        ]
+        if not request_ids:
+            return scheduler_output
+        return dataclasses.replace(
+            scheduler_output, grammar_request_ids=request_ids, grammar_bitmask=matchers.fill_bitmask(request_ids)
+        )
 
     def _on_prompt_logprobs(self, group: _Group, sequence: _Sequence, entries: list[TokenLogprobs]) -> None:
         for entry in entries:
@@ -505,6 +541,10 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
         )
+        grammar_done = self._grammar_matchers.accept(request.request_id, token)
+        if decision is None and grammar_done:
+            # The grammar took its stop token (possible with ignore_eos): nothing may follow.
+            decision = StopResult("stop", None, sequence.detokenizer.output_text)
         if decision is None:
             sequence.text = sequence.detokenizer.output_text
             return False

@@ -1,12 +1,15 @@
-"""The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, sampling_params)``.
+"""The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, sampling_params)`` and
+``LLM(model).chat(messages, sampling_params)``.
 
-Knows: how to feed a batch of prompts through an ``Engine`` and return outputs in input order.
-Must not know: anything the engine does not expose.
+Knows: how to feed a batch of prompts through an ``Engine`` and return outputs in input order,
+how chat conversations become prompts through the tokenizer's chat template, and the optional
+progress bar (``use_tqdm``, as vLLM). Must not know: anything the engine does not expose.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from qserve.engine.engine import Engine, EngineConfig, PromptInput
 from qserve.outputs import RequestOutput
@@ -72,15 +75,54 @@ class LLM:
     def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer (None with skip_tokenizer_init)
         return self.engine.tokenizer
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages) or several (a
+        list of such lists); the chat template renders each into a prompt, then as ``generate``."""
+        if not messages:
+            raise ValueError("messages is empty: give a conversation (a list of messages) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
+        prompts: list[PromptInput] = []
+        for i, conversation in enumerate(conversations):
+            if not conversation or not all(isinstance(m, dict) and "role" in m for m in conversation):
+                raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} messages")
+            text = tokenizer.apply_chat_template(
+                list(conversation),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template=chat_template,
+                **(chat_template_kwargs or {}),
+            )
+            # The template already has the special tokens it wants: do not add BOS again.
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         All requests are validated before any is queued, so a bad one raises ValueError and
-        leaves the engine as it was.
+        leaves the engine as it was. ``use_tqdm`` shows a progress bar of finished requests
+        (as vLLM; it writes to stderr).
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -105,9 +147,20 @@ class LLM:
             request_ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
-        while wanted - finished.keys():
-            # Only finished outputs are needed here: the engine skips building the others.
-            for output in self.engine.step(finished_only=True):
-                if output.finished and output.request_id in wanted:
-                    finished[output.request_id] = output
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        try:
+            while wanted - finished.keys():
+                # Only finished outputs are needed here: the engine skips building the others.
+                for output in self.engine.step(finished_only=True):
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
         return [finished[request_id] for request_id in request_ids]

@@ -159,7 +159,7 @@ class ModelRunner:
                 prompt_rows,
                 ntk_tables,
             )
-        return self._sample(sequences, sample_logits, prompt_logits, prompt_targets, prompt_owners)
+        return self._sample(sequences, sample_logits, prompt_logits, prompt_targets, prompt_owners, scheduler_output)
 
     def _forward_eager(
         self,
@@ -208,10 +208,18 @@ class ModelRunner:
         prompt_logits: torch.Tensor | None,
         prompt_targets: list[int],
         prompt_owners: list[tuple[str, int]],
+        scheduler_output: SchedulerOutput | None = None,
     ) -> RunnerOutput:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         sampling_seqs = [seq for seq in sequences if seq.sample]
+        token_bitmask = None
+        if scheduler_output is not None and scheduler_output.grammar_request_ids:
+            row_of = {seq.request_id: row for row, seq in enumerate(sampling_seqs)}
+            token_bitmask = (
+                [row_of[rid] for rid in scheduler_output.grammar_request_ids],
+                scheduler_output.grammar_bitmask,
+            )
         if sample_logits is not None:
             sampling_metadata = build_sampling_metadata(
                 [seq.sampling_params for seq in sampling_seqs],
@@ -220,6 +228,7 @@ class ModelRunner:
                 list(self.config.eos_token_ids),
                 sample_logits.shape[-1],
                 self.device,
+                token_bitmask,
             )
             tokens, token_logprobs = self.sampler(sample_logits, sampling_metadata)
             sampled = dict(zip([seq.request_id for seq in sampling_seqs], tokens))

@@ -9,6 +9,9 @@ Order of operations (as vLLM):
   1. logprobs: ``log_softmax`` of the ORIGINAL logits (vLLM's default "raw_logprobs").
   2. penalties: repetition over prompt+output tokens (positive logits divided, negative
      multiplied), then frequency (x count) and presence (x seen) over OUTPUT tokens.
+  2b. logit_bias: added to the chosen tokens' logits (OpenAI's ``logit_bias``).
+  2c. structured outputs: tokens a row's grammar forbids get -inf (one batched op over the
+      constrained rows, from a ``[G, ceil(V/32)]`` int32 bitmask the engine filled).
   3. min_tokens: eos (unless ignore_eos) and stop_token_ids get -inf while
      ``len(output) < min_tokens``.
   4. greedy rows (temperature < 1e-5): argmax.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -60,6 +64,13 @@ class SamplingMetadata:
     # Logprobs: per-row k (None = not requested) and the largest k (None when no row asks).
     num_logprobs: list[int | None]
     max_num_logprobs: int | None
+    # logit_bias: logits[logit_bias_rows[i], logit_bias_token_ids[i]] += logit_bias_values[i].
+    logit_bias_rows: torch.Tensor | None = None  # [B] int64
+    logit_bias_token_ids: torch.Tensor | None = None  # [B] int64
+    logit_bias_values: torch.Tensor | None = None  # [B] float32
+    # Structured outputs: row token_bitmask_rows[g] may only take the tokens set in token_bitmask[g].
+    token_bitmask_rows: torch.Tensor | None = None  # [G] int64
+    token_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32
 
     @property
     def num_rows(self) -> int:
@@ -73,12 +84,14 @@ def build_sampling_metadata(
     eos_token_ids: Sequence[int],
     vocab_size: int,
     device: torch.device | str,
+    token_bitmask: tuple[Sequence[int], Any] | None = None,
 ) -> SamplingMetadata:
     """Gather the rows' sampling parameters into tensors.
 
     ``eos_token_ids`` are the MODEL's end-of-sequence ids (one or several, e.g. from
     ``generation_config.json``), shared by all rows. ``output_token_ids[r]`` are the tokens
     generated so far for row r (the token sampled now gets index ``len(output_token_ids[r])``).
+    ``token_bitmask``: (rows, ``[G, ceil(V/32)]`` int32 array) for the rows under a grammar.
     """
     num_rows = len(params)
     assert len(prompt_token_ids) == num_rows and len(output_token_ids) == num_rows
@@ -117,6 +130,27 @@ def build_sampling_metadata(
         min_tokens_rows = torch.tensor(mt_rows, dtype=torch.int64, device=device)
         min_tokens_ids = torch.tensor(mt_ids, dtype=torch.int64, device=device)
 
+    lb_rows: list[int] = []
+    lb_ids: list[int] = []
+    lb_values: list[float] = []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            for token, bias in p.logit_bias.items():
+                if token < vocab_size:  # the engine refuses ids past the vocabulary up front
+                    lb_rows.append(row)
+                    lb_ids.append(token)
+                    lb_values.append(bias)
+    logit_bias_rows = logit_bias_ids = logit_bias_values = None
+    if lb_rows:
+        logit_bias_rows = torch.tensor(lb_rows, dtype=torch.int64, device=device)
+        logit_bias_ids = torch.tensor(lb_ids, dtype=torch.int64, device=device)
+        logit_bias_values = torch.tensor(lb_values, **f32)
+
+    bitmask_rows = bitmask = None
+    if token_bitmask is not None and len(token_bitmask[0]):
+        bitmask_rows = torch.tensor(list(token_bitmask[0]), dtype=torch.int64, device=device)  # [G]
+        bitmask = torch.as_tensor(token_bitmask[1]).to(device=device, dtype=torch.int32)  # [G, W]
+
     num_logprobs = [p.logprobs for p in params]
     requested = [k for k in num_logprobs if k is not None]
     return SamplingMetadata(
@@ -139,6 +173,11 @@ def build_sampling_metadata(
         output_indices=[len(out) for out in output_token_ids],
         num_logprobs=num_logprobs,
         max_num_logprobs=max(requested) if requested else None,
+        logit_bias_rows=logit_bias_rows,
+        logit_bias_token_ids=logit_bias_ids,
+        logit_bias_values=logit_bias_values,
+        token_bitmask_rows=bitmask_rows,
+        token_bitmask=bitmask,
     )
 
 
@@ -179,6 +218,16 @@ class Sampler:
         logits = original  # [R, V]
         if metadata.repetition_penalties is not None:
             logits = apply_penalties(logits, metadata)
+        if metadata.logit_bias_rows is not None:
+            if logits is original:
+                logits = logits.clone()
+            logits.index_put_(
+                (metadata.logit_bias_rows, metadata.logit_bias_token_ids), metadata.logit_bias_values, accumulate=True
+            )
+        if metadata.token_bitmask_rows is not None:
+            rows = metadata.token_bitmask_rows
+            constrained = apply_token_bitmask(logits[rows], metadata.token_bitmask)  # [G, V] (a copy)
+            logits = logits.index_copy(0, rows, constrained)  # [R, V] new tensor
         if metadata.min_tokens_rows is not None:
             if logits is original:
                 logits = logits.clone()
@@ -332,3 +381,34 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
     return gather_logprobs(logprobs, target_token_ids, k)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set disallowed tokens to -inf, in place, for the whole batch at once; returns ``logits``.
+
+    logits: [R, V] float; bitmask: [R, W] int32 on the same device, bit ``j`` of word ``w``
+    allowing token ``32 * w + j`` (the layout xgrammar and llguidance fill). A row of all ones
+    (-1) allows everything. Tokens past ``32 * W`` (a model vocabulary padded beyond the
+    tokenizer's) are disallowed. The bits are unpacked a byte at a time through a 256-entry
+    table (one gather), which is cheaper than 32 shifts per word.
+    """
+    num_rows, vocab = logits.shape
+    table = _bit_table(bitmask.device)  # [256, 8] bool
+    as_bytes = bitmask.contiguous().view(torch.uint8).to(torch.int64)  # [R, 4 W] little-endian bytes
+    allowed = table[as_bytes].reshape(num_rows, -1)  # [R, 32 W]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)  # [R, V]
+    return logits.masked_fill_(~allowed[:, :vocab], float("-inf"))
+
+
+_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_table(device: torch.device) -> torch.Tensor:
+    """Row b holds the 8 bits of byte b, least significant first. Cached per device (a constant)."""
+    table = _BIT_TABLES.get(device)
+    if table is None:
+        byte = torch.arange(256, dtype=torch.int64).unsqueeze(1)  # [256, 1]
+        table = ((byte >> torch.arange(8)) & 1).bool().to(device)  # [256, 8]
+        _BIT_TABLES[device] = table
+    return table

@@ -46,6 +46,11 @@ class SchedulerOutput:
     # Requests the scheduler finished itself (status FINISHED_LENGTH) because the KV pool can
     # never hold their next token; the engine emits their final output.
     capacity_finished_request_ids: list[str] = field(default_factory=list)
+    # Structured outputs (set by the engine, not the scheduler): the sampling sequences under a
+    # grammar and their next-token bitmasks, row g for grammar_request_ids[g]. The bitmask is a
+    # numpy int32 array [G, ceil(vocab / 32)]; bit j of word w allows token 32 w + j.
+    grammar_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

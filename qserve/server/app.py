@@ -34,6 +34,7 @@ from qserve.server.drain import DrainMiddleware, DrainState
 from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from qserve.server.playground import add_offline_docs, add_playground
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from qserve.server.request_context import RequestIdMiddleware
 from qserve.server.request_limits import clip
@@ -67,11 +68,12 @@ class AppState:
         self.metrics = ServerMetrics(lambda: self.host)
         self.request_log = RequestLog(log_requests=log_requests)
         self.drain = DrainState()
+        self.tool_call_parser: str | None = None  # None: from each model's chat template
 
     def attach(self, host: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
         host.listener = Listeners(self.metrics, self.request_log)
         host.start(loop)
-        self.serving = OpenAIServing(host)
+        self.serving = OpenAIServing(host, self.tool_call_parser)
         self.host = host
 
     def apply_sampling_defaults(self, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -91,6 +93,12 @@ def _safe(text: str | None, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str | None:
     """Error text that is bounded and always encodable (a lone surrogate in a message made
     the error response itself fail: a 500 and a broken keep-alive connection)."""
     return None if text is None else clip(text, limit)
+
+
+def _validation_message(error: dict[str, Any]) -> str:
+    if error.get("type") == "extra_forbidden":  # a field we do not implement: say so, never ignore it
+        return "unsupported field: qserve does not implement it"
+    return str(error.get("msg"))
 
 
 def error_response(
@@ -164,6 +172,8 @@ def create_app(
     log_requests: bool = True,
     log_stats: bool = True,
     stats_interval_s: float = STATS_INTERVAL_S,
+    ui: bool = True,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """``allowed_hosts``: names the ``Host`` header may carry (None: any). ``max_request_bytes``:
     bodies above it get 413 before they are read (None: no limit). With ``api_key`` every route
@@ -173,6 +183,7 @@ def create_app(
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
     state = AppState(api_key, log_requests=log_requests)
+    state.tool_call_parser = tool_call_parser
 
     async def load(loop: asyncio.AbstractEventLoop) -> None:
         assert host_factory is not None
@@ -214,8 +225,12 @@ def create_app(
                 await asyncio.to_thread(state.host.shutdown)
                 logger.info("engine stopped; outstanding requests aborted")
 
-    app = FastAPI(title="qserve", lifespan=lifespan)
+    # /docs from assets shipped in a package (no CDN); ReDoc likewise.
+    app = FastAPI(title="qserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.qserve = state
+    add_offline_docs(app)
+    if ui:
+        add_playground(app, state)
 
     # ------------------------------------------------------------------ the gate (hardening)
     def authorized(header: str) -> bool:
@@ -248,7 +263,8 @@ def create_app(
         loc = [x for x in first.get("loc", ()) if x != "body"]
         param = ".".join(str(x) for x in loc) if loc and isinstance(loc[0], str) else None
         message = "; ".join(
-            f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
+            f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {_validation_message(e)}"
+            for e in errors[:5]
         )
         if len(errors) > 5:
             message += f"; and {len(errors) - 5} more errors"

@@ -30,6 +30,10 @@ DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # 16 MiB: far above any prompt a context c
 # Liveness probes never need the key; nor does /version, which tells only the version string and
 # is how the SGLang gateway recognises a vLLM-compatible backend before it polls its load.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
+# The playground's page and static files hold no data (its requests and its /ui/stats poll carry the
+# key the user types into it), so a browser can open it on a server that has a key.
+OPEN_PAGE_PATHS = frozenset({"/"})
+OPEN_PREFIXES = ("/ui/static/",)
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
 # respond(status, message, headers) -> an ASGI app that sends the error body
@@ -108,7 +112,8 @@ class RequestGuard:
                 return self.respond(400, "Host header not allowed (see --allowed-hosts)", None)
         authorized = self.config.authorized
         path = scope.get("path", "")
-        if authorized is not None and path not in OPEN_PATHS:
+        is_open = path in OPEN_PATHS or path in OPEN_PAGE_PATHS or path.startswith(OPEN_PREFIXES)
+        if authorized is not None and not is_open:
             if not (path == "/metrics" and self.config.metrics_without_key):
                 if not authorized(headers.get("authorization", "")):
                     return self.respond(401, "Invalid or missing API key (Authorization: Bearer <key>)", None)

@@ -5,6 +5,11 @@ OpenAI's error object, plus vLLM's extra sampling fields (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``). Types and simple
 ranges are checked here (pydantic errors become 400s naming the field); sampling semantics
 are checked by ``SamplingParams``. Must not know: the engine, tokenizers, HTTP routing.
+
+Request bodies refuse fields they do not model (``extra="forbid"``): a field the server does
+not implement is a 400 naming it, never silently ignored. Structured outputs come as OpenAI's
+``response_format`` or vLLM's ``guided_*`` / ``structured_outputs``; tools as OpenAI's
+``tools`` / ``tool_choice`` and ``tool`` role messages.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class ErrorResponse(BaseModel):
 
 # ---------------------------------------------------------------------- shared pieces
 class StreamOptions(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -46,8 +52,85 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+# ---------------------------------------------------------------------- structured outputs and tools
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's ``structured_outputs`` object (one of these)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: Annotated[str | dict[str, Any] | None, Field(alias="json")] = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-\.]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class SamplingFields(OpenAIModel):
     """Fields both endpoints share (OpenAI's plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     n: Annotated[int, Field(ge=1, le=128)] = 1
@@ -68,6 +151,14 @@ class SamplingFields(OpenAIModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (at most one source) and logit_bias.
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # ---------------------------------------------------------------------- completions
@@ -76,7 +167,7 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0 only with echo (score the prompt)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     best_of: int | None = None
@@ -116,9 +207,11 @@ class TextContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -136,6 +229,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class ChatTopLogprob(BaseModel):
@@ -155,6 +251,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -177,6 +274,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

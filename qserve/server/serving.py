@@ -14,6 +14,7 @@ Before any work, a request's text and caps are checked (``request_limits``).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -43,7 +44,9 @@ from qserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -59,7 +62,19 @@ from qserve.server.request_limits import (
     check_text,
     clip,
 )
+from qserve.server.structured import ConstraintError, constraint_of
 from qserve.server.tokenizing import PromptTokenizer
+from qserve.server.tools import (
+    ToolCallStreamer,
+    ToolPlan,
+    new_call_id,
+    parse_forced,
+    parse_tool_calls,
+    plan_tools,
+    template_message,
+)
+from qserve.structured.grammar import GrammarError
+from qserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +145,8 @@ class ServedModel:
     vocab_size: int
     tokenizer: Any  # front-end copy: loop thread only
     prompts: PromptTokenizer | None = None  # encode / chat template in a worker thread
+    grammar_compiler: Any = None  # the engine's GrammarCompiler (thread-safe): validates + warms its cache
+    tool_parser: str = "hermes"  # the auto-mode tool-call format (qserve.server.tools.PARSERS)
 
 
 class ClosingStream:
@@ -193,7 +210,11 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
 class OpenAIServing:
     """The endpoints' logic, independent of the web framework."""
 
-    def __init__(self, host: AsyncEngine, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self, host: AsyncEngine, tool_call_parser: str | None = None, limits: RequestLimits = DEFAULT_LIMITS
+    ) -> None:
+        from qserve.server.tools import detect_parser
+
         self.host = host
         self.limits = limits
         self.models: dict[str, ServedModel] = {}
@@ -206,6 +227,8 @@ class OpenAIServing:
                 vocab_size=engine.model_config.vocab_size,
                 tokenizer=copy.deepcopy(engine.tokenizer),
                 prompts=PromptTokenizer(engine.tokenizer, engine.max_model_len, name),
+                grammar_compiler=getattr(engine, "grammar_compiler", None),
+                tool_parser=tool_call_parser or detect_parser(getattr(engine.tokenizer, "chat_template", None)),
             )
 
     # ------------------------------------------------------------------ models
@@ -253,6 +276,7 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         rename: dict[str, str] | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         kwargs: dict[str, Any] = {
             "n": request.n,
@@ -266,6 +290,8 @@ class OpenAIServing:
             "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": request.skip_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
+            "logit_bias": _logit_bias(request.logit_bias),
+            "structured_outputs": structured_outputs,
         }
         for name in _OPTIONAL_SAMPLING_FIELDS:
             value = getattr(request, name)
@@ -275,6 +301,35 @@ class OpenAIServing:
             return SamplingParams(**kwargs)
         except ValueError as err:
             raise bad_request(str(err), _param_of(str(err), SamplingParams.field_names(), rename or {})) from err
+
+    # ------------------------------------------------------------------ structured outputs
+    @staticmethod
+    def _refuse_unimplemented(request: SamplingFields) -> None:
+        """Fields the schema accepts but qserve does not act on: refused, never ignored."""
+        if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+            raise bad_request(
+                "stream_options.continuous_usage_stats is not supported (use include_usage)",
+                "stream_options.continuous_usage_stats",
+            )
+
+    @staticmethod
+    def _constraint(request: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+        OpenAIServing._refuse_unimplemented(request)
+        try:
+            return constraint_of(request)
+        except ConstraintError as err:
+            raise bad_request(str(err), err.field) from err
+
+    @staticmethod
+    async def _compile(model: ServedModel, constraint: StructuredOutputsParams | None, field: str | None) -> None:
+        """Compile the grammar off the event loop (a 400 naming ``field`` if it does not
+        compile); the engine then finds it in the cache."""
+        if constraint is None or model.grammar_compiler is None:
+            return
+        try:
+            await asyncio.to_thread(model.grammar_compiler.compile, constraint, field or "structured_outputs")
+        except GrammarError as err:
+            raise bad_request(str(err), err.field) from err
 
     def _check_length(self, model: ServedModel, prompt: _Prompt, param: str) -> None:
         if len(prompt.token_ids) >= model.max_model_len:
@@ -383,15 +438,27 @@ class OpenAIServing:
             raise bad_request("suffix is not supported", "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+        # max_tokens=0 with echo scores the prompt (eval harnesses): one token is generated
+        # for the engine's sake and dropped from the answer.
+        prompt_only = request.max_tokens == 0
+        if prompt_only and not request.echo:
+            raise bad_request("max_tokens must be >= 1 (0 is allowed only with echo=true)", "max_tokens")
+        if prompt_only and request.stream:
+            raise bad_request("max_tokens=0 (echo only) is not supported with stream=true", "stream")
         self._check_queue(model.name, num_sequences)
         prompts = await self._completion_prompts(model, request)
         logprobs = request.logprobs
+        constraint, constraint_field = self._constraint(request)
+        if prompt_only and constraint is not None:
+            raise bad_request("max_tokens=0 generates nothing to constrain", constraint_field)
         params = self._sampling_params(
             request,
-            max_tokens=request.max_tokens,
+            max_tokens=1 if prompt_only else request.max_tokens,
             logprobs=logprobs,
             prompt_logprobs=logprobs if request.echo and logprobs is not None else None,
+            structured_outputs=constraint,
         )
+        await self._compile(model, constraint, constraint_field)
         self._check_total_length(model, prompts, params, "max_tokens")
         if request.echo:
             for prompt in prompts:
@@ -416,6 +483,8 @@ class OpenAIServing:
                 text = completion.text
                 token_ids = list(completion.token_ids)
                 positions: list[PositionLogprobs | None] = list(completion.logprobs or [])
+                if prompt_only:
+                    text, token_ids, positions = "", [], []
                 if request.echo:
                     text = (prompt.text or "") + text
                     if logprobs is not None:
@@ -428,12 +497,15 @@ class OpenAIServing:
                         logprobs=self._completion_logprobs(model, token_ids, positions, 0)
                         if logprobs is not None
                         else None,
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
+                        finish_reason="length" if prompt_only else completion.finish_reason,
+                        stop_reason=None if prompt_only else completion.stop_reason,
                     )
                 )
         choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=base_id, model=model.name, choices=choices, usage=_usage(final.values()))
+        usage = _usage(final.values())
+        if prompt_only:
+            usage = UsageInfo(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
+        return CompletionResponse(id=base_id, model=model.name, choices=choices, usage=usage)
 
     def _check_queue(self, name: str, num_sequences: int = 1) -> None:
         try:
@@ -541,15 +613,24 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     # ------------------------------------------------------------------ chat
-    async def _chat_prompt(self, model: ServedModel, request: ChatCompletionRequest) -> _Prompt:
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    async def _chat_prompt(
+        self, model: ServedModel, request: ChatCompletionRequest, tools: ToolPlan | None = None
+    ) -> _Prompt:
+        for i, message in enumerate(request.messages):
+            unknown = sorted(k for k, v in (message.model_extra or {}).items() if v is not None)
+            if unknown:
+                raise bad_request(f"unsupported message field '{unknown[0]}'", f"messages.{i}.{unknown[0]}")
+        messages = [template_message(m) for m in request.messages]
         tokenizer = model.tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise bad_request(f"model {model.name!r} has no chat template; use /v1/completions", "messages")
-        self._check_prompt_chars(model, sum(len(m["content"]) for m in messages), "messages")
+        num_chars = sum(len(str(m.get("content") or "")) for m in messages)
+        self._check_prompt_chars(model, num_chars, "messages")
         template_kwargs = self._chat_template_kwargs(request)
         render = model.prompts.apply_chat_template if model.prompts is not None else tokenizer.apply_chat_template
         try:
+            if tools is not None and tools.template_tools:
+                template_kwargs["tools"] = tools.template_tools
             text = render(
                 messages,
                 add_generation_prompt=request.add_generation_prompt,
@@ -574,7 +655,19 @@ class OpenAIServing:
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         self._check_queue(model.name, num_sequences)
-        prompt = await self._chat_prompt(model, request)
+        try:
+            tools = plan_tools(request)
+        except ConstraintError as err:
+            raise bad_request(str(err), err.field) from err
+        constraint, constraint_field = self._constraint(request)
+        if tools.constraint is not None:
+            if constraint is not None:
+                raise bad_request(
+                    f"tool_choice={tools.mode!r} forces a tool call; it cannot be combined with {constraint_field}",
+                    constraint_field,
+                )
+            constraint, constraint_field = tools.constraint, "tools"
+        prompt = await self._chat_prompt(model, request, tools)
         max_tokens = request.max_completion_tokens or request.max_tokens
         rename = {"max_tokens": "max_completion_tokens" if request.max_completion_tokens else "max_tokens"}
         rename["logprobs"] = "top_logprobs"
@@ -583,30 +676,59 @@ class OpenAIServing:
             max_tokens=max_tokens,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             rename=rename,
+            structured_outputs=constraint,
         )
         self._check_total_length(model, [prompt], params, rename["max_tokens"])
+        await self._compile(model, constraint, constraint_field)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         submission = _Submission([base_id], [prompt], params, {base_id: 0})
         stream = await self._submit(model, submission, "messages")
         if request.stream:
-            return ClosingStream(self._chat_stream(model, request, stream, base_id), stream.abort)
+            return ClosingStream(self._chat_stream(model, request, stream, base_id, tools), stream.abort)
         final = await self._collect(stream)
         output = final[base_id]
         top = request.top_logprobs or 0
-        choices = [
-            ChatCompletionChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=_chat_logprobs(c.token_ids, c.logprobs or [], top) if request.logprobs else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = self._chat_message(model, tools, c.text, c.finish_reason)
+            choices.append(
+                ChatCompletionChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=_chat_logprobs(c.token_ids, c.logprobs or [], top) if request.logprobs else None,
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in output.outputs
-        ]
         return ChatCompletionResponse(id=base_id, model=model.name, choices=choices, usage=_usage([output]))
 
+    @staticmethod
+    def _chat_message(
+        model: ServedModel, tools: ToolPlan, text: str, finish_reason: str | None
+    ) -> tuple[ChatResponseMessage, str | None]:
+        """The assistant message of a finished choice, with its tool calls parsed out."""
+        if tools.mode == "auto":
+            content, calls = parse_tool_calls(text, model.tool_parser)
+        elif tools.mode in ("required", "named"):
+            content, calls = None, parse_forced(text, tools)
+        else:
+            return ChatResponseMessage(content=text), finish_reason
+        if not calls:
+            return ChatResponseMessage(content=text), finish_reason
+        if not tools.parallel:
+            calls = calls[:1]
+        # OpenAI: "tool_calls" when the model chose to call; a named (forced) call ends with "stop".
+        if finish_reason == "stop" and tools.mode != "named":
+            finish_reason = "tool_calls"
+        return ChatResponseMessage(content=content, tool_calls=calls), finish_reason
+
     async def _chat_stream(
-        self, model: ServedModel, request: ChatCompletionRequest, stream: Any, base_id: str
+        self,
+        model: ServedModel,
+        request: ChatCompletionRequest,
+        stream: Any,
+        base_id: str,
+        tools: ToolPlan | None = None,
     ) -> AsyncIterator[str]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         created = int(time.time())
@@ -620,6 +742,7 @@ class OpenAIServing:
             )
 
         states: dict[int, _ChoiceState] = {}
+        tool_streams = {i: _ToolStream(tools, model.tool_parser) for i in range(request.n)} if tools else {}
         last: RequestOutput | None = None
         try:
             for index in range(request.n):
@@ -640,12 +763,26 @@ class OpenAIServing:
                     state.text_len = len(completion.text)
                     state.num_tokens = len(completion.token_ids)
                     state.finished = finishing
+                    finish_reason = completion.finish_reason
+                    tool_stream = tool_streams.get(completion.index)
+                    if tool_stream is not None and tool_stream.active:
+                        text, tool_deltas = tool_stream.feed(text, finishing)
+                        for tool_delta in tool_deltas:  # each call: id + name first, then its arguments
+                            yield chunk(
+                                ChatCompletionStreamChoice(
+                                    index=completion.index, delta=DeltaMessage(tool_calls=[tool_delta])
+                                )
+                            )
+                        if finishing and tool_stream.num_calls and finish_reason == "stop":
+                            finish_reason = "tool_calls" if tool_stream.plan.mode != "named" else "stop"
+                        if not text and not finishing and not request.logprobs:
+                            continue
                     yield chunk(
                         ChatCompletionStreamChoice(
                             index=completion.index,
                             delta=DeltaMessage(content=text) if text or not finishing else DeltaMessage(),
                             logprobs=_chat_logprobs(new_ids, positions, top) if request.logprobs else None,
-                            finish_reason=completion.finish_reason,
+                            finish_reason=finish_reason,
                             stop_reason=completion.stop_reason,
                         )
                     )
@@ -662,6 +799,79 @@ class OpenAIServing:
 
 
 # ---------------------------------------------------------------------- helpers
+class _ToolStream:
+    """Tool calls of one streaming choice: turns its text deltas into content plus OpenAI's
+    ``tool_calls`` deltas (a call's id, type and name first, then its arguments)."""
+
+    def __init__(self, plan: ToolPlan, parser: str) -> None:
+        self.plan = plan
+        self.active = plan.parses_calls
+        self._auto = ToolCallStreamer(parser) if plan.mode == "auto" else None
+        self._buffer = ""
+        self.num_calls = 0
+
+    def _deltas(self, calls: Sequence[Any]) -> list[DeltaToolCall]:
+        deltas = []
+        if not self.plan.parallel:
+            calls = list(calls)[: max(0, 1 - self.num_calls)]
+        for call in calls:
+            index = self.num_calls
+            self.num_calls += 1
+            deltas.append(
+                DeltaToolCall(
+                    index=index,
+                    id=call.id,
+                    type="function",
+                    function=DeltaFunctionCall(name=call.function.name, arguments=""),
+                )
+            )
+            deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.function.arguments)))
+        return deltas
+
+    def feed(self, text: str, finishing: bool) -> tuple[str, list[DeltaToolCall]]:
+        """(content to stream now, tool-call deltas to send first)."""
+        if self._auto is not None:
+            event = self._auto.feed(text)
+            content, calls = event.content, list(event.calls)
+            if finishing:
+                tail = self._auto.finish()
+                content += tail.content
+                calls += tail.calls
+            return content, self._deltas(calls)
+        if self.plan.mode == "named":  # the output is the arguments: stream them as they come
+            deltas = []
+            if self.num_calls == 0:
+                self.num_calls = 1
+                deltas.append(
+                    DeltaToolCall(
+                        index=0,
+                        id=new_call_id(),
+                        type="function",
+                        function=DeltaFunctionCall(name=self.plan.named, arguments=""),
+                    )
+                )
+            if text:
+                deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text)))
+            return "", deltas
+        self._buffer += text  # required: a JSON array, parsed once complete
+        if not finishing:
+            return "", []
+        return "", self._deltas(parse_forced(self._buffer, self.plan))
+
+
+def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if value is None:
+        return None
+    out = {}
+    for key, bias in value.items():
+        try:
+            out[int(key)] = bias
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return out
+
+
 def _dump(model: BaseModel, include_usage: bool) -> dict[str, Any]:
     """A chunk as JSON; ``usage`` appears (as null) only when the client asked for usage."""
     data = model.model_dump(mode="json")

@@ -1,0 +1,96 @@
+"""Which structured-output constraint a request asks for, and which request field said so.
+
+Knows: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
+``structured_outputs`` and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` fields, that at most one of them may be set, and that a JSON schema must
+itself be valid (checked with ``jsonschema``'s meta-schema, so the error names the schema's
+fault). Must not know: the grammar library (``qserve.structured.grammar`` compiles), HTTP.
+
+``constraint_of(request)`` returns ``(params, field)`` where ``field`` is the request field to
+name in a 400 when the grammar does not compile.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from qserve.server.protocol import SamplingFields
+from qserve.structured.params import StructuredOutputsParams
+
+
+class ConstraintError(ValueError):
+    """A bad structured-output request; ``field`` names the request field."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_json_schema(schema: Any, field: str) -> dict[str, Any]:
+    """A JSON schema (object or its JSON text) checked against its meta-schema."""
+    import jsonschema
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as err:
+            raise ConstraintError(f"{field} is not valid JSON: {err}", field) from None
+    if not isinstance(schema, dict):
+        raise ConstraintError(f"{field} must be a JSON schema object, got {type(schema).__name__}", field)
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as err:
+        where = "/".join(str(p) for p in err.absolute_path)
+        raise ConstraintError(
+            f"{field} is not a valid JSON schema{f' (at {where})' if where else ''}: {err.message}", field
+        ) from None
+    return schema
+
+
+def constraint_of(request: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's structured-output constraint and the field it came from (None, None if none)."""
+    found: list[tuple[StructuredOutputsParams, str]] = []
+    fmt = request.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            found.append((StructuredOutputsParams(json_object=True), "response_format"))
+        else:
+            field = "response_format.json_schema"
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ConstraintError(f"{field}.schema is required when response_format.type is json_schema", field)
+            field = "response_format.json_schema.schema"
+            found.append((StructuredOutputsParams(json=check_json_schema(fmt.json_schema.schema_, field)), field))
+    if request.guided_json is not None:
+        schema = check_json_schema(request.guided_json, "guided_json")
+        found.append((StructuredOutputsParams(json=schema), "guided_json"))
+    for name, kind in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(request, name)
+        if value is not None:
+            found.append((_make(name, **{kind: value}), name))
+    so = request.structured_outputs
+    if so is not None:
+        set_fields = {k: v for k, v in so.model_dump(by_alias=True).items() if v not in (None, False)}
+        if len(set_fields) != 1:
+            raise ConstraintError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                f"got {', '.join(set_fields) or 'none'}",
+                "structured_outputs",
+            )
+        ((kind, value),) = set_fields.items()
+        field = f"structured_outputs.{kind}"
+        if kind == "json":
+            value = check_json_schema(value, field)
+        found.append((_make(field, **{kind: value}), field))
+    if len(found) > 1:
+        raise ConstraintError(
+            f"give one structured-output constraint, not several: {', '.join(f for _, f in found)}", found[1][1]
+        )
+    return found[0] if found else (None, None)
+
+
+def _make(field: str, **kwargs: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as err:
+        raise ConstraintError(f"{field}: {err}", field) from None
