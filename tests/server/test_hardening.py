@@ -352,3 +352,14 @@ def test_soak_with_aborts_returns_every_page(pair_server):
     pool = host.models["llama"].engine.block_pool
     assert wait_for(lambda: all(not m.engine.has_unfinished_requests() for m in host.models.values()), timeout=30)
     assert wait_for(lambda: pool.num_used_blocks == 0, timeout=10), pool.num_used_blocks
+
+
+def test_key_covers_every_route_but_the_probes_and_the_playground_page(gated_server):
+    auth = {"Authorization": "Bearer sekret"}
+    # Open: liveness probes, the version probe, and the playground's page and static files (no data).
+    for path in ("/health", "/ping", "/version", "/", "/ui/static/app.js"):
+        assert httpx.get(f"{gated_server}{path}").status_code == 200, path
+    # Everything that shows models, numbers or the API itself needs the key.
+    for path in ("/metrics", "/docs", "/openapi.json", "/v1/models", "/v1/models/llama", "/ui/stats", "/nope"):
+        assert httpx.get(f"{gated_server}{path}").status_code == 401, path
+        assert httpx.get(f"{gated_server}{path}", headers=auth).status_code in (200, 404), path
