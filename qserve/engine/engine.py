@@ -38,6 +38,7 @@ from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
+from quant_kernels.reference_kv_int4 import cache_head_size
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def _check_kv_caches(
     dtype: torch.dtype,
 ) -> None:
     """Refuse externally made KV caches that do not match this model and pool."""
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (num_blocks, block_size, config.num_kv_heads, cache_head_size(config.head_dim, dtype))
     if kv_caches is None or len(kv_caches) != config.num_layers:
         raise ValueError(f"kv_caches must hold one (key, value) pair per layer ({config.num_layers})")
     for layer, pair in enumerate(kv_caches):
