@@ -154,7 +154,11 @@ def store_kv_kernel(
     off = slot % block_size
     h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
-    mask = (h < num_kv_heads) & (d < head_dim) & (slot >= 0)  # [BLOCK_H, BLOCK_D]
+    # Masks are built from block comparisons only: a scalar condition is folded into a bound
+    # (a negative slot writes nothing), never broadcast as a scalar bool, whose splat some Triton
+    # interpreters turn into int32.
+    h_lim = tl.where(slot >= 0, num_kv_heads, 0)
+    mask = (h < h_lim) & (d < head_dim)  # [BLOCK_H, BLOCK_D]
     t64 = t.to(tl.int64)
     k = tl.load(key_ptr + t64 * stride_kt + h * stride_kh + d * stride_kd, mask=mask, other=0.0)
     v = tl.load(value_ptr + t64 * stride_vt + h * stride_vh + d * stride_vd, mask=mask, other=0.0)
@@ -281,14 +285,14 @@ def paged_attention_decode_kernel(
         acc = acc * tl.load(v_scale_ptr + kvh * stride_scale_h)
     if USE_SPLIT:
         row = (seq.to(tl.int64) * tl.num_programs(1) * num_queries_per_kv + heads) * num_splits + split  # [BLOCK_G]
-        smask = gmask & is_decode
+        smask = g < tl.where(is_decode, num_queries_per_kv, 0)  # gmask, empty unless decoding
         tl.store(part_out_ptr + row[:, None] * head_dim + d[None, :], acc, mask=smask[:, None] & dmask[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=smask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=smask)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od
-        omask = (gmask & is_decode)[:, None] & dmask[None, :]
+        omask = (g < tl.where(is_decode, num_queries_per_kv, 0))[:, None] & dmask[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=omask)
 
 
@@ -431,7 +435,7 @@ def paged_attention_decode_packed_kernel(
         m_i = m_new
 
     v_scale = code_scale * tl.load(v_scale_ptr + kvh * stride_scale_h)
-    smask = gmask & is_decode
+    smask = g < tl.where(is_decode, num_queries_per_kv, 0)  # gmask, empty unless decoding
     if USE_SPLIT:
         row = (seq.to(tl.int64) * tl.num_programs(1) * num_queries_per_kv + heads) * num_splits + split
         o_ptrs = part_out_ptr + row[:, None] * HEAD_DIM + 4 * c[None, :]
@@ -469,7 +473,7 @@ def paged_attention_reduce_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
     s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    smask = (s < num_splits) & (q_len == 1)  # other sequences left their partials unwritten
+    smask = s < tl.where(q_len == 1, num_splits, 0)  # other sequences left their partials unwritten
     dmask = d < head_dim
     row = (seq.to(tl.int64) * num_heads + head) * num_splits + s  # [BLOCK_S]
     m = tl.load(part_ml_ptr + row * 2, mask=smask, other=-1.0e30)  # [BLOCK_S]
@@ -480,7 +484,7 @@ def paged_attention_reduce_kernel(
     denom = tl.sum(l_part * w, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
     o_ptrs = out_ptr + q_start * stride_ot + head * stride_oh + d * stride_od
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dmask & (q_len == 1))
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < tl.where(q_len == 1, head_dim, 0))
 
 
 @triton.jit(do_not_specialize=["num_queries_per_kv", "block_size", "sliding_window", "stride_bts"])
@@ -545,6 +549,8 @@ def paged_attention_prefill_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = ctx_before + tok  # [BLOCK_M]
+    # Oldest visible key position minus one; -1 (every key) without a sliding window.
+    win_lo = tl.where(sliding_window > 0, q_pos - sliding_window, -1)  # [BLOCK_M]
     scale_s = qk_scale
     if KV_QUANT != 0:
         scale_s = qk_scale * tl.load(k_scale_ptr + kvh * stride_scale_h)
@@ -572,7 +578,7 @@ def paged_attention_prefill_kernel(
         )  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k)) * scale_s  # [BLOCK_M, BLOCK_N]
         visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
-        visible = visible & ((pos[None, :] > q_pos[:, None] - sliding_window) | (sliding_window == 0))
+        visible = visible & (pos[None, :] > win_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

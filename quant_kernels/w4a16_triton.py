@@ -356,9 +356,10 @@ def w4a16_gemm_kernel(
                 src = offs_k
             if not SCALE_PER_TILE:  # the IB rows of slice j lie in one group (IB divides G)
                 gj = kj // group_size
-                s_j = tl.load(scales_ptr + gj * stride_sg + offs_n * stride_sn, mask=mask_n & (kj < K), other=0.0)
+                mask_nj = offs_n < tl.where(kj < K, N, 0)  # mask_n, empty past K (no scalar bool broadcast)
+                s_j = tl.load(scales_ptr + gj * stride_sg + offs_n * stride_sn, mask=mask_nj, other=0.0)
                 if HAS_ZEROS:
-                    z_j = tl.load(zeros_ptr + gj * stride_zg + offs_n * stride_zn, mask=mask_n & (kj < K), other=0)
+                    z_j = tl.load(zeros_ptr + gj * stride_zg + offs_n * stride_zn, mask=mask_nj, other=0)
             if USE_DOT:
                 xj = tl.load(
                     x_ptr + offs_m[:, None] * stride_xm + src[None, :] * stride_xk,
