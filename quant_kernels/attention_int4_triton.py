@@ -144,7 +144,9 @@ def _load_codes(cache_ptr, meta_ptr, row, c, half_dim, nmask, DTYPE: tl.constexp
     return lo, hi, scale, zero
 
 
-@triton.jit(do_not_specialize=["num_queries_per_kv", "half_dim", "block_size", "sliding_window", "num_splits", "stride_bts"])
+@triton.jit(
+    do_not_specialize=["num_queries_per_kv", "half_dim", "block_size", "sliding_window", "num_splits", "stride_bts"]
+)
 def paged_attention_int4_decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (written when not USE_SPLIT)
     part_out_ptr,  # fp32 [num_seqs, num_heads, num_splits, head_dim] (USE_SPLIT)
@@ -224,7 +226,9 @@ def paged_attention_int4_decode_kernel(
         page = tl.load(bt_base + pos // block_size, mask=nmask, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
         k_row = page * stride_kcb + off * stride_kcs  # [BLOCK_N] byte offsets (head included in base)
-        k_lo, k_hi, k_s, k_z = _load_codes(k_base, key_meta_ptr + kvh * stride_kch // 2, k_row, c, half_dim, nmask, q0.dtype)
+        k_lo, k_hi, k_s, k_z = _load_codes(
+            k_base, key_meta_ptr + kvh * stride_kch // 2, k_row, c, half_dim, nmask, q0.dtype
+        )
         s = tl.dot(q0, tl.trans(k_lo))
         s = tl.dot(q1, tl.trans(k_hi), s)  # [BLOCK_G, BLOCK_N] fp32 q . codes
         s = (s * k_s[None, :] + q_sum[:, None] * k_z[None, :]) * qk_scale
@@ -234,7 +238,9 @@ def paged_attention_int4_decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_row = page * stride_vcb + off * stride_vcs
-        v_lo, v_hi, v_s, v_z = _load_codes(v_base, value_meta_ptr + kvh * stride_vch // 2, v_row, c, half_dim, nmask, q0.dtype)
+        v_lo, v_hi, v_s, v_z = _load_codes(
+            v_base, value_meta_ptr + kvh * stride_vch // 2, v_row, c, half_dim, nmask, q0.dtype
+        )
         ps = (p * v_s[None, :]).to(q0.dtype)
         acc0 = tl.dot(ps, v_lo, acc0 * alpha[:, None])
         acc1 = tl.dot(ps, v_hi, acc1 * alpha[:, None])
@@ -344,7 +350,9 @@ def paged_attention_int4_prefill_kernel(
         nmask = pos < hi
         page = tl.load(bt_base + pos // block_size, mask=nmask, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
-        k_lo, k_hi, k_s, k_z = _load_codes(k_base, k_meta, page * stride_kcb + off * stride_kcs, c, half_dim, nmask, q0.dtype)
+        k_lo, k_hi, k_s, k_z = _load_codes(
+            k_base, k_meta, page * stride_kcb + off * stride_kcs, c, half_dim, nmask, q0.dtype
+        )
         s = tl.dot(q0, tl.trans(k_lo))
         s = tl.dot(q1, tl.trans(k_hi), s)  # [BLOCK_M, BLOCK_N]
         s = (s * k_s[None, :] + q_sum[:, None] * k_z[None, :]) * qk_scale
@@ -355,7 +363,9 @@ def paged_attention_int4_prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_lo, v_hi, v_s, v_z = _load_codes(v_base, v_meta, page * stride_vcb + off * stride_vcs, c, half_dim, nmask, q0.dtype)
+        v_lo, v_hi, v_s, v_z = _load_codes(
+            v_base, v_meta, page * stride_vcb + off * stride_vcs, c, half_dim, nmask, q0.dtype
+        )
         ps = (p * v_s[None, :]).to(q0.dtype)
         acc0 = tl.dot(ps, v_lo, acc0 * alpha[:, None])
         acc1 = tl.dot(ps, v_hi, acc1 * alpha[:, None])

@@ -149,7 +149,7 @@ def run_case(case: Case, seed: int) -> None:
         case.window,
     )
     ref = reference_kv_int4.paged_attention(*args).float()
-    for _ in range(2):  # the second call reuses compiled kernels and a fresh poisoned buffer
+    for _ in range(2 if CUDA else 1):  # the second call reuses compiled kernels, a fresh poisoned buffer
         out = torch.full_like(b.query, float("nan"))  # [T, H, D] poisoned
         result = attention_int4_triton.paged_attention(*args, out=out, num_splits=case.num_splits, config=case.config)
         assert result is out
@@ -223,18 +223,18 @@ def test_int4_error_bounded_against_unquantized() -> None:
 
 CPU_CASES = {
     # decode, GQA 2, lengths 1 / off-block / several tiles; automatic splits with small tiles
-    "decode-autosplit": Case((1, 1, 1, 1), (1, 17, 45, 100)),
+    "decode-autosplit": Case((1, 1, 1), (1, 17, 50)),
     # decode, MHA (Qwen v1 style), head_dim 128, block 32, a non-power-of-two split count, strided
-    "decode-mha-d128-bf16-split3": Case((1, 1), (33, 64), 2, 2, 128, 32, torch.bfloat16, num_splits=3, strided=True),
+    "decode-mha-d128-bf16-split3": Case((1, 1), (33, 40), 2, 2, 128, 32, torch.bfloat16, num_splits=3, strided=True),
     # head_dim 80: half rows of 40 bytes (masked columns), three KV heads (masked heads in store)
-    "decode-d80-3heads-window": Case((1, 1), (50, 70), 6, 3, 80, window=20, num_splits=2),
+    "decode-d80-3heads-window": Case((1, 1), (30, 45), 3, 3, 80, window=20, num_splits=2),
     # prefill only (no decode launch), then an extend over a cached prefix with a window
-    "prefill-single": Case((40,), (40,), strided=True),
-    "extend-mha-window-bf16": Case((7, 20), (30, 20), 2, 2, 64, 32, torch.bfloat16, window=8),
+    "prefill-single": Case((24,), (24,), strided=True),
+    "extend-mha-window-bf16": Case((5, 12), (25, 12), 2, 2, 64, 32, torch.bfloat16, window=8),
     # mixed: decode rows take the split-KV kernel, the rest the prefill kernel; GQA 4
-    "mixed-gqa4-split2": Case((1, 9, 1, 3), (50, 9, 18, 40), 8, 2, 32, num_splits=2, strided=True),
+    "mixed-gqa4-split2": Case((1, 6, 1), (40, 6, 18), 8, 2, 32, num_splits=2, strided=True),
     # the default launch configuration (64-wide tiles), fp32 activations
-    "mixed-default-config-fp32": Case((3, 1), (20, 90), 4, 4, 32, dtype=torch.float32, config=None),
+    "mixed-default-config-fp32": Case((3, 1), (20, 70), 2, 2, 32, dtype=torch.float32, config=None),
 }
 
 
@@ -302,8 +302,8 @@ print("ok", cap)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capability", [80, 86, 90])
-def test_int4_kernels_compile_for_ampere_and_hopper(capability: int) -> None:
+@pytest.mark.parametrize("capability", [86, 90])
+def test_int4_kernels_compile_for_sm86_and_sm90(capability: int) -> None:
     """Qwen-14B v1 shapes (head_dim 128, MHA) through Triton's full CUDA pipeline to a cubin."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
@@ -330,7 +330,9 @@ GPU_LENS = {
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize(
     "mode,block_size,gqa,head_dim,dtype",
-    list(itertools.product(["decode", "prefill", "mixed"], [16, 32], [1, 4], [64, 128], [torch.float16, torch.bfloat16])),
+    list(
+        itertools.product(["decode", "prefill", "mixed"], [16, 32], [1, 4], [64, 128], [torch.float16, torch.bfloat16])
+    ),
 )
 def test_int4_attention_gpu(mode: str, block_size: int, gqa: int, head_dim: int, dtype: torch.dtype) -> None:
     qlens, slens = GPU_LENS[mode]
