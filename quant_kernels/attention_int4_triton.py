@@ -160,6 +160,7 @@ def paged_attention_int4_decode_kernel(
     seq_lens_ptr,  # int [num_seqs]
     query_start_loc_ptr,  # int [num_seqs + 1]
     qk_scale,  # softmax scale * log2(e)
+    alibi_ptr,  # fp32 [num_heads] ALiBi slopes (read only with HAS_ALIBI)
     num_queries_per_kv,
     half_dim,
     block_size,
@@ -179,6 +180,7 @@ def paged_attention_int4_decode_kernel(
     stride_vch,
     stride_bts,
     USE_SPLIT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -210,6 +212,8 @@ def paged_attention_int4_decode_kernel(
     if DOT_F32:
         q0, q1 = q0.to(tl.float32), q1.to(tl.float32)
     q_sum = tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)  # [BLOCK_G] (meets the zeros)
+    if HAS_ALIBI:  # bias slope_h * (key_pos - query_pos), in log2 units like the scores
+        slopes = tl.load(alibi_ptr + heads, mask=gmask, other=0.0) * 1.4426950408889634  # [BLOCK_G]
 
     k_base = key_cache_ptr + kvh * stride_kch
     v_base = value_cache_ptr + kvh * stride_vch
@@ -232,6 +236,8 @@ def paged_attention_int4_decode_kernel(
         s = tl.dot(q0, tl.trans(k_lo))
         s = tl.dot(q1, tl.trans(k_hi), s)  # [BLOCK_G, BLOCK_N] fp32 q . codes
         s = (s * k_s[None, :] + q_sum[:, None] * k_z[None, :]) * qk_scale
+        if HAS_ALIBI:
+            s += slopes[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -278,6 +284,7 @@ def paged_attention_int4_prefill_kernel(
     seq_lens_ptr,  # int [num_seqs]
     query_start_loc_ptr,  # int [num_seqs + 1]
     qk_scale,  # softmax scale * log2(e)
+    alibi_ptr,  # fp32 [num_heads] ALiBi slopes (read only with HAS_ALIBI)
     num_queries_per_kv,
     half_dim,
     block_size,
@@ -296,6 +303,7 @@ def paged_attention_int4_prefill_kernel(
     stride_vch,
     stride_bts,
     SKIP_DECODE: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -326,6 +334,8 @@ def paged_attention_int4_prefill_kernel(
     if DOT_F32:
         q0, q1 = q0.to(tl.float32), q1.to(tl.float32)
     q_sum = tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)  # [BLOCK_M]
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=row_mask, other=0.0) * 1.4426950408889634  # [BLOCK_M]
     q_pos = ctx_before + tok  # [BLOCK_M]
 
     first_q = ctx_before + q_block * BLOCK_Q
@@ -356,6 +366,8 @@ def paged_attention_int4_prefill_kernel(
         s = tl.dot(q0, tl.trans(k_lo))
         s = tl.dot(q1, tl.trans(k_hi), s)  # [BLOCK_M, BLOCK_N]
         s = (s * k_s[None, :] + q_sum[:, None] * k_z[None, :]) * qk_scale
+        if HAS_ALIBI:
+            s += slopes[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
         visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
         visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -450,11 +462,15 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     *,
+    alibi_slopes: torch.Tensor | None = None,  # fp32 [num_heads]
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference_kv_int4.paged_attention``; returns ``out``.
+
+    ``alibi_slopes``: add ``slope_h * (key_pos - query_pos)`` to head ``h``'s scores (ALiBi,
+    Baichuan2-13B); None: no bias.
 
     ``max_query_len == 1``: split-KV decode only. Otherwise the prefill kernel, plus (with several
     sequences) the decode kernel for the sequences that have one new token.
@@ -478,6 +494,12 @@ def paged_attention(
     half = head_dim // 2
     block_dh = max(16, triton.next_power_of_2(half))  # tl.dot needs K >= 16
     km, vm = _meta_view(key_cache), _meta_view(value_cache)
+    has_alibi = alibi_slopes is not None
+    if has_alibi:
+        if alibi_slopes.numel() != num_heads:
+            raise ValueError(f"alibi_slopes must have num_heads={num_heads} elements, got {alibi_slopes.numel()}")
+        alibi_slopes = alibi_slopes.to(device=query.device, dtype=torch.float32).contiguous()
+    alibi = alibi_slopes if has_alibi else query  # a never-read placeholder without ALiBi
     cache_args = (*key_cache.stride()[:3], *value_cache.stride()[:3], block_tables.stride(0))
 
     run_decode = max_query_len == 1 or num_seqs > 1
@@ -498,6 +520,7 @@ def paged_attention(
             seq_lens,
             query_start_loc,
             qk_scale,
+            alibi,
             group,
             half,
             block_size,
@@ -506,6 +529,7 @@ def paged_attention(
             *out.stride(),
             *cache_args,
             SKIP_DECODE=run_decode,
+            HAS_ALIBI=has_alibi,
             DOT_F32=_INTERPRET,
             BLOCK_M=block_m,
             BLOCK_Q=block_q,
@@ -544,6 +568,7 @@ def paged_attention(
             seq_lens,
             query_start_loc,
             qk_scale,
+            alibi,
             group,
             half,
             block_size,
@@ -553,6 +578,7 @@ def paged_attention(
             *out.stride(),
             *cache_args,
             USE_SPLIT=use_split,
+            HAS_ALIBI=has_alibi,
             DOT_F32=_INTERPRET,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_N=block_n,

@@ -259,6 +259,55 @@ def test_int4_store_skips_negative_slots_and_refuses_bad_caches() -> None:
         attention_int4_triton.store_kv(b.key, b.value, kc[..., :8], vc[..., :8], slots)
 
 
+def alibi_reference(b: Batch, case: Case, slopes: torch.Tensor) -> torch.Tensor:
+    """Attention over the dequantized int4 cache with the ALiBi bias ``slope_h * (j - i)``, one
+    sequence at a time (plain loops: an independent oracle for the kernels' bias)."""
+    keys = reference_kv_int4.dequantize_int4(b.key_cache.cpu()).flatten(0, 1)  # [slots, Hkv, D]
+    values = reference_kv_int4.dequantize_int4(b.value_cache.cpu()).flatten(0, 1)
+    group = case.num_heads // case.num_kv_heads
+    query, tables, qsl = b.query.cpu().float(), b.block_tables.cpu().long(), b.query_start_loc.cpu()
+    out = torch.empty_like(query)  # [T, H, D]
+    for i, seq_len in enumerate(case.seq_lens):
+        kpos = torch.arange(seq_len)
+        slots = tables[i, kpos // case.block_size] * case.block_size + kpos % case.block_size  # [L]
+        k = keys[slots].repeat_interleave(group, dim=1)  # [L, H, D]
+        v = values[slots].repeat_interleave(group, dim=1)
+        q = query[qsl[i] : qsl[i + 1]]  # [n, H, D]
+        qpos = torch.arange(seq_len - q.shape[0], seq_len)  # [n]
+        rel = (kpos[None, :] - qpos[:, None]).float()  # [n, L]
+        scores = torch.einsum("nhd,lhd->hnl", q, k) * case.head_dim**-0.5 + slopes[:, None, None] * rel
+        visible = rel <= 0
+        if case.window:
+            visible &= rel > -case.window
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[qsl[i] : qsl[i + 1]] = torch.einsum("hnl,lhd->nhd", probs, v)
+    return out
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case((1, 1, 4), (40, 17, 30), 5, 5, 32, dtype=torch.float32, num_splits=2),  # mixed, 5 heads
+        Case((6, 1), (20, 45), 6, 3, 32, window=16),  # GQA, extend + decode, window, fp16
+    ],
+    ids=["mixed-5heads-split2-fp32", "gqa-window-fp16"],
+)
+def test_int4_attention_alibi(case: Case) -> None:
+    """ALiBi (Baichuan2-13B) in both int4 kernels: per-head slopes, a non-power-of-two head count."""
+    b = make_batch(case, torch.Generator().manual_seed(21))
+    slopes = torch.rand(case.num_heads, generator=torch.Generator().manual_seed(3)) * 0.5 + 0.05  # [H]
+    args = (b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc)
+    lens = (max(case.query_lens), max(case.seq_lens), case.head_dim**-0.5, case.window)
+    out = torch.full_like(b.query, float("nan"))
+    attention_int4_triton.paged_attention(
+        *args, *lens, alibi_slopes=slopes, out=out, num_splits=case.num_splits, config=case.config
+    )
+    ref = alibi_reference(b, case, slopes)
+    assert_matches(out, ref, case.dtype)
+    plain = attention_int4_triton.paged_attention(*args, *lens, num_splits=case.num_splits, config=case.config)
+    assert rel_err(plain, ref) > 10 * TOL[case.dtype][0]  # the bias matters in these cases
+
+
 # ----------------------------------------------------------------------------------------------
 # Compiles for the cards we serve on (no GPU needed): Ampere sm80 / sm86 and Hopper sm90
 # ----------------------------------------------------------------------------------------------
@@ -275,8 +324,9 @@ target = GPUTarget("cuda", cap, 32)
 dec_sig = {n: "i32" for n in m.paged_attention_int4_decode_kernel.arg_names}
 ptrs = {"out_ptr": "*fp16", "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "query_ptr": "*fp16",
         "key_cache_ptr": "*u8", "value_cache_ptr": "*u8", "key_meta_ptr": "*fp16", "value_meta_ptr": "*fp16",
-        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i64", "query_start_loc_ptr": "*i64", "qk_scale": "fp32"}
-consts = {"USE_SPLIT": True, "DOT_F32": False, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_DH": 64}
+        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i64", "query_start_loc_ptr": "*i64", "qk_scale": "fp32",
+        "alibi_ptr": "*fp32"}
+consts = {"USE_SPLIT": True, "HAS_ALIBI": True, "DOT_F32": False, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_DH": 64}
 dec_sig.update(ptrs)
 dec_sig.update({k: "constexpr" for k in consts})
 src = ASTSource(m.paged_attention_int4_decode_kernel, dec_sig, constexprs=consts)
@@ -284,7 +334,7 @@ kernel = triton.compile(src, target=target, options={"num_warps": 4, "num_stages
 assert kernel.asm["cubin"], "no cubin"
 pre_sig = {n: "i32" for n in m.paged_attention_int4_prefill_kernel.arg_names}
 pre_sig.update({k: v for k, v in ptrs.items() if k in pre_sig})
-pconsts = {"SKIP_DECODE": True, "DOT_F32": False, "BLOCK_M": 64, "BLOCK_Q": 64, "BLOCK_N": 64, "BLOCK_DH": 64}
+pconsts = {"SKIP_DECODE": True, "HAS_ALIBI": False, "DOT_F32": False, "BLOCK_M": 64, "BLOCK_Q": 64, "BLOCK_N": 64, "BLOCK_DH": 64}
 pre_sig.update({k: "constexpr" for k in pconsts})
 src = ASTSource(m.paged_attention_int4_prefill_kernel, pre_sig, constexprs=pconsts)
 kernel = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 2})
