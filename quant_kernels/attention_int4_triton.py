@@ -23,6 +23,9 @@ Kernels
   ``(num_seqs, q_blocks, num_kv_heads)``, rows = ``BLOCK_Q`` tokens x the ``G`` query heads of a KV
   head, causal (and sliding-window) mask per row. ``store_kv`` runs first (as in the reference).
 
+Both attention kernels take optional ALiBi slopes (``HAS_ALIBI``): ``slope_h * (key_pos -
+query_pos)`` is added to the scores, so ALiBi models (Baichuan2-13B) can use an int4 cache too.
+
 How the codes meet the math: a K tile is read once as ``[BLOCK_N, head_dim // 2]`` bytes; ``b &
 15`` and ``b >> 4`` are the two halves of each key, exact small integers in fp16 / bf16, fed to
 two ``tl.dot``s with the two halves of the query. The per-key scale and zero are applied to the
