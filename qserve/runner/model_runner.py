@@ -24,12 +24,17 @@ from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOu
 from quant_kernels.reference_kv_int4 import cache_head_size
 
 
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """``[num_blocks, block_size, num_kv_heads, head_dim]`` (int4 caches: uint8 rows of
+    ``head_dim // 2 + 4`` bytes, see ``quant_kernels.reference_kv_int4``)."""
+    return (num_blocks, block_size, config.num_kv_heads, cache_head_size(config.head_dim, dtype))
+
+
 def allocate_kv_caches(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (key, value) pair per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``
-    (int4: uint8 ``[..., head_dim // 2 + 4]``, see ``quant_kernels.reference_kv_int4``)."""
-    shape = (num_blocks, block_size, config.num_kv_heads, cache_head_size(config.head_dim, dtype))
+    """One (key, value) pair per layer, each ``kv_cache_shape(...)``."""
+    shape = kv_cache_shape(config, num_blocks, block_size, dtype)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(config.num_layers)
