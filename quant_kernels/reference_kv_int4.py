@@ -113,6 +113,8 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads], passed on to the reference
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """``reference.paged_attention`` over an int4 cache: the blocks the batch reads are gathered
     and dequantized (to fp32), never the whole pool, then attended as usual."""
@@ -135,6 +137,7 @@ def paged_attention(
         max_seq_len,
         scale,
         sliding_window,
+        **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}),
     )
 
 

@@ -308,6 +308,21 @@ def test_int4_attention_alibi(case: Case) -> None:
     assert rel_err(plain, ref) > 10 * TOL[case.dtype][0]  # the bias matters in these cases
 
 
+def test_int4_alibi_through_the_dispatcher() -> None:
+    """Guard for the merge with ALiBi in ``attention_ops`` (wip-families): an int4 cache must get the
+    slopes on both paths (reference here; the same call reaches the int4 kernels on CUDA)."""
+    import inspect
+
+    if "alibi_slopes" not in inspect.signature(attention_ops.paged_attention).parameters:
+        pytest.skip("attention_ops.paged_attention has no alibi_slopes yet")
+    case = Case((1, 4), (30, 12), 5, 5, 32, dtype=torch.float32)
+    b = make_batch(case, torch.Generator().manual_seed(8))
+    slopes = torch.rand(case.num_heads, generator=torch.Generator().manual_seed(4)) * 0.5 + 0.05
+    args = (b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 4, 30, 32**-0.5)
+    out = attention_ops.paged_attention(*args, alibi_slopes=slopes.to(DEVICE))
+    assert_matches(out, alibi_reference(b, case, slopes), case.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Compiles for the cards we serve on (no GPU needed): Ampere sm80 / sm86 and Hopper sm90
 # ----------------------------------------------------------------------------------------------
