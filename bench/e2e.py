@@ -103,6 +103,8 @@ def write_random_gptq(path: Path, shape: dict, group: int = 128, architecture: s
                 shard[f"{p}.{name}.{suffix}"] = tensor
         for name, n in (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)):
             shard[f"{p}.{name}.bias"] = torch.zeros(n, dtype=torch.float16)
+        if architecture == "llama":  # Llama's attention_bias covers o_proj too (zero: Qwen v1's c_proj has none)
+            shard[f"{p}.self_attn.o_proj.bias"] = torch.zeros(h, dtype=torch.float16)
         shard[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
         shard[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
         flush(i + 1)
