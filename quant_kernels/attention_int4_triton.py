@@ -76,7 +76,7 @@ def _quantize_rows(x0, x1, mask0, mask1):
     return (c0 | (c1 << 4)).to(tl.uint8), scale, zero
 
 
-@triton.jit(do_not_specialize=["num_kv_heads", "half_dim", "block_size"])
+@triton.jit(do_not_specialize=["num_kv_heads", "block_size"])
 def store_int4_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -135,9 +135,15 @@ def store_int4_kernel(
 
 
 @triton.jit
-def _load_codes(cache_ptr, meta_ptr, row, c, half_dim, nmask, DTYPE: tl.constexpr):
-    """Rows ``row`` (byte offsets ``[BLOCK_N]``) -> (low-half codes, high-half codes
-    ``[BLOCK_N, BLOCK_DH]`` in DTYPE, fp32 scale, fp32 zero ``[BLOCK_N]``)."""
+def _load_codes(cache_ptr, meta_ptr, row, c, half_dim, nmask, DTYPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
+    """Rows at byte offsets ``row [BLOCK_N]`` from the cache base -> (low-half codes, high-half
+    codes ``[BLOCK_N, BLOCK_DH]`` in DTYPE, fp32 scale, fp32 zero ``[BLOCK_N]``).
+
+    ``ROW_ALIGN`` (4 when the launcher checked every stride and the base): rows start on 4-byte
+    boundaries, so the codes load as 32-bit words instead of bytes (68-byte rows at head_dim 128
+    are never 16-byte aligned)."""
+    if ROW_ALIGN > 1:
+        row = tl.multiple_of(row, ROW_ALIGN)
     b = tl.load(cache_ptr + row[:, None] + c[None, :], mask=nmask[:, None] & (c[None, :] < half_dim), other=0)
     lo = (b & 15).to(DTYPE)
     hi = (b >> 4).to(DTYPE)
@@ -147,9 +153,7 @@ def _load_codes(cache_ptr, meta_ptr, row, c, half_dim, nmask, DTYPE: tl.constexp
     return lo, hi, scale, zero
 
 
-@triton.jit(
-    do_not_specialize=["num_queries_per_kv", "half_dim", "block_size", "sliding_window", "num_splits", "stride_bts"]
-)
+@triton.jit(do_not_specialize=["num_queries_per_kv", "block_size", "sliding_window", "num_splits", "stride_bts"])
 def paged_attention_int4_decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (written when not USE_SPLIT)
     part_out_ptr,  # fp32 [num_seqs, num_heads, num_splits, head_dim] (USE_SPLIT)
@@ -184,6 +188,7 @@ def paged_attention_int4_decode_kernel(
     stride_bts,
     USE_SPLIT: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -218,8 +223,8 @@ def paged_attention_int4_decode_kernel(
     if HAS_ALIBI:  # bias slope_h * (key_pos - query_pos), in log2 units like the scores
         slopes = tl.load(alibi_ptr + heads, mask=gmask, other=0.0) * 1.4426950408889634  # [BLOCK_G]
 
-    k_base = key_cache_ptr + kvh * stride_kch
-    v_base = value_cache_ptr + kvh * stride_vch
+    k_head = kvh.to(tl.int64) * stride_kch  # byte offset of this KV head in a token's row
+    v_head = kvh.to(tl.int64) * stride_vch
     bt_base = block_tables_ptr + seq.to(tl.int64) * stride_bts
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
@@ -232,10 +237,8 @@ def paged_attention_int4_decode_kernel(
         nmask = pos < seq_len
         page = tl.load(bt_base + pos // block_size, mask=nmask, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
-        k_row = page * stride_kcb + off * stride_kcs  # [BLOCK_N] byte offsets (head included in base)
-        k_lo, k_hi, k_s, k_z = _load_codes(
-            k_base, key_meta_ptr + kvh * stride_kch // 2, k_row, c, half_dim, nmask, q0.dtype
-        )
+        k_row = k_head + page * stride_kcb + off * stride_kcs  # [BLOCK_N] byte offsets
+        k_lo, k_hi, k_s, k_z = _load_codes(key_cache_ptr, key_meta_ptr, k_row, c, half_dim, nmask, q0.dtype, ROW_ALIGN)
         s = tl.dot(q0, tl.trans(k_lo))
         s = tl.dot(q1, tl.trans(k_hi), s)  # [BLOCK_G, BLOCK_N] fp32 q . codes
         s = (s * k_s[None, :] + q_sum[:, None] * k_z[None, :]) * qk_scale
@@ -246,9 +249,9 @@ def paged_attention_int4_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_row = page * stride_vcb + off * stride_vcs
+        v_row = v_head + page * stride_vcb + off * stride_vcs
         v_lo, v_hi, v_s, v_z = _load_codes(
-            v_base, value_meta_ptr + kvh * stride_vch // 2, v_row, c, half_dim, nmask, q0.dtype
+            value_cache_ptr, value_meta_ptr, v_row, c, half_dim, nmask, q0.dtype, ROW_ALIGN
         )
         ps = (p * v_s[None, :]).to(q0.dtype)
         acc0 = tl.dot(ps, v_lo, acc0 * alpha[:, None])
@@ -275,7 +278,7 @@ def paged_attention_int4_decode_kernel(
         tl.store(o_ptrs + half_dim * stride_od, (acc1 * inv_l[:, None]).to(o_ty), mask=omask)
 
 
-@triton.jit(do_not_specialize=["num_queries_per_kv", "half_dim", "block_size", "sliding_window", "stride_bts"])
+@triton.jit(do_not_specialize=["num_queries_per_kv", "block_size", "sliding_window", "stride_bts"])
 def paged_attention_int4_prefill_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]
@@ -307,6 +310,7 @@ def paged_attention_int4_prefill_kernel(
     stride_bts,
     SKIP_DECODE: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -347,10 +351,8 @@ def paged_attention_int4_prefill_kernel(
     hi = tl.where(first_q < hi, hi, lo)  # an empty query block iterates nothing
 
     window = tl.where(sliding_window > 0, sliding_window, 1 << 30)  # keys newer than q_pos - window
-    k_base = key_cache_ptr + kvh * stride_kch
-    v_base = value_cache_ptr + kvh * stride_vch
-    k_meta = key_meta_ptr + kvh * stride_kch // 2
-    v_meta = value_meta_ptr + kvh * stride_vch // 2
+    k_head = kvh.to(tl.int64) * stride_kch
+    v_head = kvh.to(tl.int64) * stride_vch
     bt_base = block_tables_ptr + seq.to(tl.int64) * stride_bts
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -364,8 +366,9 @@ def paged_attention_int4_prefill_kernel(
         page = tl.load(bt_base + pos // block_size, mask=nmask, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
         k_lo, k_hi, k_s, k_z = _load_codes(
-            k_base, k_meta, page * stride_kcb + off * stride_kcs, c, half_dim, nmask, q0.dtype
-        )
+            key_cache_ptr, key_meta_ptr, k_head + page * stride_kcb + off * stride_kcs, c, half_dim, nmask, q0.dtype,
+            ROW_ALIGN,
+        )  # fmt: skip
         s = tl.dot(q0, tl.trans(k_lo))
         s = tl.dot(q1, tl.trans(k_hi), s)  # [BLOCK_M, BLOCK_N]
         s = (s * k_s[None, :] + q_sum[:, None] * k_z[None, :]) * qk_scale
@@ -379,8 +382,9 @@ def paged_attention_int4_prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_lo, v_hi, v_s, v_z = _load_codes(
-            v_base, v_meta, page * stride_vcb + off * stride_vcs, c, half_dim, nmask, q0.dtype
-        )
+            value_cache_ptr, value_meta_ptr, v_head + page * stride_vcb + off * stride_vcs, c, half_dim, nmask,
+            q0.dtype, ROW_ALIGN,
+        )  # fmt: skip
         ps = (p * v_s[None, :]).to(q0.dtype)
         acc0 = tl.dot(ps, v_lo, acc0 * alpha[:, None])
         acc1 = tl.dot(ps, v_hi, acc1 * alpha[:, None])
@@ -410,6 +414,11 @@ def _check_cache(cache: torch.Tensor, head_dim: int) -> None:
         )
     if cache.stride(-1) != 1 or any(st % 2 for st in cache.stride()[:-1]) or cache.storage_offset() % 2:
         raise ValueError(f"an int4 KV cache needs contiguous rows and even strides, got strides {cache.stride()}")
+
+
+def _aligned4(cache: torch.Tensor) -> bool:
+    """Every (token, head) row starts on a 4-byte boundary (base and all strides)."""
+    return cache.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in cache.stride()[:3])
 
 
 def _meta_view(cache: torch.Tensor) -> torch.Tensor:
@@ -504,6 +513,7 @@ def paged_attention(
         alibi_slopes = alibi_slopes.to(device=query.device, dtype=torch.float32).contiguous()
     alibi = alibi_slopes if has_alibi else query  # a never-read placeholder without ALiBi
     cache_args = (*key_cache.stride()[:3], *value_cache.stride()[:3], block_tables.stride(0))
+    row_align = 4 if all(_aligned4(cache) for cache in (key_cache, value_cache)) else 1
 
     run_decode = max_query_len == 1 or num_seqs > 1
     run_prefill = max_query_len > 1
@@ -533,6 +543,7 @@ def paged_attention(
             *cache_args,
             SKIP_DECODE=run_decode,
             HAS_ALIBI=has_alibi,
+            ROW_ALIGN=row_align,
             DOT_F32=_INTERPRET,
             BLOCK_M=block_m,
             BLOCK_Q=block_q,
@@ -582,6 +593,7 @@ def paged_attention(
             *cache_args,
             USE_SPLIT=use_split,
             HAS_ALIBI=has_alibi,
+            ROW_ALIGN=row_align,
             DOT_F32=_INTERPRET,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_N=block_n,

@@ -341,7 +341,7 @@ ptrs = {"out_ptr": "*fp16", "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "qu
         "key_cache_ptr": "*u8", "value_cache_ptr": "*u8", "key_meta_ptr": "*fp16", "value_meta_ptr": "*fp16",
         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i64", "query_start_loc_ptr": "*i64", "qk_scale": "fp32",
         "alibi_ptr": "*fp32"}
-consts = {"USE_SPLIT": True, "HAS_ALIBI": True, "DOT_F32": False, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_DH": 64}
+consts = {"USE_SPLIT": True, "HAS_ALIBI": True, "ROW_ALIGN": 4, "DOT_F32": False, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_DH": 64}
 dec_sig.update(ptrs)
 dec_sig.update({k: "constexpr" for k in consts})
 src = ASTSource(m.paged_attention_int4_decode_kernel, dec_sig, constexprs=consts)
@@ -349,7 +349,7 @@ kernel = triton.compile(src, target=target, options={"num_warps": 4, "num_stages
 assert kernel.asm["cubin"], "no cubin"
 pre_sig = {n: "i32" for n in m.paged_attention_int4_prefill_kernel.arg_names}
 pre_sig.update({k: v for k, v in ptrs.items() if k in pre_sig})
-pconsts = {"SKIP_DECODE": True, "HAS_ALIBI": False, "DOT_F32": False, "BLOCK_M": 64, "BLOCK_Q": 64, "BLOCK_N": 64, "BLOCK_DH": 64}
+pconsts = {"SKIP_DECODE": True, "HAS_ALIBI": False, "ROW_ALIGN": 4, "DOT_F32": False, "BLOCK_M": 64, "BLOCK_Q": 64, "BLOCK_N": 64, "BLOCK_DH": 64}
 pre_sig.update({k: "constexpr" for k in pconsts})
 src = ASTSource(m.paged_attention_int4_prefill_kernel, pre_sig, constexprs=pconsts)
 kernel = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 2})
