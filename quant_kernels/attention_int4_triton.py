@@ -135,15 +135,12 @@ def store_int4_kernel(
 
 
 @triton.jit
-def _load_codes(cache_ptr, meta_ptr, row, c, half_dim, nmask, DTYPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
+def _load_codes(cache_ptr, meta_ptr, row, c, half_dim, nmask, DTYPE: tl.constexpr):
     """Rows at byte offsets ``row [BLOCK_N]`` from the cache base -> (low-half codes, high-half
     codes ``[BLOCK_N, BLOCK_DH]`` in DTYPE, fp32 scale, fp32 zero ``[BLOCK_N]``).
 
-    ``ROW_ALIGN`` (4 when the launcher checked every stride and the base): rows start on 4-byte
-    boundaries, so the codes load as 32-bit words instead of bytes (68-byte rows at head_dim 128
-    are never 16-byte aligned)."""
-    if ROW_ALIGN > 1:
-        row = tl.multiple_of(row, ROW_ALIGN)
+    The callers hint ``row`` with ``tl.multiple_of(row, ROW_ALIGN)`` in the kernel body (a hint
+    made inside this helper is lost: measured in the PTX, byte loads again)."""
     b = tl.load(cache_ptr + row[:, None] + c[None, :], mask=nmask[:, None] & (c[None, :] < half_dim), other=0)
     lo = (b & 15).to(DTYPE)
     hi = (b >> 4).to(DTYPE)
@@ -237,8 +234,10 @@ def paged_attention_int4_decode_kernel(
         nmask = pos < seq_len
         page = tl.load(bt_base + pos // block_size, mask=nmask, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
-        k_row = k_head + page * stride_kcb + off * stride_kcs  # [BLOCK_N] byte offsets
-        k_lo, k_hi, k_s, k_z = _load_codes(key_cache_ptr, key_meta_ptr, k_row, c, half_dim, nmask, q0.dtype, ROW_ALIGN)
+        # [BLOCK_N] byte offsets; ROW_ALIGN (4 when the launcher checked the base and every stride)
+        # lets the codes load as 32-bit words (68-byte rows at head_dim 128 are never 16-byte aligned)
+        k_row = tl.multiple_of(k_head + page * stride_kcb + off * stride_kcs, ROW_ALIGN)
+        k_lo, k_hi, k_s, k_z = _load_codes(key_cache_ptr, key_meta_ptr, k_row, c, half_dim, nmask, q0.dtype)
         s = tl.dot(q0, tl.trans(k_lo))
         s = tl.dot(q1, tl.trans(k_hi), s)  # [BLOCK_G, BLOCK_N] fp32 q . codes
         s = (s * k_s[None, :] + q_sum[:, None] * k_z[None, :]) * qk_scale
@@ -249,10 +248,8 @@ def paged_attention_int4_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_row = v_head + page * stride_vcb + off * stride_vcs
-        v_lo, v_hi, v_s, v_z = _load_codes(
-            value_cache_ptr, value_meta_ptr, v_row, c, half_dim, nmask, q0.dtype, ROW_ALIGN
-        )
+        v_row = tl.multiple_of(v_head + page * stride_vcb + off * stride_vcs, ROW_ALIGN)
+        v_lo, v_hi, v_s, v_z = _load_codes(value_cache_ptr, value_meta_ptr, v_row, c, half_dim, nmask, q0.dtype)
         ps = (p * v_s[None, :]).to(q0.dtype)
         acc0 = tl.dot(ps, v_lo, acc0 * alpha[:, None])
         acc1 = tl.dot(ps, v_hi, acc1 * alpha[:, None])
@@ -365,10 +362,8 @@ def paged_attention_int4_prefill_kernel(
         nmask = pos < hi
         page = tl.load(bt_base + pos // block_size, mask=nmask, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
-        k_lo, k_hi, k_s, k_z = _load_codes(
-            key_cache_ptr, key_meta_ptr, k_head + page * stride_kcb + off * stride_kcs, c, half_dim, nmask, q0.dtype,
-            ROW_ALIGN,
-        )  # fmt: skip
+        k_row = tl.multiple_of(k_head + page * stride_kcb + off * stride_kcs, ROW_ALIGN)  # [BLOCK_N] bytes
+        k_lo, k_hi, k_s, k_z = _load_codes(key_cache_ptr, key_meta_ptr, k_row, c, half_dim, nmask, q0.dtype)
         s = tl.dot(q0, tl.trans(k_lo))
         s = tl.dot(q1, tl.trans(k_hi), s)  # [BLOCK_M, BLOCK_N]
         s = (s * k_s[None, :] + q_sum[:, None] * k_z[None, :]) * qk_scale
@@ -381,10 +376,8 @@ def paged_attention_int4_prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_lo, v_hi, v_s, v_z = _load_codes(
-            value_cache_ptr, value_meta_ptr, v_head + page * stride_vcb + off * stride_vcs, c, half_dim, nmask,
-            q0.dtype, ROW_ALIGN,
-        )  # fmt: skip
+        v_row = tl.multiple_of(v_head + page * stride_vcb + off * stride_vcs, ROW_ALIGN)
+        v_lo, v_hi, v_s, v_z = _load_codes(value_cache_ptr, value_meta_ptr, v_row, c, half_dim, nmask, q0.dtype)
         ps = (p * v_s[None, :]).to(q0.dtype)
         acc0 = tl.dot(ps, v_lo, acc0 * alpha[:, None])
         acc1 = tl.dot(ps, v_hi, acc1 * alpha[:, None])
