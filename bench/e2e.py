@@ -421,10 +421,12 @@ def qwen14b_v1_capacity(rows: list[tuple[str, str]], args: argparse.Namespace, d
             )
         )
         emit(rows, args.out)
-        if most:
+        # decode speed at the load the pool holds without preemption (admission may briefly overshoot it)
+        load = min(most, plan.max_concurrent_sequences) if plan is not None else most
+        if load:
             steps = 32 if not args.small else 4  # 400 + 34 tokens stay inside max_model_len
-            tps = timed_decode(llm, most, V1_PROMPT_LEN, steps, shape["vocab"])
-            rows.append((f"v1 decode at that load, KV {kv}", f"{tps:.0f} tok/s with {most} sequences"))
+            tps = timed_decode(llm, load, V1_PROMPT_LEN, steps, shape["vocab"])
+            rows.append((f"v1 decode at that load, KV {kv}", f"{tps:.0f} tok/s with {load} sequences"))
         if device == "cuda":
             peak = torch.cuda.max_memory_allocated()
             rows.append((f"v1 peak allocator, KV {kv}", f"{peak / GIB:.2f} GiB vs budget {budget}"))
