@@ -9,6 +9,13 @@ reference path and CUDA graphs vs eager.
 
     python bench/e2e.py --out results.md            # on the H200 (about 5-8 minutes)
     python bench/e2e.py --small                     # a tiny shape, CPU or GPU, to check the script
+    python bench/e2e.py --qwen14b-v1 --out v1.md    # only issue 15's capacity run (below), ~5 minutes
+
+``--qwen14b-v1``: capacity under the budget of a Qwen-14B (v1)-shaped GPTQ-4bit checkpoint (40 layers,
+hidden 5120, 40 heads = 40 KV heads, MLP 13696, vocab 152064) with fp16 / fp8 / int8 / int4 KV:
+the most 448-token sequences running in one step, decode tok/s at that load, the plan and the
+peak allocator. The checkpoint is a *shape proxy*: Llama architecture (q/k/v biases as Qwen's
+c_attn has), the same tensor shapes, so weights, KV bytes and kernel work are Qwen-14B v1's.
 
 Numbers are printed as a table and written to ``--out``.
 """
@@ -33,11 +40,19 @@ from tests.helpers.tokenizer import make_tokenizer  # noqa: E402
 
 QWEN14B = dict(hidden=5120, layers=48, heads=40, kv_heads=8, inter=13824, vocab=152064)
 SMALL = dict(hidden=256, layers=2, heads=4, kv_heads=2, inter=512, vocab=1024)
+# Qwen-14B v1 (multi-head attention: 800 KiB of fp16 KV per token); written as a Llama-architecture
+# shape proxy (a Qwen v1 loader is separate work), see write_random_gptq(architecture="llama").
+QWEN14B_V1 = dict(hidden=5120, layers=40, heads=40, kv_heads=40, inter=13696, vocab=152064)
+SMALL_V1 = dict(hidden=256, layers=2, heads=2, kv_heads=2, inter=512, vocab=1024)
+V1_SEQ_LEN, V1_PROMPT_LEN = 448, 400  # issue 15: 128 sequences of ~448 tokens under 24 GiB
 GIB = 2**30
 
 
-def write_random_gptq(path: Path, shape: dict, group: int = 128) -> int:
-    """A GPTQ v1 sym 4-bit checkpoint with random codes; returns its size in bytes."""
+def write_random_gptq(path: Path, shape: dict, group: int = 128, architecture: str = "qwen2") -> int:
+    """A GPTQ v1 sym 4-bit checkpoint with random codes; returns its size in bytes.
+
+    ``architecture``: "qwen2" (Qwen2ForCausalLM) or "llama" (LlamaForCausalLM with q/k/v biases,
+    the shape proxy for Qwen v1)."""
     path.mkdir(parents=True, exist_ok=True)
     h, inter, vocab = shape["hidden"], shape["inter"], shape["vocab"]
     d = 128 if h >= 1024 else h // shape["heads"]
@@ -88,13 +103,22 @@ def write_random_gptq(path: Path, shape: dict, group: int = 128) -> int:
                 shard[f"{p}.{name}.{suffix}"] = tensor
         for name, n in (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)):
             shard[f"{p}.{name}.bias"] = torch.zeros(n, dtype=torch.float16)
+        if architecture == "llama":  # Llama's attention_bias covers o_proj too (zero: Qwen v1's c_proj has none)
+            shard[f"{p}.self_attn.o_proj.bias"] = torch.zeros(h, dtype=torch.float16)
         shard[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
         shard[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
         flush(i + 1)
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    arch_fields = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 1000000.0}
+    if architecture == "llama":
+        arch_fields = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "attention_bias": True,
+            "rope_theta": 10000.0,
+        }
     config = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+        **arch_fields,
         "hidden_size": h,
         "intermediate_size": inter,
         "num_hidden_layers": shape["layers"],
@@ -103,7 +127,6 @@ def write_random_gptq(path: Path, shape: dict, group: int = 128) -> int:
         "vocab_size": vocab,
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
         "torch_dtype": "float16",
         "eos_token_id": 0,
@@ -304,7 +327,7 @@ def kv_dtype_perplexity(rows: list[tuple[str, str]]) -> None:
     demo = str(repo / "recipes" / "demo" / "model")
     text = (repo / "recipes" / "demo" / "heldout.txt").read_text(encoding="utf-8")
     runs = [("cpu float32, model-dtype KV", "cpu", "float32", "auto")]
-    runs += [(f"cuda float16, {kv} KV", "cuda", "float16", kv) for kv in ("auto", "fp8", "int8")]
+    runs += [(f"cuda float16, {kv} KV", "cuda", "float16", kv) for kv in ("auto", "fp8", "int8", "int4")]
     results = []
     for label, device, dtype, kv in runs:
         llm = LLM(demo, device=device, dtype=dtype, max_model_len=513, enable_prefix_caching=False, kv_cache_dtype=kv)
@@ -340,6 +363,79 @@ def offline(llm: LLM, shape: dict, n: int, rows: list[tuple[str, str]], label: s
     )
 
 
+def qwen14b_v1_capacity(rows: list[tuple[str, str]], args: argparse.Namespace, device: str) -> None:
+    """Issue 15 item 7: per KV dtype, one engine under the budget; the most 448-token sequences
+    (400 prompt + 48 generated) running in one step, decode tok/s with that many sequences, the plan
+    and the allocator's peak. Engines are built one at a time (each freed before the next)."""
+    shape = SMALL_V1 if args.small else QWEN14B_V1
+    tmp = Path(args.tmp)
+    ckpt = tmp / ("qwen14b-v1-proxy-gptq" if not args.small else "small-v1-proxy-gptq")
+    t0 = time.perf_counter()
+    size = write_random_gptq(ckpt, shape, architecture="llama")
+    rows.append(("Qwen-14B v1 proxy checkpoint", f"{size / GIB:.2f} GiB written in {time.perf_counter() - t0:.1f} s"))
+    emit(rows, args.out)
+    budget = args.budget if device == "cuda" else None
+    num_requests = 200 if not args.small else 12
+    for kv in args.v1_kv_dtypes.split(","):
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            llm = LLM(
+                str(ckpt),
+                device=device,
+                gpu_memory_budget=budget,
+                max_model_len=V1_SEQ_LEN,
+                max_num_seqs=256,
+                kv_cache_dtype=kv,
+                enable_prefix_caching=False,
+            )
+        except Exception as err:  # noqa: BLE001 - report and go on with the other dtypes
+            rows.append((f"v1 engine, KV {kv}", f"FAILED: {type(err).__name__}: {err}"))
+            emit(rows, args.out)
+            continue
+        plan = llm.engine.memory_plan
+        if plan is not None:
+            rows.append((f"v1 plan, KV {kv}", plan.describe().replace("\n", "; ")))
+        engine = llm.engine
+        gen = torch.Generator().manual_seed(15)
+        params = SamplingParams(temperature=0, max_tokens=V1_SEQ_LEN - V1_PROMPT_LEN, ignore_eos=True)
+        for i in range(num_requests):
+            ids = torch.randint(3, shape["vocab"], (V1_PROMPT_LEN,), generator=gen).tolist()
+            engine.add_request(f"v1cap-{kv}-{i}", {"prompt_token_ids": ids}, params)
+        most = 0
+        sync()
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            most = max(most, sum(r.num_computed_tokens >= V1_PROMPT_LEN for r in engine.scheduler.running))
+        sync()
+        elapsed = time.perf_counter() - start
+        planned = plan.max_concurrent_sequences if plan else "n/a"
+        rows.append(
+            (
+                f"v1 capacity, KV {kv}",
+                f"{most} sequences of {V1_SEQ_LEN} tokens running at once (plan: {planned}); {num_requests} requests "
+                f"done in {elapsed:.1f} s",
+            )
+        )
+        emit(rows, args.out)
+        # decode speed at the load the pool holds without preemption (admission may briefly overshoot it)
+        load = min(most, plan.max_concurrent_sequences) if plan is not None else most
+        if load:
+            steps = 32 if not args.small else 4  # 400 + 34 tokens stay inside max_model_len
+            tps = timed_decode(llm, load, V1_PROMPT_LEN, steps, shape["vocab"])
+            rows.append((f"v1 decode at that load, KV {kv}", f"{tps:.0f} tok/s with {load} sequences"))
+        if device == "cuda":
+            peak = torch.cuda.max_memory_allocated()
+            rows.append((f"v1 peak allocator, KV {kv}", f"{peak / GIB:.2f} GiB vs budget {budget}"))
+        emit(rows, args.out)
+        del llm, engine
+    rows.append(("v1 note", "Llama-architecture shape proxy of Qwen-14B v1 (same tensor shapes, random GPTQ codes)"))
+    emit(rows, args.out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
@@ -351,8 +447,16 @@ def main() -> None:
     parser.add_argument(
         "--profile", default="", help="write per-kernel CUDA time tables of decode steps to this folder"
     )
+    parser.add_argument(
+        "--qwen14b-v1", action="store_true", help="run only the Qwen-14B v1 KV-dtype capacity measurement (issue 15)"
+    )
+    parser.add_argument("--v1-kv-dtypes", default="auto,fp8,int8,int4", help="KV dtypes of --qwen14b-v1")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.qwen14b_v1:
+        rows: list[tuple[str, str]] = []
+        qwen14b_v1_capacity(rows, args, "cuda" if torch.cuda.is_available() else "cpu")
+        return
     shape = SMALL if args.small else QWEN14B
     tmp = Path(args.tmp)
     device = "cuda" if torch.cuda.is_available() else "cpu"

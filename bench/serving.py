@@ -411,7 +411,7 @@ def main() -> None:
     source.add_argument("--build-qwen14b", metavar="DIR", help="write (or reuse) the random Qwen2.5-14B GPTQ here")
     source.add_argument("--small", action="store_true", help="tiny random Llama, CPU-sized lengths (script check)")
     parser.add_argument("--gpu-memory-budget", default=None, help="e.g. 24GiB; default: the planner's")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "int8"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "int8", "int4"))
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--rates", default="4,8,16,inf", help="requests/s, comma-separated; inf = all at once")
     parser.add_argument("--seed", type=int, default=0)

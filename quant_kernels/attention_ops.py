@@ -7,14 +7,16 @@ branch touches it.
 
 Both ops keep the reference signatures (``quant_kernels.reference``) plus optional ``k_scale``
 / ``v_scale`` (float32, a scalar per layer or ``[num_kv_heads]``) for fp8 (``float8_e4m3fn``)
-and int8 caches; see ``quant_kernels.reference_kv_quant`` for the encodings.
+and int8 caches; see ``quant_kernels.reference_kv_quant`` for the encodings. int4 caches
+(``torch.uint8``, each row carrying its own scale and zero, ``quant_kernels.reference_kv_int4``)
+take no scales and run ``quant_kernels.attention_int4_triton`` on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
 
-from quant_kernels import have_triton, reference_kv_quant
+from quant_kernels import have_triton, reference_kv_int4, reference_kv_quant
 
 
 def _use_triton(device: torch.device) -> bool:
@@ -31,6 +33,11 @@ def store_kv(
     v_scale: torch.Tensor | float | None = None,
 ) -> None:
     """Write new keys and values into their cache slots (quantize-on-store for fp8 / int8)."""
+    if _use_triton(key.device) and reference_kv_int4.is_int4(key_cache.dtype):
+        from quant_kernels import attention_int4_triton
+
+        attention_int4_triton.store_kv(key, value, key_cache, value_cache, slot_mapping)
+        return
     if _use_triton(key.device):
         from quant_kernels import attention_triton
 
@@ -62,6 +69,10 @@ def paged_attention(
     grid does not depend on ``max_seq_len``; by default it is chosen from the batch shape.
     """
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale)
+    if _use_triton(query.device) and reference_kv_int4.is_int4(key_cache.dtype):
+        from quant_kernels import attention_int4_triton
+
+        return attention_int4_triton.paged_attention(*args, sliding_window, num_splits=num_splits)
     if _use_triton(query.device):
         from quant_kernels import attention_triton
 

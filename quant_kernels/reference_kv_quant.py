@@ -11,20 +11,22 @@ Encodings (``scale``: a float32 scalar per layer, or one per KV head, ``[num_kv_
 - ``torch.int8``: stored = ``clamp(round(x / scale), -127, 127)`` (round half to even);
   read = ``stored.float() * scale``. A scale is required.
 
-Caches of the model dtype (fp16 / bf16 / fp32) pass through to ``quant_kernels.reference``.
+Caches of the model dtype (fp16 / bf16 / fp32) pass through to ``quant_kernels.reference``;
+int4 caches (``torch.uint8``, scales and zeros inside each row) to ``quant_kernels.reference_kv_int4``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from quant_kernels import reference
+from quant_kernels import reference, reference_kv_int4
 
 FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
 QUANTIZED_KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
 # ``CacheConfig.cache_dtype`` strings (vLLM's names) -> storage dtype; "auto": the model dtype.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+KV_CACHE_DTYPES["int4"] = reference_kv_int4.INT4_KV_DTYPE  # packed int4 rows with their own scale / zero
 
 
 def is_quantized(dtype: torch.dtype) -> bool:
@@ -90,7 +92,10 @@ def store_kv(
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
 ) -> None:
-    """``reference.store_kv`` with quantize-on-store for fp8 / int8 caches."""
+    """``reference.store_kv`` with quantize-on-store for fp8 / int8 / int4 caches."""
+    if reference_kv_int4.is_int4(key_cache.dtype):  # per-row scales: k_scale / v_scale unused
+        reference_kv_int4.store_kv(key, value, key_cache, value_cache, slot_mapping)
+        return
     if not is_quantized(key_cache.dtype):
         reference.store_kv(key, value, key_cache, value_cache, slot_mapping)
         return
@@ -120,6 +125,11 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """``reference.paged_attention`` over a quantized cache: dequantize (to fp32), then attend."""
+    if reference_kv_int4.is_int4(key_cache.dtype):
+        return reference_kv_int4.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
+            scale, sliding_window,
+        )  # fmt: skip
     if is_quantized(key_cache.dtype):
         key_cache = dequantize_kv(key_cache, k_scale)
         value_cache = dequantize_kv(value_cache, v_scale)

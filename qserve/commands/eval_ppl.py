@@ -23,7 +23,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "fp8", "int8"],
+        choices=["auto", "fp8", "int8", "int4"],
         help="KV cache storage (auto: the model dtype); scores what the cache does to quality",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -21,7 +21,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--gpu-memory-budget", default=None, help="bytes (24GiB) or a fraction of the device (0.9)")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8 or int8")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8, int8 or int4")
     parser.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs")
     parser.add_argument(
         "--tensor-parallel-size",

@@ -51,6 +51,7 @@ def describe(path: str) -> dict[str, Any]:
     head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size", 0)) // num_heads if num_heads else 0))
     num_layers = int(cfg.get("num_hidden_layers") or 0)
     kv = {name: 2 * num_layers * num_kv_heads * head_dim * size for name, size in KV_DTYPE_BYTES.items()}
+    kv["int4"] = 2 * num_layers * num_kv_heads * (head_dim // 2 + 4)  # packed codes + fp16 scale and zero per row
     quantized = dict(sorted(inv.quantized_counts.items()))
     return {
         "model": str(path),

@@ -15,7 +15,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a model directory (config.json with its quantization_config is enough)")
     parser.add_argument("--gpu-memory-budget", required=True, help="bytes (24GiB, 22000MB) or a fraction (0.9)")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8 or int8")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8, int8 or int4")
     parser.add_argument(
         "--dtype", default="auto", help="activation dtype on the GPU (auto: the checkpoint's fp16/bf16)"
     )

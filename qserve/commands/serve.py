@@ -56,7 +56,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", help="KV cache element type: auto (the model dtype), fp8 (e4m3) or int8"
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache element type: auto (the model dtype), fp8 (e4m3), int8 or int4",
     )
     parser.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs for decode")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once, per model")

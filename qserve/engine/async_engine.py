@@ -556,7 +556,7 @@ class HostConfig:
     enforce_eager: bool = False  # no CUDA graphs
 
 
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from qserve.memory.profiler import kv_cache_torch_dtype, profile_model, set_kv_s
 from qserve.model.loader import load_model
 from qserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from qserve.request import Request, RequestStatus
-from qserve.runner.model_runner import ModelRunner, allocate_kv_caches
+from qserve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_cache_shape
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
@@ -127,7 +127,7 @@ def _check_kv_caches(
     dtype: torch.dtype,
 ) -> None:
     """Refuse externally made KV caches that do not match this model and pool."""
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = kv_cache_shape(config, num_blocks, block_size, dtype)
     if kv_caches is None or len(kv_caches) != config.num_layers:
         raise ValueError(f"kv_caches must hold one (key, value) pair per layer ({config.num_layers})")
     for layer, pair in enumerate(kv_caches):

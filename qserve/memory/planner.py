@@ -18,8 +18,9 @@ import torch
 
 from qserve.config import ModelConfig
 from qserve.distributed.sharding import per_rank_config
+from quant_kernels.reference_kv_int4 import INT4_KV_DTYPE, cache_head_size
 
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
 CPU_KV_BUDGET_BYTES = 1 << 30  # without a budget the CPU path (tests, demo) takes 1 GiB of KV
 GPU_DEFAULT_FRACTION = 0.9  # without a budget a GPU run takes this share of the card
 REPORT_CONTEXTS = (1024, 4096)
@@ -49,11 +50,22 @@ def kv_dtype_bytes(kv_cache_dtype: str, model_dtype: torch.dtype) -> int:
         raise ValueError(
             f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}"
         )
+    if kv_cache_dtype == "int4":
+        raise ValueError("int4 KV has no whole bytes per element; use kv_bytes_per_token")
     return torch.empty((), dtype=model_dtype).element_size() if kv_cache_dtype == "auto" else 1
 
 
+def kv_bytes_per_token(config: ModelConfig, kv_cache_dtype: str, model_dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes across all layers; int4 rows carry their own fp16 scale
+    and zero (``quant_kernels.reference_kv_int4``): ``head_dim // 2 + 4`` bytes per KV head."""
+    if kv_cache_dtype == "int4":
+        return 2 * config.num_layers * config.num_kv_heads * cache_head_size(config.head_dim, INT4_KV_DTYPE)
+    return config.kv_bytes_per_token(kv_dtype_bytes(kv_cache_dtype, model_dtype))
+
+
 def kv_block_bytes(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
-    return config.kv_bytes_per_token(torch.empty((), dtype=kv_dtype).element_size()) * block_size
+    row = cache_head_size(config.head_dim, kv_dtype) * torch.empty((), dtype=kv_dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * row * block_size
 
 
 def _linear_shapes(config: ModelConfig, tensor_parallel_size: int = 1) -> list[tuple[str, int, int, bool]]:
@@ -202,7 +214,7 @@ def make_plan(
         activation_bytes = activation_bytes_estimate(config, max_num_batched_tokens, max_num_seqs, dtype)
     if overhead_bytes is None:
         overhead_bytes = cuda_graph_bytes_estimate(config, max_num_seqs, dtype)
-    per_token = config.kv_bytes_per_token(kv_dtype_bytes(kv_cache_dtype, dtype))
+    per_token = kv_bytes_per_token(config, kv_cache_dtype, dtype)
     kv_budget = budget_bytes - weights_bytes - activation_bytes - overhead_bytes
     num_blocks = max(kv_budget, 0) // (per_token * block_size)
     kv_tokens = num_blocks * block_size

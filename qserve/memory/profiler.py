@@ -15,7 +15,7 @@ import torch
 from qserve.config import ModelConfig
 from qserve.runner.attn_metadata import AttentionMetadata
 
-KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}  # int4: packed rows
 KV_CODE_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 KV_SCALE_HEADROOM = 1.25  # live traffic may exceed what the profiling batch saw
 
@@ -24,7 +24,7 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: auto, fp8, int8")
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: auto, fp8, int8, int4")
     return KV_DTYPES[kv_cache_dtype]
 
 
@@ -95,8 +95,11 @@ def profile_model(
 def set_kv_scales(model: torch.nn.Module, profile: Profile, kv_dtype: torch.dtype) -> None:
     """Per-layer scales so the profiled K/V range (with headroom) fills the code range.
 
-    fp8 keeps scale 1.0 unless values would overflow e4m3's +-448; int8 always needs a scale.
+    fp8 keeps scale 1.0 unless values would overflow e4m3's +-448; int8 always needs a scale;
+    int4 rows carry their own per-token scales, so there is nothing to set.
     """
+    if kv_dtype not in KV_CODE_MAX:
+        return
     code_max = KV_CODE_MAX[kv_dtype]
     for layer, k_max, v_max in zip(model.model.layers, profile.key_absmax, profile.value_absmax):
         attn = layer.self_attn.attn

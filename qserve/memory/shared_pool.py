@@ -29,6 +29,7 @@ import torch
 
 from qserve.config import ModelConfig
 from qserve.scheduler.block_pool import BlockPool
+from quant_kernels.reference_kv_int4 import cache_head_size
 
 PAGE_ALIGN_BYTES = 256  # rows start on this boundary so every dtype view stays aligned
 
@@ -46,8 +47,8 @@ class ModelKVSpec:
 
     @property
     def block_layer_elems(self) -> int:
-        """Elements of one layer's K (or V) for one block."""
-        return self.block_size * self.config.num_kv_heads * self.config.head_dim
+        """Elements of one layer's K (or V) for one block (int4: packed bytes, scales included)."""
+        return self.block_size * self.config.num_kv_heads * cache_head_size(self.config.head_dim, self.dtype)
 
     @property
     def block_bytes(self) -> int:
@@ -136,7 +137,8 @@ class SharedKVPool:
         spec = self.specs[name]
         elem = torch.empty((), dtype=spec.dtype).element_size()
         layer_bytes = spec.block_layer_elems * elem
-        shape = (self.num_pages, spec.block_size, spec.config.num_kv_heads, spec.config.head_dim)
+        head_size = cache_head_size(spec.config.head_dim, spec.dtype)
+        shape = (self.num_pages, spec.block_size, spec.config.num_kv_heads, head_size)
         caches = []
         for layer in range(spec.config.num_layers):
             key_offset = 2 * layer * layer_bytes

@@ -22,13 +22,20 @@ from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.cuda_graphs import DecodeGraphs
 from qserve.runner.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
 from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprobs
+from quant_kernels.reference_kv_int4 import cache_head_size
+
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """``[num_blocks, block_size, num_kv_heads, head_dim]`` (int4 caches: uint8 rows of
+    ``head_dim // 2 + 4`` bytes, see ``quant_kernels.reference_kv_int4``)."""
+    return (num_blocks, block_size, config.num_kv_heads, cache_head_size(config.head_dim, dtype))
 
 
 def allocate_kv_caches(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (key, value) pair per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    """One (key, value) pair per layer, each ``kv_cache_shape(...)``."""
+    shape = kv_cache_shape(config, num_blocks, block_size, dtype)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(config.num_layers)

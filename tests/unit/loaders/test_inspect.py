@@ -57,7 +57,7 @@ def test_inspect_json(make_ckpt, capsys, fmt, qc, kwargs, expect) -> None:
     }
     assert info["lm_head_quantized"] is False
     # 2 layers, 2 KV heads, head_dim 16
-    assert info["kv_bytes_per_token"] == {"float16": 256, "bfloat16": 256, "fp8": 128, "int8": 128}
+    assert info["kv_bytes_per_token"] == {"float16": 256, "bfloat16": 256, "fp8": 128, "int8": 128, "int4": 96}
     # bytes as qserve holds them: recompute from the loaded weights
     import loaders
 
