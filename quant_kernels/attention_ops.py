@@ -72,7 +72,9 @@ def paged_attention(
     if _use_triton(query.device) and reference_kv_int4.is_int4(key_cache.dtype):
         from quant_kernels import attention_int4_triton
 
-        return attention_int4_triton.paged_attention(*args, sliding_window, num_splits=num_splits)
+        return attention_int4_triton.paged_attention(
+            *args, sliding_window, num_splits=num_splits, alibi_slopes=alibi_slopes
+        )
     if _use_triton(query.device):
         from quant_kernels import attention_triton
 

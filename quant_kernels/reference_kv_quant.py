@@ -128,7 +128,7 @@ def paged_attention(
     if reference_kv_int4.is_int4(key_cache.dtype):
         return reference_kv_int4.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-            scale, sliding_window,
+            scale, sliding_window, alibi_slopes=alibi_slopes,
         )  # fmt: skip
     if is_quantized(key_cache.dtype):
         key_cache = dequantize_kv(key_cache, k_scale)
