@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("qserve.commands.quantize", "quantize an fp16 checkpoint to a standard GPTQ or AWQ checkpoint"),
     "eval-ppl": ("qserve.commands.eval_ppl", "sliding-window perplexity of a text under a model"),
     "recipe": ("qserve.commands.recipe", "run a quantize-then-serve recipe (or --dry-run / --list)"),
+    "bench": ("qserve.commands.bench", "load-test a running OpenAI-compatible server (throughput, TTFT, TPOT, ITL)"),
 }
 
 

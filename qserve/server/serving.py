@@ -460,8 +460,8 @@ class OpenAIServing:
                             prompt_positions = output.prompt_logprobs or [None] * len(prompt.token_ids)
                             positions = list(prompt_positions) + positions
                     finishing = completion.finish_reason is not None
-                    if not text and not finishing and (not new_ids or request.logprobs is None):
-                        continue  # nothing to show yet (e.g. half a UTF-8 character)
+                    if not text and not finishing and not new_ids:
+                        continue  # no new token (e.g. a prefill chunk); a token with no text still goes out
                     logprobs = None
                     if request.logprobs is not None:
                         logprobs = self._completion_logprobs(model, new_ids, positions, state.text_offset)
@@ -587,8 +587,8 @@ class OpenAIServing:
                     new_ids = list(completion.token_ids[state.num_tokens :])
                     positions = list((completion.logprobs or [])[state.num_tokens :])
                     finishing = completion.finish_reason is not None
-                    if not text and not finishing and (not new_ids or not request.logprobs):
-                        continue  # nothing to show yet (e.g. half a UTF-8 character)
+                    if not text and not finishing and not new_ids:
+                        continue  # no new token (e.g. a prefill chunk); a token with no text still goes out
                     state.text_len = len(completion.text)
                     state.num_tokens = len(completion.token_ids)
                     state.finished = finishing
