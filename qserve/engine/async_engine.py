@@ -600,6 +600,7 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
         CPU_KV_BUDGET_BYTES,
         GPU_DEFAULT_FRACTION,
         activation_bytes_estimate,
+        cuda_graph_bytes_estimate,
         parse_memory_budget,
         weight_bytes,
     )
@@ -624,6 +625,8 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
         activation_bytes_estimate(s.config, tokens, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes)
     )
     overhead = 64 << 20
+    if not config.enforce_eager:  # decode CUDA graphs: their pool and logits buffer, per model
+        overhead = sum(cuda_graph_bytes_estimate(s.config, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes))
     kv_bytes = budget - weights - activations - overhead
     if kv_bytes <= 0:
         raise ValueError(
