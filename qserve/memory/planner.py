@@ -87,6 +87,7 @@ def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype, t
     total = math.ceil(config.vocab_size / tp) * config.hidden_size * elem  # embeddings (vocabulary-parallel)
     norms = config.num_layers * 2 + 1
     total += norms * config.hidden_size * elem
+    total += config.max_position_embeddings * config.head_dim * 4  # rotary cos / sin tables, float32
     if config.qk_norm:
         total += config.num_layers * 2 * config.head_dim * elem
     if config.qkv_bias:

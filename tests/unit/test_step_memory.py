@@ -136,3 +136,21 @@ def test_a_measured_peak_below_the_samplers_worst_case_is_raised_to_it(engine):
         max_num_batched_tokens=MAX_BATCHED, max_num_seqs=MAX_NUM_SEQS, activation_bytes=1, overhead_bytes=0,
     )  # fmt: skip
     assert plan.activation_bytes == sampling_bytes(config, MAX_NUM_SEQS, MAX_BATCHED, torch.float32) > 1
+
+
+def test_weight_bytes_cover_everything_the_loaded_model_holds(tmp_path):
+    """Parameters and buffers of a loaded GPTQ model, rotary tables included (they were not counted)."""
+    import loaders
+    from bench.e2e import SMALL, write_random_gptq
+    from qserve.config import ModelConfig
+    from qserve.memory.planner import weight_bytes
+    from qserve.model.loader import load_model
+
+    write_random_gptq(tmp_path, SMALL)
+    config = ModelConfig.from_path(tmp_path)
+    model, _ = load_model(str(tmp_path), torch.float16, torch.device("cpu"))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.parameters()}
+    storages |= {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.buffers()}
+    held = sum(storages.values())
+    planned = weight_bytes(config, loaders.detect(str(tmp_path)), torch.float16)
+    assert held <= planned < 1.5 * held
