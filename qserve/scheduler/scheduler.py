@@ -130,17 +130,28 @@ class Scheduler:
             preempted.append(victim.request_id)
         return preempted
 
+    def _pages_per_weight(self) -> dict[str | None, float]:
+        """Pages each tenant's running requests hold, per unit of its weight."""
+        pages: dict[str | None, int] = {}
+        for request in self.running:
+            held = len(self.kv_cache_manager.block_table(request.request_id))
+            pages[request.tenant] = pages.get(request.tenant, 0) + held
+        return {tenant: n / self._weight(tenant) for tenant, n in pages.items()}
+
+    def _running_order(self) -> list[Request]:
+        """The order in which running requests get this step's tokens and pages."""
+        if not self.tenant_weights:
+            return list(self.running)  # FCFS: running is sorted by arrival
+        usage = self._pages_per_weight()
+        return sorted(self.running, key=lambda r: (usage[r.tenant], r.arrival_index))
+
     def _page_victim(self, candidates: list[Request]) -> Request:
         """Whom to preempt when pages run out: the newest candidate; with tenants, the newest of the
         tenant holding the most pages per unit of weight (``candidates`` are not yet in this step)."""
         if not self.tenant_weights:
             return candidates[-1]
-        pages: dict[str | None, int] = {}
-        for request in candidates:
-            pages[request.tenant] = pages.get(request.tenant, 0) + len(
-                self.kv_cache_manager.block_table(request.request_id)
-            )
-        over = max(pages, key=lambda t: pages[t] / self._weight(t))
+        usage = self._pages_per_weight()
+        over = max(dict.fromkeys(r.tenant for r in candidates), key=usage.__getitem__)  # ties: the first
         return next(r for r in reversed(candidates) if r.tenant == over)
 
     # ---------------------------------------------------------------- queries
@@ -216,14 +227,18 @@ class Scheduler:
             preempted_ids += self._preempt_for_fair_share()
         short_of_pages = False
 
-        # 1. RUNNING requests, FCFS.
+        # 1. RUNNING requests, FCFS (with tenants: those holding the fewest pages per weight first,
+        # so that when pages run out the victims, never taken from requests already in this step,
+        # belong to the tenants holding the most).
+        queue = self._running_order()
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        while index < len(queue) and budget > 0:
+            request = queue[index]
             num_tokens = request.num_tokens
             if num_tokens > max_num_tokens:  # more blocks than this model can ever hold
                 self._finish_for_capacity(request)
                 capacity_finished_ids.append(request.request_id)
+                del queue[index]
                 continue
             num_new = min(num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute (no token was sampled for it); leave it be
@@ -232,7 +247,8 @@ class Scheduler:
             scheduled = True
             while not kv.allocate_slots(request, num_new):
                 short_of_pages = True
-                victim = self._page_victim(self.running[index:])  # never one already in this step
+                victim = self._page_victim(queue[index:])  # never one already in this step
+                queue.remove(victim)
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
@@ -240,7 +256,7 @@ class Scheduler:
                     scheduled = False
                     break
             if not scheduled:
-                break
+                continue  # it gave up its own pages; the next one is at ``index`` now
             sequences.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
