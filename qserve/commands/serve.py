@@ -75,6 +75,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE.json",
+        help="API keys -> tenants (weight, max_concurrent, max_queued, tokens_per_minute); see qserve/tenants.py",
+    )
+    parser.add_argument(
         "--min-share",
         action="append",
         default=[],
@@ -220,7 +226,12 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(host_factory=factory, api_key=api_key, on_load_failed=on_load_failed)
+    tenants = None
+    if getattr(args, "tenants", None):
+        from qserve.tenants import Tenants, load_tenants
+
+        tenants = Tenants(load_tenants(args.tenants))
+    app = create_app(host_factory=factory, api_key=api_key, on_load_failed=on_load_failed, tenants=tenants)
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -84,6 +84,7 @@ class RequestItem:
     request_id: str
     prompt: PromptInput
     params: SamplingParams
+    tenant: str | None = None  # the API key's tenant (the scheduler shares seats by tenant)
 
 
 @dataclass(eq=False)
@@ -258,7 +259,8 @@ class AsyncEngine:
                 added: list[str] = []
                 try:
                     for item in items:
-                        hosted.engine.add_request(item.request_id, item.prompt, item.params)
+                        extra = {"tenant": item.tenant} if item.tenant is not None else {}
+                        hosted.engine.add_request(item.request_id, item.prompt, item.params, **extra)
                         added.append(item.request_id)
                 except BaseException:
                     for request_id in added:  # all or nothing: nobody would read the others

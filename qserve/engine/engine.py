@@ -342,8 +342,11 @@ class Engine:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
         return text, token_ids
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError for bad input; nothing else is disturbed then."""
+    def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, *, tenant: str | None = None
+    ) -> None:
+        """Queue a request (``tenant``: whose it is, for the scheduler's shares). Raises ValueError
+        for bad input; nothing else is disturbed then."""
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{index}" for index in range(params.n)]
         taken = [i for i in [request_id, *seq_ids] if i in self._groups or i in self._sequences]
         if taken:  # checked up front: a half-added request would run under an id that was refused
@@ -357,7 +360,7 @@ class Engine:
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + index
                 child_params = params.clone(n=1, seed=seed)
-            request = Request(seq_ids[index], token_ids, child_params, arrival_index=next(self._arrival))
+            request = Request(seq_ids[index], token_ids, child_params, arrival_index=next(self._arrival), tenant=tenant)
             sequence = _Sequence(
                 request,
                 index,

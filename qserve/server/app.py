@@ -30,6 +30,8 @@ from qserve.engine.async_engine import AsyncEngine
 from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from qserve.server.serving import OpenAIServing, ServingError
+from qserve.server.tenancy import TenantGate
+from qserve.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +51,23 @@ _STATUS_TYPES = {
 class AppState:
     """What the routes need; filled in when the models are loaded."""
 
-    def __init__(self, api_key: str | None) -> None:
+    def __init__(self, api_key: str | None, tenants: Tenants | None = None) -> None:
         self.api_key = api_key
         self.host: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
         self.load_error: str | None = None
         self.metrics = ServerMetrics(lambda: self.host)
+        # Tenants (API key -> tenant, admission, per-tenant metrics); None: no tenants.
+        self.tenants = tenants
+        self.tenant_gate = TenantGate(tenants, self.metrics.registry) if tenants is not None else None
 
     def attach(self, host: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
         host.listener = self.metrics
+        if self.tenants is not None:  # the schedulers share seats by tenant weight
+            for hosted in host.models.values():
+                hosted.engine.scheduler.set_tenants(self.tenants.weights, self.tenants.max_running)
         host.start(loop)
-        self.serving = OpenAIServing(host)
+        self.serving = OpenAIServing(host, self.tenant_gate)
         self.host = host
 
     @property
@@ -122,10 +130,11 @@ def create_app(
     host_factory: Callable[[], AsyncEngine] | None = None,
     api_key: str | None = None,
     on_load_failed: Callable[[BaseException], None] | None = None,
+    tenants: Tenants | None = None,
 ) -> FastAPI:
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
-    state = AppState(api_key)
+    state = AppState(api_key, tenants)
 
     async def load(loop: asyncio.AbstractEventLoop) -> None:
         assert host_factory is not None
@@ -186,11 +195,17 @@ def create_app(
 
     # ------------------------------------------------------------------ dependencies
     async def require_api_key(request: Request) -> None:
-        if state.api_key is None:
+        if state.tenants is not None and _resolve_tenant(state.tenants, request):
+            return  # a tenant's key; with tenants, --api-key (if any) is a key without a tenant
+        if state.api_key is None and state.tenants is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+        if (
+            state.api_key is None  # tenants only: the key matched none of theirs
+            or scheme.lower() != "bearer"
+            or not secrets.compare_digest(token.strip().encode(), state.api_key.encode())
+        ):
             raise ServingError(
                 401, "Invalid or missing API key (Authorization: Bearer <key>)", type="AuthenticationError"
             )
@@ -222,7 +237,7 @@ def create_app(
         request: Request,
         s: OpenAIServing = Depends(serving),  # noqa: B008
     ) -> Any:
-        return await _respond(request, s.create_completion(body))
+        return await _respond(request, s.create_completion(body, **_tenant_of(request)))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(
@@ -230,9 +245,24 @@ def create_app(
         request: Request,
         s: OpenAIServing = Depends(serving),  # noqa: B008
     ) -> Any:
-        return await _respond(request, s.create_chat_completion(body))
+        return await _respond(request, s.create_chat_completion(body, **_tenant_of(request)))
 
     return app
+
+
+def _resolve_tenant(tenants: Tenants, request: Request) -> bool:
+    """Set ``request.state.tenant`` from the Bearer key if it is a tenant's."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    tenant = tenants.tenant_for_key(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+    if tenant is None:
+        return False
+    request.state.tenant = tenant.name
+    return True
+
+
+def _tenant_of(request: Request) -> dict[str, str]:
+    tenant = getattr(request.state, "tenant", None)
+    return {"tenant": tenant} if tenant is not None else {}
 
 
 async def _respond(request: Request, work: Awaitable[Any]) -> Any:

@@ -181,8 +181,9 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
 class OpenAIServing:
     """The endpoints' logic, independent of the web framework."""
 
-    def __init__(self, host: AsyncEngine) -> None:
+    def __init__(self, host: AsyncEngine, tenant_gate: Any | None = None) -> None:
         self.host = host
+        self.tenant_gate = tenant_gate  # qserve.server.tenancy.TenantGate when tenants are configured
         self.models: dict[str, ServedModel] = {}
         for name, hosted in host.models.items():
             engine = hosted.engine
@@ -285,11 +286,18 @@ class OpenAIServing:
                     param,
                 )
 
-    async def _submit(self, model: ServedModel, submission: _Submission, prompt_param: str) -> Any:
+    async def _submit(
+        self, model: ServedModel, submission: _Submission, prompt_param: str, tenant: str | None = None
+    ) -> Any:
         items = [
-            RequestItem(rid, {"prompt_token_ids": p.token_ids, "prompt": p.text}, submission.params)
+            RequestItem(rid, {"prompt_token_ids": p.token_ids, "prompt": p.text}, submission.params, tenant)
             for rid, p in zip(submission.request_ids, submission.prompts)
         ]
+        if tenant is not None and self.tenant_gate is not None:
+            return await self._submit_for_tenant(model, submission, prompt_param, tenant, items)
+        return await self._submit_items(model, items, prompt_param)
+
+    async def _submit_items(self, model: ServedModel, items: list[RequestItem], prompt_param: str) -> Any:
         try:
             return await self.host.submit(model.name, items)
         except QueueFullError as err:
@@ -305,6 +313,28 @@ class OpenAIServing:
             message = str(err)
             param = _param_of(message, SamplingParams.field_names(), {})
             raise bad_request(message, param or prompt_param) from err
+
+    async def _submit_for_tenant(
+        self, model: ServedModel, submission: _Submission, prompt_param: str, tenant: str, items: list[RequestItem]
+    ) -> Any:
+        """Tenant admission (429 with Retry-After over a limit) around the engine submission."""
+        from qserve.tenants import TenantLimitError
+
+        gate = self.tenant_gate
+        params = submission.params
+        lens = [len(p.token_ids) for p in submission.prompts]
+        try:
+            admission = gate.admit(tenant, lens, params.max_tokens, params.n, model.max_model_len)
+        except TenantLimitError as err:
+            raise ServingError(
+                429, str(err), type="RateLimitError", headers={"Retry-After": str(err.retry_after_s)}
+            ) from err
+        try:
+            stream = await self._submit_items(model, items, prompt_param)
+        except BaseException:
+            gate.tenants.release(admission, 0)
+            raise
+        return gate.wrap(stream, admission)
 
     @staticmethod
     async def _collect(stream: Any) -> dict[str, RequestOutput]:
@@ -338,7 +368,9 @@ class OpenAIServing:
             prompts.append(prompt)
         return prompts
 
-    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def create_completion(
+        self, request: CompletionRequest, tenant: str | None = None
+    ) -> CompletionResponse | AsyncIterator[str]:
         model = self._model(request.model)
         if request.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
@@ -364,7 +396,7 @@ class OpenAIServing:
         base_id = f"cmpl-{uuid.uuid4().hex}"
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         submission = _Submission(request_ids, prompts, params, {rid: i for i, rid in enumerate(request_ids)})
-        stream = await self._submit(model, submission, "prompt")
+        stream = await self._submit(model, submission, "prompt", tenant)
         if request.stream:
             return ClosingStream(self._completion_stream(model, request, submission, stream, base_id), stream.abort)
         final = await self._collect(stream)
@@ -520,7 +552,7 @@ class OpenAIServing:
         return prompt
 
     async def create_chat_completion(
-        self, request: ChatCompletionRequest
+        self, request: ChatCompletionRequest, tenant: str | None = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         model = self._model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
@@ -539,7 +571,7 @@ class OpenAIServing:
         self._check_total_length(model, [prompt], params, rename["max_tokens"])
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         submission = _Submission([base_id], [prompt], params, {base_id: 0})
-        stream = await self._submit(model, submission, "messages")
+        stream = await self._submit(model, submission, "messages", tenant)
         if request.stream:
             return ClosingStream(self._chat_stream(model, request, stream, base_id), stream.abort)
         final = await self._collect(stream)
