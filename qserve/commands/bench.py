@@ -217,7 +217,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             if result_path is not None:
                 write_json(result_path, config, runs)
             if plot_path is not None:
-                plot(plot_path, runs, percentiles)
+                try:
+                    plot(plot_path, runs, percentiles)
+                except ImportError:  # the table and JSON do not need it
+                    print("no PNG: matplotlib is not installed (pip install matplotlib)", flush=True)
+                    plot_path = None
     print()
     print(table(runs, percentiles))
     if result_path is not None:

@@ -226,6 +226,18 @@ class Engine:
         self.runner = ModelRunner(self.model, self.model_config, kv_caches, cache.block_size, self.device, config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
+        if self.device.type == "cuda":  # compile / tune what the first requests would otherwise wait for
+            from qserve.runner.warmup import warm_up
+
+            warm_up(
+                self.runner,
+                max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_model_len,
+                block_size=cache.block_size,
+                num_blocks=num_blocks,
+                vocab_size=self.model_config.vocab_size,
+            )
         if self.memory_plan is not None and self.device.type == "cuda":
             plan = self.memory_plan
             planned = plan.weights_bytes + plan.kv_cache_bytes + plan.overhead_bytes

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from collections import deque
 from collections.abc import Mapping
 
@@ -48,7 +49,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        watermark: float = 0.0,
     ) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be a fraction of the KV pages in [0, 1), got {watermark}")
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or max_model_len <= 0:
             raise ValueError(
                 "max_num_seqs, max_num_batched_tokens and max_model_len must be positive, got "
@@ -58,6 +62,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # Admission keeps this share of the model's pages free (vLLM's watermark): room for the
+        # running requests to grow a while before someone has to be preempted and recomputed.
+        self.watermark = watermark
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests re-enter at the front
         self.running: list[Request] = []  # sorted by arrival_index: the newest is last
@@ -263,6 +270,7 @@ class Scheduler:
 
         # 2. WAITING requests, strict FCFS. Not in a step that had to preempt: pages are short.
         if not short_of_pages:
+            watermark_blocks = math.ceil(self.watermark * kv.max_num_blocks) if self.running else 0
             running_by_tenant = self._running_by_tenant() if self.tenant_weights else {}
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self._next_waiting(running_by_tenant)
@@ -275,7 +283,7 @@ class Scheduler:
                 assert request.num_computed_tokens == 0, "a waiting request holds no KV"
                 computed_blocks, num_computed = kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_computed, budget)
-                if not kv.allocate_slots(request, num_new, computed_blocks):
+                if not kv.allocate_slots(request, num_new, computed_blocks, reserve=watermark_blocks):
                     break  # no skipping ahead: later requests wait for this one
                 if request is self.waiting[0]:
                     self.waiting.popleft()

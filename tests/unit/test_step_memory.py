@@ -154,3 +154,23 @@ def test_weight_bytes_cover_everything_the_loaded_model_holds(tmp_path):
     held = sum(storages.values())
     planned = weight_bytes(config, loaders.detect(str(tmp_path)), torch.float16)
     assert held <= planned < 1.5 * held
+
+
+def test_warm_start_runs_every_step_kind_without_touching_the_pool(engine):
+    """The start-up warm-up (run on GPUs before /health is ready): prefill chunks at every
+    power-of-two size up to max_num_batched_tokens, a mixed step, every sampler path, prompt logprobs."""
+    from qserve.runner.warmup import warm_up, warmup_steps
+
+    shapes = dict(max_num_batched_tokens=MAX_BATCHED, max_num_seqs=MAX_NUM_SEQS, max_model_len=1024,
+                  block_size=BLOCK, num_blocks=engine.block_pool.num_blocks, vocab_size=VOCAB)  # fmt: skip
+    steps = warmup_steps(**shapes)
+    prefill_sizes = [
+        s.sequences[0].num_new_tokens for s in steps if len(s.sequences) == 1 and s.sequences[0].start_position == 0
+    ]
+    assert prefill_sizes[:6] == [16, 32, 64, 128, 256, 512] and MAX_BATCHED in prefill_sizes
+    mixed = [s for s in steps if len({q.num_new_tokens > 1 for q in s.sequences}) == 2]
+    assert mixed, "no step mixes a prefill chunk with decodes"
+    assert any(len(s.sequences) == MAX_NUM_SEQS for s in steps)
+    free = engine.block_pool.num_free_blocks
+    assert warm_up(engine.runner, **shapes) == len(steps)
+    assert engine.block_pool.num_free_blocks == free
