@@ -356,12 +356,17 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
     header.append(
         f"- engine: {engine.device} {engine.dtype}, KV {args.kv_cache_dtype}, {total_pages} pages of "
         f"{engine.kv_manager.block_size} tokens, max_num_seqs {args.max_num_seqs}, max_model_len {max_model_len}, "
-        f"budget {args.gpu_memory_budget or 'default'}, watermark "
-        f"{args.watermark if args.watermark is not None else engine.scheduler.watermark}; "
-        f"built in {time.perf_counter() - t0:.1f} s"
+        f"budget {args.gpu_memory_budget or 'default'}; built in {time.perf_counter() - t0:.1f} s"
     )
     sampler = StepSampler(engine)
-    engine.scheduler.watermark = args.watermark if args.watermark is not None else engine.scheduler.watermark
+    if args.watermark is not None:
+        engine.scheduler.watermark = args.watermark
+    if args.watermark_per_running is not None:
+        engine.scheduler.watermark_per_running = args.watermark_per_running
+    header.append(
+        f"- admission watermark: {engine.scheduler.watermark:g} of the pages + "
+        f"{engine.scheduler.watermark_per_running} per running sequence"
+    )
 
     vocab = ModelConfig.from_path(path).vocab_size
     mean, cap = (64, 256) if small else (256, 2048)
@@ -458,6 +463,9 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (overrides the budget)")
     parser.add_argument(
         "--watermark", type=float, default=None, help="share of KV pages admission keeps free (default: the engine's)"
+    )
+    parser.add_argument(
+        "--watermark-per-running", type=int, default=None, help="and pages per running sequence (default: the engine's)"
     )
     parser.add_argument(
         "--sampling",

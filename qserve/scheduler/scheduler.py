@@ -50,6 +50,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         watermark: float = 0.0,
+        watermark_per_running: int = 0,
     ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be a fraction of the KV pages in [0, 1), got {watermark}")
@@ -62,9 +63,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        # Admission keeps this share of the model's pages free (vLLM's watermark): room for the
-        # running requests to grow a while before someone has to be preempted and recomputed.
+        # Admission keeps this share of the model's pages free (vLLM's watermark) plus this many
+        # pages per running request: room for the running requests to grow a while before one has
+        # to be preempted and recomputed (measured in bench/RESULTS.md: fewer recomputes).
         self.watermark = watermark
+        self.watermark_per_running = watermark_per_running
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests re-enter at the front
         self.running: list[Request] = []  # sorted by arrival_index: the newest is last
@@ -270,7 +273,10 @@ class Scheduler:
 
         # 2. WAITING requests, strict FCFS. Not in a step that had to preempt: pages are short.
         if not short_of_pages:
-            watermark_blocks = math.ceil(self.watermark * kv.max_num_blocks) if self.running else 0
+            watermark_blocks = 0
+            if self.running:  # an idle model admits whatever fits
+                watermark_blocks = math.ceil(self.watermark * kv.max_num_blocks)
+                watermark_blocks += self.watermark_per_running * len(self.running)
             running_by_tenant = self._running_by_tenant() if self.tenant_weights else {}
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self._next_waiting(running_by_tenant)
