@@ -273,10 +273,7 @@ class Scheduler:
 
         # 2. WAITING requests, strict FCFS. Not in a step that had to preempt: pages are short.
         if not short_of_pages:
-            watermark_blocks = 0
-            if self.running:  # an idle model admits whatever fits
-                watermark_blocks = math.ceil(self.watermark * kv.max_num_blocks)
-                watermark_blocks += self.watermark_per_running * len(self.running)
+            watermark_share = math.ceil(self.watermark * kv.max_num_blocks)
             running_by_tenant = self._running_by_tenant() if self.tenant_weights else {}
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self._next_waiting(running_by_tenant)
@@ -289,7 +286,10 @@ class Scheduler:
                 assert request.num_computed_tokens == 0, "a waiting request holds no KV"
                 computed_blocks, num_computed = kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_computed, budget)
-                if not kv.allocate_slots(request, num_new, computed_blocks, reserve=watermark_blocks):
+                reserve = 0  # an idle model admits whatever fits
+                if self.running:
+                    reserve = watermark_share + self.watermark_per_running * len(self.running)
+                if not kv.allocate_slots(request, num_new, computed_blocks, reserve=reserve):
                     break  # no skipping ahead: later requests wait for this one
                 if request is self.waiting[0]:
                     self.waiting.popleft()
