@@ -59,7 +59,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-output-len", type=int, default=256, help="mean output length (log-normal)")
     parser.add_argument("--random-max-len", type=int, default=2048, help="cap on drawn lengths")
     parser.add_argument("--random-sigma", type=float, default=1.0, help="sigma of the log-normal lengths")
-    parser.add_argument("--vocab-size", type=int, default=None, help="token ids to draw from when no tokenizer")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="draw prompt token ids from [3, N) (default: the tokenizer's size)"
+    )
     parser.add_argument("--custom-output-len", type=int, default=256, help="max_tokens for JSONL lines without one")
     parser.add_argument("--request-rate", type=_floats, default=[math.inf],
                         help="requests/s (Poisson arrivals), comma-separated; inf = all at once (default)")  # fmt: skip
@@ -134,7 +136,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer = _load_tokenizer(tokenizer_name)
         if chat and tokenizer is None and args.dataset_name == "random":
             raise ValueError(f"{args.endpoint} needs text prompts: give --tokenizer to decode the synthetic ones")
-        vocab_size = len(tokenizer) if tokenizer is not None else args.vocab_size
+        vocab_size = args.vocab_size or (len(tokenizer) if tokenizer is not None else None)
         if args.dataset_name == "random" and vocab_size is None:
             raise ValueError("the synthetic workload draws token ids: give --tokenizer or --vocab-size")
 

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 PromptInput = str | list[int] | dict[str, Any]
 # Admission keeps 1% of the pages (vLLM's watermark) plus one page per running sequence free, so
 # running sequences can grow before one is preempted: bench/serving.py --small --num-kv-blocks 100
-# --num-requests 40 on CPU, preemptions (recomputes) 24 -> 7 all at once, 8 -> 0 at 8 req/s.
+# --num-requests 40 on CPU, preemptions (recomputes) 24 -> 2 all at once, 9 -> 1 at 8 req/s.
 ADMISSION_WATERMARK = 0.01
 ADMISSION_WATERMARK_PAGES_PER_RUNNING = 1
 
