@@ -24,6 +24,10 @@ or reused if already there)::
     PYTHONPATH=. python3 bench/serving.py --build-qwen14b /tmp/qb --gpu-memory-budget 24GiB \
         --num-requests 1000 --rates 4,8,16,inf --out $OUT/serving.md
 
+With ``--gpu-memory-budget`` it ends by checking that the peak allocator stayed within the budget
+(exit status 1 if not); ``--sampling mixed`` makes every 4th request use the sampler's costliest
+path, so that check covers it.
+
 To check the script on CPU (a tiny random Llama, short lengths; the numbers mean nothing)::
 
     python bench/serving.py --small --num-requests 40 --rates 8,inf --out /tmp/serving_small.md
@@ -53,6 +57,7 @@ from bench.e2e import QWEN14B, lognormal_lengths, write_random_gptq  # noqa: E40
 from qserve.config import ModelConfig  # noqa: E402
 from qserve.engine.async_engine import AsyncEngine, HostConfig, ModelSpec, RequestItem, build_engines  # noqa: E402
 from qserve.engine.engine import Engine  # noqa: E402
+from qserve.memory.planner import parse_memory_budget  # noqa: E402
 from qserve.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "bench"
@@ -133,8 +138,18 @@ class Record:
     error: str | None = None
 
 
-async def run_request(host: AsyncEngine, request_id: str, ids: list[int], max_tokens: int, rec: Record) -> None:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+# --sampling mixed: every 4th request samples with everything the sampler can be asked for, so
+# each step's sampler takes its worst path (the memory budget must hold it too).
+MIXED_PARAMS = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.05, logprobs=5, seed=1)
+
+
+def request_params(index: int, max_tokens: int, sampling: str) -> SamplingParams:
+    if sampling == "mixed" and index % 4 == 0:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **MIXED_PARAMS)
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def run_request(host: AsyncEngine, request_id: str, ids: list[int], params: SamplingParams, rec: Record) -> None:
     rec.arrival = time.monotonic()
     try:
         stream = await host.submit(MODEL, [RequestItem(request_id, {"prompt_token_ids": ids}, params)])
@@ -152,7 +167,9 @@ async def run_request(host: AsyncEngine, request_id: str, ids: list[int], max_to
         rec.error = f"{type(err).__name__}: {err}"
 
 
-async def run_rate(host: AsyncEngine, workload: Workload, rate: float, run: int) -> tuple[list[Record], float]:
+async def run_rate(
+    host: AsyncEngine, workload: Workload, rate: float, run: int, sampling: str = "greedy"
+) -> tuple[list[Record], float]:
     prompts = workload.prompts(run)
     offsets = arrival_offsets(len(prompts), rate, workload.seed * 1000 + run)
     records = [Record() for _ in prompts]
@@ -162,7 +179,8 @@ async def run_rate(host: AsyncEngine, workload: Workload, rate: float, run: int)
         delay = start + offset - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(run_request(host, f"r{run}-{i}", ids, max_tokens, records[i])))
+        params = request_params(i, max_tokens, sampling)
+        tasks.append(asyncio.create_task(run_request(host, f"r{run}-{i}", ids, params, records[i])))
     await asyncio.gather(*tasks)
     return records, time.monotonic() - start
 
@@ -327,6 +345,7 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_budget=args.gpu_memory_budget,
         enforce_eager=args.enforce_eager,
+        num_kv_blocks=args.num_kv_blocks,
     )
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if cuda:
@@ -340,6 +359,14 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
         f"budget {args.gpu_memory_budget or 'default'}; built in {time.perf_counter() - t0:.1f} s"
     )
     sampler = StepSampler(engine)
+    if args.watermark is not None:
+        engine.scheduler.watermark = args.watermark
+    if args.watermark_per_running is not None:
+        engine.scheduler.watermark_per_running = args.watermark_per_running
+    header.append(
+        f"- admission watermark: {engine.scheduler.watermark:g} of the pages + "
+        f"{engine.scheduler.watermark_per_running} per running sequence"
+    )
 
     vocab = ModelConfig.from_path(path).vocab_size
     mean, cap = (64, 256) if small else (256, 2048)
@@ -377,9 +404,10 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
             print(line, flush=True)
         emit(args.out, header, rows)
 
+        footer: list[str] = []
         for run, rate in enumerate(parse_rates(args.rates)):
             sampler.reset()
-            records, duration = await run_rate(host, workload, rate, run)
+            records, duration = await run_rate(host, workload, rate, run, args.sampling)
             stats = summarize(records, duration, workload)
             rows.append(row(rate, stats, sampler, total_pages, args.num_requests))
             errors = [r.error for r in records if r.error]
@@ -396,12 +424,25 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
                 flush=True,
             )
             if cuda:
-                footer = f"- peak allocator so far: {torch.cuda.max_memory_allocated() / GIB:.2f} GiB"
-                emit(args.out, [*header, footer], rows)
+                footer = [
+                    f"- peak allocator so far: {torch.cuda.max_memory_allocated() / GIB:.2f} GiB allocated, "
+                    f"{torch.cuda.max_memory_reserved() / GIB:.2f} GiB reserved"
+                ]
+                emit(args.out, [*header, *footer], rows)
             else:
                 emit(args.out, header, rows)
     finally:
         host.shutdown()
+    if cuda and args.gpu_memory_budget:
+        # Issue 17 item 5: everything qserve allocated while serving stays inside the budget.
+        budget = parse_memory_budget(args.gpu_memory_budget, torch.cuda.get_device_properties(0).total_memory)
+        peak = torch.cuda.max_memory_allocated()
+        verdict = "within" if peak <= budget else "OVER"
+        line = f"- budget check: peak allocator {peak / GIB:.3f} GiB {verdict} the budget of {budget / GIB:.3f} GiB"
+        print(line, flush=True)
+        emit(args.out, [*header, *footer, line], rows)
+        if peak > budget:
+            raise SystemExit(f"peak allocator {peak / GIB:.3f} GiB exceeds --gpu-memory-budget {budget / GIB:.3f} GiB")
 
 
 def main() -> None:
@@ -419,6 +460,19 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="default 4096 (512 with --small)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (overrides the budget)")
+    parser.add_argument(
+        "--watermark", type=float, default=None, help="share of KV pages admission keeps free (default: the engine's)"
+    )
+    parser.add_argument(
+        "--watermark-per-running", type=int, default=None, help="and pages per running sequence (default: the engine's)"
+    )
+    parser.add_argument(
+        "--sampling",
+        choices=("greedy", "mixed"),
+        default="greedy",
+        help="mixed: every 4th request uses top-k/top-p/min-p/penalties/logprobs (the sampler's worst case)",
+    )
     parser.add_argument("--tmp", default="/tmp/qserve-bench", help="where --small writes its checkpoint")
     parser.add_argument("--out", default=None, help="markdown file, rewritten after each rate")
     args = parser.parse_args()

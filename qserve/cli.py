@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "recipe": ("qserve.commands.recipe", "run a quantize-then-serve recipe (or --dry-run / --list)"),
     # model families (issue 15): ChatGLM / Baichuan ship pickled .bin weights only
     "convert": ("qserve.commands.convert", "rewrite a checkpoint's .bin weights as safetensors (weights_only load)"),
+    "bench": ("qserve.commands.bench", "load-test a running OpenAI-compatible server (throughput, TTFT, TPOT, ITL)"),
 }
 
 

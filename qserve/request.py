@@ -41,6 +41,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    tenant: str | None = None  # who sent it (API key's tenant); the scheduler shares seats by tenant weight
     # Prefix-cache hashes of this sequence's full blocks, filled lazily by the prefix cache.
     block_hashes: list[int] = field(default_factory=list)
 

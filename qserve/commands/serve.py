@@ -90,6 +90,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="format of tool calls in model output (default: from each model's chat template)",
     )
     parser.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE.json",
+        help="API keys -> tenants (weight, max_concurrent, max_queued, tokens_per_minute); see qserve/tenants.py",
+    )
+    parser.add_argument(
         "--min-share",
         action="append",
         default=[],
@@ -463,6 +469,12 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
+    tenants = None
+    if getattr(args, "tenants", None):
+        from qserve.tenants import Tenants, load_tenants
+
+        tenants = Tenants(load_tenants(args.tenants))
+
     def on_ready(host: object) -> None:
         print(ready_line(f"http://{args.host}:{args.port}", host, args.block_size), flush=True)
 
@@ -478,6 +490,7 @@ def run(args: argparse.Namespace) -> int:
         log_stats=not args.disable_log_stats,
         ui=not getattr(args, "no_ui", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        tenants=tenants,
     )
     show_worker_logs(args)
     config = uvicorn.Config(

@@ -119,6 +119,7 @@ class RequestItem:
     request_id: str
     prompt: PromptInput
     params: SamplingParams
+    tenant: str | None = None  # the API key's tenant (the scheduler shares seats by tenant)
 
 
 @dataclass(eq=False)
@@ -320,7 +321,8 @@ class AsyncEngine:
                 added: list[str] = []
                 try:
                     for item in items:
-                        hosted.engine.add_request(item.request_id, item.prompt, item.params)
+                        extra = {"tenant": item.tenant} if item.tenant is not None else {}
+                        hosted.engine.add_request(item.request_id, item.prompt, item.params, **extra)
                         added.append(item.request_id)
                 except BaseException:
                     for request_id in added:  # all or nothing: nobody would read the others
@@ -690,6 +692,7 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
         CPU_KV_BUDGET_BYTES,
         GPU_DEFAULT_FRACTION,
         activation_bytes_estimate,
+        cuda_graph_bytes_estimate,
         parse_memory_budget,
         weight_bytes,
     )
@@ -714,6 +717,8 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
         activation_bytes_estimate(s.config, tokens, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes)
     )
     overhead = 64 << 20
+    if not config.enforce_eager:  # decode CUDA graphs: their pool and logits buffer, per model
+        overhead = sum(cuda_graph_bytes_estimate(s.config, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes))
     kv_bytes = budget - weights - activations - overhead
     if kv_bytes <= 0:
         raise ValueError(

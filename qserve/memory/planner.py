@@ -99,6 +99,7 @@ def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype, t
     total = math.ceil(config.vocab_size / tp) * config.hidden_size * elem  # embeddings (vocabulary-parallel)
     norms = config.num_layers * 2 + 1
     total += norms * config.hidden_size * elem
+    total += config.max_position_embeddings * config.head_dim * 4  # rotary cos / sin tables, float32
     if config.qk_norm:
         total += config.num_layers * 2 * config.head_dim * elem
     if config.qkv_bias:
@@ -123,11 +124,45 @@ def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype, t
     return total
 
 
+# Bytes one sampler pass allocates per float32 logit of its row chunk (``SAMPLER_CHUNK_ROWS``
+# rows at a time), at its worst (penalties, min_tokens, temperature + top-k + top-p + min-p,
+# logprobs): 37 measured with the runner's own code on CPU (tests/unit/test_step_memory.py: the
+# same torch ops allocate the same tensors on the GPU), plus 16 for the CUDA sort's key / index
+# double buffers, which are not torch tensors. One top-p request in a batch makes every row of
+# its chunk take this path.
+SAMPLER_BYTES_PER_LOGIT = 37 + 16
+# Prompt logprobs per logit of one slice: log-softmax (4) + rank comparison (1), plus top-k
+# workspace on the GPU; the slice's float32 logits and the model-dtype LM-head output are extra.
+PROMPT_LOGPROBS_BYTES_PER_LOGIT = 5 + 3
+
+
+def sampling_bytes(config: ModelConfig, num_sample_rows: int, num_prompt_rows: int, dtype: torch.dtype) -> int:
+    """Peak transient bytes of one step after the decoder layers: the sampled rows' float32
+    logits (the LM head's model-dtype output and its float32 copy exist together for a moment),
+    the sampler at its worst on those rows, and one slice of prompt logprobs (the runner computes
+    them ``PROMPT_LOGPROBS_CHUNK_ROWS`` positions at a time) while the sampled logits still live."""
+    from qserve.runner.sampler import PROMPT_LOGPROBS_CHUNK_ROWS, SAMPLER_CHUNK_ROWS  # the runner's slices
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    vocab = config.vocab_size
+    rows = num_sample_rows * vocab  # logits of the sampled rows
+    sampler_rows = min(num_sample_rows, SAMPLER_CHUNK_ROWS) * vocab  # logits of one sampler chunk
+    chunk = min(num_prompt_rows, PROMPT_LOGPROBS_CHUNK_ROWS) * vocab  # logits of one prompt slice
+    return max(
+        rows * (elem + 4),  # LM head output + its float32 copy
+        rows * 4 + sampler_rows * SAMPLER_BYTES_PER_LOGIT,  # the sampler, one row chunk at a time
+        rows * 4 + chunk * (elem + 4),  # a prompt slice's LM head output
+        rows * 4 + chunk * (4 + PROMPT_LOGPROBS_BYTES_PER_LOGIT),  # its logprobs and ranks
+    )
+
+
 def activation_bytes_estimate(config: ModelConfig, num_batched_tokens: int, num_seqs: int, dtype: torch.dtype) -> int:
     """Upper estimate of the transient memory of the largest step (before measuring it).
 
     The widest tensors of one decoder layer live at once (hidden, qkv, attention output,
-    gate_up and its activation), plus float32 logits and sampler temporaries for every sequence.
+    gate_up and its activation), plus the logits and sampler of every sampled row and a slice of
+    prompt logprobs (``sampling_bytes``: a step samples at most ``num_seqs`` rows and holds at
+    most ``num_batched_tokens`` prompt positions).
     """
     elem = torch.empty((), dtype=dtype).element_size()
     d = config.head_dim
@@ -138,8 +173,7 @@ def activation_bytes_estimate(config: ModelConfig, num_batched_tokens: int, num_
         + 3 * config.intermediate_size
     )
     layer_peak = num_batched_tokens * per_token * elem
-    sampler = num_seqs * config.vocab_size * 4 * 4  # logits + softmax + sort buffers, float32
-    return layer_peak + sampler
+    return layer_peak + sampling_bytes(config, min(num_seqs, num_batched_tokens), num_batched_tokens, dtype)
 
 
 def cuda_graph_bytes_estimate(config: ModelConfig, max_num_seqs: int, dtype: torch.dtype) -> int:
@@ -212,6 +246,11 @@ def make_plan(
     config = per_rank_config(config, tensor_parallel_size)  # heads / intermediate per rank
     if activation_bytes is None:
         activation_bytes = activation_bytes_estimate(config, max_num_batched_tokens, max_num_seqs, dtype)
+    else:
+        # A measured peak (the profiler's forward and a plain softmax + sort) does not see the
+        # sampler's worst case nor prompt logprobs, which come after the layers: take the larger.
+        rows = min(max_num_seqs, max_num_batched_tokens)
+        activation_bytes = max(activation_bytes, sampling_bytes(config, rows, max_num_batched_tokens, dtype))
     if overhead_bytes is None:
         overhead_bytes = cuda_graph_bytes_estimate(config, max_num_seqs, dtype)
     per_token = kv_bytes_per_token(config, kv_cache_dtype, dtype)

@@ -20,7 +20,12 @@ from qserve.config import ModelConfig
 from qserve.layers.rotary import ntk_alpha_index
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.cuda_graphs import DecodeGraphs
-from qserve.runner.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs
+from qserve.runner.sampler import (
+    PROMPT_LOGPROBS_CHUNK_ROWS,
+    Sampler,
+    build_sampling_metadata,
+    compute_prompt_logprobs,
+)
 from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprobs
 from quant_kernels.reference_kv_int4 import cache_head_size
 
@@ -151,9 +156,9 @@ class ModelRunner:
         if graphs is not None and is_pure_decode and graphs.bucket_for(num_seqs) is not None:
             block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
             sample_logits = graphs.replay(input_ids, positions, slots, block_tables)
-            prompt_logits = None
+            prompt_hidden = None
         else:
-            sample_logits, prompt_logits = self._forward_eager(
+            sample_logits, prompt_hidden = self._forward_eager(
                 input_ids,
                 positions,
                 slots,
@@ -166,7 +171,7 @@ class ModelRunner:
                 prompt_rows,
                 ntk_tables,
             )
-        return self._sample(sequences, sample_logits, prompt_logits, prompt_targets, prompt_owners, scheduler_output)
+        return self._sample(sequences, sample_logits, prompt_hidden, prompt_targets, prompt_owners, scheduler_output)
 
     def _forward_eager(
         self,
@@ -199,20 +204,22 @@ class ModelRunner:
             self.kv_caches,
             metadata,
         )  # [T, hidden]
-        sample_logits = prompt_logits = None
+        sample_logits = prompt_hidden = None
         if len(sample_rows) == len(input_ids):  # every token is sampled (pure decode): no gather
             sample_logits = self.model.compute_logits(hidden)  # [R, vocab]
         elif len(sample_rows):
             sample_logits = self.model.compute_logits(hidden[_to_device(sample_rows, device)])  # [R, vocab]
         if prompt_rows:
-            prompt_logits = self.model.compute_logits(hidden[torch.tensor(prompt_rows, device=device)])  # [P, vocab]
-        return sample_logits, prompt_logits
+            # Hidden states only: their logits are computed in slices by _sample, so a long prompt
+            # asking for prompt_logprobs never holds [P, vocab] float32 (the planner counts a slice).
+            prompt_hidden = hidden[torch.tensor(prompt_rows, device=device)]  # [P, hidden]
+        return sample_logits, prompt_hidden
 
     def _sample(
         self,
         sequences: list,
         sample_logits: torch.Tensor | None,
-        prompt_logits: torch.Tensor | None,
+        prompt_hidden: torch.Tensor | None,
         prompt_targets: list[int],
         prompt_owners: list[tuple[str, int]],
         scheduler_output: SchedulerOutput | None = None,
@@ -245,10 +252,15 @@ class ModelRunner:
                         logprobs[seq.request_id] = token_lp
 
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
-        if prompt_logits is not None:
-            targets = torch.tensor(prompt_targets, dtype=torch.int64, device=self.device)
+        if prompt_hidden is not None:
+            targets = torch.tensor(prompt_targets, dtype=torch.int64, device=self.device)  # [P]
             max_k = max(k for _, k in prompt_owners)
-            entries = compute_prompt_logprobs(prompt_logits, targets, max_k)
+            entries = []
+            for start in range(0, len(prompt_targets), PROMPT_LOGPROBS_CHUNK_ROWS):
+                end = start + PROMPT_LOGPROBS_CHUNK_ROWS
+                logits = self.model.compute_logits(prompt_hidden[start:end])  # [<=chunk, vocab] float32
+                entries += compute_prompt_logprobs(logits, targets[start:end], max_k)
+                del logits
             for (request_id, k), entry in zip(prompt_owners, entries):
                 if k < max_k:  # trim to what this request asked for: the actual token plus its top-k
                     entry = TokenLogprobs(entry.token_ids[: k + 1], entry.logprobs[: k + 1], entry.ranks[: k + 1])

@@ -35,6 +35,14 @@ from qserve.sampling_params import SAMPLING_EPS, SamplingParams
 from qserve.scheduler.output import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
+# A sampler call works on this many rows at a time: its temporaries (penalties, top-k / top-p
+# sorts, noise, logprobs; ~50 bytes per logit at worst) then scale with this, not with
+# max_num_seqs (on a 152k vocabulary: 0.5 GiB instead of 2 GiB at 256 rows). The planner
+# reserves one chunk. Each chunk is still one vectorized pass.
+SAMPLER_CHUNK_ROWS = 64
+# Prompt logprobs are computed this many positions at a time (logits, log-softmax, ranks), so
+# a long prompt's transient memory is bounded; the memory planner reserves one such slice.
+PROMPT_LOGPROBS_CHUNK_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -208,6 +216,24 @@ class Sampler:
         # logits: [R, V]
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows, (logits.shape, metadata.num_rows)
         assert logits.shape[1] == metadata.vocab_size, (logits.shape, metadata.vocab_size)
+        num_rows = metadata.num_rows
+        plain_greedy = (
+            metadata.all_greedy and metadata.max_num_logprobs is None and metadata.repetition_penalties is None
+        )
+        if num_rows <= SAMPLER_CHUNK_ROWS or plain_greedy:  # an argmax needs no temporaries
+            return self._forward_rows(logits, metadata)
+        sampled: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for start in range(0, num_rows, SAMPLER_CHUNK_ROWS):
+            end = min(start + SAMPLER_CHUNK_ROWS, num_rows)
+            chunk_sampled, chunk_logprobs = self._forward_rows(logits[start:end], slice_metadata(metadata, start, end))
+            sampled += chunk_sampled
+            logprobs += chunk_logprobs
+        return sampled, logprobs
+
+    def _forward_rows(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         original = logits.float()  # [R, V]
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -292,6 +318,43 @@ class Sampler:
             gen.manual_seed(self.seed & _MASK64)
             self._batch_generators[device] = gen
         return gen
+
+
+def slice_metadata(md: SamplingMetadata, start: int, end: int) -> SamplingMetadata:
+    """The metadata of rows ``[start, end)`` (for the sampler's row chunks)."""
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[start:end]
+
+    min_rows = min_ids = None
+    if md.min_tokens_rows is not None:
+        keep = (md.min_tokens_rows >= start) & (md.min_tokens_rows < end)  # [M]
+        if bool(keep.any()):
+            min_rows, min_ids = md.min_tokens_rows[keep] - start, md.min_tokens_token_ids[keep]
+    greedy = md.is_greedy[start:end]
+    num_logprobs = md.num_logprobs[start:end]
+    requested = [k for k in num_logprobs if k is not None]
+    return SamplingMetadata(
+        vocab_size=md.vocab_size,
+        temperature=md.temperature[start:end],
+        is_greedy=greedy,
+        all_greedy=md.all_greedy or bool(greedy.all()),
+        all_random=md.all_random or not bool(greedy.any()),
+        top_k=rows(md.top_k),
+        top_p=rows(md.top_p),
+        min_p=rows(md.min_p),
+        presence_penalties=rows(md.presence_penalties),
+        frequency_penalties=rows(md.frequency_penalties),
+        repetition_penalties=rows(md.repetition_penalties),
+        prompt_token_ids=rows(md.prompt_token_ids),
+        output_token_ids=rows(md.output_token_ids),
+        min_tokens_rows=min_rows,
+        min_tokens_token_ids=min_ids,
+        seeds=md.seeds[start:end],
+        output_indices=md.output_indices[start:end],
+        num_logprobs=num_logprobs,
+        max_num_logprobs=max(requested) if requested else None,
+    )
 
 
 def row_seed(seed: int, index: int) -> int:

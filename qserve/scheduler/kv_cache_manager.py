@@ -139,13 +139,15 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: Sequence[int] = (),
+        reserve: int = 0,
     ) -> bool:
         """Grow the block table to cover ``num_computed + num_new_tokens`` tokens, where
         ``num_computed = request.num_computed_tokens + len(computed_blocks) * block_size``.
 
         ``computed_blocks`` (prefix-cache hits from ``get_computed_blocks``) are only allowed
         for a request holding no blocks yet; they get a reference and head the table. All or
-        nothing: returns False, changing nothing, when the pool cannot supply the pages.
+        nothing: returns False, changing nothing, when the pool cannot supply the pages (or, with
+        ``reserve``, cannot supply them and still keep ``reserve`` more available).
         """
         request_id = request.request_id
         table = self._tables.get(request_id)
@@ -161,7 +163,7 @@ class KVCacheManager:
         num_new_blocks = max(0, num_required - num_held - len(computed_blocks))
         # Cached hits sitting in the free queue are taken out of it: they cost free blocks too.
         num_revived = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
-        if not self.pool.can_allocate(num_new_blocks + num_revived, self.owner):
+        if not self.pool.can_allocate(num_new_blocks + num_revived + reserve, self.owner):
             return False
         if table is None:
             table = self._tables[request_id] = []

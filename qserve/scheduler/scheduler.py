@@ -8,8 +8,18 @@ and pages last. When pages run out for a running request, the newest running req
 preempted by recompute (its pages are freed; it goes back to the FRONT of the waiting queue
 and later recomputes its prompt and the outputs it had so far).
 
+Tenants (``set_tenants``; off by default, and then nothing above changes): requests carry the
+tenant of the API key that sent them. Seats are shared by weight: the next waiting request
+comes from the tenant with the fewest running sequences per unit of weight (FCFS within a
+tenant; a tenant at its ``max_running`` waits), and a tenant below its weighted share of the
+seats (``max_num_seqs * weight / sum of the busy tenants' weights``) that has a request waiting
+takes a seat from the tenant furthest above its share: that tenant's newest running request is
+preempted before the step is built. When pages run out, the victim is likewise the newest
+request of the tenant holding the most pages per unit of weight. So one tenant flooding the
+server cannot hold every seat while another waits.
+
 Knows: requests' token counters and statuses, the waiting / running queues, this model's
-``KVCacheManager``. Must not know: torch, tensors, text, stop conditions (the engine decides
+``KVCacheManager``, tenants' weights and seat caps. Must not know: torch, tensors, text, stop conditions (the engine decides
 when a request is finished and calls ``finish_request``), other models' queues.
 """
 
@@ -17,6 +27,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
+from collections.abc import Mapping
 
 from qserve.request import Request, RequestStatus
 from qserve.scheduler.kv_cache_manager import KVCacheManager
@@ -37,7 +49,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        watermark: float = 0.0,
+        watermark_per_running: int = 0,
     ) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be a fraction of the KV pages in [0, 1), got {watermark}")
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or max_model_len <= 0:
             raise ValueError(
                 "max_num_seqs, max_num_batched_tokens and max_model_len must be positive, got "
@@ -47,10 +63,106 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # Admission keeps this share of the model's pages free (vLLM's watermark) plus this many
+        # pages per running request: room for the running requests to grow a while before one has
+        # to be preempted and recomputed (measured in bench/RESULTS.md: fewer recomputes).
+        self.watermark = watermark
+        self.watermark_per_running = watermark_per_running
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue()  # FCFS; preempted requests re-enter at the front; O(1) removal
         self.running: list[Request] = []  # sorted by arrival_index: the newest is last
         self._finished_ids: list[str] = []  # finished since the last schedule()
+        self.tenant_weights: dict[str | None, float] = {}  # empty: no tenants, plain FCFS
+        self.tenant_max_running: dict[str | None, int] = {}
+        self.default_tenant_weight = 1.0  # requests of tenants not listed (e.g. no tenant)
+
+    # ---------------------------------------------------------------- tenants
+    def set_tenants(self, weights: Mapping[str, float], max_running: Mapping[str, int | None] | None = None) -> None:
+        """Share seats between tenants by ``weights``; ``max_running`` caps a tenant's running sequences."""
+        bad = {name: w for name, w in weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"tenant weights must be positive, got {bad}")
+        self.tenant_weights = dict(weights)
+        self.tenant_max_running = {k: v for k, v in (max_running or {}).items() if v is not None}
+
+    def _weight(self, tenant: str | None) -> float:
+        return self.tenant_weights.get(tenant, self.default_tenant_weight)
+
+    def _running_by_tenant(self) -> dict[str | None, int]:
+        counts: dict[str | None, int] = {}
+        for request in self.running:
+            counts[request.tenant] = counts.get(request.tenant, 0) + 1
+        return counts
+
+    def _next_waiting(self, running: dict[str | None, int]) -> Request | None:
+        """The oldest waiting request of the tenant with the fewest running sequences per weight
+        (tenants at their seat cap skipped); plain FCFS without tenants."""
+        if not self.tenant_weights:
+            return self.waiting.peek()
+        best: Request | None = None
+        best_key: tuple[float, int] | None = None
+        seen: set[str | None] = set()
+        for request in self.waiting:
+            tenant = request.tenant
+            if tenant in seen:
+                continue
+            seen.add(tenant)
+            cap = self.tenant_max_running.get(tenant)
+            if cap is not None and running.get(tenant, 0) >= cap:
+                continue
+            key = (running.get(tenant, 0) / self._weight(tenant), request.arrival_index)
+            if best_key is None or key < best_key:
+                best, best_key = request, key
+        return best
+
+    def _preempt_for_fair_share(self) -> list[str]:
+        """Free seats for waiting tenants below their weighted share, taking them from the tenants
+        furthest above theirs (newest request first). Runs before the step is built."""
+        preempted: list[str] = []
+        while self.waiting and len(self.running) >= self.max_num_seqs:
+            running = self._running_by_tenant()
+            busy = set(running) | {r.tenant for r in self.waiting}
+            total = sum(self._weight(t) for t in busy)
+            claimant = self._next_waiting(running)
+            if claimant is None:
+                return preempted
+            share = self.max_num_seqs * self._weight(claimant.tenant) / total
+            if running.get(claimant.tenant, 0) + 1 > share:
+                return preempted  # at its share already: it waits for a seat like everyone
+            # Running sequences above the weighted share, per tenant.
+            excess = {t: n - self.max_num_seqs * self._weight(t) / total for t, n in running.items()}
+            over = max(excess, key=excess.__getitem__)
+            if excess[over] <= 0:
+                return preempted
+            victim = next(r for r in reversed(self.running) if r.tenant == over)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return preempted
+
+    def _pages_per_weight(self) -> dict[str | None, float]:
+        """Pages each tenant's running requests hold, per unit of its weight."""
+        pages: dict[str | None, int] = {}
+        for request in self.running:
+            held = len(self.kv_cache_manager.block_table(request.request_id))
+            pages[request.tenant] = pages.get(request.tenant, 0) + held
+        return {tenant: n / self._weight(tenant) for tenant, n in pages.items()}
+
+    def _running_order(self) -> list[Request]:
+        """The order in which running requests get this step's tokens and pages."""
+        if not self.tenant_weights:
+            return list(self.running)  # FCFS: running is sorted by arrival
+        usage = self._pages_per_weight()
+        return sorted(self.running, key=lambda r: (usage[r.tenant], r.arrival_index))
+
+    def _page_victim(self, candidates: list[Request]) -> Request:
+        """Whom to preempt when pages run out: the newest candidate; with tenants, the newest of the
+        tenant holding the most pages per unit of weight (``candidates`` are not yet in this step)."""
+        if not self.tenant_weights:
+            return candidates[-1]
+        usage = self._pages_per_weight()
+        over = max(dict.fromkeys(r.tenant for r in candidates), key=usage.__getitem__)  # ties: the first
+        return next(r for r in reversed(candidates) if r.tenant == over)
 
     # ---------------------------------------------------------------- queries
     @property
@@ -121,15 +233,22 @@ class Scheduler:
         capacity_finished_ids: list[str] = []
 
         max_num_tokens = kv.max_num_tokens  # fixed by the pool's shares: read once per step
+        if self.tenant_weights:
+            preempted_ids += self._preempt_for_fair_share()
+        short_of_pages = False
 
-        # 1. RUNNING requests, FCFS.
+        # 1. RUNNING requests, FCFS (with tenants: those holding the fewest pages per weight first,
+        # so that when pages run out the victims, never taken from requests already in this step,
+        # belong to the tenants holding the most).
+        queue = self._running_order()
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        while index < len(queue) and budget > 0:
+            request = queue[index]
             num_tokens = request.num_tokens
             if num_tokens > max_num_tokens:  # more blocks than this model can ever hold
                 self._finish_for_capacity(request)
                 capacity_finished_ids.append(request.request_id)
+                del queue[index]
                 continue
             num_new = min(num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute (no token was sampled for it); leave it be
@@ -137,22 +256,29 @@ class Scheduler:
                 continue
             scheduled = True
             while not kv.allocate_slots(request, num_new):
-                victim = self.running.pop()  # the newest: running is sorted by arrival
+                short_of_pages = True
+                victim = self._page_victim(queue[index:])  # never one already in this step
+                queue.remove(victim)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
                 if victim is request:
                     scheduled = False
                     break
             if not scheduled:
-                break
+                continue  # it gave up its own pages; the next one is at ``index`` now
             sequences.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
 
         # 2. WAITING requests, strict FCFS. Not in a step that had to preempt: pages are short.
-        if not preempted_ids:
+        if not short_of_pages:
+            watermark_share = math.ceil(self.watermark * kv.max_num_blocks)
+            running_by_tenant = self._running_by_tenant() if self.tenant_weights else {}
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting.peek()
+                request = self._next_waiting(running_by_tenant)
+                if request is None:
+                    break  # every waiting tenant is at its seat cap
                 if request.num_tokens > max_num_tokens:  # more blocks than this model can ever hold
                     self._finish_for_capacity(request)
                     capacity_finished_ids.append(request.request_id)
@@ -160,9 +286,14 @@ class Scheduler:
                 assert request.num_computed_tokens == 0, "a waiting request holds no KV"
                 computed_blocks, num_computed = kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_computed, budget)
-                if not kv.allocate_slots(request, num_new, computed_blocks):
+                reserve = 0  # an idle model admits whatever fits
+                if self.running:
+                    reserve = watermark_share + self.watermark_per_running * len(self.running)
+                if not kv.allocate_slots(request, num_new, computed_blocks, reserve=reserve):
                     break  # no skipping ahead: later requests wait for this one
-                self.waiting.popleft()
+                self.waiting.remove(request.request_id)  # O(1), wherever the tenant pick took it from
+                if self.tenant_weights:
+                    running_by_tenant[request.tenant] = running_by_tenant.get(request.tenant, 0) + 1
                 request.num_computed_tokens = num_computed
                 request.num_cached_tokens = num_computed
                 request.status = RequestStatus.RUNNING

@@ -40,7 +40,9 @@ from qserve.server.request_context import RequestIdMiddleware
 from qserve.server.request_limits import clip
 from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
 from qserve.server.serving import OpenAIServing, ServingError
+from qserve.server.tenancy import TenantGate
 from qserve.server.worker_api import add_worker_routes
+from qserve.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ _STATUS_TYPES = {
 class AppState:
     """What the routes need; filled in when the models are loaded."""
 
-    def __init__(self, api_key: str | None, *, log_requests: bool = True) -> None:
+    def __init__(self, api_key: str | None, tenants: Tenants | None = None, *, log_requests: bool = True) -> None:
         self.api_key = api_key
         self.host: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
@@ -69,11 +71,17 @@ class AppState:
         self.request_log = RequestLog(log_requests=log_requests)
         self.drain = DrainState()
         self.tool_call_parser: str | None = None  # None: from each model's chat template
+        # Tenants (API key -> tenant, admission, per-tenant metrics); None: no tenants.
+        self.tenants = tenants
+        self.tenant_gate = TenantGate(tenants, self.metrics.registry) if tenants is not None else None
 
     def attach(self, host: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
         host.listener = Listeners(self.metrics, self.request_log)
         host.start(loop)
-        self.serving = OpenAIServing(host, self.tool_call_parser)
+        if self.tenants is not None:  # the schedulers share seats by tenant weight
+            for hosted in host.models.values():
+                hosted.engine.scheduler.set_tenants(self.tenants.weights, self.tenants.max_running)
+        self.serving = OpenAIServing(host, self.tool_call_parser, tenant_gate=self.tenant_gate)
         self.host = host
 
     def apply_sampling_defaults(self, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -174,6 +182,7 @@ def create_app(
     stats_interval_s: float = STATS_INTERVAL_S,
     ui: bool = True,
     tool_call_parser: str | None = None,
+    tenants: Tenants | None = None,
 ) -> FastAPI:
     """``allowed_hosts``: names the ``Host`` header may carry (None: any). ``max_request_bytes``:
     bodies above it get 413 before they are read (None: no limit). With ``api_key`` every route
@@ -182,7 +191,7 @@ def create_app(
     (``qserve.server.request_log``). Shut down gracefully with ``drain_app``."""
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
-    state = AppState(api_key, log_requests=log_requests)
+    state = AppState(api_key, tenants, log_requests=log_requests)
     state.tool_call_parser = tool_call_parser
 
     async def load(loop: asyncio.AbstractEventLoop) -> None:
@@ -234,12 +243,18 @@ def create_app(
 
     # ------------------------------------------------------------------ the gate (hardening)
     def authorized(header: str) -> bool:
+        if state.tenants is not None:  # a tenant's key passes; with tenants a key is always needed
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() == "bearer" and token.strip() and state.tenants.tenant_for_key(token.strip()):
+                return True
+            if state.api_key is None:
+                return False
         return _bearer_matches(header, state.api_key)
 
     app.add_middleware(
         RequestGuard,
         config=GuardConfig(
-            authorized=authorized if api_key is not None else None,
+            authorized=authorized if (api_key is not None or tenants is not None) else None,
             allowed_hosts=allowed_hosts,
             max_request_bytes=max_request_bytes,
             metrics_without_key=metrics_without_key,
@@ -281,9 +296,11 @@ def create_app(
 
     # ------------------------------------------------------------------ dependencies
     async def require_api_key(request: Request) -> None:
-        if state.api_key is None:
+        if state.tenants is not None and _resolve_tenant(state.tenants, request):
+            return  # a tenant's key; with tenants, --api-key (if any) is a key without a tenant
+        if state.api_key is None and state.tenants is None:
             return
-        if not _bearer_matches(request.headers.get("authorization", ""), state.api_key):
+        if state.api_key is None or not _bearer_matches(request.headers.get("authorization", ""), state.api_key):
             raise ServingError(
                 401, "Invalid or missing API key (Authorization: Bearer <key>)", type="AuthenticationError"
             )
@@ -322,7 +339,7 @@ def create_app(
         s: OpenAIServing = Depends(serving),  # noqa: B008
     ) -> Any:
         state.apply_sampling_defaults(body)
-        return await _respond(request, s.create_completion(body))
+        return await _respond(request, s.create_completion(body, **_tenant_of(request)))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(
@@ -331,7 +348,7 @@ def create_app(
         s: OpenAIServing = Depends(serving),  # noqa: B008
     ) -> Any:
         state.apply_sampling_defaults(body)
-        return await _respond(request, s.create_chat_completion(body))
+        return await _respond(request, s.create_chat_completion(body, **_tenant_of(request)))
 
     # ------------------------------------------------------------------ vLLM-compatible worker routes
     add_worker_routes(app, health=health, require_api_key=require_api_key, serving=serving)
@@ -359,6 +376,21 @@ async def drain_app(app: FastAPI, timeout_s: float) -> bool:
             await asyncio.to_thread(state.host.shutdown)
 
     return await state.drain.drain(timeout_s, abort_all)
+
+
+def _resolve_tenant(tenants: Tenants, request: Request) -> bool:
+    """Set ``request.state.tenant`` from the Bearer key if it is a tenant's."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    tenant = tenants.tenant_for_key(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+    if tenant is None:
+        return False
+    request.state.tenant = tenant.name
+    return True
+
+
+def _tenant_of(request: Request) -> dict[str, str]:
+    tenant = getattr(request.state, "tenant", None)
+    return {"tenant": tenant} if tenant is not None else {}
 
 
 async def _respond(request: Request, work: Awaitable[Any]) -> Any:

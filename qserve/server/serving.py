@@ -211,12 +211,18 @@ class OpenAIServing:
     """The endpoints' logic, independent of the web framework."""
 
     def __init__(
-        self, host: AsyncEngine, tool_call_parser: str | None = None, limits: RequestLimits = DEFAULT_LIMITS
+        self,
+        host: AsyncEngine,
+        tool_call_parser: str | None = None,
+        limits: RequestLimits = DEFAULT_LIMITS,
+        *,
+        tenant_gate: Any | None = None,
     ) -> None:
         from qserve.server.tools import detect_parser
 
         self.host = host
         self.limits = limits
+        self.tenant_gate = tenant_gate  # qserve.server.tenancy.TenantGate when tenants are configured
         self.models: dict[str, ServedModel] = {}
         for name, hosted in host.models.items():
             engine = hosted.engine
@@ -378,11 +384,18 @@ class OpenAIServing:
                     param,
                 )
 
-    async def _submit(self, model: ServedModel, submission: _Submission, prompt_param: str) -> Any:
+    async def _submit(
+        self, model: ServedModel, submission: _Submission, prompt_param: str, tenant: str | None = None
+    ) -> Any:
         items = [
-            RequestItem(rid, {"prompt_token_ids": p.token_ids, "prompt": p.text}, submission.params)
+            RequestItem(rid, {"prompt_token_ids": p.token_ids, "prompt": p.text}, submission.params, tenant)
             for rid, p in zip(submission.request_ids, submission.prompts)
         ]
+        if tenant is not None and self.tenant_gate is not None:
+            return await self._submit_for_tenant(model, submission, prompt_param, tenant, items)
+        return await self._submit_items(model, items, prompt_param)
+
+    async def _submit_items(self, model: ServedModel, items: list[RequestItem], prompt_param: str) -> Any:
         try:
             return await self.host.submit(model.name, items)
         except QueueFullError as err:
@@ -398,6 +411,28 @@ class OpenAIServing:
             message = str(err)
             param = _param_of(message, SamplingParams.field_names(), {})
             raise bad_request(message, param or prompt_param) from err
+
+    async def _submit_for_tenant(
+        self, model: ServedModel, submission: _Submission, prompt_param: str, tenant: str, items: list[RequestItem]
+    ) -> Any:
+        """Tenant admission (429 with Retry-After over a limit) around the engine submission."""
+        from qserve.tenants import TenantLimitError
+
+        gate = self.tenant_gate
+        params = submission.params
+        lens = [len(p.token_ids) for p in submission.prompts]
+        try:
+            admission = gate.admit(tenant, lens, params.max_tokens, params.n, model.max_model_len)
+        except TenantLimitError as err:
+            raise ServingError(
+                429, str(err), type="RateLimitError", headers={"Retry-After": str(err.retry_after_s)}
+            ) from err
+        try:
+            stream = await self._submit_items(model, items, prompt_param)
+        except BaseException:
+            gate.tenants.release(admission, 0)
+            raise
+        return gate.wrap(stream, admission)
 
     @staticmethod
     async def _collect(stream: Any) -> dict[str, RequestOutput]:
@@ -431,7 +466,9 @@ class OpenAIServing:
             prompts.append(prompt)
         return prompts
 
-    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def create_completion(
+        self, request: CompletionRequest, tenant: str | None = None
+    ) -> CompletionResponse | AsyncIterator[str]:
         num_sequences = self._check_request(request)
         model = self._model(request.model)
         if request.suffix is not None:
@@ -470,7 +507,7 @@ class OpenAIServing:
         base_id = f"cmpl-{uuid.uuid4().hex}"
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         submission = _Submission(request_ids, prompts, params, {rid: i for i, rid in enumerate(request_ids)})
-        stream = await self._submit(model, submission, "prompt")
+        stream = await self._submit(model, submission, "prompt", tenant)
         if request.stream:
             return ClosingStream(self._completion_stream(model, request, submission, stream, base_id), stream.abort)
         final = await self._collect(stream)
@@ -573,8 +610,8 @@ class OpenAIServing:
                             prompt_positions = output.prompt_logprobs or [None] * len(prompt.token_ids)
                             positions = list(prompt_positions) + positions
                     finishing = completion.finish_reason is not None
-                    if not text and not finishing and (not new_ids or request.logprobs is None):
-                        continue  # nothing to show yet (e.g. half a UTF-8 character)
+                    if not text and not finishing and not new_ids:
+                        continue  # no new token (e.g. a prefill chunk); a token with no text still goes out
                     logprobs = None
                     if request.logprobs is not None:
                         logprobs = self._completion_logprobs(model, new_ids, positions, state.text_offset)
@@ -648,7 +685,7 @@ class OpenAIServing:
         return prompt
 
     async def create_chat_completion(
-        self, request: ChatCompletionRequest
+        self, request: ChatCompletionRequest, tenant: str | None = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         num_sequences = self._check_request(request)
         model = self._model(request.model)
@@ -682,7 +719,7 @@ class OpenAIServing:
         await self._compile(model, constraint, constraint_field)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         submission = _Submission([base_id], [prompt], params, {base_id: 0})
-        stream = await self._submit(model, submission, "messages")
+        stream = await self._submit(model, submission, "messages", tenant)
         if request.stream:
             return ClosingStream(self._chat_stream(model, request, stream, base_id, tools), stream.abort)
         final = await self._collect(stream)
@@ -758,8 +795,8 @@ class OpenAIServing:
                     new_ids = list(completion.token_ids[state.num_tokens :])
                     positions = list((completion.logprobs or [])[state.num_tokens :])
                     finishing = completion.finish_reason is not None
-                    if not text and not finishing and (not new_ids or not request.logprobs):
-                        continue  # nothing to show yet (e.g. half a UTF-8 character)
+                    if not text and not finishing and not new_ids:
+                        continue  # no new token (e.g. a prefill chunk); a token with no text still goes out
                     state.text_len = len(completion.text)
                     state.num_tokens = len(completion.token_ids)
                     state.finished = finishing

@@ -48,6 +48,8 @@ def test_preemption_keeps_outputs_and_frees_every_block(llama_path, alone):
     # 12 blocks of 16 tokens cannot hold 32 sequences of up to 80 tokens: the scheduler must
     # preempt (recompute) and still produce the same tokens.
     llm = LLM(llama_path, device="cpu", dtype="float32", num_kv_blocks=12, enable_prefix_caching=False)
+    # No admission watermark: this test is about the preemption path itself.
+    llm.engine.scheduler.watermark, llm.engine.scheduler.watermark_per_running = 0.0, 0
     preemptions = []
     original_schedule = llm.engine.scheduler.schedule
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# `qserve bench` against `qserve serve` (issue 17): the random Qwen2.5-14B GPTQ-4bit checkpoint under
+# --gpu-memory-budget 24GiB, as users run it. First-request TTFT (the warm-up request on a fresh
+# server), concurrency 1 and 16, then Poisson 16 req/s; JSON + PNG per run in OUT_DIR.
+#   PYTHONPATH=. bash bench/serving_http.sh "$OUT" [/tmp/qb]
+set -euo pipefail
+OUT=${1:?usage: serving_http.sh OUT_DIR [CHECKPOINT_DIR]}
+CKPT=${2:-/tmp/qb}
+PORT=${PORT:-8123}
+export PYTHONPATH=${PYTHONPATH:-.}
+mkdir -p "$OUT"
+if [ ! -f "$CKPT/tokenizer_config.json" ]; then
+    python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_random_gptq; write_random_gptq(Path('$CKPT'), QWEN14B)"
+fi
+python3 -m qserve.cli --log-level INFO serve qb="$CKPT" --gpu-memory-budget 24GiB --max-model-len 4096 --port "$PORT" \
+    > "$OUT/serve.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
+health="import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)"
+until python3 -c "$health" 2>/dev/null; do
+    kill -0 "$SERVER" 2>/dev/null || { tail -30 "$OUT/serve.log"; exit 1; }
+    sleep 2
+done
+COMMON=(--port "$PORT" --ignore-eos --vocab-size 152064 --disable-tqdm --result-dir "$OUT")
+python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 48 --max-concurrency 1,16 --result-filename concurrency.json
+python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 400 --request-rate 16 --num-warmups 0 --result-filename poisson16.json
+grep -E "allocated after start-up|warm start|memory plan" -A0 "$OUT/serve.log" || true
