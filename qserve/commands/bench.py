@@ -129,16 +129,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             card = models[0]
         model = args.model or card["id"]
         max_model_len = (card or {}).get("max_model_len")
-        tokenizer_name = args.tokenizer
-        root = (card or {}).get("root")
-        if tokenizer_name is None and root and (Path(root) / "tokenizer_config.json").is_file():
-            tokenizer_name = root
-        tokenizer = _load_tokenizer(tokenizer_name)
+        tokenizer = _load_tokenizer(args.tokenizer)  # servers do not tell a path (qserve's /v1/models names none)
         if chat and tokenizer is None and args.dataset_name == "random":
             raise ValueError(f"{args.endpoint} needs text prompts: give --tokenizer to decode the synthetic ones")
         vocab_size = args.vocab_size or (len(tokenizer) if tokenizer is not None else None)
         if args.dataset_name == "random" and vocab_size is None:
-            raise ValueError("the synthetic workload draws token ids: give --tokenizer or --vocab-size")
+            raise ValueError(
+                "the synthetic workload draws token ids: give --tokenizer (the model's directory) or --vocab-size"
+            )
 
         def workload(run: int) -> list[Any]:
             if args.dataset_name == "custom":
@@ -166,7 +164,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "base_url": base_url,
             "endpoint": args.endpoint,
             "model_id": model,
-            "tokenizer_id": tokenizer_name,
+            "tokenizer_id": args.tokenizer,
             "dataset_name": args.dataset_name,
             "dataset_path": args.dataset_path,
             "num_prompts": args.num_prompts,

@@ -44,11 +44,13 @@ def bench_server(checkpoints):
 
     host = AsyncEngine(build_engines([ModelSpec("llama", checkpoints["llama"])], host_config()))
     with serve(create_app(host)) as url:
-        yield url
+        # /v1/models names no filesystem path, so the bench is told where the tokenizer is.
+        yield url, checkpoints["llama"]
 
 
 def test_bench_against_server_agrees_with_its_metrics(bench_server, tmp_path, capsys):
-    args = _args(bench_server, tmp_path, "--max-concurrency", "1,4", "--request-rate", "inf")
+    url, tokenizer = bench_server
+    args = _args(url, tmp_path, "--tokenizer", tokenizer, "--max-concurrency", "1,4", "--request-rate", "inf")
     result = asyncio.run(bench_command.bench(args))
     runs = result["runs"]
     assert [r["max_concurrency"] for r in runs] == [1, 4]
@@ -78,7 +80,7 @@ def test_bench_counts_errors_per_status(bench_server, tmp_path):
     # A prompt longer than the context is refused with 400 by the server; the bench counts it.
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"prompt": [5] * 300, "output_len": 4}) + "\n" + json.dumps({"prompt": "Hello"}) + "\n")
-    args = _args(bench_server, tmp_path, "--dataset-name", "custom", "--dataset-path", str(path), "--num-warmups",
+    args = _args(bench_server[0], tmp_path, "--dataset-name", "custom", "--dataset-path", str(path), "--num-warmups",
                  "0", "--num-prompts", "4", "--custom-output-len", "3", "--request-rate", "50")  # fmt: skip
     run = asyncio.run(bench_command.bench(args))["runs"][0]
     assert run["completed"] == 2 and run["failed"] == 2

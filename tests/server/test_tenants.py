@@ -99,7 +99,9 @@ def test_keys_map_to_tenants_and_limits_answer_429(tenant_server):
     assert _post(url, "key-small", max_tokens=100, ignore_eos=True).status_code == 200  # 103 of 120 used
     over = _post(url, "key-small", max_tokens=100, ignore_eos=True)
     assert over.status_code == 429 and int(over.headers["Retry-After"]) >= 1
-    metrics = httpx.get(f"{url}/metrics").text
+    # With tenants every route but the probes needs a key; a tenant's key reads /metrics too.
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer key-alice"}).text
     assert 'qserve:tenant_requests_rejected_total{reason="tokens",tenant="small"} 1.0' in metrics
     assert 'qserve:tenant_requests_in_flight{tenant="small"} 0.0' in metrics  # released at the end
     assert 'qserve:tenant_time_to_first_token_seconds_count{tenant="alice"}' in metrics

@@ -191,6 +191,8 @@ def test_engine_counts_preemptions_and_queue_time(checkpoints):
         enable_prefix_caching=False,
         max_model_len=64,
     )
+    # No admission watermark: both are admitted, so one must be preempted as they grow.
+    llm.engine.scheduler.watermark, llm.engine.scheduler.watermark_per_running = 0.0, 0
     params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
     prompts = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": list(range(30, 50))}]
     outputs = llm.generate(prompts, params)
