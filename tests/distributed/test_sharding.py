@@ -134,7 +134,8 @@ def test_planner_is_per_rank(tmp_path) -> None:
     assert (rank.num_heads, rank.num_kv_heads, rank.intermediate_size) == (2, 1, 128)
     one, two = weight_bytes(config, None, torch.float16), weight_bytes(config, None, torch.float16, 2)
     replicated_norms = (2 * config.num_layers + 1) * config.hidden_size * 2
-    assert 2 * two - one == replicated_norms  # everything else is split exactly in two
+    rotary_tables = config.max_position_embeddings * config.head_dim * 4  # float32 cos / sin, on every rank
+    assert 2 * two - one == replicated_norms + rotary_tables  # everything else is split exactly in two
     plans = [
         make_plan(config, weights_bytes=w, budget_bytes=1 << 30, dtype=torch.float16, tensor_parallel_size=tp)
         for w, tp in ((one, 1), (two, 2))
