@@ -224,7 +224,6 @@ def w4a16_mma_kernel(
     DOT_F32: tl.constexpr,
 ):
     dtype = x_ptr.dtype.element_ty
-    ZOFF: tl.constexpr = 1 << (BITS - 1)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -337,7 +336,6 @@ def mma_dequant_kernel(
     BLOCK_K: tl.constexpr,
     FAST: tl.constexpr,
 ):
-    ZOFF: tl.constexpr = 1 << (BITS - 1)
     dtype = out_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     kt = tl.program_id(1)
