@@ -199,15 +199,11 @@ def w4a16_mma_kernel(
     K,
     group_size,
     split_k,
-    stride_xm,
-    stride_xk,
+    stride_xm,  # x's K stride is 1 (the launcher makes it so): contiguous, vectorized loads
     stride_qr,
-    stride_sg,
-    stride_sn,
+    stride_sg,  # scales, zeros and out have unit N stride (the launcher makes it so)
     stride_zg,
-    stride_zn,
     stride_om,
-    stride_on,
     stride_wsk,
     stride_wsm,
     BITS: tl.constexpr,
@@ -215,7 +211,9 @@ def w4a16_mma_kernel(
     HAS_ZEROS: tl.constexpr,
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    NG: tl.constexpr,  # groups per K-tile: 1 = the tile lies in one group (scale on the partial)
+    NG: tl.constexpr,  # groups per K-tile (1: the tile lies in one group)
+    SCALE_W: tl.constexpr,  # scale the weight values, not the partial (always when NG > 1): lets the
+    # MMA chain on one accumulator and run asynchronously under the next tile's dequant
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -248,15 +246,15 @@ def w4a16_mma_kernel(
         else:
             src = offs_k
         xk = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + src[None, :] * stride_xk,
+            x_ptr + offs_m[:, None] * stride_xm + src[None, :],
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
-        if NG == 1:
+        if NG == 1 and not SCALE_W:
             g = k0 // group_size
-            s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
+            s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             if HAS_ZEROS:  # q - z, exact in fp16/bf16; the [BN] zeros load lands in the A layout directly
-                z = tl.load(zeros_ptr + g * stride_zg + offs_n * stride_zn, mask=mask_n, other=0.0)
+                z = tl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0.0)
                 if DOT_F32:  # interpreter: bf16 arithmetic there is unreliable
                     wt = wt.to(tl.float32) - z.to(tl.float32)[:, None]
                 else:
@@ -267,17 +265,15 @@ def w4a16_mma_kernel(
                 part = tl.dot(wt, tl.trans(xk))  # [BN, BM]
             acc += part * s[:, None]
         else:
-            G: tl.constexpr = BLOCK_K // NG
-            offs_g = k0 // G + tl.arange(0, NG)  # [NG]
-            mask_g = mask_n[:, None] & (offs_g * G < K)[None, :]  # the last tile may hold fewer groups
-            sg = tl.load(
-                scales_ptr + offs_g[None, :] * stride_sg + offs_n[:, None] * stride_sn, mask=mask_g, other=0.0
-            )  # [BN, NG]
+            G: tl.constexpr = BLOCK_K // NG  # columns of the tile per scale (the group size when NG > 1)
+            offs_g = k0 // group_size + tl.arange(0, NG)  # [NG]
+            mask_g = mask_n[:, None] & (offs_g * group_size < K)[None, :]  # the last tile may hold fewer groups
+            sg = tl.load(scales_ptr + offs_g[None, :] * stride_sg + offs_n[:, None], mask=mask_g, other=0.0)  # [BN, NG]
             wdt = tl.float32 if DOT_F32 else dtype  # interpreter: bf16 arithmetic there is unreliable
             wt = wt.to(wdt)
             if HAS_ZEROS:
                 z = tl.load(
-                    zeros_ptr + offs_g[None, :] * stride_zg + offs_n[:, None] * stride_zn, mask=mask_g, other=0.0
+                    zeros_ptr + offs_g[None, :] * stride_zg + offs_n[:, None], mask=mask_g, other=0.0
                 )  # [BN, NG]
                 zf = z.to(wdt)
                 wt = wt - tl.reshape(tl.broadcast_to(zf[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
@@ -290,7 +286,7 @@ def w4a16_mma_kernel(
 
     out_t = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask_mn = mask_m[:, None] & mask_n[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if not USE_SPLIT:
         if HAS_BIAS:
             out_t += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -322,12 +318,9 @@ def mma_dequant_kernel(
     K,
     group_size,
     stride_qr,
-    stride_sg,
-    stride_sn,
+    stride_sg,  # scales, zeros and out have unit N stride
     stride_zg,
-    stride_zn,
     stride_ok,
-    stride_on,
     BITS: tl.constexpr,
     KW: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
@@ -345,16 +338,16 @@ def mma_dequant_kernel(
     wt = _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype, FAST).to(tl.float32)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]  # [BN, BK]
     g = offs_k // group_size
-    s = tl.load(scales_ptr + g[None, :] * stride_sg + offs_n[:, None] * stride_sn, mask=mask, other=0.0)
+    s = tl.load(scales_ptr + g[None, :] * stride_sg + offs_n[:, None], mask=mask, other=0.0)
     if HAS_ZEROS:
-        z = tl.load(zeros_ptr + g[None, :] * stride_zg + offs_n[:, None] * stride_zn, mask=mask, other=0.0)
+        z = tl.load(zeros_ptr + g[None, :] * stride_zg + offs_n[:, None], mask=mask, other=0.0)
         wt -= z.to(tl.float32)
     val = wt * s.to(tl.float32)  # [BN, BK]
     if HAS_PERM:
         dst = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
     else:
         dst = offs_k
-    tl.store(out_ptr + dst[None, :] * stride_ok + offs_n[:, None] * stride_on, val.to(dtype), mask=mask)
+    tl.store(out_ptr + dst[None, :] * stride_ok + offs_n[:, None], val.to(dtype), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,11 +366,15 @@ class MmaConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    scale_w: bool = False  # scales on the weight values (async MMA chain) instead of the fp32 partial
 
     def short(self) -> str:
         if self.kind == "dequant":
             return "dequant+mm"
-        return f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}"
+        sw = " sw" if self.scale_w else ""
+        return (
+            f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{sw}"
+        )
 
 
 DEQUANT = MmaConfig(kind="dequant")
@@ -469,7 +466,11 @@ def prepare(weight: PackedQuantWeight, kwidth: int | None = None) -> MmaQuantWei
     if kwidth is None:
         device = weight.qweight.device
         kwidth = mma_kwidth(torch.cuda.get_device_capability(device)) if device.type == "cuda" else 2
-    return mma_shuffle(weight, kwidth)
+    shuffled = mma_shuffle(weight, kwidth)
+    shuffled.scales = shuffled.scales.contiguous()  # the kernels assume unit N strides
+    if shuffled.zeros is not None:
+        shuffled.zeros = shuffled.zeros.contiguous()
+    return shuffled
 
 
 def _fast_ok(bits: int, dtype: torch.dtype) -> bool:
@@ -497,11 +498,8 @@ def dequantize_dense(weight: MmaQuantWeight, dtype: torch.dtype, out: torch.Tens
         weight.group_size,
         qw.stride(0),
         sc.stride(0),
-        sc.stride(1),
         zeros.stride(0),
-        zeros.stride(1),
         out.stride(0),
-        out.stride(1),
         BITS=weight.bits,
         KW=weight.kwidth,
         HAS_ZEROS=weight.zeros is not None,
@@ -530,8 +528,12 @@ def w4a16_gemm(
     cfg = select_config(weight, x.dtype, m) if config is None else _fix(config, m, k, n, g)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
+    elif out.stride(1) != 1:
+        raise ValueError("out must have a unit stride along N")
     if m == 0:
         return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
     if cfg.kind == "dequant":
         dense = dequantize_dense(weight, x.dtype)  # [K, N] input order: no gather of x
         if bias is None:
@@ -572,14 +574,10 @@ def w4a16_gemm(
         g,
         split,
         x.stride(0),
-        x.stride(1),
         qw.stride(0),
         sc.stride(0),
-        sc.stride(1),
         zeros.stride(0),
-        zeros.stride(1),
         out.stride(0),
-        out.stride(1),
         ws.stride(0) if split > 1 else 0,
         ws.stride(1) if split > 1 else 0,
         BITS=weight.bits,
@@ -588,6 +586,7 @@ def w4a16_gemm(
         HAS_PERM=weight.perm is not None,
         HAS_BIAS=bias is not None,
         NG=ng,
+        SCALE_W=cfg.scale_w or ng > 1,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -601,38 +600,41 @@ def w4a16_gemm(
 
 
 def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig]:
-    """Configs worth timing for this M (``bench/kernels.py --sweep`` and ``tune_w4a16`` time these)."""
+    """Configs worth timing for this M (``bench/kernels.py --sweep`` times these)."""
     out: list[MmaConfig] = []
     block_m = max(16, triton.next_power_of_2(min(m, 256)))
     if m <= 64:
-        for bn, bk, warps, stages in (
-            (128, 128, 4, 3),
-            (128, 128, 4, 4),
-            (64, 128, 4, 4),
-            (256, 128, 8, 3),
-            (128, 64, 4, 4),
+        for bn, bk, warps, stages, sw in (
+            (64, 128, 4, 4, False),
+            (64, 128, 4, 6, False),
+            (64, 128, 4, 4, True),
+            (64, 256, 4, 3, True),
+            (128, 128, 4, 3, False),
+            (128, 128, 4, 4, True),
+            (128, 64, 4, 4, False),
         ):
             for split in (1, 2, 4, 8):
-                out.append(MmaConfig("mma", block_m, bn, bk, split, warps, stages))
+                out.append(MmaConfig("mma", block_m, bn, bk, split, warps, stages, sw))
     elif m <= 256:
-        for bm, bn, bk, warps, stages in (
-            (block_m, 64, 128, 4, 3),
-            (block_m, 128, 128, 8, 3),
-            (block_m, 128, 64, 8, 4),
-            (min(block_m, 128), 128, 128, 4, 3),
-            (min(block_m, 128), 256, 64, 8, 3),
+        for bm, bn, bk, warps, stages, sw in (
+            (block_m, 128, 128, 8, 3, False),
+            (block_m, 128, 128, 8, 3, True),
+            (block_m, 64, 128, 4, 3, True),
+            (min(block_m, 128), 128, 64, 4, 4, True),
+            (block_m, 256, 64, 8, 3, True),
         ):
             for split in (1, 2):
-                out.append(MmaConfig("mma", bm, bn, bk, split, warps, stages))
+                out.append(MmaConfig("mma", bm, bn, bk, split, warps, stages, sw))
         out.append(DEQUANT)
     else:
         for bm, bn, bk, warps, stages in (
             (256, 128, 64, 8, 3),
             (128, 128, 128, 8, 3),
             (128, 256, 64, 8, 3),
-            (256, 64, 128, 4, 3),
+            (256, 128, 64, 8, 4),
+            (128, 128, 64, 4, 4),
         ):
-            out.append(MmaConfig("mma", bm, bn, bk, 1, warps, stages))
+            out.append(MmaConfig("mma", bm, bn, bk, 1, warps, stages, True))
         out.append(DEQUANT)
     uniq: list[MmaConfig] = []
     for cfg in out:
@@ -676,6 +678,7 @@ def compile_ptx(
         HAS_PERM=act_order,
         HAS_BIAS=False,
         NG=group_tile,
+        SCALE_W=cfg.scale_w or group_tile > 1,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -691,8 +694,14 @@ def compile_ptx(
             signature[name] = "constexpr"
         else:
             signature[name] = "i32"
+    # What the JIT specializes at run time for real shapes: 16-byte-aligned pointers and
+    # multiple-of-16 sizes and strides (M is never specialized).
+    aligned = [
+        (i,) for i, name in enumerate(fn.arg_names) if signature[name] != "constexpr" and name not in ("M", "split_k")
+    ]
+    attrs = {path: [["tt.divisibility", 16]] for path in aligned}
     compiled = triton.compile(
-        ASTSource(fn, signature, constants),
+        ASTSource(fn, signature, constants, attrs),
         target=GPUTarget("cuda", arch, 32),
         options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
