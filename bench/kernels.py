@@ -157,7 +157,7 @@ def time_candidate(fn_one, calls, ref, m, n) -> tuple[float | None, float]:
     return graph_us(calls, rep=20, repeats=1), err
 
 
-def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers) -> None:
+def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, sweep_ms=None) -> None:
     k, n = SHAPES[name]
     weight, codes = make_weight(k, n, GROUP)
     dense = reference.dequantize(weight, torch.float16)  # [K, N]
@@ -220,7 +220,7 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers) 
 
         default = mma.select_config(new_w, torch.float16, m)
         cfgs = [default]
-        if sweep and time.time() - t_start < budget_s:
+        if sweep and (sweep_ms is None or m in sweep_ms) and time.time() - t_start < budget_s:
             cfgs += [c for c in mma.candidate_configs(m, k, n, GROUP) if c != default]
         timed = []
         for cfg in cfgs:
@@ -338,12 +338,14 @@ def main() -> None:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--peers", default="old,gemlite,tiny", help="comma-separated: old, gemlite, tiny")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping (keep timing defaults) after this")
+    ap.add_argument("--sweep-ms", default="", help="sweep only these M (others: built-in dispatch); default all")
     ap.add_argument("--ptx", action="store_true", help="also count st.shared in the sm90/sm86 PTX")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.md"))
     args = ap.parse_args()
     torch.manual_seed(0)
     ms = [int(v) for v in args.ms.split(",")]
     peers = set(args.peers.split(",")) if args.peers else set()
+    sweep_ms = {int(v) for v in args.sweep_ms.split(",")} if args.sweep_ms else None
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     json_path = os.path.splitext(args.out)[0] + ".json"
 
@@ -359,7 +361,7 @@ def main() -> None:
     sweep_log: list[dict] = []
     t_start = time.time()
     for name in args.shapes.split(","):
-        bench_shape(name, ms, args.sweep, bw, rows, sweep_log, t_start, args.budget_s, peers)
+        bench_shape(name, ms, args.sweep, bw, rows, sweep_log, t_start, args.budget_s, peers, sweep_ms)
         torch.cuda.empty_cache()
         with open(json_path, "w") as fh:  # partial results survive a timeout
             json.dump({"rows": rows, "sweep": sweep_log, "copy_bw": bw, "ptx": ptx, "header": header}, fh, indent=1)

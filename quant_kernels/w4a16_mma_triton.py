@@ -413,17 +413,31 @@ def _fix(cfg: MmaConfig, m: int, k: int, n: int, group_size: int) -> MmaConfig:
     return dataclasses.replace(cfg, block_k=block_k, block_n=block_n, split_k=split)
 
 
+def _pow2_at_most(v: float) -> int:
+    p = 1
+    while p * 2 <= v and p < 8:
+        p *= 2
+    return p
+
+
 def default_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
-    """Built-in choice by M (the dispatch table; bench/RESULTS.md has the measurements behind it)."""
-    if m > 128:
+    """Built-in dispatch table by M, written as rules from ``bench/kernels.py --sweep`` on an H200
+    (Qwen2.5-14B shapes; bench/RESULTS.md), so other shapes get the same kind of launch. Split-K
+    brings the program count to a per-M target (more programs, more weight bytes in flight)."""
+    if m <= 16:  # decode: 64-row tiles, 4 stages of 4 KB each, ~800 programs
+        cfg, tiles = MmaConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4), triton.cdiv(n, 64)
+        split = min(8, triton.next_power_of_2(max(1, triton.cdiv(800, tiles))))
+    elif m <= 32:
+        cfg, tiles = MmaConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4), triton.cdiv(n, 64)
+        split = _pow2_at_most(450 / tiles)
+    elif m <= 64:
+        cfg, tiles = MmaConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3), triton.cdiv(n, 128)
+        split = _pow2_at_most(250 / tiles)
+    elif m <= 128:
+        cfg, tiles = MmaConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3), triton.cdiv(n, 128)
+        split = _pow2_at_most(150 / tiles)
+    else:
         return DEQUANT
-    block_m = max(16, triton.next_power_of_2(m))
-    block_n = 128 if m <= 64 else 64
-    cfg = MmaConfig(block_m=block_m, block_n=block_n, block_k=128, num_warps=4, num_stages=3)
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split = 1
-    while tiles * split < 264 and split < 8:  # ~2 waves of 132 SMs
-        split *= 2
     return _fix(dataclasses.replace(cfg, split_k=split), m, k, n, group_size)
 
 

@@ -210,3 +210,37 @@ def test_w4a16_mma_gpu_every_candidate(m) -> None:
         w4a16_gemm(x, shuffled, None, cfg, counters, out=out)
         assert_matches(out, ref, torch.bfloat16)
     assert int(counters.abs().sum()) == 0
+
+
+def test_ops_prepared_weight_used_off_cuda_is_unshuffled() -> None:
+    """A CUDA-prepared (shuffled) weight applied to a CPU tensor falls back to the reference exactly."""
+    from quant_kernels import ops
+
+    w = make_weight(192, 72, 64, asym=True, act_order=True, device="cpu")
+    prepared = ops.W4A16Prepared(weight=mma.prepare(w), counters=torch.zeros(1, dtype=torch.int32))
+    x = torch.randn(3, 192)  # [M, K]
+    torch.testing.assert_close(ops.w4a16_linear(x, prepared), reference.w4a16_matmul(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_w4a16_mma_gpu_ops_and_cuda_graph() -> None:
+    """ops dispatch picks the MMA kernel on CUDA; 3-D input; replay under a CUDA graph after warm-up."""
+    from quant_kernels import ops
+
+    k, n = 5120, 7168
+    weight = make_weight(k, n, 128)
+    prepared = ops.prepare_w4a16(weight)
+    assert isinstance(prepared, ops.W4A16Prepared) and isinstance(prepared.weight, MmaQuantWeight)
+    for m in (1, 16, 64, 256):
+        ops.warmup_w4a16(prepared, torch.float16, [m])
+        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.w4a16_linear(x, prepared)
+        for _ in range(3):
+            x.copy_(torch.randn(m, k, dtype=torch.float16, device="cuda"))
+            graph.replay()
+            assert_matches(out, oracle(x, weight, None), torch.float16)
+    x3 = torch.randn(2, 3, k, dtype=torch.float16, device="cuda")
+    assert ops.w4a16_linear(x3, prepared).shape == (2, 3, n)
