@@ -433,10 +433,14 @@ def default_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
     elif m <= 64:
         cfg, tiles = MmaConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3), triton.cdiv(n, 128)
         split = _pow2_at_most(250 / tiles)
+    elif m <= 256 and n >= 16384:  # wide layers (gate_up): enough tiles; scales on the weights so the
+        # wgmma chain runs asynchronously under the next tile's dequant
+        cfg = MmaConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4, scale_w=True)
+        split = 1
     elif m <= 128:
         cfg, tiles = MmaConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3), triton.cdiv(n, 128)
         split = _pow2_at_most(150 / tiles)
-    else:
+    else:  # dense weight + cuBLAS: the fused kernel lost at every M > 256 (bench/RESULTS.md)
         return DEQUANT
     return _fix(dataclasses.replace(cfg, split_k=split), m, k, n, group_size)
 
