@@ -119,8 +119,9 @@ def test_mma_kwidth_by_generation() -> None:
 SMALL = MmaConfig(block_m=16, block_n=64, block_k=128)
 SPLIT = MmaConfig(block_m=16, block_n=64, block_k=64, split_k=3)
 WIDE_M = MmaConfig(block_m=32, block_n=64, block_k=128, split_k=2)
+SCALE_W = MmaConfig(block_m=16, block_n=64, block_k=128, split_k=2, scale_w=True)
 DEQ = MmaConfig(kind="dequant")
-CPU_CONFIGS = [SMALL, SPLIT, WIDE_M, DEQ, None]
+CPU_CONFIGS = [SMALL, SPLIT, WIDE_M, SCALE_W, DEQ, None]
 
 _MS = [1, 3, 16, 33, 7]
 _KN = [(256, 64), (192, 72), (384, 40)]  # N not a multiple of 64; K=192 not a multiple of 128
@@ -130,7 +131,7 @@ _FLAGS = list(itertools.product([False, True], [False, True], [torch.float16, to
 
 def _cpu_cases() -> list:
     cases = []
-    for i in range(20):
+    for i in range(18):
         cfg = CPU_CONFIGS[i % len(CPU_CONFIGS)]
         m = _MS[(i * 3) % len(_MS)]
         k, n = _KN[(i * 7) % len(_KN)]
