@@ -1,8 +1,11 @@
-"""Load-time repacking of the canonical layout into the Triton kernels' tile-interleaved layout.
+"""Load-time repacking of the canonical layout into the Triton kernels' layouts.
 
-Knows: the canonical ``PackedQuantWeight`` (``quant_kernels.layout``) and the kernel layout below.
-Must not know: how the kernels tile N or M, models, checkpoint formats. Runs once per weight at
-load (``quant_kernels.ops.prepare_w4a16``), never per call.
+Knows: the canonical ``PackedQuantWeight`` (``quant_kernels.layout``) and the two kernel layouts:
+the MMA-operand order (``MmaQuantWeight``, ``mma_shuffle``; per MMA generation, see the comment
+block further down) served by ``quant_kernels.w4a16_mma_triton``, and the tile-interleaved layout
+below (``TiledQuantWeight``), kept for group sizes the MMA order cannot tile. Must not know: how
+the kernels tile M, models, checkpoint formats. Runs once per weight at load
+(``quant_kernels.ops.prepare_w4a16``), never per call; the canonical weight stays the contract.
 
 Tile-interleaved layout (``TiledQuantWeight``), for ``pf = 32 // bits`` codes per int32 word and an
 interleave ``ib`` (word rows per K-tile, 16 by default), so one K-tile holds ``BK = pf * ib``
