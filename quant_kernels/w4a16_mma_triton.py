@@ -13,14 +13,16 @@ Per K-tile a program loads the words with 16-byte loads (whole 128-byte lines pe
 turns each word into fp16/bf16 ``q - 2**(bits-1)`` with ``lop3`` + one packed subtract per two
 values (exact), and undoes the load-time shuffle with ``reshape``/``permute`` only, which the
 compiler resolves to no data movement (tests/kernels/test_w4a16_ptx.py checks the PTX for
-shared-memory stores). Scales: when a K-tile lies in one group, once per tile on the fp32
-partial (``acc += dot(q, x^T) * s``); else on the weight values per group. Asymmetric zeros are
+shared-memory stores). Scales: when a K-tile lies in one group and the config says so, once
+per tile on the fp32 partial (``acc += dot(q, x^T) * s``: cheapest at decode); else on the weight
+values (``scale_w``; always when a tile holds several groups), which lets the MMAs chain on one
+accumulator and run asynchronously under the next tile's dequant (wins at M >= 128). Asymmetric zeros are
 subtracted from the integer values in registers (``q - z`` is exact in fp16/bf16): a rowsum-of-x
 correction instead was measured in the PTX to put the x reduction through shared memory. The
 zeros arrive as fp16 ``z - 2**(bits-1)`` (``MmaQuantWeight.zeros``): a uint8 load anywhere in the
 A operand's inputs makes Triton pick an 8-bit-wide operand (kWidth 8) on sm80-89, which no longer
-matches the stored order and brings the shared-memory round trip back (seen in the sm86 PTX). Split-K partials go to an fp32 workspace; the last program of a tile (atomic counter)
-sums them, adds bias, writes the output and resets its counter: one launch, no memset, no host
+matches the stored order and brings the shared-memory round trip back (seen in the sm86 PTX).
+Split-K partials go to an fp32 workspace; the last program of a tile (atomic counter) sums them, adds bias, writes the output and resets its counter: one launch, no memset, no host
 work, so the call is safe to capture in a CUDA graph once compiled.
 
 ``mma_dequant_kernel`` writes the dense ``[K, N]`` weight (input row order) for the large-M path
