@@ -191,7 +191,7 @@ def _word_value_order(bits: int) -> torch.Tensor:
     return torch.tensor([i // 2 + (half if i % 2 else 0) for i in range(vpw)], dtype=torch.int64)
 
 
-def mma_shuffle(weight: PackedQuantWeight, kwidth: int = 2, chunk_n: int = 4096) -> MmaQuantWeight:
+def mma_shuffle(weight: PackedQuantWeight, kwidth: int = 2, chunk_n: int = 1024) -> MmaQuantWeight:
     """Canonical -> MMA-operand order, in column chunks of the canonical weight (bounded memory)."""
     if kwidth not in (2, 4, 8):
         raise ValueError(f"kwidth must be 2, 4 or 8, got {kwidth}")
