@@ -1,15 +1,20 @@
-"""W4A16 kernel benchmark (issue 4): Triton fused dequant-GEMM vs cuBLAS fp16, tinygemm and the floor.
+"""W4A16 kernel benchmark: the MMA-operand kernel vs cuBLAS fp16, the previous kernel, GemLite, tinygemm.
 
 Knows: Qwen2.5-14B linear shapes, how to time (CUDA-graph replay of 8 calls on 8 weight copies,
-``triton.testing.do_bench`` median), the int4
-bandwidth floor (bytes that must move / copy bandwidth measured in this run). Must not know:
-anything of the engine. Every configuration it times is first checked against the reference on
-fresh random data (poisoned output buffer, relative error bound), in the same run.
+``triton.testing.do_bench`` median), the int4 bandwidth floor (bytes that must move / copy
+bandwidth measured in this run). Must not know: anything of the engine. Every configuration it
+times is first checked against the reference on fresh random data (NaN-poisoned output,
+relative error bound), in the same run.
 
     PYTHONPATH=. python bench/kernels.py --sweep --out $OUT/kernels.md
 
-``--sweep`` times every candidate config per (shape, M) and reports the fastest (the table the
-dispatch defaults come from); without it the built-in dispatch (``select_config``) is timed.
+``--sweep`` times every candidate config of the MMA kernel per (shape, M) and reports the
+fastest (the table the dispatch defaults come from) beside the built-in dispatch; without it
+only the built-in dispatch (``select_config``) is timed. Peers: cuBLAS fp16 on the dense weight
+(``x @ W``), the previous tile-interleaved kernel (``quant_kernels.w4a16_triton``, its own
+dispatch, if still present), GemLite (``gemlite``, its H100 config, if installed) and torch's
+tinygemm (M <= 256). ``--ptx`` also compiles the kernel for sm90 and sm86 on this machine's Triton
+and counts shared-memory stores in the PTX.
 """
 
 from __future__ import annotations
@@ -29,16 +34,8 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from quant_kernels import reference  # noqa: E402
+from quant_kernels import w4a16_mma_triton as mma  # noqa: E402
 from quant_kernels.layout import PackedQuantWeight, pack_codes  # noqa: E402
-from quant_kernels.w4a16_triton import (  # noqa: E402
-    W4A16Config,
-    candidate_configs,
-    num_split_counters,
-    prepare,
-    select_config,
-    set_config,
-    w4a16_gemm,
-)
 
 SHAPES = {  # name: (K, N) of Qwen2.5-14B
     "qkv": (5120, 7168),
@@ -46,9 +43,10 @@ SHAPES = {  # name: (K, N) of Qwen2.5-14B
     "gate_up": (5120, 27648),
     "down": (13824, 5120),
 }
-MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 GROUP = 128
 REL_TOL = 1e-2  # fp16 output vs the reference: measured ~3e-4
+GRAPH_LAYERS = 8  # distinct weight copies per graph: together far larger than the 50 MB L2
 
 
 def bench_us(fn, warmup: int = 10, rep: int = 25) -> float:
@@ -61,6 +59,31 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     t = bench_us(lambda: dst.copy_(src), rep=100)
     return 2 * (1 << 30) / (t * 1e-6)
+
+
+def graph_us(calls: list, rep: int = 50, repeats: int = 3) -> float:
+    """Per-call µs of a CUDA graph that runs ``calls`` back to back, as a decode step does: no
+    Python launch cost inside the timing, and every call on its own weight copy so nothing is
+    served from L2."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # compile / warm outside capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    t = statistics.median(bench_us(graph.replay, rep=rep) for _ in range(repeats)) / len(calls)
+    del graph
+    return t
+
+
+def check(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def make_weight(k: int, n: int, group: int) -> tuple[PackedQuantWeight, torch.Tensor]:
@@ -88,128 +111,224 @@ def make_tinygemm(codes: torch.Tensor, weight: PackedQuantWeight):
         return None
 
 
-GRAPH_LAYERS = 8  # distinct weight copies per graph: together far larger than the 50 MB L2
+def make_gemlite(codes: torch.Tensor, weight: PackedQuantWeight):
+    """GemLite 0.6 (Triton) A16W4 layer for the same codes and scales; None if not installed."""
+    try:
+        from gemlite import DType, GemLiteLinearTriton
+    except ImportError:
+        return None
+    k, n = codes.shape
+    layer = GemLiteLinearTriton(4, weight.group_size, k, n, DType.FP16, DType.FP16)
+    scales = weight.scales.t().contiguous()  # [N, K/G]
+    zeros = torch.full_like(scales, 8.0)  # symmetric: W = (q - 8) * s
+    layer.pack(codes.t().contiguous().to(torch.uint8), scales, zeros, bias=None)  # W_q [N, K]
+    return layer
 
 
-def graph_us(calls: list, rep: int = 50, repeats: int = 3) -> float:
-    """Per-call µs of a CUDA graph that runs ``calls`` back to back, as a decode step does: no
-    Python launch cost inside the timing, no L2 flush between calls, and every call on its own
-    weight copy so nothing is served from L2. (Timing one eager launch with do_bench measured
-    the host's launch latency too: the same config varied up to 4x between runs.)"""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # compile / warm outside capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    t = statistics.median(bench_us(graph.replay, rep=rep) for _ in range(repeats)) / len(calls)
-    del graph
-    return t
+def load_gemlite_config() -> str:
+    try:
+        import gemlite
+    except ImportError:
+        return "not installed"
+    path = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
+    ok = gemlite.load_config(path)
+    return f"gemlite {gemlite.__version__}, config {os.path.basename(path)} loaded={ok}"
 
 
-def check(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return math.inf
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+def old_kernel():
+    """The previous tile-interleaved kernel module, if this tree still has it."""
+    try:
+        from quant_kernels import w4a16_triton
+    except ImportError:
+        return None
+    return w4a16_triton
 
 
-def bench_shape(
-    name: str, ms: list[int], sweep: bool, bw: float, rows: list[dict], sweep_log: list[dict], t_start: float
-) -> None:
-    """Time every M for one layer shape; append a row per M (and every timed config) to the logs."""
+def time_candidate(fn_one, calls, ref, m, n) -> tuple[float | None, float]:
+    """(µs, rel err) of one candidate: checked on a poisoned buffer first, then graph-timed."""
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")  # poisoned
+    fn_one(out)
+    err = check(out, ref)
+    out2 = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    fn_one(out2)  # second call: split-K counters must be back at zero
+    err = max(err, check(out2, ref))
+    if err > REL_TOL:
+        return None, err
+    return graph_us(calls, rep=20, repeats=1), err
+
+
+def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, sweep_ms=None) -> None:
     k, n = SHAPES[name]
     weight, codes = make_weight(k, n, GROUP)
-    dense = reference.dequantize(weight, torch.float16)  # [K, N] (canonical weight)
-    tinys = [make_tinygemm(codes, weight) for _ in range(GRAPH_LAYERS)]
+    dense = reference.dequantize(weight, torch.float16)  # [K, N]
+    denses = [dense] + [dense.clone() for _ in range(GRAPH_LAYERS - 1)]
+    tinys = [make_tinygemm(codes, weight) for _ in range(GRAPH_LAYERS)] if "tiny" in peers else [None]
     tinys = tinys if all(t is not None for t in tinys) else None
-    weight = prepare(weight)  # load-time repack into the kernel layout (TiledQuantWeight)
-    copies = [weight] + [
-        dataclasses.replace(weight, qweight=weight.qweight.clone(), scales=weight.scales.clone())
+    gems = [make_gemlite(codes, weight) for _ in range(GRAPH_LAYERS)] if "gemlite" in peers else [None]
+    gems = gems if all(g is not None for g in gems) else None
+    old = old_kernel() if "old" in peers else None
+    if old is not None:
+        old_w = old.prepare(weight)
+        old_copies = [old_w] + [
+            dataclasses.replace(old_w, qweight=old_w.qweight.clone(), scales=old_w.scales.clone())
+            for _ in range(GRAPH_LAYERS - 1)
+        ]
+        old_counters = [
+            torch.zeros(old.num_split_counters(n), dtype=torch.int32, device="cuda") for _ in range(GRAPH_LAYERS)
+        ]
+    new_w = mma.prepare(weight)  # load-time shuffle into the MMA-operand order
+    copies = [new_w] + [
+        dataclasses.replace(new_w, qweight=new_w.qweight.clone(), scales=new_w.scales.clone())
         for _ in range(GRAPH_LAYERS - 1)
     ]
-    denses = [dense] + [dense.clone() for _ in range(GRAPH_LAYERS - 1)]
-    counters = [torch.zeros(num_split_counters(n), dtype=torch.int32, device="cuda") for _ in range(GRAPH_LAYERS)]
+    counters = [torch.zeros(mma.num_split_counters(n), dtype=torch.int32, device="cuda") for _ in range(GRAPH_LAYERS)]
     del codes
     for m in ms:
         x = torch.randn(m, k, dtype=torch.float16, device="cuda")  # [M, K] fresh per M
-        ref = x @ dense  # the reference op (w4a16_matmul without perm), cuBLAS fp16
+        ref = x @ dense  # cuBLAS fp16 on the dequantized weight: the baseline and the reference
         t_cublas = graph_us([lambda x=x, d=d: x @ d for d in denses])
-        t_cublas_eager = statistics.median(bench_us(lambda x=x: x @ dense, rep=50) for _ in range(3))
-        t_tiny = None
-        if tinys is not None:
+        row = {"shape": name, "K": k, "N": n, "M": m, "cublas_us": t_cublas}
+        if tinys is not None and m <= 256:
             xb = x.bfloat16()
             try:
-                t_tiny = graph_us([lambda xb=xb, f=f: f(xb) for f in tinys])
+                row["tiny_us"] = graph_us([lambda xb=xb, f=f: f(xb) for f in tinys])
             except Exception as exc:  # noqa: BLE001
                 print(f"tinygemm failed at M={m}: {exc}", flush=True)
-        cfgs = candidate_configs(m, k, n, weight.block_k) if sweep else [select_config(weight, torch.float16, m)]
-        timed: list[tuple[float, W4A16Config, float]] = []
-        for cfg in cfgs:
-            out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")  # poisoned
+        if gems is not None:
             try:
-                w4a16_gemm(x, weight, None, cfg, counters[0], out=out)
-                err = check(out, ref)
-                out2 = w4a16_gemm(x, weight, None, cfg, counters[0])  # counters must be back at zero
-                err = max(err, check(out2, ref))
+                err = check(gems[0](x), ref)
+                row["gemlite_err"] = err
+                if err <= REL_TOL:
+                    row["gemlite_us"] = graph_us([lambda x=x, g=g: g(x) for g in gems])
+                else:
+                    print(f"  WRONG gemlite {name} M={m}: rel err {err:.2e}", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(f"gemlite failed at M={m}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        if old is not None:
+            try:
+                calls = [
+                    lambda w=w, c=c, x=x: old.w4a16_gemm(x, w, None, None, c) for w, c in zip(old_copies, old_counters)
+                ]
+                t, err = time_candidate(
+                    lambda out, x=x: old.w4a16_gemm(x, old_w, None, None, old_counters[0], out=out), calls, ref, m, n
+                )
+                if t is not None:
+                    row["old_us"] = graph_us(calls)
+                    row["old_cfg"] = old.select_config(old_w, torch.float16, m).short()
+            except Exception as exc:  # noqa: BLE001
+                print(f"old kernel failed at M={m}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+        default = mma.select_config(new_w, torch.float16, m)
+        cfgs = [default]
+        if sweep and (sweep_ms is None or m in sweep_ms) and time.time() - t_start < budget_s:
+            cfgs += [c for c in mma.candidate_configs(m, k, n, GROUP) if c != default]
+        timed = []
+        for cfg in cfgs:
+            calls = [
+                lambda w=w, c=c, cfg=cfg, x=x: mma.w4a16_gemm(x, w, None, cfg, c) for w, c in zip(copies, counters)
+            ]
+            try:
+                t, err = time_candidate(
+                    lambda out, cfg=cfg, x=x: mma.w4a16_gemm(x, new_w, None, cfg, counters[0], out=out),
+                    calls,
+                    ref,
+                    m,
+                    n,
+                )
             except Exception as exc:  # noqa: BLE001 - a config the compiler rejects
                 print(f"  {name} M={m} {cfg.short()}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
-            if err > REL_TOL:
+            sweep_log.append({"shape": name, "m": m, "cfg": cfg.short(), "cfg_repr": repr(cfg), "us": t, "err": err})
+            if t is None:
                 print(f"  WRONG {name} M={m} {cfg.short()}: rel err {err:.2e}", flush=True)
-                sweep_log.append({"shape": name, "m": m, "cfg": cfg.short(), "us": None, "err": err})
                 continue
-            calls = [lambda w=w, c=c, cfg=cfg, x=x: w4a16_gemm(x, w, None, cfg, c) for w, c in zip(copies, counters)]
-            t = graph_us(calls, rep=20, repeats=1)
-            sweep_log.append({"shape": name, "m": m, "cfg": cfg.short(), "us": t, "err": err})
             timed.append((t, cfg, err))
         assert timed, f"no correct config for {name} M={m}"
         timed.sort(key=lambda r: r[0])
-        # Re-time the 3 fastest as carefully as the baselines (median of 3); keep the best.
-        best = min(
-            (
-                (
-                    graph_us(
-                        [
-                            lambda w=w, c=c, cfg=cfg, x=x: w4a16_gemm(x, w, None, cfg, c)
-                            for w, c in zip(copies, counters)
-                        ]
-                    ),
-                    cfg,
-                    err,
-                )
-                for _, cfg, err in timed[:3]
-            ),
-            key=lambda r: r[0],
-        )
-        set_config(weight, torch.float16, m, best[1])
+        retimed = []
+        for _, cfg, err in timed[:3]:  # re-time the 3 fastest as carefully as the baselines
+            calls = [
+                lambda w=w, c=c, cfg=cfg, x=x: mma.w4a16_gemm(x, w, None, cfg, c) for w, c in zip(copies, counters)
+            ]
+            retimed.append((graph_us(calls), cfg, err))
+        best = min(retimed, key=lambda r: r[0])
+        default_t = next((t for t, c, _ in retimed if c == default), None)
+        if default_t is None:
+            calls = [
+                lambda w=w, c=c, x=x, d=default: mma.w4a16_gemm(x, w, None, d, c) for w, c in zip(copies, counters)
+            ]
+            default_t = graph_us(calls)
         floor_bytes = k * n // 2 + (k // GROUP) * n * 2 + m * k * 2 + m * n * 2
-        t_floor = floor_bytes / bw * 1e6
-        row = {
-            "shape": name,
-            "K": k,
-            "N": n,
-            "M": m,
-            "us": best[0],
-            "cfg": best[1].short(),
-            "cfg_repr": repr(best[1]),
-            "err": best[2],
-            "cublas_us": t_cublas,
-            "cublas_eager_us": t_cublas_eager,
-            "tiny_us": t_tiny,
-            "floor_us": t_floor,
-        }
+        row.update(
+            us=best[0],
+            cfg=best[1].short(),
+            cfg_repr=repr(best[1]),
+            err=best[2],
+            default_us=default_t,
+            default_cfg=default.short(),
+            floor_us=floor_bytes / bw * 1e6,
+        )
         rows.append(row)
-        tiny_s = f"{t_tiny / best[0]:.2f}x" if t_tiny else "n/a"
+
+        def ratio(key: str, row: dict = row) -> str:
+            return f"{row[key] / row['us']:.2f}x" if row.get(key) else "n/a"
+
         print(
-            f"{name:8s} M={m:5d} {best[0]:9.1f}us  cuBLAS {t_cublas:8.1f}us ({t_cublas / best[0]:.2f}x)  "
-            f"floor {100 * t_floor / best[0]:5.1f}%  tiny {tiny_s}  err {best[2]:.1e}  [{best[1].short()}]"
-            f"  ({time.time() - t_start:.0f}s)",
+            f"{name:8s} M={m:5d} new {best[0]:8.1f}us [{best[1].short()}] dflt {default_t:8.1f}us  "
+            f"cuBLAS {t_cublas:8.1f}us ({ratio('cublas_us')})  old {ratio('old_us')}  gemlite {ratio('gemlite_us')}  "
+            f"tiny {ratio('tiny_us')}  floor {100 * row['floor_us'] / best[0]:5.1f}%  err {best[2]:.1e}  "
+            f"({time.time() - t_start:.0f}s)",
             flush=True,
         )
+
+
+def ptx_counts() -> list[dict]:
+    """st.shared / wgmma / mma.sync counts of the kernel's PTX for sm90 and sm86 (this Triton)."""
+    import re
+
+    out = []
+    for arch in (90, 86):
+        for cfg in (mma.MmaConfig(block_m=16, block_n=128, block_k=128),):
+            for ng, asym, perm in ((1, False, False), (2, True, True)):
+                ptx = mma.compile_ptx(arch, cfg, group_tile=ng, asym=asym, act_order=perm)
+                out.append(
+                    {
+                        "arch": arch,
+                        "cfg": cfg.short(),
+                        "ng": ng,
+                        "asym": asym,
+                        "perm": perm,
+                        "st.shared": len(re.findall(r"\bst\.shared", ptx)),
+                        "wgmma": ptx.count("wgmma.mma_async"),
+                        "mma.sync": ptx.count("mma.sync"),
+                    }
+                )
+                print("ptx", out[-1], flush=True)
+    return out
+
+
+def write_table(path: str, rows: list[dict], bw: float, header: str) -> None:
+    def f(v, fmt="{:.1f}"):
+        return fmt.format(v) if v else "n/a"
+
+    lines = [
+        header,
+        "",
+        "| shape (KxN) | M | new µs | xcuBLAS | xold | xGemLite | xtiny | % floor | cuBLAS µs | old µs | GemLite µs "
+        "| default µs | rel err | best config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        us = r["us"]
+        lines.append(
+            f"| {r['shape']} {r['K']}x{r['N']} | {r['M']} | {us:.1f} | {r['cublas_us'] / us:.2f} | "
+            f"{f(r.get('old_us') and r['old_us'] / us, '{:.2f}')} | {f(r.get('gemlite_us') and r['gemlite_us'] / us, '{:.2f}')} | "
+            f"{f(r.get('tiny_us') and r['tiny_us'] / us, '{:.2f}')} | {100 * r['floor_us'] / us:.0f} | "
+            f"{r['cublas_us']:.1f} | {f(r.get('old_us'))} | {f(r.get('gemlite_us'))} | {r['default_us']:.1f} "
+            f"[{r['default_cfg']}] | {r['err']:.1e} | {r['cfg']} |"
+        )
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -217,58 +336,43 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time every candidate config, report the fastest")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--peers", default="old,gemlite,tiny", help="comma-separated: old, gemlite, tiny")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping (keep timing defaults) after this")
+    ap.add_argument("--sweep-ms", default="", help="sweep only these M (others: built-in dispatch); default all")
+    ap.add_argument("--ptx", action="store_true", help="also count st.shared in the sm90/sm86 PTX")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.md"))
     args = ap.parse_args()
     torch.manual_seed(0)
     ms = [int(v) for v in args.ms.split(",")]
-    names = args.shapes.split(",")
+    peers = set(args.peers.split(",")) if args.peers else set()
+    sweep_ms = {int(v) for v in args.sweep_ms.split(",")} if args.sweep_ms else None
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    json_path = os.path.splitext(args.out)[0] + ".json"
 
     bw = copy_bandwidth()
-    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    gem = load_gemlite_config() if "gemlite" in peers else "not run"
+    header = (
+        f"# W4A16 kernels: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {__import__('triton').__version__}, copy bandwidth {bw / 1e12:.2f} TB/s; {gem}"
+    )
+    print(header, flush=True)
+    ptx = ptx_counts() if args.ptx else []
     rows: list[dict] = []
     sweep_log: list[dict] = []
     t_start = time.time()
-    for name in names:
-        bench_shape(name, ms, args.sweep, bw, rows, sweep_log, t_start)
+    for name in args.shapes.split(","):
+        bench_shape(name, ms, args.sweep, bw, rows, sweep_log, t_start, args.budget_s, peers, sweep_ms)
         torch.cuda.empty_cache()
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(os.path.splitext(args.out)[0] + "_sweep.json", "w") as f:  # partial results survive a timeout
-            json.dump({"rows": rows, "sweep": sweep_log, "copy_bw": bw}, f, indent=1)
-
-    lines = [
-        f"# W4A16 kernels: {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth "
-        f"{bw / 1e12:.2f} TB/s",
-        "",
-        "4-bit, group 128, symmetric, fp16 activations. Every time (ours, cuBLAS fp16 `x @ W`, tinygemm) is the "
-        "per-call median µs of a CUDA graph of 8 back-to-back calls on 8 distinct weight copies (decode-step "
-        "conditions: no launch cost, weights not in L2); xcuBLAS = cuBLAS µs / ours; floor = int4 bytes / copy "
-        "bandwidth; xtiny = tinygemm (bf16) µs / ours; eager cuBLAS = do_bench of one eager `x @ W` (L2 flushed), "
-        "comparable with docs/benchmarks.md.",
-        "",
-        "| shape (KxN) | M | µs | xcuBLAS | % floor | xtiny | cuBLAS µs | eager cuBLAS µs | floor µs | tiny µs "
-        "| rel err | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        with open(json_path, "w") as fh:  # partial results survive a timeout
+            json.dump({"rows": rows, "sweep": sweep_log, "copy_bw": bw, "ptx": ptx, "header": header}, fh, indent=1)
+        write_table(args.out, rows, bw, header)
+    print("\nshape       M   new µs  xcuBLAS   xold  xGemLite  default")
     for r in rows:
-        tiny_x = f"{r['tiny_us'] / r['us']:.2f}" if r["tiny_us"] else "n/a"
-        tiny_us = f"{r['tiny_us']:.1f}" if r["tiny_us"] else "n/a"
-        lines.append(
-            f"| {r['shape']} {r['K']}x{r['N']} | {r['M']} | {r['us']:.1f} | {r['cublas_us'] / r['us']:.2f} | "
-            f"{100 * r['floor_us'] / r['us']:.0f} | {tiny_x} | {r['cublas_us']:.1f} | {r['cublas_eager_us']:.1f} | "
-            f"{r['floor_us']:.1f} | {tiny_us} | {r['err']:.1e} | {r['cfg']} |"
-        )
-    text = "\n".join(lines) + "\n"
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    with open(os.path.splitext(args.out)[0] + "_sweep.json", "w") as f:
-        json.dump({"rows": rows, "sweep": sweep_log, "copy_bw": bw}, f, indent=1)
-    print("\nshape     M      us   xcuBLAS  %floor  xtiny")
-    for r in rows:
-        tiny_x = f"{r['tiny_us'] / r['us']:.2f}" if r["tiny_us"] else "n/a"
+        old_x = f"{r['old_us'] / r['us']:.2f}" if r.get("old_us") else "n/a"
+        gem_x = f"{r['gemlite_us'] / r['us']:.2f}" if r.get("gemlite_us") else "n/a"
         print(
-            f"{r['shape']:8s} {r['M']:5d} {r['us']:7.1f} {r['cublas_us'] / r['us']:7.2f} "
-            f"{100 * r['floor_us'] / r['us']:6.0f}  {tiny_x}"
+            f"{r['shape']:8s} {r['M']:5d} {r['us']:8.1f} {r['cublas_us'] / r['us']:7.2f} {old_x:>6s} {gem_x:>8s}"
+            f"  {r['cublas_us'] / r['default_us']:.2f} [{r['default_cfg']}]"
         )
 
 

@@ -5,10 +5,12 @@ it (``prepare_w4a16``: the kernel layout is produced here once at load, never pe
 not know: models or checkpoint formats. Triton stays an optional, lazy import: this module
 imports on a machine without triton, and only the CUDA branch touches it.
 
-On CUDA, preparation repacks the canonical weight once into the kernels' tile-interleaved
-layout (``quant_kernels.repack``) and allocates the split-K arrival counters; a weight the
-kernels do not serve (a group size that is not a multiple of 16) stays canonical and takes the
-reference path.
+On CUDA, preparation shuffles the canonical weight once into the MMA-operand order of this
+device's generation (``quant_kernels.repack.mma_shuffle``, served by
+``quant_kernels.w4a16_mma_triton``) and allocates the split-K arrival counters. A weight whose
+group size that kernel cannot tile (e.g. the 16-row-padded act-order groups of a sharded layer)
+takes the older tile-interleaved kernel (``quant_kernels.w4a16_triton``); one neither serves
+stays canonical and takes the reference path.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from quant_kernels.layout import PackedQuantWeight
 
 @dataclass
 class W4A16Prepared:
-    """A weight ready for the Triton kernels: the tiled weight plus per-weight scratch.
+    """A weight ready for a Triton kernel: the kernel-layout weight plus per-weight scratch.
 
-    ``weight`` is a ``quant_kernels.repack.TiledQuantWeight``. ``counters`` (int32, zeros) are the
-    split-K arrival counters: each split-K launch leaves them at zero again, so they are
-    allocated once here and never reset per call.
+    ``weight`` is a ``quant_kernels.repack.MmaQuantWeight`` (MMA kernel) or ``TiledQuantWeight``
+    (fallback kernel). ``counters`` (int32, zeros) are the split-K arrival counters: each split-K
+    launch leaves them at zero again, so they are allocated once here and never reset per call.
     """
 
-    weight: Any  # TiledQuantWeight (typed loosely: this module must import without triton)
+    weight: Any  # MmaQuantWeight | TiledQuantWeight (typed loosely: this module must import without triton)
     counters: torch.Tensor  # int32 [num_split_counters(N)]
 
     @property
@@ -47,6 +49,13 @@ def _triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" and have_triton()
 
 
+def _kernel_module(prepared: W4A16Prepared) -> Any:
+    from quant_kernels import w4a16_mma_triton, w4a16_triton
+    from quant_kernels.repack import MmaQuantWeight
+
+    return w4a16_mma_triton if isinstance(prepared.weight, MmaQuantWeight) else w4a16_triton
+
+
 def prepare_w4a16(weight: PackedQuantWeight) -> Any:
     """Turn a canonical weight (already on its device) into what ``w4a16_linear`` consumes.
 
@@ -54,29 +63,34 @@ def prepare_w4a16(weight: PackedQuantWeight) -> Any:
     """
     if not _triton_usable(weight.qweight.device):
         return weight
-    from quant_kernels import w4a16_triton
+    from quant_kernels import w4a16_mma_triton, w4a16_triton
 
-    if not w4a16_triton.supports(weight):
+    if w4a16_mma_triton.supports(weight):
+        module = w4a16_mma_triton
+    elif w4a16_triton.supports(weight):
+        module = w4a16_triton
+    else:
         return weight
     counters = torch.zeros(
-        w4a16_triton.num_split_counters(weight.out_features), dtype=torch.int32, device=weight.qweight.device
+        module.num_split_counters(weight.out_features), dtype=torch.int32, device=weight.qweight.device
     )  # [num_split_counters(N)]
-    return W4A16Prepared(weight=w4a16_triton.prepare(weight), counters=counters)
+    return W4A16Prepared(weight=module.prepare(weight), counters=counters)
 
 
 def w4a16_linear(x: torch.Tensor, prepared: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x: [..., K] -> [..., N]`` from a weight made by ``prepare_w4a16``."""
     if isinstance(prepared, W4A16Prepared) and x.is_cuda:
-        from quant_kernels.w4a16_triton import w4a16_gemm
-
+        module = _kernel_module(prepared)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        out = w4a16_gemm(x2, prepared.weight, bias, counters=prepared.counters)  # [M, N]
+        out = module.w4a16_gemm(x2, prepared.weight, bias, counters=prepared.counters)  # [M, N]
         return out.reshape(*lead, out.shape[-1])
-    if isinstance(prepared, W4A16Prepared):  # a CUDA-prepared weight used off CUDA: undo the tiling
-        from quant_kernels.repack import untile
+    if isinstance(prepared, W4A16Prepared):  # a CUDA-prepared weight used off CUDA: undo the kernel layout
+        from quant_kernels.repack import MmaQuantWeight, mma_unshuffle, untile
 
-        prepared = untile(prepared.weight)
+        prepared = (
+            mma_unshuffle(prepared.weight) if isinstance(prepared.weight, MmaQuantWeight) else untile(prepared.weight)
+        )
     return reference.w4a16_matmul(x, prepared, bias)
 
 

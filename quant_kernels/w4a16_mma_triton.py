@@ -1,0 +1,728 @@
+"""Triton W4A16 / W8A16 GEMM on weights pre-shuffled to the MMA A-operand order (swap-AB).
+
+Knows: the MMA-operand layout of ``quant_kernels.repack.MmaQuantWeight`` (int32 words
+``[N_pad/4, K_pad*4/vpw]``, one thread's A-fragment values for a 64-wide k chunk contiguous), how
+to tile it, and which launch serves which ``(M, K, N)``. Must not know: models, checkpoint
+formats, engines. Imported lazily by ``quant_kernels.ops`` on CUDA (and by the CPU tests under
+TRITON_INTERPRET=1).
+
+``w4a16_mma_kernel`` computes ``out[M, N] = x[:, perm] @ dequant(W) + bias`` as
+``(W^T x^T)^T``: the dequantized ``[BLOCK_N, BLOCK_K]`` weight tile is the MMA's A operand and
+stays in registers (wgmma on sm90, mma.sync on sm80-89); the activations are the B operand.
+Per K-tile a program loads the words with 16-byte loads (whole 128-byte lines per 8 lanes),
+turns each word into fp16/bf16 ``q - 2**(bits-1)`` with ``lop3`` + one packed subtract per two
+values (exact), and undoes the load-time shuffle with ``reshape``/``permute`` only, which the
+compiler resolves to no data movement (tests/kernels/test_w4a16_ptx.py checks the PTX for
+shared-memory stores). Scales: when a K-tile lies in one group and the config says so, once
+per tile on the fp32 partial (``acc += dot(q, x^T) * s``: cheapest at decode); else on the weight
+values (``scale_w``; always when a tile holds several groups), which lets the MMAs chain on one
+accumulator and run asynchronously under the next tile's dequant (wins at M >= 128). Asymmetric zeros are
+subtracted from the integer values in registers (``q - z`` is exact in fp16/bf16): a rowsum-of-x
+correction instead was measured in the PTX to put the x reduction through shared memory. The
+zeros arrive as fp16 ``z - 2**(bits-1)`` (``MmaQuantWeight.zeros``): a uint8 load anywhere in the
+A operand's inputs makes Triton pick an 8-bit-wide operand (kWidth 8) on sm80-89, which no longer
+matches the stored order and brings the shared-memory round trip back (seen in the sm86 PTX).
+Split-K partials go to an fp32 workspace; the last program of a tile (atomic counter) sums them, adds bias, writes the output and resets its counter: one launch, no memset, no host
+work, so the call is safe to capture in a CUDA graph once compiled.
+
+``mma_dequant_kernel`` writes the dense ``[K, N]`` weight (input row order) for the large-M path
+that hands the product to cuBLAS where that measured faster (``select_config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from quant_kernels.layout import PackedQuantWeight
+from quant_kernels.repack import MmaQuantWeight, mma_kwidth, mma_shuffle
+
+# Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and bf16 dots are unreliable in
+# Triton's interpreter, so the launcher passes FAST=False / DOT_F32=True there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# ----------------------------------------------------------------------------------------------
+# Device functions
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _values_fast4(w, IS_BF16: tl.constexpr):
+    """The 8 values of each 4-bit word as fp16/bf16 ``q - 8``, in word-value order v0..v7.
+
+    Value ``2i`` is field ``i``, value ``2i + 1`` field ``i + 4``: ``(w >> 4i) & 0x000F000F |
+    magic`` is their half2 ``magic + q`` (fp16 1024, bf16 128: ulp 1) and one packed subtract
+    (fp16) or fma (bf16, no sub.bf16x2 before sm90) removes ``magic + 8``. Exact.
+    """
+    if IS_BF16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, t2, t3, s0, s1, s2, one, nz; mov.b32 one, 0x3f803f80; mov.b32 nz, 0xc308c308; "
+            "lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea; "
+            "shr.u32 s0, $8, 4; lop3.b32 t1, s0, 0x000f000f, 0x43004300, 0xea; "
+            "shr.u32 s1, $8, 8; lop3.b32 t2, s1, 0x000f000f, 0x43004300, 0xea; "
+            "shr.u32 s2, $8, 12; lop3.b32 t3, s2, 0x000f000f, 0x43004300, 0xea; "
+            "fma.rn.bf16x2 t0, t0, one, nz; fma.rn.bf16x2 t1, t1, one, nz; "
+            "fma.rn.bf16x2 t2, t2, one, nz; fma.rn.bf16x2 t3, t3, one, nz; "
+            "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3; }",
+            "=h,=h,=h,=h,=h,=h,=h,=h,r",
+            [w],
+            dtype=(tl.bfloat16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, t2, t3, s0, s1, s2, z; mov.b32 z, 0x64086408; "
+            "lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea; "
+            "shr.u32 s0, $8, 4; lop3.b32 t1, s0, 0x000f000f, 0x64006400, 0xea; "
+            "shr.u32 s1, $8, 8; lop3.b32 t2, s1, 0x000f000f, 0x64006400, 0xea; "
+            "shr.u32 s2, $8, 12; lop3.b32 t3, s2, 0x000f000f, 0x64006400, 0xea; "
+            "sub.f16x2 t0, t0, z; sub.f16x2 t1, t1, z; sub.f16x2 t2, t2, z; sub.f16x2 t3, t3, z; "
+            "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3; }",
+            "=h,=h,=h,=h,=h,=h,=h,=h,r",
+            [w],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+
+
+@triton.jit
+def _values_fast8(w):
+    """The 4 values of each 8-bit word as fp16 ``q - 128`` (v0..v3 = bytes 0, 2, 1, 3). Exact."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t0, t1, s0, z; mov.b32 z, 0x64806480; "
+        "lop3.b32 t0, $4, 0x00ff00ff, 0x64006400, 0xea; "
+        "shr.u32 s0, $4, 8; lop3.b32 t1, s0, 0x00ff00ff, 0x64006400, 0xea; "
+        "sub.f16x2 t0, t0, z; sub.f16x2 t1, t1, z; "
+        "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; }",
+        "=h,=h,=h,=h,r",
+        [w],
+        dtype=(tl.float16,) * 4,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _value_slow(w, field: tl.constexpr, BITS: tl.constexpr, dtype: tl.constexpr):
+    """One field of every word as ``q - 2**(bits-1)`` without PTX (interpreter, 8-bit bf16)."""
+    q = (w.to(tl.uint32, bitcast=True) >> (BITS * field)) & ((1 << BITS) - 1)
+    return (q.to(tl.int32) - (1 << (BITS - 1))).to(tl.float32).to(dtype)
+
+
+@triton.jit
+def _join8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """[R, C] x 8 -> [R, C * 8] with a_j at position j (leaves joined in bit-reversed order)."""
+    t = tl.join(
+        tl.join(tl.join(a0, a4), tl.join(a2, a6)),
+        tl.join(tl.join(a1, a5), tl.join(a3, a7)),
+    )  # [R, C, 2, 2, 2]: index (b0, b1, b2) holds a_(4*b0 + 2*b1 + b2)
+    return tl.reshape(t, (a0.shape[0], a0.shape[1] * 8))
+
+
+@triton.jit
+def _join4(a0, a1, a2, a3):
+    """[R, C] x 4 -> [R, C * 4] with a_j at position j."""
+    t = tl.join(tl.join(a0, a2), tl.join(a1, a3))  # [R, C, 2, 2]: (b0, b1) holds a_(2*b0 + b1)
+    return tl.reshape(t, (a0.shape[0], a0.shape[1] * 4))
+
+
+@triton.jit
+def _dequant_words(w, BITS: tl.constexpr, dtype: tl.constexpr, FAST: tl.constexpr):
+    """int32 words [R, C] -> values ``q - 2**(bits-1)`` [R, C * vpw] in stored order."""
+    IS_BF16: tl.constexpr = dtype == tl.bfloat16
+    if BITS == 4:
+        if FAST:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _values_fast4(w, IS_BF16)
+        else:
+            v0 = _value_slow(w, 0, BITS, dtype)
+            v1 = _value_slow(w, 4, BITS, dtype)
+            v2 = _value_slow(w, 1, BITS, dtype)
+            v3 = _value_slow(w, 5, BITS, dtype)
+            v4 = _value_slow(w, 2, BITS, dtype)
+            v5 = _value_slow(w, 6, BITS, dtype)
+            v6 = _value_slow(w, 3, BITS, dtype)
+            v7 = _value_slow(w, 7, BITS, dtype)
+        return _join8(v0, v1, v2, v3, v4, v5, v6, v7)
+    else:
+        if FAST:
+            v0, v1, v2, v3 = _values_fast8(w)
+        else:
+            v0 = _value_slow(w, 0, BITS, dtype)
+            v1 = _value_slow(w, 2, BITS, dtype)
+            v2 = _value_slow(w, 1, BITS, dtype)
+            v3 = _value_slow(w, 3, BITS, dtype)
+        return _join4(v0, v1, v2, v3)
+
+
+@triton.jit
+def _unshuffle(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KW: tl.constexpr):
+    """Stored [BLOCK_N/4, BLOCK_K*4] -> [BLOCK_N, BLOCK_K] (inverse of repack.mma_shuffle)."""
+    v = tl.reshape(v, (BLOCK_N // 16, 4, BLOCK_K // 64, 2, 4, 8 // KW, 2, 2, KW))
+    v = tl.permute(v, (0, 7, 1, 3, 2, 5, 6, 4, 8))  # (blk16, rh, ga, gl, kc, s, h, t, e)
+    return tl.reshape(v, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype, FAST):
+    """Load and dequantize one [BLOCK_N, BLOCK_K] weight tile (values q - 2**(bits-1))."""
+    VPW: tl.constexpr = 32 // BITS
+    WCOLS: tl.constexpr = BLOCK_K * 4 // VPW
+    cols = kt * WCOLS + tl.arange(0, WCOLS)  # [WCOLS]
+    # Padded storage: no masks. Weights are read once: keep them out of L2's way.
+    w = tl.load(qw_ptr + rows[:, None] * stride_qr + cols[None, :], eviction_policy="evict_first")
+    return _unshuffle(_dequant_words(w, BITS, dtype, FAST), BLOCK_N, BLOCK_K, KW)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M"])
+def w4a16_mma_kernel(
+    x_ptr,  # [M, K] fp16 / bf16
+    qw_ptr,  # int32 [N_pad / 4, K_pad * 4 / vpw], MMA-operand order (repack.mma_shuffle)
+    scales_ptr,  # [num_groups, N]
+    zeros_ptr,  # fp16 [num_groups, N]: z - 2**(bits-1) (unused when not HAS_ZEROS)
+    perm_ptr,  # int64 [K] (unused when not HAS_PERM)
+    bias_ptr,  # [N] (unused when not HAS_BIAS)
+    out_ptr,  # [M, N]
+    ws_ptr,  # fp32 [split_k, M, N] split-K partials (unused when not USE_SPLIT)
+    cnt_ptr,  # int32 [>= tiles] zero-initialised arrival counters (unused when not USE_SPLIT)
+    M,
+    N,
+    K,
+    group_size,
+    split_k,
+    stride_xm,  # x's K stride is 1 (the launcher makes it so): contiguous, vectorized loads
+    stride_qr,
+    stride_sg,  # scales, zeros and out have unit N stride (the launcher makes it so)
+    stride_zg,
+    stride_om,
+    stride_wsk,
+    stride_wsm,
+    BITS: tl.constexpr,
+    KW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NG: tl.constexpr,  # groups per K-tile (1: the tile lies in one group)
+    SCALE_W: tl.constexpr,  # scale the weight values, not the partial (always when NG > 1): lets the
+    # MMA chain on one accumulator and run asynchronously under the next tile's dequant
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    FAST: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    dtype = x_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    rows = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)  # [BLOCK_N / 4] storage rows
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(num_k_tiles, split_k)
+    kt_start = pid_k * tiles_per_split
+    kt_end = tl.minimum(kt_start + tiles_per_split, num_k_tiles)
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kt in range(kt_start, kt_end):
+        k0 = kt * BLOCK_K
+        wt = _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype, FAST)  # [BN, BK]
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        mask_k = offs_k < K
+        if HAS_PERM:
+            src = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)
+        else:
+            src = offs_k
+        xk = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + src[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        if NG == 1 and not SCALE_W:
+            g = k0 // group_size
+            s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if HAS_ZEROS:  # q - z, exact in fp16/bf16; the [BN] zeros load lands in the A layout directly
+                z = tl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0.0)
+                if DOT_F32:  # interpreter: bf16 arithmetic there is unreliable
+                    wt = wt.to(tl.float32) - z.to(tl.float32)[:, None]
+                else:
+                    wt = wt - z.to(dtype)[:, None]
+            if DOT_F32:
+                part = tl.dot(wt.to(tl.float32), tl.trans(xk.to(tl.float32)))  # [BN, BM]
+            else:
+                part = tl.dot(wt, tl.trans(xk))  # [BN, BM]
+            acc += part * s[:, None]
+        else:
+            G: tl.constexpr = BLOCK_K // NG  # columns of the tile per scale (the group size when NG > 1)
+            offs_g = k0 // group_size + tl.arange(0, NG)  # [NG]
+            mask_g = mask_n[:, None] & (offs_g * group_size < K)[None, :]  # the last tile may hold fewer groups
+            sg = tl.load(scales_ptr + offs_g[None, :] * stride_sg + offs_n[:, None], mask=mask_g, other=0.0)  # [BN, NG]
+            wdt = tl.float32 if DOT_F32 else dtype  # interpreter: bf16 arithmetic there is unreliable
+            wt = wt.to(wdt)
+            if HAS_ZEROS:
+                z = tl.load(
+                    zeros_ptr + offs_g[None, :] * stride_zg + offs_n[:, None], mask=mask_g, other=0.0
+                )  # [BN, NG]
+                zf = z.to(wdt)
+                wt = wt - tl.reshape(tl.broadcast_to(zf[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
+            s_full = tl.reshape(tl.broadcast_to(sg.to(wdt)[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
+            # [BN, BK] scaled weights: the product of exact (q - z) and s, rounded once as the reference does
+            if DOT_F32:
+                acc = tl.dot(wt * s_full, tl.trans(xk.to(tl.float32)), acc)
+            else:
+                acc = tl.dot(wt * s_full, tl.trans(xk), acc)
+
+    out_t = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if not USE_SPLIT:
+        if HAS_BIAS:
+            out_t += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, out_t.to(out_ptr.dtype.element_ty), mask=mask_mn)
+    else:
+        ws_tile = ws_ptr + offs_m[:, None] * stride_wsm + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+        tl.store(ws_tile + pid_k * stride_wsk, out_t, mask=mask_mn)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        tile_id = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:  # last program of this tile: reduce, add bias, write, reset
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sk in range(0, split_k):
+                total += tl.load(ws_tile + sk * stride_wsk, mask=mask_mn, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_mn)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def mma_dequant_kernel(
+    qw_ptr,  # int32 [N_pad / 4, K_pad * 4 / vpw]
+    scales_ptr,  # [num_groups, N]
+    zeros_ptr,  # fp16 [num_groups, N]: z - 2**(bits-1) (unused when not HAS_ZEROS)
+    perm_ptr,  # int64 [K] (unused when not HAS_PERM)
+    out_ptr,  # [K, N] dense weight in input row order
+    N,
+    K,
+    group_size,
+    stride_qr,
+    stride_sg,  # scales, zeros and out have unit N stride
+    stride_zg,
+    stride_ok,
+    BITS: tl.constexpr,
+    KW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    dtype = out_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    kt = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    rows = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
+    offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    wt = _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype, FAST).to(tl.float32)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]  # [BN, BK]
+    g = offs_k // group_size
+    s = tl.load(scales_ptr + g[None, :] * stride_sg + offs_n[:, None], mask=mask, other=0.0)
+    if HAS_ZEROS:
+        z = tl.load(zeros_ptr + g[None, :] * stride_zg + offs_n[:, None], mask=mask, other=0.0)
+        wt -= z.to(tl.float32)
+    val = wt * s.to(tl.float32)  # [BN, BK]
+    if HAS_PERM:
+        dst = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+    else:
+        dst = offs_k
+    tl.store(out_ptr + dst[None, :] * stride_ok + offs_n[:, None], val.to(dtype), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations and dispatch
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MmaConfig:
+    """One launch. ``kind``: "mma" (w4a16_mma_kernel) or "dequant" (dense weight + cuBLAS)."""
+
+    kind: str = "mma"
+    block_m: int = 16
+    block_n: int = 128
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    scale_w: bool = False  # scales on the weight values (async MMA chain) instead of the fp32 partial
+
+    def short(self) -> str:
+        if self.kind == "dequant":
+            return "dequant+mm"
+        sw = " sw" if self.scale_w else ""
+        return (
+            f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{sw}"
+        )
+
+
+DEQUANT = MmaConfig(kind="dequant")
+MAX_SPLIT_TILES_PER_N = 4  # split-K is only launched with <= 4 M-tiles
+MIN_SPLIT_BLOCK_N = 64
+
+# Tuned configs: (device index, K, N, bits, group_size, dtype, m_bucket) -> config; filled before
+# CUDA-graph capture (bench / tuning), read-only on the hot path.
+_TUNED: dict[tuple, MmaConfig] = {}
+
+
+def num_split_counters(n: int) -> int:
+    """Arrival counters a weight of N columns needs for every split-K config we launch."""
+    return triton.cdiv(n, MIN_SPLIT_BLOCK_N) * MAX_SPLIT_TILES_PER_N
+
+
+def m_bucket(m: int) -> int:
+    return min(1 << max(0, (m - 1).bit_length()), 8192)
+
+
+def _block_k_ok(block_k: int, group_size: int, k: int) -> bool:
+    return group_size % block_k == 0 or group_size >= k or block_k % group_size == 0
+
+
+def _fix(cfg: MmaConfig, m: int, k: int, n: int, group_size: int) -> MmaConfig:
+    """Clamp a config to what the kernel allows for this problem."""
+    if cfg.kind != "mma":
+        return cfg
+    block_k = cfg.block_k
+    if not _block_k_ok(block_k, group_size, k):
+        block_k = 64 if _block_k_ok(64, group_size, k) else 128
+    block_n = max(cfg.block_n, 16 * cfg.num_warps)  # each warp owns >= 16 rows of the A operand
+    split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
+    if split > 1 and (block_n < MIN_SPLIT_BLOCK_N or triton.cdiv(m, cfg.block_m) > MAX_SPLIT_TILES_PER_N):
+        split = 1
+    return dataclasses.replace(cfg, block_k=block_k, block_n=block_n, split_k=split)
+
+
+def _pow2_at_most(v: float) -> int:
+    p = 1
+    while p * 2 <= v and p < 8:
+        p *= 2
+    return p
+
+
+def default_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
+    """Built-in dispatch table by M, written as rules from ``bench/kernels.py --sweep`` on an H200
+    (Qwen2.5-14B shapes; bench/RESULTS.md), so other shapes get the same kind of launch. Split-K
+    brings the program count to a per-M target (more programs, more weight bytes in flight)."""
+    if m <= 16:  # decode: 64-row tiles, 4 stages of 4 KB each, ~800 programs
+        cfg, tiles = MmaConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4), triton.cdiv(n, 64)
+        split = min(8, triton.next_power_of_2(max(1, triton.cdiv(800, tiles))))
+    elif m <= 32:
+        cfg, tiles = MmaConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4), triton.cdiv(n, 64)
+        split = _pow2_at_most(450 / tiles)
+    elif m <= 64:
+        cfg, tiles = MmaConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3), triton.cdiv(n, 128)
+        split = _pow2_at_most(250 / tiles)
+    elif m <= 256 and n >= 16384:  # wide layers (gate_up): enough tiles; scales on the weights so the
+        # wgmma chain runs asynchronously under the next tile's dequant
+        cfg = MmaConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4, scale_w=True)
+        split = 1
+    elif m <= 128:
+        cfg, tiles = MmaConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3), triton.cdiv(n, 128)
+        split = _pow2_at_most(150 / tiles)
+    else:  # dense weight + cuBLAS: the fused kernel lost at every M > 256 (bench/RESULTS.md)
+        return DEQUANT
+    return _fix(dataclasses.replace(cfg, split_k=split), m, k, n, group_size)
+
+
+def _key(weight: MmaQuantWeight, dtype: torch.dtype, m: int) -> tuple:
+    device = weight.qweight.device
+    index = device.index if device.type == "cuda" else -1
+    return (index, weight.in_features, weight.out_features, weight.bits, weight.group_size, dtype, m_bucket(m))
+
+
+def set_config(weight: MmaQuantWeight, dtype: torch.dtype, m: int, cfg: MmaConfig) -> None:
+    """Pin the config for this weight's shape and M bucket (tuning and benchmarks)."""
+    _TUNED[_key(weight, dtype, m)] = cfg
+
+
+def select_config(weight: MmaQuantWeight, dtype: torch.dtype, m: int) -> MmaConfig:
+    """Pure dict lookup + arithmetic: safe on the hot path and under CUDA-graph capture."""
+    k, n, g = weight.in_features, weight.out_features, weight.group_size
+    cfg = _TUNED.get(_key(weight, dtype, m))
+    if cfg is None:
+        cfg = default_config(m, k, n, g)
+    return _fix(cfg, m, k, n, g)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def supports(weight: PackedQuantWeight) -> bool:
+    """Whether the kernel serves this weight: every K-tile of 64 or 128 lies in one group or
+    holds whole groups (else the caller keeps the reference path)."""
+    g, k = weight.group_size, weight.in_features
+    return any(_block_k_ok(bk, g, k) for bk in (64, 128))
+
+
+def prepare(weight: PackedQuantWeight, kwidth: int | None = None) -> MmaQuantWeight:
+    """Load-time: canonical -> MMA-operand order for this device's MMA generation."""
+    if not supports(weight):
+        raise ValueError(f"group_size={weight.group_size} is not served by the MMA kernel")
+    if kwidth is None:
+        device = weight.qweight.device
+        kwidth = mma_kwidth(torch.cuda.get_device_capability(device)) if device.type == "cuda" else 2
+    shuffled = mma_shuffle(weight, kwidth)
+    shuffled.scales = shuffled.scales.contiguous()  # the kernels assume unit N strides
+    if shuffled.zeros is not None:
+        shuffled.zeros = shuffled.zeros.contiguous()
+    return shuffled
+
+
+def _fast_ok(bits: int, dtype: torch.dtype) -> bool:
+    return not _INTERPRET and (bits == 4 or dtype == torch.float16)
+
+
+def dequantize_dense(weight: MmaQuantWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense ``[K, N]`` weight in *input* row order (perm undone), in ``dtype``."""
+    k, n = weight.in_features, weight.out_features
+    if out is None:
+        out = torch.empty((k, n), dtype=dtype, device=weight.qweight.device)  # [K, N]
+    block_n, block_k = 64, 64
+    qw, sc = weight.qweight, weight.scales
+    zeros = weight.zeros if weight.zeros is not None else sc
+    perm = weight.perm if weight.perm is not None else qw
+    grid = (weight.n_pad // block_n, weight.k_pad // block_k)
+    mma_dequant_kernel[grid](
+        qw,
+        sc,
+        zeros,
+        perm,
+        out,
+        n,
+        k,
+        weight.group_size,
+        qw.stride(0),
+        sc.stride(0),
+        zeros.stride(0),
+        out.stride(0),
+        BITS=weight.bits,
+        KW=weight.kwidth,
+        HAS_ZEROS=weight.zeros is not None,
+        HAS_PERM=weight.perm is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        FAST=_fast_ok(weight.bits, dtype),
+        num_warps=4,
+    )
+    return out
+
+
+def w4a16_gemm(
+    x: torch.Tensor,  # [M, K] fp16 / bf16
+    weight: MmaQuantWeight,
+    bias: torch.Tensor | None = None,  # [N]
+    config: MmaConfig | None = None,
+    counters: torch.Tensor | None = None,  # int32 [>= num_split_counters(N)], zeros; reused across calls
+    out: torch.Tensor | None = None,  # [M, N]
+) -> torch.Tensor:
+    """``x[:, perm] @ dequant(weight) + bias`` on CUDA (or under TRITON_INTERPRET=1); ``[M, N]``."""
+    m, k = x.shape
+    n, g = weight.out_features, weight.group_size
+    if k != weight.in_features:
+        raise ValueError(f"x has K={k}, weight has in_features={weight.in_features}")
+    cfg = select_config(weight, x.dtype, m) if config is None else _fix(config, m, k, n, g)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
+    elif out.stride(1) != 1:
+        raise ValueError("out must have a unit stride along N")
+    if m == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if cfg.kind == "dequant":
+        dense = dequantize_dense(weight, x.dtype)  # [K, N] input order: no gather of x
+        if bias is None:
+            return torch.mm(x, dense, out=out)
+        return torch.addmm(bias.to(x.dtype), x, dense, out=out)
+
+    split = cfg.split_k
+    num_pid_m = triton.cdiv(m, cfg.block_m)
+    num_pid_n = triton.cdiv(n, cfg.block_n)
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)  # [split_k, M, N]
+        if counters is None:
+            counters = torch.zeros(num_pid_m * num_pid_n, dtype=torch.int32, device=x.device)
+        elif counters.numel() < num_pid_m * num_pid_n:
+            raise ValueError(f"counters hold {counters.numel()} entries, need {num_pid_m * num_pid_n}")
+    else:
+        ws = out
+        counters = out
+    qw, sc = weight.qweight, weight.scales
+    zeros = weight.zeros if weight.zeros is not None else sc
+    perm = weight.perm if weight.perm is not None else qw
+    bias_arg = bias if bias is not None else sc
+    ng = 1 if (g % cfg.block_k == 0 or g >= k) else cfg.block_k // g
+    grid = (num_pid_n, split, num_pid_m)
+    w4a16_mma_kernel[grid](
+        x,
+        qw,
+        sc,
+        zeros,
+        perm,
+        bias_arg,
+        out,
+        ws,
+        counters,
+        m,
+        n,
+        k,
+        g,
+        split,
+        x.stride(0),
+        qw.stride(0),
+        sc.stride(0),
+        zeros.stride(0),
+        out.stride(0),
+        ws.stride(0) if split > 1 else 0,
+        ws.stride(1) if split > 1 else 0,
+        BITS=weight.bits,
+        KW=weight.kwidth,
+        HAS_ZEROS=weight.zeros is not None,
+        HAS_PERM=weight.perm is not None,
+        HAS_BIAS=bias is not None,
+        NG=ng,
+        SCALE_W=cfg.scale_w or ng > 1,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        USE_SPLIT=split > 1,
+        FAST=_fast_ok(weight.bits, x.dtype),
+        DOT_F32=_INTERPRET,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig]:
+    """Configs worth timing for this M (``bench/kernels.py --sweep`` times these)."""
+    out: list[MmaConfig] = []
+    block_m = max(16, triton.next_power_of_2(min(m, 256)))
+    if m <= 64:
+        for bn, bk, warps, stages, sw in (
+            (64, 128, 4, 4, False),
+            (64, 128, 4, 6, False),
+            (64, 128, 4, 4, True),
+            (64, 256, 4, 3, True),
+            (128, 128, 4, 3, False),
+            (128, 128, 4, 4, True),
+            (128, 64, 4, 4, False),
+        ):
+            for split in (1, 2, 4, 8):
+                out.append(MmaConfig("mma", block_m, bn, bk, split, warps, stages, sw))
+    elif m <= 256:
+        for bm, bn, bk, warps, stages, sw in (
+            (block_m, 128, 128, 8, 3, False),
+            (block_m, 128, 128, 8, 3, True),
+            (block_m, 64, 128, 4, 3, True),
+            (min(block_m, 128), 128, 64, 4, 4, True),
+            (block_m, 256, 64, 8, 3, True),
+        ):
+            for split in (1, 2):
+                out.append(MmaConfig("mma", bm, bn, bk, split, warps, stages, sw))
+        out.append(DEQUANT)
+    else:
+        for bm, bn, bk, warps, stages in (
+            (256, 128, 64, 8, 3),
+            (128, 128, 128, 8, 3),
+            (128, 256, 64, 8, 3),
+            (256, 128, 64, 8, 4),
+            (128, 128, 64, 4, 4),
+        ):
+            out.append(MmaConfig("mma", bm, bn, bk, 1, warps, stages, True))
+        out.append(DEQUANT)
+    uniq: list[MmaConfig] = []
+    for cfg in out:
+        cfg = _fix(cfg, m, k, n, group_size)
+        if cfg not in uniq:
+            uniq.append(cfg)
+    return uniq
+
+
+def compile_ptx(
+    arch: int,
+    cfg: MmaConfig,
+    bits: int = 4,
+    dtype: str = "fp16",
+    group_tile: int = 1,
+    asym: bool = False,
+    act_order: bool = False,
+    kwidth: int = 2,
+) -> str:
+    """PTX of ``w4a16_mma_kernel`` for ``sm_<arch>`` without a GPU (``triton.compile`` with a
+    ``GPUTarget``): the regression check that the dequantized tile stays out of shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = w4a16_mma_kernel
+    pointers = {
+        "x_ptr": f"*{dtype}",
+        "qw_ptr": "*i32",
+        "scales_ptr": "*fp16",
+        "zeros_ptr": "*fp16",
+        "perm_ptr": "*i64",
+        "bias_ptr": f"*{dtype}",
+        "out_ptr": f"*{dtype}",
+        "ws_ptr": "*fp32",
+        "cnt_ptr": "*i32",
+    }
+    constants = dict(
+        BITS=bits,
+        KW=kwidth,
+        HAS_ZEROS=asym,
+        HAS_PERM=act_order,
+        HAS_BIAS=False,
+        NG=group_tile,
+        SCALE_W=cfg.scale_w or group_tile > 1,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        USE_SPLIT=cfg.split_k > 1,
+        FAST=bits == 4 or dtype == "fp16",
+        DOT_F32=False,
+    )
+    signature = {}
+    for name in fn.arg_names:
+        if name in pointers:
+            signature[name] = pointers[name]
+        elif name in constants:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "i32"
+    # What the JIT specializes at run time for real shapes: 16-byte-aligned pointers and
+    # multiple-of-16 sizes and strides (M is never specialized).
+    aligned = [
+        (i,) for i, name in enumerate(fn.arg_names) if signature[name] != "constexpr" and name not in ("M", "split_k")
+    ]
+    attrs = {path: [["tt.divisibility", 16]] for path in aligned}
+    compiled = triton.compile(
+        ASTSource(fn, signature, constants, attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )
+    return compiled.asm["ptx"]

@@ -1,0 +1,247 @@
+"""The MMA-operand W4A16 / W8A16 kernel (``quant_kernels.w4a16_mma_triton``) against the reference.
+
+On CPU the kernel runs through TRITON_INTERPRET=1 (see conftest.py) on a small covering design;
+the ``gpu``-marked tests run real sizes on CUDA. Every case draws fresh random inputs, poisons
+the output with NaN and checks against an fp32 oracle with per-dtype tolerances.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from quant_kernels import reference
+from quant_kernels.layout import PackedQuantWeight, pack_codes, unpack_codes
+from quant_kernels.repack import MmaQuantWeight, mma_kwidth, mma_shuffle, mma_unshuffle
+
+triton = pytest.importorskip("triton")
+
+from quant_kernels import w4a16_mma_triton as mma  # noqa: E402
+from quant_kernels.w4a16_mma_triton import MmaConfig, w4a16_gemm  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+# Relative Frobenius error bound and (atol relative to max|ref|, rtol) per activation dtype.
+TOL = {torch.float16: (3e-3, 4e-3, 1e-2), torch.bfloat16: (2e-2, 3e-2, 5e-2)}
+
+
+def make_weight(k, n, group_size, bits=4, asym=False, act_order=False, device=DEVICE, gen=None) -> PackedQuantWeight:
+    g = k if group_size == -1 else group_size
+    num_groups = -(-k // g)
+    codes = torch.randint(0, 1 << bits, (k, n), generator=gen)  # [K, N]
+    scales = (torch.rand(num_groups, n, generator=gen) * 0.02 + 0.002).half()  # [G, N]
+    zeros = torch.randint(0, 1 << bits, (num_groups, n), generator=gen).to(torch.uint8) if asym else None
+    perm = torch.randperm(k, generator=gen) if act_order else None
+    return PackedQuantWeight(bits, g, pack_codes(codes, bits), scales, zeros, perm).to(device)
+
+
+def oracle(x: torch.Tensor, weight: PackedQuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``x[:, perm] @ W (+ bias)``."""
+    xf = x.float()
+    if weight.perm is not None:
+        xf = xf[:, weight.perm]
+    out = xf @ reference.dequantize(weight, torch.float32)
+    return out if bias is None else out + bias.float()
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    rel_bound, atol_rel, rtol = TOL[dtype]
+    rel = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    assert rel < rel_bound, f"relative error {rel:.2e} >= {rel_bound:.0e}"
+    torch.testing.assert_close(out.float(), ref, atol=atol_rel * ref.abs().max().item(), rtol=rtol)
+
+
+def run_case(m, k, n, group_size, bits, asym, act_order, dtype, config=None, bias=True, seed=0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    weight = make_weight(k, n, group_size, bits, asym, act_order, gen=gen)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)  # [M, K]
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None  # [N]
+    ref = oracle(x, weight, b)
+    shuffled = mma.prepare(weight)
+    counters = torch.zeros(mma.num_split_counters(n), dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the second call checks that split-K counters were left at zero
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)  # [M, N] poisoned
+        w4a16_gemm(x, shuffled, b, config=config, counters=counters, out=out)
+        assert_matches(out, ref, dtype)
+    assert int(counters.abs().sum()) == 0, "split-K counters not reset"
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout (CPU, no interpreter needed)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits,k,n,kwidth", [(4, 256, 64, 2), (4, 200, 72, 2), (8, 96, 40, 2), (4, 128, 64, 4)])
+def test_mma_shuffle_roundtrip(bits, k, n, kwidth) -> None:
+    w = make_weight(k, n, -1, bits, asym=True, device="cpu")
+    s = mma_shuffle(w, kwidth, chunk_n=64)
+    assert s.k_pad % 128 == 0 and s.n_pad % 64 == 0
+    back = mma_unshuffle(s)
+    assert torch.equal(back.qweight, w.qweight)
+    assert torch.equal(back.zeros, w.zeros)
+
+
+def test_mma_shuffle_puts_a_fragment_where_documented() -> None:
+    """Spot-check repack's formula: value (n, k) sits at storage row blk16*4 + ga, column kc*256 +
+    gl*128 + t*32 + s*16 + h*8 + rh*4 + e*... (kw = 2: 4 k16 steps x (h, rh, e)), in word-value order."""
+    k, n = 128, 64
+    w = make_weight(k, n, -1, device="cpu")
+    codes = unpack_codes(w.qweight, 4)  # [K, N]
+    s = mma_shuffle(w, 2)
+    fields = [0, 4, 1, 5, 2, 6, 3, 7]  # value v of a word is this 4-bit field
+    for nn, kk in [(0, 0), (9, 3), (17, 70), (63, 127), (42, 88)]:
+        blk16, r16 = divmod(nn, 16)
+        rh, g = divmod(r16, 8)
+        ga, gl = divmod(g, 2)
+        kc, r64 = divmod(kk, 64)
+        st, r16k = divmod(r64, 16)
+        h, r8 = divmod(r16k, 8)
+        t, e = divmod(r8, 2)
+        col = kc * 256 + gl * 128 + t * 32 + st * 8 + h * 4 + rh * 2 + e
+        word = int(s.qweight[blk16 * 4 + ga, col // 8]) & 0xFFFFFFFF
+        assert (word >> (4 * fields[col % 8])) & 0xF == int(codes[kk, nn]), (nn, kk)
+
+
+def test_mma_kwidth_by_generation() -> None:
+    assert mma_kwidth((9, 0)) == 2 and mma_kwidth((8, 6)) == 2 and mma_kwidth((8, 9)) == 2
+    with pytest.raises(ValueError, match="sm80"):
+        mma_kwidth((7, 5))
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU (interpreter): small sizes, a covering subset of the feature grid
+# ----------------------------------------------------------------------------------------------
+
+SMALL = MmaConfig(block_m=16, block_n=64, block_k=128)
+SPLIT = MmaConfig(block_m=16, block_n=64, block_k=64, split_k=3)
+WIDE_M = MmaConfig(block_m=32, block_n=64, block_k=128, split_k=2)
+SCALE_W = MmaConfig(block_m=16, block_n=64, block_k=128, split_k=2, scale_w=True)
+DEQ = MmaConfig(kind="dequant")
+CPU_CONFIGS = [SMALL, SPLIT, WIDE_M, SCALE_W, DEQ, None]
+
+_MS = [1, 3, 16, 33, 7]
+_KN = [(256, 64), (192, 72), (384, 40)]  # N not a multiple of 64; K=192 not a multiple of 128
+_GROUPS = [32, 64, 128, -1]
+_FLAGS = list(itertools.product([False, True], [False, True], [torch.float16, torch.bfloat16], [4, 8]))
+
+
+def _cpu_cases() -> list:
+    cases = []
+    for i in range(18):
+        cfg = CPU_CONFIGS[i % len(CPU_CONFIGS)]
+        m = _MS[(i * 3) % len(_MS)]
+        k, n = _KN[(i * 7) % len(_KN)]
+        group_size = _GROUPS[(i // 2) % len(_GROUPS)]
+        asym, act, dtype, bits = _FLAGS[(i * 5) % len(_FLAGS)]
+        cases.append((m, k, n, group_size, bits, asym, act, dtype, cfg))
+    return cases
+
+
+@pytest.mark.skipif(CUDA, reason="CPU interpreter subset; the GPU runs real sizes")
+@pytest.mark.parametrize(
+    "m,k,n,group_size,bits,asym,act_order,dtype,config",
+    _cpu_cases(),
+    ids=lambda v: v.short() if isinstance(v, MmaConfig) else None,
+)
+def test_w4a16_mma_interpreter(m, k, n, group_size, bits, asym, act_order, dtype, config) -> None:
+    run_case(m, k, n, group_size, bits, asym, act_order, dtype, config, bias=m % 2 == 1, seed=m * 1000 + n)
+
+
+def test_select_config_is_valid_for_every_m() -> None:
+    """Dispatch is pure arithmetic on M; every bucket yields a config the launcher accepts."""
+    for k, n in [(5120, 7168), (13824, 5120), (128, 40)]:
+        for g in (32, 128, k):
+            qweight = torch.zeros(-(-n // 64) * 16, -(-k // 128) * 64, dtype=torch.int32)  # contents unused
+            w = MmaQuantWeight(4, g, k, n, 2, qweight, torch.ones(-(-k // g), n))
+            for m in [1, 2, 3, 8, 16, 17, 33, 64, 65, 130, 256, 257, 512, 1024, 4096, 10000]:
+                cfg = mma.select_config(w, torch.float16, m)
+                assert cfg.kind in ("mma", "dequant")
+                if cfg.kind == "mma":
+                    assert cfg.block_m >= 16 and cfg.block_n >= 16 * cfg.num_warps
+                    assert g % cfg.block_k == 0 or g >= k or cfg.block_k % g == 0
+                    if cfg.split_k > 1:
+                        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+                        assert tiles <= mma.num_split_counters(n)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real sizes
+# ----------------------------------------------------------------------------------------------
+
+GPU_MS = [1, 2, 3, 7, 16, 33, 64, 130, 512]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", GPU_MS)
+@pytest.mark.parametrize("k,n", [(512, 200), (4096, 1544), (5120, 7168)])
+def test_w4a16_mma_gpu_default_dispatch(m, k, n) -> None:
+    run_case(m, k, n, 128, 4, False, False, torch.float16, None, bias=True, seed=m + n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 33, 130])
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("asym,act_order", [(False, False), (True, True)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_w4a16_mma_gpu_features(m, group_size, asym, act_order, dtype, bits) -> None:
+    run_case(m, 1536, 1000, group_size, bits, asym, act_order, dtype, None, bias=m % 2 == 1, seed=m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+def test_w4a16_mma_gpu_every_candidate(m) -> None:
+    """Every config the sweep may pick is correct (asym + act-order + bf16, N not a block multiple)."""
+    k, n = 2048, 1000
+    gen = torch.Generator().manual_seed(m)
+    weight = make_weight(k, n, 128, 4, True, True, gen=gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+    ref = oracle(x, weight, None)
+    shuffled = mma.prepare(weight)
+    counters = torch.zeros(mma.num_split_counters(n), dtype=torch.int32, device="cuda")
+    for cfg in mma.candidate_configs(m, k, n, 128):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        w4a16_gemm(x, shuffled, None, cfg, counters, out=out)
+        assert_matches(out, ref, torch.bfloat16)
+    assert int(counters.abs().sum()) == 0
+
+
+def test_ops_prepared_weight_used_off_cuda_is_unshuffled() -> None:
+    """A CUDA-prepared (shuffled) weight applied to a CPU tensor falls back to the reference exactly."""
+    from quant_kernels import ops
+
+    w = make_weight(192, 72, 64, asym=True, act_order=True, device="cpu")
+    prepared = ops.W4A16Prepared(weight=mma.prepare(w), counters=torch.zeros(1, dtype=torch.int32))
+    x = torch.randn(3, 192)  # [M, K]
+    torch.testing.assert_close(ops.w4a16_linear(x, prepared), reference.w4a16_matmul(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_w4a16_mma_gpu_ops_and_cuda_graph() -> None:
+    """ops dispatch picks the MMA kernel on CUDA; 3-D input; replay under a CUDA graph after warm-up."""
+    from quant_kernels import ops
+
+    k, n = 5120, 7168
+    weight = make_weight(k, n, 128)
+    prepared = ops.prepare_w4a16(weight)
+    assert isinstance(prepared, ops.W4A16Prepared) and isinstance(prepared.weight, MmaQuantWeight)
+    for m in (1, 16, 64, 256):
+        ops.warmup_w4a16(prepared, torch.float16, [m])
+        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.w4a16_linear(x, prepared)
+        for _ in range(3):
+            x.copy_(torch.randn(m, k, dtype=torch.float16, device="cuda"))
+            graph.replay()
+            assert_matches(out, oracle(x, weight, None), torch.float16)
+    x3 = torch.randn(2, 3, k, dtype=torch.float16, device="cuda")
+    assert ops.w4a16_linear(x3, prepared).shape == (2, 3, n)

@@ -1,0 +1,116 @@
+"""The W4A16 MMA kernel keeps the dequantized weight tile out of shared memory (no GPU needed).
+
+Compiles ``w4a16_mma_kernel`` for sm90 (wgmma) and sm86 (mma.sync) with ``triton.compile`` and a
+``GPUTarget`` and counts the bytes each thread stores to shared memory (``st.shared`` and
+``stmatrix`` in the PTX; pointers and strides specialized as the JIT does for aligned shapes).
+The x tile (the B operand) and the epilogue may use shared memory; a dequantized ``[BLOCK_N,
+BLOCK_K]`` weight tile on its way into the A operand would add ``BLOCK_N*BLOCK_K*2/threads``
+bytes, over the budget of the x tile plus the epilogue. A control (the decode kernel built for a
+layout of the wrong k-width, which sm86's compiler round-trips through shared memory) shows that
+the count catches it.
+
+The compiles run in one subprocess without TRITON_INTERPRET (the kernel tests' conftest sets it
+on CPU machines, and interpreted functions cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (arch, id, (block_m, block_n, block_k, warps, stages[, scale_w]), group_tile, asym, act_order, dtype, bits)
+CASES = [
+    (arch, name, cfg, ng, asym, perm, dtype, bits)
+    for arch in (90, 86)
+    for name, cfg, ng, asym, perm, dtype, bits in [
+        ("decode-sym", (16, 128, 128, 4, 3), 1, False, False, "fp16", 4),
+        ("decode-asym-actorder-bf16", (16, 128, 128, 4, 3), 1, True, True, "bf16", 4),
+        ("decode-g64-asym", (16, 128, 128, 4, 3), 2, True, False, "fp16", 4),
+        ("batch-g32-actorder-bf16", (64, 128, 64, 4, 3), 2, False, True, "bf16", 4),
+        ("batch-8bit-scale-on-weights", (64, 128, 64, 4, 3, True), 1, False, False, "fp16", 8),
+    ]
+]
+
+_SCRIPT = r"""
+import json, re, sys
+from quant_kernels import w4a16_mma_triton as mma
+
+def shared_store_bytes(ptx):
+    # bytes per thread stored to shared memory: st.shared[.vN].bW plus stmatrix (4 B per matrix)
+    st = sum(int(m.group(1) or 1) * int(m.group(2)) // 8
+             for m in re.finditer(r"\bst\.shared(?:::cta)?(?:\.v(\d))?\.b(\d+)", ptx))
+    return st + sum(4 * int(m.group(1)) for m in re.finditer(r"\bstmatrix\.sync\.aligned\.m8n8\.x(\d)", ptx))
+
+out = []
+for arch, name, (bm, bn, bk, w, st, *sw), ng, asym, perm, dtype, bits in json.loads(sys.argv[1]):
+    cfg = mma.MmaConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, scale_w=bool(sw))
+    kw = dict(group_tile=ng, asym=asym, act_order=perm, dtype=dtype, bits=bits)
+    ptx = mma.compile_ptx(arch, cfg, **kw)
+    control = mma.compile_ptx(arch, cfg, kwidth=4, **kw) if (arch, name) == (86, "decode-sym") else ""
+    out.append(dict(arch=arch, name=name, ours=shared_store_bytes(ptx), control=shared_store_bytes(control),
+                    st_shared=len(re.findall(r"\bst\.shared", ptx)),
+                    tensor_core=("wgmma.mma_async" in ptx) if arch == 90 else ("mma.sync" in ptx)))
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def ptx_stats() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, json.dumps(CASES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower():
+            pytest.skip("this triton has no NVIDIA backend")
+        raise AssertionError(f"PTX compile failed:\n{proc.stderr[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    return {(r["arch"], r["name"]): r for r in json.loads(line[len("RESULT") :])}
+
+
+def allowed_bytes(bm: int, bn: int, bk: int, warps: int) -> int:
+    """What may go through shared memory per thread: the x tile (B operand; act-order gathers it
+    with plain loads), the fp16 epilogue tile, and a few scalars."""
+    threads = 32 * warps
+    return (bm * bk * 2 + bm * bn * 2) // threads + 32
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"sm{c[0]}-{c[1]}" for c in CASES])
+def test_dequantized_tile_not_in_shared_memory(case, ptx_stats) -> None:
+    arch, name, (bm, bn, bk, warps, *_), *_ = case
+    r = ptx_stats[(arch, name)]
+    assert r["tensor_core"], f"sm{arch} {name}: no {'wgmma' if arch == 90 else 'mma.sync'} in the PTX"
+    tile_bytes = bn * bk * 2 // (32 * warps)
+    allowed = allowed_bytes(bm, bn, bk, warps)
+    print(
+        f"sm{arch} {name}: {r['st_shared']} st.shared, {r['ours']} B/thread (allowed {allowed}, one tile {tile_bytes})"
+    )
+    assert r["ours"] <= allowed, (
+        f"sm{arch} {name}: {r['ours']} B/thread stored to shared memory, more than the x tile and the epilogue "
+        f"({allowed}): the dequantized weight tile ({tile_bytes} B/thread) goes through shared memory"
+    )
+
+
+def test_the_check_sees_a_round_trip(ptx_stats) -> None:
+    """The same decode kernel built for a layout of the wrong k-width makes sm86's compiler move the
+    tile through shared memory, and the byte count above catches it (so the check can fail)."""
+    r = ptx_stats[(86, "decode-sym")]
+    bm, bn, bk, warps = 16, 128, 128, 4
+    assert r["control"] > allowed_bytes(bm, bn, bk, warps), (
+        f"the wrong-layout control stored only {r['control']} B/thread: this Triton no longer round-trips it "
+        "through shared memory, so re-check what the test above can detect"
+    )
