@@ -160,17 +160,33 @@ class MmaQuantWeight:
         return self.qweight.shape[0] * 4
 
 
-def mma_kwidth(capability: tuple[int, int]) -> int:
+def _triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton; (0, 0) when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = version("triton").split(".")[:2]
+        return int(major), int(minor)
+    except (PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+def mma_kwidth(capability: tuple[int, int], triton_version: tuple[int, int] | None = None) -> int:
     """The A operand's k-width for a device: the layout generation chosen at load time.
 
-    Hopper (wgmma, sm90) and Ampere/Ada (mma.sync, sm80-89) both take a 16-bit A fragment with
-    k-width 2 when the operand is produced in registers from 32-bit words (checked in the PTX of
-    both targets by tests/kernels/test_w4a16_ptx.py); kept as a parameter so that a generation
-    that packs wider (e.g. an 8-bit operand) gets its own order.
+    Hopper (wgmma, sm90) takes a 16-bit A fragment with k-width 2 when the operand is produced in
+    registers from 32-bit words. Ampere/Ada (mma.sync, sm80-89) takes k-width 2 from Triton 3.8
+    on, but Triton 3.6 and 3.7 lay the register operand out with k-width 4 there: a k-width-2
+    layout compiled for sm86 by them sends the dequantized tile through shared memory (290 B per
+    thread stored in the decode kernel against 34 B with k-width 4; Triton 3.8 and 3.9: the
+    reverse). Both were read from the PTX by tests/kernels/test_w4a16_ptx.py, which checks the
+    choice made here for the installed Triton.
     """
     major, _ = capability
-    if major >= 8:
+    if major >= 9:
         return 2
+    if major == 8:
+        return 4 if (triton_version or _triton_version()) < (3, 8) else 2
     raise ValueError(f"compute capability {capability} has no 16-bit MMA path for the W4A16 kernel (needs sm80+)")
 
 

@@ -55,13 +55,13 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
     torch.testing.assert_close(out.float(), ref, atol=atol_rel * ref.abs().max().item(), rtol=rtol)
 
 
-def run_case(m, k, n, group_size, bits, asym, act_order, dtype, config=None, bias=True, seed=0) -> None:
+def run_case(m, k, n, group_size, bits, asym, act_order, dtype, config=None, bias=True, seed=0, kwidth=None) -> None:
     gen = torch.Generator().manual_seed(seed)
     weight = make_weight(k, n, group_size, bits, asym, act_order, gen=gen)
     x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)  # [M, K]
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None  # [N]
     ref = oracle(x, weight, b)
-    shuffled = mma.prepare(weight)
+    shuffled = mma.prepare(weight, kwidth)
     counters = torch.zeros(mma.num_split_counters(n), dtype=torch.int32, device=DEVICE)
     for _ in range(2):  # the second call checks that split-K counters were left at zero
         out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)  # [M, N] poisoned
@@ -107,7 +107,10 @@ def test_mma_shuffle_puts_a_fragment_where_documented() -> None:
 
 
 def test_mma_kwidth_by_generation() -> None:
-    assert mma_kwidth((9, 0)) == 2 and mma_kwidth((8, 6)) == 2 and mma_kwidth((8, 9)) == 2
+    assert mma_kwidth((9, 0)) == 2 and mma_kwidth((9, 0), (3, 6)) == 2
+    # mma.sync: Triton 3.6 / 3.7 want k-width 4 for a register A operand, 3.8+ k-width 2 (PTX-checked)
+    assert mma_kwidth((8, 6), (3, 6)) == 4 and mma_kwidth((8, 9), (3, 7)) == 4
+    assert mma_kwidth((8, 6), (3, 8)) == 2 and mma_kwidth((8, 0), (3, 9)) == 2
     with pytest.raises(ValueError, match="sm80"):
         mma_kwidth((7, 5))
 
@@ -149,6 +152,17 @@ def _cpu_cases() -> list:
 )
 def test_w4a16_mma_interpreter(m, k, n, group_size, bits, asym, act_order, dtype, config) -> None:
     run_case(m, k, n, group_size, bits, asym, act_order, dtype, config, bias=m % 2 == 1, seed=m * 1000 + n)
+
+
+@pytest.mark.skipif(CUDA, reason="CPU interpreter subset; the GPU runs real sizes")
+@pytest.mark.parametrize(
+    "m,k,n,group_size,bits,asym,act_order,dtype,config",
+    _cpu_cases()[:4],
+    ids=lambda v: v.short() if isinstance(v, MmaConfig) else None,
+)
+def test_w4a16_mma_interpreter_kwidth4(m, k, n, group_size, bits, asym, act_order, dtype, config) -> None:
+    """The k-width-4 layout (what sm8x devices get under Triton 3.6 / 3.7) computes the same."""
+    run_case(m, k, n, group_size, bits, asym, act_order, dtype, config, seed=m * 1000 + n + 4, kwidth=4)
 
 
 def test_select_config_is_valid_for_every_m() -> None:

@@ -5,9 +5,10 @@ Compiles ``w4a16_mma_kernel`` for sm90 (wgmma) and sm86 (mma.sync) with ``triton
 ``stmatrix`` in the PTX; pointers and strides specialized as the JIT does for aligned shapes).
 The x tile (the B operand) and the epilogue may use shared memory; a dequantized ``[BLOCK_N,
 BLOCK_K]`` weight tile on its way into the A operand would add ``BLOCK_N*BLOCK_K*2/threads``
-bytes, over the budget of the x tile plus the epilogue. A control (the decode kernel built for a
-layout of the wrong k-width, which sm86's compiler round-trips through shared memory) shows that
-the count catches it.
+bytes, over the budget of the x tile plus the epilogue. Each arch is compiled with the k-width
+``quant_kernels.repack.mma_kwidth`` picks for it under the installed Triton (sm86: 4 before Triton
+3.8, 2 from 3.8 on). A control (the decode kernel built for the other k-width, which sm86's
+compiler round-trips through shared memory) shows that the count catches it.
 
 The compiles run in one subprocess without TRITON_INTERPRET (the kernel tests' conftest sets it
 on CPU machines, and interpreted functions cannot be compiled).
@@ -43,6 +44,7 @@ CASES = [
 _SCRIPT = r"""
 import json, re, sys
 from quant_kernels import w4a16_mma_triton as mma
+from quant_kernels.repack import mma_kwidth
 
 def shared_store_bytes(ptx):
     # bytes per thread stored to shared memory: st.shared[.vN].bW plus stmatrix (4 B per matrix)
@@ -54,8 +56,10 @@ out = []
 for arch, name, (bm, bn, bk, w, st, *sw), ng, asym, perm, dtype, bits in json.loads(sys.argv[1]):
     cfg = mma.MmaConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, scale_w=bool(sw))
     kw = dict(group_tile=ng, asym=asym, act_order=perm, dtype=dtype, bits=bits)
-    ptx = mma.compile_ptx(arch, cfg, **kw)
-    control = mma.compile_ptx(arch, cfg, kwidth=4, **kw) if (arch, name) == (86, "decode-sym") else ""
+    kwidth = mma_kwidth((arch // 10, arch % 10))  # what a device of this arch gets at load time
+    ptx = mma.compile_ptx(arch, cfg, kwidth=kwidth, **kw)
+    # control: the other k-width, which this Triton round-trips through shared memory on sm86
+    control = mma.compile_ptx(arch, cfg, kwidth=6 - kwidth, **kw) if (arch, name) == (86, "decode-sym") else ""
     out.append(dict(arch=arch, name=name, ours=shared_store_bytes(ptx), control=shared_store_bytes(control),
                     st_shared=len(re.findall(r"\bst\.shared", ptx)),
                     tensor_core=("wgmma.mma_async" in ptx) if arch == 90 else ("mma.sync" in ptx)))
