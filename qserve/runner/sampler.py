@@ -326,11 +326,19 @@ def slice_metadata(md: SamplingMetadata, start: int, end: int) -> SamplingMetada
     def rows(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[start:end]
 
-    min_rows = min_ids = None
-    if md.min_tokens_rows is not None:
-        keep = (md.min_tokens_rows >= start) & (md.min_tokens_rows < end)  # [M]
-        if bool(keep.any()):
-            min_rows, min_ids = md.min_tokens_rows[keep] - start, md.min_tokens_token_ids[keep]
+    def sparse(row_ids: torch.Tensor | None, *values: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Entries of a per-row list (``row_ids`` [E] with ``values`` [E, ...]) that fall in the
+        chunk, their rows renumbered from ``start``; all None when none does."""
+        if row_ids is None:
+            return (None,) * (1 + len(values))
+        keep = (row_ids >= start) & (row_ids < end)  # [E]
+        if not bool(keep.any()):
+            return (None,) * (1 + len(values))
+        return (row_ids[keep] - start, *(v[keep] for v in values))
+
+    min_rows, min_ids = sparse(md.min_tokens_rows, md.min_tokens_token_ids)
+    bias_rows, bias_ids, bias_values = sparse(md.logit_bias_rows, md.logit_bias_token_ids, md.logit_bias_values)
+    mask_rows, mask = sparse(md.token_bitmask_rows, md.token_bitmask)
     greedy = md.is_greedy[start:end]
     num_logprobs = md.num_logprobs[start:end]
     requested = [k for k in num_logprobs if k is not None]
@@ -350,6 +358,11 @@ def slice_metadata(md: SamplingMetadata, start: int, end: int) -> SamplingMetada
         output_token_ids=rows(md.output_token_ids),
         min_tokens_rows=min_rows,
         min_tokens_token_ids=min_ids,
+        logit_bias_rows=bias_rows,
+        logit_bias_token_ids=bias_ids,
+        logit_bias_values=bias_values,
+        token_bitmask_rows=mask_rows,
+        token_bitmask=mask,
         seeds=md.seeds[start:end],
         output_indices=md.output_indices[start:end],
         num_logprobs=num_logprobs,

@@ -245,3 +245,31 @@ def test_min_tokens_and_penalties_leave_callers_logits_untouched(temperature: fl
     assert torch.equal(logits, before)
     _sample(logits[:2], params[:2], outputs=[[1]] * 2)  # min_tokens only: the mask needs its own copy
     assert torch.equal(logits, before)
+
+
+def test_logit_bias_and_grammar_masks_reach_rows_past_the_first_chunk() -> None:
+    """Batches wider than one sampler chunk are sampled chunk by chunk: the per-row logit_bias and
+    grammar bitmask must follow their rows into later chunks (they were dropped there)."""
+    from qserve.runner.sampler import SAMPLER_CHUNK_ROWS
+
+    rows = SAMPLER_CHUNK_ROWS + 10
+    biased, masked = SAMPLER_CHUNK_ROWS + 3, SAMPLER_CHUNK_ROWS + 7
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(11))
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(rows)]  # not all greedy: chunked
+    params[biased] = SamplingParams(temperature=1.0, seed=1, logit_bias={5: 100.0})
+    allowed = 17
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    bitmask[0, allowed // 32] = 1 << (allowed % 32)
+    md = build_sampling_metadata(
+        params,
+        [[1, 2, 3]] * rows,
+        [[] for _ in range(rows)],
+        [0],
+        VOCAB,
+        "cpu",
+        token_bitmask=([masked], bitmask.numpy()),
+    )
+    for _ in range(3):
+        sampled, _ = Sampler(seed=0)(logits, md)
+        assert sampled[biased] == 5
+        assert sampled[masked] == allowed
