@@ -86,7 +86,8 @@ def plan_checkpoint(
     files: CheckpointFiles | RenamedFiles = CheckpointFiles(path)
     if view is not None:
         files = RenamedFiles(files, view, spec.method, spec.bits)
-    expected = expected_linear_shapes(view.config if view is not None else read_config(path))
+    config = view.config if view is not None else read_config(path)  # the decoder's names and shapes
+    expected = expected_linear_shapes(config)
     names = set(files.names())
     stored_quantized = {n.rsplit(".", 1)[0]: n for n in names if n.endswith(_ALL_MAIN_SUFFIXES)}
     quantized: dict[str, str] = {}
@@ -128,7 +129,7 @@ def plan_checkpoint(
             raise ValueError(
                 f"{files.file_of[main]}: quantized module {module!r} does not exist in config.json's model"
             )
-    _check_headers(files, spec, quantized, consumed, read_config(path), expected)
+    _check_headers(files, spec, quantized, consumed, config, expected)
     return CheckpointPlan(files, spec, quantized, frozenset(consumed), expected)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import loaders
 from qserve.config import ModelConfig
+from qserve.model.registry import checkpoint_view
 from qserve.tokenization import load_tokenizer
 from qserve.tokenization.files import find_tokenizer_files
 
@@ -47,7 +48,8 @@ def check_checkpoint(path: str | Path, *, tokenizer: bool = True, tensors: bool 
         raise FileNotFoundError(f"{root}: not a directory (expected a Hugging Face model directory)")
     config = ModelConfig.from_path(root)
     spec = loaders.detect(root)
-    plan = loaders.plan_checkpoint(root, spec)
+    # Other families' tensors are checked under the decoder's names, as the loader will read them.
+    plan = loaders.plan_checkpoint(root, spec, checkpoint_view(config.raw, str(root / "config.json")))
     plan.files.close()
     if tokenizer:
         check_tokenizer(root)

@@ -313,7 +313,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             if layer_name in linears and leaf == "bias" and linears[layer_name].bias is None:
                 # GPTQ (auto-gptq v1) writes a bias for every quantized layer, zero where the
                 # float model had none (Qwen v1 Int4): skip those, refuse a real one.
-                if bool((value != 0).any()):
+                # (On the meta device, `qserve inspect`'s dry load, there are no values to check.)
+                if not value.is_meta and bool((value != 0).any()):
                     raise ValueError(f"{name}: non-zero bias for a layer that has none in {self.config.architecture}")
                 continue
             if layer_name in linears and leaf in ("weight", "bias"):
