@@ -473,8 +473,12 @@ def select_config(weight: MmaQuantWeight, dtype: torch.dtype, m: int) -> MmaConf
 
 
 def supports(weight: PackedQuantWeight) -> bool:
-    """Whether the kernel serves this weight: every K-tile of 64 or 128 lies in one group or
-    holds whole groups (else the caller keeps the reference path)."""
+    """Whether the kernel serves this weight: on a CUDA device, one with 16-bit tensor-core MMA
+    (sm80+; older cards keep the tile-interleaved kernel), and every K-tile of 64 or 128 lies in
+    one group or holds whole groups (else the caller keeps the reference path)."""
+    device = weight.qweight.device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return False
     g, k = weight.group_size, weight.in_features
     return any(_block_k_ok(bk, g, k) for bk in (64, 128))
 

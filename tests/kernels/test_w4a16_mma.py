@@ -259,3 +259,14 @@ def test_w4a16_mma_gpu_ops_and_cuda_graph() -> None:
             assert_matches(out, oracle(x, weight, None), torch.float16)
     x3 = torch.randn(2, 3, k, dtype=torch.float16, device="cuda")
     assert ops.w4a16_linear(x3, prepared).shape == (2, 3, n)
+
+
+@pytest.mark.parametrize("capability,served", [((7, 5), False), ((8, 6), True), ((9, 0), True)])
+def test_pre_ampere_cards_keep_the_older_kernel(monkeypatch, capability, served) -> None:
+    """The MMA layout needs sm80+: on a Turing card the weight goes to the tile-interleaved kernel
+    instead of failing to load (mma_kwidth refuses sm75)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    weight = SimpleNamespace(qweight=SimpleNamespace(device=torch.device("cuda", 0)), group_size=128, in_features=256)
+    assert mma.supports(weight) is served
