@@ -320,10 +320,6 @@ def create_app(
             return Response(status_code=200)
         return error_response(503, state.load_error or "loading models")
 
-    @app.get("/ping")
-    async def ping() -> Response:
-        return await health()
-
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -109,7 +109,7 @@ def add_worker_routes(
             prompt = await s._chat_prompt(model, chat)  # noqa: SLF001 - the same template path as chat
             tokens = list(prompt.token_ids)
             if body.add_special_tokens:  # vLLM's default for messages is False: the template adds them
-                tokens = list(tokenizer.encode(prompt.text or "", add_special_tokens=True))
+                tokens = await s._encode(model, prompt.text or "", "messages", add_special_tokens=True)  # noqa: SLF001
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             # The same bounded, off-the-event-loop tokenization as the completion routes.
