@@ -1,0 +1,166 @@
+"""Where a step's time goes: per-kernel CUDA time of mixed steps (prefill chunks riding with
+running decodes) and of pure-decode steps, on the Qwen2.5-14B-shaped random GPTQ-4bit checkpoint
+under the 24 GiB budget, with the step's wall time beside its GPU kernel time.
+
+Knows: how to build a step of a chosen shape through the public engine (``decode`` running
+sequences plus ``prefills`` new prompts of ``prefill_len`` tokens, all of which fit one step's
+token budget), how to time it (``torch.profiler``; wall from before ``step()`` to after a device
+sync) and how to group kernels into families by name. Must not know: the engine's internals
+beyond ``add_request`` / ``step`` / ``has_unfinished_requests``.
+
+    PYTHONPATH=. python3 bench/profile_step.py --out $OUT --ckpt /tmp/qb        # on the GPU
+    PYTHONPATH=. python3 bench/profile_step.py --small --out /tmp/prof          # CPU smoke
+
+Writes ``profile_step.md`` (summary + one kernel table per step kind) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.e2e import QWEN14B, SMALL, start_decoding, sync, write_random_gptq  # noqa: E402
+from qserve import LLM, SamplingParams  # noqa: E402
+
+FAMILIES = (  # first match wins; names as the profiler reports them
+    ("w4a16 GEMM (MMA layout)", ("w4a16_mma",)),
+    ("w4a16 GEMM (other)", ("w4a16", "_w4a16")),
+    ("dequantize (for cuBLAS)", ("dequant",)),
+    ("cuBLAS / fp16 GEMM", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+    ("attention", ("attention", "attn", "paged")),
+    ("KV store", ("store_kv", "kv_store", "reshape_and_cache", "store")),
+    ("norms / residual", ("rms", "norm", "add")),
+    ("rotary", ("rotary", "rope")),
+    ("activation", ("silu", "gelu", "act")),
+    ("sampling / logits", ("softmax", "argmax", "topk", "sort", "sample", "logit", "max", "gather", "scatter")),
+    ("copies / fills", ("copy", "fill", "memcpy", "memset", "cat", "index")),
+)
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for label, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return label
+    return "other"
+
+
+def profiled_steps(llm: LLM, make_step, steps: int) -> tuple[float, list[tuple[str, float, int]]]:  # noqa: ANN001
+    """Run ``make_step()`` (adds requests, returns nothing) then one ``step()``, ``steps`` times under
+    the profiler; returns mean wall ms per step and (kernel, µs per step, calls per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    make_step()
+    engine.step()  # not profiled: compiles / tunes whatever this shape reaches first
+    sync()
+    walls = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            make_step()
+            sync()
+            start = time.perf_counter()
+            engine.step()
+            sync()
+            walls.append(time.perf_counter() - start)
+    kernels = [
+        (e.key, e.self_device_time_total / steps, e.count // max(steps, 1))
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+    ]
+    return 1e3 * sum(walls) / len(walls), sorted(kernels, key=lambda k: -k[1])
+
+
+def table(title: str, wall_ms: float, kernels: list[tuple[str, float, int]]) -> list[str]:
+    busy = sum(k[1] for k in kernels) / 1e3
+    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, us, calls in kernels:
+        groups[family(name)][0] += us
+        groups[family(name)][1] += calls
+    lines = [
+        f"## {title}",
+        "",
+        f"wall {wall_ms:.2f} ms/step, GPU kernel time {busy:.2f} ms/step "
+        f"({100 * busy / max(wall_ms, 1e-9):.0f}% of wall), {sum(k[2] for k in kernels)} kernels/step",
+        "",
+        "| family | ms/step | share of GPU time | calls/step |",
+        "|---|---|---|---|",
+    ]
+    for label, (us, calls) in sorted(groups.items(), key=lambda g: -g[1][0]):
+        lines.append(f"| {label} | {us / 1e3:.2f} | {100 * us / 1e3 / max(busy, 1e-9):.0f}% | {calls} |")
+    lines += ["", "| kernel | µs/step | calls/step |", "|---|---|---|"]
+    lines += [f"| {name[:100]} | {us:.1f} | {calls} |" for name, us, calls in kernels[:30]]
+    return lines + [""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="tiny model (CPU smoke; numbers mean nothing)")
+    parser.add_argument("--ckpt", default="/tmp/qb", help="checkpoint folder (written first if missing)")
+    parser.add_argument("--out", default="profile_step_out")
+    parser.add_argument("--budget", default="24GiB")
+    parser.add_argument("--decode", default="1,128", help="running decode sequences per measured shape")
+    parser.add_argument("--prefills", type=int, default=4, help="new prompts per mixed step")
+    parser.add_argument("--prefill-len", type=int, default=224, help="tokens per new prompt")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+
+    shape = SMALL if args.small else QWEN14B
+    ckpt = Path(args.ckpt)
+    if not (ckpt / "config.json").is_file():
+        write_random_gptq(ckpt, shape)
+    cuda = torch.cuda.is_available()
+    budget = args.budget if cuda else None
+    llm = LLM(
+        str(ckpt), device="cuda" if cuda else "cpu", gpu_memory_budget=budget, max_model_len=4096, max_num_seqs=256
+    )
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(17)
+    counter = iter(range(10**9))
+    once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # finishes in its prefill step
+
+    def add_prefills() -> None:
+        for _ in range(args.prefills):
+            ids = torch.randint(3, shape["vocab"], (args.prefill_len,), generator=gen).tolist()
+            engine.add_request(f"mix-{next(counter)}", {"prompt_token_ids": ids}, once)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# Step profile: {'small' if args.small else 'Qwen2.5-14B-shaped GPTQ-4bit'}, "
+        f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}",
+        "",
+        f"mixed step = the running decodes + {args.prefills} new prompts of {args.prefill_len} tokens "
+        f"({args.prefills * args.prefill_len} prefill tokens, one chunk each); {args.steps} profiled steps per row",
+        "",
+    ]
+    summary = [
+        "| step | running decodes | prefill tokens | wall ms | GPU ms | GPU / wall |",
+        "|---|---|---|---|---|---|",
+    ]
+    details: list[str] = []
+    for batch in (int(b) for b in args.decode.split(",")):
+        start_decoding(llm, batch, 128, 4 * args.steps + 16, shape["vocab"], seed=batch, tag="prof")
+        for kind, make in (("pure decode", lambda: None), ("mixed", add_prefills)):
+            wall, kernels = profiled_steps(llm, make, args.steps)
+            busy = sum(k[1] for k in kernels) / 1e3
+            tokens = 0 if kind == "pure decode" else args.prefills * args.prefill_len
+            summary.append(f"| {kind} | {batch} | {tokens} | {wall:.2f} | {busy:.2f} | {busy / max(wall, 1e-9):.2f} |")
+            details += table(f"{kind}, {batch} running decodes, {tokens} prefill tokens", wall, kernels)
+            (out / "profile_step.md").write_text("\n".join(lines + summary + [""] + details) + "\n")
+            print(summary[-1], flush=True)
+        while engine.has_unfinished_requests():
+            engine.step()
+    (out / "profile_step.md").write_text("\n".join(lines + summary + [""] + details) + "\n")
+
+
+if __name__ == "__main__":
+    main()
