@@ -94,16 +94,25 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        valid_vocab_size: int | None = None,
     ) -> None:
+        """``valid_vocab_size``: the tokenizer's id count when the model's vocabulary is padded
+        past it (those ids are never sampled nor reported); None: every id is a token."""
         self.model = model
         self.config = config
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(seed=seed)
+        self.valid_vocab_size = valid_vocab_size
+        self.sampler = Sampler(seed=seed, valid_vocab_size=valid_vocab_size)
         self.decode_graphs: DecodeGraphs | None = None
         # Qwen v1 dynamic NTK: how many rotary tables the model holds (1: none to pick from).
         self.num_ntk_tables = getattr(getattr(model, "rotary", None), "num_ntk_tables", 1)
+
+    def set_valid_vocab_size(self, valid_vocab_size: int | None) -> None:
+        """Ids at or past ``valid_vocab_size`` (model rows beyond the tokenizer) are never
+        sampled nor reported in logprobs or prompt logprobs; None lifts the mask."""
+        self.valid_vocab_size = self.sampler.valid_vocab_size = valid_vocab_size
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture CUDA graphs for pure-decode steps (after kernels are warm; before serving)."""
@@ -271,7 +280,7 @@ class ModelRunner:
             for start in range(0, len(prompt_targets), PROMPT_LOGPROBS_CHUNK_ROWS):
                 end = start + PROMPT_LOGPROBS_CHUNK_ROWS
                 logits = self.model.compute_logits(prompt_hidden[start:end])  # [<=chunk, vocab] float32
-                entries += compute_prompt_logprobs(logits, targets[start:end], max_k)
+                entries += compute_prompt_logprobs(logits, targets[start:end], max_k, self.valid_vocab_size)
                 del logits
             for (request_id, k), entry in zip(prompt_owners, entries):
                 if k < max_k:  # trim to what this request asked for: the actual token plus its top-k
