@@ -68,7 +68,10 @@ def interleaved_permutation(rotary_dim: int, head_dim: int) -> torch.Tensor:
     (i, i + rotary_dim / 2); dims past ``rotary_dim`` stay put. Applied alike to q and k it
     leaves every q.k unchanged, so the NeoX rotation serves interleaved families."""
     rot = rotary_dim
-    return torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, head_dim)])
+    cpu = {"device": "cpu"}  # a host constant whatever device context the model is built under
+    return torch.cat(
+        [torch.arange(0, rot, 2, **cpu), torch.arange(1, rot, 2, **cpu), torch.arange(rot, head_dim, **cpu)]
+    )
 
 
 class RotaryEmbedding(nn.Module):
