@@ -3,8 +3,10 @@
 Knows: the inverse-frequency schedules and how to rotate query/key heads by position, plus the
 declared variants of other families: partial rotary (only the first ``rotary_dim`` dims of each
 head rotate), interleaved pairs (ChatGLM / GLM rotate (2i, 2i+1); q and k are permuted alike so
-the NeoX op serves them, which leaves every q.k unchanged), Qwen v1's dynamic NTK (one table per
-base scale alpha = 1, 3, 7, ...; each token picks its sequence's table) and logn query scaling.
+the NeoX op serves them, which leaves every q.k unchanged: the decoder permutes the q/k projection
+rows once at load, or, for a caller that cannot, this module gathers them per step), Qwen v1's
+dynamic NTK (one table per base scale alpha = 1, 3, 7, ...; each token picks its sequence's table
+through an index tensor, so CUDA graphs replay mixed-alpha batches) and logn query scaling.
 Must not know: attention, caches or requests. The cos/sin table is built once for every position
 the model may see; the per-step work (gather and rotation of query and key) is one fused op in
 ``quant_kernels.elementwise_ops``.
