@@ -35,9 +35,10 @@ Kernels
   ``store_kv`` runs first (as in the reference).
 
 The kernels of this module and of ``attention_int4_triton`` share their index, mask and softmax
-pieces (``_decode_split_range``, ``_prefill_rows``, ``_online_softmax_step``, ``_split_row``:
-inlined by Triton, the generated PTX has the same instructions as the hand-inlined code had) and
-their host-side launch helpers.
+pieces (``_decode_split_range``, ``_prefill_rows``, ``_online_softmax_step``, ``_split_row``;
+Triton inlines them: on sm90 the decode kernels' PTX instructions are unchanged from when the
+pieces were written out in each kernel, the prefill kernels' are the same instructions in
+another order) and their host-side launch helpers.
 
 Mixed batches (``max_query_len > 1`` with several sequences) launch both: the prefill kernel
 skips sequences with one new token and the decode kernel skips the others. The decision is made
