@@ -197,3 +197,20 @@ def test_mixed_ntk_decode_replays_the_graph_and_matches_oracle(tmp_path):
         assert tokens == hf_greedy(oracle, prompt, max_tokens)
         theirs = hf_prompt_logprobs(oracle, prompt + tokens)[-max_tokens:]
         assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), (len(prompt), (ours - theirs).abs().max())
+
+
+def test_decode_graph_decision_does_not_depend_on_rotary_tables():
+    """The runner's eager-vs-graph rule: pure decode (every sequence one new sampled token, no
+    prompt logprobs) within the captured buckets. Rotary tables are no part of it."""
+    from qserve.runner.model_runner import uses_decode_graph
+
+    class Graphs:
+        @staticmethod
+        def bucket_for(batch: int) -> int | None:
+            return 4 if batch <= 4 else None
+
+    assert uses_decode_graph(Graphs, True, 3, 3, False)
+    assert not uses_decode_graph(Graphs, False, 3, 3, False)  # some sequence has several new tokens
+    assert not uses_decode_graph(Graphs, True, 2, 3, False)  # a sequence samples nothing this step
+    assert not uses_decode_graph(Graphs, True, 3, 3, True)  # prompt logprobs need hidden states
+    assert not uses_decode_graph(Graphs, True, 5, 5, False)  # larger than every captured bucket
