@@ -4,7 +4,10 @@ Knows: the int4 cache encoding of ``quant_kernels.reference_kv_int4`` (uint8 row
 ``head_dim // 2`` bytes of split-half nibbles followed by an fp16 scale and an fp16 zero per
 token and KV head), the paged layout (any page / token / head strides, so a layer's cache may be a
 view into a shared page buffer), and the launch rules of ``quant_kernels.attention_triton``, whose
-split reduce kernel, split heuristic and ``AttentionConfig`` it reuses. Must not know: models,
+split reduce kernel, split heuristic, ``AttentionConfig``, shared kernel pieces (a decode
+program's split range, a prefill program's rows and key range, the online-softmax step, the
+split workspace row) and launch helpers (prefill tiles, split count, workspace, reduce) it
+reuses, so the two modules differ only in how K and V are read. Must not know: models,
 requests, schedulers. Imported lazily (by ``quant_kernels.attention_ops`` on CUDA only, or by tests
 under ``TRITON_INTERPRET=1``).
 
@@ -46,9 +49,14 @@ from quant_kernels.attention_triton import (
     _INTERPRET,
     LOG2E,
     AttentionConfig,
-    _num_sms,
-    choose_num_splits,
-    paged_attention_reduce_kernel,
+    _decode_num_splits,
+    _decode_split_range,
+    _online_softmax_step,
+    _prefill_launch,
+    _prefill_rows,
+    _reduce_splits,
+    _split_row,
+    _split_workspace,
 )
 from quant_kernels.reference_kv_int4 import INT4_KV_DTYPE, META_BYTES, cache_head_size
 
@@ -194,15 +202,9 @@ def paged_attention_int4_decode_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
-    is_decode = q_len == 1  # other sequences belong to the prefill kernel
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    ctx_start = tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
-    num_tiles = tl.where(is_decode, tl.cdiv(seq_len - ctx_start, BLOCK_N), 0)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    q_start, is_decode, seq_len, ctx_start, tile_lo, tile_hi = _decode_split_range(
+        query_start_loc_ptr, seq_lens_ptr, seq, split, sliding_window, num_splits, BLOCK_N
+    )
 
     g = tl.arange(0, BLOCK_G)  # [BLOCK_G] query head within the group
     c = tl.arange(0, BLOCK_DH)  # [BLOCK_DH] column within a half of the head
@@ -244,10 +246,7 @@ def paged_attention_int4_decode_kernel(
         if HAS_ALIBI:
             s += slopes[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
         s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _online_softmax_step(s, m_i, l_i)
         v_row = tl.multiple_of(v_head + page * stride_vcb + off * stride_vcs, ROW_ALIGN)
         v_lo, v_hi, v_s, v_z = _load_codes(value_cache_ptr, value_meta_ptr, v_row, c, half_dim, nmask, q0.dtype)
         ps = (p * v_s[None, :]).to(q0.dtype)
@@ -261,7 +260,7 @@ def paged_attention_int4_decode_kernel(
     smask = g < tl.where(is_decode, num_queries_per_kv, 0)  # [BLOCK_G]
     omask = smask[:, None] & cmask[None, :]
     if USE_SPLIT:
-        row = (seq.to(tl.int64) * tl.num_programs(1) * num_queries_per_kv + heads) * num_splits + split  # [BLOCK_G]
+        row = _split_row(seq, heads, split, num_queries_per_kv, num_splits)  # [BLOCK_G]
         o_ptrs = part_out_ptr + row[:, None] * (2 * half_dim) + c[None, :]
         tl.store(o_ptrs, acc0, mask=omask)
         tl.store(o_ptrs + half_dim, acc1, mask=omask)
@@ -317,19 +316,12 @@ def paged_attention_int4_prefill_kernel(
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kvh = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    q_len = (tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start).to(tl.int32)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    ctx_before = seq_len - q_len  # cached tokens before this step's new ones
-    if SKIP_DECODE:
-        q_len = tl.where(q_len == 1, 0, q_len)  # single-token sequences go to the decode kernel
-
-    r = tl.arange(0, BLOCK_M)  # [BLOCK_M] row = (token in block, head in group)
+    q_start, ctx_before, tok, heads, row_mask, lo, hi = _prefill_rows(
+        query_start_loc_ptr, seq_lens_ptr, seq, q_block, kvh, num_queries_per_kv, sliding_window,
+        SKIP_DECODE, BLOCK_M, BLOCK_Q,
+    )  # fmt: skip
     c = tl.arange(0, BLOCK_DH)
     n = tl.arange(0, BLOCK_N)
-    tok = q_block * BLOCK_Q + r // num_queries_per_kv  # [BLOCK_M] token index within the sequence
-    heads = kvh * num_queries_per_kv + r % num_queries_per_kv
-    row_mask = (r < BLOCK_Q * num_queries_per_kv) & (tok < q_len)
     cmask = c < half_dim
     qmask = row_mask[:, None] & cmask[None, :]
     q_ptrs = query_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + c[None, :] * stride_qd
@@ -341,11 +333,6 @@ def paged_attention_int4_prefill_kernel(
     if HAS_ALIBI:
         slopes = tl.load(alibi_ptr + heads, mask=row_mask, other=0.0) * 1.4426950408889634  # [BLOCK_M]
     q_pos = ctx_before + tok  # [BLOCK_M]
-
-    first_q = ctx_before + q_block * BLOCK_Q
-    hi = ctx_before + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # one past the last query position
-    lo = tl.where(sliding_window > 0, tl.maximum(first_q - sliding_window + 1, 0), 0)
-    hi = tl.where(first_q < hi, hi, lo)  # an empty query block iterates nothing
 
     window = tl.where(sliding_window > 0, sliding_window, 1 << 30)  # keys newer than q_pos - window
     k_head = kvh.to(tl.int64) * stride_kch
@@ -372,10 +359,7 @@ def paged_attention_int4_prefill_kernel(
         visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
         visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _online_softmax_step(s, m_i, l_i)
         v_row = tl.multiple_of(v_head + page * stride_vcb + off * stride_vcs, ROW_ALIGN)
         v_lo, v_hi, v_s, v_z = _load_codes(value_cache_ptr, value_meta_ptr, v_row, c, half_dim, nmask, q0.dtype)
         ps = (p * v_s[None, :]).to(q0.dtype)
@@ -511,9 +495,7 @@ def paged_attention(
     run_decode = max_query_len == 1 or num_seqs > 1
     run_prefill = max_query_len > 1
     if run_prefill:
-        block_m = max(cfg.prefill_block_m, triton.next_power_of_2(group))
-        block_q = block_m // group
-        block_n = cfg.prefill_block_n or (32 if head_dim > 128 else 64)
+        block_m, block_q, block_n, prefill_warps = _prefill_launch(cfg, group, head_dim)
         grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
         paged_attention_int4_prefill_kernel[grid](
             out,
@@ -542,26 +524,14 @@ def paged_attention(
             BLOCK_Q=block_q,
             BLOCK_N=block_n,
             BLOCK_DH=block_dh,
-            num_warps=cfg.prefill_num_warps or (8 if head_dim > 64 else 4),
+            num_warps=prefill_warps,
             num_stages=cfg.prefill_num_stages,
         )
     if run_decode:
-        ctx = min(max_seq_len, window) if window else max_seq_len
-        if num_splits is None:
-            num_splits = choose_num_splits(
-                num_seqs, num_kv_heads, ctx, _num_sms(query.device.index or 0), cfg.min_split_tokens
-            )
+        num_splits = _decode_num_splits(cfg, num_splits, num_seqs, num_kv_heads, max_seq_len, window, query.device)
         block_n = cfg.decode_block_n or (32 if head_dim > 128 else 64)
         use_split = num_splits > 1
-        if use_split:
-            part_out = torch.empty(
-                (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-            )  # [num_seqs, num_heads, num_splits, head_dim]
-            part_ml = torch.empty(
-                (num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=query.device
-            )  # [num_seqs, num_heads, num_splits, (max, sum)]
-        else:
-            part_out = part_ml = out  # unused
+        part_out, part_ml = _split_workspace(out, num_seqs, num_heads, num_splits, head_dim)
         paged_attention_int4_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             out,
             part_out,
@@ -595,19 +565,7 @@ def paged_attention(
             num_stages=cfg.decode_num_stages,
         )
         if use_split:
-            paged_attention_reduce_kernel[(num_seqs, num_heads)](
-                out,
-                part_out,
-                part_ml,
-                query_start_loc,
-                num_heads,
-                head_dim,
-                num_splits,
-                *out.stride(),
-                BLOCK_S=triton.next_power_of_2(num_splits),
-                BLOCK_D=triton.next_power_of_2(head_dim),
-                num_warps=2 if head_dim <= 128 else 4,
-            )
+            _reduce_splits(out, part_out, part_ml, query_start_loc, num_seqs, num_heads, head_dim, num_splits)
     return out
 
 

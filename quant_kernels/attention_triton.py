@@ -34,6 +34,12 @@ Kernels
   causal (and sliding-window) mask per row. The new tokens' K/V are read from the cache, so
   ``store_kv`` runs first (as in the reference).
 
+The kernels of this module and of ``attention_int4_triton`` share their index, mask and softmax
+pieces (``_decode_split_range``, ``_prefill_rows``, ``_online_softmax_step``, ``_split_row``;
+Triton inlines them: on sm90 the decode kernels' PTX instructions are unchanged from when the
+pieces were written out in each kernel, the prefill kernels' are the same instructions in
+another order) and their host-side launch helpers.
+
 Mixed batches (``max_query_len > 1`` with several sequences) launch both: the prefill kernel
 skips sequences with one new token and the decode kernel skips the others. The decision is made
 on the device from ``query_start_loc``, so there is no host sync.
@@ -110,6 +116,83 @@ def _load_kv_tile(ptrs, mask, KV_QUANT: tl.constexpr, DTYPE: tl.constexpr):
         return raw.to(DTYPE)
     else:
         return tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces every paged-attention kernel shares (this module's and ``attention_int4_triton``'s)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_split_range(
+    query_start_loc_ptr, seq_lens_ptr, seq, split, sliding_window, num_splits, BLOCK_N: tl.constexpr
+):
+    """A decode program's share of its sequence: the visible context ``[max(0, L - window), L)``
+    cut into ``num_splits`` runs of ``BLOCK_N``-key tiles. Returns ``(q_start, is_decode,
+    seq_len, ctx_start, tile_lo, tile_hi)``; sequences with other than one new token belong to
+    the prefill kernel and get no tiles."""
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
+    is_decode = q_len == 1
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx_start = tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
+    num_tiles = tl.where(is_decode, tl.cdiv(seq_len - ctx_start, BLOCK_N), 0)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    return q_start, is_decode, seq_len, ctx_start, tile_lo, tile_hi
+
+
+@triton.jit
+def _split_row(seq, heads, split, num_queries_per_kv, num_splits):
+    """Row of ``(seq, head, split)`` in the split-KV workspace ``[num_seqs, num_heads, num_splits, ...]``
+    (grid axis 1 runs over KV heads, each owning ``num_queries_per_kv`` query heads)."""
+    return (seq.to(tl.int64) * tl.num_programs(1) * num_queries_per_kv + heads) * num_splits + split
+
+
+@triton.jit
+def _prefill_rows(
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    seq,
+    q_block,
+    kvh,
+    num_queries_per_kv,
+    sliding_window,
+    SKIP_DECODE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    """A prefill program's rows (``BLOCK_Q`` new tokens x the query heads of KV head ``kvh``) and
+    its key range. Returns ``(q_start, ctx_before, tok, heads, row_mask, lo, hi)``: ``tok`` /
+    ``heads`` / ``row_mask`` are ``[BLOCK_M]``; keys run over ``[lo, hi)``, from the window start to
+    one past the block's last query position (empty for an empty block)."""
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx_before = seq_len - q_len  # cached tokens before this step's new ones
+    if SKIP_DECODE:
+        q_len = tl.where(q_len == 1, 0, q_len)  # single-token sequences go to the decode kernel
+    r = tl.arange(0, BLOCK_M)  # [BLOCK_M] row = (token in block, head in group)
+    tok = q_block * BLOCK_Q + r // num_queries_per_kv  # [BLOCK_M] token index within the sequence
+    heads = kvh * num_queries_per_kv + r % num_queries_per_kv  # [BLOCK_M]
+    row_mask = (r < BLOCK_Q * num_queries_per_kv) & (tok < q_len)
+    first_q = ctx_before + q_block * BLOCK_Q
+    hi = ctx_before + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # one past the last query position
+    lo = tl.where(sliding_window > 0, tl.maximum(first_q - sliding_window + 1, 0), 0)
+    hi = tl.where(first_q < hi, hi, lo)  # an empty query block iterates nothing
+    return q_start, ctx_before, tok, heads, row_mask, lo, hi
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i):
+    """One key tile of the online softmax over scores ``s [rows, BLOCK_N]`` in log2 units (masked
+    keys -inf). Returns ``(p, alpha, m_new, l_new)``: the tile's weights, the factor that rescales
+    what was accumulated so far, the new running max and sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,16 +313,9 @@ def paged_attention_decode_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
-    is_decode = q_len == 1  # other sequences belong to the prefill kernel
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    ctx_start = tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
-    num_tiles = tl.cdiv(seq_len - ctx_start, BLOCK_N)
-    num_tiles = tl.where(is_decode, num_tiles, 0)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    q_start, is_decode, seq_len, ctx_start, tile_lo, tile_hi = _decode_split_range(
+        query_start_loc_ptr, seq_lens_ptr, seq, split, sliding_window, num_splits, BLOCK_N
+    )
 
     g = tl.arange(0, BLOCK_G)  # [BLOCK_G] query head within the group
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
@@ -277,10 +353,7 @@ def paged_attention_decode_kernel(
                 tl.load(alibi_ptr + heads, mask=gmask, other=0.0)[:, None] * (pos - seq_len + 1).to(tl.float32)[None, :]
             )
         s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _online_softmax_step(s, m_i, l_i)
         v = _load_kv_tile(
             v_base + page[:, None] * stride_vcb + off[:, None] * stride_vcs, kv_mask, KV_QUANT, q.dtype
         )  # [BLOCK_N, BLOCK_D]
@@ -290,7 +363,7 @@ def paged_attention_decode_kernel(
     if KV_QUANT != 0:
         acc = acc * tl.load(v_scale_ptr + kvh * stride_scale_h)
     if USE_SPLIT:
-        row = (seq.to(tl.int64) * tl.num_programs(1) * num_queries_per_kv + heads) * num_splits + split  # [BLOCK_G]
+        row = _split_row(seq, heads, split, num_queries_per_kv, num_splits)  # [BLOCK_G]
         smask = g < tl.where(is_decode, num_queries_per_kv, 0)  # gmask, empty unless decoding
         tl.store(part_out_ptr + row[:, None] * head_dim + d[None, :], acc, mask=smask[:, None] & dmask[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=smask)
@@ -378,15 +451,9 @@ def paged_attention_decode_packed_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
-    is_decode = q_len == 1
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    ctx_start = tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
-    num_tiles = tl.where(is_decode, tl.cdiv(seq_len - ctx_start, BLOCK_N), 0)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    q_start, is_decode, seq_len, ctx_start, tile_lo, tile_hi = _decode_split_range(
+        query_start_loc_ptr, seq_lens_ptr, seq, split, sliding_window, num_splits, BLOCK_N
+    )
 
     g = tl.arange(0, BLOCK_G)
     c = tl.arange(0, BLOCK_C)  # word index within the head
@@ -434,10 +501,7 @@ def paged_attention_decode_packed_kernel(
                 tl.load(alibi_ptr + heads, mask=gmask, other=0.0)[:, None] * (pos - seq_len + 1).to(tl.float32)[None, :]
             )
         s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _online_softmax_step(s, m_i, l_i)
         vw = tl.load(v_base + (page * stride_vcb + off * stride_vcs)[:, None], mask=nmask[:, None], other=0)
         v0, v1, v2, v3 = _unpack4_to_f16(vw, KV_QUANT)
         pc = p.to(q0.dtype)
@@ -450,7 +514,7 @@ def paged_attention_decode_packed_kernel(
     v_scale = code_scale * tl.load(v_scale_ptr + kvh * stride_scale_h)
     smask = g < tl.where(is_decode, num_queries_per_kv, 0)  # gmask, empty unless decoding
     if USE_SPLIT:
-        row = (seq.to(tl.int64) * tl.num_programs(1) * num_queries_per_kv + heads) * num_splits + split
+        row = _split_row(seq, heads, split, num_queries_per_kv, num_splits)
         o_ptrs = part_out_ptr + row[:, None] * HEAD_DIM + 4 * c[None, :]
         norm = tl.full([BLOCK_G], 1.0, dtype=tl.float32) * v_scale
         tl.store(part_ml_ptr + row * 2, m_i, mask=smask)
@@ -545,19 +609,12 @@ def paged_attention_prefill_kernel(
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kvh = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    q_len = (tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start).to(tl.int32)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    ctx_before = seq_len - q_len  # cached tokens before this step's new ones
-    if SKIP_DECODE:
-        q_len = tl.where(q_len == 1, 0, q_len)  # single-token sequences go to the decode kernel
-
-    r = tl.arange(0, BLOCK_M)  # [BLOCK_M] row = (token in block, head in group)
+    q_start, ctx_before, tok, heads, row_mask, lo, hi = _prefill_rows(
+        query_start_loc_ptr, seq_lens_ptr, seq, q_block, kvh, num_queries_per_kv, sliding_window,
+        SKIP_DECODE, BLOCK_M, BLOCK_Q,
+    )  # fmt: skip
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
-    tok = q_block * BLOCK_Q + r // num_queries_per_kv  # [BLOCK_M] token index within the sequence
-    heads = kvh * num_queries_per_kv + r % num_queries_per_kv  # [BLOCK_M]
-    row_mask = (r < BLOCK_Q * num_queries_per_kv) & (tok < q_len)
     dmask = d < head_dim
     q_ptrs = query_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_mask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -569,11 +626,6 @@ def paged_attention_prefill_kernel(
     scale_s = qk_scale
     if KV_QUANT != 0:
         scale_s = qk_scale * tl.load(k_scale_ptr + kvh * stride_scale_h)
-
-    first_q = ctx_before + q_block * BLOCK_Q
-    hi = ctx_before + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # one past the last query position
-    lo = tl.where(sliding_window > 0, tl.maximum(first_q - sliding_window + 1, 0), 0)
-    hi = tl.where(first_q < hi, hi, lo)  # an empty query block iterates nothing
 
     k_base = key_cache_ptr + kvh * stride_kch + d[None, :] * stride_kcd  # [1, BLOCK_D]
     v_base = value_cache_ptr + kvh * stride_vch + d[None, :] * stride_vcd
@@ -599,10 +651,7 @@ def paged_attention_prefill_kernel(
         visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
         visible = visible & (pos[None, :] > win_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _online_softmax_step(s, m_i, l_i)
         v = _load_kv_tile(v_base + page[:, None] * stride_vcb + off[:, None] * stride_vcs, kv_mask, KV_QUANT, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -723,6 +772,69 @@ def _check_quant_scales(quant: int, k_scale: object, v_scale: object) -> None:
         raise ValueError("an int8 KV cache needs k_scale and v_scale")
 
 
+def _prefill_launch(cfg: AttentionConfig, group: int, head_dim: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_Q, BLOCK_N, num_warps)`` of a prefill launch: ``BLOCK_M`` rows are
+    ``BLOCK_Q`` tokens times the ``group`` query heads of one KV head."""
+    block_m = max(cfg.prefill_block_m, triton.next_power_of_2(group))
+    block_n = cfg.prefill_block_n or (32 if head_dim > 128 else 64)
+    num_warps = cfg.prefill_num_warps or (8 if head_dim > 64 else 4)
+    return block_m, block_m // group, block_n, num_warps
+
+
+def _decode_num_splits(
+    cfg: AttentionConfig,
+    num_splits: int | None,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    window: int,
+    device: torch.device,
+) -> int:
+    """The caller's ``num_splits``, else ``choose_num_splits`` for the visible context."""
+    if num_splits is not None:
+        return num_splits
+    ctx = min(max_seq_len, window) if window else max_seq_len
+    return choose_num_splits(num_seqs, num_kv_heads, ctx, _num_sms(device.index or 0), cfg.min_split_tokens)
+
+
+def _split_workspace(
+    out: torch.Tensor, num_seqs: int, num_heads: int, num_splits: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(part_out [num_seqs, num_heads, num_splits, head_dim], part_ml [..., 2])`` for a
+    split decode; with one split, ``out`` twice as never-read placeholders."""
+    if num_splits == 1:
+        return out, out
+    part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device)
+    part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=out.device)  # (max, sum)
+    return part_out, part_ml
+
+
+def _reduce_splits(
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_ml: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_seqs: int,
+    num_heads: int,
+    head_dim: int,
+    num_splits: int,
+) -> None:
+    """Combine the split decode partials into ``out`` (``paged_attention_reduce_kernel``)."""
+    paged_attention_reduce_kernel[(num_seqs, num_heads)](
+        out,
+        part_out,
+        part_ml,
+        query_start_loc,
+        num_heads,
+        head_dim,
+        num_splits,
+        *out.stride(),
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=2 if head_dim <= 128 else 4,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
@@ -820,9 +932,7 @@ def paged_attention(
     run_decode = max_query_len == 1 or num_seqs > 1
     run_prefill = max_query_len > 1
     if run_prefill:
-        block_m = max(cfg.prefill_block_m, triton.next_power_of_2(group))
-        block_q = block_m // group
-        block_n = cfg.prefill_block_n or (32 if block_d > 128 else 64)
+        block_m, block_q, block_n, prefill_warps = _prefill_launch(cfg, group, head_dim)
         grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
         paged_attention_prefill_kernel[grid](
             out,
@@ -850,28 +960,16 @@ def paged_attention(
             BLOCK_Q=block_q,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
-            num_warps=cfg.prefill_num_warps or (8 if block_d > 64 else 4),
+            num_warps=prefill_warps,
             num_stages=cfg.prefill_num_stages,
         )
     if run_decode:
-        ctx = min(max_seq_len, window) if window else max_seq_len
-        if num_splits is None:
-            num_splits = choose_num_splits(
-                num_seqs, num_kv_heads, ctx, _num_sms(query.device.index or 0), cfg.min_split_tokens
-            )
+        num_splits = _decode_num_splits(cfg, num_splits, num_seqs, num_kv_heads, max_seq_len, window, query.device)
         block_n = cfg.decode_block_n or (64 if quant == KV_NONE or block_d > 128 else 128)
         if block_d > 128:
             block_n = min(block_n, 32)
         use_split = num_splits > 1
-        if use_split:
-            part_out = torch.empty(
-                (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-            )  # [num_seqs, num_heads, num_splits, head_dim]
-            part_ml = torch.empty(
-                (num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=query.device
-            )  # [num_seqs, num_heads, num_splits, (max, sum)]
-        else:
-            part_out = part_ml = out  # unused
+        part_out, part_ml = _split_workspace(out, num_seqs, num_heads, num_splits, head_dim)
         packed = None
         if quant != KV_NONE and cfg.decode_packed and query.stride(2) == 1 and out.stride(2) == 1:
             kp, vp = _packed_view(key_cache), _packed_view(value_cache)
@@ -944,19 +1042,7 @@ def paged_attention(
                 **common,
             )
         if use_split:
-            paged_attention_reduce_kernel[(num_seqs, num_heads)](
-                out,
-                part_out,
-                part_ml,
-                query_start_loc,
-                num_heads,
-                head_dim,
-                num_splits,
-                *out.stride(),
-                BLOCK_S=triton.next_power_of_2(num_splits),
-                BLOCK_D=block_d,
-                num_warps=2 if head_dim <= 128 else 4,
-            )
+            _reduce_splits(out, part_out, part_ml, query_start_loc, num_seqs, num_heads, head_dim, num_splits)
     return out
 
 

@@ -43,7 +43,7 @@ from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
-from qserve.tokenization import load_tokenizer, stop_token_ids
+from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +261,8 @@ class Engine:
         if kv_caches is None:
             kv_caches = allocate_kv_caches(rank_config, num_blocks, cache.block_size, kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.model_config, kv_caches, cache.block_size, self.device, config.seed)
+        if self.tokenizer is not None:  # model rows past the tokenizer's ids (Qwen's padding) are never sampled
+            self.runner.set_valid_vocab_size(num_token_ids(self.tokenizer))
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         if self.device.type == "cuda":  # compile / tune what the first requests would otherwise wait for

@@ -3,8 +3,10 @@
 Knows: the inverse-frequency schedules and how to rotate query/key heads by position, plus the
 declared variants of other families: partial rotary (only the first ``rotary_dim`` dims of each
 head rotate), interleaved pairs (ChatGLM / GLM rotate (2i, 2i+1); q and k are permuted alike so
-the NeoX op serves them, which leaves every q.k unchanged), Qwen v1's dynamic NTK (one table per
-base scale alpha = 1, 3, 7, ...; each token picks its sequence's table) and logn query scaling.
+the NeoX op serves them, which leaves every q.k unchanged: the decoder permutes the q/k projection
+rows once at load, or, for a caller that cannot, this module gathers them per step), Qwen v1's
+dynamic NTK (one table per base scale alpha = 1, 3, 7, ...; each token picks its sequence's table
+through an index tensor, so CUDA graphs replay mixed-alpha batches) and logn query scaling.
 Must not know: attention, caches or requests. The cos/sin table is built once for every position
 the model may see; the per-step work (gather and rotation of query and key) is one fused op in
 ``quant_kernels.elementwise_ops``.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -50,8 +53,27 @@ def ntk_alpha_index(prompt_len: int, seq_length: int) -> int:
     return k
 
 
+def ntk_alpha_indices(prompt_lens: np.ndarray, seq_length: int) -> np.ndarray:
+    """``ntk_alpha_index`` of every sequence at once (int64 [S] -> int64 [S]), for the runner's
+    per-step table indices. The smallest k with S * 2^k >= L is the bit length of (L - 1) // S;
+    ``frexp``'s exponent is that bit length, exact for any length below 2^53."""
+    quotient = (np.maximum(prompt_lens, 1) - 1) // seq_length  # [S]
+    return np.frexp(quotient.astype(np.float64))[1].astype(np.int64)
+
+
 def num_ntk_tables(max_positions: int, seq_length: int) -> int:
     return ntk_alpha_index(max_positions, seq_length) + 1
+
+
+def interleaved_permutation(rotary_dim: int, head_dim: int) -> torch.Tensor:
+    """int64 [head_dim]: the order that turns interleaved pairs (2i, 2i+1) into NeoX halves
+    (i, i + rotary_dim / 2); dims past ``rotary_dim`` stay put. Applied alike to q and k it
+    leaves every q.k unchanged, so the NeoX rotation serves interleaved families."""
+    rot = rotary_dim
+    cpu = {"device": "cpu"}  # a host constant whatever device context the model is built under
+    return torch.cat(
+        [torch.arange(0, rot, 2, **cpu), torch.arange(1, rot, 2, **cpu), torch.arange(rot, head_dim, **cpu)]
+    )
 
 
 class RotaryEmbedding(nn.Module):
@@ -65,11 +87,17 @@ class RotaryEmbedding(nn.Module):
         interleaved: bool = False,
         num_ntk_tables: int = 1,
         logn_seq_length: int | None = None,
+        permute_inputs: bool = True,
     ) -> None:
+        """``permute_inputs=False``: the caller has already laid query and key out in the NeoX
+        order (the decoder permutes the q/k projection rows once at load, see
+        ``interleaved_permutation``), so an interleaved rotary gathers nothing per step."""
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rot = rotary_dim or head_dim
         self.max_positions = max_positions
+        self.num_ntk_tables = num_ntk_tables
+        self.interleaved = interleaved
         positions = torch.arange(max_positions, dtype=torch.float32)
         tables = []
         for k in range(num_ntk_tables):  # alpha = 2^(k+1) - 1; base' = base * alpha^(d / (d - 2))
@@ -79,9 +107,8 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.cat(tables)  # [num_ntk_tables * max_positions, rot / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        if interleaved:  # pairs (2i, 2i+1) -> NeoX halves (i, i + rot/2); dims past rot stay put
-            perm = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, head_dim)])
-            self.register_buffer("perm", perm, persistent=False)  # [head_dim]
+        if interleaved and permute_inputs:
+            self.register_buffer("perm", interleaved_permutation(rot, head_dim), persistent=False)  # [head_dim]
         else:
             self.perm = None
         if logn_seq_length is not None:  # max(1, log_S(p + 1)), applied to the query after rotation

@@ -130,10 +130,12 @@ def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype, t
 # same torch ops allocate the same tensors on the GPU), plus 16 for the CUDA sort's key / index
 # double buffers, which are not torch tensors. One top-p request in a batch makes every row of
 # its chunk take this path.
-SAMPLER_BYTES_PER_LOGIT = 37 + 16
+# Both add 4 for the masked copy of the logits of a model whose vocabulary is padded past its
+# tokenizer's (``sampler.mask_padded_vocab``).
+SAMPLER_BYTES_PER_LOGIT = 37 + 16 + 4
 # Prompt logprobs per logit of one slice: log-softmax (4) + rank comparison (1), plus top-k
 # workspace on the GPU; the slice's float32 logits and the model-dtype LM-head output are extra.
-PROMPT_LOGPROBS_BYTES_PER_LOGIT = 5 + 3
+PROMPT_LOGPROBS_BYTES_PER_LOGIT = 5 + 3 + 4
 
 
 def sampling_bytes(config: ModelConfig, num_sample_rows: int, num_prompt_rows: int, dtype: torch.dtype) -> int:

@@ -26,7 +26,7 @@ from qserve.distributed.sharding import AttentionShard, attention_shard
 from qserve.layers.attention import PagedAttention, alibi_slopes
 from qserve.layers.linear import Linear, LinearMethod
 from qserve.layers.norm import RMSNorm
-from qserve.layers.rotary import RotaryEmbedding, num_ntk_tables
+from qserve.layers.rotary import RotaryEmbedding, interleaved_permutation, num_ntk_tables
 from qserve.runner.attn_metadata import AttentionMetadata
 from quant_kernels import elementwise_ops
 from quant_kernels.layout import PackedQuantWeight
@@ -135,6 +135,38 @@ def _rotary(config: ModelConfig) -> RotaryEmbedding:
         interleaved=config.rope_interleaved,
         num_ntk_tables=tables,
         logn_seq_length=logn,
+        permute_inputs=_qk_row_permutation(config) is None,
+    )
+
+
+def _qk_row_permutation(config: ModelConfig) -> torch.Tensor | None:
+    """int64 [head_dim]: the order of each head's q/k projection rows that makes an interleaved
+    rotary (ChatGLM / GLM) a NeoX one. Applied once at load, so no step gathers q and k. None
+    when rotary is not interleaved, or when q/k norms (which read dims in checkpoint order) sit
+    between the projection and the rotary."""
+    if not config.rope_interleaved or config.alibi or config.qk_norm:
+        return None
+    return interleaved_permutation(config.rotary_dim or config.head_dim, config.head_dim)
+
+
+def _permute_head_rows(
+    value: torch.Tensor | PackedQuantWeight, order: torch.Tensor, head_dim: int
+) -> torch.Tensor | PackedQuantWeight:
+    """A q or k projection's output rows (dense weight [N, K] / bias [N]; canonical quantized
+    columns of qweight, scales, zeros) reordered by ``order`` within every head of ``head_dim``."""
+    if isinstance(value, PackedQuantWeight):
+        num_out = value.out_features
+    else:
+        num_out = value.shape[0]
+    index = (torch.arange(0, num_out, head_dim, device="cpu")[:, None] + order.cpu()[None, :]).flatten()  # [N]
+    if not isinstance(value, PackedQuantWeight):
+        return value.index_select(0, index.to(value.device))
+
+    def columns(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(1, index.to(t.device))
+
+    return PackedQuantWeight(
+        value.bits, value.group_size, columns(value.qweight), columns(value.scales), columns(value.zeros), value.perm
     )
 
 
@@ -247,6 +279,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = None if config.alibi else _rotary(config)
+        self.qk_row_permutation = _qk_row_permutation(config)  # [head_dim] or None
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -306,6 +339,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             else:
                 module_path, _, leaf = name.rpartition(".")
             parent, _, sub = module_path.rpartition(".")
+            if self.qk_row_permutation is not None and sub in ("q_proj", "k_proj") and leaf in ("weight", "bias"):
+                value = _permute_head_rows(value, self.qk_row_permutation, self.config.head_dim)
             if sub in _FUSED_SHARDS:
                 layer_name, shard_id = f"{parent}.{_FUSED_SHARDS[sub][0]}", _FUSED_SHARDS[sub][1]
             else:

@@ -49,6 +49,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_batch, **int64)  # [max_batch]
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, **int64)  # [max_batch + 1]
+        # Qwen v1 dynamic NTK: each row's rotary table (its sequence's alpha, fixed at prefill),
+        # an input like the positions, so mixed-alpha batches replay the same graph.
+        has_ntk = getattr(getattr(model, "rotary", None), "num_ntk_tables", 1) > 1
+        self.ntk_tables = torch.zeros(max_batch, **int64) if has_ntk else None  # [max_batch]
         vocab = model.config.vocab_size
         # One output buffer for every graph: per-bucket outputs would each stay alive in the
         # pool (on a 152k vocabulary, 15 buckets held 0.75 GiB of logits).
@@ -64,6 +68,7 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: batch + 1],
             max_query_len=1,
             max_seq_len=self.max_model_len,  # fixed: kernels size their grids from it
+            ntk_tables=None if self.ntk_tables is None else self.ntk_tables[:batch],
         )
 
     def _run(self, batch: int) -> torch.Tensor:
@@ -98,6 +103,7 @@ class DecodeGraphs:
         positions: np.ndarray,  # int64 [B]
         slots: np.ndarray,  # int64 [B]
         block_tables: np.ndarray,  # int32 [B, width], width <= max blocks per sequence
+        ntk_tables: np.ndarray | None = None,  # int64 [B]: rotary table per row (None: table 0)
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` for a pure-decode batch (one token per sequence).
 
@@ -107,18 +113,22 @@ class DecodeGraphs:
         """
         batch = len(input_ids)
         bucket = self.bucket_for(batch)
-        host = np.zeros((4, bucket), dtype=np.int64)  # ids, positions, slots, seq_lens
+        host = np.zeros((5, bucket), dtype=np.int64)  # ids, positions, slots, seq_lens, ntk tables
         host[0, :batch] = input_ids
         host[1, :batch] = positions
         host[2, :] = -1
         host[2, :batch] = slots
         host[3, :] = 1
         host[3, :batch] = positions + 1
+        if ntk_tables is not None:  # pad rows read table 0
+            host[4, :batch] = ntk_tables
         staged = torch.from_numpy(host)
         self.input_ids[:bucket].copy_(staged[0], non_blocking=True)
         self.positions[:bucket].copy_(staged[1], non_blocking=True)
         self.slot_mapping[:bucket].copy_(staged[2], non_blocking=True)
         self.seq_lens[:bucket].copy_(staged[3], non_blocking=True)
+        if self.ntk_tables is not None:
+            self.ntk_tables[:bucket].copy_(staged[4], non_blocking=True)
         width = block_tables.shape[1]
         self.block_tables[:batch, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
         self.block_tables[batch:bucket, 0] = 0

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from qserve.config import ModelConfig
-from qserve.layers.rotary import ntk_alpha_index
+from qserve.layers.rotary import ntk_alpha_indices
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.cuda_graphs import DecodeGraphs
 from qserve.runner.sampler import (
@@ -71,6 +71,20 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor if device.type == "cpu" else tensor.to(device)
 
 
+def uses_decode_graph(
+    graphs: DecodeGraphs, is_decode: bool, num_sample_rows: int, num_seqs: int, has_prompt_logprobs: bool
+) -> bool:
+    """Whether a step replays a captured decode graph: one new token per sequence, every one
+    sampled, no prompt logprobs, and a bucket large enough. Per-sequence rotary tables (Qwen v1
+    dynamic NTK) are a graph input, so they do not force the eager path."""
+    return (
+        is_decode
+        and num_sample_rows == num_seqs
+        and not has_prompt_logprobs
+        and graphs.bucket_for(num_seqs) is not None
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -80,14 +94,25 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        valid_vocab_size: int | None = None,
     ) -> None:
+        """``valid_vocab_size``: the tokenizer's id count when the model's vocabulary is padded
+        past it (those ids are never sampled nor reported); None: every id is a token."""
         self.model = model
         self.config = config
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(seed=seed)
+        self.valid_vocab_size = valid_vocab_size
+        self.sampler = Sampler(seed=seed, valid_vocab_size=valid_vocab_size)
         self.decode_graphs: DecodeGraphs | None = None
+        # Qwen v1 dynamic NTK: how many rotary tables the model holds (1: none to pick from).
+        self.num_ntk_tables = getattr(getattr(model, "rotary", None), "num_ntk_tables", 1)
+
+    def set_valid_vocab_size(self, valid_vocab_size: int | None) -> None:
+        """Ids at or past ``valid_vocab_size`` (model rows beyond the tokenizer) are never
+        sampled nor reported in logprobs or prompt logprobs; None lifts the mask."""
+        self.valid_vocab_size = self.sampler.valid_vocab_size = valid_vocab_size
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture CUDA graphs for pure-decode steps (after kernels are warm; before serving)."""
@@ -128,13 +153,10 @@ class ModelRunner:
         seq_lens = starts + counts  # [S]
         sample_rows = (ends - 1)[sample_mask]  # [R] the last token of each sampling sequence
         ntk_tables = None  # Qwen v1 dynamic NTK: each sequence's table, fixed by its prompt length
-        if self.config.dynamic_ntk and self.config.seq_length is not None:
-            seq_length = self.config.seq_length
-            per_seq = np.fromiter(
-                (ntk_alpha_index(len(seq.prompt_token_ids), seq_length) for seq in sequences), np.int64, num_seqs
-            )  # [S]
-            if per_seq.any():
-                ntk_tables = per_seq if is_decode else np.repeat(per_seq, counts)  # [T]
+        if self.num_ntk_tables > 1:
+            prompt_lens = np.fromiter((len(seq.prompt_token_ids) for seq in sequences), np.int64, num_seqs)  # [S]
+            per_seq = np.minimum(ntk_alpha_indices(prompt_lens, self.config.seq_length), self.num_ntk_tables - 1)
+            ntk_tables = per_seq if is_decode else np.repeat(per_seq, counts)  # [T] int64
 
         prompt_rows: list[int] = []  # token indices needing prompt logprobs
         prompt_targets: list[int] = []
@@ -152,10 +174,9 @@ class ModelRunner:
             offset += seq.num_new_tokens
 
         graphs = self.decode_graphs
-        is_pure_decode = is_decode and len(sample_rows) == num_seqs and not prompt_rows and ntk_tables is None
-        if graphs is not None and is_pure_decode and graphs.bucket_for(num_seqs) is not None:
+        if graphs is not None and uses_decode_graph(graphs, is_decode, len(sample_rows), num_seqs, bool(prompt_rows)):
             block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
-            sample_logits = graphs.replay(input_ids, positions, slots, block_tables)
+            sample_logits = graphs.replay(input_ids, positions, slots, block_tables, ntk_tables)
             prompt_hidden = None
         else:
             sample_logits, prompt_hidden = self._forward_eager(
@@ -259,7 +280,7 @@ class ModelRunner:
             for start in range(0, len(prompt_targets), PROMPT_LOGPROBS_CHUNK_ROWS):
                 end = start + PROMPT_LOGPROBS_CHUNK_ROWS
                 logits = self.model.compute_logits(prompt_hidden[start:end])  # [<=chunk, vocab] float32
-                entries += compute_prompt_logprobs(logits, targets[start:end], max_k)
+                entries += compute_prompt_logprobs(logits, targets[start:end], max_k, self.valid_vocab_size)
                 del logits
             for (request_id, k), entry in zip(prompt_owners, entries):
                 if k < max_k:  # trim to what this request asked for: the actual token plus its top-k

@@ -6,6 +6,8 @@ requests, the model or the tokenizer. Inputs are plain lists (built once per ste
 ``SamplingMetadata``) and a logits tensor; outputs are plain Python lists.
 
 Order of operations (as vLLM):
+  0. padded vocabulary: ids at or past the tokenizer's (``valid_vocab_size``) get -inf, so no
+     step below can sample them or report them in logprobs.
   1. logprobs: ``log_softmax`` of the ORIGINAL logits (vLLM's default "raw_logprobs").
   2. penalties: repetition over prompt+output tokens (positive logits divided, negative
      multiplied), then frequency (x count) and presence (x seen) over OUTPUT tokens.
@@ -202,8 +204,11 @@ class Sampler:
     engine's seed), so runs are reproducible without touching torch's global RNG.
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, valid_vocab_size: int | None = None) -> None:
         self.seed = seed
+        # Ids at or past this (model rows beyond the tokenizer: Qwen pads 151851 tokens to
+        # 151936 rows) are never sampled nor reported; None: every id is a token.
+        self.valid_vocab_size = valid_vocab_size
         self._batch_generators: dict[torch.device, torch.Generator] = {}
         self._row_generators: dict[torch.device, torch.Generator] = {}
 
@@ -234,7 +239,7 @@ class Sampler:
     def _forward_rows(
         self, logits: torch.Tensor, metadata: SamplingMetadata
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        original = logits.float()  # [R, V]
+        original = mask_padded_vocab(logits.float(), self.valid_vocab_size)  # [R, V]
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(original, dim=-1)  # [R, V]
@@ -279,7 +284,9 @@ class Sampler:
                 raw_logprobs, chosen = raw_logprobs[index], sampled[index]  # [L, V], [L]
             else:
                 chosen = sampled
-            gathered = gather_logprobs(raw_logprobs, chosen, metadata.max_num_logprobs or 0)
+            gathered = gather_logprobs(
+                raw_logprobs, chosen, _num_real(metadata.max_num_logprobs or 0, self.valid_vocab_size)
+            )
             for r, full in zip(rows, gathered):
                 n = (metadata.num_logprobs[r] or 0) + 1  # chosen + its own top-k
                 logprobs[r] = TokenLogprobs(full.token_ids[:n], full.logprobs[:n], full.ranks[:n])
@@ -450,13 +457,33 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> 
     ]
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_token_ids: torch.Tensor, k: int, valid_vocab_size: int | None = None
+) -> list[TokenLogprobs]:
     """Logprobs of the actual next prompt tokens. logits: [T, V]; target_token_ids: [T].
 
     Entry 0 of each result is the target token (``k == 0`` gives only that), then the top-k.
+    ``valid_vocab_size``: as ``Sampler``'s, ids past it get no probability mass.
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
-    return gather_logprobs(logprobs, target_token_ids, k)
+    logprobs = torch.log_softmax(mask_padded_vocab(logits.float(), valid_vocab_size), dim=-1)  # [T, V]
+    return gather_logprobs(logprobs, target_token_ids, _num_real(k, valid_vocab_size))
+
+
+def mask_padded_vocab(logits: torch.Tensor, valid_vocab_size: int | None) -> torch.Tensor:
+    """``logits`` [R, V] with the columns at or past ``valid_vocab_size`` set to -inf, as a new
+    tensor (the caller's is left alone); ``logits`` itself when there are no such columns.
+    A model's vocabulary may be padded past its tokenizer's (Qwen: 151936 rows for 151851
+    tokens): those rows hold no token, so they must never be sampled or reported."""
+    if valid_vocab_size is None or valid_vocab_size >= logits.shape[-1]:
+        return logits
+    masked = logits.clone()
+    masked[..., valid_vocab_size:] = float("-inf")
+    return masked
+
+
+def _num_real(k: int, valid_vocab_size: int | None) -> int:
+    """A top-k of at most the real tokens: past them only masked padding (-inf) is left."""
+    return k if valid_vocab_size is None else min(k, valid_vocab_size)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

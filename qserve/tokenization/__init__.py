@@ -34,6 +34,13 @@ def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(getattr(tokenizer, STOP_IDS_ATTR, ()))
 
 
+def num_token_ids(tokenizer: Any) -> int:
+    """One past the largest id ``tokenizer`` can produce, added and special tokens included
+    (vLLM's ``max_token_id + 1``). Model rows at or past it hold no token."""
+    vocab = tokenizer.get_vocab()
+    return max(len(tokenizer), max(vocab.values(), default=-1) + 1)
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """A ``transformers`` fast tokenizer for the checkpoint (or tokenizer) directory ``path``.
 

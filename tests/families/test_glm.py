@@ -80,3 +80,45 @@ def test_chatglm3_served_with_its_sentencepiece_tokenizer(tmp_path):
     assert generated == out.outputs[0].token_ids  # the tiny model stays inside the SentencePiece vocabulary
     text = out.outputs[0].text  # the detokenizer holds back a trailing incomplete UTF-8 character
     assert text and sp.decode(generated).startswith(text) and "<0x" not in text
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_quantized_glm_rows_permuted_at_load(tmp_path, fmt):
+    """Interleaved rotary costs no per-step gather: the q/k projection rows are put in NeoX
+    order once at load (dense, and the canonical quantized columns incl. asymmetric zeros and
+    GPTQ act-order); outputs still match the oracle holding the dequantized weights."""
+    from tests.helpers.quant_packers import awq_config, gptq_config, quantize_state_dict, write_checkpoint
+    from tests.helpers.tokenizer import make_tokenizer
+
+    model = glm_oracle(seed=8)
+    split = {}  # the fused gate_up_proj as gate_proj / up_proj, so that every linear is quantized
+    for name, value in model.state_dict().items():
+        if name.endswith("mlp.gate_up_proj.weight"):
+            gate, up = value.chunk(2)
+            split[name.replace("gate_up_proj", "gate_proj")], split[name.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            split[name] = value
+    quantized = quantize_state_dict(split, fmt, group_size=32, sym=False, act_order=fmt == "gptq")
+    assert any(k.endswith("self_attn.q_proj.qweight") for k in quantized.tensors)
+    with torch.no_grad():
+        state = model.state_dict()
+        for module, weight in quantized.dequant.items():
+            if module.endswith("mlp.gate_proj"):
+                up = quantized.dequant[module.replace("gate_proj", "up_proj")]
+                state[module.replace("gate_proj", "gate_up_proj.weight")].copy_(torch.cat([weight, up]))
+            elif not module.endswith("mlp.up_proj"):
+                state[f"{module}.weight"].copy_(weight)
+    config = model.config.to_dict()
+    config["quantization_config"] = (
+        gptq_config(group_size=32, sym=False, desc_act=True) if fmt == "gptq" else awq_config(group_size=32)
+    )
+    path = write_checkpoint(tmp_path / f"glm-{fmt}", config, quantized.tensors)
+    make_tokenizer(str(path))
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.engine.model.rotary.perm is None  # nothing to gather per step
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    for prompt, output in zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)):
+        ours = torch.tensor([output.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i > 0])
+        theirs = hf_prompt_logprobs(model, prompt)
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), (ours - theirs).abs().max()
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 6)

@@ -144,4 +144,73 @@ def test_served_with_its_tiktoken_tokenizer(tmp_path):
         0
     ]
     lps = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i > 0])
-    assert torch.allclose(lps, hf_prompt_logprobs(model, prompt), atol=1e-4, rtol=0)
+    # The 10 padded rows hold no token: the oracle's distribution is over the tokenizer's ids.
+    num_tokens = num_ranks + len(qwen_tok.SPECIAL_TOKENS)
+    assert llm.engine.runner.valid_vocab_size == num_tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :, :num_tokens].float()  # [L, num_tokens]
+    theirs = torch.log_softmax(logits, dim=-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(lps, theirs, atol=1e-4, rtol=0)
+
+
+def test_ntk_alpha_indices_match_the_scalar_rule():
+    import numpy as np
+
+    from qserve.layers.rotary import ntk_alpha_index, ntk_alpha_indices
+
+    lens = np.array([1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4096, 4097, 10**6])
+    for seq_length in (1, 16, 2048):
+        expected = [ntk_alpha_index(int(n), seq_length) for n in lens]
+        assert ntk_alpha_indices(lens, seq_length).tolist() == expected
+
+
+def test_mixed_ntk_decode_replays_the_graph_and_matches_oracle(tmp_path):
+    """Decode batches mixing alpha 1 (12-token prompt) with alpha 3 (20) and alpha 7 (40) go
+    through the CUDA-graph path (graphs stood in by eager replays of the same static-buffer
+    forward, as in tests/integration/test_decode_graph_inputs.py): each row's rotary table is a
+    graph input. Every generated token and its logprob match the transformers oracle."""
+    from tests.integration.test_decode_graph_inputs import install_fake_graphs
+
+    seq_length = 16
+    model = qwen2_oracle(seed=2)
+    path = save_qwen_v1(model, tmp_path / "qwen-long", seq_length=seq_length)
+    llm = LLM(str(path), device="cpu", dtype="float32", enable_prefix_caching=False, max_num_seqs=4)
+    graphs = install_fake_graphs(llm, buckets=(1, 2, 4))
+    assert graphs.ntk_tables is not None  # the model holds several NTK tables: a static input
+    replayed = []
+    original = graphs.replay
+
+    def replay(input_ids, positions, slots, block_tables, ntk_tables=None):
+        replayed.append(None if ntk_tables is None else ntk_tables.tolist())
+        return original(input_ids, positions, slots, block_tables, ntk_tables)
+
+    graphs.replay = replay
+    prompts = [list(range(30, 42)), list(range(50, 70)), [(7 * i) % 300 + 3 for i in range(40)]]
+    max_tokens = 5
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [0, 1, 2] in replayed, replayed  # one decode batch: alpha 1, 3 and 7 together
+    for prompt, output in zip(prompts, outputs):
+        tokens = output.outputs[0].token_ids
+        ours = torch.tensor([entry[tok].logprob for entry, tok in zip(output.outputs[0].logprobs, tokens)])
+        oracle = qwen_long_oracle(model, len(prompt), seq_length)
+        assert tokens == hf_greedy(oracle, prompt, max_tokens)
+        theirs = hf_prompt_logprobs(oracle, prompt + tokens)[-max_tokens:]
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), (len(prompt), (ours - theirs).abs().max())
+
+
+def test_decode_graph_decision_does_not_depend_on_rotary_tables():
+    """The runner's eager-vs-graph rule: pure decode (every sequence one new sampled token, no
+    prompt logprobs) within the captured buckets. Rotary tables are no part of it."""
+    from qserve.runner.model_runner import uses_decode_graph
+
+    class Graphs:
+        @staticmethod
+        def bucket_for(batch: int) -> int | None:
+            return 4 if batch <= 4 else None
+
+    assert uses_decode_graph(Graphs, True, 3, 3, False)
+    assert not uses_decode_graph(Graphs, False, 3, 3, False)  # some sequence has several new tokens
+    assert not uses_decode_graph(Graphs, True, 2, 3, False)  # a sequence samples nothing this step
+    assert not uses_decode_graph(Graphs, True, 3, 3, True)  # prompt logprobs need hidden states
+    assert not uses_decode_graph(Graphs, True, 5, 5, False)  # larger than every captured bucket
