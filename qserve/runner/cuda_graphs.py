@@ -98,12 +98,15 @@ class DecodeGraphs:
         positions: np.ndarray,  # int64 [B]
         slots: np.ndarray,  # int64 [B]
         block_tables: np.ndarray,  # int32 [B, width], width <= max blocks per sequence
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows [P], token ids [P]) on the device
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` for a pure-decode batch (one token per sequence).
 
         Rows past ``B`` up to the bucket are pad rows: slot -1 (not stored), length 1, block 0.
         Block-table columns past ``width`` keep stale ids from earlier steps; kernels never
         read past a sequence's length, so only valid ids matter and stale ones are valid.
+        ``pending``: input ids sampled by the step still in flight (async scheduling), written
+        over rows ``pending[0]`` on the device.
         """
         batch = len(input_ids)
         bucket = self.bucket_for(batch)
@@ -119,6 +122,8 @@ class DecodeGraphs:
         self.positions[:bucket].copy_(staged[1], non_blocking=True)
         self.slot_mapping[:bucket].copy_(staged[2], non_blocking=True)
         self.seq_lens[:bucket].copy_(staged[3], non_blocking=True)
+        if pending is not None:
+            self.input_ids.index_copy_(0, *pending)
         width = block_tables.shape[1]
         self.block_tables[:batch, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
         self.block_tables[batch:bucket, 0] = 0
