@@ -118,6 +118,9 @@ class DecodeGraphs:
         host[3, :] = 1
         host[3, :batch] = positions + 1
         staged = torch.from_numpy(host)
+        pinned = self.input_ids.is_cuda
+        if pinned:  # asynchronous copies: the previous step may still be running (async scheduling)
+            staged = staged.pin_memory()
         self.input_ids[:bucket].copy_(staged[0], non_blocking=True)
         self.positions[:bucket].copy_(staged[1], non_blocking=True)
         self.slot_mapping[:bucket].copy_(staged[2], non_blocking=True)
@@ -125,7 +128,8 @@ class DecodeGraphs:
         if pending is not None:
             self.input_ids.index_copy_(0, *pending)
         width = block_tables.shape[1]
-        self.block_tables[:batch, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        tables = torch.from_numpy(block_tables)
+        self.block_tables[:batch, :width].copy_(tables.pin_memory() if pinned else tables, non_blocking=True)
         self.block_tables[batch:bucket, 0] = 0
         self.graphs[bucket].replay()
         return self.logits[:batch]

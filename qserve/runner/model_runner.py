@@ -328,7 +328,7 @@ class ModelRunner:
                 step.host_sampled = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)  # [R]
                 step.host_sampled.copy_(tokens, non_blocking=True)
                 step.ready = torch.cuda.Event()
-                step.ready.record()
+                step.ready.record(torch.cuda.current_stream(self.device))
             else:
                 step.host_sampled = tokens
             if sampling_metadata.max_num_logprobs is not None:
