@@ -7,6 +7,7 @@ previous step's outputs are processed."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from qserve import LLM, SamplingParams
 from qserve.outputs import RequestOutput
@@ -208,3 +209,26 @@ def test_switching_async_scheduling(llama_path):
     _run(engine, [])
     engine.set_async_scheduling(False)
     assert not engine.async_scheduling and not engine.scheduler.async_scheduling
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_async_scheduling_same_outputs(llama_path, enforce_eager):
+    """On the GPU: pinned non-blocking copies, the sampled ids' event and the device-side fill of
+    placeholder inputs (into the CUDA graphs' static buffer or the eager input ids)."""
+    requests = [
+        ("g", {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)),
+        ("s", {"prompt_token_ids": PROMPT[:6]}, SamplingParams(temperature=0.8, seed=7, max_tokens=16, min_tokens=4)),
+        ("n", {"prompt_token_ids": PROMPT[2:]}, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12)),
+    ]
+    finals = []
+    for mode in (False, True):
+        engine = LLM(
+            llama_path, device="cuda", dtype="float32", enforce_eager=enforce_eager, async_scheduling=mode
+        ).engine
+        finals.append(_run(engine, requests)[0])
+    for request_id in finals[0]:
+        for a, b in zip(finals[0][request_id].outputs, finals[1][request_id].outputs):
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), request_id
+            _assert_logprobs_close(a.logprobs, b.logprobs)
