@@ -320,6 +320,8 @@ class Engine:
         # the requests (group ids) whose steps must run in the synchronous order.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._sync_only: set[str] = set()
+        if config.async_scheduling and tp is not None:
+            logger.info("tensor parallelism: async scheduling is off (steps run in the synchronous order)")
         self.num_preemptions = 0  # sequences preempted since start (vllm:num_preemptions_total)
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",

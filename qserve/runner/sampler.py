@@ -79,6 +79,8 @@ class SamplingMetadata:
     # Structured outputs: row token_bitmask_rows[g] may only take the tokens set in token_bitmask[g].
     token_bitmask_rows: torch.Tensor | None = None  # [G] int64
     token_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32
+    # is_greedy on the host: row chunks read it without a device sync (async scheduling)
+    is_greedy_rows: list[bool] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -208,6 +210,7 @@ def build_sampling_metadata(
         logit_bias_values=logit_bias_values,
         token_bitmask_rows=bitmask_rows,
         token_bitmask=bitmask,
+        is_greedy_rows=greedy,
     )
 
 
@@ -368,14 +371,20 @@ def slice_metadata(md: SamplingMetadata, start: int, end: int) -> SamplingMetada
     bias_rows, bias_ids, bias_values = sparse(md.logit_bias_rows, md.logit_bias_token_ids, md.logit_bias_values)
     mask_rows, mask = sparse(md.token_bitmask_rows, md.token_bitmask)
     greedy = md.is_greedy[start:end]
+    greedy_rows = None if md.is_greedy_rows is None else md.is_greedy_rows[start:end]
+    if greedy_rows is not None:
+        all_greedy, all_random = md.all_greedy or all(greedy_rows), md.all_random or not any(greedy_rows)
+    else:
+        all_greedy, all_random = md.all_greedy or bool(greedy.all()), md.all_random or not bool(greedy.any())
     num_logprobs = md.num_logprobs[start:end]
     requested = [k for k in num_logprobs if k is not None]
     return SamplingMetadata(
         vocab_size=md.vocab_size,
         temperature=md.temperature[start:end],
         is_greedy=greedy,
-        all_greedy=md.all_greedy or bool(greedy.all()),
-        all_random=md.all_random or not bool(greedy.any()),
+        all_greedy=all_greedy,
+        all_random=all_random,
+        is_greedy_rows=greedy_rows,
         top_k=rows(md.top_k),
         top_p=rows(md.top_p),
         min_p=rows(md.min_p),
