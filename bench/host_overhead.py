@@ -127,7 +127,8 @@ def _instrument(engine: engine_module.Engine, timer: _Timer) -> Callable[[], Non
 
     patch(scheduler, "schedule", timer.wrap("schedule", scheduler.schedule))
     patch(scheduler, "update_from_output", timer.wrap("update_from_output", scheduler.update_from_output))
-    patch(runner, "execute", timer.wrap("runner execute", runner.execute))
+    # launch: what the engine calls with async scheduling; execute() calls it too
+    patch(runner, "launch", timer.wrap("runner execute", runner.launch))
     patch(runner, "model", _TimedModel(runner.model, timer))
     patch(runner, "sampler", timer.wrap("sampler", runner.sampler))
     patch(

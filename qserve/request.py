@@ -40,6 +40,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
     num_preemptions: int = 0
+    # Async scheduling: tokens sampled by a step still in flight, not yet in output_token_ids
+    # (the scheduler plans the next step as if they were there; 0 when scheduling is synchronous).
+    num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     tenant: str | None = None  # who sent it (API key's tenant); the scheduler shares seats by tenant weight
     # Prefix-cache hashes of this sequence's full blocks, filled lazily by the prefix cache.

@@ -24,6 +24,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8, int8 or int4")
     parser.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs")
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule the next step while the current one runs (default: on)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -44,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_budget=args.gpu_memory_budget,
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")

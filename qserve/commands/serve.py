@@ -61,6 +61,14 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="KV cache element type: auto (the model dtype), fp8 (e4m3), int8 or int4",
     )
     parser.add_argument("--enforce-eager", action="store_true", help="do not capture CUDA graphs for decode")
+    # -- async scheduling (issue 17) --
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and launch the next step while the current one runs on the device (default: on; "
+        "--no-async-scheduling runs each step's host work after it)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once, per model")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
@@ -403,6 +411,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         gpu_memory_budget=args.gpu_memory_budget,
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
 
     def kv_events(engines: dict) -> object | None:

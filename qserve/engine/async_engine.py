@@ -556,6 +556,7 @@ class HostConfig:
     gpu_memory_budget: str | None = None  # bytes with a unit or a fraction; None: the planner's default
     num_kv_blocks: int | None = None  # pages of the shared pool, overriding the budget
     enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool = True  # schedule step N+1 while step N runs (EngineConfig.async_scheduling)
 
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
@@ -637,6 +638,7 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
             seed=config.seed,
             kv_cache_dtype=config.kv_cache_dtype,
             enforce_eager=config.enforce_eager,
+            async_scheduling=config.async_scheduling,
         )
         engines[m.name] = Engine(
             engine_config, block_pool=pool.block_pool, owner=m.name, kv_caches=pool.kv_caches(m.name)

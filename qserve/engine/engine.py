@@ -5,6 +5,19 @@ Knows: how the scheduler, model runner, detokenizer and stop checks fit into one
 grammar bitmasks of a step's sampling sequences and advance their matchers (the grammar
 library itself stays in ``qserve.structured.grammar``). Must not know: HTTP, asyncio, or how
 kernels compute. The server drives ``add_request`` / ``abort_request`` / ``step``.
+
+Async scheduling (``EngineConfig.async_scheduling``, vLLM's ``--async-scheduling``; on by
+default): ``step()`` schedules step N+1 and launches it while step N still runs on the device
+(the scheduler assumes every sampling sequence of step N gets its token; the runner takes those
+tokens from the device), then waits for step N's sampled ids and does its host work (scheduler
+update, detokenization, stop checks, outputs) while the device runs step N+1. So each
+``step()`` returns the outputs of the step launched by the previous call. A sequence that
+finished at step N had one more token computed at step N+1: it is dropped (never emitted or
+counted; its pages were freed when it finished, and later steps run after N+1 on the stream).
+Steps fall back to the synchronous order (step N's outputs processed before step N+1 is
+scheduled) while any unfinished request has penalties (they count every output token on the
+device side) or structured outputs (a grammar's next mask needs the previous token accepted).
+Tensor-parallel engines run synchronously (rank 0's broadcasting runner has no ``launch``).
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ from qserve.memory.profiler import kv_cache_torch_dtype, profile_model, set_kv_s
 from qserve.model.loader import load_model
 from qserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from qserve.request import Request, RequestStatus
-from qserve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_cache_shape
+from qserve.runner.model_runner import LaunchedStep, ModelRunner, allocate_kv_caches, kv_cache_shape
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
@@ -72,6 +85,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" | "int8"
     enforce_eager: bool = False  # no CUDA graphs
     skip_tokenizer_init: bool = False  # token-id prompts in, token ids out, no text (vLLM's name)
+    # Schedule and launch step N+1 while step N runs; process N's outputs meanwhile (vLLM's name).
+    async_scheduling: bool = True
 
 
 @dataclass(eq=False)
@@ -257,6 +272,7 @@ class Engine:
             max_model_len,
             watermark=ADMISSION_WATERMARK,
             watermark_per_running=ADMISSION_WATERMARK_PAGES_PER_RUNNING,
+            async_scheduling=config.async_scheduling and tp is None,
         )
         if kv_caches is None:
             kv_caches = allocate_kv_caches(rank_config, num_blocks, cache.block_size, kv_dtype, self.device)
@@ -302,6 +318,12 @@ class Engine:
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
         self._pending_outputs: dict[str, _Group] = {}  # finished out-of-step (aborts)
         self._arrival = itertools.count()
+        # Async scheduling: the step launched by the previous step() call, not yet processed, and
+        # the requests (group ids) whose steps must run in the synchronous order.
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._sync_only: set[str] = set()
+        if config.async_scheduling and tp is not None:
+            logger.info("tensor parallelism: async scheduling is off (steps run in the synchronous order)")
         self.num_preemptions = 0  # sequences preempted since start (vllm:num_preemptions_total)
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
@@ -311,6 +333,21 @@ class Engine:
             num_blocks,
             cache.block_size,
         )
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.scheduler.async_scheduling
+
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Switch async scheduling on or off between requests (e.g. to measure both)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_async_scheduling: the engine has unfinished requests")
+        if enabled and self.tp is not None:
+            raise ValueError("async scheduling is not supported with tensor parallelism")
+        if self._in_flight is not None:  # a dropped extra step of finished requests
+            self._in_flight[1].result()
+            self._in_flight = None
+        self.scheduler.async_scheduling = bool(enabled)
 
     @property
     def _tensor_parallel_size(self) -> int:
@@ -454,6 +491,8 @@ class Engine:
         if params.structured_outputs is not None:
             for sequence in group.sequences:
                 self._grammar_matchers.add(sequence.request.request_id, params.structured_outputs)
+        if params.structured_outputs is not None or params.has_penalties:
+            self._sync_only.add(request_id)  # needs its previous token on the host: see the module doc
         for sequence in group.sequences:
             self.scheduler.add_request(sequence.request)
             self._sequences[sequence.request.request_id] = (group, sequence)
@@ -484,23 +523,15 @@ class Engine:
         output, which is what streaming needs. With ``finished_only=True`` only requests that
         finished this step get one (the offline path, e.g. ``LLM.generate``): nobody reads the
         intermediate outputs, so they are not built. The finished outputs are the same either way.
+        With async scheduling the outputs are those of the step launched by the previous call.
         """
+        if self.scheduler.async_scheduling:
+            return self._step_async(finished_only)
         touched: dict[str, _Group] = dict(self._pending_outputs)
         self._pending_outputs.clear()
         scheduler_output = self.scheduler.schedule()
         sequences = self._sequences
-        for request_id in scheduler_output.preempted_request_ids:
-            sequences[request_id][1].prompt_logprobs_received = 0
-        self.num_preemptions += len(scheduler_output.preempted_request_ids)
-        now = time.monotonic()
-        for scheduled in scheduler_output.sequences:
-            group = sequences[scheduled.request_id][0]
-            if group.first_scheduled_time is None:
-                group.first_scheduled_time = now
-        for request_id in scheduler_output.capacity_finished_request_ids:
-            group, sequence = sequences[request_id]
-            sequence.finish_reason = RequestStatus.FINISHED_LENGTH.finish_reason
-            touched[group.request_id] = group
+        self._on_scheduled(scheduler_output, touched)
         if not scheduler_output.is_empty:
             if len(self._grammar_matchers):
                 scheduler_output = self._with_grammar_bitmask(scheduler_output)
@@ -516,6 +547,11 @@ class Engine:
                 group, sequence = sequences[request_id]
                 if on_token(sequence, token, logprobs.get(request_id) if logprobs else None) or not finished_only:
                     touched[group.request_id] = group
+        return self._collect_outputs(touched, finished_only)
+
+    def _collect_outputs(self, touched: dict[str, _Group], finished_only: bool) -> list[RequestOutput]:
+        """Outputs of the touched groups; finished groups are forgotten."""
+        sequences = self._sequences
         outputs = []
         for request_id, group in touched.items():
             finished = group.finished
@@ -523,10 +559,78 @@ class Engine:
                 outputs.append(self._make_output(group, finished))
             if finished:
                 self._groups.pop(request_id, None)
+                self._sync_only.discard(request_id)
                 for sequence in group.sequences:
                     sequences.pop(sequence.request.request_id, None)
                     self._grammar_matchers.remove(sequence.request.request_id)
         return outputs
+
+    def _step_async(self, finished_only: bool) -> list[RequestOutput]:
+        """Schedule and launch the next step, then process the one in flight (see the module doc)."""
+        touched: dict[str, _Group] = dict(self._pending_outputs)
+        self._pending_outputs.clear()
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and self._sync_only:
+            self._process_step(*in_flight, touched, finished_only, ())  # their next step needs its tokens
+            in_flight = None
+        scheduler_output = self.scheduler.schedule()
+        self._on_scheduled(scheduler_output, touched)
+        if not scheduler_output.is_empty:
+            if len(self._grammar_matchers):
+                scheduler_output = self._with_grammar_bitmask(scheduler_output)
+            previous = None if in_flight is None else in_flight[1]
+            self._in_flight = (scheduler_output, self.runner.launch(scheduler_output, previous))
+        if in_flight is not None:
+            preempted = set(scheduler_output.preempted_request_ids)
+            self._process_step(*in_flight, touched, finished_only, preempted)
+        return self._collect_outputs(touched, finished_only)
+
+    def _on_scheduled(self, scheduler_output: SchedulerOutput, touched: dict[str, _Group]) -> None:
+        """Engine bookkeeping of a new schedule: preemptions, first-scheduled times, sequences the
+        scheduler finished for capacity."""
+        sequences = self._sequences
+        for request_id in scheduler_output.preempted_request_ids:
+            sequences[request_id][1].prompt_logprobs_received = 0
+        self.num_preemptions += len(scheduler_output.preempted_request_ids)
+        now = time.monotonic()
+        for scheduled in scheduler_output.sequences:
+            group = sequences[scheduled.request_id][0]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+        for request_id in scheduler_output.capacity_finished_request_ids:
+            group, sequence = sequences[request_id]
+            sequence.finish_reason = RequestStatus.FINISHED_LENGTH.finish_reason
+            touched[group.request_id] = group
+
+    def _process_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        launched: LaunchedStep,
+        touched: dict[str, _Group],
+        finished_only: bool,
+        preempted_since: set[str] | tuple[()],
+    ) -> None:
+        """Wait for a launched step's sampled ids and do its host work. ``preempted_since``: requests
+        preempted after it was scheduled; their prompt logprobs from it are recomputed, so dropped
+        here (their sampled token is kept, as the scheduler keeps it)."""
+        runner_output = launched.result()
+        new_token_requests = self.scheduler.update_from_output(scheduler_output, runner_output)
+        sequences = self._sequences
+        for request_id, entries in runner_output.prompt_logprobs.items():
+            owner = sequences.get(request_id)
+            if owner is None or owner[1].finish_reason is not None or request_id in preempted_since:
+                continue
+            group, sequence = owner
+            self._on_prompt_logprobs(group, sequence, entries)
+            touched[group.request_id] = group
+        logprobs = runner_output.logprobs
+        on_token = self._on_token
+        for request in new_token_requests:  # finished or aborted requests' extra tokens are not here
+            request_id = request.request_id
+            group, sequence = sequences[request_id]
+            token = request.output_token_ids[-1]
+            if on_token(sequence, token, logprobs.get(request_id) if logprobs else None) or not finished_only:
+                touched[group.request_id] = group
 
     def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """The step's work plus the next-token bitmasks of its sampling sequences under a grammar."""

@@ -35,6 +35,7 @@ class LLM:
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
         skip_tokenizer_init: bool = False,
+        async_scheduling: bool = True,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -52,6 +53,7 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             enforce_eager=enforce_eager,
             skip_tokenizer_init=skip_tokenizer_init,
+            async_scheduling=async_scheduling,
         )
         # tensor_parallel_size > 1: this process is rank 0 and drives; the other ranks are
         # spawned processes (qserve.distributed.launcher), stopped by shutdown() or at exit.

@@ -104,12 +104,15 @@ class DecodeGraphs:
         slots: np.ndarray,  # int64 [B]
         block_tables: np.ndarray,  # int32 [B, width], width <= max blocks per sequence
         ntk_tables: np.ndarray | None = None,  # int64 [B]: rotary table per row (None: table 0)
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows [P], token ids [P]) on the device
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` for a pure-decode batch (one token per sequence).
 
         Rows past ``B`` up to the bucket are pad rows: slot -1 (not stored), length 1, block 0.
         Block-table columns past ``width`` keep stale ids from earlier steps; kernels never
         read past a sequence's length, so only valid ids matter and stale ones are valid.
+        ``pending``: input ids sampled by the step still in flight (async scheduling), written
+        over rows ``pending[0]`` on the device.
         """
         batch = len(input_ids)
         bucket = self.bucket_for(batch)
@@ -123,14 +126,20 @@ class DecodeGraphs:
         if ntk_tables is not None:  # pad rows read table 0
             host[4, :batch] = ntk_tables
         staged = torch.from_numpy(host)
+        pinned = self.input_ids.is_cuda
+        if pinned:  # asynchronous copies: the previous step may still be running (async scheduling)
+            staged = staged.pin_memory()
         self.input_ids[:bucket].copy_(staged[0], non_blocking=True)
         self.positions[:bucket].copy_(staged[1], non_blocking=True)
         self.slot_mapping[:bucket].copy_(staged[2], non_blocking=True)
         self.seq_lens[:bucket].copy_(staged[3], non_blocking=True)
         if self.ntk_tables is not None:
             self.ntk_tables[:bucket].copy_(staged[4], non_blocking=True)
+        if pending is not None:
+            self.input_ids.index_copy_(0, *pending)
         width = block_tables.shape[1]
-        self.block_tables[:batch, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        tables = torch.from_numpy(block_tables)
+        self.block_tables[:batch, :width].copy_(tables.pin_memory() if pinned else tables, non_blocking=True)
         self.block_tables[batch:bucket, 0] = 0
         self.graphs[bucket].replay()
         return self.logits[:batch]

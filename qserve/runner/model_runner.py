@@ -7,10 +7,18 @@ know: scheduling policy, text, stop conditions or the HTTP layer. One forward pe
 scheduled tokens; Python loops here run over sequences (never over tokens: positions, slots
 and padded block tables are computed with numpy from per-sequence scalars), never over
 weights or inside layers.
+
+Async scheduling: ``launch`` enqueues a step and returns a ``LaunchedStep`` without waiting for
+the device; its sampled ids are copied to pinned host memory behind a CUDA event, and
+``LaunchedStep.result()`` waits for that event only. A step scheduled while the previous one is
+still in flight has input positions whose token the host does not know yet (the scheduler's
+placeholders): they are filled on the device from the previous step's sampled ids, so no token
+makes a round trip through the host. ``execute`` is ``launch(...).result()``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -48,10 +56,55 @@ def allocate_kv_caches(
 
 
 def _token_at(seq: ScheduledSequence) -> int:
-    """The token id at ``seq.start_position`` (a decode step's only input token)."""
+    """The token id at ``seq.start_position`` (a decode step's only input token); 0 for a token
+    still being sampled by the step in flight (async scheduling), which the device fills in."""
     prompt = seq.prompt_token_ids
     position = seq.start_position
-    return prompt[position] if position < len(prompt) else seq.output_token_ids[position - len(prompt)]
+    if position < len(prompt):
+        return prompt[position]
+    index = position - len(prompt)
+    output = seq.output_token_ids
+    return output[index] if index < len(output) else 0
+
+
+def _num_pending(seq: ScheduledSequence) -> int:
+    """Input tokens of this step that the host does not know yet (sampled by the step in flight)."""
+    return max(0, seq.start_position + seq.num_new_tokens - len(seq.prompt_token_ids) - len(seq.output_token_ids))
+
+
+def _input_ids(seq: ScheduledSequence) -> list[int]:
+    """``seq.input_token_ids()``, with 0 for a pending last token (filled on the device)."""
+    ids = seq.input_token_ids()
+    missing = seq.num_new_tokens - len(ids)
+    return ids + [0] * missing if missing else ids
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step enqueued on the device. ``result()`` waits for its sampled ids (only them: the
+    event follows their copy to the host) and returns its ``RunnerOutput`` (cached)."""
+
+    request_ids: list[str]  # the sampling sequences, one per row of ``sampled``
+    sampled: torch.Tensor | None = None  # [R] int64 on the device: later steps' pending inputs
+    host_sampled: torch.Tensor | None = None  # [R] int64 on the host (pinned on CUDA), valid once ready
+    ready: torch.cuda.Event | None = None  # recorded after the copy to host_sampled (CUDA only)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    _output: RunnerOutput | None = None
+    _rows: dict[str, int] | None = None
+
+    def row_of(self, request_id: str) -> int:
+        if self._rows is None:
+            self._rows = {rid: row for row, rid in enumerate(self.request_ids)}
+        return self._rows[request_id]
+
+    def result(self) -> RunnerOutput:
+        if self._output is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            tokens = [] if self.host_sampled is None else self.host_sampled.tolist()
+            self._output = RunnerOutput(dict(zip(self.request_ids, tokens)), self.logprobs, self.prompt_logprobs)
+        return self._output
 
 
 def pad_block_tables(table_lens: np.ndarray, flat_tables: np.ndarray) -> np.ndarray:
@@ -66,9 +119,10 @@ def pad_block_tables(table_lens: np.ndarray, flat_tables: np.ndarray) -> np.ndar
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array as a tensor on ``device`` (shares memory on CPU)."""
+    """A host array as a tensor on ``device`` (shares memory on CPU). On CUDA the copy is
+    asynchronous from pinned memory: a blocking copy would wait for the step in flight."""
     tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
 
 
 def uses_decode_graph(
@@ -121,11 +175,17 @@ class ModelRunner:
         )
         self.decode_graphs.capture()
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its output."""
+        return self.launch(scheduler_output).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue one step; ``previous`` is the step still in flight, whose sampled ids are the
+        inputs this step's scheduler left as placeholders."""
         sequences = scheduler_output.sequences
         if not sequences:
-            return RunnerOutput({}, {}, {})
+            return LaunchedStep([])
         num_seqs = len(sequences)
         block_size = self.block_size
         # Per-sequence scalars, gathered once; everything per token is numpy from here on.
@@ -139,12 +199,24 @@ class ModelRunner:
         ends = np.cumsum(counts)  # [S] query_start_loc[1:]
         num_tokens = int(ends[-1])
         is_decode = num_tokens == num_seqs  # one new token per sequence
+        pending = None  # (token indices [P], the previous step's rows [P]) of inputs sampled in flight
+        if previous is not None and previous.request_ids:
+            rows = [
+                (int(ends[i]) - 1, previous.row_of(seq.request_id))
+                for i, seq in enumerate(sequences)
+                if _num_pending(seq)
+            ]
+            if rows:
+                assert previous.sampled is not None
+                index = _to_device(np.array([r[0] for r in rows], dtype=np.int64), self.device)  # [P]
+                source = _to_device(np.array([r[1] for r in rows], dtype=np.int64), self.device)  # [P]
+                pending = (index, previous.sampled.index_select(0, source))  # [P], [P] int64
         if is_decode:
             input_ids = [_token_at(seq) for seq in sequences]
             positions = starts  # [T], T == S
             token_tables = table_offsets  # [T] start of each token's table in flat_tables
         else:
-            input_ids = list(chain.from_iterable(seq.input_token_ids() for seq in sequences))
+            input_ids = list(chain.from_iterable(_input_ids(seq) for seq in sequences))
             positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(ends - counts - starts, counts)  # [T]
             token_tables = np.repeat(table_offsets, counts)  # [T]
         block_index = positions // block_size  # [T] logical block of each token
@@ -176,7 +248,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and uses_decode_graph(graphs, is_decode, len(sample_rows), num_seqs, bool(prompt_rows)):
             block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
-            sample_logits = graphs.replay(input_ids, positions, slots, block_tables, ntk_tables)
+            sample_logits = graphs.replay(input_ids, positions, slots, block_tables, ntk_tables, pending=pending)
             prompt_hidden = None
         else:
             sample_logits, prompt_hidden = self._forward_eager(
@@ -191,6 +263,7 @@ class ModelRunner:
                 sample_rows,
                 prompt_rows,
                 ntk_tables,
+                pending,
             )
         return self._sample(sequences, sample_logits, prompt_hidden, prompt_targets, prompt_owners, scheduler_output)
 
@@ -207,6 +280,7 @@ class ModelRunner:
         sample_rows: np.ndarray,
         prompt_rows: list[int],
         ntk_tables: np.ndarray | None = None,
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         device = self.device
         block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
@@ -219,8 +293,11 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             ntk_tables=None if ntk_tables is None else _to_device(ntk_tables, device),  # [T] int64
         )
+        input_ids_t = _to_device(np.array(input_ids, dtype=np.int64), device)  # [T]
+        if pending is not None:  # tokens sampled by the step in flight, straight from the device
+            input_ids_t.index_copy_(0, *pending)
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),  # [T]
+            input_ids_t,  # [T] int64
             _to_device(positions, device),  # [T] int64
             self.kv_caches,
             metadata,
@@ -233,7 +310,7 @@ class ModelRunner:
         if prompt_rows:
             # Hidden states only: their logits are computed in slices by _sample, so a long prompt
             # asking for prompt_logprobs never holds [P, vocab] float32 (the planner counts a slice).
-            prompt_hidden = hidden[torch.tensor(prompt_rows, device=device)]  # [P, hidden]
+            prompt_hidden = hidden[_to_device(np.array(prompt_rows, dtype=np.int64), device)]  # [P, hidden]
         return sample_logits, prompt_hidden
 
     def _sample(
@@ -244,10 +321,10 @@ class ModelRunner:
         prompt_targets: list[int],
         prompt_owners: list[tuple[str, int]],
         scheduler_output: SchedulerOutput | None = None,
-    ) -> RunnerOutput:
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
+    ) -> LaunchedStep:
         sampling_seqs = [seq for seq in sequences if seq.sample]
+        step = LaunchedStep([seq.request_id for seq in sampling_seqs])
+        logprobs = step.logprobs
         token_bitmask = None
         if scheduler_output is not None and scheduler_output.grammar_request_ids:
             row_of = {seq.request_id: row for row, seq in enumerate(sampling_seqs)}
@@ -262,17 +339,25 @@ class ModelRunner:
                 [seq.output_token_ids for seq in sampling_seqs],
                 list(self.config.eos_token_ids),
                 sample_logits.shape[-1],
-                self.device,
+                "cpu",  # built on the host, then copied without waiting for the device
                 token_bitmask,
-            )
-            tokens, token_logprobs = self.sampler(sample_logits, sampling_metadata)
-            sampled = dict(zip([seq.request_id for seq in sampling_seqs], tokens))
+                num_pending_tokens=[_num_pending(seq) for seq in sampling_seqs],
+            ).to(self.device)
+            tokens, token_logprobs = self.sampler(sample_logits, sampling_metadata, on_device=True)  # [R] int64
+            step.sampled = tokens
+            if self.device.type == "cuda":
+                step.host_sampled = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)  # [R]
+                step.host_sampled.copy_(tokens, non_blocking=True)
+                step.ready = torch.cuda.Event()
+                step.ready.record(torch.cuda.current_stream(self.device))
+            else:
+                step.host_sampled = tokens
             if sampling_metadata.max_num_logprobs is not None:
                 for seq, token_lp in zip(sampling_seqs, token_logprobs):
                     if token_lp is not None:
                         logprobs[seq.request_id] = token_lp
 
-        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        prompt_logprobs = step.prompt_logprobs
         if prompt_hidden is not None:
             targets = torch.tensor(prompt_targets, dtype=torch.int64, device=self.device)  # [P]
             max_k = max(k for _, k in prompt_owners)
@@ -286,4 +371,4 @@ class ModelRunner:
                 if k < max_k:  # trim to what this request asked for: the actual token plus its top-k
                     entry = TokenLogprobs(entry.token_ids[: k + 1], entry.logprobs[: k + 1], entry.ranks[: k + 1])
                 prompt_logprobs.setdefault(request_id, []).append(entry)
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+        return step

@@ -28,7 +28,7 @@ the rest of the batch. Unseeded rows share the Sampler's own generator (no globa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -81,10 +81,25 @@ class SamplingMetadata:
     # Structured outputs: row token_bitmask_rows[g] may only take the tokens set in token_bitmask[g].
     token_bitmask_rows: torch.Tensor | None = None  # [G] int64
     token_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32
+    # is_greedy on the host: row chunks read it without a device sync (async scheduling)
+    is_greedy_rows: list[bool] | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.seeds)
+
+    def to(self, device: torch.device | str) -> SamplingMetadata:
+        """The same metadata on ``device``. CUDA copies go from pinned memory without blocking:
+        a blocking copy would wait for the work already queued (async scheduling's step in flight)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        moved = {
+            f.name: value.pin_memory().to(device, non_blocking=True)
+            for f in fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
 
 
 def build_sampling_metadata(
@@ -95,6 +110,7 @@ def build_sampling_metadata(
     vocab_size: int,
     device: torch.device | str,
     token_bitmask: tuple[Sequence[int], Any] | None = None,
+    num_pending_tokens: Sequence[int] | None = None,
 ) -> SamplingMetadata:
     """Gather the rows' sampling parameters into tensors.
 
@@ -102,6 +118,9 @@ def build_sampling_metadata(
     ``generation_config.json``), shared by all rows. ``output_token_ids[r]`` are the tokens
     generated so far for row r (the token sampled now gets index ``len(output_token_ids[r])``).
     ``token_bitmask``: (rows, ``[G, ceil(V/32)]`` int32 array) for the rows under a grammar.
+    ``num_pending_tokens[r]``: row r's output tokens sampled by a step still in flight (async
+    scheduling), counted by min_tokens and the seeded output index; penalties need every
+    output token on the host, so their rows must have none.
     """
     num_rows = len(params)
     assert len(prompt_token_ids) == num_rows and len(output_token_ids) == num_rows
@@ -119,8 +138,13 @@ def build_sampling_metadata(
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], **f32)
 
+    num_outputs = [len(out) for out in output_token_ids]
+    if num_pending_tokens is not None and any(num_pending_tokens):
+        num_outputs = [n + k for n, k in zip(num_outputs, num_pending_tokens)]
     presence = frequency = repetition = prompt_ids = output_ids = None
     if any(p.has_penalties for p in params):
+        assert num_pending_tokens is None or not any(num_pending_tokens), "penalties need every output token"
+
         presence = torch.tensor([p.presence_penalty for p in params], **f32)
         frequency = torch.tensor([p.frequency_penalty for p in params], **f32)
         repetition = torch.tensor([p.repetition_penalty for p in params], **f32)
@@ -129,8 +153,8 @@ def build_sampling_metadata(
 
     mt_rows: list[int] = []
     mt_ids: list[int] = []
-    for row, (p, out) in enumerate(zip(params, output_token_ids)):
-        if len(out) < p.min_tokens:
+    for row, (p, num_out) in enumerate(zip(params, num_outputs)):
+        if num_out < p.min_tokens:
             blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             ids = sorted(t for t in blocked if 0 <= t < vocab_size)
             mt_rows.extend([row] * len(ids))
@@ -180,7 +204,7 @@ def build_sampling_metadata(
         min_tokens_rows=min_tokens_rows,
         min_tokens_token_ids=min_tokens_ids,
         seeds=[p.seed for p in params],
-        output_indices=[len(out) for out in output_token_ids],
+        output_indices=num_outputs,
         num_logprobs=num_logprobs,
         max_num_logprobs=max(requested) if requested else None,
         logit_bias_rows=logit_bias_rows,
@@ -188,6 +212,7 @@ def build_sampling_metadata(
         logit_bias_values=logit_bias_values,
         token_bitmask_rows=bitmask_rows,
         token_bitmask=bitmask,
+        is_greedy_rows=greedy,
     )
 
 
@@ -213,11 +238,15 @@ class Sampler:
         self._row_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
-        self, logits: torch.Tensor, metadata: SamplingMetadata
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        return self.forward(logits, metadata)
+        self, logits: torch.Tensor, metadata: SamplingMetadata, *, on_device: bool = False
+    ) -> tuple[Any, list[TokenLogprobs | None]]:
+        return self.forward(logits, metadata, on_device=on_device)
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def forward(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, *, on_device: bool = False
+    ) -> tuple[Any, list[TokenLogprobs | None]]:
+        """Sampled ids as a list, or with ``on_device`` as an int64 ``[R]`` tensor on the logits'
+        device (no host sync for them; logprobs are still gathered to the host)."""
         # logits: [R, V]
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows, (logits.shape, metadata.num_rows)
         assert logits.shape[1] == metadata.vocab_size, (logits.shape, metadata.vocab_size)
@@ -226,20 +255,24 @@ class Sampler:
             metadata.all_greedy and metadata.max_num_logprobs is None and metadata.repetition_penalties is None
         )
         if num_rows <= SAMPLER_CHUNK_ROWS or plain_greedy:  # an argmax needs no temporaries
-            return self._forward_rows(logits, metadata)
-        sampled: list[int] = []
+            sampled, logprobs = self._forward_rows(logits, metadata)
+            return (sampled if on_device else sampled.tolist()), logprobs
+        chunks: list[torch.Tensor] = []
         logprobs: list[TokenLogprobs | None] = []
         for start in range(0, num_rows, SAMPLER_CHUNK_ROWS):
             end = min(start + SAMPLER_CHUNK_ROWS, num_rows)
             chunk_sampled, chunk_logprobs = self._forward_rows(logits[start:end], slice_metadata(metadata, start, end))
-            sampled += chunk_sampled
+            chunks.append(chunk_sampled)
             logprobs += chunk_logprobs
-        return sampled, logprobs
+        sampled = torch.cat(chunks)  # [R]
+        return (sampled if on_device else sampled.tolist()), logprobs
 
     def _forward_rows(
         self, logits: torch.Tensor, metadata: SamplingMetadata
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        original = mask_padded_vocab(logits.float(), self.valid_vocab_size)  # [R, V]
+    ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        original = logits.float()  # [R, V], a copy unless the logits already are float32
+        # Masking the copy in place saves a second [R, V] copy; the caller's tensor is never written.
+        original = mask_padded_vocab(original, self.valid_vocab_size, in_place=original is not logits)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(original, dim=-1)  # [R, V]
@@ -264,7 +297,7 @@ class Sampler:
                 logits = logits.clone()
             logits.index_put_(
                 (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
-                torch.tensor(float("-inf"), device=logits.device),
+                logits.new_full((), float("-inf")),  # no host-to-device copy (it would sync)
             )
 
         if metadata.all_greedy:
@@ -290,7 +323,7 @@ class Sampler:
             for r, full in zip(rows, gathered):
                 n = (metadata.num_logprobs[r] or 0) + 1  # chosen + its own top-k
                 logprobs[r] = TokenLogprobs(full.token_ids[:n], full.logprobs[:n], full.ranks[:n])
-        return sampled.tolist(), logprobs
+        return sampled, logprobs  # [R] int64
 
     # ------------------------------------------------------------------ internals
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -347,14 +380,20 @@ def slice_metadata(md: SamplingMetadata, start: int, end: int) -> SamplingMetada
     bias_rows, bias_ids, bias_values = sparse(md.logit_bias_rows, md.logit_bias_token_ids, md.logit_bias_values)
     mask_rows, mask = sparse(md.token_bitmask_rows, md.token_bitmask)
     greedy = md.is_greedy[start:end]
+    greedy_rows = None if md.is_greedy_rows is None else md.is_greedy_rows[start:end]
+    if greedy_rows is not None:
+        all_greedy, all_random = md.all_greedy or all(greedy_rows), md.all_random or not any(greedy_rows)
+    else:
+        all_greedy, all_random = md.all_greedy or bool(greedy.all()), md.all_random or not bool(greedy.any())
     num_logprobs = md.num_logprobs[start:end]
     requested = [k for k in num_logprobs if k is not None]
     return SamplingMetadata(
         vocab_size=md.vocab_size,
         temperature=md.temperature[start:end],
         is_greedy=greedy,
-        all_greedy=md.all_greedy or bool(greedy.all()),
-        all_random=md.all_random or not bool(greedy.any()),
+        all_greedy=all_greedy,
+        all_random=all_random,
+        is_greedy_rows=greedy_rows,
         top_k=rows(md.top_k),
         top_p=rows(md.top_p),
         min_p=rows(md.min_p),
@@ -469,14 +508,15 @@ def compute_prompt_logprobs(
     return gather_logprobs(logprobs, target_token_ids, _num_real(k, valid_vocab_size))
 
 
-def mask_padded_vocab(logits: torch.Tensor, valid_vocab_size: int | None) -> torch.Tensor:
+def mask_padded_vocab(logits: torch.Tensor, valid_vocab_size: int | None, *, in_place: bool = False) -> torch.Tensor:
     """``logits`` [R, V] with the columns at or past ``valid_vocab_size`` set to -inf, as a new
-    tensor (the caller's is left alone); ``logits`` itself when there are no such columns.
+    tensor (the caller's is left alone unless ``in_place``); ``logits`` itself when there are no
+    such columns.
     A model's vocabulary may be padded past its tokenizer's (Qwen: 151936 rows for 151851
     tokens): those rows hold no token, so they must never be sampled or reported."""
     if valid_vocab_size is None or valid_vocab_size >= logits.shape[-1]:
         return logits
-    masked = logits.clone()
+    masked = logits if in_place else logits.clone()
     masked[..., valid_vocab_size:] = float("-inf")
     return masked
 

@@ -18,6 +18,14 @@ preempted before the step is built. When pages run out, the victim is likewise t
 request of the tenant holding the most pages per unit of weight. So one tenant flooding the
 server cannot hold every seat while another waits.
 
+Async scheduling (``async_scheduling=True``, vLLM's name): the engine schedules step N+1 while
+step N still runs, so ``schedule()`` itself advances each scheduled request's computed tokens and
+gives every sampling one a placeholder for the token step N will sample
+(``Request.num_output_placeholders``); the next step plans as if that token were there (a decode
+of it). ``update_from_output`` then only swaps placeholders for the sampled tokens. A request
+with a placeholder is never admitted from the waiting queue (a preempted one waits a step for
+its token) and never finished for capacity on the strength of its placeholder.
+
 Knows: requests' token counters and statuses, the waiting / running queues, this model's
 ``KVCacheManager``, tenants' weights and seat caps. Must not know: torch, tensors, text, stop conditions (the engine decides
 when a request is finished and calls ``finish_request``), other models' queues.
@@ -51,6 +59,7 @@ class Scheduler:
         max_model_len: int,
         watermark: float = 0.0,
         watermark_per_running: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be a fraction of the KV pages in [0, 1), got {watermark}")
@@ -68,6 +77,7 @@ class Scheduler:
         # to be preempted and recomputed (measured in bench/RESULTS.md: fewer recomputes).
         self.watermark = watermark
         self.watermark_per_running = watermark_per_running
+        self.async_scheduling = async_scheduling
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue()  # FCFS; preempted requests re-enter at the front; O(1) removal
         self.running: list[Request] = []  # sorted by arrival_index: the newest is last
@@ -244,7 +254,10 @@ class Scheduler:
         index = 0
         while index < len(queue) and budget > 0:
             request = queue[index]
-            num_tokens = request.num_tokens
+            num_tokens = request.num_tokens + request.num_output_placeholders
+            if num_tokens > max_num_tokens and request.num_output_placeholders:
+                index += 1  # its in-flight token decides (as without async scheduling): next step
+                continue
             if num_tokens > max_num_tokens:  # more blocks than this model can ever hold
                 self._finish_for_capacity(request)
                 capacity_finished_ids.append(request.request_id)
@@ -279,6 +292,8 @@ class Scheduler:
                 request = self._next_waiting(running_by_tenant)
                 if request is None:
                     break  # every waiting tenant is at its seat cap
+                if request.num_output_placeholders:
+                    break  # preempted while its last step was in flight: its token lands after this step
                 if request.num_tokens > max_num_tokens:  # more blocks than this model can ever hold
                     self._finish_for_capacity(request)
                     capacity_finished_ids.append(request.request_id)
@@ -302,6 +317,12 @@ class Scheduler:
                 budget -= num_new
 
         finished_ids, self._finished_ids = self._finished_ids, []
+        if self.async_scheduling:
+            for seq in sequences:  # the step counts as done; its sampled tokens as placeholders
+                request = self.requests[seq.request_id]
+                request.num_computed_tokens += seq.num_new_tokens
+                if seq.sample:
+                    request.num_output_placeholders += 1
         return SchedulerOutput(
             sequences=sequences,
             num_batched_tokens=self.max_num_batched_tokens - budget,
@@ -317,6 +338,8 @@ class Scheduler:
         stop conditions and calls ``finish_request``). Sequences finished or aborted since
         ``schedule()`` are skipped.
         """
+        if self.async_scheduling:
+            return self._update_from_async_output(scheduler_output, runner_output)
         kv = self.kv_cache_manager
         block_size = kv.block_size
         requests = self.requests
@@ -340,6 +363,34 @@ class Scheduler:
                 kv.cache_full_blocks(request)
         return with_new_token
 
+    def _update_from_async_output(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[Request]:
+        """``update_from_output`` under async scheduling: ``schedule()`` already advanced the
+        computed tokens; swap each placeholder for its sampled token. A request preempted since
+        (waiting again) still gets its token, as it would have without async scheduling; one
+        finished or aborted since is skipped: its extra token is dropped."""
+        kv = self.kv_cache_manager
+        block_size = kv.block_size
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        sampled = runner_output.sampled_token_ids
+        with_new_token: list[Request] = []
+        for seq in scheduler_output.sequences:
+            request = requests.get(seq.request_id)
+            if request is None:
+                continue
+            if seq.sample:
+                request.num_output_placeholders -= 1
+                token_id = sampled.get(seq.request_id)
+                if token_id is not None:
+                    request.output_token_ids.append(token_id)
+                    with_new_token.append(request)
+            end = seq.start_position + seq.num_new_tokens
+            if request.status == running and end // block_size != seq.start_position // block_size:
+                kv.cache_full_blocks(request)  # its tokens are all known now; later steps run after it
+        return with_new_token
+
     # ---------------------------------------------------------------- helpers
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -351,7 +402,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             sampling_params=request.sampling_params,
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == request.num_tokens + request.num_output_placeholders,
         )
 
     def _preempt(self, request: Request) -> None:

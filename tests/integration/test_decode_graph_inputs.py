@@ -41,7 +41,7 @@ def test_graph_decode_inputs_match_eager(tiny_checkpoints):
     graphs = install_fake_graphs(llm, buckets=(1, 2, 4, 8))
     replays = []
     original = graphs.replay
-    graphs.replay = lambda *args: replays.append(len(args[0])) or original(*args)
+    graphs.replay = lambda *args, **kwargs: replays.append(len(args[0])) or original(*args, **kwargs)
     staged = llm.generate(prompts, params)
     assert replays and any(n not in graphs.buckets for n in replays)  # some batches were padded
     for a, b in zip(eager, staged):
