@@ -159,9 +159,11 @@ def _call_order(engine) -> list[tuple[str, int]]:
     """Instrument the runner's launches and the scheduler's updates: (event, step number)."""
     events: list[tuple[str, int]] = []
     numbers: dict[int, int] = {}
+    alive: list[object] = []  # keeps every output alive, so no id() is reused for a later step
     launch, update = engine.runner.launch, engine.scheduler.update_from_output
 
     def spy_launch(scheduler_output, *args, **kwargs):  # noqa: ANN202
+        alive.append(scheduler_output)
         numbers[id(scheduler_output)] = len(numbers)
         events.append(("launch", numbers[id(scheduler_output)]))
         return launch(scheduler_output, *args, **kwargs)
