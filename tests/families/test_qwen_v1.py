@@ -180,9 +180,9 @@ def test_mixed_ntk_decode_replays_the_graph_and_matches_oracle(tmp_path):
     replayed = []
     original = graphs.replay
 
-    def replay(input_ids, positions, slots, block_tables, ntk_tables=None):
+    def replay(input_ids, positions, slots, block_tables, ntk_tables=None, **kwargs):
         replayed.append(None if ntk_tables is None else ntk_tables.tolist())
-        return original(input_ids, positions, slots, block_tables, ntk_tables)
+        return original(input_ids, positions, slots, block_tables, ntk_tables, **kwargs)
 
     graphs.replay = replay
     prompts = [list(range(30, 42)), list(range(50, 70)), [(7 * i) % 300 + 3 for i in range(40)]]

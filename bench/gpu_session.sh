@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The engine-level H200 runs behind bench/RESULTS.md (issues 13 and 17), in one device call of
+# about 9 minutes: each stage has its own time limit, so a slow or failing stage costs only
+# its share and the next still runs; every stage writes its markdown to OUT_DIR.
+#   PYTHONPATH=. bash bench/gpu_session.sh "$OUT" [stages]
+# stages (comma-separated, default all): gputests, overlap, profile, serving, e2e
+set -u
+OUT=${1:?usage: gpu_session.sh OUT_DIR [stages]}
+STAGES=${2:-gputests,overlap,profile,serving,e2e}
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+stage() { echo "=== $1 ($(date +%T))"; }
+
+python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)"
+# One Qwen2.5-14B-shaped random GPTQ-4bit checkpoint for every stage (~10 s).
+python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_random_gptq; write_random_gptq(Path('/tmp/qb'), QWEN14B)"
+
+if has gputests; then
+    stage "GPU tests: async scheduling, padded vocabulary, Qwen v1 NTK graphs"
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_async_scheduling.py 2>&1 | tail -3
+fi
+if has overlap; then
+    stage "wall vs device time per decode step, async scheduling off / on"
+    timeout 170 python3 bench/step_overlap.py --checkpoint /tmp/qb --out "$OUT/step_overlap.md" 2>&1 | grep -v USDT | tail -12
+fi
+if has profile; then
+    stage "per-kernel time of pure-decode and mixed steps"
+    timeout 120 python3 bench/profile_step.py --ckpt /tmp/qb --out "$OUT" --decode 1,128 2>&1 | grep -v USDT | tail -5
+fi
+if has serving; then
+    stage "serving under a 24 GiB budget: Poisson 16 req/s and all at once"
+    timeout 170 python3 bench/serving.py --build-qwen14b /tmp/qb --gpu-memory-budget 24GiB --num-requests 400 \
+        --rates 16,inf --sampling mixed --out "$OUT/serving.md" 2>&1 | grep -v USDT | tail -6
+fi
+if has e2e; then
+    stage "end to end: decode batch 1-128 and the offline 1,000-request workload"
+    timeout 200 python3 bench/e2e.py --skip small,capacity --num-requests 1000 --tmp /tmp/qbe --out "$OUT/e2e.md" \
+        2>&1 | grep -v USDT | tail -12
+fi
+stage done
