@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from quant_kernels.layout import PackedQuantWeight
-from quant_kernels.repack import MmaQuantWeight, mma_kwidth, mma_shuffle
+from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_shuffle
 
 # Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and bf16 dots are unreliable in
 # Triton's interpreter, so the launcher passes FAST=False / DOT_F32=True there.
@@ -180,6 +180,44 @@ def _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype,
     return _unshuffle(_dequant_words(w, BITS, dtype, FAST), BLOCK_N, BLOCK_K, KW)
 
 
+@triton.jit
+def _group_params(
+    scales_ptr,
+    zeros_ptr,
+    kt,
+    offs_n,
+    mask_n,
+    K,
+    group_size,
+    stride_sg,
+    stride_zg,
+    HAS_ZEROS: tl.constexpr,
+    NG: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Scales and zeros of K-tile ``kt``: ``[BN]`` each when the tile lies in one group and the
+    scales go on the partial, else ``[BN, NG]``. Without zeros the second value is a dummy."""
+    k0 = kt * BLOCK_K
+    if NG == 1 and not SCALE_W:
+        g = k0 // group_size
+        s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)  # [BN]
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0.0)  # [BN]
+        else:
+            z = s
+    else:
+        offs_g = k0 // group_size + tl.arange(0, NG)  # [NG]
+        mask_g = mask_n[:, None] & (offs_g * group_size < K)[None, :]  # the last tile may hold fewer groups
+        s = tl.load(scales_ptr + offs_g[None, :] * stride_sg + offs_n[:, None], mask=mask_g, other=0.0)  # [BN, NG]
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + offs_g[None, :] * stride_zg + offs_n[:, None], mask=mask_g, other=0.0)  # [BN, NG]
+        else:
+            z = s
+    return s, z
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
@@ -222,6 +260,7 @@ def w4a16_mma_kernel(
     USE_SPLIT: tl.constexpr,
     FAST: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr = 1,  # group parameters loaded this many K-tiles ahead (0: at use)
 ):
     dtype = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
@@ -238,8 +277,78 @@ def w4a16_mma_kernel(
     kt_end = tl.minimum(kt_start + tiles_per_split, num_k_tiles)
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # The group parameters of a K-tile are 2-byte-per-thread loads, too narrow for the pipeliner's
+    # cp.async path, so each used to be a synchronous global load right before its use: one DRAM
+    # latency per K-tile on the critical path. They are loaded PREFETCH tiles ahead into registers.
+    kt_last = kt_end - 1  # a split past the last tile runs no iteration: clamp its loads in range
+    s_cur, z_cur = _group_params(
+        scales_ptr,
+        zeros_ptr,
+        tl.minimum(kt_start, kt_last),
+        offs_n,
+        mask_n,
+        K,
+        group_size,
+        stride_sg,
+        stride_zg,
+        HAS_ZEROS,
+        NG,
+        SCALE_W,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    s_nxt, z_nxt = _group_params(
+        scales_ptr,
+        zeros_ptr,
+        tl.minimum(kt_start + 1, kt_last),
+        offs_n,
+        mask_n,
+        K,
+        group_size,
+        stride_sg,
+        stride_zg,
+        HAS_ZEROS,
+        NG,
+        SCALE_W,
+        BLOCK_N,
+        BLOCK_K,
+    )
     for kt in range(kt_start, kt_end):
         k0 = kt * BLOCK_K
+        if PREFETCH == 0:
+            s_cur, z_cur = _group_params(
+                scales_ptr,
+                zeros_ptr,
+                kt,
+                offs_n,
+                mask_n,
+                K,
+                group_size,
+                stride_sg,
+                stride_zg,
+                HAS_ZEROS,
+                NG,
+                SCALE_W,
+                BLOCK_N,
+                BLOCK_K,
+            )
+        else:  # the tile PREFETCH ahead (the last one re-read at the end: an L2 hit)
+            s_new, z_new = _group_params(
+                scales_ptr,
+                zeros_ptr,
+                tl.minimum(kt + PREFETCH, kt_last),
+                offs_n,
+                mask_n,
+                K,
+                group_size,
+                stride_sg,
+                stride_zg,
+                HAS_ZEROS,
+                NG,
+                SCALE_W,
+                BLOCK_N,
+                BLOCK_K,
+            )
         wt = _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype, FAST)  # [BN, BK]
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         mask_k = offs_k < K
@@ -253,14 +362,12 @@ def w4a16_mma_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
         if NG == 1 and not SCALE_W:
-            g = k0 // group_size
-            s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            s = s_cur.to(tl.float32)  # [BN]
             if HAS_ZEROS:  # q - z, exact in fp16/bf16; the [BN] zeros load lands in the A layout directly
-                z = tl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0.0)
                 if DOT_F32:  # interpreter: bf16 arithmetic there is unreliable
-                    wt = wt.to(tl.float32) - z.to(tl.float32)[:, None]
+                    wt = wt.to(tl.float32) - z_cur.to(tl.float32)[:, None]
                 else:
-                    wt = wt - z.to(dtype)[:, None]
+                    wt = wt - z_cur.to(dtype)[:, None]
             if DOT_F32:
                 part = tl.dot(wt.to(tl.float32), tl.trans(xk.to(tl.float32)))  # [BN, BM]
             else:
@@ -268,23 +375,22 @@ def w4a16_mma_kernel(
             acc += part * s[:, None]
         else:
             G: tl.constexpr = BLOCK_K // NG  # columns of the tile per scale (the group size when NG > 1)
-            offs_g = k0 // group_size + tl.arange(0, NG)  # [NG]
-            mask_g = mask_n[:, None] & (offs_g * group_size < K)[None, :]  # the last tile may hold fewer groups
-            sg = tl.load(scales_ptr + offs_g[None, :] * stride_sg + offs_n[:, None], mask=mask_g, other=0.0)  # [BN, NG]
             wdt = tl.float32 if DOT_F32 else dtype  # interpreter: bf16 arithmetic there is unreliable
             wt = wt.to(wdt)
             if HAS_ZEROS:
-                z = tl.load(
-                    zeros_ptr + offs_g[None, :] * stride_zg + offs_n[:, None], mask=mask_g, other=0.0
-                )  # [BN, NG]
-                zf = z.to(wdt)
+                zf = z_cur.to(wdt)  # [BN, NG]
                 wt = wt - tl.reshape(tl.broadcast_to(zf[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
-            s_full = tl.reshape(tl.broadcast_to(sg.to(wdt)[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
+            s_full = tl.reshape(tl.broadcast_to(s_cur.to(wdt)[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
             # [BN, BK] scaled weights: the product of exact (q - z) and s, rounded once as the reference does
             if DOT_F32:
                 acc = tl.dot(wt * s_full, tl.trans(xk.to(tl.float32)), acc)
             else:
                 acc = tl.dot(wt * s_full, tl.trans(xk), acc)
+        if PREFETCH == 1:
+            s_cur, z_cur = s_new, z_new
+        elif PREFETCH == 2:
+            s_cur, z_cur = s_nxt, z_nxt
+            s_nxt, z_nxt = s_new, z_new
 
     out_t = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask_mn = mask_m[:, None] & mask_n[None, :]
@@ -369,14 +475,15 @@ class MmaConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_w: bool = False  # scales on the weight values (async MMA chain) instead of the fp32 partial
+    prefetch: int = 1  # group parameters loaded this many K-tiles ahead (0: at use)
+    chunk_n: int = 0  # "dequant": columns per L2-resident slab (0: the whole weight at once)
 
     def short(self) -> str:
         if self.kind == "dequant":
-            return "dequant+mm"
+            return f"dequant+mm c{self.chunk_n}" if self.chunk_n else "dequant+mm"
         sw = " sw" if self.scale_w else ""
-        return (
-            f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{sw}"
-        )
+        pf = "" if self.prefetch == 1 else f" pf{self.prefetch}"
+        return f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{sw}{pf}"
 
 
 DEQUANT = MmaConfig(kind="dequant")
@@ -404,7 +511,8 @@ def _block_k_ok(block_k: int, group_size: int, k: int) -> bool:
 def _fix(cfg: MmaConfig, m: int, k: int, n: int, group_size: int) -> MmaConfig:
     """Clamp a config to what the kernel allows for this problem."""
     if cfg.kind != "mma":
-        return cfg
+        chunk = cfg.chunk_n // MMA_PAD_N * MMA_PAD_N if cfg.chunk_n > 0 else 0  # slabs start on row blocks
+        return dataclasses.replace(cfg, chunk_n=0 if chunk == 0 or chunk >= n else chunk)
     block_k = cfg.block_k
     if not _block_k_ok(block_k, group_size, k):
         block_k = 64 if _block_k_ok(64, group_size, k) else 128
@@ -501,23 +609,34 @@ def _fast_ok(bits: int, dtype: torch.dtype) -> bool:
     return not _INTERPRET and (bits == 4 or dtype == torch.float16)
 
 
-def dequantize_dense(weight: MmaQuantWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense ``[K, N]`` weight in *input* row order (perm undone), in ``dtype``."""
-    k, n = weight.in_features, weight.out_features
+def dequantize_dense(
+    weight: MmaQuantWeight,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,  # [K, n1 - n0], unit N stride
+    n0: int = 0,
+    n1: int | None = None,
+) -> torch.Tensor:
+    """Dense ``[K, n1 - n0]`` weight columns ``n0:n1`` (all by default) in *input* row order (perm
+    undone), in ``dtype``. ``n0`` must be a multiple of 64 (whole stored row blocks)."""
+    k = weight.in_features
+    n1 = weight.out_features if n1 is None else n1
+    if n0 % MMA_PAD_N or not 0 <= n0 < n1 <= weight.out_features:
+        raise ValueError(f"column range {n0}:{n1} is not a 64-aligned range of {weight.out_features}")
+    nc = n1 - n0
     if out is None:
-        out = torch.empty((k, n), dtype=dtype, device=weight.qweight.device)  # [K, N]
+        out = torch.empty((k, nc), dtype=dtype, device=weight.qweight.device)  # [K, nc]
     block_n, block_k = 64, 64
-    qw, sc = weight.qweight, weight.scales
-    zeros = weight.zeros if weight.zeros is not None else sc
+    qw, sc = weight.qweight[n0 // 4 :], weight.scales[:, n0:]  # views: the kernel takes strides
+    zeros = weight.zeros[:, n0:] if weight.zeros is not None else sc
     perm = weight.perm if weight.perm is not None else qw
-    grid = (weight.n_pad // block_n, weight.k_pad // block_k)
+    grid = (triton.cdiv(nc, block_n), weight.k_pad // block_k)
     mma_dequant_kernel[grid](
         qw,
         sc,
         zeros,
         perm,
         out,
-        n,
+        nc,
         k,
         weight.group_size,
         qw.stride(0),
@@ -533,6 +652,35 @@ def dequantize_dense(weight: MmaQuantWeight, dtype: torch.dtype, out: torch.Tens
         FAST=_fast_ok(weight.bits, dtype),
         num_warps=4,
     )
+    return out
+
+
+def _dequant_mm(
+    x: torch.Tensor,  # [M, K]
+    weight: MmaQuantWeight,
+    bias: torch.Tensor | None,  # [N]
+    out: torch.Tensor,  # [M, N], unit N stride
+    chunk_n: int,
+) -> torch.Tensor:
+    """Dense weight + cuBLAS. With ``chunk_n``, column slab by column slab through one reused
+    ``[K, chunk_n]`` buffer small enough to stay in L2: cuBLAS reads each slab from L2 and the next
+    slab overwrites the same lines, so the fp16 weight never makes a round trip through DRAM (the
+    whole-weight version writes and re-reads 2 bytes per weight). cuBLAS writes each output slab
+    in place (a column slice of ``out`` is a valid strided matrix for it)."""
+    n = weight.out_features
+    if chunk_n <= 0 or chunk_n >= n:
+        dense = dequantize_dense(weight, x.dtype)  # [K, N] input order: no gather of x
+        if bias is None:
+            return torch.mm(x, dense, out=out)
+        return torch.addmm(bias.to(x.dtype), x, dense, out=out)
+    scratch = torch.empty((weight.in_features, chunk_n), dtype=x.dtype, device=x.device)  # [K, chunk_n]
+    for n0 in range(0, n, chunk_n):
+        n1 = min(n0 + chunk_n, n)
+        dense = dequantize_dense(weight, x.dtype, out=scratch[:, : n1 - n0], n0=n0, n1=n1)  # [K, nc]
+        if bias is None:
+            torch.mm(x, dense, out=out[:, n0:n1])
+        else:
+            torch.addmm(bias[n0:n1].to(x.dtype), x, dense, out=out[:, n0:n1])
     return out
 
 
@@ -559,10 +707,7 @@ def w4a16_gemm(
     if x.stride(1) != 1:
         x = x.contiguous()
     if cfg.kind == "dequant":
-        dense = dequantize_dense(weight, x.dtype)  # [K, N] input order: no gather of x
-        if bias is None:
-            return torch.mm(x, dense, out=out)
-        return torch.addmm(bias.to(x.dtype), x, dense, out=out)
+        return _dequant_mm(x, weight, bias, out, cfg.chunk_n)
 
     split = cfg.split_k
     num_pid_m = triton.cdiv(m, cfg.block_m)
@@ -617,6 +762,7 @@ def w4a16_gemm(
         USE_SPLIT=split > 1,
         FAST=_fast_ok(weight.bits, x.dtype),
         DOT_F32=_INTERPRET,
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -628,38 +774,42 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
     out: list[MmaConfig] = []
     block_m = max(16, triton.next_power_of_2(min(m, 256)))
     if m <= 64:
-        for bn, bk, warps, stages, sw in (
-            (64, 128, 4, 4, False),
-            (64, 128, 4, 6, False),
-            (64, 128, 4, 4, True),
-            (64, 256, 4, 3, True),
-            (128, 128, 4, 3, False),
-            (128, 128, 4, 4, True),
-            (128, 64, 4, 4, False),
+        # (block_n, block_k, warps, stages, scale_w, prefetch distance of the group parameters)
+        for bn, bk, warps, stages, sw, pf in (
+            (64, 128, 4, 4, False, 1),
+            (64, 128, 4, 4, False, 0),
+            (64, 128, 4, 4, False, 2),
+            (64, 128, 4, 3, False, 1),
+            (64, 128, 4, 6, False, 1),
+            (128, 128, 4, 3, False, 1),
+            (128, 128, 8, 3, False, 1),
+            (128, 128, 4, 4, True, 1),
         ):
             for split in (1, 2, 4, 8):
-                out.append(MmaConfig("mma", block_m, bn, bk, split, warps, stages, sw))
+                out.append(MmaConfig("mma", block_m, bn, bk, split, warps, stages, sw, pf))
     elif m <= 256:
         for bm, bn, bk, warps, stages, sw in (
             (block_m, 128, 128, 8, 3, False),
             (block_m, 128, 128, 8, 3, True),
-            (block_m, 64, 128, 4, 3, True),
+            (block_m, 64, 128, 4, 3, False),
+            (min(block_m, 128), 128, 128, 8, 3, False),
             (min(block_m, 128), 128, 64, 4, 4, True),
             (block_m, 256, 64, 8, 3, True),
         ):
-            for split in (1, 2):
+            for split in (1, 2, 4, 8):
                 out.append(MmaConfig("mma", bm, bn, bk, split, warps, stages, sw))
         out.append(DEQUANT)
     else:
         for bm, bn, bk, warps, stages in (
             (256, 128, 64, 8, 3),
-            (128, 128, 128, 8, 3),
             (128, 256, 64, 8, 3),
-            (256, 128, 64, 8, 4),
             (128, 128, 64, 4, 4),
         ):
             out.append(MmaConfig("mma", bm, bn, bk, 1, warps, stages, True))
         out.append(DEQUANT)
+    if m > 64:  # dense slabs that stay in L2: ~16 MB and ~32 MB of fp16 weight
+        for slab_bytes in (16 << 20, 32 << 20):
+            out.append(dataclasses.replace(DEQUANT, chunk_n=max(256, slab_bytes // (2 * k) // 256 * 256)))
     uniq: list[MmaConfig] = []
     for cfg in out:
         cfg = _fix(cfg, m, k, n, group_size)
@@ -709,6 +859,7 @@ def compile_ptx(
         USE_SPLIT=cfg.split_k > 1,
         FAST=bits == 4 or dtype == "fp16",
         DOT_F32=False,
+        PREFETCH=cfg.prefetch,
     )
     signature = {}
     for name in fn.arg_names:
