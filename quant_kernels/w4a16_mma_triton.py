@@ -779,7 +779,6 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
             (64, 128, 4, 4, False, 1),
             (64, 128, 4, 4, False, 0),
             (64, 128, 4, 4, False, 2),
-            (64, 128, 4, 3, False, 1),
             (64, 128, 4, 6, False, 1),
             (128, 128, 4, 3, False, 1),
             (128, 128, 8, 3, False, 1),
