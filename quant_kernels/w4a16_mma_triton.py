@@ -16,7 +16,10 @@ compiler resolves to no data movement (tests/kernels/test_w4a16_ptx.py checks th
 shared-memory stores). Scales: when a K-tile lies in one group and the config says so, once
 per tile on the fp32 partial (``acc += dot(q, x^T) * s``: cheapest at decode); else on the weight
 values (``scale_w``; always when a tile holds several groups), which lets the MMAs chain on one
-accumulator and run asynchronously under the next tile's dequant (wins at M >= 128). Asymmetric zeros are
+accumulator and run asynchronously under the next tile's dequant (wins at M >= 128). Scales and
+zeros are 2 bytes per thread, too narrow for the pipeliner's cp.async path, so the kernel loads
+them ``prefetch`` K-tiles ahead into registers itself (loaded at use they cost one DRAM latency
+per K-tile: the decode kernel was latency-bound on them). Asymmetric zeros are
 subtracted from the integer values in registers (``q - z`` is exact in fp16/bf16): a rowsum-of-x
 correction instead was measured in the PTX to put the x reduction through shared memory. The
 zeros arrive as fp16 ``z - 2**(bits-1)`` (``MmaQuantWeight.zeros``): a uint8 load anywhere in the
@@ -25,8 +28,10 @@ matches the stored order and brings the shared-memory round trip back (seen in t
 Split-K partials go to an fp32 workspace; the last program of a tile (atomic counter) sums them, adds bias, writes the output and resets its counter: one launch, no memset, no host
 work, so the call is safe to capture in a CUDA graph once compiled.
 
-``mma_dequant_kernel`` writes the dense ``[K, N]`` weight (input row order) for the large-M path
-that hands the product to cuBLAS where that measured faster (``select_config``).
+``mma_dequant_kernel`` writes the dense ``[K, N]`` weight (input row order), or a column slab of
+it, for the large-M path that hands the product to cuBLAS where that measured faster
+(``select_config``); slab by slab through one L2-sized buffer (``chunk_n``) the fp16 weight need
+not round-trip through DRAM.
 """
 
 from __future__ import annotations
