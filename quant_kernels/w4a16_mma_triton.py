@@ -18,8 +18,8 @@ per tile on the fp32 partial (``acc += dot(q, x^T) * s``: cheapest at decode); e
 values (``scale_w``; always when a tile holds several groups), which lets the MMAs chain on one
 accumulator and run asynchronously under the next tile's dequant (wins at M >= 128). Scales and
 zeros are 2 bytes per thread, too narrow for the pipeliner's cp.async path, so the kernel loads
-them ``prefetch`` K-tiles ahead into registers itself (loaded at use they cost one DRAM latency
-per K-tile: the decode kernel was latency-bound on them). Asymmetric zeros are
+them one K-tile ahead into registers itself (``prefetch``; loaded at use they cost one DRAM
+latency per K-tile: the decode kernel was latency-bound on them). Asymmetric zeros are
 subtracted from the integer values in registers (``q - z`` is exact in fp16/bf16): a rowsum-of-x
 correction instead was measured in the PTX to put the x reduction through shared memory. The
 zeros arrive as fp16 ``z - 2**(bits-1)`` (``MmaQuantWeight.zeros``): a uint8 load anywhere in the
@@ -265,7 +265,7 @@ def w4a16_mma_kernel(
     USE_SPLIT: tl.constexpr,
     FAST: tl.constexpr,
     DOT_F32: tl.constexpr,
-    PREFETCH: tl.constexpr = 1,  # group parameters loaded this many K-tiles ahead (0: at use)
+    PREFETCH: tl.constexpr = True,  # group parameters loaded one K-tile ahead (else at use)
 ):
     dtype = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
@@ -284,7 +284,8 @@ def w4a16_mma_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The group parameters of a K-tile are 2-byte-per-thread loads, too narrow for the pipeliner's
     # cp.async path, so each used to be a synchronous global load right before its use: one DRAM
-    # latency per K-tile on the critical path. They are loaded PREFETCH tiles ahead into registers.
+    # latency per K-tile on the critical path. They are loaded one tile ahead into registers (two
+    # ahead made Triton 3.6's pipeliner drop the weight tiles' multi-buffering: 4 KB shared, not 28).
     kt_last = kt_end - 1  # a split past the last tile runs no iteration: clamp its loads in range
     s_cur, z_cur = _group_params(
         scales_ptr,
@@ -302,25 +303,9 @@ def w4a16_mma_kernel(
         BLOCK_N,
         BLOCK_K,
     )
-    s_nxt, z_nxt = _group_params(
-        scales_ptr,
-        zeros_ptr,
-        tl.minimum(kt_start + 1, kt_last),
-        offs_n,
-        mask_n,
-        K,
-        group_size,
-        stride_sg,
-        stride_zg,
-        HAS_ZEROS,
-        NG,
-        SCALE_W,
-        BLOCK_N,
-        BLOCK_K,
-    )
     for kt in range(kt_start, kt_end):
         k0 = kt * BLOCK_K
-        if PREFETCH == 0:
+        if not PREFETCH:
             s_cur, z_cur = _group_params(
                 scales_ptr,
                 zeros_ptr,
@@ -337,11 +322,11 @@ def w4a16_mma_kernel(
                 BLOCK_N,
                 BLOCK_K,
             )
-        else:  # the tile PREFETCH ahead (the last one re-read at the end: an L2 hit)
+        else:  # the next tile's (the last tile re-reads its own: an L2 hit)
             s_new, z_new = _group_params(
                 scales_ptr,
                 zeros_ptr,
-                tl.minimum(kt + PREFETCH, kt_last),
+                tl.minimum(kt + 1, kt_last),
                 offs_n,
                 mask_n,
                 K,
@@ -391,11 +376,8 @@ def w4a16_mma_kernel(
                 acc = tl.dot(wt * s_full, tl.trans(xk.to(tl.float32)), acc)
             else:
                 acc = tl.dot(wt * s_full, tl.trans(xk), acc)
-        if PREFETCH == 1:
+        if PREFETCH:
             s_cur, z_cur = s_new, z_new
-        elif PREFETCH == 2:
-            s_cur, z_cur = s_nxt, z_nxt
-            s_nxt, z_nxt = s_new, z_new
 
     out_t = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask_mn = mask_m[:, None] & mask_n[None, :]
@@ -480,14 +462,14 @@ class MmaConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_w: bool = False  # scales on the weight values (async MMA chain) instead of the fp32 partial
-    prefetch: int = 1  # group parameters loaded this many K-tiles ahead (0: at use)
+    prefetch: bool = True  # group parameters loaded one K-tile ahead (else at use)
     chunk_n: int = 0  # "dequant": columns per L2-resident slab (0: the whole weight at once)
 
     def short(self) -> str:
         if self.kind == "dequant":
             return f"dequant+mm c{self.chunk_n}" if self.chunk_n else "dequant+mm"
         sw = " sw" if self.scale_w else ""
-        pf = "" if self.prefetch == 1 else f" pf{self.prefetch}"
+        pf = "" if self.prefetch else " pf0"
         return f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{sw}{pf}"
 
 
@@ -779,26 +761,25 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
     out: list[MmaConfig] = []
     block_m = max(16, triton.next_power_of_2(min(m, 256)))
     if m <= 64:
-        # (block_n, block_k, warps, stages, scale_w, prefetch distance of the group parameters)
+        # (block_n, block_k, warps, stages, scale_w, prefetch of the group parameters)
         for bn, bk, warps, stages, sw, pf in (
-            (64, 128, 4, 4, False, 1),
-            (64, 128, 4, 4, False, 0),
-            (64, 128, 4, 4, False, 2),
-            (64, 128, 4, 6, False, 1),
-            (128, 128, 4, 3, False, 1),
-            (128, 128, 8, 3, False, 1),
-            (128, 128, 4, 4, True, 1),
+            (64, 128, 4, 4, False, True),
+            (64, 128, 4, 4, False, False),
+            (64, 128, 4, 3, False, True),
+            (64, 128, 4, 6, False, True),
+            (128, 128, 4, 3, False, True),
+            (128, 128, 8, 3, False, True),
+            (128, 128, 4, 4, True, True),
         ):
             for split in (1, 2, 4, 8):
                 out.append(MmaConfig("mma", block_m, bn, bk, split, warps, stages, sw, pf))
-    elif m <= 256:
+    elif m <= 256:  # 128-row M tiles: 256 rows spill (ptxas stack 496-624 B on sm90)
         for bm, bn, bk, warps, stages, sw in (
-            (block_m, 128, 128, 8, 3, False),
-            (block_m, 128, 128, 8, 3, True),
-            (block_m, 64, 128, 4, 3, False),
-            (min(block_m, 128), 128, 128, 8, 3, False),
-            (min(block_m, 128), 128, 64, 4, 4, True),
-            (block_m, 256, 64, 8, 3, True),
+            (128, 128, 128, 8, 3, False),
+            (128, 128, 128, 8, 3, True),
+            (128, 64, 128, 4, 3, False),
+            (128, 128, 64, 4, 4, True),
+            (128, 256, 64, 8, 3, True),
         ):
             for split in (1, 2, 4, 8):
                 out.append(MmaConfig("mma", bm, bn, bk, split, warps, stages, sw))

@@ -169,10 +169,10 @@ def test_w4a16_mma_interpreter_kwidth4(m, k, n, group_size, bits, asym, act_orde
 @pytest.mark.parametrize(
     "m,k,n,group_size,asym,act_order,config",
     [
-        # group parameters 0 and 2 K-tiles ahead; split 4 over 9 K-tiles leaves the last split empty
-        (3, 576, 64, 64, True, False, MmaConfig(block_m=16, block_n=64, block_k=64, split_k=4, prefetch=0)),
-        (5, 576, 72, 64, True, True, MmaConfig(block_m=16, block_n=64, block_k=64, split_k=4, prefetch=2)),
-        (17, 384, 64, 32, False, False, MmaConfig(block_m=32, block_n=64, block_k=128, scale_w=True, prefetch=2)),
+        # group parameters loaded at use or one K-tile ahead; split 4 over 9 K-tiles leaves the last split empty
+        (3, 576, 64, 64, True, False, MmaConfig(block_m=16, block_n=64, block_k=64, split_k=4, prefetch=False)),
+        (5, 576, 72, 64, True, True, MmaConfig(block_m=16, block_n=64, block_k=64, split_k=4)),
+        (17, 384, 64, 32, False, False, MmaConfig(block_m=32, block_n=64, block_k=128, scale_w=True)),
         # dense weight through 64-column slabs; the last slab is partial (N=136)
         (4, 192, 136, 64, True, True, MmaConfig(kind="dequant", chunk_n=64)),
     ],
