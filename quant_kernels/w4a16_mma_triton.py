@@ -463,13 +463,14 @@ class MmaConfig:
     num_stages: int = 3
     scale_w: bool = False  # scales on the weight values (async MMA chain) instead of the fp32 partial
     prefetch: bool = True  # group parameters loaded one K-tile ahead (else at use)
+    max_regs: int = 0  # ptxas register cap per thread (0: none): 72 lets 7 decode programs share an SM
     chunk_n: int = 0  # "dequant": columns per L2-resident slab (0: the whole weight at once)
 
     def short(self) -> str:
         if self.kind == "dequant":
             return f"dequant+mm c{self.chunk_n}" if self.chunk_n else "dequant+mm"
         sw = " sw" if self.scale_w else ""
-        pf = "" if self.prefetch else " pf0"
+        pf = ("" if self.prefetch else " pf0") + (f" r{self.max_regs}" if self.max_regs else "")
         return f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{sw}{pf}"
 
 
@@ -522,7 +523,8 @@ def default_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
     (Qwen2.5-14B shapes; bench/RESULTS.md), so other shapes get the same kind of launch. Split-K
     brings the program count to a per-M target (more programs, more weight bytes in flight)."""
     if m <= 16:  # decode: 64-row tiles, 4 stages of 4 KB each, ~800 programs
-        cfg, tiles = MmaConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4), triton.cdiv(n, 64)
+        cfg = MmaConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, max_regs=72)
+        tiles = triton.cdiv(n, 64)
         split = min(8, triton.next_power_of_2(max(1, triton.cdiv(800, tiles))))
     elif m <= 32:
         cfg, tiles = MmaConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4), triton.cdiv(n, 64)
@@ -559,6 +561,8 @@ def select_config(weight: MmaQuantWeight, dtype: torch.dtype, m: int) -> MmaConf
     cfg = _TUNED.get(_key(weight, dtype, m))
     if cfg is None:
         cfg = default_config(m, k, n, g)
+        if cfg.max_regs and (weight.zeros is not None or weight.perm is not None):
+            cfg = dataclasses.replace(cfg, max_regs=0)  # zeros + act-order spill under the cap (sm90 ptxas)
     return _fix(cfg, m, k, n, g)
 
 
@@ -714,6 +718,7 @@ def w4a16_gemm(
     bias_arg = bias if bias is not None else sc
     ng = 1 if (g % cfg.block_k == 0 or g >= k) else cfg.block_k // g
     grid = (num_pid_n, split, num_pid_m)
+    launch_opts = {"maxnreg": cfg.max_regs} if cfg.max_regs and not _INTERPRET else {}
     w4a16_mma_kernel[grid](
         x,
         qw,
@@ -752,6 +757,7 @@ def w4a16_gemm(
         PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_opts,
     )
     return out
 
@@ -773,6 +779,9 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
         ):
             for split in (1, 2, 4, 8):
                 out.append(MmaConfig("mma", block_m, bn, bk, split, warps, stages, sw, pf))
+        if m <= 16:  # the decode tile under a 72-register cap (80 uncapped: 6 programs per SM, not 7)
+            for split in (1, 2, 4, 8):
+                out.append(MmaConfig("mma", block_m, 64, 128, split, 4, 4, False, True, 72))
     elif m <= 256:  # 128-row M tiles: 256 rows spill (ptxas stack 496-624 B on sm90)
         for bm, bn, bk, warps, stages, sw in (
             (128, 128, 128, 8, 3, False),
@@ -863,6 +872,8 @@ def compile_ptx(
     compiled = triton.compile(
         ASTSource(fn, signature, constants, attrs),
         target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        options=dict(
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {})
+        ),
     )
     return compiled.asm["ptx"]
