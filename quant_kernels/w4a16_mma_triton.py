@@ -790,7 +790,7 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
             (128, 128, 64, 4, 4, True),
             (128, 256, 64, 8, 3, True),
         ):
-            for split in (1, 2, 4, 8):
+            for split in (1, 2, 3, 4, 8):  # 3: one wave of 1-2 programs per SM for 40-56 N-tiles
                 out.append(MmaConfig("mma", bm, bn, bk, split, warps, stages, sw))
         out.append(DEQUANT)
     else:
