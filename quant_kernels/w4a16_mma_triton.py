@@ -771,11 +771,9 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
         for bn, bk, warps, stages, sw, pf in (
             (64, 128, 4, 4, False, True),
             (64, 128, 4, 4, False, False),
-            (64, 128, 4, 3, False, True),
             (64, 128, 4, 6, False, True),
             (128, 128, 4, 3, False, True),
             (128, 128, 8, 3, False, True),
-            (128, 128, 4, 4, True, True),
         ):
             for split in (1, 2, 4, 8):
                 out.append(MmaConfig("mma", block_m, bn, bk, split, warps, stages, sw, pf))
@@ -785,7 +783,6 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
     elif m <= 256:  # 128-row M tiles: 256 rows spill (ptxas stack 496-624 B on sm90)
         for bm, bn, bk, warps, stages, sw in (
             (128, 128, 128, 8, 3, False),
-            (128, 128, 128, 8, 3, True),
             (128, 64, 128, 4, 3, False),
             (128, 128, 64, 4, 4, True),
             (128, 256, 64, 8, 3, True),
@@ -795,7 +792,6 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
         out.append(DEQUANT)
     else:
         for bm, bn, bk, warps, stages in (
-            (256, 128, 64, 8, 3),
             (128, 256, 64, 8, 3),
             (128, 128, 64, 4, 4),
         ):
