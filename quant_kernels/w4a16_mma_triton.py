@@ -820,6 +820,21 @@ def compile_ptx(
 ) -> str:
     """PTX of ``w4a16_mma_kernel`` for ``sm_<arch>`` without a GPU (``triton.compile`` with a
     ``GPUTarget``): the regression check that the dequantized tile stays out of shared memory."""
+    return compile_for(arch, cfg, bits, dtype, group_tile, asym, act_order, kwidth).asm["ptx"]
+
+
+def compile_for(
+    arch: int,
+    cfg: MmaConfig,
+    bits: int = 4,
+    dtype: str = "fp16",
+    group_tile: int = 1,
+    asym: bool = False,
+    act_order: bool = False,
+    kwidth: int = 2,
+):
+    """The compiled kernel for ``sm_<arch>`` (no GPU needed): ``.asm["ptx"]`` and ``.metadata.shared``
+    (bytes of shared memory: the pipeline's buffers show whether the weight tiles are multi-buffered)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -865,11 +880,10 @@ def compile_ptx(
         (i,) for i, name in enumerate(fn.arg_names) if signature[name] != "constexpr" and name not in ("M", "split_k")
     ]
     attrs = {path: [["tt.divisibility", 16]] for path in aligned}
-    compiled = triton.compile(
+    return triton.compile(
         ASTSource(fn, signature, constants, attrs),
         target=GPUTarget("cuda", arch, 32),
         options=dict(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {})
         ),
     )
-    return compiled.asm["ptx"]
