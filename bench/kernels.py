@@ -14,7 +14,8 @@ only the built-in dispatch (``select_config``) is timed. Peers: cuBLAS fp16 on t
 (``x @ W``), the previous tile-interleaved kernel (``quant_kernels.w4a16_triton``, its own
 dispatch, if still present), GemLite (``gemlite``, its H100 config, if installed) and torch's
 tinygemm (M <= 256). ``--ptx`` also compiles the kernel for sm90 and sm86 on this machine's Triton
-and counts shared-memory stores in the PTX.
+and counts shared-memory stores in the PTX. ``--jobs N`` compiles every kernel variant the run will
+time in N processes first (Triton's on-disk cache), so a whole sweep fits one device call.
 """
 
 from __future__ import annotations

@@ -522,7 +522,8 @@ def default_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
     """Built-in dispatch table by M, written as rules from ``bench/kernels.py --sweep`` on an H200
     (Qwen2.5-14B shapes; bench/RESULTS.md), so other shapes get the same kind of launch. Split-K
     brings the program count to a per-M target (more programs, more weight bytes in flight)."""
-    if m <= 16:  # decode: 64-row tiles, 4 stages of 4 KB each, ~800 programs
+    if m <= 16:  # decode: 64-row tiles, 4 stages of 4 KB each, ~800 programs; 72 registers (the
+        # prefetch alone needs 79 on sm90: 6 programs per SM instead of 7)
         cfg = MmaConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, max_regs=72)
         tiles = triton.cdiv(n, 64)
         split = min(8, triton.next_power_of_2(max(1, triton.cdiv(800, tiles))))
