@@ -14,7 +14,8 @@ only the built-in dispatch (``select_config``) is timed. Peers: cuBLAS fp16 on t
 (``x @ W``), the previous tile-interleaved kernel (``quant_kernels.w4a16_triton``, its own
 dispatch, if still present), GemLite (``gemlite``, its H100 config, if installed) and torch's
 tinygemm (M <= 256). ``--ptx`` also compiles the kernel for sm90 and sm86 on this machine's Triton
-and counts shared-memory stores in the PTX.
+and counts shared-memory stores in the PTX. ``--jobs N`` compiles every kernel variant the run will
+time in N processes first (Triton's on-disk cache), so a whole sweep fits one device call.
 """
 
 from __future__ import annotations
@@ -282,6 +283,59 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
         )
 
 
+def _compile_worker(tasks: list[tuple[int, int, int, mma.MmaConfig]]) -> int:
+    """Run each (K, N, M, config) once on random data so Triton compiles it into its on-disk cache."""
+    torch.cuda.init()
+    done = 0
+    made: dict[tuple[int, int], tuple] = {}
+    for k, n, m, cfg in tasks:
+        if (k, n) not in made:
+            weight, _ = make_weight(k, n, GROUP)
+            made[(k, n)] = (
+                mma.prepare(weight),
+                torch.zeros(mma.num_split_counters(n), dtype=torch.int32, device="cuda"),
+            )
+        w, counters = made[(k, n)]
+        x = torch.randn(m, k, dtype=torch.float16, device="cuda")  # [M, K]
+        try:
+            mma.w4a16_gemm(x, w, None, cfg, counters)
+            done += 1
+        except Exception as exc:  # noqa: BLE001 - the timing pass reports it
+            print(f"precompile {cfg.short()}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(jobs: int, shapes: list[str], ms: list[int], sweep: bool, sweep_ms: set[int] | None) -> float:
+    """Compile every kernel variant the run will time, in ``jobs`` processes (one compile per
+    distinct specialization: sizes do not matter, all shapes share K/N divisibility), so the
+    timing pass finds them in Triton's cache. Returns the seconds it took."""
+    import multiprocessing as mp
+
+    t0 = time.time()
+    seen: set = set()
+    tasks: list = []
+    for name in shapes:
+        k, n = SHAPES[name]
+        for m in ms:
+            cfgs = [mma.default_config(m, k, n, GROUP)]
+            if sweep and (sweep_ms is None or m in sweep_ms):
+                cfgs += mma.candidate_configs(m, k, n, GROUP)
+            for cfg in cfgs:
+                cfg = mma._fix(cfg, m, k, n, GROUP)
+                key = dataclasses.replace(cfg, split_k=min(cfg.split_k, 2)) if cfg.kind == "mma" else "dequant"
+                if key in seen:
+                    continue
+                seen.add(key)
+                tasks.append((k, n, m, cfg))
+    tasks.sort(key=lambda t: (t[0], t[1]))  # few distinct shapes per worker: few random weights
+    batches = [tasks[i::jobs] for i in range(jobs)]
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        n_done = sum(pool.map(_compile_worker, [b for b in batches if b]))
+    print(f"precompiled {n_done}/{len(tasks)} variants in {time.time() - t0:.0f}s with {jobs} processes", flush=True)
+    return time.time() - t0
+
+
 def ptx_counts() -> list[dict]:
     """st.shared / wgmma / mma.sync counts of the kernel's PTX for sm90 and sm86 (this Triton)."""
     import re
@@ -340,6 +394,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping (keep timing defaults) after this")
     ap.add_argument("--sweep-ms", default="", help="sweep only these M (others: built-in dispatch); default all")
     ap.add_argument("--ptx", action="store_true", help="also count st.shared in the sm90/sm86 PTX")
+    ap.add_argument("--jobs", type=int, default=0, help="compile the kernel variants first in this many processes")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.md"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -357,6 +412,11 @@ def main() -> None:
     )
     print(header, flush=True)
     ptx = ptx_counts() if args.ptx else []
+    if args.jobs > 0:
+        try:
+            precompile(args.jobs, args.shapes.split(","), ms, args.sweep, sweep_ms)
+        except Exception as exc:  # noqa: BLE001 - the timing pass compiles what is missing itself
+            print(f"precompile failed ({type(exc).__name__}: {exc}); compiling in the timing pass", flush=True)
     rows: list[dict] = []
     sweep_log: list[dict] = []
     t_start = time.time()

@@ -16,7 +16,10 @@ compiler resolves to no data movement (tests/kernels/test_w4a16_ptx.py checks th
 shared-memory stores). Scales: when a K-tile lies in one group and the config says so, once
 per tile on the fp32 partial (``acc += dot(q, x^T) * s``: cheapest at decode); else on the weight
 values (``scale_w``; always when a tile holds several groups), which lets the MMAs chain on one
-accumulator and run asynchronously under the next tile's dequant (wins at M >= 128). Asymmetric zeros are
+accumulator and run asynchronously under the next tile's dequant (wins at M >= 128). Scales and
+zeros are 2 bytes per thread, too narrow for the pipeliner's cp.async path, so the kernel loads
+them one K-tile ahead into registers itself (``prefetch``; loaded at use they cost one DRAM
+latency per K-tile: the decode kernel was latency-bound on them). Asymmetric zeros are
 subtracted from the integer values in registers (``q - z`` is exact in fp16/bf16): a rowsum-of-x
 correction instead was measured in the PTX to put the x reduction through shared memory. The
 zeros arrive as fp16 ``z - 2**(bits-1)`` (``MmaQuantWeight.zeros``): a uint8 load anywhere in the
@@ -25,8 +28,10 @@ matches the stored order and brings the shared-memory round trip back (seen in t
 Split-K partials go to an fp32 workspace; the last program of a tile (atomic counter) sums them, adds bias, writes the output and resets its counter: one launch, no memset, no host
 work, so the call is safe to capture in a CUDA graph once compiled.
 
-``mma_dequant_kernel`` writes the dense ``[K, N]`` weight (input row order) for the large-M path
-that hands the product to cuBLAS where that measured faster (``select_config``).
+``mma_dequant_kernel`` writes the dense ``[K, N]`` weight (input row order), or a column slab of
+it, for the large-M path that hands the product to cuBLAS where that measured faster
+(``select_config``); slab by slab through one L2-sized buffer (``chunk_n``) the fp16 weight need
+not round-trip through DRAM.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import triton
 import triton.language as tl
 
 from quant_kernels.layout import PackedQuantWeight
-from quant_kernels.repack import MmaQuantWeight, mma_kwidth, mma_shuffle
+from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_shuffle
 
 # Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and bf16 dots are unreliable in
 # Triton's interpreter, so the launcher passes FAST=False / DOT_F32=True there.
@@ -180,6 +185,44 @@ def _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype,
     return _unshuffle(_dequant_words(w, BITS, dtype, FAST), BLOCK_N, BLOCK_K, KW)
 
 
+@triton.jit
+def _group_params(
+    scales_ptr,
+    zeros_ptr,
+    kt,
+    offs_n,
+    mask_n,
+    K,
+    group_size,
+    stride_sg,
+    stride_zg,
+    HAS_ZEROS: tl.constexpr,
+    NG: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Scales and zeros of K-tile ``kt``: ``[BN]`` each when the tile lies in one group and the
+    scales go on the partial, else ``[BN, NG]``. Without zeros the second value is a dummy."""
+    k0 = kt * BLOCK_K
+    if NG == 1 and not SCALE_W:
+        g = k0 // group_size
+        s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)  # [BN]
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0.0)  # [BN]
+        else:
+            z = s
+    else:
+        offs_g = k0 // group_size + tl.arange(0, NG)  # [NG]
+        mask_g = mask_n[:, None] & (offs_g * group_size < K)[None, :]  # the last tile may hold fewer groups
+        s = tl.load(scales_ptr + offs_g[None, :] * stride_sg + offs_n[:, None], mask=mask_g, other=0.0)  # [BN, NG]
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + offs_g[None, :] * stride_zg + offs_n[:, None], mask=mask_g, other=0.0)  # [BN, NG]
+        else:
+            z = s
+    return s, z
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
@@ -222,6 +265,7 @@ def w4a16_mma_kernel(
     USE_SPLIT: tl.constexpr,
     FAST: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr = True,  # group parameters loaded one K-tile ahead (else at use)
 ):
     dtype = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
@@ -238,8 +282,63 @@ def w4a16_mma_kernel(
     kt_end = tl.minimum(kt_start + tiles_per_split, num_k_tiles)
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # The group parameters of a K-tile are 2-byte-per-thread loads, too narrow for the pipeliner's
+    # cp.async path, so each used to be a synchronous global load right before its use: one DRAM
+    # latency per K-tile on the critical path. They are loaded one tile ahead into registers (two
+    # ahead made Triton 3.6's pipeliner drop the weight tiles' multi-buffering: 4 KB shared, not 28).
+    kt_last = kt_end - 1  # a split past the last tile runs no iteration: clamp its loads in range
+    s_cur, z_cur = _group_params(
+        scales_ptr,
+        zeros_ptr,
+        tl.minimum(kt_start, kt_last),
+        offs_n,
+        mask_n,
+        K,
+        group_size,
+        stride_sg,
+        stride_zg,
+        HAS_ZEROS,
+        NG,
+        SCALE_W,
+        BLOCK_N,
+        BLOCK_K,
+    )
     for kt in range(kt_start, kt_end):
         k0 = kt * BLOCK_K
+        if not PREFETCH:
+            s_cur, z_cur = _group_params(
+                scales_ptr,
+                zeros_ptr,
+                kt,
+                offs_n,
+                mask_n,
+                K,
+                group_size,
+                stride_sg,
+                stride_zg,
+                HAS_ZEROS,
+                NG,
+                SCALE_W,
+                BLOCK_N,
+                BLOCK_K,
+            )
+        else:  # the next tile's (the last tile re-reads its own: an L2 hit)
+            s_new, z_new = _group_params(
+                scales_ptr,
+                zeros_ptr,
+                tl.minimum(kt + 1, kt_last),
+                offs_n,
+                mask_n,
+                K,
+                group_size,
+                stride_sg,
+                stride_zg,
+                HAS_ZEROS,
+                NG,
+                SCALE_W,
+                BLOCK_N,
+                BLOCK_K,
+            )
         wt = _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype, FAST)  # [BN, BK]
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         mask_k = offs_k < K
@@ -253,14 +352,12 @@ def w4a16_mma_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
         if NG == 1 and not SCALE_W:
-            g = k0 // group_size
-            s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            s = s_cur.to(tl.float32)  # [BN]
             if HAS_ZEROS:  # q - z, exact in fp16/bf16; the [BN] zeros load lands in the A layout directly
-                z = tl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0.0)
                 if DOT_F32:  # interpreter: bf16 arithmetic there is unreliable
-                    wt = wt.to(tl.float32) - z.to(tl.float32)[:, None]
+                    wt = wt.to(tl.float32) - z_cur.to(tl.float32)[:, None]
                 else:
-                    wt = wt - z.to(dtype)[:, None]
+                    wt = wt - z_cur.to(dtype)[:, None]
             if DOT_F32:
                 part = tl.dot(wt.to(tl.float32), tl.trans(xk.to(tl.float32)))  # [BN, BM]
             else:
@@ -268,23 +365,19 @@ def w4a16_mma_kernel(
             acc += part * s[:, None]
         else:
             G: tl.constexpr = BLOCK_K // NG  # columns of the tile per scale (the group size when NG > 1)
-            offs_g = k0 // group_size + tl.arange(0, NG)  # [NG]
-            mask_g = mask_n[:, None] & (offs_g * group_size < K)[None, :]  # the last tile may hold fewer groups
-            sg = tl.load(scales_ptr + offs_g[None, :] * stride_sg + offs_n[:, None], mask=mask_g, other=0.0)  # [BN, NG]
             wdt = tl.float32 if DOT_F32 else dtype  # interpreter: bf16 arithmetic there is unreliable
             wt = wt.to(wdt)
             if HAS_ZEROS:
-                z = tl.load(
-                    zeros_ptr + offs_g[None, :] * stride_zg + offs_n[:, None], mask=mask_g, other=0.0
-                )  # [BN, NG]
-                zf = z.to(wdt)
+                zf = z_cur.to(wdt)  # [BN, NG]
                 wt = wt - tl.reshape(tl.broadcast_to(zf[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
-            s_full = tl.reshape(tl.broadcast_to(sg.to(wdt)[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
+            s_full = tl.reshape(tl.broadcast_to(s_cur.to(wdt)[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
             # [BN, BK] scaled weights: the product of exact (q - z) and s, rounded once as the reference does
             if DOT_F32:
                 acc = tl.dot(wt * s_full, tl.trans(xk.to(tl.float32)), acc)
             else:
                 acc = tl.dot(wt * s_full, tl.trans(xk), acc)
+        if PREFETCH:
+            s_cur, z_cur = s_new, z_new
 
     out_t = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask_mn = mask_m[:, None] & mask_n[None, :]
@@ -369,14 +462,16 @@ class MmaConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_w: bool = False  # scales on the weight values (async MMA chain) instead of the fp32 partial
+    prefetch: bool = True  # group parameters loaded one K-tile ahead (else at use)
+    max_regs: int = 0  # ptxas register cap per thread (0: none): 72 lets 7 decode programs share an SM
+    chunk_n: int = 0  # "dequant": columns per L2-resident slab (0: the whole weight at once)
 
     def short(self) -> str:
         if self.kind == "dequant":
-            return "dequant+mm"
+            return f"dequant+mm c{self.chunk_n}" if self.chunk_n else "dequant+mm"
         sw = " sw" if self.scale_w else ""
-        return (
-            f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{sw}"
-        )
+        pf = ("" if self.prefetch else " pf0") + (f" r{self.max_regs}" if self.max_regs else "")
+        return f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{sw}{pf}"
 
 
 DEQUANT = MmaConfig(kind="dequant")
@@ -404,7 +499,8 @@ def _block_k_ok(block_k: int, group_size: int, k: int) -> bool:
 def _fix(cfg: MmaConfig, m: int, k: int, n: int, group_size: int) -> MmaConfig:
     """Clamp a config to what the kernel allows for this problem."""
     if cfg.kind != "mma":
-        return cfg
+        chunk = cfg.chunk_n // MMA_PAD_N * MMA_PAD_N if cfg.chunk_n > 0 else 0  # slabs start on row blocks
+        return dataclasses.replace(cfg, chunk_n=0 if chunk == 0 or chunk >= n else chunk)
     block_k = cfg.block_k
     if not _block_k_ok(block_k, group_size, k):
         block_k = 64 if _block_k_ok(64, group_size, k) else 128
@@ -426,8 +522,10 @@ def default_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
     """Built-in dispatch table by M, written as rules from ``bench/kernels.py --sweep`` on an H200
     (Qwen2.5-14B shapes; bench/RESULTS.md), so other shapes get the same kind of launch. Split-K
     brings the program count to a per-M target (more programs, more weight bytes in flight)."""
-    if m <= 16:  # decode: 64-row tiles, 4 stages of 4 KB each, ~800 programs
-        cfg, tiles = MmaConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4), triton.cdiv(n, 64)
+    if m <= 16:  # decode: 64-row tiles, 4 stages of 4 KB each, ~800 programs; 72 registers (the
+        # prefetch alone needs 79 on sm90: 6 programs per SM instead of 7)
+        cfg = MmaConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, max_regs=72)
+        tiles = triton.cdiv(n, 64)
         split = min(8, triton.next_power_of_2(max(1, triton.cdiv(800, tiles))))
     elif m <= 32:
         cfg, tiles = MmaConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4), triton.cdiv(n, 64)
@@ -464,6 +562,8 @@ def select_config(weight: MmaQuantWeight, dtype: torch.dtype, m: int) -> MmaConf
     cfg = _TUNED.get(_key(weight, dtype, m))
     if cfg is None:
         cfg = default_config(m, k, n, g)
+        if cfg.max_regs and (weight.zeros is not None or weight.perm is not None):
+            cfg = dataclasses.replace(cfg, max_regs=0)  # zeros + act-order spill under the cap (sm90 ptxas)
     return _fix(cfg, m, k, n, g)
 
 
@@ -501,23 +601,34 @@ def _fast_ok(bits: int, dtype: torch.dtype) -> bool:
     return not _INTERPRET and (bits == 4 or dtype == torch.float16)
 
 
-def dequantize_dense(weight: MmaQuantWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense ``[K, N]`` weight in *input* row order (perm undone), in ``dtype``."""
-    k, n = weight.in_features, weight.out_features
+def dequantize_dense(
+    weight: MmaQuantWeight,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,  # [K, n1 - n0], unit N stride
+    n0: int = 0,
+    n1: int | None = None,
+) -> torch.Tensor:
+    """Dense ``[K, n1 - n0]`` weight columns ``n0:n1`` (all by default) in *input* row order (perm
+    undone), in ``dtype``. ``n0`` must be a multiple of 64 (whole stored row blocks)."""
+    k = weight.in_features
+    n1 = weight.out_features if n1 is None else n1
+    if n0 % MMA_PAD_N or not 0 <= n0 < n1 <= weight.out_features:
+        raise ValueError(f"column range {n0}:{n1} is not a 64-aligned range of {weight.out_features}")
+    nc = n1 - n0
     if out is None:
-        out = torch.empty((k, n), dtype=dtype, device=weight.qweight.device)  # [K, N]
+        out = torch.empty((k, nc), dtype=dtype, device=weight.qweight.device)  # [K, nc]
     block_n, block_k = 64, 64
-    qw, sc = weight.qweight, weight.scales
-    zeros = weight.zeros if weight.zeros is not None else sc
+    qw, sc = weight.qweight[n0 // 4 :], weight.scales[:, n0:]  # views: the kernel takes strides
+    zeros = weight.zeros[:, n0:] if weight.zeros is not None else sc
     perm = weight.perm if weight.perm is not None else qw
-    grid = (weight.n_pad // block_n, weight.k_pad // block_k)
+    grid = (triton.cdiv(nc, block_n), weight.k_pad // block_k)
     mma_dequant_kernel[grid](
         qw,
         sc,
         zeros,
         perm,
         out,
-        n,
+        nc,
         k,
         weight.group_size,
         qw.stride(0),
@@ -533,6 +644,35 @@ def dequantize_dense(weight: MmaQuantWeight, dtype: torch.dtype, out: torch.Tens
         FAST=_fast_ok(weight.bits, dtype),
         num_warps=4,
     )
+    return out
+
+
+def _dequant_mm(
+    x: torch.Tensor,  # [M, K]
+    weight: MmaQuantWeight,
+    bias: torch.Tensor | None,  # [N]
+    out: torch.Tensor,  # [M, N], unit N stride
+    chunk_n: int,
+) -> torch.Tensor:
+    """Dense weight + cuBLAS. With ``chunk_n``, column slab by column slab through one reused
+    ``[K, chunk_n]`` buffer small enough to stay in L2: cuBLAS reads each slab from L2 and the next
+    slab overwrites the same lines, so the fp16 weight never makes a round trip through DRAM (the
+    whole-weight version writes and re-reads 2 bytes per weight). cuBLAS writes each output slab
+    in place (a column slice of ``out`` is a valid strided matrix for it)."""
+    n = weight.out_features
+    if chunk_n <= 0 or chunk_n >= n:
+        dense = dequantize_dense(weight, x.dtype)  # [K, N] input order: no gather of x
+        if bias is None:
+            return torch.mm(x, dense, out=out)
+        return torch.addmm(bias.to(x.dtype), x, dense, out=out)
+    scratch = torch.empty((weight.in_features, chunk_n), dtype=x.dtype, device=x.device)  # [K, chunk_n]
+    for n0 in range(0, n, chunk_n):
+        n1 = min(n0 + chunk_n, n)
+        dense = dequantize_dense(weight, x.dtype, out=scratch[:, : n1 - n0], n0=n0, n1=n1)  # [K, nc]
+        if bias is None:
+            torch.mm(x, dense, out=out[:, n0:n1])
+        else:
+            torch.addmm(bias[n0:n1].to(x.dtype), x, dense, out=out[:, n0:n1])
     return out
 
 
@@ -559,10 +699,7 @@ def w4a16_gemm(
     if x.stride(1) != 1:
         x = x.contiguous()
     if cfg.kind == "dequant":
-        dense = dequantize_dense(weight, x.dtype)  # [K, N] input order: no gather of x
-        if bias is None:
-            return torch.mm(x, dense, out=out)
-        return torch.addmm(bias.to(x.dtype), x, dense, out=out)
+        return _dequant_mm(x, weight, bias, out, cfg.chunk_n)
 
     split = cfg.split_k
     num_pid_m = triton.cdiv(m, cfg.block_m)
@@ -582,6 +719,7 @@ def w4a16_gemm(
     bias_arg = bias if bias is not None else sc
     ng = 1 if (g % cfg.block_k == 0 or g >= k) else cfg.block_k // g
     grid = (num_pid_n, split, num_pid_m)
+    launch_opts = {"maxnreg": cfg.max_regs} if cfg.max_regs and not _INTERPRET else {}
     w4a16_mma_kernel[grid](
         x,
         qw,
@@ -617,8 +755,10 @@ def w4a16_gemm(
         USE_SPLIT=split > 1,
         FAST=_fast_ok(weight.bits, x.dtype),
         DOT_F32=_INTERPRET,
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_opts,
     )
     return out
 
@@ -628,38 +768,39 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
     out: list[MmaConfig] = []
     block_m = max(16, triton.next_power_of_2(min(m, 256)))
     if m <= 64:
-        for bn, bk, warps, stages, sw in (
-            (64, 128, 4, 4, False),
-            (64, 128, 4, 6, False),
-            (64, 128, 4, 4, True),
-            (64, 256, 4, 3, True),
-            (128, 128, 4, 3, False),
-            (128, 128, 4, 4, True),
-            (128, 64, 4, 4, False),
+        # (block_n, block_k, warps, stages, scale_w, prefetch of the group parameters)
+        for bn, bk, warps, stages, sw, pf in (
+            (64, 128, 4, 4, False, True),
+            (64, 128, 4, 4, False, False),
+            (64, 128, 4, 6, False, True),
+            (128, 128, 4, 3, False, True),
+            (128, 128, 8, 3, False, True),
         ):
             for split in (1, 2, 4, 8):
-                out.append(MmaConfig("mma", block_m, bn, bk, split, warps, stages, sw))
-    elif m <= 256:
+                out.append(MmaConfig("mma", block_m, bn, bk, split, warps, stages, sw, pf))
+        if m <= 16:  # the decode tile under a 72-register cap (80 uncapped: 6 programs per SM, not 7)
+            for split in (1, 2, 4, 8):
+                out.append(MmaConfig("mma", block_m, 64, 128, split, 4, 4, False, True, 72))
+    elif m <= 256:  # 128-row M tiles: 256 rows spill (ptxas stack 496-624 B on sm90)
         for bm, bn, bk, warps, stages, sw in (
-            (block_m, 128, 128, 8, 3, False),
-            (block_m, 128, 128, 8, 3, True),
-            (block_m, 64, 128, 4, 3, True),
-            (min(block_m, 128), 128, 64, 4, 4, True),
-            (block_m, 256, 64, 8, 3, True),
+            (128, 128, 128, 8, 3, False),
+            (128, 64, 128, 4, 3, False),
+            (128, 128, 64, 4, 4, True),
+            (128, 256, 64, 8, 3, True),
         ):
-            for split in (1, 2):
+            for split in (1, 2, 3, 4, 8):  # 3: one wave of 1-2 programs per SM for 40-56 N-tiles
                 out.append(MmaConfig("mma", bm, bn, bk, split, warps, stages, sw))
         out.append(DEQUANT)
     else:
         for bm, bn, bk, warps, stages in (
-            (256, 128, 64, 8, 3),
-            (128, 128, 128, 8, 3),
             (128, 256, 64, 8, 3),
-            (256, 128, 64, 8, 4),
             (128, 128, 64, 4, 4),
         ):
             out.append(MmaConfig("mma", bm, bn, bk, 1, warps, stages, True))
         out.append(DEQUANT)
+    if m > 64:  # dense slabs that stay in L2: ~16 MB and ~32 MB of fp16 weight
+        for slab_bytes in (16 << 20, 32 << 20):
+            out.append(dataclasses.replace(DEQUANT, chunk_n=max(256, slab_bytes // (2 * k) // 256 * 256)))
     uniq: list[MmaConfig] = []
     for cfg in out:
         cfg = _fix(cfg, m, k, n, group_size)
@@ -680,6 +821,21 @@ def compile_ptx(
 ) -> str:
     """PTX of ``w4a16_mma_kernel`` for ``sm_<arch>`` without a GPU (``triton.compile`` with a
     ``GPUTarget``): the regression check that the dequantized tile stays out of shared memory."""
+    return compile_for(arch, cfg, bits, dtype, group_tile, asym, act_order, kwidth).asm["ptx"]
+
+
+def compile_for(
+    arch: int,
+    cfg: MmaConfig,
+    bits: int = 4,
+    dtype: str = "fp16",
+    group_tile: int = 1,
+    asym: bool = False,
+    act_order: bool = False,
+    kwidth: int = 2,
+):
+    """The compiled kernel for ``sm_<arch>`` (no GPU needed): ``.asm["ptx"]`` and ``.metadata.shared``
+    (bytes of shared memory: the pipeline's buffers show whether the weight tiles are multi-buffered)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -709,6 +865,7 @@ def compile_ptx(
         USE_SPLIT=cfg.split_k > 1,
         FAST=bits == 4 or dtype == "fp16",
         DOT_F32=False,
+        PREFETCH=cfg.prefetch,
     )
     signature = {}
     for name in fn.arg_names:
@@ -724,9 +881,10 @@ def compile_ptx(
         (i,) for i, name in enumerate(fn.arg_names) if signature[name] != "constexpr" and name not in ("M", "split_k")
     ]
     attrs = {path: [["tt.divisibility", 16]] for path in aligned}
-    compiled = triton.compile(
+    return triton.compile(
         ASTSource(fn, signature, constants, attrs),
         target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        options=dict(
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {})
+        ),
     )
-    return compiled.asm["ptx"]

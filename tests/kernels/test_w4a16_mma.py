@@ -165,6 +165,31 @@ def test_w4a16_mma_interpreter_kwidth4(m, k, n, group_size, bits, asym, act_orde
     run_case(m, k, n, group_size, bits, asym, act_order, dtype, config, seed=m * 1000 + n + 4, kwidth=4)
 
 
+@pytest.mark.skipif(CUDA, reason="CPU interpreter subset; the GPU runs real sizes")
+@pytest.mark.parametrize(
+    "m,k,n,group_size,asym,act_order,config",
+    [
+        # group parameters loaded at use or one K-tile ahead; split 4 over 9 K-tiles leaves the last split empty
+        (3, 576, 64, 64, True, False, MmaConfig(block_m=16, block_n=64, block_k=64, split_k=4, prefetch=False)),
+        (5, 576, 72, 64, True, True, MmaConfig(block_m=16, block_n=64, block_k=64, split_k=4)),
+        (17, 384, 64, 32, False, False, MmaConfig(block_m=32, block_n=64, block_k=128, scale_w=True)),
+        # dense weight through 64-column slabs; the last slab is partial (N=136)
+        (4, 192, 136, 64, True, True, MmaConfig(kind="dequant", chunk_n=64)),
+    ],
+    ids=lambda v: v.short() if isinstance(v, MmaConfig) else None,
+)
+def test_w4a16_mma_interpreter_prefetch_and_slabs(m, k, n, group_size, asym, act_order, config) -> None:
+    run_case(m, k, n, group_size, 4, asym, act_order, torch.float16, config, bias=True, seed=m * 7 + n)
+
+
+def test_dequant_slabs_reject_misaligned_ranges() -> None:
+    w = mma.prepare(make_weight(128, 136, 64, device="cpu"))
+    with pytest.raises(ValueError, match="64-aligned"):
+        mma.dequantize_dense(w, torch.float16, n0=32, n1=96)
+    assert mma._fix(MmaConfig(kind="dequant", chunk_n=100), 1, 128, 136, 64).chunk_n == 64
+    assert mma._fix(MmaConfig(kind="dequant", chunk_n=200), 1, 128, 136, 64).chunk_n == 0  # >= N: one slab
+
+
 def test_select_config_is_valid_for_every_m() -> None:
     """Dispatch is pure arithmetic on M; every bucket yields a config the launcher accepts."""
     for k, n in [(5120, 7168), (13824, 5120), (128, 40)]:

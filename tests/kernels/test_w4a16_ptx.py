@@ -10,6 +10,9 @@ bytes, over the budget of the x tile plus the epilogue. Each arch is compiled wi
 3.8, 2 from 3.8 on). A control (the decode kernel built for the other k-width, which sm86's
 compiler round-trips through shared memory) shows that the count catches it.
 
+A second check reads the compiled kernel's shared-memory size against the same kernel built with
+one stage: the packed weight tiles must stay software-pipelined (cp.async into buffers).
+
 The compiles run in one subprocess without TRITON_INTERPRET (the kernel tests' conftest sets it
 on CPU machines, and interpreted functions cannot be compiled).
 """
@@ -42,7 +45,7 @@ CASES = [
 ]
 
 _SCRIPT = r"""
-import json, re, sys
+import dataclasses, json, re, sys
 from quant_kernels import w4a16_mma_triton as mma
 from quant_kernels.repack import mma_kwidth
 
@@ -57,10 +60,15 @@ for arch, name, (bm, bn, bk, w, st, *sw), ng, asym, perm, dtype, bits in json.lo
     cfg = mma.MmaConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, scale_w=bool(sw))
     kw = dict(group_tile=ng, asym=asym, act_order=perm, dtype=dtype, bits=bits)
     kwidth = mma_kwidth((arch // 10, arch % 10))  # what a device of this arch gets at load time
-    ptx = mma.compile_ptx(arch, cfg, kwidth=kwidth, **kw)
+    compiled = mma.compile_for(arch, cfg, kwidth=kwidth, **kw)
+    ptx = compiled.asm["ptx"]
     # control: the other k-width, which this Triton round-trips through shared memory on sm86
     control = mma.compile_ptx(arch, cfg, kwidth=6 - kwidth, **kw) if (arch, name) == (86, "decode-sym") else ""
+    # control for the buffering check: the same kernel without software pipelining
+    unbuffered = mma.compile_for(arch, dataclasses.replace(cfg, num_stages=1), kwidth=kwidth, **kw).metadata.shared
     out.append(dict(arch=arch, name=name, ours=shared_store_bytes(ptx), control=shared_store_bytes(control),
+                    shared=compiled.metadata.shared, cp_async=len(re.findall(r"\bcp\.async\.cg", ptx)),
+                    unbuffered=unbuffered,
                     st_shared=len(re.findall(r"\bst\.shared", ptx)),
                     tensor_core=("wgmma.mma_async" in ptx) if arch == 90 else ("mma.sync" in ptx)))
 print("RESULT" + json.dumps(out))
@@ -117,4 +125,22 @@ def test_the_check_sees_a_round_trip(ptx_stats) -> None:
     assert r["control"] > allowed_bytes(bm, bn, bk, warps), (
         f"the wrong-layout control stored only {r['control']} B/thread: this Triton no longer round-trips it "
         "through shared memory, so re-check what the test above can detect"
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"sm{c[0]}-{c[1]}" for c in CASES])
+def test_weight_tiles_are_multi_buffered(case, ptx_stats) -> None:
+    """The packed weight tiles (raw bytes, not the dequantized tile) reach shared memory through the
+    pipeliner's cp.async buffers: the kernel holds at least one weight tile more in shared memory
+    than the same kernel compiled with one stage (no pipelining; shared memory is otherwise reused
+    across phases, so the difference, not the total, is what the buffers add). Loading the group
+    parameters two K-tiles ahead once made Triton 3.6 drop the buffering (decode kernel: 4 KB of
+    shared memory, the same as with one stage), which this catches."""
+    arch, name, (bm, bn, bk, warps, stages, *_), ng, asym, perm, dtype, bits = case
+    r = ptx_stats[(arch, name)]
+    tile_bytes = bn * bk * bits // 8  # the packed weight tile of one stage
+    assert r["cp_async"] > 0, f"sm{arch} {name}: no cp.async in the PTX: the tiles are not pipelined"
+    assert r["shared"] - r["unbuffered"] >= tile_bytes, (
+        f"sm{arch} {name}: {r['shared']} B of shared memory against {r['unbuffered']} B with one stage: "
+        f"not one buffered weight tile ({tile_bytes} B) more; the weight loads are no longer pipelined"
     )
