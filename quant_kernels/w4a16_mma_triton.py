@@ -534,13 +534,22 @@ def default_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
         cfg, tiles = MmaConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3), triton.cdiv(n, 128)
         split = _pow2_at_most(250 / tiles)
     elif m <= 256 and n >= 16384:  # wide layers (gate_up): enough tiles; scales on the weights so the
-        # wgmma chain runs asynchronously under the next tile's dequant
-        cfg = MmaConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4, scale_w=True)
+        # wgmma chain runs asynchronously under the next tile's dequant. 256-column tiles, 8 warps:
+        # the 2026-12-03 (second) sweep's winner at M 128 and 256 (79 / 159 us vs 86 / 174 us)
+        cfg = MmaConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, scale_w=True)
         split = 1
+    elif m <= 256 and k >= 2 * n:  # K-heavy (down): 40 column tiles of 128 leave SMs idle; split-K
+        # by 3 on narrower or scaled tiles won the sweep at M 128 (52 vs 73 us) and 256 (88 us vs
+        # 114 us for dense weight + cuBLAS)
+        if m <= 128:
+            cfg = MmaConfig(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3)
+        else:
+            cfg = MmaConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4, scale_w=True)
+        split = 3
     elif m <= 128:
         cfg, tiles = MmaConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3), triton.cdiv(n, 128)
         split = _pow2_at_most(150 / tiles)
-    else:  # dense weight + cuBLAS: the fused kernel lost at every M > 256 (bench/RESULTS.md)
+    else:  # dense weight + cuBLAS: the fused kernel lost at every other M > 128 (bench/RESULTS.md)
         return DEQUANT
     return _fix(dataclasses.replace(cfg, split_k=split), m, k, n, group_size)
 

@@ -65,9 +65,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="schedule and launch the next step while the current one runs on the device (default: on; "
-        "--no-async-scheduling runs each step's host work after it)",
+        default=False,
+        help="schedule and launch the next step while the current one runs on the device (default: off, "
+        "as in vLLM; docs/async_scheduling.md says why)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once, per model")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -556,7 +556,7 @@ class HostConfig:
     gpu_memory_budget: str | None = None  # bytes with a unit or a fraction; None: the planner's default
     num_kv_blocks: int | None = None  # pages of the shared pool, overriding the budget
     enforce_eager: bool = False  # no CUDA graphs
-    async_scheduling: bool = True  # schedule step N+1 while step N runs (EngineConfig.async_scheduling)
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (EngineConfig.async_scheduling)
 
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")

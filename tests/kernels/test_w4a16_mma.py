@@ -182,6 +182,17 @@ def test_w4a16_mma_interpreter_prefetch_and_slabs(m, k, n, group_size, asym, act
     run_case(m, k, n, group_size, 4, asym, act_order, torch.float16, config, bias=True, seed=m * 7 + n)
 
 
+@pytest.mark.skipif(CUDA, reason="CPU interpreter subset; the GPU runs real sizes")
+@pytest.mark.parametrize("m,expected", [(100, "m128 n64 k128 s3 w4 st3"), (200, "m128 n128 k64 s3 w4 st4 sw")])
+def test_default_dispatch_k_heavy_m65_to_256(m, expected) -> None:
+    """The K-heavy (down-projection) rule for M 65-256: split-K by 3, picked by the built-in table
+    (no pinned config), computes what the reference computes."""
+    k, n, group_size = 384, 64, 64
+    w = mma.prepare(make_weight(k, n, group_size, device="cpu"))
+    assert mma.select_config(w, torch.float16, m).short() == expected
+    run_case(m, k, n, group_size, 4, True, False, torch.float16, None, seed=m + 11)
+
+
 def test_dequant_slabs_reject_misaligned_ranges() -> None:
     w = mma.prepare(make_weight(128, 136, 64, device="cpu"))
     with pytest.raises(ValueError, match="64-aligned"):
