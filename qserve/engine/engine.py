@@ -6,8 +6,8 @@ grammar bitmasks of a step's sampling sequences and advance their matchers (the 
 library itself stays in ``qserve.structured.grammar``). Must not know: HTTP, asyncio, or how
 kernels compute. The server drives ``add_request`` / ``abort_request`` / ``step``.
 
-Async scheduling (``EngineConfig.async_scheduling``, vLLM's ``--async-scheduling``; on by
-default): ``step()`` schedules step N+1 and launches it while step N still runs on the device
+Async scheduling (``EngineConfig.async_scheduling``, vLLM's ``--async-scheduling``; off by
+default, as in vLLM): ``step()`` schedules step N+1 and launches it while step N still runs on the device
 (the scheduler assumes every sampling sequence of step N gets its token; the runner takes those
 tokens from the device), then waits for step N's sampled ids and does its host work (scheduler
 update, detokenization, stop checks, outputs) while the device runs step N+1. So each
@@ -53,7 +53,7 @@ from qserve.runner.model_runner import LaunchedStep, ModelRunner, allocate_kv_ca
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
-from qserve.scheduler.output import SchedulerOutput, TokenLogprobs
+from qserve.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
@@ -531,23 +531,12 @@ class Engine:
         touched: dict[str, _Group] = dict(self._pending_outputs)
         self._pending_outputs.clear()
         scheduler_output = self.scheduler.schedule()
-        sequences = self._sequences
         self._on_scheduled(scheduler_output, touched)
         if not scheduler_output.is_empty:
             if len(self._grammar_matchers):
                 scheduler_output = self._with_grammar_bitmask(scheduler_output)
-            runner_output = self.runner.execute(scheduler_output)
-            self.scheduler.update_from_output(scheduler_output, runner_output)
-            for request_id, entries in runner_output.prompt_logprobs.items():
-                group, sequence = sequences[request_id]
-                self._on_prompt_logprobs(group, sequence, entries)
-                touched[group.request_id] = group
-            logprobs = runner_output.logprobs
-            on_token = self._on_token
-            for request_id, token in runner_output.sampled_token_ids.items():
-                group, sequence = sequences[request_id]
-                if on_token(sequence, token, logprobs.get(request_id) if logprobs else None) or not finished_only:
-                    touched[group.request_id] = group
+            runner_output = self.runner.execute(scheduler_output)  # a TP runner has no launch()
+            self._process_step(scheduler_output, runner_output, touched, finished_only, ())
         return self._collect_outputs(touched, finished_only)
 
     def _collect_outputs(self, touched: dict[str, _Group], finished_only: bool) -> list[RequestOutput]:
@@ -572,7 +561,7 @@ class Engine:
         self._pending_outputs.clear()
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and self._sync_only:
-            self._process_step(*in_flight, touched, finished_only, ())  # their next step needs its tokens
+            self._process_step(in_flight[0], in_flight[1].result(), touched, finished_only, ())  # next step needs them
             in_flight = None
         scheduler_output = self.scheduler.schedule()
         self._on_scheduled(scheduler_output, touched)
@@ -583,7 +572,7 @@ class Engine:
             self._in_flight = (scheduler_output, self.runner.launch(scheduler_output, previous))
         if in_flight is not None:
             preempted = set(scheduler_output.preempted_request_ids)
-            self._process_step(*in_flight, touched, finished_only, preempted)
+            self._process_step(in_flight[0], in_flight[1].result(), touched, finished_only, preempted)
         return self._collect_outputs(touched, finished_only)
 
     def _on_scheduled(self, scheduler_output: SchedulerOutput, touched: dict[str, _Group]) -> None:
@@ -606,15 +595,14 @@ class Engine:
     def _process_step(
         self,
         scheduler_output: SchedulerOutput,
-        launched: LaunchedStep,
+        runner_output: RunnerOutput,
         touched: dict[str, _Group],
         finished_only: bool,
         preempted_since: set[str] | tuple[()],
     ) -> None:
-        """Wait for a launched step's sampled ids and do its host work. ``preempted_since``: requests
-        preempted after it was scheduled; their prompt logprobs from it are recomputed, so dropped
-        here (their sampled token is kept, as the scheduler keeps it)."""
-        runner_output = launched.result()
+        """A step's host work once its sampled ids are on the host (both orders). ``preempted_since``:
+        requests preempted after it was scheduled (async order); their prompt logprobs from it are
+        recomputed, so dropped here (their sampled token is kept, as the scheduler keeps it)."""
         new_token_requests = self.scheduler.update_from_output(scheduler_output, runner_output)
         sequences = self._sequences
         for request_id, entries in runner_output.prompt_logprobs.items():
