@@ -3,7 +3,7 @@
 # about 9 minutes: each stage has its own time limit, so a slow or failing stage costs only
 # its share and the next still runs; every stage writes its markdown to OUT_DIR.
 #   PYTHONPATH=. bash bench/gpu_session.sh "$OUT" [stages]
-# stages (comma-separated, default all): gputests, overlap, profile, serving, e2e
+# stages (comma-separated, default all; they run in this order): gputests, overlap, profile, serving, e2e
 set -u
 OUT=${1:?usage: gpu_session.sh OUT_DIR [stages]}
 STAGES=${2:-gputests,overlap,profile,serving,e2e}
@@ -17,7 +17,7 @@ python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__ve
 python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_random_gptq; write_random_gptq(Path('/tmp/qb'), QWEN14B)"
 
 if has gputests; then
-    stage "GPU tests: async scheduling, padded vocabulary, Qwen v1 NTK graphs"
+    stage "GPU test: async scheduling gives the same outputs on CUDA (graphs and eager)"
     timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_async_scheduling.py 2>&1 | tail -3
 fi
 if has overlap; then
