@@ -3,10 +3,11 @@
 # about 9 minutes: each stage has its own time limit, so a slow or failing stage costs only
 # its share and the next still runs; every stage writes its markdown to OUT_DIR.
 #   PYTHONPATH=. bash bench/gpu_session.sh "$OUT" [stages]
-# stages (comma-separated, default all; they run in this order): gputests, overlap, profile, serving, e2e
+# stages (comma-separated, default all; they run in this order): gputests, http, overlap, profile, serving,
+# serving_async, e2e (http needs the server's wheels on PYTHONPATH: fastapi, uvicorn, pydantic)
 set -u
 OUT=${1:?usage: gpu_session.sh OUT_DIR [stages]}
-STAGES=${2:-gputests,overlap,profile,serving,e2e}
+STAGES=${2:-gputests,http,overlap,profile,serving,serving_async,e2e}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -18,7 +19,15 @@ python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_rando
 
 if has gputests; then
     stage "GPU test: async scheduling gives the same outputs on CUDA (graphs and eager)"
-    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_async_scheduling.py 2>&1 | tail -3
+    # the whole output goes to a file: a failure's assertion text must survive the call's output limit
+    timeout 150 python3 -m pytest -x -q -m gpu -p no:cacheprovider tests/integration/test_async_scheduling.py \
+        > "$OUT/gputests.txt" 2>&1
+    tail -3 "$OUT/gputests.txt"
+fi
+if has http; then
+    stage "qserve bench against qserve serve: first request, concurrency 1 and 16, Poisson 16 req/s"
+    timeout 260 bash bench/serving_http.sh "$OUT/http" /tmp/qb > "$OUT/http.txt" 2>&1
+    tail -12 "$OUT/http.txt"
 fi
 if has overlap; then
     stage "wall vs device time per decode step, async scheduling off / on"
@@ -32,6 +41,11 @@ if has serving; then
     stage "serving under a 24 GiB budget: Poisson 16 req/s and all at once"
     timeout 170 python3 bench/serving.py --build-qwen14b /tmp/qb --gpu-memory-budget 24GiB --num-requests 400 \
         --rates 16,inf --sampling mixed --out "$OUT/serving.md" 2>&1 | grep -v USDT | tail -6
+fi
+if has serving_async; then
+    stage "serving under a 24 GiB budget, greedy, async scheduling on: Poisson 16 req/s"
+    timeout 150 python3 bench/serving.py --build-qwen14b /tmp/qb --gpu-memory-budget 24GiB --num-requests 400 \
+        --rates 16 --sampling greedy --async-scheduling --out "$OUT/serving_async.md" 2>&1 | grep -v USDT | tail -6
 fi
 if has e2e; then
     stage "end to end: decode batch 1-128 and the offline 1,000-request workload"

@@ -345,6 +345,7 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_budget=args.gpu_memory_budget,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         num_kv_blocks=args.num_kv_blocks,
     )
     cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -356,7 +357,7 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
     header.append(
         f"- engine: {engine.device} {engine.dtype}, KV {args.kv_cache_dtype}, {total_pages} pages of "
         f"{engine.kv_manager.block_size} tokens, max_num_seqs {args.max_num_seqs}, max_model_len {max_model_len}, "
-        f"budget {args.gpu_memory_budget or 'default'}; built in {time.perf_counter() - t0:.1f} s"
+        f"budget {args.gpu_memory_budget or 'default'}, async scheduling {'on' if args.async_scheduling else 'off'}; built in {time.perf_counter() - t0:.1f} s"
     )
     sampler = StepSampler(engine)
     if args.watermark is not None:
@@ -460,6 +461,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="default 4096 (512 with --small)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (overrides the budget)")
     parser.add_argument(
         "--watermark", type=float, default=None, help="share of KV pages admission keeps free (default: the engine's)"
