@@ -52,34 +52,64 @@ def family(name: str) -> str:
     return "other"
 
 
-def profiled_steps(llm: LLM, make_step, steps: int) -> tuple[float, list[tuple[str, float, int]]]:  # noqa: ANN001
-    """Run ``make_step()`` (adds requests, returns nothing) then one ``step()``, ``steps`` times under
-    the profiler; returns mean wall ms per step and (kernel, µs per step, calls per step)."""
+def profiled_steps(llm: LLM, make_step, steps: int) -> dict:  # noqa: ANN001
+    """Run ``make_step()`` (adds requests, returns nothing) then one ``step()``, ``steps`` times
+    unprofiled (wall), ``steps`` times under cProfile (the host's Python) and ``steps`` times under
+    the profiler (kernels, and the CUDA runtime calls the host made: a ``cudaMalloc`` or a stream
+    sync inside a step stalls the GPU). The profilers slow the host, so the wall comes from the
+    unprofiled steps. Returns per-step means."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
-    make_step()
-    engine.step()  # not profiled: compiles / tunes whatever this shape reaches first
-    sync()
-    walls = []
+
+    def timed_step() -> float:
+        make_step()
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        return time.perf_counter() - start
+
+    timed_step()  # compiles / tunes whatever this shape reaches first
+    walls = [timed_step() for _ in range(steps)]
+    prof_py = cProfile.Profile()
+    for _ in range(steps):
+        make_step()
+        sync()
+        prof_py.enable()
+        engine.step()
+        sync()
+        prof_py.disable()
+    text = io.StringIO()
+    pstats.Stats(prof_py, stream=text).sort_stats("tottime").print_stats(25)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            make_step()
-            sync()
-            start = time.perf_counter()
-            engine.step()
-            sync()
-            walls.append(time.perf_counter() - start)
+            timed_step()
+    events = prof.key_averages()
     kernels = [
         (e.key, e.self_device_time_total / steps, e.count // max(steps, 1))
-        for e in prof.key_averages()
+        for e in events
         if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
     ]
-    return 1e3 * sum(walls) / len(walls), sorted(kernels, key=lambda k: -k[1])
+    runtime = [  # host-side CUDA runtime / driver calls
+        (e.key, e.self_cpu_time_total / steps, e.count / steps)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith(("cuda", "cu"))
+    ]
+    return {
+        "wall_ms": 1e3 * sum(walls) / len(walls),
+        "kernels": sorted(kernels, key=lambda k: -k[1]),
+        "runtime": sorted(runtime, key=lambda k: -k[1]),
+        "host_python": text.getvalue(),
+    }
 
 
-def table(title: str, wall_ms: float, kernels: list[tuple[str, float, int]]) -> list[str]:
+def table(title: str, wall_ms: float, kernels: list[tuple[str, float, int]], result: dict) -> list[str]:
     busy = sum(k[1] for k in kernels) / 1e3
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for name, us, calls in kernels:
@@ -98,6 +128,10 @@ def table(title: str, wall_ms: float, kernels: list[tuple[str, float, int]]) -> 
         lines.append(f"| {label} | {us / 1e3:.2f} | {100 * us / 1e3 / max(busy, 1e-9):.0f}% | {calls} |")
     lines += ["", "| kernel | µs/step | calls/step |", "|---|---|---|"]
     lines += [f"| {name[:100]} | {us:.1f} | {calls} |" for name, us, calls in kernels[:30]]
+    lines += ["", "CUDA runtime calls on the host (profiled steps):", "", "| call | host µs/step | calls/step |"]
+    lines += ["|---|---|---|"] + [f"| {n} | {us:.1f} | {c:.1f} |" for n, us, c in result["runtime"][:12]]
+    lines += ["", "Host Python, cProfile by own time (per all profiled steps):", "", "```"]
+    lines += [ln for ln in result["host_python"].splitlines() if ln.strip()][:40] + ["```"]
     return lines + [""]
 
 
@@ -148,13 +182,14 @@ def main() -> None:
     ]
     details: list[str] = []
     for batch in (int(b) for b in args.decode.split(",")):
-        start_decoding(llm, batch, 128, 4 * args.steps + 16, shape["vocab"], seed=batch, tag="prof")
+        start_decoding(llm, batch, 128, 4 * args.steps + 24, shape["vocab"], seed=batch, tag="prof")
         for kind, make in (("pure decode", lambda: None), ("mixed", add_prefills)):
-            wall, kernels = profiled_steps(llm, make, args.steps)
+            result = profiled_steps(llm, make, args.steps)
+            wall, kernels = result["wall_ms"], result["kernels"]
             busy = sum(k[1] for k in kernels) / 1e3
             tokens = 0 if kind == "pure decode" else args.prefills * args.prefill_len
             summary.append(f"| {kind} | {batch} | {tokens} | {wall:.2f} | {busy:.2f} | {busy / max(wall, 1e-9):.2f} |")
-            details += table(f"{kind}, {batch} running decodes, {tokens} prefill tokens", wall, kernels)
+            details += table(f"{kind}, {batch} running decodes, {tokens} prefill tokens", wall, kernels, result)
             (out / "profile_step.md").write_text("\n".join(lines + summary + [""] + details) + "\n")
             print(summary[-1], flush=True)
         while engine.has_unfinished_requests():

@@ -226,10 +226,18 @@ def test_cuda_async_scheduling_same_outputs(llama_path, enforce_eager):
     ]
     finals = []
     for mode in (False, True):
+        # A fixed small pool: by default the first engine's pool would take the GPU memory the
+        # second engine's planner needs (both live in this process).
         engine = LLM(
-            llama_path, device="cuda", dtype="float32", enforce_eager=enforce_eager, async_scheduling=mode
+            llama_path,
+            device="cuda",
+            dtype="float32",
+            enforce_eager=enforce_eager,
+            async_scheduling=mode,
+            num_kv_blocks=64,
         ).engine
         finals.append(_run(engine, requests)[0])
+        del engine
     for request_id in finals[0]:
         for a, b in zip(finals[0][request_id].outputs, finals[1][request_id].outputs):
             assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), request_id
