@@ -62,7 +62,8 @@ def _values_fast4(w, IS_BF16: tl.constexpr):
 
     Value ``2i`` is field ``i``, value ``2i + 1`` field ``i + 4``: ``(w >> 4i) & 0x000F000F |
     magic`` is their half2 ``magic + q`` (fp16 1024, bf16 128: ulp 1) and one packed subtract
-    (fp16) or fma (bf16, no sub.bf16x2 before sm90) removes ``magic + 8``. Exact.
+    (fp16) or fma (bf16, no sub.bf16x2 before sm90) removes ``magic + 8``. Exact. fp16 takes the
+    odd fields without their shift (below).
     """
     if IS_BF16:
         return tl.inline_asm_elementwise(
@@ -81,13 +82,16 @@ def _values_fast4(w, IS_BF16: tl.constexpr):
             pack=1,
         )
     else:
+        # fp16: the nibbles at bits 4-7 / 20-23 are taken in place, as ``1024 + 16 q`` (exact below
+        # 2048), and one fma by 1/16 with -(64 + 8) gives ``q - 8``: 9 instructions per word, not 11
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1, t2, t3, s0, s1, s2, z; mov.b32 z, 0x64086408; "
+            "{ .reg .b32 t0, t1, t2, t3, s1, z, m, c; "
+            "mov.b32 z, 0x64086408; mov.b32 m, 0x2c002c00; mov.b32 c, 0xd480d480; "
             "lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea; "
-            "shr.u32 s0, $8, 4; lop3.b32 t1, s0, 0x000f000f, 0x64006400, 0xea; "
+            "lop3.b32 t1, $8, 0x00f000f0, 0x64006400, 0xea; "
             "shr.u32 s1, $8, 8; lop3.b32 t2, s1, 0x000f000f, 0x64006400, 0xea; "
-            "shr.u32 s2, $8, 12; lop3.b32 t3, s2, 0x000f000f, 0x64006400, 0xea; "
-            "sub.f16x2 t0, t0, z; sub.f16x2 t1, t1, z; sub.f16x2 t2, t2, z; sub.f16x2 t3, t3, z; "
+            "lop3.b32 t3, s1, 0x00f000f0, 0x64006400, 0xea; "
+            "sub.f16x2 t0, t0, z; fma.rn.f16x2 t1, t1, m, c; sub.f16x2 t2, t2, z; fma.rn.f16x2 t3, t3, m, c; "
             "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3; }",
             "=h,=h,=h,=h,=h,=h,=h,=h,r",
             [w],
@@ -242,7 +246,8 @@ def w4a16_mma_kernel(
     M,
     N,
     K,
-    group_size,
+    group_size: tl.constexpr,  # a compile-time constant: the per-tile group index is a shift, not a
+    # runtime integer division (~27 instructions per K-tile in the sm90 SASS of the decode loop)
     split_k,
     stride_xm,  # x's K stride is 1 (the launcher makes it so): contiguous, vectorized loads
     stride_qr,
@@ -790,6 +795,7 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
         if m <= 16:  # the decode tile under a 72-register cap (80 uncapped: 6 programs per SM, not 7)
             for split in (1, 2, 4, 8):
                 out.append(MmaConfig("mma", block_m, 64, 128, split, 4, 4, False, True, 72))
+
     elif m <= 256:  # 128-row M tiles: 256 rows spill (ptxas stack 496-624 B on sm90)
         for bm, bn, bk, warps, stages, sw in (
             (128, 128, 128, 8, 3, False),
@@ -827,10 +833,11 @@ def compile_ptx(
     asym: bool = False,
     act_order: bool = False,
     kwidth: int = 2,
+    group_size: int | None = None,
 ) -> str:
     """PTX of ``w4a16_mma_kernel`` for ``sm_<arch>`` without a GPU (``triton.compile`` with a
     ``GPUTarget``): the regression check that the dequantized tile stays out of shared memory."""
-    return compile_for(arch, cfg, bits, dtype, group_tile, asym, act_order, kwidth).asm["ptx"]
+    return compile_for(arch, cfg, bits, dtype, group_tile, asym, act_order, kwidth, group_size).asm["ptx"]
 
 
 def compile_for(
@@ -842,6 +849,7 @@ def compile_for(
     asym: bool = False,
     act_order: bool = False,
     kwidth: int = 2,
+    group_size: int | None = None,
 ):
     """The compiled kernel for ``sm_<arch>`` (no GPU needed): ``.asm["ptx"]`` and ``.metadata.shared``
     (bytes of shared memory: the pipeline's buffers show whether the weight tiles are multi-buffered)."""
@@ -860,7 +868,10 @@ def compile_for(
         "ws_ptr": "*fp32",
         "cnt_ptr": "*i32",
     }
+    if group_size is None:  # whole groups per tile, or a tile inside one group of 128 (or more)
+        group_size = cfg.block_k // group_tile if group_tile > 1 else max(128, cfg.block_k)
     constants = dict(
+        group_size=group_size,
         BITS=bits,
         KW=kwidth,
         HAS_ZEROS=asym,
