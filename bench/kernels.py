@@ -244,7 +244,9 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
                 print(f"  WRONG {name} M={m} {cfg.short()}: rel err {err:.2e}", flush=True)
                 continue
             timed.append((t, cfg, err))
-        assert timed, f"no correct config for {name} M={m}"
+        if not timed:  # reported, not fatal: the other rows still get measured
+            print(f"  NO CORRECT CONFIG {name} M={m}: row skipped", flush=True)
+            continue
         timed.sort(key=lambda r: r[0])
         retimed = []
         for _, cfg, err in timed[:3]:  # re-time the 3 fastest as carefully as the baselines
