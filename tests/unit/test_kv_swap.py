@@ -1,0 +1,78 @@
+"""KVSwapper (swap preemption's copies): blocks go to the host slots they were given and come back
+into the device blocks asked for, exactly, for plain and strided (shared-pool) caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qserve.runner import kv_swap
+from qserve.runner.kv_swap import KVSwapper, kv_block_bytes
+
+NUM_BLOCKS, BLOCK, HEADS, HEAD = 10, 4, 2, 8
+
+
+def _caches(strided: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    if not strided:
+        return [
+            (
+                torch.randn(NUM_BLOCKS, BLOCK, HEADS, HEAD, generator=gen),
+                torch.randn(NUM_BLOCKS, BLOCK, HEADS, HEAD, generator=gen),
+            )
+            for _ in range(3)
+        ]
+    # Like qserve.memory.shared_pool: every cache is a strided view into rows of one byte buffer.
+    layer_elems = BLOCK * HEADS * HEAD
+    buffer = torch.randn(NUM_BLOCKS, 3 * 2 * layer_elems + 16, generator=gen)
+    return [
+        tuple(
+            buffer[:, (2 * layer + kv) * layer_elems : (2 * layer + kv + 1) * layer_elems].view(
+                NUM_BLOCKS, BLOCK, HEADS, HEAD
+            )
+            for kv in range(2)
+        )
+        for layer in range(3)
+    ]
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "shared-pool-views"])
+@pytest.mark.parametrize("chunk", [256, 2], ids=["one-chunk", "chunks-of-2"])
+def test_swap_out_then_in_restores_blocks_elsewhere(strided, chunk, monkeypatch):
+    monkeypatch.setattr(kv_swap, "SWAP_CHUNK_BLOCKS", chunk)
+    caches = _caches(strided)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    swapper = KVSwapper(caches, num_host_blocks=6, device=torch.device("cpu"))
+    assert swapper.block_bytes == kv_block_bytes(caches) == 2 * 3 * BLOCK * HEADS * HEAD * 4
+    out_pairs = [(7, 4), (2, 0), (5, 1), (9, 5)]  # two runs of host slots: 0-1 and 4-5
+    swapper.swap_out(out_pairs)
+    for layer, (k, v) in enumerate(caches):
+        for block, slot in out_pairs:
+            assert torch.equal(swapper.host[2 * layer, slot], before[layer][0][block])
+            assert torch.equal(swapper.host[2 * layer + 1, slot], before[layer][1][block])
+        k.fill_(float("nan"))  # poison: everything swapped in must be written
+        v.fill_(float("nan"))
+    in_pairs = [(4, 0), (0, 3), (1, 8), (5, 6)]  # host slot -> a different device block
+    swapper.swap_in(in_pairs)
+    moved = {dst: src for (src, slot_out) in out_pairs for (slot_in, dst) in in_pairs if slot_in == slot_out}
+    for layer, (k, v) in enumerate(caches):
+        for dst, src in moved.items():
+            assert torch.equal(k[dst], before[layer][0][src])
+            assert torch.equal(v[dst], before[layer][1][src])
+        untouched = [b for b in range(NUM_BLOCKS) if b not in moved]
+        assert torch.isnan(k[untouched]).all() and torch.isnan(v[untouched]).all()
+
+
+def test_runs_of_consecutive_slots():
+    import numpy as np
+
+    assert kv_swap._runs(np.array([0, 1, 2, 5, 6, 9])) == [(0, 3, 0), (3, 5, 5), (5, 6, 9)]
+    assert kv_swap._runs(np.array([3])) == [(0, 1, 3)]
+
+
+def test_measured_bandwidth_is_positive_and_harmless():
+    caches = _caches(False)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    swapper = KVSwapper(caches, num_host_blocks=4, device=torch.device("cpu"))
+    assert swapper.measure_bandwidth() > 0
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(caches, before))
