@@ -32,6 +32,9 @@ import numpy as np
 import torch
 
 SWAP_CHUNK_BLOCKS = 256  # blocks per gather / scatter: bounds the device staging tensor
+# Caches are copied as integers of the same width: bytes move unchanged whatever the KV dtype, and
+# index_select / index_copy_ support them everywhere (not float8, e.g. index_copy_ on CPU).
+_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def kv_block_bytes(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -54,7 +57,8 @@ class KVSwapper:
     ) -> None:
         if num_host_blocks < 1:
             raise ValueError(f"the host KV pool needs at least one block, got {num_host_blocks}")
-        self.caches = [cache for pair in kv_caches for cache in pair]  # 2L x [num_blocks, bs, heads, head]
+        bits = _BITS_DTYPES[kv_caches[0][0].element_size()]
+        self.caches = [cache.view(bits) for pair in kv_caches for cache in pair]  # 2L x [num_blocks, bs, heads, head]
         key = self.caches[0]
         self.block_shape = tuple(key.shape[1:])  # [block_size, num_kv_heads, head_size]
         self.dtype = key.dtype

@@ -12,13 +12,13 @@ from qserve.runner.kv_swap import KVSwapper, kv_block_bytes
 NUM_BLOCKS, BLOCK, HEADS, HEAD = 10, 4, 2, 8
 
 
-def _caches(strided: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _caches(strided: bool, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     if not strided:
         return [
             (
-                torch.randn(NUM_BLOCKS, BLOCK, HEADS, HEAD, generator=gen),
-                torch.randn(NUM_BLOCKS, BLOCK, HEADS, HEAD, generator=gen),
+                torch.randn(NUM_BLOCKS, BLOCK, HEADS, HEAD, generator=gen).to(dtype),
+                torch.randn(NUM_BLOCKS, BLOCK, HEADS, HEAD, generator=gen).to(dtype),
             )
             for _ in range(3)
         ]
@@ -36,31 +36,39 @@ def _caches(strided: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "shared-pool-views"])
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(kv_swap._BITS_DTYPES[tensor.element_size()])
+
+
+@pytest.mark.parametrize(
+    ("strided", "dtype"),
+    [(False, torch.float32), (True, torch.float32), (False, torch.float8_e4m3fn), (False, torch.bfloat16)],
+    ids=["contiguous", "shared-pool-views", "fp8", "bf16"],
+)
 @pytest.mark.parametrize("chunk", [256, 2], ids=["one-chunk", "chunks-of-2"])
-def test_swap_out_then_in_restores_blocks_elsewhere(strided, chunk, monkeypatch):
+def test_swap_out_then_in_restores_blocks_elsewhere(strided, dtype, chunk, monkeypatch):
     monkeypatch.setattr(kv_swap, "SWAP_CHUNK_BLOCKS", chunk)
-    caches = _caches(strided)
-    before = [(k.clone(), v.clone()) for k, v in caches]
+    caches = _caches(strided, dtype)
+    before = [(_bits(k).clone(), _bits(v).clone()) for k, v in caches]
     swapper = KVSwapper(caches, num_host_blocks=6, device=torch.device("cpu"))
-    assert swapper.block_bytes == kv_block_bytes(caches) == 2 * 3 * BLOCK * HEADS * HEAD * 4
+    assert swapper.block_bytes == kv_block_bytes(caches) == 2 * 3 * BLOCK * HEADS * HEAD * caches[0][0].element_size()
     out_pairs = [(7, 4), (2, 0), (5, 1), (9, 5)]  # two runs of host slots: 0-1 and 4-5
     swapper.swap_out(out_pairs)
     for layer, (k, v) in enumerate(caches):
         for block, slot in out_pairs:
             assert torch.equal(swapper.host[2 * layer, slot], before[layer][0][block])
             assert torch.equal(swapper.host[2 * layer + 1, slot], before[layer][1][block])
-        k.fill_(float("nan"))  # poison: everything swapped in must be written
-        v.fill_(float("nan"))
+        _bits(k).fill_(77)  # poison: everything swapped in must be written
+        _bits(v).fill_(77)
     in_pairs = [(4, 0), (0, 3), (1, 8), (5, 6)]  # host slot -> a different device block
     swapper.swap_in(in_pairs)
     moved = {dst: src for (src, slot_out) in out_pairs for (slot_in, dst) in in_pairs if slot_in == slot_out}
     for layer, (k, v) in enumerate(caches):
         for dst, src in moved.items():
-            assert torch.equal(k[dst], before[layer][0][src])
-            assert torch.equal(v[dst], before[layer][1][src])
+            assert torch.equal(_bits(k)[dst], before[layer][0][src])
+            assert torch.equal(_bits(v)[dst], before[layer][1][src])
         untouched = [b for b in range(NUM_BLOCKS) if b not in moved]
-        assert torch.isnan(k[untouched]).all() and torch.isnan(v[untouched]).all()
+        assert (_bits(k)[untouched] == 77).all() and (_bits(v)[untouched] == 77).all()
 
 
 def test_runs_of_consecutive_slots():
