@@ -62,3 +62,22 @@ def test_several_models_open_with_the_process_wide_series():
         ("a", 4),
         ("b", 5),
     ]
+
+
+def test_serve_flags_reach_every_engine_with_the_space_split(checkpoints):
+    from qserve.commands.serve import build_host_factory
+    from tests.server.test_serve_command import serve_args
+
+    common = (f"a={checkpoints['llama']}", f"b={checkpoints['qwen']}", "--device=cpu", "--max-model-len=64")
+    host = build_host_factory(
+        serve_args(*common, "--num-kv-blocks=32", "--preemption-mode=swap", "--swap-space=0.002")
+    )()
+    for hosted in host.models.values():
+        engine = hosted.engine
+        swapper = engine.runner.kv_swapper
+        assert engine.scheduler.preemption_mode == "swap"
+        assert swapper.num_host_blocks == int(0.001 * 2**30) // swapper.block_bytes  # half of 0.002 GiB each
+        assert engine.scheduler.swap_space.num_slots == swapper.num_host_blocks
+    default = build_host_factory(serve_args(*common, "--num-kv-blocks=32"))()
+    assert all(h.engine.runner.kv_swapper is None for h in default.models.values())
+    assert all(h.engine.scheduler.preemption_mode == "recompute" for h in default.models.values())
