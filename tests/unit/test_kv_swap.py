@@ -84,3 +84,35 @@ def test_measured_bandwidth_is_positive_and_harmless():
     swapper = KVSwapper(caches, num_host_blocks=4, device=torch.device("cpu"))
     assert swapper.measure_bandwidth() > 0
     assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(caches, before))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn], ids=["fp16", "fp8"])
+def test_cuda_copies_are_stream_ordered_without_host_syncs(dtype):
+    """Pinned pool, non_blocking copies: a swap-out must read the blocks before a later kernel
+    overwrites them, and a swap-in must land before a later kernel reads them; no sync between."""
+    device = torch.device("cuda")
+    num_blocks = 64
+    gen = torch.Generator(device=device).manual_seed(0)
+    caches = [
+        tuple(torch.randn(num_blocks, 16, 8, 128, generator=gen, device=device).to(dtype) for _ in range(2))
+        for _ in range(4)
+    ]
+    before = [(_bits(k).clone(), _bits(v).clone()) for k, v in caches]
+    swapper = KVSwapper(caches, num_host_blocks=48, device=device)
+    assert swapper.pinned and swapper.host.is_pinned()
+    out_pairs = [(b, 40 - b) for b in range(1, 40)]  # 39 blocks, one run of slots 1..39
+    swapper.swap_out(out_pairs)
+    for k, v in caches:  # enqueued right behind the copies: overwrite every block
+        _bits(k).fill_(7)
+        _bits(v).fill_(7)
+    in_pairs = [(slot, (slot * 5) % num_blocks) for slot in range(1, 40)]  # scattered destinations
+    swapper.swap_in(in_pairs)
+    readback = [(_bits(k) + 0, _bits(v) + 0) for k, v in caches]  # a kernel reading right after
+    torch.cuda.synchronize()
+    source = {slot: block for block, slot in out_pairs}
+    for layer, (k, v) in enumerate(readback):
+        for slot, block in in_pairs:
+            assert torch.equal(k[block], before[layer][0][source[slot]]), (layer, slot)
+            assert torch.equal(v[block], before[layer][1][source[slot]]), (layer, slot)
