@@ -6,7 +6,8 @@ num_kv_heads, head_size]``, possibly strided views into a shared page buffer), t
 how to apply a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in``. Must not know: requests,
 scheduling policy, why a block moves (the scheduler decides, ``qserve.scheduler.swap``).
 
-Host pool: ONE tensor ``[2 * num_layers, num_host_blocks, block_size, num_kv_heads, head_size]``
+Host pool: ONE tensor ``[2 * num_layers, num_host_blocks, block_size, num_kv_heads, head_size]`` (of an
+integer type as wide as the KV dtype: the copies move bytes)
 (K of layer l at ``2 l``, V at ``2 l + 1``), pinned on CUDA so copies are asynchronous. A host
 slot of a block is the same index in every cache tensor.
 
