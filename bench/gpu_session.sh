@@ -3,8 +3,10 @@
 # about 9 minutes: each stage has its own time limit, so a slow or failing stage costs only
 # its share and the next still runs; every stage writes its markdown to OUT_DIR.
 #   PYTHONPATH=. bash bench/gpu_session.sh "$OUT" [stages]
-# stages (comma-separated, default all; they run in this order): gputests, http, overlap, profile, serving,
-# serving_async, e2e (http needs the server's wheels on PYTHONPATH: fastapi, uvicorn, pydantic)
+# stages (comma-separated, default all but preempt; they run in this order): gputests, http, overlap, profile,
+# serving, serving_async, preempt, e2e (http needs the server's wheels on PYTHONPATH: fastapi, uvicorn, pydantic).
+# preempt (two runs of up to 2 minutes: recompute vs swap preemption on a KV pool forced small) runs only
+# when named, e.g. `bash bench/gpu_session.sh "$OUT" preempt`: with it the default set would pass 10 minutes.
 set -u
 OUT=${1:?usage: gpu_session.sh OUT_DIR [stages]}
 STAGES=${2:-gputests,http,overlap,profile,serving,serving_async,e2e}
@@ -46,6 +48,14 @@ if has serving_async; then
     stage "serving under a 24 GiB budget, greedy, async scheduling on: Poisson 16 req/s"
     timeout 150 python3 bench/serving.py --build-qwen14b /tmp/qb --gpu-memory-budget 24GiB --num-requests 400 \
         --rates 16 --sampling greedy --async-scheduling --out "$OUT/serving_async.md" 2>&1 | grep -v USDT | tail -6
+fi
+if has preempt; then
+    for mode in recompute swap; do
+        stage "preemption by $mode: 1200 KV pages, 300 requests all at once, no admission watermark"
+        timeout 120 python3 bench/serving.py --build-qwen14b /tmp/qb --num-kv-blocks 1200 --num-requests 300 \
+            --rates inf --watermark 0 --watermark-per-running 0 --preemption-mode "$mode" \
+            --out "$OUT/preempt_$mode.md" 2>&1 | grep -v USDT | tail -4
+    done
 fi
 if has e2e; then
     stage "end to end: decode batch 1-128 and the offline 1,000-request workload"

@@ -34,6 +34,16 @@ To check the script on CPU (a tiny random Llama, short lengths; the numbers mean
 
 The markdown table in ``--out`` is rewritten after each rate, so a run cut short keeps what it
 measured.
+
+Preemption under pressure (issue 17, item 6): ``--num-kv-blocks`` forces a small KV pool and
+``--preemption-mode recompute|swap|auto`` (``--swap-space`` GiB of host memory) picks how
+preempted sequences come back; the table then shows preemptions, how many went to the host and
+came back, and the tokens the engine computed against the workload's own (recomputes add to
+them). Run it once per mode on the same pool, e.g. on the H200::
+
+    for mode in recompute swap; do timeout 120 python3 bench/serving.py --build-qwen14b /tmp/qb \
+        --num-kv-blocks 1200 --num-requests 300 --rates inf --watermark 0 --watermark-per-running 0 \
+        --preemption-mode $mode --out $OUT/preempt_$mode.md; done
 """
 
 from __future__ import annotations
@@ -118,6 +128,9 @@ class StepSampler:
         self.peak_pages = 0
         self.preemptions = 0
         self.batched_tokens = 0
+        self.swapped_out = 0
+        self.swapped_in = 0
+        self._swapped_in_before = self.engine.scheduler.num_swapped_in
 
     def _sampled_schedule(self):  # noqa: ANN202 - SchedulerOutput
         out = self._schedule()
@@ -126,6 +139,8 @@ class StepSampler:
         self.peak_pages = max(self.peak_pages, self.engine.block_pool.num_used_by(self.engine.owner))
         self.preemptions += len(out.preempted_request_ids)
         self.batched_tokens += out.num_batched_tokens
+        self.swapped_out += len(out.swapped_out_request_ids)
+        self.swapped_in = self.engine.scheduler.num_swapped_in - self._swapped_in_before
         return out
 
 
@@ -286,11 +301,15 @@ COLUMNS = (
     "peak running",
     "peak KV pages",
     "preempt",
+    "swapped out / in",
+    "tokens computed (x workload)",
     "steps",
 )
 
 
-def row(rate: float, s: dict[str, float], sampler: StepSampler, total_pages: int, n: int) -> list[str]:
+def row(
+    rate: float, s: dict[str, float], sampler: StepSampler, total_pages: int, n: int, workload_tokens: int
+) -> list[str]:
     done = f"{s['completed']}/{n}"
     if s["failed"] or s["wrong_len"]:
         done += f" ({s['failed']} failed, {s['wrong_len']} wrong length)"
@@ -307,6 +326,8 @@ def row(rate: float, s: dict[str, float], sampler: StepSampler, total_pages: int
         str(sampler.peak_running),
         f"{sampler.peak_pages} / {total_pages} ({100 * sampler.peak_pages / total_pages:.0f}%)",
         str(sampler.preemptions),
+        f"{sampler.swapped_out} / {sampler.swapped_in}",
+        f"{sampler.batched_tokens} ({sampler.batched_tokens / max(workload_tokens, 1):.2f})",
         str(sampler.steps),
     ]
 
@@ -347,6 +368,8 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         num_kv_blocks=args.num_kv_blocks,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
     )
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if cuda:
@@ -368,6 +391,15 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
         f"- admission watermark: {engine.scheduler.watermark:g} of the pages + "
         f"{engine.scheduler.watermark_per_running} per running sequence"
     )
+    preemption = f"- preemption mode: {args.preemption_mode}"
+    swapper = engine.runner.kv_swapper
+    if swapper is not None:
+        cost = engine.swap_cost
+        preemption += (
+            f", host pool {swapper.num_host_blocks} blocks ({swapper.num_host_blocks * swapper.block_bytes / GIB:.2f} "
+            f"GiB{', pinned' if swapper.pinned else ''}), measured copy bandwidth {cost.bandwidth_bytes_per_s / 1e9:.1f} GB/s"
+        )
+    header.append(preemption)
 
     vocab = ModelConfig.from_path(path).vocab_size
     mean, cap = (64, 256) if small else (256, 2048)
@@ -410,7 +442,9 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
             sampler.reset()
             records, duration = await run_rate(host, workload, rate, run, args.sampling)
             stats = summarize(records, duration, workload)
-            rows.append(row(rate, stats, sampler, total_pages, args.num_requests))
+            # Tokens the workload needs computed: each prompt, and each output but the last (never fed back).
+            workload_tokens = sum(workload.in_lens) + sum(workload.out_lens) - len(workload.out_lens)
+            rows.append(row(rate, stats, sampler, total_pages, args.num_requests, workload_tokens))
             errors = [r.error for r in records if r.error]
             print(
                 f"rate {rate:g}: {stats['completed']}/{args.num_requests} done in {duration:.1f} s, "
@@ -420,8 +454,9 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
                 f"ITL p50/p99 {stats['itl_p50']:.1f}/{stats['itl_p99']:.1f} ms, "
                 f"E2E p50/p99 {stats['e2e_p50'] / 1e3:.2f}/{stats['e2e_p99'] / 1e3:.2f} s, "
                 f"peak running {sampler.peak_running}, peak pages {sampler.peak_pages}/{total_pages}, "
-                f"preemptions {sampler.preemptions}, steps {sampler.steps}"
-                + (f"; first error: {errors[0]}" if errors else ""),
+                f"preemptions {sampler.preemptions} (swapped out/in {sampler.swapped_out}/{sampler.swapped_in}), "
+                f"tokens computed {sampler.batched_tokens} ({sampler.batched_tokens / max(workload_tokens, 1):.2f}x "
+                f"the workload's), steps {sampler.steps}" + (f"; first error: {errors[0]}" if errors else ""),
                 flush=True,
             )
             if cuda:
@@ -469,6 +504,14 @@ def main() -> None:
     parser.add_argument(
         "--watermark-per-running", type=int, default=None, help="and pages per running sequence (default: the engine's)"
     )
+    # -- preemption (issue 17, item 6) --
+    parser.add_argument(
+        "--preemption-mode",
+        choices=("recompute", "swap", "auto"),
+        default="recompute",
+        help="how preempted sequences come back: recompute, swap (KV to pinned host memory) or auto",
+    )
+    parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped KV")
     parser.add_argument(
         "--sampling",
         choices=("greedy", "mixed"),

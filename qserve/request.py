@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue; its KV was dropped and will be recomputed
+    SWAPPED = "swapped"  # back in the waiting queue; its KV is in host memory and will be copied back
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

@@ -69,6 +69,21 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="schedule and launch the next step while the current one runs on the device (default: off, "
         "as in vLLM; docs/async_scheduling.md says why)",
     )
+    # -- swap preemption (issue 17) --
+    parser.add_argument(
+        "--preemption-mode",
+        choices=("recompute", "swap", "auto"),
+        default="recompute",
+        help="when KV pages run out: recompute the preempted sequence later (default), swap its KV to pinned "
+        "host memory and back, or auto (swap where the estimated copy time is below the recompute time)",
+    )
+    parser.add_argument(
+        "--swap-space",
+        type=float,
+        default=4.0,
+        help="GiB of host memory for swapped KV, split between the served models (default 4; used only "
+        "with --preemption-mode swap or auto)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once, per model")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
@@ -363,6 +378,12 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
     if tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    # -- swap preemption (issue 17) --
+    preemption_mode = getattr(args, "preemption_mode", "recompute")
+    if getattr(args, "swap_space", 4.0) < 0:
+        raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space}")
+    if preemption_mode != "recompute" and tensor_parallel_size > 1:
+        raise ValueError(f"--preemption-mode {preemption_mode} is not supported with --tensor-parallel-size > 1")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     pairs = apply_served_model_names(parse_model_args(values), getattr(args, "served_model_name", None))
@@ -412,6 +433,8 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        preemption_mode=preemption_mode,
+        swap_space=getattr(args, "swap_space", 4.0),
     )
 
     def kv_events(engines: dict) -> object | None:

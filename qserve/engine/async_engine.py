@@ -512,6 +512,10 @@ class AsyncEngine:
                 "prefix_cache_queries": kv.num_prefix_queries,
                 "prefix_cache_hits": kv.num_prefix_hits,
                 "num_preemptions": hosted.engine.num_preemptions,
+                # swap preemption (qserve.server.swap_metrics): requests on the host now, and totals
+                "num_swapped": hosted.engine.scheduler.num_swapped,
+                "num_swapped_out": hosted.engine.scheduler.num_swapped_out,
+                "num_swapped_in": hosted.engine.scheduler.num_swapped_in,
             }
         return result
 
@@ -557,6 +561,10 @@ class HostConfig:
     num_kv_blocks: int | None = None  # pages of the shared pool, overriding the budget
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = False  # schedule step N+1 while step N runs (EngineConfig.async_scheduling)
+    # Swap preemption (EngineConfig.preemption_mode); swap_space is GiB of host memory for the
+    # whole process, split evenly between the hosted models.
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
 
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
@@ -639,6 +647,8 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
             kv_cache_dtype=config.kv_cache_dtype,
             enforce_eager=config.enforce_eager,
             async_scheduling=config.async_scheduling,
+            preemption_mode=config.preemption_mode,
+            swap_space=config.swap_space / len(models),
         )
         engines[m.name] = Engine(
             engine_config, block_pool=pool.block_pool, owner=m.name, kv_caches=pool.kv_caches(m.name)
@@ -661,6 +671,10 @@ def build_tensor_parallel_engine(
     from qserve.distributed.launcher import launch_engine
 
     _check_kv_cache_dtype(config)
+    if config.preemption_mode != "recompute":
+        raise ValueError(
+            f"--preemption-mode {config.preemption_mode} is not supported with tensor parallelism; use recompute"
+        )
     if model.min_share is not None or model.max_share is not None:
         raise ValueError(f"model {model.name!r}: pool shares need a shared pool; a tensor-parallel model has its own")
     engine_config = EngineConfig(

@@ -18,6 +18,13 @@ Steps fall back to the synchronous order (step N's outputs processed before step
 scheduled) while any unfinished request has penalties (they count every output token on the
 device side) or structured outputs (a grammar's next mask needs the previous token accepted).
 Tensor-parallel engines run synchronously (rank 0's broadcasting runner has no ``launch``).
+
+Swap preemption (``EngineConfig.preemption_mode`` "swap" | "auto", ``swap_space`` GiB of host
+memory; vLLM V0's names): the engine gives the runner a host KV pool and the scheduler its slots
+(and, for auto, a cost estimate whose copy bandwidth is measured at start-up and whose
+per-token prefill cost is measured on the synchronous steps). Swapped requests resume without
+recomputing, so their prompt logprobs are not sent again. It works in both step orders: the
+copies are stream-ordered with the steps (docs/async_scheduling.md). Not with tensor parallelism.
 """
 
 from __future__ import annotations
@@ -49,12 +56,14 @@ from qserve.memory.profiler import kv_cache_torch_dtype, profile_model, set_kv_s
 from qserve.model.loader import load_model
 from qserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from qserve.request import Request, RequestStatus
+from qserve.runner.kv_swap import kv_block_bytes
 from qserve.runner.model_runner import LaunchedStep, ModelRunner, allocate_kv_caches, kv_cache_shape
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
+from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
 
@@ -66,6 +75,12 @@ PromptInput = str | list[int] | dict[str, Any]
 # --num-requests 40 on CPU, preemptions (recomputes) 24 -> 2 all at once, 9 -> 1 at 8 req/s.
 ADMISSION_WATERMARK = 0.01
 ADMISSION_WATERMARK_PAGES_PER_RUNNING = 1
+GIB = 2**30
+# auto preemption: steps with at least this many tokens measure the per-token prefill cost
+# (smaller ones are dominated by the step's fixed cost); each measurement moves the estimate by
+# this share of the difference.
+RECOMPUTE_COST_MIN_TOKENS = 64
+RECOMPUTE_COST_EMA = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +103,15 @@ class EngineConfig:
     # Schedule and launch step N+1 while step N runs; process N's outputs meanwhile (vLLM's name).
     # Off by default, as in vLLM, until its CUDA equivalence test passes (docs/async_scheduling.md).
     async_scheduling: bool = False
+    # Preemption (vLLM V0's names): "recompute" drops a preempted sequence's KV; "swap" copies it to
+    # a host pool of swap_space GiB (pinned on CUDA) and back; "auto" swaps where that is cheaper.
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0  # GiB of host memory for swapped KV (allocated only when not "recompute")
+
+    def __post_init__(self) -> None:
+        check_preemption_mode(self.preemption_mode)
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
 
 
 @dataclass(eq=False)
@@ -199,6 +223,10 @@ class Engine:
             raise ValueError("Engine: block_pool and kv_caches must be given together (a shared pool) or not at all")
         if tp is not None and block_pool is not None:
             raise ValueError("Engine: a tensor-parallel engine cannot draw from a shared block pool")
+        if tp is not None and config.preemption_mode != "recompute":
+            raise ValueError(
+                f"preemption_mode={config.preemption_mode!r} is not supported with tensor parallelism; use 'recompute'"
+            )
         # Tensor parallel (qserve.distributed.launcher builds one Engine per rank): the model is
         # this rank's shard, KV caches and the memory plan are per rank.
         self.tp = tp
@@ -280,6 +308,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.model_config, kv_caches, cache.block_size, self.device, config.seed)
         if self.tokenizer is not None:  # model rows past the tokenizer's ids (Qwen's padding) are never sampled
             self.runner.set_valid_vocab_size(num_token_ids(self.tokenizer))
+        self.swap_cost: SwapCost | None = None
+        if config.preemption_mode != "recompute":
+            self._enable_swap(config.preemption_mode, config.swap_space, kv_caches)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         if self.device.type == "cuda":  # compile / tune what the first requests would otherwise wait for
@@ -338,6 +369,37 @@ class Engine:
     @property
     def async_scheduling(self) -> bool:
         return self.scheduler.async_scheduling
+
+    def _enable_swap(
+        self, mode: str, swap_space_gib: float, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """A host pool of ``swap_space_gib`` for the runner, its slots for the scheduler."""
+        block_bytes = kv_block_bytes(kv_caches)
+        num_host_blocks = int(swap_space_gib * GIB) // block_bytes
+        if num_host_blocks < 1:
+            raise ValueError(
+                f"swap_space={swap_space_gib} GiB holds no KV block of {self.config.model} ({block_bytes} bytes "
+                f"each); give more, or preemption_mode='recompute'"
+            )
+        swapper = self.runner.enable_swap(num_host_blocks)
+        self.swap_cost = SwapCost(block_bytes, bandwidth_bytes_per_s=swapper.measure_bandwidth())
+        self.scheduler.set_preemption_mode(mode, HostSwapSpace(num_host_blocks), self.swap_cost)
+        logger.info(
+            "preemption by %s: host pool of %d KV blocks (%.2f GiB%s), copy bandwidth %.1f GB/s",
+            mode,
+            num_host_blocks,
+            num_host_blocks * block_bytes / GIB,
+            ", pinned" if swapper.pinned else "",
+            self.swap_cost.bandwidth_bytes_per_s / 1e9,
+        )
+
+    def _observe_step_time(self, num_tokens: int, seconds: float) -> None:
+        """auto preemption: the per-token prefill cost, from synchronous steps of many tokens."""
+        cost = self.swap_cost
+        if cost is None or num_tokens < RECOMPUTE_COST_MIN_TOKENS:
+            return
+        per_token = seconds / num_tokens
+        cost.recompute_seconds_per_token += RECOMPUTE_COST_EMA * (per_token - cost.recompute_seconds_per_token)
 
     def set_async_scheduling(self, enabled: bool) -> None:
         """Switch async scheduling on or off between requests (e.g. to measure both)."""
@@ -535,7 +597,9 @@ class Engine:
         if not scheduler_output.is_empty:
             if len(self._grammar_matchers):
                 scheduler_output = self._with_grammar_bitmask(scheduler_output)
+            start = time.perf_counter()
             runner_output = self.runner.execute(scheduler_output)  # a TP runner has no launch()
+            self._observe_step_time(scheduler_output.num_batched_tokens, time.perf_counter() - start)
             self._process_step(scheduler_output, runner_output, touched, finished_only, ())
         return self._collect_outputs(touched, finished_only)
 
@@ -570,8 +634,8 @@ class Engine:
                 scheduler_output = self._with_grammar_bitmask(scheduler_output)
             previous = None if in_flight is None else in_flight[1]
             self._in_flight = (scheduler_output, self.runner.launch(scheduler_output, previous))
-        if in_flight is not None:
-            preempted = set(scheduler_output.preempted_request_ids)
+        if in_flight is not None:  # requests preempted by recompute send their prompt logprobs again
+            preempted = set(scheduler_output.preempted_request_ids) - set(scheduler_output.swapped_out_request_ids)
             self._process_step(in_flight[0], in_flight[1].result(), touched, finished_only, preempted)
         return self._collect_outputs(touched, finished_only)
 
@@ -579,8 +643,10 @@ class Engine:
         """Engine bookkeeping of a new schedule: preemptions, first-scheduled times, sequences the
         scheduler finished for capacity."""
         sequences = self._sequences
+        swapped = scheduler_output.swapped_out_request_ids  # resume where they were: nothing sent again
         for request_id in scheduler_output.preempted_request_ids:
-            sequences[request_id][1].prompt_logprobs_received = 0
+            if request_id not in swapped:
+                sequences[request_id][1].prompt_logprobs_received = 0
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
         now = time.monotonic()
         for scheduled in scheduler_output.sequences:

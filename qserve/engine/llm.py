@@ -36,6 +36,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         skip_tokenizer_init: bool = False,
         async_scheduling: bool = False,
+        preemption_mode: str = "recompute",
+        swap_space: float = 4.0,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -54,6 +56,8 @@ class LLM:
             enforce_eager=enforce_eager,
             skip_tokenizer_init=skip_tokenizer_init,
             async_scheduling=async_scheduling,
+            preemption_mode=preemption_mode,
+            swap_space=swap_space,
         )
         # tensor_parallel_size > 1: this process is rank 0 and drives; the other ranks are
         # spawned processes (qserve.distributed.launcher), stopped by shutdown() or at exit.

@@ -14,6 +14,10 @@ the device; its sampled ids are copied to pinned host memory behind a CUDA event
 still in flight has input positions whose token the host does not know yet (the scheduler's
 placeholders): they are filled on the device from the previous step's sampled ids, so no token
 makes a round trip through the host. ``execute`` is ``launch(...).result()``.
+
+Swap preemption: a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` are copied by the
+``KVSwapper`` (``enable_swap``) at the start of ``launch``, before anything of the step's forward
+is enqueued (qserve.runner.kv_swap says why that order is enough, with or without a step in flight).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from qserve.config import ModelConfig
 from qserve.layers.rotary import ntk_alpha_indices
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.cuda_graphs import DecodeGraphs
+from qserve.runner.kv_swap import KVSwapper
 from qserve.runner.sampler import (
     PROMPT_LOGPROBS_CHUNK_ROWS,
     Sampler,
@@ -160,6 +165,7 @@ class ModelRunner:
         self.valid_vocab_size = valid_vocab_size
         self.sampler = Sampler(seed=seed, valid_vocab_size=valid_vocab_size)
         self.decode_graphs: DecodeGraphs | None = None
+        self.kv_swapper: KVSwapper | None = None  # swap preemption's host pool (enable_swap)
         # Qwen v1 dynamic NTK: how many rotary tables the model holds (1: none to pick from).
         self.num_ntk_tables = getattr(getattr(model, "rotary", None), "num_ntk_tables", 1)
 
@@ -167,6 +173,11 @@ class ModelRunner:
         """Ids at or past ``valid_vocab_size`` (model rows beyond the tokenizer) are never
         sampled nor reported in logprobs or prompt logprobs; None lifts the mask."""
         self.valid_vocab_size = self.sampler.valid_vocab_size = valid_vocab_size
+
+    def enable_swap(self, num_host_blocks: int) -> KVSwapper:
+        """Allocate a host pool of ``num_host_blocks`` KV blocks (pinned on CUDA) for swap preemption."""
+        self.kv_swapper = KVSwapper(self.kv_caches, num_host_blocks, self.device)
+        return self.kv_swapper
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture CUDA graphs for pure-decode steps (after kernels are warm; before serving)."""
@@ -183,6 +194,14 @@ class ModelRunner:
     def launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Enqueue one step; ``previous`` is the step still in flight, whose sampled ids are the
         inputs this step's scheduler left as placeholders."""
+        if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
+            swapper = self.kv_swapper
+            if swapper is None:
+                raise RuntimeError("the scheduler swapped KV blocks but this runner has no host pool (enable_swap)")
+            if scheduler_output.blocks_to_swap_out:  # first: this step may reuse the pages they free
+                swapper.swap_out(scheduler_output.blocks_to_swap_out)
+            if scheduler_output.blocks_to_swap_in:
+                swapper.swap_in(scheduler_output.blocks_to_swap_in)
         sequences = scheduler_output.sequences
         if not sequences:
             return LaunchedStep([])

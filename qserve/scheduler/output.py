@@ -51,10 +51,19 @@ class SchedulerOutput:
     # numpy int32 array [G, ceil(vocab / 32)]; bit j of word w allows token 32 w + j.
     grammar_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # Swap preemption (vLLM V0's names): (device block, host slot) pairs to copy to the host and
+    # (host slot, device block) pairs to copy back. The runner applies both before this step's
+    # forward, swap-outs first (a device block swapped out may be rewritten by this very step).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The preempted requests (a subset of preempted_request_ids) whose KV went to the host: they
+    # resume without recomputing, so their prompt logprobs are not sent again.
+    swapped_out_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.sequences
+        """Nothing for the runner: no sequence and no swap copy."""
+        return not (self.sequences or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 @dataclass(frozen=True, slots=True)

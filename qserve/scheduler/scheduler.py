@@ -8,6 +8,17 @@ and pages last. When pages run out for a running request, the newest running req
 preempted by recompute (its pages are freed; it goes back to the FRONT of the waiting queue
 and later recomputes its prompt and the outputs it had so far).
 
+Swap preemption (``set_preemption_mode("swap" | "auto", ...)``, vLLM V0's ``preemption_mode``):
+the victim's computed blocks are given host slots (``HostSwapSpace``) and listed in
+``SchedulerOutput.blocks_to_swap_out``; its device pages are freed and it waits at the front of
+the queue as SWAPPED. When it is admitted again it gets new device pages, listed with its slots in
+``blocks_to_swap_in``, and resumes where it stopped: nothing is recomputed. The runner makes the
+copies before the step's forward. A victim falls back to recompute when it has no computed KV,
+when the host slots run out, or (``auto``) when ``SwapCost`` says recomputing is cheaper. Blocks
+shared with other requests (prefix-cache hits) are copied like the others and the request's
+reference dropped; swapped back in, they are private copies (re-registered in the prefix cache
+only where no other block holds their hash).
+
 Tenants (``set_tenants``; off by default, and then nothing above changes): requests carry the
 tenant of the API key that sent them. Seats are shared by weight: the next waiting request
 comes from the tenant with the fewest running sequences per unit of weight (FCFS within a
@@ -42,6 +53,7 @@ from qserve.request import Request, RequestStatus
 from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from qserve.scheduler.request_queue import RequestQueue
+from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +97,32 @@ class Scheduler:
         self.tenant_weights: dict[str | None, float] = {}  # empty: no tenants, plain FCFS
         self.tenant_max_running: dict[str | None, int] = {}
         self.default_tenant_weight = 1.0  # requests of tenants not listed (e.g. no tenant)
+        # Preemption: "recompute" unless set_preemption_mode says otherwise.
+        self.preemption_mode = "recompute"
+        self.swap_space: HostSwapSpace | None = None
+        self.swap_cost: SwapCost | None = None
+        self.num_swapped_out = 0  # preemptions that went to the host (qserve:num_swapped_out_total)
+        self.num_swapped_in = 0
+        self._blocks_to_swap_out: list[tuple[int, int]] = []  # this step's, see SchedulerOutput
+        self._blocks_to_swap_in: list[tuple[int, int]] = []
+        self._swapped_out_ids: list[str] = []
+
+    # ---------------------------------------------------------------- preemption mode
+    def set_preemption_mode(
+        self, mode: str, swap_space: HostSwapSpace | None = None, swap_cost: SwapCost | None = None
+    ) -> None:
+        """``recompute`` (default), ``swap`` (needs ``swap_space``) or ``auto`` (needs both: swap
+        where ``swap_cost`` says it is cheaper). Only while no request is swapped out."""
+        check_preemption_mode(mode)
+        if mode != "recompute" and swap_space is None:
+            raise ValueError(f"preemption_mode={mode!r} needs a host swap space (swap_space > 0)")
+        if mode == "auto" and swap_cost is None:
+            raise ValueError("preemption_mode='auto' needs a swap cost estimate")
+        if self.swap_space is not None and self.swap_space.num_swapped:
+            raise RuntimeError("set_preemption_mode: requests are swapped out")
+        self.preemption_mode = mode
+        self.swap_space = swap_space if mode != "recompute" else None
+        self.swap_cost = swap_cost
 
     # ---------------------------------------------------------------- tenants
     def set_tenants(self, weights: Mapping[str, float], max_running: Mapping[str, int | None] | None = None) -> None:
@@ -183,6 +221,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        """Waiting requests whose KV is in host memory (counted in ``num_waiting`` too)."""
+        return 0 if self.swap_space is None else self.swap_space.num_swapped
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -226,6 +269,8 @@ class Scheduler:
             self._remove_running(request)
         else:
             self.waiting.remove(request_id)
+            if self.swap_space is not None:
+                self.swap_space.release(request_id)  # its host slots (only copies still to come read them)
         self.kv_cache_manager.free(request)
         request.status = status
         self._finished_ids.append(request_id)
@@ -298,8 +343,12 @@ class Scheduler:
                     self._finish_for_capacity(request)
                     capacity_finished_ids.append(request.request_id)
                     continue
-                assert request.num_computed_tokens == 0, "a waiting request holds no KV"
-                computed_blocks, num_computed = kv.get_computed_blocks(request)
+                swapped = request.status == RequestStatus.SWAPPED
+                if swapped:  # its KV comes back from the host: no prefix-cache lookup, nothing recomputed
+                    computed_blocks, num_computed = [], request.num_computed_tokens
+                else:
+                    assert request.num_computed_tokens == 0, "a waiting request holds no KV"
+                    computed_blocks, num_computed = kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_computed, budget)
                 reserve = 0  # an idle model admits whatever fits
                 if self.running:
@@ -309,14 +358,22 @@ class Scheduler:
                 self.waiting.remove(request.request_id)  # O(1), wherever the tenant pick took it from
                 if self.tenant_weights:
                     running_by_tenant[request.tenant] = running_by_tenant.get(request.tenant, 0) + 1
-                request.num_computed_tokens = num_computed
-                request.num_cached_tokens = num_computed
+                if swapped:
+                    self._swap_in(request)
+                else:
+                    request.num_computed_tokens = num_computed
+                    request.num_cached_tokens = num_computed
                 request.status = RequestStatus.RUNNING
                 bisect.insort(self.running, request, key=_arrival)
                 sequences.append(self._scheduled(request, num_new))
                 budget -= num_new
 
         finished_ids, self._finished_ids = self._finished_ids, []
+        swap_out, self._blocks_to_swap_out = self._blocks_to_swap_out, []
+        swap_in, self._blocks_to_swap_in = self._blocks_to_swap_in, []
+        swapped_out_ids, self._swapped_out_ids = self._swapped_out_ids, []
+        if self.swap_space is not None:
+            self.swap_space.end_step()
         if self.async_scheduling:
             for seq in sequences:  # the step counts as done; its sampled tokens as placeholders
                 request = self.requests[seq.request_id]
@@ -329,6 +386,9 @@ class Scheduler:
             preempted_request_ids=preempted_ids,
             finished_request_ids=finished_ids,
             capacity_finished_request_ids=capacity_finished_ids,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+            swapped_out_request_ids=swapped_out_ids,
         )
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
@@ -406,14 +466,49 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: drop its KV and put it back in the waiting queue (FCFS position)."""
-        self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        """Preempt by swap where the mode and the host slots allow, else by recompute (drop its
+        KV); either way it goes back to the waiting queue (FCFS position)."""
         request.num_preemptions += 1
+        if self._swap_out(request):
+            request.status = RequestStatus.SWAPPED
+        else:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
         # Front of the queue, but behind any older waiting request (keeps FCFS by arrival).
         self.waiting.push_front_by_arrival(request)
         logger.debug("preempted request %s (preemption #%d)", request.request_id, request.num_preemptions)
+
+    def _swap_out(self, request: Request) -> bool:
+        """Give the request's computed blocks host slots and free its device pages; False (nothing
+        changed) when it is to be recomputed instead."""
+        space = self.swap_space
+        if space is None or request.num_computed_tokens == 0:
+            return False
+        kv = self.kv_cache_manager
+        num_blocks = kv.num_blocks_for(request.num_computed_tokens)  # blocks holding computed KV
+        if self.preemption_mode == "auto":
+            assert self.swap_cost is not None
+            if not self.swap_cost.prefer_swap(num_blocks, request.num_computed_tokens):
+                return False
+        slots = space.swap_out(request.request_id, num_blocks)
+        if slots is None:  # the host pool is full
+            return False
+        table = kv.block_table(request.request_id)
+        assert len(table) >= num_blocks, "a running request's table covers its computed tokens"
+        self._blocks_to_swap_out.extend(zip(table[:num_blocks], slots))
+        self._swapped_out_ids.append(request.request_id)
+        self.num_swapped_out += 1
+        kv.free(request)  # after the pairs are taken: free() drops the table
+        return True
+
+    def _swap_in(self, request: Request) -> None:
+        """Pair the request's host slots with the head of its new block table (just allocated)."""
+        assert self.swap_space is not None
+        slots = self.swap_space.swap_in(request.request_id)
+        table = self.kv_cache_manager.block_table(request.request_id)
+        self._blocks_to_swap_in.extend(zip(slots, table))
+        self.num_swapped_in += 1
 
     def _remove_running(self, request: Request) -> None:
         """Remove from ``running`` by binary search on arrival (``list.remove`` scanned it)."""

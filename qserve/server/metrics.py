@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from qserve.engine.async_engine import AsyncEngine
 from qserve.outputs import RequestOutput
+from qserve.server.swap_metrics import SwapCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -86,7 +87,7 @@ class _HostCollector(Collector):
         )
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=labels)
         preemptions = CounterMetricFamily(
-            "vllm:num_preemptions", "Sequences preempted (KV dropped, recomputed later).", labels=labels
+            "vllm:num_preemptions", "Sequences preempted (recomputed, or swapped to host memory).", labels=labels
         )
         cache_info = GaugeMetricFamily(
             "vllm:cache_config_info",
@@ -215,6 +216,7 @@ class ServerMetrics:
             registry=r,
         )
         self.registry.register(_HostCollector(host))
+        self.registry.register(SwapCollector(host))  # swap preemption's series
 
     # RequestListener --------------------------------------------------------------
     def on_first_token(self, model: str, seconds: float, num_prompt_tokens: int) -> None:
