@@ -26,8 +26,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="schedule the next step while the current one runs (default: off, as in vLLM)",
+        default=True,
+        help="schedule the next step while the current one runs (default: on; --no-async-scheduling: off)",
     )
     parser.add_argument(
         "--tensor-parallel-size",

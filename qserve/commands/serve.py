@@ -65,9 +65,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="schedule and launch the next step while the current one runs on the device (default: off, "
-        "as in vLLM; docs/async_scheduling.md says why)",
+        default=True,
+        help="schedule and launch the next step while the current one runs on the device (default: on; "
+        "--no-async-scheduling for the synchronous order; docs/async_scheduling.md)",
     )
     # -- swap preemption (issue 17) --
     parser.add_argument(

@@ -560,7 +560,7 @@ class HostConfig:
     gpu_memory_budget: str | None = None  # bytes with a unit or a fraction; None: the planner's default
     num_kv_blocks: int | None = None  # pages of the shared pool, overriding the budget
     enforce_eager: bool = False  # no CUDA graphs
-    async_scheduling: bool = False  # schedule step N+1 while step N runs (EngineConfig.async_scheduling)
+    async_scheduling: bool = True  # schedule step N+1 while step N runs (EngineConfig.async_scheduling)
     # Swap preemption (EngineConfig.preemption_mode); swap_space is GiB of host memory for the
     # whole process, split evenly between the hosted models.
     preemption_mode: str = "recompute"

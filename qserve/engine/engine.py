@@ -6,8 +6,8 @@ grammar bitmasks of a step's sampling sequences and advance their matchers (the 
 library itself stays in ``qserve.structured.grammar``). Must not know: HTTP, asyncio, or how
 kernels compute. The server drives ``add_request`` / ``abort_request`` / ``step``.
 
-Async scheduling (``EngineConfig.async_scheduling``, vLLM's ``--async-scheduling``; off by
-default, as in vLLM): ``step()`` schedules step N+1 and launches it while step N still runs on the device
+Async scheduling (``EngineConfig.async_scheduling``, vLLM's ``--async-scheduling``; on by
+default): ``step()`` schedules step N+1 and launches it while step N still runs on the device
 (the scheduler assumes every sampling sequence of step N gets its token; the runner takes those
 tokens from the device), then waits for step N's sampled ids and does its host work (scheduler
 update, detokenization, stop checks, outputs) while the device runs step N+1. So each
@@ -101,8 +101,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     skip_tokenizer_init: bool = False  # token-id prompts in, token ids out, no text (vLLM's name)
     # Schedule and launch step N+1 while step N runs; process N's outputs meanwhile (vLLM's name).
-    # Off by default, as in vLLM, until its CUDA equivalence test passes (docs/async_scheduling.md).
-    async_scheduling: bool = False
+    # On by default since its CUDA equivalence test passed on the H200 (docs/async_scheduling.md).
+    async_scheduling: bool = True
     # Preemption (vLLM V0's names): "recompute" drops a preempted sequence's KV; "swap" copies it to
     # a host pool of swap_space GiB (pinned on CUDA) and back; "auto" swaps where that is cheaper.
     preemption_mode: str = "recompute"

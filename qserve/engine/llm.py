@@ -35,7 +35,7 @@ class LLM:
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
         skip_tokenizer_init: bool = False,
-        async_scheduling: bool = False,
+        async_scheduling: bool = True,
         preemption_mode: str = "recompute",
         swap_space: float = 4.0,
     ) -> None:

@@ -44,15 +44,15 @@ def test_vllm_flags_shape_the_host(checkpoints, tmp_path):
         str(tmp_path / "gen"),
         "--log-level",
         "INFO",
-        "--async-scheduling",
+        "--no-async-scheduling",
     )
     assert args.log_level == "INFO" and args.tensor_parallel_size == 1
-    assert serve_args("m").async_scheduling is False  # off by default, as in vLLM
+    assert serve_args("m").async_scheduling is True  # on by default (its CUDA equivalence test passes)
     host = build_host_factory(args)()
     (hosted,) = host.models.values()
     assert hosted.name == "chat"
     assert hosted.engine.config.enable_prefix_caching is False
-    assert hosted.engine.async_scheduling is True
+    assert hosted.engine.async_scheduling is False  # the flag reaches the engine
     assert hosted.engine.tokenizer.chat_template == template.read_text()
     assert hosted.sampling_defaults == {"temperature": 0.25, "top_k": 7, "max_tokens": 9}
 
