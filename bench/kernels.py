@@ -242,10 +242,13 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
             sweep_log.append({"shape": name, "m": m, "cfg": cfg.short(), "cfg_repr": repr(cfg), "us": t, "err": err})
             if t is None:
                 print(f"  WRONG {name} M={m} {cfg.short()}: rel err {err:.2e}", flush=True)
+                if cfg == default:  # the dispatch itself is wrong: the run will end non-zero
+                    row["default_wrong"] = True
                 continue
             timed.append((t, cfg, err))
         if not timed:  # reported, not fatal: the other rows still get measured
             print(f"  NO CORRECT CONFIG {name} M={m}: row skipped", flush=True)
+            rows.append({**row, "no_correct_config": True})
             continue
         timed.sort(key=lambda r: r[0])
         retimed = []
@@ -256,7 +259,7 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
             retimed.append((graph_us(calls), cfg, err))
         best = min(retimed, key=lambda r: r[0])
         default_t = next((t for t, c, _ in retimed if c == default), None)
-        if default_t is None:
+        if default_t is None and not row.get("default_wrong"):
             calls = [
                 lambda w=w, c=c, x=x, d=default: mma.w4a16_gemm(x, w, None, d, c) for w, c in zip(copies, counters)
             ]
@@ -277,7 +280,8 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
             return f"{row[key] / row['us']:.2f}x" if row.get(key) else "n/a"
 
         print(
-            f"{name:8s} M={m:5d} new {best[0]:8.1f}us [{best[1].short()}] dflt {default_t:8.1f}us  "
+            f"{name:8s} M={m:5d} new {best[0]:8.1f}us [{best[1].short()}] "
+            f"dflt {f'{default_t:8.1f}us' if default_t else '   WRONG'}  "
             f"cuBLAS {t_cublas:8.1f}us ({ratio('cublas_us')})  old {ratio('old_us')}  gemlite {ratio('gemlite_us')}  "
             f"tiny {ratio('tiny_us')}  floor {100 * row['floor_us'] / best[0]:5.1f}%  err {best[2]:.1e}  "
             f"({time.time() - t_start:.0f}s)",
@@ -375,12 +379,16 @@ def write_table(path: str, rows: list[dict], bw: float, header: str) -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r.get("no_correct_config"):
+            lines.append(f"| {r['shape']} {r['K']}x{r['N']} | {r['M']} | WRONG: no correct config |" + " |" * 11)
+            continue
         us = r["us"]
+        default = f"{r['default_us']:.1f}" if r.get("default_us") else "WRONG"
         lines.append(
             f"| {r['shape']} {r['K']}x{r['N']} | {r['M']} | {us:.1f} | {r['cublas_us'] / us:.2f} | "
             f"{f(r.get('old_us') and r['old_us'] / us, '{:.2f}')} | {f(r.get('gemlite_us') and r['gemlite_us'] / us, '{:.2f}')} | "
             f"{f(r.get('tiny_us') and r['tiny_us'] / us, '{:.2f}')} | {100 * r['floor_us'] / us:.0f} | "
-            f"{r['cublas_us']:.1f} | {f(r.get('old_us'))} | {f(r.get('gemlite_us'))} | {r['default_us']:.1f} "
+            f"{r['cublas_us']:.1f} | {f(r.get('old_us'))} | {f(r.get('gemlite_us'))} | {default} "
             f"[{r['default_cfg']}] | {r['err']:.1e} | {r['cfg']} |"
         )
     with open(path, "w") as fh:
@@ -429,13 +437,21 @@ def main() -> None:
             json.dump({"rows": rows, "sweep": sweep_log, "copy_bw": bw, "ptx": ptx, "header": header}, fh, indent=1)
         write_table(args.out, rows, bw, header)
     print("\nshape       M   new µs  xcuBLAS   xold  xGemLite  default")
+    wrong = [r for r in rows if r.get("default_wrong") or r.get("no_correct_config")]
+    rows = [r for r in rows if not r.get("no_correct_config")]
     for r in rows:
         old_x = f"{r['old_us'] / r['us']:.2f}" if r.get("old_us") else "n/a"
         gem_x = f"{r['gemlite_us'] / r['us']:.2f}" if r.get("gemlite_us") else "n/a"
         print(
             f"{r['shape']:8s} {r['M']:5d} {r['us']:8.1f} {r['cublas_us'] / r['us']:7.2f} {old_x:>6s} {gem_x:>8s}"
             f"  {r['cublas_us'] / r['default_us']:.2f} [{r['default_cfg']}]"
+            if r["default_us"]
+            else "  WRONG"
         )
+    if wrong:  # a dispatch that computes the wrong product fails the run, after the other rows
+        for r in wrong:
+            print(f"WRONG DEFAULT DISPATCH: {r['shape']} M={r['M']}", flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -153,8 +153,13 @@ def main() -> None:
         write_random_gptq(ckpt, shape)
     cuda = torch.cuda.is_available()
     budget = args.budget if cuda else None
-    llm = LLM(
-        str(ckpt), device="cuda" if cuda else "cpu", gpu_memory_budget=budget, max_model_len=4096, max_num_seqs=256
+    llm = LLM(  # synchronous order: each timed step() is that step's own work
+        str(ckpt),
+        device="cuda" if cuda else "cpu",
+        gpu_memory_budget=budget,
+        max_model_len=4096,
+        max_num_seqs=256,
+        async_scheduling=False,
     )
     engine = llm.engine
     gen = torch.Generator().manual_seed(17)

@@ -69,6 +69,7 @@ from qserve.engine.async_engine import AsyncEngine, HostConfig, ModelSpec, Reque
 from qserve.engine.engine import Engine  # noqa: E402
 from qserve.memory.planner import parse_memory_budget  # noqa: E402
 from qserve.sampling_params import SamplingParams  # noqa: E402
+from qserve.scheduler.swap import PREEMPTION_MODES  # noqa: E402
 
 MODEL = "bench"
 GIB = 2**30
@@ -496,7 +497,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="default 4096 (512 with --small)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule step N+1 while step N runs (default: on, as the engine)",
+    )
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (overrides the budget)")
     parser.add_argument(
         "--watermark", type=float, default=None, help="share of KV pages admission keeps free (default: the engine's)"
@@ -507,7 +513,7 @@ def main() -> None:
     # -- preemption (issue 17, item 6) --
     parser.add_argument(
         "--preemption-mode",
-        choices=("recompute", "swap", "auto"),
+        choices=PREEMPTION_MODES,
         default="recompute",
         help="how preempted sequences come back: recompute, swap (KV to pinned host memory) or auto",
     )

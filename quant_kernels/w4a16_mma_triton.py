@@ -16,7 +16,8 @@ compiler resolves to no data movement (tests/kernels/test_w4a16_ptx.py checks th
 shared-memory stores). Scales: when a K-tile lies in one group and the config says so, once
 per tile on the fp32 partial (``acc += dot(q, x^T) * s``: cheapest at decode); else on the weight
 values (``scale_w``; always when a tile holds several groups), which lets the MMAs chain on one
-accumulator and run asynchronously under the next tile's dequant (wins at M >= 128). Scales and
+accumulator and run asynchronously under the next tile's dequant (no default config picks it
+since 64-deep K-tiles with it were found to race on the H200: bench/RESULTS.md). Scales and
 zeros are 2 bytes per thread, too narrow for the pipeliner's cp.async path, so the kernel loads
 them one K-tile ahead into registers itself (``prefetch``; loaded at use they cost one DRAM
 latency per K-tile: the decode kernel was latency-bound on them). Asymmetric zeros are

@@ -20,6 +20,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from qserve.scheduler.swap import PREEMPTION_MODES, check_tensor_parallel_preemption  # pure Python, no torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -72,7 +74,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     # -- swap preemption (issue 17) --
     parser.add_argument(
         "--preemption-mode",
-        choices=("recompute", "swap", "auto"),
+        choices=PREEMPTION_MODES,
         default="recompute",
         help="when KV pages run out: recompute the preempted sequence later (default), swap its KV to pinned "
         "host memory and back, or auto (swap where the estimated copy time is below the recompute time)",
@@ -382,8 +384,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     preemption_mode = getattr(args, "preemption_mode", "recompute")
     if getattr(args, "swap_space", 4.0) < 0:
         raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space}")
-    if preemption_mode != "recompute" and tensor_parallel_size > 1:
-        raise ValueError(f"--preemption-mode {preemption_mode} is not supported with --tensor-parallel-size > 1")
+    check_tensor_parallel_preemption(preemption_mode, tensor_parallel_size, "--preemption-mode")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     pairs = apply_served_model_names(parse_model_args(values), getattr(args, "served_model_name", None))

@@ -37,6 +37,7 @@ from qserve.engine.engine import Engine, EngineConfig, PromptInput, resolve_devi
 from qserve.outputs import RequestOutput
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.kv_events import KVEvent, KVEventRecorder
+from qserve.scheduler.swap import check_tensor_parallel_preemption
 
 logger = logging.getLogger(__name__)
 
@@ -671,10 +672,7 @@ def build_tensor_parallel_engine(
     from qserve.distributed.launcher import launch_engine
 
     _check_kv_cache_dtype(config)
-    if config.preemption_mode != "recompute":
-        raise ValueError(
-            f"--preemption-mode {config.preemption_mode} is not supported with tensor parallelism; use recompute"
-        )
+    check_tensor_parallel_preemption(config.preemption_mode, tensor_parallel_size, "--preemption-mode")
     if model.min_share is not None or model.max_share is not None:
         raise ValueError(f"model {model.name!r}: pool shares need a shared pool; a tensor-parallel model has its own")
     engine_config = EngineConfig(

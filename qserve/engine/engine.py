@@ -63,7 +63,7 @@ from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
-from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode
+from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode, check_tensor_parallel_preemption
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
 
@@ -223,10 +223,7 @@ class Engine:
             raise ValueError("Engine: block_pool and kv_caches must be given together (a shared pool) or not at all")
         if tp is not None and block_pool is not None:
             raise ValueError("Engine: a tensor-parallel engine cannot draw from a shared block pool")
-        if tp is not None and config.preemption_mode != "recompute":
-            raise ValueError(
-                f"preemption_mode={config.preemption_mode!r} is not supported with tensor parallelism; use 'recompute'"
-            )
+        check_tensor_parallel_preemption(config.preemption_mode, 1 if tp is None else tp.size)
         # Tensor parallel (qserve.distributed.launcher builds one Engine per rank): the model is
         # this rank's shard, KV caches and the memory plan are per rank.
         self.tp = tp
@@ -352,10 +349,12 @@ class Engine:
         self._arrival = itertools.count()
         # Async scheduling: the step launched by the previous step() call, not yet processed, and
         # the requests (group ids) whose steps must run in the synchronous order.
-        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None  # (.., launch time)
+        # auto preemption in the async order: when the previous step's sampled ids arrived
+        self._last_result_time: float | None = None
         self._sync_only: set[str] = set()
         if config.async_scheduling and tp is not None:
-            logger.info("tensor parallelism: async scheduling is off (steps run in the synchronous order)")
+            logger.debug("tensor parallelism: async scheduling is off (steps run in the synchronous order)")
         self.num_preemptions = 0  # sequences preempted since start (vllm:num_preemptions_total)
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
@@ -394,7 +393,7 @@ class Engine:
         )
 
     def _observe_step_time(self, num_tokens: int, seconds: float) -> None:
-        """auto preemption: the per-token prefill cost, from synchronous steps of many tokens."""
+        """auto preemption: the per-token prefill cost, from steps of many tokens."""
         cost = self.swap_cost
         if cost is None or num_tokens < RECOMPUTE_COST_MIN_TOKENS:
             return
@@ -625,7 +624,9 @@ class Engine:
         self._pending_outputs.clear()
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and self._sync_only:
-            self._process_step(in_flight[0], in_flight[1].result(), touched, finished_only, ())  # next step needs them
+            self._process_step(
+                in_flight[0], self._result(in_flight), touched, finished_only, ()
+            )  # next step needs them
             in_flight = None
         scheduler_output = self.scheduler.schedule()
         self._on_scheduled(scheduler_output, touched)
@@ -633,11 +634,24 @@ class Engine:
             if len(self._grammar_matchers):
                 scheduler_output = self._with_grammar_bitmask(scheduler_output)
             previous = None if in_flight is None else in_flight[1]
-            self._in_flight = (scheduler_output, self.runner.launch(scheduler_output, previous))
+            launched_at = time.perf_counter()
+            self._in_flight = (scheduler_output, self.runner.launch(scheduler_output, previous), launched_at)
         if in_flight is not None:  # requests preempted by recompute send their prompt logprobs again
             preempted = set(scheduler_output.preempted_request_ids) - set(scheduler_output.swapped_out_request_ids)
-            self._process_step(in_flight[0], in_flight[1].result(), touched, finished_only, preempted)
+            self._process_step(in_flight[0], self._result(in_flight), touched, finished_only, preempted)
         return self._collect_outputs(touched, finished_only)
+
+    def _result(self, in_flight: tuple[SchedulerOutput, LaunchedStep, float]) -> RunnerOutput:
+        """Wait for a launched step's sampled ids. The step ran from its launch, or from the arrival
+        of the previous step's ids if that came later, until its own ids arrived: auto preemption
+        learns its per-token cost from that span (the only host-side view of a step's time here)."""
+        scheduler_output, launched, launched_at = in_flight
+        output = launched.result()
+        now = time.perf_counter()
+        last, self._last_result_time = self._last_result_time, now
+        began = launched_at if last is None else max(launched_at, last)
+        self._observe_step_time(scheduler_output.num_batched_tokens, now - began)
+        return output
 
     def _on_scheduled(self, scheduler_output: SchedulerOutput, touched: dict[str, _Group]) -> None:
         """Engine bookkeeping of a new schedule: preemptions, first-scheduled times, sequences the

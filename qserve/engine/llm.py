@@ -14,6 +14,7 @@ from typing import Any
 from qserve.engine.engine import Engine, EngineConfig, PromptInput
 from qserve.outputs import RequestOutput
 from qserve.sampling_params import SamplingParams
+from qserve.scheduler.swap import check_tensor_parallel_preemption
 
 
 class LLM:
@@ -64,6 +65,7 @@ class LLM:
         self._tensor_parallel = None
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        check_tensor_parallel_preemption(preemption_mode, tensor_parallel_size)  # before any worker starts
         if tensor_parallel_size > 1:
             from qserve.distributed.launcher import launch_engine
 

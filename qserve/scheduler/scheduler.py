@@ -507,6 +507,7 @@ class Scheduler:
         assert self.swap_space is not None
         slots = self.swap_space.swap_in(request.request_id)
         table = self.kv_cache_manager.block_table(request.request_id)
+        assert len(table) >= len(slots), "the new table covers every swapped-out block"
         self._blocks_to_swap_in.extend(zip(slots, table))
         self.num_swapped_in += 1
 

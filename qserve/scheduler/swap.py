@@ -31,6 +31,13 @@ def check_preemption_mode(mode: object) -> str:
     return mode  # type: ignore[return-value]
 
 
+def check_tensor_parallel_preemption(mode: str, tensor_parallel_size: int, flag: str = "preemption_mode") -> None:
+    """Tensor-parallel engines preempt by recompute only (the KV copies are per rank): a ValueError
+    naming ``flag`` otherwise, raised before any worker process starts."""
+    if mode != "recompute" and tensor_parallel_size > 1:
+        raise ValueError(f"{flag} {mode!r} is not supported with tensor parallelism; use 'recompute'")
+
+
 class HostSwapSpace:
     """Free host slots (a min-heap: lowest id first) and the slots each swapped request holds."""
 

@@ -101,8 +101,9 @@ def test_a_full_host_pool_falls_back_to_recompute(llama_path, workload):
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks and _host_slots_free(engine)
 
 
-def test_aborting_a_swapped_request_frees_its_host_slots(llama_path):
-    engine = _engine(llama_path, "swap", max_num_batched_tokens=64)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_aborting_a_swapped_request_frees_its_host_slots(llama_path, async_scheduling):
+    engine = _engine(llama_path, "swap", async_scheduling, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for i in range(6):
         engine.add_request(f"r{i}", {"prompt_token_ids": PROMPT[i:]}, params)
@@ -155,7 +156,19 @@ def test_serve_flags_are_checked_before_loading(tmp_path):
         serve.build_host_factory(args)
 
 
-def test_swapped_mid_prefill_sends_each_prompt_logprob_once(llama_path):
+def test_llm_refuses_swap_with_tensor_parallel_before_starting_workers(llama_path, monkeypatch):
+    from qserve.distributed import launcher
+
+    def no_launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("worker processes were started before the refusal")
+
+    monkeypatch.setattr(launcher, "launch_engine", no_launch)
+    with pytest.raises(ValueError, match="preemption_mode 'swap' is not supported with tensor parallelism"):
+        LLM(llama_path, device="cpu", tensor_parallel_size=2, preemption_mode="swap")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_swapped_mid_prefill_sends_each_prompt_logprob_once(llama_path, async_scheduling):
     """A prompt-logprobs request swapped out halfway through its chunked prefill resumes there: its
     prompt logprobs are those of an unpressured run, none sent twice or lost."""
     long_prompt = {"prompt_token_ids": list(range(100, 160))}  # 15 of the 24 blocks
@@ -163,7 +176,7 @@ def test_swapped_mid_prefill_sends_each_prompt_logprob_once(llama_path):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plp_params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
     roomy = LLM(llama_path, device="cpu", dtype="float32").generate([long_prompt, plp_prompt], [params, plp_params])
-    engine = _engine(llama_path, "swap", max_num_batched_tokens=8)
+    engine = _engine(llama_path, "swap", async_scheduling, max_num_batched_tokens=8)
     swapped_at = []
     schedule = engine.scheduler.schedule
 
@@ -184,9 +197,12 @@ def test_swapped_mid_prefill_sends_each_prompt_logprob_once(llama_path):
 
 
 @pytest.mark.parametrize(("bandwidth", "swaps"), [(1e15, True), (1.0, False)], ids=["fast-link", "slow-link"])
-def test_auto_measures_its_costs_and_follows_them(llama_path, workload, bandwidth, swaps):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_auto_measures_its_costs_and_follows_them(llama_path, workload, bandwidth, swaps, async_scheduling):
+    """Both orders learn the per-token recompute cost (the async one from the time between two
+    chained steps' results)."""
     requests, unpressured = workload
-    engine = _engine(llama_path, "auto", max_num_batched_tokens=64)
+    engine = _engine(llama_path, "auto", async_scheduling, max_num_batched_tokens=64)
     cost = engine.swap_cost
     assert cost is engine.scheduler.swap_cost and cost.bandwidth_bytes_per_s > 0  # measured at start-up
     default_per_token = cost.recompute_seconds_per_token
