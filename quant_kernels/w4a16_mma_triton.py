@@ -311,40 +311,26 @@ def w4a16_mma_kernel(
     )
     for kt in range(kt_start, kt_end):
         k0 = kt * BLOCK_K
+        # With the prefetch, the next tile's (the last tile re-reads its own: an L2 hit); else its own.
+        kt_params = tl.minimum(kt + 1, kt_last) if PREFETCH else kt
+        s_new, z_new = _group_params(
+            scales_ptr,
+            zeros_ptr,
+            kt_params,
+            offs_n,
+            mask_n,
+            K,
+            group_size,
+            stride_sg,
+            stride_zg,
+            HAS_ZEROS,
+            NG,
+            SCALE_W,
+            BLOCK_N,
+            BLOCK_K,
+        )
         if not PREFETCH:
-            s_cur, z_cur = _group_params(
-                scales_ptr,
-                zeros_ptr,
-                kt,
-                offs_n,
-                mask_n,
-                K,
-                group_size,
-                stride_sg,
-                stride_zg,
-                HAS_ZEROS,
-                NG,
-                SCALE_W,
-                BLOCK_N,
-                BLOCK_K,
-            )
-        else:  # the next tile's (the last tile re-reads its own: an L2 hit)
-            s_new, z_new = _group_params(
-                scales_ptr,
-                zeros_ptr,
-                tl.minimum(kt + 1, kt_last),
-                offs_n,
-                mask_n,
-                K,
-                group_size,
-                stride_sg,
-                stride_zg,
-                HAS_ZEROS,
-                NG,
-                SCALE_W,
-                BLOCK_N,
-                BLOCK_K,
-            )
+            s_cur, z_cur = s_new, z_new
         wt = _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype, FAST)  # [BN, BK]
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         mask_k = offs_k < K
