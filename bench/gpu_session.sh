@@ -4,9 +4,10 @@
 # its share and the next still runs; every stage writes its markdown to OUT_DIR.
 #   PYTHONPATH=. bash bench/gpu_session.sh "$OUT" [stages]
 # stages (comma-separated, default all but preempt; they run in this order): gputests, http, overlap, profile,
-# serving, serving_async, preempt, e2e (http needs the server's wheels on PYTHONPATH: fastapi, uvicorn, pydantic).
+# serving, serving_async, preempt, e2e, decode_pdl (http needs the server's wheels on PYTHONPATH: fastapi, uvicorn, pydantic).
 # preempt (two runs of up to 2 minutes: recompute vs swap preemption on a KV pool forced small) runs only
 # when named, e.g. `bash bench/gpu_session.sh "$OUT" preempt`: with it the default set would pass 10 minutes.
+# decode_pdl (decode-only e2e twice: QSERVE_ENABLE_PDL off, then on; quant_kernels.pdl) also only when named.
 set -u
 OUT=${1:?usage: gpu_session.sh OUT_DIR [stages]}
 STAGES=${2:-gputests,http,overlap,profile,serving,serving_async,e2e}
@@ -61,5 +62,12 @@ if has e2e; then
     stage "end to end: decode batch 1-128 and the offline 1,000-request workload"
     timeout 200 python3 bench/e2e.py --skip small,capacity --num-requests 1000 --tmp /tmp/qbe --out "$OUT/e2e.md" \
         2>&1 | grep -v USDT | tail -12
+fi
+if has decode_pdl; then
+    for pdl in 0 1; do
+        stage "end to end, decode batch 1-128, programmatic dependent launch QSERVE_ENABLE_PDL=$pdl"
+        QSERVE_ENABLE_PDL=$pdl timeout 150 python3 bench/e2e.py --skip small,capacity,offline --tmp /tmp/qbe \
+            --out "$OUT/decode_pdl$pdl.md" 2>&1 | grep -v USDT | tail -8
+    done
 fi
 stage done

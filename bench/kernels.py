@@ -158,7 +158,7 @@ def time_candidate(fn_one, calls, ref, m, n) -> tuple[float | None, float]:
     return graph_us(calls, rep=20, repeats=1), err
 
 
-def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, sweep_ms=None) -> None:
+def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, sweep_ms=None, pdl=False) -> None:
     k, n = SHAPES[name]
     weight, codes = make_weight(k, n, GROUP)
     dense = reference.dequantize(weight, torch.float16)  # [K, N]
@@ -264,6 +264,23 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
                 lambda w=w, c=c, x=x, d=default: mma.w4a16_gemm(x, w, None, d, c) for w, c in zip(copies, counters)
             ]
             default_t = graph_us(calls)
+        if pdl and not row.get("default_wrong"):  # the default again, every launch with PDL (sm90)
+            calls = [
+                lambda w=w, c=c, x=x, d=default: mma.w4a16_gemm(x, w, None, d, c, pdl=True)
+                for w, c in zip(copies, counters)
+            ]
+            t_pdl, err_pdl = time_candidate(
+                lambda out, x=x, d=default: mma.w4a16_gemm(x, new_w, None, d, counters[0], out=out, pdl=True),
+                calls,
+                ref,
+                m,
+                n,
+            )
+            if t_pdl is None:
+                print(f"  WRONG {name} M={m} default with PDL: rel err {err_pdl:.2e}", flush=True)
+                row["default_wrong"] = True
+            else:
+                row["pdl_us"] = graph_us(calls)
         floor_bytes = k * n // 2 + (k // GROUP) * n * 2 + m * k * 2 + m * n * 2
         row.update(
             us=best[0],
@@ -276,14 +293,16 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
         )
         rows.append(row)
 
-        def ratio(key: str, row: dict = row) -> str:
-            return f"{row[key] / row['us']:.2f}x" if row.get(key) else "n/a"
+        def ratio(key: str, over: str = "us", row: dict = row) -> str:
+            return f"{row[key] / row[over]:.2f}x" if row.get(key) else "n/a"
 
+        pdl_note = f"dflt+PDL {row['pdl_us']:.1f}us ({ratio('cublas_us', 'pdl_us')})" if row.get("pdl_us") else ""
         print(
             f"{name:8s} M={m:5d} new {best[0]:8.1f}us [{best[1].short()}] "
             f"dflt {f'{default_t:8.1f}us' if default_t else '   WRONG'}  "
             f"cuBLAS {t_cublas:8.1f}us ({ratio('cublas_us')})  old {ratio('old_us')}  gemlite {ratio('gemlite_us')}  "
             f"tiny {ratio('tiny_us')}  floor {100 * row['floor_us'] / best[0]:5.1f}%  err {best[2]:.1e}  "
+            f"{pdl_note}"
             f"({time.time() - t_start:.0f}s)",
             flush=True,
         )
@@ -375,21 +394,22 @@ def write_table(path: str, rows: list[dict], bw: float, header: str) -> None:
         header,
         "",
         "| shape (KxN) | M | new µs | xcuBLAS | xold | xGemLite | xtiny | % floor | cuBLAS µs | old µs | GemLite µs "
-        "| default µs | rel err | best config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| default µs | default+PDL µs (xcuBLAS) | rel err | best config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("no_correct_config"):
-            lines.append(f"| {r['shape']} {r['K']}x{r['N']} | {r['M']} | WRONG: no correct config |" + " |" * 11)
+            lines.append(f"| {r['shape']} {r['K']}x{r['N']} | {r['M']} | WRONG: no correct config |" + " |" * 12)
             continue
         us = r["us"]
         default = f"{r['default_us']:.1f}" if r.get("default_us") else "WRONG"
+        with_pdl = f"{r['pdl_us']:.1f} ({r['cublas_us'] / r['pdl_us']:.2f}x)" if r.get("pdl_us") else "n/a"
         lines.append(
             f"| {r['shape']} {r['K']}x{r['N']} | {r['M']} | {us:.1f} | {r['cublas_us'] / us:.2f} | "
             f"{f(r.get('old_us') and r['old_us'] / us, '{:.2f}')} | {f(r.get('gemlite_us') and r['gemlite_us'] / us, '{:.2f}')} | "
             f"{f(r.get('tiny_us') and r['tiny_us'] / us, '{:.2f}')} | {100 * r['floor_us'] / us:.0f} | "
             f"{r['cublas_us']:.1f} | {f(r.get('old_us'))} | {f(r.get('gemlite_us'))} | {default} "
-            f"[{r['default_cfg']}] | {r['err']:.1e} | {r['cfg']} |"
+            f"[{r['default_cfg']}] | {with_pdl} | {r['err']:.1e} | {r['cfg']} |"
         )
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
@@ -405,6 +425,9 @@ def main() -> None:
     ap.add_argument("--sweep-ms", default="", help="sweep only these M (others: built-in dispatch); default all")
     ap.add_argument("--ptx", action="store_true", help="also count st.shared in the sm90/sm86 PTX")
     ap.add_argument("--jobs", type=int, default=0, help="compile the kernel variants first in this many processes")
+    ap.add_argument(
+        "--pdl", action="store_true", help="also time the default with PDL launches (sm90; quant_kernels.pdl)"
+    )
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.md"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -431,7 +454,7 @@ def main() -> None:
     sweep_log: list[dict] = []
     t_start = time.time()
     for name in args.shapes.split(","):
-        bench_shape(name, ms, args.sweep, bw, rows, sweep_log, t_start, args.budget_s, peers, sweep_ms)
+        bench_shape(name, ms, args.sweep, bw, rows, sweep_log, t_start, args.budget_s, peers, sweep_ms, args.pdl)
         torch.cuda.empty_cache()
         with open(json_path, "w") as fh:  # partial results survive a timeout
             json.dump({"rows": rows, "sweep": sweep_log, "copy_bw": bw, "ptx": ptx, "header": header}, fh, indent=1)

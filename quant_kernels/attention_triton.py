@@ -67,6 +67,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from quant_kernels.pdl import launch_options
 
 # Under TRITON_INTERPRET=1 (CPU tests) bf16 tl.dot gives garbage in Triton 3.6's interpreter:
 # dots run in fp32 there.
@@ -230,7 +233,11 @@ def store_kv_kernel(
     KV_QUANT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
 ):
+    if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     blk = slot // block_size
@@ -309,7 +316,11 @@ def paged_attention_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_ALIBI: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
 ):
+    if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -439,6 +450,7 @@ def paged_attention_decode_packed_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,  # a power of two >= 64, contiguous in the cache
     USE_ALIBI: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
 ):
     """``paged_attention_decode_kernel`` for fp8 / int8 caches read as 32-bit words.
 
@@ -447,6 +459,9 @@ def paged_attention_decode_packed_kernel(
     partial dots add up to the full ``q . k``, and output slice ``j`` is stored to columns
     ``4 * c + j``.
     """
+    if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
+        gdc_wait()
+        gdc_launch_dependents()
     BLOCK_C: tl.constexpr = HEAD_DIM // 4
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -543,7 +558,11 @@ def paged_attention_reduce_kernel(
     stride_od,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
 ):
+    if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
@@ -832,6 +851,7 @@ def _reduce_splits(
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=2 if head_dim <= 128 else 4,
+        **launch_options(out.device),
     )
 
 
@@ -879,6 +899,7 @@ def store_kv(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=4 if block_h * block_d >= 1024 else 1,
+        **launch_options(key.device),
     )
 
 
@@ -983,6 +1004,7 @@ def paged_attention(
             BLOCK_N=block_n,
             num_warps=cfg.decode_num_warps,
             num_stages=cfg.decode_num_stages,
+            **launch_options(out.device),
         )
         grid = (num_seqs, num_kv_heads, num_splits)
         if packed is not None:

@@ -38,6 +38,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from quant_kernels.pdl import launch_options
 
 SILU_BLOCK = 1024
 ROTARY_TILE = 1024  # elements of query/key a rotary program handles (HPP * D)
@@ -63,7 +66,11 @@ def rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
 ):
+    if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
+        gdc_wait()
+        gdc_launch_dependents()
     i0 = tl.program_id(0).to(tl.int64)
     i1 = tl.program_id(1).to(tl.int64)
     row = i0 * n1 + i1  # outputs are contiguous [n0 * n1, H]
@@ -130,7 +137,11 @@ def rotary_kernel(
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HPP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
 ):
+    if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     pos = tl.load(POS + t).to(tl.int64)
@@ -145,7 +156,10 @@ def rotary_kernel(
 
 
 @triton.jit
-def silu_and_mul_kernel(GU, OUT, n_cols, stride_row, BLOCK: tl.constexpr):
+def silu_and_mul_kernel(GU, OUT, n_cols, stride_row, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -219,6 +233,7 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=False,
         BLOCK=block,
+        **launch_options(out.device),
         num_warps=_norm_warps(block),
     )
     return out
@@ -259,6 +274,7 @@ def fused_add_rms_norm(
         eps,
         HAS_RESIDUAL=True,
         BLOCK=block,
+        **launch_options(out.device),
         num_warps=_norm_warps(block),
     )
     return out, residual_out
@@ -315,6 +331,7 @@ def rotary_embedding(
         HALF=half,
         BLOCK_HALF=block_half,
         HPP=hpp,
+        **launch_options(q_out.device),
         num_warps=4 if hpp * block_half >= 256 else 1,
     )
     return q_out, k_out
@@ -341,6 +358,7 @@ def silu_and_mul(
         n_cols,
         gu.stride(0),
         BLOCK=block,
+        **launch_options(out.device),
         num_warps=4 if block >= 512 else 1,
     )
     return out

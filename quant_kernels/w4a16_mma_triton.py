@@ -44,8 +44,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quant_kernels.layout import PackedQuantWeight
+from quant_kernels.pdl import use_pdl
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_shuffle
 
 # Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and bf16 dots are unreliable in
@@ -191,6 +193,20 @@ def _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype,
 
 
 @triton.jit
+def _prefetch_l2(ptrs, nbytes):
+    """Bulk-prefetch ``nbytes`` (a multiple of 16) at each 16-byte-aligned address into L2
+    (sm90 ``cp.async.bulk.prefetch.L2``): no data reaches the program, nothing is written."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+        "=r,l,r",
+        [ptrs, tl.full(ptrs.shape, nbytes, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _group_params(
     scales_ptr,
     zeros_ptr,
@@ -272,6 +288,8 @@ def w4a16_mma_kernel(
     FAST: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREFETCH: tl.constexpr = True,  # group parameters loaded one K-tile ahead (else at use)
+    USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl): prefetch, then wait
+    PDL_TILES: tl.constexpr = 0,  # K-tiles of weights to prefetch into L2 before the wait
 ):
     dtype = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
@@ -286,6 +304,16 @@ def w4a16_mma_kernel(
     tiles_per_split = tl.cdiv(num_k_tiles, split_k)
     kt_start = pid_k * tiles_per_split
     kt_end = tl.minimum(kt_start + tiles_per_split, num_k_tiles)
+    if USE_PDL:
+        # The weights are read-only for the whole stream: their first tiles start streaming into
+        # L2 while the kernel before still runs. Everything else (x, the workspace, the counters,
+        # the output) only after the wait.
+        if PDL_TILES > 0 and kt_end > kt_start:
+            WORDS: tl.constexpr = BLOCK_K * 4 // (32 // BITS)  # int32 words of one K-tile per storage row
+            nbytes = tl.minimum(kt_end - kt_start, PDL_TILES) * (WORDS * 4)
+            _prefetch_l2(qw_ptr + rows * stride_qr + kt_start * WORDS, nbytes)  # [BLOCK_N / 4] rows
+        gdc_wait()
+        gdc_launch_dependents()
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The group parameters of a K-tile are 2-byte-per-thread loads, too narrow for the pipeliner's
@@ -496,11 +524,15 @@ def _fix(cfg: MmaConfig, m: int, k: int, n: int, group_size: int) -> MmaConfig:
     block_k = cfg.block_k
     if not _block_k_ok(block_k, group_size, k):
         block_k = 64 if _block_k_ok(64, group_size, k) else 128
-    block_n = max(cfg.block_n, 16 * cfg.num_warps)  # each warp owns >= 16 rows of the A operand
+    num_warps = cfg.num_warps
+    block_n = max(cfg.block_n, 16 * num_warps)  # each warp owns >= 16 rows of the A operand
+    if (-(-n // MMA_PAD_N) * MMA_PAD_N) % block_n:  # N is padded to 64 rows only and the weight loads
+        # are unmasked: a wider last tile would read past the stored weight
+        block_n, num_warps = MMA_PAD_N, min(num_warps, MMA_PAD_N // 16)
     split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
     if split > 1 and (block_n < MIN_SPLIT_BLOCK_N or triton.cdiv(m, cfg.block_m) > MAX_SPLIT_TILES_PER_N):
         split = 1
-    return dataclasses.replace(cfg, block_k=block_k, block_n=block_n, split_k=split)
+    return dataclasses.replace(cfg, block_k=block_k, block_n=block_n, num_warps=num_warps, split_k=split)
 
 
 def _pow2_at_most(v: float) -> int:
@@ -514,7 +546,11 @@ def default_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
     """Built-in dispatch table by M, written as rules from ``bench/kernels.py --sweep`` on an H200
     (Qwen2.5-14B shapes; bench/RESULTS.md), so other shapes get the same kind of launch. Split-K
     brings the program count to a per-M target (more programs, more weight bytes in flight)."""
-    if m <= 16:  # decode: 64-row tiles, 4 stages of 4 KB each, ~800 programs; 72 registers (the
+    if m == 1:  # one sequence: the third session's sweep picked this tile for all four Qwen2.5-14B
+        # layers at M=1 (1-7% ahead of the rule below), split-K to ~220-320 programs
+        cfg = MmaConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)
+        split = _pow2_at_most(330 / triton.cdiv(n, 128))
+    elif m <= 16:  # decode: 64-row tiles, 4 stages of 4 KB each, ~800 programs; 72 registers (the
         # prefetch alone needs 79 on sm90: 6 programs per SM instead of 7)
         cfg = MmaConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, max_regs=72)
         tiles = triton.cdiv(n, 64)
@@ -681,6 +717,7 @@ def w4a16_gemm(
     config: MmaConfig | None = None,
     counters: torch.Tensor | None = None,  # int32 [>= num_split_counters(N)], zeros; reused across calls
     out: torch.Tensor | None = None,  # [M, N]
+    pdl: bool | None = None,  # launch with PDL (None: QSERVE_ENABLE_PDL; quant_kernels.pdl)
 ) -> torch.Tensor:
     """``x[:, perm] @ dequant(weight) + bias`` on CUDA (or under TRITON_INTERPRET=1); ``[M, N]``."""
     m, k = x.shape
@@ -718,6 +755,9 @@ def w4a16_gemm(
     ng = 1 if (g % cfg.block_k == 0 or g >= k) else cfg.block_k // g
     grid = (num_pid_n, split, num_pid_m)
     launch_opts = {"maxnreg": cfg.max_regs} if cfg.max_regs and not _INTERPRET else {}
+    with_pdl = use_pdl(x.device, pdl)
+    if with_pdl:
+        launch_opts["launch_pdl"] = True
     w4a16_mma_kernel[grid](
         x,
         qw,
@@ -754,6 +794,8 @@ def w4a16_gemm(
         FAST=_fast_ok(weight.bits, x.dtype),
         DOT_F32=_INTERPRET,
         PREFETCH=cfg.prefetch,
+        USE_PDL=with_pdl,
+        PDL_TILES=cfg.num_stages if with_pdl else 0,  # what the pipeline's prologue asks for first
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_opts,
@@ -830,6 +872,7 @@ def compile_for(
     act_order: bool = False,
     kwidth: int = 2,
     group_size: int | None = None,
+    pdl: bool = False,
 ):
     """The compiled kernel for ``sm_<arch>`` (no GPU needed): ``.asm["ptx"]`` and ``.metadata.shared``
     (bytes of shared memory: the pipeline's buffers show whether the weight tiles are multi-buffered)."""
@@ -866,6 +909,8 @@ def compile_for(
         FAST=bits == 4 or dtype == "fp16",
         DOT_F32=False,
         PREFETCH=cfg.prefetch,
+        USE_PDL=pdl,
+        PDL_TILES=cfg.num_stages if pdl else 0,
     )
     signature = {}
     for name in fn.arg_names:
@@ -885,6 +930,9 @@ def compile_for(
         ASTSource(fn, signature, constants, attrs),
         target=GPUTarget("cuda", arch, 32),
         options=dict(
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {})
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
+            **({"launch_pdl": True} if pdl else {}),
         ),
     )

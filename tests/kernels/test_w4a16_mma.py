@@ -203,7 +203,7 @@ def test_dequant_slabs_reject_misaligned_ranges() -> None:
 
 def test_select_config_is_valid_for_every_m() -> None:
     """Dispatch is pure arithmetic on M; every bucket yields a config the launcher accepts."""
-    for k, n in [(5120, 7168), (13824, 5120), (128, 40)]:
+    for k, n in [(5120, 7168), (13824, 5120), (128, 40), (5120, 1088), (2048, 5184)]:
         for g in (32, 128, k):
             qweight = torch.zeros(-(-n // 64) * 16, -(-k // 128) * 64, dtype=torch.int32)  # contents unused
             w = MmaQuantWeight(4, g, k, n, 2, qweight, torch.ones(-(-k // g), n))
@@ -212,6 +212,8 @@ def test_select_config_is_valid_for_every_m() -> None:
                 assert cfg.kind in ("mma", "dequant")
                 if cfg.kind == "mma":
                     assert cfg.block_m >= 16 and cfg.block_n >= 16 * cfg.num_warps
+                    # the weight loads are unmasked: tiles must not run past the 64-row-padded storage
+                    assert (-(-n // 64) * 64) % cfg.block_n == 0, (n, m, cfg.short())
                     assert g % cfg.block_k == 0 or g >= k or cfg.block_k % g == 0
                     if cfg.split_k > 1:
                         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL): whether a kernel launch may overlap the one before it.
+
+Knows: the one switch (``QSERVE_ENABLE_PDL=1``), which devices have PDL (sm90 and newer: Hopper's
+``griddepcontrol``; Ampere and Ada have none) and that Triton's interpreter runs no PTX. Must not
+know: which kernels opt in, or what they do before their wait.
+
+A kernel launched with PDL (Triton's ``launch_pdl=True``) may start while its predecessor on the
+stream is still running. Each of our kernels that opts in takes a ``USE_PDL`` constexpr and then
+must, before touching anything an earlier kernel writes or reads, call ``gdc_wait()`` (which
+returns once every earlier kernel on the stream has finished and its writes are visible), and
+calls ``gdc_launch_dependents()`` so the kernel after it can start early in turn. Before the
+wait a kernel may only read memory nothing on the stream writes: the W4A16 GEMM prefetches its
+first weight tiles into L2 there, so a decode step's weight streaming starts under the tail of
+the kernel before (the fixed per-launch latency that bounds the small layers at decode:
+bench/RESULTS.md). Writes stay after the wait: a buffer handed out by the caching allocator may
+be one an earlier kernel still reads.
+
+Off by default until an H200 run decides it (bench/RESULTS.md); a launch without PDL is ordered
+after its predecessor as usual, so kernels that opt in mix freely with those that do not.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENV = "QSERVE_ENABLE_PDL"
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def device_has_pdl(device: torch.device) -> bool:
+    """Whether ``device`` can launch with PDL: a CUDA device of compute capability 9.0 or newer."""
+    return device.type == "cuda" and not _INTERPRET and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def use_pdl(device: torch.device, enabled: bool | None = None) -> bool:
+    """Whether a launch on ``device`` goes with PDL: ``enabled`` when given (benchmarks compare
+    both), else ``QSERVE_ENABLE_PDL=1`` in the environment; never where the device has none."""
+    if enabled is None:
+        enabled = os.environ.get(ENV, "0") == "1"
+    return enabled and device_has_pdl(device)
+
+
+def launch_options(device: torch.device, enabled: bool | None = None) -> dict[str, bool]:
+    """Keyword arguments for a Triton launch of a kernel with a ``USE_PDL`` constexpr: both the
+    constexpr and Triton's ``launch_pdl`` when PDL is on (see ``use_pdl``), else none (the
+    kernel's default, ``USE_PDL=False``, keeps the compiled variant of a plain launch)."""
+    if not use_pdl(device, enabled):
+        return {}
+    return {"USE_PDL": True, "launch_pdl": True}
