@@ -15,9 +15,12 @@ values (exact), and undoes the load-time shuffle with ``reshape``/``permute`` on
 compiler resolves to no data movement (tests/kernels/test_w4a16_ptx.py checks the PTX for
 shared-memory stores). Scales: when a K-tile lies in one group and the config says so, once
 per tile on the fp32 partial (``acc += dot(q, x^T) * s``: cheapest at decode); else on the weight
-values (``scale_w``; always when a tile holds several groups), which lets the MMAs chain on one
-accumulator and run asynchronously under the next tile's dequant (no default config picks it
-since 64-deep K-tiles with it were found to race on the H200: bench/RESULTS.md). Scales and
+values (``scale_w``; always when a tile holds several groups). Either way each tile's MMAs finish
+before the next tile is dequantized: MMAs chained on one accumulator and left in flight across the
+loop's back edge (what ``tl.dot(a, b, acc)`` gets from Triton's pipeliner) had ptxas reuse the
+registers of their in-register A operand for the next tile while the wgmma still read them, on
+sm90: wrong output from run to run (bench/RESULTS.md; tests/kernels/test_w4a16_sass.py reads the
+SASS for it). Scales and
 zeros are 2 bytes per thread, too narrow for the pipeliner's cp.async path, so the kernel loads
 them one K-tile ahead into registers itself (``prefetch``; loaded at use they cost one DRAM
 latency per K-tile: the decode kernel was latency-bound on them). Asymmetric zeros are
@@ -279,8 +282,7 @@ def w4a16_mma_kernel(
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NG: tl.constexpr,  # groups per K-tile (1: the tile lies in one group)
-    SCALE_W: tl.constexpr,  # scale the weight values, not the partial (always when NG > 1): lets the
-    # MMA chain on one accumulator and run asynchronously under the next tile's dequant
+    SCALE_W: tl.constexpr,  # scale the weight values, not the partial (always when NG > 1)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -392,10 +394,15 @@ def w4a16_mma_kernel(
                 wt = wt - tl.reshape(tl.broadcast_to(zf[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
             s_full = tl.reshape(tl.broadcast_to(s_cur.to(wdt)[:, :, None], (BLOCK_N, NG, G)), (BLOCK_N, BLOCK_K))
             # [BN, BK] scaled weights: the product of exact (q - z) and s, rounded once as the reference does
+            # Not ``tl.dot(.., acc)``: Triton would chain the MMAs on acc and leave them in flight into
+            # the next iteration, and ptxas then reuses the registers of their in-register A operand
+            # for the next tile's dequant while the wgmma still reads them (on sm90: the race behind
+            # the wrong outputs in bench/RESULTS.md; tests/kernels/test_w4a16_sass.py checks the SASS).
+            # The fma (which Triton does not fold into the dot) makes each tile's MMAs finish first.
             if DOT_F32:
-                acc = tl.dot(wt * s_full, tl.trans(xk.to(tl.float32)), acc)
+                acc = tl.fma(tl.dot(wt * s_full, tl.trans(xk.to(tl.float32))), 1.0, acc)
             else:
-                acc = tl.dot(wt * s_full, tl.trans(xk), acc)
+                acc = tl.fma(tl.dot(wt * s_full, tl.trans(xk)), 1.0, acc)
         if PREFETCH:
             s_cur, z_cur = s_new, z_new
 

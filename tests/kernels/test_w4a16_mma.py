@@ -237,18 +237,20 @@ def test_w4a16_mma_gpu_default_dispatch(m, k, n) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 65, 128, 129, 256])
+@pytest.mark.parametrize("m", [1, 2, 16, 65, 128, 129, 256])
 @pytest.mark.parametrize("k,n", [(5120, 27648), (13824, 5120)])
 @pytest.mark.parametrize(
     "group_size,dtype",
-    [(128, torch.float16), (64, torch.float16), (128, torch.bfloat16)],
-    ids=["g128-fp16", "g64-fp16", "g128-bf16"],
+    [(128, torch.float16), (64, torch.float16), (32, torch.float16), (128, torch.bfloat16)],
+    ids=["g128-fp16", "g64-fp16", "g32-fp16", "g128-bf16"],
 )
 def test_w4a16_mma_gpu_dispatch_at_model_shapes(m, k, n, group_size, dtype) -> None:
     """The built-in dispatch at Qwen2.5-14B's gate_up / down shapes, three launches each into
     poisoned outputs: configs that race (the second session's scales-on-weights 64-deep K-tiles
-    gave wrong or non-finite output from run to run only at these sizes) fail here. Group 64 puts
-    two groups in each 128-deep K-tile, which forces scales on the weights."""
+    gave wrong or non-finite output from run to run only at these sizes) fail here. Groups 64 and 32
+    put several groups in each 128-deep K-tile, which forces scales on the weights: under Triton 3.6
+    that path chained its MMAs across iterations and its SASS rewrote in-flight A registers
+    (tests/kernels/test_w4a16_sass.py) at M 1-2 too."""
     gen = torch.Generator().manual_seed(m + k + group_size)
     weight = make_weight(k, n, group_size, gen=gen)
     x = torch.randn(m, k, generator=gen).to(dtype).cuda()
