@@ -32,6 +32,13 @@ matches the stored order and brings the shared-memory round trip back (seen in t
 Split-K partials go to an fp32 workspace; the last program of a tile (atomic counter) sums them, adds bias, writes the output and resets its counter: one launch, no memset, no host
 work, so the call is safe to capture in a CUDA graph once compiled.
 
+``w4a16_mma_streamk_kernel`` is the same product on a stream-K grid (``MmaConfig.stream_k``
+programs per SM): the (output tile, K-tile) iterations are cut into one equal contiguous range per
+program, so every SM works to the end whatever the tile count; tiles shared by several programs
+meet in the same workspace-and-counter reduction as split-K. Both kernels share the K-range loop
+(``_accumulate``) and the tile write (``_write_tile``). It is a sweep candidate, not in the built-in
+dispatch, until an H200 run decides (bench/RESULTS.md).
+
 ``mma_dequant_kernel`` writes the dense ``[K, N]`` weight (input row order), or a column slab of
 it, for the large-M path that hands the product to cuBLAS where that measured faster
 (``select_config``); slab by slab through one L2-sized buffer (``chunk_n``) the fp16 weight need
@@ -41,6 +48,7 @@ not round-trip through DRAM.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -252,71 +260,42 @@ def _group_params(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["M"])
-def w4a16_mma_kernel(
-    x_ptr,  # [M, K] fp16 / bf16
-    qw_ptr,  # int32 [N_pad / 4, K_pad * 4 / vpw], MMA-operand order (repack.mma_shuffle)
-    scales_ptr,  # [num_groups, N]
-    zeros_ptr,  # fp16 [num_groups, N]: z - 2**(bits-1) (unused when not HAS_ZEROS)
-    perm_ptr,  # int64 [K] (unused when not HAS_PERM)
-    bias_ptr,  # [N] (unused when not HAS_BIAS)
-    out_ptr,  # [M, N]
-    ws_ptr,  # fp32 [split_k, M, N] split-K partials (unused when not USE_SPLIT)
-    cnt_ptr,  # int32 [>= tiles] zero-initialised arrival counters (unused when not USE_SPLIT)
+@triton.jit
+def _accumulate(
+    x_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    perm_ptr,
+    offs_m,  # [BLOCK_M] rows of x
+    offs_n,  # [BLOCK_N] output columns
+    rows,  # [BLOCK_N / 4] storage rows of the weight
+    mask_m,
+    mask_n,
+    kt_start,
+    kt_end,
     M,
-    N,
     K,
-    group_size: tl.constexpr,  # a compile-time constant: the per-tile group index is a shift, not a
-    # runtime integer division (~27 instructions per K-tile in the sm90 SASS of the decode loop)
-    split_k,
-    stride_xm,  # x's K stride is 1 (the launcher makes it so): contiguous, vectorized loads
+    group_size: tl.constexpr,
+    stride_xm,
     stride_qr,
-    stride_sg,  # scales, zeros and out have unit N stride (the launcher makes it so)
+    stride_sg,
     stride_zg,
-    stride_om,
-    stride_wsk,
-    stride_wsm,
     BITS: tl.constexpr,
     KW: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_PERM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    NG: tl.constexpr,  # groups per K-tile (1: the tile lies in one group)
-    SCALE_W: tl.constexpr,  # scale the weight values, not the partial (always when NG > 1)
+    NG: tl.constexpr,
+    SCALE_W: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_SPLIT: tl.constexpr,
     FAST: tl.constexpr,
     DOT_F32: tl.constexpr,
-    PREFETCH: tl.constexpr = True,  # group parameters loaded one K-tile ahead (else at use)
-    USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl): prefetch, then wait
-    PDL_TILES: tl.constexpr = 0,  # K-tiles of weights to prefetch into L2 before the wait
+    PREFETCH: tl.constexpr,
 ):
+    """``(W^T x^T)`` over K-tiles ``kt_start .. kt_end - 1`` of one output tile: fp32 [BLOCK_N, BLOCK_M]."""
     dtype = x_ptr.dtype.element_ty
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    rows = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)  # [BLOCK_N / 4] storage rows
-    mask_n = offs_n < N
-    mask_m = offs_m < M
-    num_k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles_per_split = tl.cdiv(num_k_tiles, split_k)
-    kt_start = pid_k * tiles_per_split
-    kt_end = tl.minimum(kt_start + tiles_per_split, num_k_tiles)
-    if USE_PDL:
-        # The weights are read-only for the whole stream: their first tiles start streaming into
-        # L2 while the kernel before still runs. Everything else (x, the workspace, the counters,
-        # the output) only after the wait.
-        if PDL_TILES > 0 and kt_end > kt_start:
-            WORDS: tl.constexpr = BLOCK_K * 4 // (32 // BITS)  # int32 words of one K-tile per storage row
-            nbytes = tl.minimum(kt_end - kt_start, PDL_TILES) * (WORDS * 4)
-            _prefetch_l2(qw_ptr + rows * stride_qr + kt_start * WORDS, nbytes)  # [BLOCK_N / 4] rows
-        gdc_wait()
-        gdc_launch_dependents()
-
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # The group parameters of a K-tile are 2-byte-per-thread loads, too narrow for the pipeliner's
     # cp.async path, so each used to be a synchronous global load right before its use: one DRAM
@@ -406,27 +385,307 @@ def w4a16_mma_kernel(
         if PREFETCH:
             s_cur, z_cur = s_new, z_new
 
+    return acc
+
+
+@triton.jit
+def _write_tile(
+    acc,  # fp32 [BLOCK_N, BLOCK_M]
+    out_ptr,
+    bias_ptr,
+    ws_ptr,
+    cnt_ptr,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    stride_om,
+    stride_wsk,
+    stride_wsm,
+    slot,  # this program's workspace slot for the tile
+    n_slots,  # programs that contribute to the tile
+    tile_id,  # the tile's arrival counter
+    HAS_BIAS: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    SEGMENTED: tl.constexpr = False,  # n_slots varies by tile (stream-K): 1 means a direct write
+):
+    """Write a tile's product: directly, or as one of ``n_slots`` partials in the fp32 workspace,
+    the last to arrive (atomic counter) summing them, adding the bias and resetting the counter."""
+    BLOCK_M: tl.constexpr = acc.shape[1]
+    BLOCK_N: tl.constexpr = acc.shape[0]
     out_t = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask_mn = mask_m[:, None] & mask_n[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if not USE_SPLIT:
+    direct = not USE_SPLIT
+    if SEGMENTED:
+        direct = n_slots == 1
+    if direct:
         if HAS_BIAS:
             out_t += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, out_t.to(out_ptr.dtype.element_ty), mask=mask_mn)
     else:
         ws_tile = ws_ptr + offs_m[:, None] * stride_wsm + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
-        tl.store(ws_tile + pid_k * stride_wsk, out_t, mask=mask_mn)
+        tl.store(ws_tile + slot * stride_wsk, out_t, mask=mask_mn)
         tl.debug_barrier()  # every thread's partial is written before the release below
-        tile_id = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:  # last program of this tile: reduce, add bias, write, reset
+        if arrived == n_slots - 1:  # last program of this tile: reduce, add bias, write, reset
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sk in range(0, split_k):
+            for sk in range(0, n_slots):
                 total += tl.load(ws_tile + sk * stride_wsk, mask=mask_mn, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_mn)
             tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["M"])
+def w4a16_mma_kernel(
+    x_ptr,  # [M, K] fp16 / bf16
+    qw_ptr,  # int32 [N_pad / 4, K_pad * 4 / vpw], MMA-operand order (repack.mma_shuffle)
+    scales_ptr,  # [num_groups, N]
+    zeros_ptr,  # fp16 [num_groups, N]: z - 2**(bits-1) (unused when not HAS_ZEROS)
+    perm_ptr,  # int64 [K] (unused when not HAS_PERM)
+    bias_ptr,  # [N] (unused when not HAS_BIAS)
+    out_ptr,  # [M, N]
+    ws_ptr,  # fp32 [split_k, M, N] split-K partials (unused when not USE_SPLIT)
+    cnt_ptr,  # int32 [>= tiles] zero-initialised arrival counters (unused when not USE_SPLIT)
+    M,
+    N,
+    K,
+    group_size: tl.constexpr,  # a compile-time constant: the per-tile group index is a shift, not a
+    # runtime integer division (~27 instructions per K-tile in the sm90 SASS of the decode loop)
+    split_k,
+    stride_xm,  # x's K stride is 1 (the launcher makes it so): contiguous, vectorized loads
+    stride_qr,
+    stride_sg,  # scales, zeros and out have unit N stride (the launcher makes it so)
+    stride_zg,
+    stride_om,
+    stride_wsk,
+    stride_wsm,
+    BITS: tl.constexpr,
+    KW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NG: tl.constexpr,  # groups per K-tile (1: the tile lies in one group)
+    SCALE_W: tl.constexpr,  # scale the weight values, not the partial (always when NG > 1)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    FAST: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr = True,  # group parameters loaded one K-tile ahead (else at use)
+    USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl): prefetch, then wait
+    PDL_TILES: tl.constexpr = 0,  # K-tiles of weights to prefetch into L2 before the wait
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    rows = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)  # [BLOCK_N / 4] storage rows
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(num_k_tiles, split_k)
+    kt_start = pid_k * tiles_per_split
+    kt_end = tl.minimum(kt_start + tiles_per_split, num_k_tiles)
+    if USE_PDL:
+        # The weights are read-only for the whole stream: their first tiles start streaming into
+        # L2 while the kernel before still runs. Everything else (x, the workspace, the counters,
+        # the output) only after the wait.
+        if PDL_TILES > 0 and kt_end > kt_start:
+            WORDS: tl.constexpr = BLOCK_K * 4 // (32 // BITS)  # int32 words of one K-tile per storage row
+            nbytes = tl.minimum(kt_end - kt_start, PDL_TILES) * (WORDS * 4)
+            _prefetch_l2(qw_ptr + rows * stride_qr + kt_start * WORDS, nbytes)  # [BLOCK_N / 4] rows
+        gdc_wait()
+        gdc_launch_dependents()
+
+    acc = _accumulate(
+        x_ptr,
+        qw_ptr,
+        scales_ptr,
+        zeros_ptr,
+        perm_ptr,
+        offs_m,
+        offs_n,
+        rows,
+        mask_m,
+        mask_n,
+        kt_start,
+        kt_end,
+        M,
+        K,
+        group_size,
+        stride_xm,
+        stride_qr,
+        stride_sg,
+        stride_zg,
+        BITS,
+        KW,
+        HAS_ZEROS,
+        HAS_PERM,
+        NG,
+        SCALE_W,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        FAST,
+        DOT_F32,
+        PREFETCH,
+    )
+    _write_tile(
+        acc,
+        out_ptr,
+        bias_ptr,
+        ws_ptr,
+        cnt_ptr,
+        offs_m,
+        offs_n,
+        mask_m,
+        mask_n,
+        stride_om,
+        stride_wsk,
+        stride_wsm,
+        pid_k,
+        split_k,
+        pid_m * tl.num_programs(0) + pid_n,
+        HAS_BIAS,
+        USE_SPLIT,
+    )
+
+
+@triton.jit(do_not_specialize=["M"])
+def w4a16_mma_streamk_kernel(
+    x_ptr,  # [M, K] fp16 / bf16
+    qw_ptr,  # int32 [N_pad / 4, K_pad * 4 / vpw], MMA-operand order (repack.mma_shuffle)
+    scales_ptr,  # [num_groups, N]
+    zeros_ptr,  # fp16 [num_groups, N]: z - 2**(bits-1) (unused when not HAS_ZEROS)
+    perm_ptr,  # int64 [K] (unused when not HAS_PERM)
+    bias_ptr,  # [N] (unused when not HAS_BIAS)
+    out_ptr,  # [M, N]
+    ws_ptr,  # fp32 [slots, M, N]: partials of the tiles a program shares with others
+    cnt_ptr,  # int32 [>= tiles] zero-initialised arrival counters
+    M,
+    N,
+    K,
+    group_size: tl.constexpr,
+    stride_xm,
+    stride_qr,
+    stride_sg,
+    stride_zg,
+    stride_om,
+    stride_wsk,
+    stride_wsm,
+    BITS: tl.constexpr,
+    KW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NG: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr = True,
+    USE_PDL: tl.constexpr = False,
+    PDL_TILES: tl.constexpr = 0,
+):
+    """Stream-K: the (output tile, K-tile) iterations, tile-major, are cut into one contiguous,
+    equal range per program, so a grid sized to the SMs keeps every SM busy to the end whatever
+    the tile count (split-K rounds each tile to ``split`` equal parts). A program walks its range
+    tile segment by tile segment: a segment that is a whole tile is written directly; the programs
+    sharing a tile leave partials in the workspace (slot: program minus the tile's first owner) and
+    the last to arrive reduces them, as split-K does."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    total = (num_pid_n * tl.cdiv(M, BLOCK_M) * num_k_tiles).to(tl.int64)  # iterations of the grid
+    it = (pid * total) // num_programs
+    end = ((pid + 1) * total) // num_programs
+    if USE_PDL:
+        if PDL_TILES > 0 and end > it:  # the first segment's weight tiles, as w4a16_mma_kernel does
+            WORDS: tl.constexpr = BLOCK_K * 4 // (32 // BITS)
+            first_tile = it // num_k_tiles
+            first_kt = it - first_tile * num_k_tiles
+            first_rows = (first_tile % num_pid_n) * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
+            nbytes = tl.minimum(tl.minimum(end - it, num_k_tiles - first_kt), PDL_TILES).to(tl.int32) * (WORDS * 4)
+            _prefetch_l2(qw_ptr + first_rows * stride_qr + first_kt * WORDS, nbytes)
+        gdc_wait()
+        gdc_launch_dependents()
+    while it < end:
+        tile = (it // num_k_tiles).to(tl.int32)
+        kt_start = (it - tile * num_k_tiles).to(tl.int32)
+        kt_end = tl.minimum(kt_start + (end - it), num_k_tiles).to(tl.int32)
+        pid_m = tile // num_pid_n
+        pid_n = tile - pid_m * num_pid_n
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        rows = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)  # [BLOCK_N / 4] storage rows
+        mask_n = offs_n < N
+        mask_m = offs_m < M
+        acc = _accumulate(
+            x_ptr,
+            qw_ptr,
+            scales_ptr,
+            zeros_ptr,
+            perm_ptr,
+            offs_m,
+            offs_n,
+            rows,
+            mask_m,
+            mask_n,
+            kt_start,
+            kt_end,
+            M,
+            K,
+            group_size,
+            stride_xm,
+            stride_qr,
+            stride_sg,
+            stride_zg,
+            BITS,
+            KW,
+            HAS_ZEROS,
+            HAS_PERM,
+            NG,
+            SCALE_W,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            FAST,
+            DOT_F32,
+            PREFETCH,
+        )
+        # the programs owning the tile's first and last iteration (owner(i): start(p) <= i < start(p + 1))
+        first = tile.to(tl.int64) * num_k_tiles
+        owner_first = ((first + 1) * num_programs - 1) // total
+        owner_last = ((first + num_k_tiles) * num_programs - 1) // total
+        _write_tile(
+            acc,
+            out_ptr,
+            bias_ptr,
+            ws_ptr,
+            cnt_ptr,
+            offs_m,
+            offs_n,
+            mask_m,
+            mask_n,
+            stride_om,
+            stride_wsk,
+            stride_wsm,
+            (pid - owner_first).to(tl.int32),
+            (owner_last - owner_first + 1).to(tl.int32),
+            tile,
+            HAS_BIAS,
+            True,
+            SEGMENTED=True,
+        )
+        it += kt_end - kt_start
 
 
 @triton.jit
@@ -492,13 +751,15 @@ class MmaConfig:
     prefetch: bool = True  # group parameters loaded one K-tile ahead (else at use)
     max_regs: int = 0  # ptxas register cap per thread (0: none): 72 lets 7 decode programs share an SM
     chunk_n: int = 0  # "dequant": columns per L2-resident slab (0: the whole weight at once)
+    stream_k: int = 0  # "mma": > 0 launches w4a16_mma_streamk_kernel with this many programs per SM
 
     def short(self) -> str:
         if self.kind == "dequant":
             return f"dequant+mm c{self.chunk_n}" if self.chunk_n else "dequant+mm"
         sw = " sw" if self.scale_w else ""
         pf = ("" if self.prefetch else " pf0") + (f" r{self.max_regs}" if self.max_regs else "")
-        return f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}{sw}{pf}"
+        grid = f"sk{self.stream_k}" if self.stream_k else f"s{self.split_k}"
+        return f"m{self.block_m} n{self.block_n} k{self.block_k} {grid} w{self.num_warps} st{self.num_stages}{sw}{pf}"
 
 
 DEQUANT = MmaConfig(kind="dequant")
@@ -537,9 +798,15 @@ def _fix(cfg: MmaConfig, m: int, k: int, n: int, group_size: int) -> MmaConfig:
         # are unmasked: a wider last tile would read past the stored weight
         block_n, num_warps = MMA_PAD_N, min(num_warps, MMA_PAD_N // 16)
     split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
-    if split > 1 and (block_n < MIN_SPLIT_BLOCK_N or triton.cdiv(m, cfg.block_m) > MAX_SPLIT_TILES_PER_N):
+    shared_ok = block_n >= MIN_SPLIT_BLOCK_N and triton.cdiv(m, cfg.block_m) <= MAX_SPLIT_TILES_PER_N  # counters
+    if split > 1 and not shared_ok:
         split = 1
-    return dataclasses.replace(cfg, block_k=block_k, block_n=block_n, num_warps=num_warps, split_k=split)
+    stream_k = max(0, cfg.stream_k) if shared_ok else 0
+    if stream_k:
+        split = 1  # the stream-K grid shares tiles by itself
+    return dataclasses.replace(
+        cfg, block_k=block_k, block_n=block_n, num_warps=num_warps, split_k=split, stream_k=stream_k
+    )
 
 
 def _pow2_at_most(v: float) -> int:
@@ -611,6 +878,16 @@ def select_config(weight: MmaQuantWeight, dtype: torch.dtype, m: int) -> MmaConf
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    """SMs of ``device`` (the stream-K grid's unit); 1 off CUDA, so CPU tests set the grid directly."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 1
 
 
 def supports(weight: PackedQuantWeight) -> bool:
@@ -746,8 +1023,17 @@ def w4a16_gemm(
     split = cfg.split_k
     num_pid_m = triton.cdiv(m, cfg.block_m)
     num_pid_n = triton.cdiv(n, cfg.block_n)
-    if split > 1:
-        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)  # [split_k, M, N]
+    num_k_tiles = triton.cdiv(k, cfg.block_k)
+    programs = 0
+    if cfg.stream_k:
+        total = num_pid_m * num_pid_n * num_k_tiles
+        programs = min(total, _num_sms(x.device) * cfg.stream_k)
+        # a tile's K-tiles meet at most floor(K-tiles / per-program share) + 2 programs
+        slots = min(programs, num_k_tiles // (total // programs) + 2)
+    else:
+        slots = split
+    if slots > 1:
+        ws = torch.empty((slots, m, n), dtype=torch.float32, device=x.device)  # [slots, M, N]
         if counters is None:
             counters = torch.zeros(num_pid_m * num_pid_n, dtype=torch.int32, device=x.device)
         elif counters.numel() < num_pid_m * num_pid_n:
@@ -760,33 +1046,21 @@ def w4a16_gemm(
     perm = weight.perm if weight.perm is not None else qw
     bias_arg = bias if bias is not None else sc
     ng = 1 if (g % cfg.block_k == 0 or g >= k) else cfg.block_k // g
-    grid = (num_pid_n, split, num_pid_m)
     launch_opts = {"maxnreg": cfg.max_regs} if cfg.max_regs and not _INTERPRET else {}
     with_pdl = use_pdl(x.device, pdl)
     if with_pdl:
         launch_opts["launch_pdl"] = True
-    w4a16_mma_kernel[grid](
-        x,
-        qw,
-        sc,
-        zeros,
-        perm,
-        bias_arg,
-        out,
-        ws,
-        counters,
-        m,
-        n,
-        k,
-        g,
-        split,
+    pointers = (x, qw, sc, zeros, perm, bias_arg, out, ws, counters)
+    strides = (
         x.stride(0),
         qw.stride(0),
         sc.stride(0),
         zeros.stride(0),
         out.stride(0),
-        ws.stride(0) if split > 1 else 0,
-        ws.stride(1) if split > 1 else 0,
+        ws.stride(0) if slots > 1 else 0,
+        ws.stride(1) if slots > 1 else 0,
+    )
+    meta = dict(
         BITS=weight.bits,
         KW=weight.kwidth,
         HAS_ZEROS=weight.zeros is not None,
@@ -797,7 +1071,6 @@ def w4a16_gemm(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        USE_SPLIT=split > 1,
         FAST=_fast_ok(weight.bits, x.dtype),
         DOT_F32=_INTERPRET,
         PREFETCH=cfg.prefetch,
@@ -807,6 +1080,11 @@ def w4a16_gemm(
         num_stages=cfg.num_stages,
         **launch_opts,
     )
+    if programs:
+        w4a16_mma_streamk_kernel[(programs,)](*pointers, m, n, k, g, *strides, **meta)
+    else:
+        grid = (num_pid_n, split, num_pid_m)
+        w4a16_mma_kernel[grid](*pointers, m, n, k, g, split, *strides, USE_SPLIT=split > 1, **meta)
     return out
 
 
@@ -828,15 +1106,26 @@ def candidate_configs(m: int, k: int, n: int, group_size: int) -> list[MmaConfig
         if m <= 16:  # the decode tile under a 72-register cap (80 uncapped: 6 programs per SM, not 7)
             for split in (1, 2, 4, 8):
                 out.append(MmaConfig("mma", block_m, 64, 128, split, 4, 4, False, True, 72))
+        # stream-K grids of a few programs per SM (the fixed per-launch latency of the small layers)
+        for bn, warps, stages, regs, per_sm in (
+            ((64, 4, 4, 72, 6), (64, 4, 4, 72, 7), (64, 4, 4, 0, 6), (128, 4, 3, 0, 2), (128, 4, 3, 0, 3))
+            if m <= 16
+            else ((128, 4, 3, 0, 1), (128, 4, 3, 0, 2), (64, 4, 4, 0, 3))
+        ):
+            out.append(MmaConfig("mma", block_m, bn, 128, 1, warps, stages, max_regs=regs, stream_k=per_sm))
 
     elif m <= 256:  # 128-row M tiles: 256 rows spill (ptxas stack 496-624 B on sm90)
-        for bm, bn, bk, warps, stages, sw in (  # no 64-deep K-tiles with scales on the weights: they race
+        for bm, bn, bk, warps, stages, sw in (
             (128, 128, 128, 8, 3, False),
             (128, 64, 128, 4, 3, False),
             (128, 64, 128, 4, 3, True),
+            (128, 256, 64, 8, 3, True),  # the second session's winners, which raced before 95c45a7
+            (128, 128, 64, 4, 4, True),
         ):
             for split in (1, 2, 3, 4, 8):  # 3: one wave of 1-2 programs per SM for 40-56 N-tiles
                 out.append(MmaConfig("mma", bm, bn, bk, split, warps, stages, sw))
+        for bn, warps, per_sm in ((64, 4, 2), (128, 8, 1)):
+            out.append(MmaConfig("mma", 128, bn, 128, 1, warps, 3, stream_k=per_sm))
         out.append(DEQUANT)
     else:
         for bm, bn, bk, warps, stages, sw in ((128, 128, 128, 8, 3, False), (128, 64, 128, 4, 3, True)):
@@ -886,7 +1175,7 @@ def compile_for(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = w4a16_mma_kernel
+    fn = w4a16_mma_streamk_kernel if cfg.stream_k else w4a16_mma_kernel
     pointers = {
         "x_ptr": f"*{dtype}",
         "qw_ptr": "*i32",
@@ -919,6 +1208,7 @@ def compile_for(
         USE_PDL=pdl,
         PDL_TILES=cfg.num_stages if pdl else 0,
     )
+    constants = {name: value for name, value in constants.items() if name in fn.arg_names}
     signature = {}
     for name in fn.arg_names:
         if name in pointers:

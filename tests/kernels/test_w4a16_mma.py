@@ -182,6 +182,43 @@ def test_w4a16_mma_interpreter_prefetch_and_slabs(m, k, n, group_size, asym, act
     run_case(m, k, n, group_size, 4, asym, act_order, torch.float16, config, bias=True, seed=m * 7 + n)
 
 
+def _stream_k(per_sm: int, block_m: int = 16, block_k: int = 128) -> MmaConfig:
+    return MmaConfig(block_m=block_m, block_n=64, block_k=block_k, stream_k=per_sm)
+
+
+@pytest.mark.skipif(CUDA, reason="CPU interpreter subset; the GPU runs real sizes")
+@pytest.mark.parametrize(
+    "m,k,n,group_size,bits,asym,act_order,dtype,config",
+    [
+        # off CUDA the grid is stream_k programs. 9 iterations over 4 programs (2, 2, 2, 3): tiles 0
+        # and 1 shared by two programs each, tile 2 whole in the last one (a direct write)
+        (1, 384, 192, 128, 4, False, False, torch.float16, _stream_k(4)),
+        # more programs than K-tiles per tile: a tile meets three or four programs; several groups per tile
+        (3, 384, 200, 64, 4, True, False, torch.float16, _stream_k(9)),
+        (5, 384, 136, 32, 4, False, True, torch.bfloat16, _stream_k(7)),
+        # two M-tiles (each its own run of tiles), 8-bit weights, 64-deep K-tiles
+        (20, 320, 128, 64, 8, False, False, torch.float16, _stream_k(5, block_k=64)),
+        # one program per tile's worth of work and a few left over; one program for everything
+        (2, 640, 64, -1, 4, True, True, torch.float16, _stream_k(3)),
+        (7, 256, 128, 128, 4, False, False, torch.float16, _stream_k(1)),
+    ],
+    ids=lambda v: v.short() if isinstance(v, MmaConfig) else None,
+)
+def test_w4a16_mma_interpreter_stream_k(m, k, n, group_size, bits, asym, act_order, dtype, config) -> None:
+    """The stream-K grid: tiles written whole, tiles shared by 2-4 programs through the workspace,
+    programs spanning several tiles; counters back at zero after each call (``run_case``)."""
+    run_case(m, k, n, group_size, bits, asym, act_order, dtype, config, bias=m % 2 == 1, seed=m * 31 + n)
+
+
+def test_stream_k_configs_are_fixed_like_split_k() -> None:
+    """Stream-K needs the split-K counters: wide M (more than 4 M-tiles) or 32-row N tiles fall back
+    to the plain grid, and a stream-K config never also splits K."""
+    cfg = MmaConfig(block_m=16, block_n=64, block_k=128, split_k=4, stream_k=3)
+    assert mma._fix(cfg, 16, 1024, 256, 128).stream_k == 3 and mma._fix(cfg, 16, 1024, 256, 128).split_k == 1
+    assert mma._fix(cfg, 16 * 5, 1024, 256, 128).stream_k == 0  # 5 M-tiles: more than the counters hold
+    assert "sk3" in mma._fix(cfg, 1, 1024, 256, 128).short()
+
+
 @pytest.mark.skipif(CUDA, reason="CPU interpreter subset; the GPU runs real sizes")
 @pytest.mark.parametrize("m,expected", [(100, "m128 n64 k128 s3 w4 st3"), (200, "m128 n64 k128 s3 w4 st3")])
 def test_default_dispatch_k_heavy_m65_to_256(m, expected) -> None:
@@ -272,6 +309,30 @@ def test_w4a16_mma_gpu_dispatch_at_model_shapes(m, k, n, group_size, dtype) -> N
 @pytest.mark.parametrize("bits", [4, 8])
 def test_w4a16_mma_gpu_features(m, group_size, asym, act_order, dtype, bits) -> None:
     run_case(m, 1536, 1000, group_size, bits, asym, act_order, dtype, None, bias=m % 2 == 1, seed=m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 16, 64, 128])
+@pytest.mark.parametrize("k,n", [(5120, 5120), (13824, 5120), (5120, 27648)])
+def test_w4a16_mma_gpu_stream_k_at_model_shapes(m, k, n) -> None:
+    """The stream-K candidates at Qwen2.5-14B's o / down / gate_up shapes, three launches each into
+    poisoned outputs: on the GPU the programs sharing a tile really race for its counter (the
+    interpreter runs them one after another)."""
+    gen = torch.Generator().manual_seed(m + n)
+    weight = make_weight(k, n, 128, gen=gen)
+    x = torch.randn(m, k, generator=gen).half().cuda()
+    ref = oracle(x, weight, None)
+    shuffled = mma.prepare(weight)
+    counters = torch.zeros(mma.num_split_counters(n), dtype=torch.int32, device="cuda")
+    configs = [cfg for cfg in mma.candidate_configs(m, k, n, 128) if cfg.stream_k]
+    assert configs
+    for cfg in configs:
+        for _ in range(3):
+            out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+            w4a16_gemm(x, shuffled, None, cfg, counters, out=out)
+            assert_matches(out, ref, torch.float16)
+    assert int(counters.abs().sum()) == 0
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# (arch, id, (block_m, block_n, block_k, warps, stages[, scale_w]), group_tile, asym, act_order, dtype, bits)
+# (arch, id, (block_m, block_n, block_k, warps, stages[, scale_w[, stream_k]]), group_tile, asym, act_order, dtype, bits)
 CASES = [
     (arch, name, cfg, ng, asym, perm, dtype, bits)
     for arch in (90, 86)
@@ -41,6 +41,8 @@ CASES = [
         ("decode-g64-asym", (16, 128, 128, 4, 3), 2, True, False, "fp16", 4),
         ("batch-g32-actorder-bf16", (64, 128, 64, 4, 3), 2, False, True, "bf16", 4),
         ("batch-8bit-scale-on-weights", (64, 128, 64, 4, 3, True), 1, False, False, "fp16", 8),
+        ("decode-stream-k", (16, 64, 128, 4, 4, False, 6), 1, False, False, "fp16", 4),
+        ("batch-stream-k-g64-asym", (64, 128, 128, 4, 3, False, 2), 2, True, False, "fp16", 4),
     ]
 ]
 
@@ -56,8 +58,9 @@ def shared_store_bytes(ptx):
     return st + sum(4 * int(m.group(1)) for m in re.finditer(r"\bstmatrix\.sync\.aligned\.m8n8\.x(\d)", ptx))
 
 out = []
-for arch, name, (bm, bn, bk, w, st, *sw), ng, asym, perm, dtype, bits in json.loads(sys.argv[1]):
-    cfg = mma.MmaConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, scale_w=bool(sw))
+for arch, name, (bm, bn, bk, w, st, *opt), ng, asym, perm, dtype, bits in json.loads(sys.argv[1]):
+    sw, sk = (opt + [False, 0])[:2]
+    cfg = mma.MmaConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, scale_w=bool(sw), stream_k=sk)
     kw = dict(group_tile=ng, asym=asym, act_order=perm, dtype=dtype, bits=bits)
     kwidth = mma_kwidth((arch // 10, arch % 10))  # what a device of this arch gets at load time
     compiled = mma.compile_for(arch, cfg, kwidth=kwidth, **kw)
@@ -94,20 +97,21 @@ def ptx_stats() -> dict:
     return {(r["arch"], r["name"]): r for r in json.loads(line[len("RESULT") :])}
 
 
-def allowed_bytes(bm: int, bn: int, bk: int, warps: int) -> int:
+def allowed_bytes(bm: int, bn: int, bk: int, warps: int, epilogues: int = 1) -> int:
     """What may go through shared memory per thread: the x tile (B operand; act-order gathers it
-    with plain loads), the fp16 epilogue tile, and a few scalars."""
+    with plain loads), the fp16 epilogue tile (twice in the stream-K kernel: its direct write and
+    its workspace write are both in the code), and a few scalars."""
     threads = 32 * warps
-    return (bm * bk * 2 + bm * bn * 2) // threads + 32
+    return (bm * bk * 2 + epilogues * bm * bn * 2) // threads + 32
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"sm{c[0]}-{c[1]}" for c in CASES])
 def test_dequantized_tile_not_in_shared_memory(case, ptx_stats) -> None:
-    arch, name, (bm, bn, bk, warps, *_), *_ = case
+    arch, name, (bm, bn, bk, warps, _, *opt), *_ = case
     r = ptx_stats[(arch, name)]
     assert r["tensor_core"], f"sm{arch} {name}: no {'wgmma' if arch == 90 else 'mma.sync'} in the PTX"
     tile_bytes = bn * bk * 2 // (32 * warps)
-    allowed = allowed_bytes(bm, bn, bk, warps)
+    allowed = allowed_bytes(bm, bn, bk, warps, epilogues=2 if (opt + [False, 0])[1] else 1)
     print(
         f"sm{arch} {name}: {r['st_shared']} st.shared, {r['ours']} B/thread (allowed {allowed}, one tile {tile_bytes})"
     )

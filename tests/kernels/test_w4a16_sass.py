@@ -10,8 +10,8 @@ own ptxas and nvdisasm), follows every loop body twice (pending groups carry ove
 and fails on any write to a register an unretired HGMMA reads as A.
 
 Configs: the built-in dispatch for Qwen2.5-14B's four layer shapes at every M bucket the fused
-kernel serves, for group sizes 128, 64, 32 and per-column, plus asymmetric + act-order and bf16
-samples. The checker itself is tested on a hand-written SASS fragment (a hazard it must find, and
+kernel serves, for group sizes 128, 64, 32 and per-column, the stream-K sweep candidates, plus
+asymmetric + act-order and bf16 samples. The checker itself is tested on a hand-written SASS fragment (a hazard it must find, and
 the same fragment with the wait in place).
 """
 
@@ -125,6 +125,10 @@ for name, (k, n) in shapes.items():
                 continue
             ng = 1 if (group % cfg.block_k == 0 or group >= k) else cfg.block_k // group
             cases.setdefault((cfg, ng, False, False, "fp16"), f"{name} M={m} g{g}")
+for m in (1, 64, 128):  # the stream-K grid (sweep candidates, not in the dispatch yet)
+    for cfg in mma.candidate_configs(m, 5120, 5120, 64):
+        if cfg.stream_k:
+            cases.setdefault((cfg, cfg.block_k // 64, False, False, "fp16"), f"stream-K M={m} g64")
 for (cfg, ng, *_), label in list(cases.items())[:4]:
     cases.setdefault((cfg, ng, True, True, "bf16"), label + " asym act-order bf16")
 out = []
