@@ -7,7 +7,7 @@
 #   export PYTHONPATH=/tmp/site:$PWD && bash bench/w4a16_device_run.sh     (about 300 s of run time)
 # Environment: OUT (output folder), SWEEP_MS (the M values swept; others time the built-in
 # dispatch), MS (the M values timed), NCU_CASES (shape:M,... profiled), BENCH_S (the bench's limit),
-# SKIP_TESTS (non-empty: no GPU tests), PDL (non-empty: also time the default with PDL launches;
+# SKIP_TESTS (non-empty: no GPU tests), TESTS_S (their limit, default 110), SKIP_NCU, PDL (non-empty: also time the default with PDL launches;
 # the PDL GPU test runs with the others).
 export PYTHONUNBUFFERED=1
 set -o pipefail
@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" | tee -a "$OUT/env.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 110 python3 -m pytest -x -q -m gpu tests/kernels/test_w4a16_mma.py tests/kernels/test_pdl.py -n 14 -p no:cacheprovider \
+  timeout ${TESTS_S:-110} python3 -m pytest -x -q -m gpu tests/kernels/test_w4a16_mma.py tests/kernels/test_pdl.py -n 14 -p no:cacheprovider \
     >"$OUT/pytest.txt" 2>&1
   echo "pytest rc=$? at ${SECONDS}s: $(tail -1 "$OUT/pytest.txt")"
 fi
@@ -28,6 +28,7 @@ timeout "$BENCH_S" python3 bench/kernels.py --sweep --sweep-ms "$SWEEP_MS" --ms 
   --peers gemlite --shapes gate_up,down,qkv,o --jobs 14 ${PDL:+--pdl} --out "$OUT/kernels.md" 2>&1 | tee "$OUT/bench.log" \
   | grep -v "WRONG\|Error" | tail -5
 echo "bench rc=$? at ${SECONDS}s"
+[ -n "${SKIP_NCU:-}" ] && exit 0
 timeout 40 ncu --clock-control none --kernel-name regex:w4a16_mma_kernel --section SpeedOfLight --section WarpStateStats \
   --section Occupancy --section LaunchStats python3 bench/profile_w4a16.py --calls 1 --cases "$NCU_CASES" \
   >"$OUT/ncu.txt" 2>&1
