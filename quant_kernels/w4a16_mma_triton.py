@@ -293,6 +293,7 @@ def _accumulate(
     FAST: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """``(W^T x^T)`` over K-tiles ``kt_start .. kt_end - 1`` of one output tile: fp32 [BLOCK_N, BLOCK_M]."""
     dtype = x_ptr.dtype.element_ty
@@ -342,16 +343,14 @@ def _accumulate(
             s_cur, z_cur = s_new, z_new
         wt = _weight_tile(qw_ptr, rows, kt, stride_qr, BITS, KW, BLOCK_N, BLOCK_K, dtype, FAST)  # [BN, BK]
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        mask_k = offs_k < K
-        if HAS_PERM:
-            src = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)
+        if EVEN_K:  # K a multiple of BLOCK_K (every real layer's): no K mask to build per tile
+            mask_x = mask_m[:, None]  # [BLOCK_M, 1]
+            src = tl.load(perm_ptr + offs_k) if HAS_PERM else offs_k
         else:
-            src = offs_k
-        xk = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + src[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
+            mask_k = offs_k < K
+            mask_x = mask_m[:, None] & mask_k[None, :]  # [BLOCK_M, BLOCK_K]
+            src = tl.load(perm_ptr + offs_k, mask=mask_k, other=0) if HAS_PERM else offs_k
+        xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + src[None, :], mask=mask_x, other=0.0)  # [BLOCK_M, BLOCK_K]
         if NG == 1 and not SCALE_W:
             s = s_cur.to(tl.float32)  # [BN]
             if HAS_ZEROS:  # q - z, exact in fp16/bf16; the [BN] zeros load lands in the A layout directly
@@ -476,6 +475,7 @@ def w4a16_mma_kernel(
     FAST: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREFETCH: tl.constexpr = True,  # group parameters loaded one K-tile ahead (else at use)
+    EVEN_K: tl.constexpr = False,  # K is a multiple of BLOCK_K: no K masks
     USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl): prefetch, then wait
     PDL_TILES: tl.constexpr = 0,  # K-tiles of weights to prefetch into L2 before the wait
 ):
@@ -534,6 +534,7 @@ def w4a16_mma_kernel(
         FAST,
         DOT_F32,
         PREFETCH,
+        EVEN_K,
     )
     _write_tile(
         acc,
@@ -591,6 +592,7 @@ def w4a16_mma_streamk_kernel(
     FAST: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREFETCH: tl.constexpr = True,
+    EVEN_K: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     PDL_TILES: tl.constexpr = 0,
 ):
@@ -660,6 +662,7 @@ def w4a16_mma_streamk_kernel(
             FAST,
             DOT_F32,
             PREFETCH,
+            EVEN_K,
         )
         # the programs owning the tile's first and last iteration (owner(i): start(p) <= i < start(p + 1))
         first = tile.to(tl.int64) * num_k_tiles
@@ -1074,6 +1077,7 @@ def w4a16_gemm(
         FAST=_fast_ok(weight.bits, x.dtype),
         DOT_F32=_INTERPRET,
         PREFETCH=cfg.prefetch,
+        EVEN_K=k % cfg.block_k == 0,
         USE_PDL=with_pdl,
         PDL_TILES=cfg.num_stages if with_pdl else 0,  # what the pipeline's prologue asks for first
         num_warps=cfg.num_warps,
@@ -1169,6 +1173,7 @@ def compile_for(
     kwidth: int = 2,
     group_size: int | None = None,
     pdl: bool = False,
+    even_k: bool = True,
 ):
     """The compiled kernel for ``sm_<arch>`` (no GPU needed): ``.asm["ptx"]`` and ``.metadata.shared``
     (bytes of shared memory: the pipeline's buffers show whether the weight tiles are multi-buffered)."""
@@ -1205,6 +1210,7 @@ def compile_for(
         FAST=bits == 4 or dtype == "fp16",
         DOT_F32=False,
         PREFETCH=cfg.prefetch,
+        EVEN_K=even_k,
         USE_PDL=pdl,
         PDL_TILES=cfg.num_stages if pdl else 0,
     )
