@@ -1027,14 +1027,12 @@ def w4a16_gemm(
     num_pid_m = triton.cdiv(m, cfg.block_m)
     num_pid_n = triton.cdiv(n, cfg.block_n)
     num_k_tiles = triton.cdiv(k, cfg.block_k)
-    programs = 0
-    if cfg.stream_k:
-        total = num_pid_m * num_pid_n * num_k_tiles
-        programs = min(total, _num_sms(x.device) * cfg.stream_k)
-        # a tile's K-tiles meet at most floor(K-tiles / per-program share) + 2 programs
-        slots = min(programs, num_k_tiles // (total // programs) + 2)
-    else:
-        slots = split
+    total = num_pid_m * num_pid_n * num_k_tiles
+    programs = min(total, _num_sms(x.device) * cfg.stream_k) if cfg.stream_k else 0
+    if programs == 1:  # one program does it all: the plain grid (no workspace to compile against)
+        programs = 0
+    # stream-K: a tile's K-tiles meet at most floor(K-tiles / per-program share) + 2 programs
+    slots = min(programs, num_k_tiles // (total // programs) + 2) if programs else split
     if slots > 1:
         ws = torch.empty((slots, m, n), dtype=torch.float32, device=x.device)  # [slots, M, N]
         if counters is None:

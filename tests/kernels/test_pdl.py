@@ -62,8 +62,9 @@ def marks(kernel):
         "wait": where(r"griddepcontrol\.wait"),
         "launch": where(r"griddepcontrol\.launch_dependents"),
         "prefetch": where(r"cp\.async\.bulk\.prefetch\.L2"),
-        "loads": where(r"\b(ld\.global|cp\.async\.(ca|cg))"),
-        "stores": where(r"\b(st\.global|atom\.global|red\.global)"),
+        # any global load (ld.global, ld.relaxed.gpu.global, ...), cp.async and TMA; any global store or atomic
+        "loads": where(r"\b(ld(\.\w+)*\.global|cp\.async\.(ca|cg)|cp\.async\.bulk\.tensor)"),
+        "stores": where(r"\b((st|atom|red)(\.\w+)*\.global)"),
         "launch_pdl": bool(getattr(kernel.metadata, "launch_pdl", False)),
     }
 
@@ -74,7 +75,9 @@ def compile_plain(fn, signature, constants):
 out = {}
 for name, cfg in [("gemm-decode", mma.MmaConfig(block_m=16, block_n=64, block_k=128, split_k=2, num_warps=4,
                                                  num_stages=4, max_regs=72)),
-                  ("gemm-m64", mma.MmaConfig(block_m=64, block_n=128, block_k=128, split_k=2, num_warps=4, num_stages=3))]:
+                  ("gemm-m64", mma.MmaConfig(block_m=64, block_n=128, block_k=128, split_k=2, num_warps=4, num_stages=3)),
+                  ("gemm-stream-k", mma.MmaConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4,
+                                                  stream_k=6))]:
     out[name] = marks(mma.compile_for(90, cfg, pdl=True))
     out[name + "-off"] = marks(mma.compile_for(90, cfg, pdl=False))
 out["silu"] = marks(compile_plain(ew.silu_and_mul_kernel,
@@ -99,7 +102,7 @@ def ptx_marks() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["gemm-decode", "gemm-m64", "silu", "add_rms_norm"])
+@pytest.mark.parametrize("name", ["gemm-decode", "gemm-m64", "gemm-stream-k", "silu", "add_rms_norm"])
 def test_pdl_build_waits_before_it_touches_the_stream(ptx_marks, name) -> None:
     m = ptx_marks[name]
     assert m["launch_pdl"], "the compiled kernel must carry launch_pdl (Triton sets the launch attribute from it)"
@@ -115,7 +118,7 @@ def test_pdl_build_waits_before_it_touches_the_stream(ptx_marks, name) -> None:
         assert not m["prefetch"]
 
 
-@pytest.mark.parametrize("name", ["gemm-decode-off", "gemm-m64-off"])
+@pytest.mark.parametrize("name", ["gemm-decode-off", "gemm-m64-off", "gemm-stream-k-off"])
 def test_plain_build_has_no_pdl(ptx_marks, name) -> None:
     m = ptx_marks[name]
     assert not m["wait"] and not m["launch"] and not m["prefetch"] and not m["launch_pdl"]

@@ -198,9 +198,12 @@ def _stream_k(per_sm: int, block_m: int = 16, block_k: int = 128) -> MmaConfig:
         (5, 384, 136, 32, 4, False, True, torch.bfloat16, _stream_k(7)),
         # two M-tiles (each its own run of tiles), 8-bit weights, 64-deep K-tiles
         (20, 320, 128, 64, 8, False, False, torch.float16, _stream_k(5, block_k=64)),
-        # one program per tile's worth of work and a few left over; one program for everything
+        # a few programs over one long tile; every tile whole in its own program (direct writes only)
         (2, 640, 64, -1, 4, True, True, torch.float16, _stream_k(3)),
-        (7, 256, 128, 128, 4, False, False, torch.float16, _stream_k(1)),
+        (7, 256, 128, 128, 4, False, False, torch.float16, _stream_k(2)),
+        # a grid of one program falls back to the plain kernel (the stream-K kernel's workspace
+        # branch would be compiled against the fp16 output: fp16 atomics do not compile on the GPU)
+        (4, 128, 64, 128, 4, False, False, torch.float16, _stream_k(1)),
     ],
     ids=lambda v: v.short() if isinstance(v, MmaConfig) else None,
 )
@@ -211,11 +214,13 @@ def test_w4a16_mma_interpreter_stream_k(m, k, n, group_size, bits, asym, act_ord
 
 
 def test_stream_k_configs_are_fixed_like_split_k() -> None:
-    """Stream-K needs the split-K counters: wide M (more than 4 M-tiles) or 32-row N tiles fall back
-    to the plain grid, and a stream-K config never also splits K."""
+    """Stream-K needs the split-K counters: wide M (more than 4 M-tiles) or N tiles under 64 rows fall
+    back to the plain grid, and a stream-K config never also splits K."""
     cfg = MmaConfig(block_m=16, block_n=64, block_k=128, split_k=4, stream_k=3)
     assert mma._fix(cfg, 16, 1024, 256, 128).stream_k == 3 and mma._fix(cfg, 16, 1024, 256, 128).split_k == 1
     assert mma._fix(cfg, 16 * 5, 1024, 256, 128).stream_k == 0  # 5 M-tiles: more than the counters hold
+    narrow = MmaConfig(block_m=16, block_n=32, block_k=128, num_warps=2, stream_k=3)
+    assert mma._fix(narrow, 16, 1024, 256, 128).stream_k == 0  # 32-row tiles: the counters are sized for 64
     assert "sk3" in mma._fix(cfg, 1, 1024, 256, 128).short()
 
 

@@ -54,7 +54,12 @@ def _dest_regs(text: str) -> set[int]:
     m = re.match(r"R(\d+)$", rest.split(",")[0].strip())
     if not m:
         return set()
-    width = 4 if ".128" in op else 2 if (op.startswith("IMAD.WIDE") or op.endswith(".64") or ".64." in op) else 1
+    if op.startswith("LDSM"):  # ldmatrix: .x4 / .x2 (".4" / ".2" in SASS) write that many registers
+        width = 4 if op.endswith(".4") else 2 if op.endswith(".2") else 1
+    elif ".128" in op:
+        width = 4
+    else:
+        width = 2 if (op.startswith("IMAD.WIDE") or op.endswith(".64") or ".64." in op) else 1
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
@@ -84,7 +89,8 @@ def a_operand_hazards(sass: str) -> tuple[int, list[str]]:
                 if mw := re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", t0):
                     del pending[: max(0, len(pending) - int(mw.group(1), 16))]
                     continue
-                hit = _dest_regs(t) & set().union(*pending) if pending else set()
+                # issued HGMMAs not yet committed (no gsb0 yet) read their A registers too
+                hit = _dest_regs(t) & set().union(group, *pending)
                 if hit and lap == 1:
                     found.append(f"{a:#x} {t}  (A registers R{sorted(hit)[0]}.. of an unretired HGMMA)")
     return seen, found
