@@ -15,8 +15,9 @@ update, detokenization, stop checks, outputs) while the device runs step N+1. So
 finished at step N had one more token computed at step N+1: it is dropped (never emitted or
 counted; its pages were freed when it finished, and later steps run after N+1 on the stream).
 Steps fall back to the synchronous order (step N's outputs processed before step N+1 is
-scheduled) while any unfinished request has penalties (they count every output token on the
-device side) or structured outputs (a grammar's next mask needs the previous token accepted).
+scheduled) while any unfinished request has structured outputs (a grammar's next mask needs the
+previous token accepted). Penalties stay asynchronous: the runner counts the in-flight token from
+the device (Qwen's ``generation_config.json`` puts ``repetition_penalty`` on every request).
 Tensor-parallel engines run synchronously (rank 0's broadcasting runner has no ``launch``).
 
 Swap preemption (``EngineConfig.preemption_mode`` "swap" | "auto", ``swap_space`` GiB of host
@@ -553,7 +554,7 @@ class Engine:
         if params.structured_outputs is not None:
             for sequence in group.sequences:
                 self._grammar_matchers.add(sequence.request.request_id, params.structured_outputs)
-        if params.structured_outputs is not None or params.has_penalties:
+        if params.structured_outputs is not None:
             self._sync_only.add(request_id)  # needs its previous token on the host: see the module doc
         for sequence in group.sequences:
             self.scheduler.add_request(sequence.request)

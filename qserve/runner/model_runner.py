@@ -38,6 +38,7 @@ from qserve.runner.sampler import (
     Sampler,
     build_sampling_metadata,
     compute_prompt_logprobs,
+    pending_output_slots,
 )
 from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprobs
 from quant_kernels.reference_kv_int4 import cache_head_size
@@ -284,7 +285,9 @@ class ModelRunner:
                 ntk_tables,
                 pending,
             )
-        return self._sample(sequences, sample_logits, prompt_hidden, prompt_targets, prompt_owners, scheduler_output)
+        return self._sample(
+            sequences, sample_logits, prompt_hidden, prompt_targets, prompt_owners, scheduler_output, previous
+        )
 
     def _forward_eager(
         self,
@@ -340,6 +343,7 @@ class ModelRunner:
         prompt_targets: list[int],
         prompt_owners: list[tuple[str, int]],
         scheduler_output: SchedulerOutput | None = None,
+        previous: LaunchedStep | None = None,
     ) -> LaunchedStep:
         sampling_seqs = [seq for seq in sequences if seq.sample]
         step = LaunchedStep([seq.request_id for seq in sampling_seqs])
@@ -352,16 +356,30 @@ class ModelRunner:
                 scheduler_output.grammar_bitmask,
             )
         if sample_logits is not None:
+            num_pending = [_num_pending(seq) for seq in sampling_seqs]
+            outputs = [seq.output_token_ids for seq in sampling_seqs]
             sampling_metadata = build_sampling_metadata(
                 [seq.sampling_params for seq in sampling_seqs],
                 [seq.prompt_token_ids for seq in sampling_seqs],
-                [seq.output_token_ids for seq in sampling_seqs],
+                outputs,
                 list(self.config.eos_token_ids),
                 sample_logits.shape[-1],
                 "cpu",  # built on the host, then copied without waiting for the device
                 token_bitmask,
-                num_pending_tokens=[_num_pending(seq) for seq in sampling_seqs],
+                num_pending_tokens=num_pending,
             ).to(self.device)
+            if sampling_metadata.output_token_ids is not None and any(num_pending):
+                # penalties count the token still in flight too: its id, straight from the device
+                rows, cols = pending_output_slots(outputs, num_pending)
+                assert previous is not None and previous.sampled is not None
+                source = [previous.row_of(sampling_seqs[r].request_id) for r in rows]
+                sampling_metadata.output_token_ids.index_put_(
+                    (
+                        _to_device(np.array(rows, dtype=np.int64), self.device),
+                        _to_device(np.array(cols, dtype=np.int64), self.device),
+                    ),
+                    previous.sampled.index_select(0, _to_device(np.array(source, dtype=np.int64), self.device)),
+                )
             tokens, token_logprobs = self.sampler(sample_logits, sampling_metadata, on_device=True)  # [R] int64
             step.sampled = tokens
             if self.device.type == "cuda":

@@ -45,6 +45,9 @@ SAMPLER_CHUNK_ROWS = 64
 # Prompt logprobs are computed this many positions at a time (logits, log-softmax, ranks), so
 # a long prompt's transient memory is bounded; the memory planner reserves one such slice.
 PROMPT_LOGPROBS_CHUNK_ROWS = 256
+# The output-token slot of a token still being sampled by the step in flight (async scheduling),
+# until the runner writes the real id there on the device; an index no scatter accepts.
+PENDING_TOKEN = -1
 
 
 @dataclass(slots=True)
@@ -119,8 +122,10 @@ def build_sampling_metadata(
     generated so far for row r (the token sampled now gets index ``len(output_token_ids[r])``).
     ``token_bitmask``: (rows, ``[G, ceil(V/32)]`` int32 array) for the rows under a grammar.
     ``num_pending_tokens[r]``: row r's output tokens sampled by a step still in flight (async
-    scheduling), counted by min_tokens and the seeded output index; penalties need every
-    output token on the host, so their rows must have none.
+    scheduling, at most one), counted by min_tokens and the seeded output index. With penalties,
+    a row's pending token gets a slot at the end of its ``output_token_ids`` row holding
+    ``PENDING_TOKEN``, which the caller overwrites on the device with the in-flight step's sampled
+    id (``pending_output_slots`` says where); left unfilled, the penalty's scatter fails loudly.
     """
     num_rows = len(params)
     assert len(prompt_token_ids) == num_rows and len(output_token_ids) == num_rows
@@ -143,13 +148,16 @@ def build_sampling_metadata(
         num_outputs = [n + k for n, k in zip(num_outputs, num_pending_tokens)]
     presence = frequency = repetition = prompt_ids = output_ids = None
     if any(p.has_penalties for p in params):
-        assert num_pending_tokens is None or not any(num_pending_tokens), "penalties need every output token"
-
         presence = torch.tensor([p.presence_penalty for p in params], **f32)
         frequency = torch.tensor([p.frequency_penalty for p in params], **f32)
         repetition = torch.tensor([p.repetition_penalty for p in params], **f32)
         prompt_ids = _pad(prompt_token_ids, vocab_size, device)
-        output_ids = _pad(output_token_ids, vocab_size, device)
+        pending = num_pending_tokens if num_pending_tokens is not None else [0] * num_rows
+        if any(k > 1 for k in pending):
+            raise ValueError("penalties: at most one output token per row may still be in flight")
+        output_ids = _pad(
+            [list(out) + [PENDING_TOKEN] * k for out, k in zip(output_token_ids, pending)], vocab_size, device
+        )
 
     mt_rows: list[int] = []
     mt_ids: list[int] = []
@@ -214,6 +222,15 @@ def build_sampling_metadata(
         token_bitmask=bitmask,
         is_greedy_rows=greedy,
     )
+
+
+def pending_output_slots(
+    output_token_ids: Sequence[Sequence[int]], num_pending_tokens: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """(rows, columns) of ``SamplingMetadata.output_token_ids`` that hold ``PENDING_TOKEN``: the
+    in-flight token of each row that has one (``build_sampling_metadata`` with penalties)."""
+    rows = [r for r, k in enumerate(num_pending_tokens) if k]
+    return rows, [len(output_token_ids[r]) for r in rows]
 
 
 def _pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:

@@ -2,7 +2,7 @@
 reasons and token counts as the synchronous order over a mixed workload (stops, max_tokens, an
 abort mid-stream, preemption under a tiny KV pool, chunked prefill, n > 1, prompt logprobs,
 penalties, logit bias), no extra token ever emitted, and the next step launched before the
-previous step's outputs are processed."""
+previous step's outputs are processed (penalties included)."""
 
 from __future__ import annotations
 
@@ -194,12 +194,33 @@ def test_next_step_launched_before_previous_outputs_are_processed(llama_path, as
     assert _next_launched_before_processed(events) is async_scheduling
 
 
-def test_penalties_fall_back_to_the_synchronous_order(llama_path):
-    engine = _engine(llama_path, True, num_kv_blocks=None)
-    events = _call_order(engine)
-    params = SamplingParams(temperature=0, max_tokens=5, repetition_penalty=1.2)
-    _run(engine, [("p", {"prompt_token_ids": PROMPT}, params)])
-    assert not _next_launched_before_processed(events)
+def test_penalties_stay_asynchronous_and_give_the_synchronous_tokens(llama_path):
+    """Penalties (which Qwen's generation_config.json puts on every request) keep the async order:
+    the in-flight token is counted from the device. The tokens equal the synchronous order's, and
+    the penalties do change them (a run without them differs), so a token missed or counted twice
+    would show."""
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=24,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.6,
+        presence_penalty=0.4,
+    )
+    requests = [("p", {"prompt_token_ids": PROMPT}, params), ("q", {"prompt_token_ids": PROMPT[4:]}, params)]
+    tokens = {}
+    for mode in (False, True):
+        engine = _engine(llama_path, mode, num_kv_blocks=None)
+        events = _call_order(engine)
+        final, _, _ = _run(engine, requests)
+        assert _next_launched_before_processed(events) is mode
+        tokens[mode] = {rid: out.outputs[0].token_ids for rid, out in final.items()}
+    assert tokens[True] == tokens[False]
+    plain = _run(
+        _engine(llama_path, True, num_kv_blocks=None),
+        [("p", {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))],
+    )[0]
+    assert plain["p"].outputs[0].token_ids != tokens[True]["p"]
 
 
 def test_switching_async_scheduling(llama_path):
@@ -218,11 +239,19 @@ def test_switching_async_scheduling(llama_path):
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_cuda_async_scheduling_same_outputs(llama_path, enforce_eager):
     """On the GPU: pinned non-blocking copies, the sampled ids' event and the device-side fill of
-    placeholder inputs (into the CUDA graphs' static buffer or the eager input ids)."""
+    placeholder inputs (into the CUDA graphs' static buffer or the eager input ids) and of the
+    penalties' in-flight output slot."""
     requests = [
         ("g", {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)),
         ("s", {"prompt_token_ids": PROMPT[:6]}, SamplingParams(temperature=0.8, seed=7, max_tokens=16, min_tokens=4)),
         ("n", {"prompt_token_ids": PROMPT[2:]}, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12)),
+        (
+            "p",
+            {"prompt_token_ids": PROMPT[1:]},
+            SamplingParams(
+                temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.3
+            ),
+        ),
     ]
     finals = []
     for mode in (False, True):

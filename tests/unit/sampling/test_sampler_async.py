@@ -48,3 +48,30 @@ def test_sampled_ids_on_device_match_the_list() -> None:
     on_device, _ = Sampler(seed=1)(logits, md.to("cpu"), on_device=True)
     assert isinstance(on_device, torch.Tensor) and on_device.dtype == torch.int64
     assert on_device.tolist() == as_list
+
+
+def test_penalty_rows_get_a_slot_for_the_token_in_flight() -> None:
+    """With penalties, a row whose last token is still in flight gets one more output slot, marked
+    PENDING_TOKEN until the runner writes the id there; once written, the penalties are those of the
+    synchronous order (the token counted as if it had reached the host)."""
+    from qserve.runner.sampler import PENDING_TOKEN, apply_penalties, pending_output_slots
+
+    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25)] * 2
+    outputs = [[7, 8], [7]]
+    md = build_sampling_metadata(params, [[1], [1]], outputs, [EOS], VOCAB, "cpu", num_pending_tokens=[0, 1])
+    assert md.output_token_ids.tolist() == [[7, 8], [7, PENDING_TOKEN]]
+    assert pending_output_slots(outputs, [0, 1]) == ([1], [1])
+    logits = torch.randn(2, VOCAB)
+    try:
+        apply_penalties(logits, md)
+        raise AssertionError("an unfilled in-flight slot must not pass silently")
+    except (RuntimeError, IndexError):
+        pass
+    md.output_token_ids[1, 1] = 8  # the id the step in flight sampled
+    synchronous = build_sampling_metadata(params, [[1], [1]], [[7, 8], [7, 8]], [EOS], VOCAB, "cpu")
+    assert torch.equal(apply_penalties(logits, md), apply_penalties(logits, synchronous))
+    try:
+        build_sampling_metadata(params, [[1], [1]], outputs, [EOS], VOCAB, "cpu", num_pending_tokens=[0, 2])
+        raise AssertionError("two tokens in flight cannot be filled from one step")
+    except ValueError:
+        pass
