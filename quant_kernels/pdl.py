@@ -38,8 +38,19 @@ def use_pdl(device: torch.device, enabled: bool | None = None) -> bool:
     """Whether a launch on ``device`` goes with PDL: ``enabled`` when given (benchmarks compare
     both), else ``QSERVE_ENABLE_PDL=1`` in the environment; never where the device has none."""
     if enabled is None:
-        enabled = os.environ.get(ENV, "0") == "1"
+        enabled = env_enabled()
     return enabled and device_has_pdl(device)
+
+
+def env_enabled() -> bool:
+    """``QSERVE_ENABLE_PDL``: 1/true/yes/on or 0/false/no/off (unset: off); anything else is an
+    error naming the variable, not a silent off."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 1/true/yes/on or 0/false/no/off")
 
 
 def launch_options(device: torch.device, enabled: bool | None = None) -> dict[str, bool]:

@@ -373,12 +373,9 @@ class ModelRunner:
                 rows, cols = pending_output_slots(outputs, num_pending)
                 assert previous is not None and previous.sampled is not None
                 source = [previous.row_of(sampling_seqs[r].request_id) for r in rows]
+                where = _to_device(np.array([rows, cols, source], dtype=np.int64), self.device)  # [3, P], one copy
                 sampling_metadata.output_token_ids.index_put_(
-                    (
-                        _to_device(np.array(rows, dtype=np.int64), self.device),
-                        _to_device(np.array(cols, dtype=np.int64), self.device),
-                    ),
-                    previous.sampled.index_select(0, _to_device(np.array(source, dtype=np.int64), self.device)),
+                    (where[0], where[1]), previous.sampled.index_select(0, where[2])
                 )
             tokens, token_logprobs = self.sampler(sample_logits, sampling_metadata, on_device=True)  # [R] int64
             step.sampled = tokens

@@ -41,6 +41,11 @@ def test_pdl_is_off_unless_asked_and_only_on_sm90(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # Ada: no PDL
     assert not pdl.use_pdl(cuda)
     assert not pdl.use_pdl(cuda, enabled=True)
+    monkeypatch.setenv(pdl.ENV, "sure")  # a typo is an error naming the variable, not a silent off
+    with pytest.raises(ValueError, match=pdl.ENV):
+        pdl.use_pdl(cuda)
+    monkeypatch.setenv(pdl.ENV, "off")
+    assert not pdl.use_pdl(cuda)
     monkeypatch.setattr(pdl, "_INTERPRET", True)  # the interpreter runs no PTX
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert not pdl.use_pdl(cuda, enabled=True)
