@@ -96,7 +96,7 @@ def main() -> None:
     torch.manual_seed(0)
     t_start = time.time()
     bw = copy_bandwidth()
-    num_sms = _num_sms(torch.cuda.current_device() if DEVICE == "cuda" else 0)
+    num_sms = _num_sms(torch.device(DEVICE))
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s, {num_sms} SMs, {device_name()}", flush=True)
 
     max_tokens = max(BATCHES) * max(CONTEXTS)

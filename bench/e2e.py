@@ -451,6 +451,7 @@ def main() -> None:
         "--qwen14b-v1", action="store_true", help="run only the Qwen-14B v1 KV-dtype capacity measurement (issue 15)"
     )
     parser.add_argument("--v1-kv-dtypes", default="auto,fp8,int8,int4", help="KV dtypes of --qwen14b-v1")
+    parser.add_argument("--decode-batches", default="1,8,32,128", help="batch sizes of the decode part")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.qwen14b_v1:
@@ -515,7 +516,7 @@ def main() -> None:
     # Bytes read per decode step at batch 1: every weight once (the floor ignores KV at short context).
     weight_bytes = plan.weights_bytes - shape["vocab"] * shape["hidden"] * 2 if plan else 0  # embeddings not read
     if "decode" not in skip:
-        for batch in (1, 8, 32, 128):
+        for batch in (int(b) for b in args.decode_batches.split(",")):
             tps = timed_decode(llm, batch, 128, 32 if not args.small else 4, shape["vocab"])
             floor = bandwidth / weight_bytes * batch if weight_bytes else float("nan")
             rows.append(

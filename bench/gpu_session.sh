@@ -1,24 +1,50 @@
 #!/usr/bin/env bash
-# The engine-level H200 runs behind bench/RESULTS.md (issues 13 and 17), in one device call of
-# about 9 minutes: each stage has its own time limit, so a slow or failing stage costs only
-# its share and the next still runs; every stage writes its markdown to OUT_DIR.
-#   PYTHONPATH=. bash bench/gpu_session.sh "$OUT" [stages]
-# stages (comma-separated, default all but preempt; they run in this order): gputests, http, overlap, profile,
-# serving, serving_async, preempt, e2e, decode_pdl (http needs the server's wheels on PYTHONPATH: fastapi, uvicorn, pydantic).
+# The H200 runs behind bench/RESULTS.md, in one device call: each stage has its own time limit, so a
+# slow or failing stage costs only its share and the next still runs; every stage writes to OUT_DIR.
+#   PYTHONPATH=. bash bench/gpu_session.sh smoke [OUT_DIR]            # first stage of every device call
+#   PYTHONPATH=. bash bench/gpu_session.sh smoke,profile,e2e "$OUT"   # stages, comma-separated
+#   PYTHONPATH=. bash bench/gpu_session.sh "$OUT" [stages]            # the older argument order
+# OUT_DIR defaults to $OUT, else ./out. stages (run in this order; default: all but smoke, preempt and decode_pdl):
+#   smoke          every `-m gpu` test (the files that hold one), then decode at batch 1 and 128 through
+#                  the engine; under 4 minutes. Its pass count goes into bench/RESULTS.md's GPU test ledger.
+#   gputests, http, overlap, profile, serving, serving_async, preempt, e2e, decode_pdl
+# (http needs the server's wheels on PYTHONPATH: fastapi, uvicorn, pydantic.)
 # preempt (two runs of up to 2 minutes: recompute vs swap preemption on a KV pool forced small) runs only
-# when named, e.g. `bash bench/gpu_session.sh "$OUT" preempt`: with it the default set would pass 10 minutes.
+# when named: with it the default set would pass 10 minutes.
 # decode_pdl (decode-only e2e twice: QSERVE_ENABLE_PDL off, then on; quant_kernels.pdl) also only when named.
 set -u
-OUT=${1:?usage: gpu_session.sh OUT_DIR [stages]}
-STAGES=${2:-gputests,http,overlap,profile,serving,serving_async,e2e}
+if [[ $# -ge 1 && ( -d "$1" || "$1" == */* ) ]]; then  # the older order: OUT_DIR first
+    OUT=$1
+    STAGES=${2:-gputests,http,overlap,profile,serving,serving_async,e2e}
+else
+    STAGES=${1:-gputests,http,overlap,profile,serving,serving_async,e2e}
+    OUT=${2:-${OUT:-out}}
+fi
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 stage() { echo "=== $1 ($(date +%T))"; }
 
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' || true
+git status --porcelain 2>/dev/null | grep -q . && echo "(working tree differs from that commit)"
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)"
-# One Qwen2.5-14B-shaped random GPTQ-4bit checkpoint for every stage (~10 s).
-python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_random_gptq; write_random_gptq(Path('/tmp/qb'), QWEN14B)"
+if has smoke; then
+    stage "smoke: every -m gpu test"
+    # the files that hold a gpu test (collecting the rest would need the server's packages there)
+    mapfile -t GPU_FILES < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include='test_*.py' | sort)
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout=150 "${GPU_FILES[@]}" \
+        > "$OUT/smoke_gputests.txt" 2>&1
+    echo "pytest -m gpu exit code $?"
+    grep -E "^(FAILED|ERROR)" "$OUT/smoke_gputests.txt" | head -20
+    tail -2 "$OUT/smoke_gputests.txt"
+    stage "smoke: decode at batch 1 and 128 through the engine (Qwen2.5-14B-shaped GPTQ 4-bit)"
+    timeout 150 python3 bench/e2e.py --skip small,offline,capacity --decode-batches 1,128 --tmp /tmp/qbe \
+        --out "$OUT/smoke_e2e.md" 2>&1 | grep -v USDT | tail -6
+fi
+if [[ "$STAGES" =~ (http|overlap|profile|serving|preempt) ]]; then
+    # One Qwen2.5-14B-shaped random GPTQ-4bit checkpoint for the stages below (~10 s).
+    python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_random_gptq; write_random_gptq(Path('/tmp/qb'), QWEN14B)"
+fi
 
 if has gputests; then
     stage "GPU test: async scheduling gives the same outputs on CUDA (graphs and eager)"

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quant_kernels import device as kdevice
 from quant_kernels.attention_triton import (
     _DEFAULT_CONFIG,
     _INTERPRET,
@@ -488,7 +489,7 @@ def paged_attention(
         if alibi_slopes.numel() != num_heads:
             raise ValueError(f"alibi_slopes must have num_heads={num_heads} elements, got {alibi_slopes.numel()}")
         alibi_slopes = alibi_slopes.to(device=query.device, dtype=torch.float32).contiguous()
-    alibi = alibi_slopes if has_alibi else query  # a never-read placeholder without ALiBi
+    alibi = alibi_slopes if has_alibi else kdevice.placeholder(query.device, torch.float32)  # never read then
     cache_args = (*key_cache.stride()[:3], *value_cache.stride()[:3], block_tables.stride(0))
     row_align = 4 if all(_aligned4(cache) for cache in (key_cache, value_cache)) else 1
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from quant_kernels import have_triton, reference_kv_int4, reference_kv_quant
+from quant_kernels import device as kdevice
+from quant_kernels import reference_kv_int4, reference_kv_quant
 
 
 def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" and have_triton()
+    return kdevice.triton_serves(device)
 
 
 def store_kv(

@@ -60,7 +60,6 @@ own length, so any fixed value is correct.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -69,6 +68,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from quant_kernels import device as kdevice
 from quant_kernels.pdl import launch_options
 
 # Under TRITON_INTERPRET=1 (CPU tests) bf16 tl.dot gives garbage in Triton 3.6's interpreter:
@@ -705,11 +705,9 @@ class AttentionConfig:
 _DEFAULT_CONFIG = AttentionConfig()
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    if _INTERPRET or not torch.cuda.is_available():
-        return 8
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _num_sms(device: torch.device) -> int:
+    """SMs of ``device`` (the decode split count aims at two waves of them); 8 off CUDA."""
+    return kdevice.sm_count(device, default=8)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_ctx_len: int, num_sms: int, min_split_tokens: int) -> int:
@@ -761,14 +759,15 @@ def _scales(
     k_scale: torch.Tensor | float | None,
     v_scale: torch.Tensor | float | None,
     num_kv_heads: int,
-    like: torch.Tensor,
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Scale tensors for the kernels; unquantized caches pass ``like`` as a never-read placeholder
-    (no allocation, no extra launch per call)."""
+    """fp32 scale tensors for the kernels; unquantized caches pass an fp32 placeholder that is
+    never read (``quant_kernels.device.placeholder``: no allocation, no extra launch per call)."""
     if quant == KV_NONE:
-        return like, like, 0
-    ks, stride_scale_h = _scale_tensor(k_scale, num_kv_heads, like.device)
-    vs, _ = _scale_tensor(v_scale, num_kv_heads, like.device)
+        unused = kdevice.placeholder(device, torch.float32)
+        return unused, unused, 0
+    ks, stride_scale_h = _scale_tensor(k_scale, num_kv_heads, device)
+    vs, _ = _scale_tensor(v_scale, num_kv_heads, device)
     return ks, vs, stride_scale_h
 
 
@@ -813,16 +812,17 @@ def _decode_num_splits(
     if num_splits is not None:
         return num_splits
     ctx = min(max_seq_len, window) if window else max_seq_len
-    return choose_num_splits(num_seqs, num_kv_heads, ctx, _num_sms(device.index or 0), cfg.min_split_tokens)
+    return choose_num_splits(num_seqs, num_kv_heads, ctx, _num_sms(device), cfg.min_split_tokens)
 
 
 def _split_workspace(
     out: torch.Tensor, num_seqs: int, num_heads: int, num_splits: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(part_out [num_seqs, num_heads, num_splits, head_dim], part_ml [..., 2])`` for a
-    split decode; with one split, ``out`` twice as never-read placeholders."""
+    split decode; with one split, an fp32 placeholder twice (never read)."""
     if num_splits == 1:
-        return out, out
+        unused = kdevice.placeholder(out.device, torch.float32)
+        return unused, unused
     part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device)
     part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=out.device)  # (max, sum)
     return part_out, part_ml
@@ -875,7 +875,7 @@ def store_kv(
         return
     quant = _kv_quant(key_cache)
     _check_quant_scales(quant, k_scale, v_scale)
-    ks, vs, stride_scale_h = _scales(quant, k_scale, v_scale, num_kv_heads, key)
+    ks, vs, stride_scale_h = _scales(quant, k_scale, v_scale, num_kv_heads, key.device)
     kc, vc = _kernel_view(key_cache), _kernel_view(value_cache)
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
@@ -941,13 +941,16 @@ def paged_attention(
         return out
     quant = _kv_quant(key_cache)
     _check_quant_scales(quant, k_scale, v_scale)
-    ks, vs, stride_scale_h = _scales(quant, k_scale, v_scale, num_kv_heads, query)
+    ks, vs, stride_scale_h = _scales(quant, k_scale, v_scale, num_kv_heads, query.device)
     kc, vc = _kernel_view(key_cache), _kernel_view(value_cache)
     window = int(sliding_window) if sliding_window else 0
     qk_scale = float(scale) * LOG2E
     block_d = triton.next_power_of_2(head_dim)
     use_alibi = alibi_slopes is not None
-    alibi = (alibi_slopes.float() * LOG2E).contiguous() if use_alibi else ks  # [num_heads] in log2 units
+    # [num_heads] in log2 units; without ALiBi an fp32 placeholder (never read)
+    alibi = (
+        (alibi_slopes.float() * LOG2E).contiguous() if use_alibi else kdevice.placeholder(query.device, torch.float32)
+    )
     cache_args = (*kc.stride(), *vc.stride(), block_tables.stride(0), stride_scale_h, alibi)
 
     run_decode = max_query_len == 1 or num_seqs > 1

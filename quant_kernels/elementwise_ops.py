@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from quant_kernels import have_triton, reference_elementwise
+from quant_kernels import device as kdevice
+from quant_kernels import reference_elementwise
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _triton_usable(*tensors: torch.Tensor) -> bool:
     """All on CUDA, floating dtypes the kernels serve, and triton importable."""
-    if not all(t.device.type == "cuda" and t.dtype in _KERNEL_DTYPES for t in tensors):
-        return False
-    return have_triton()
+    return all(kdevice.triton_serves(t.device) and t.dtype in _KERNEL_DTYPES for t in tensors)
 
 
 def rms_norm(
@@ -59,7 +58,7 @@ def rotary_embedding(
     sin: torch.Tensor,  # float32 [max_positions, D / 2]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), new and contiguous
     """NeoX ("rotate half") rotary embedding of query and key at ``positions``: one launch on CUDA."""
-    if _triton_usable(query, key, cos, sin) and positions.device.type == "cuda":
+    if _triton_usable(query, key, cos, sin) and kdevice.triton_serves(positions.device):
         from quant_kernels import elementwise_triton
 
         return elementwise_triton.rotary_embedding(positions, query, key, cos, sin)

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from quant_kernels import have_triton, reference
+from quant_kernels import device as kdevice
+from quant_kernels import reference
 from quant_kernels.layout import PackedQuantWeight
 
 
@@ -45,10 +46,6 @@ class W4A16Prepared:
         return self.weight.out_features
 
 
-def _triton_usable(device: torch.device) -> bool:
-    return device.type == "cuda" and have_triton()
-
-
 def _kernel_module(prepared: W4A16Prepared) -> Any:
     from quant_kernels import w4a16_mma_triton, w4a16_triton
     from quant_kernels.repack import MmaQuantWeight
@@ -61,7 +58,7 @@ def prepare_w4a16(weight: PackedQuantWeight) -> Any:
 
     On CUDA with triton available: a ``W4A16Prepared``; elsewhere the weight itself.
     """
-    if not _triton_usable(weight.qweight.device):
+    if not kdevice.triton_serves(weight.qweight.device):
         return weight
     from quant_kernels import w4a16_mma_triton, w4a16_triton
 
@@ -79,7 +76,7 @@ def prepare_w4a16(weight: PackedQuantWeight) -> Any:
 
 def w4a16_linear(x: torch.Tensor, prepared: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x: [..., K] -> [..., N]`` from a weight made by ``prepare_w4a16``."""
-    if isinstance(prepared, W4A16Prepared) and x.is_cuda:
+    if isinstance(prepared, W4A16Prepared) and kdevice.triton_serves(x.device):
         module = _kernel_module(prepared)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]

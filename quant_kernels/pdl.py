@@ -25,13 +25,15 @@ import os
 
 import torch
 
+from quant_kernels import device as kdevice
+
 ENV = "QSERVE_ENABLE_PDL"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def device_has_pdl(device: torch.device) -> bool:
     """Whether ``device`` can launch with PDL: a CUDA device of compute capability 9.0 or newer."""
-    return device.type == "cuda" and not _INTERPRET and torch.cuda.get_device_capability(device) >= (9, 0)
+    return kdevice.triton_serves(device) and not _INTERPRET and kdevice.capability(device) >= (9, 0)
 
 
 def use_pdl(device: torch.device, enabled: bool | None = None) -> bool:

@@ -207,6 +207,13 @@ def _word_value_order(bits: int) -> torch.Tensor:
     return torch.tensor([i // 2 + (half if i % 2 else 0) for i in range(vpw)], dtype=torch.int64)
 
 
+def mma_storage_shape(k: int, n: int, bits: int) -> tuple[int, int]:
+    """``MmaQuantWeight.qweight``'s shape for a ``[K, N]`` weight: int32 ``[N_pad / 4, K_pad * 4 / vpw]``."""
+    k_pad = -(-k // MMA_PAD_K) * MMA_PAD_K
+    n_pad = -(-n // MMA_PAD_N) * MMA_PAD_N
+    return n_pad // 4, k_pad * 4 // pack_factor(bits)
+
+
 def mma_shuffle(weight: PackedQuantWeight, kwidth: int = 2, chunk_n: int = 1024) -> MmaQuantWeight:
     """Canonical -> MMA-operand order, in column chunks of the canonical weight (bounded memory)."""
     if kwidth not in (2, 4, 8):
@@ -220,7 +227,7 @@ def mma_shuffle(weight: PackedQuantWeight, kwidth: int = 2, chunk_n: int = 1024)
     zero_code = 1 << (bits - 1)
     fields = _word_value_order(bits).to(device)  # [vpw]
     shifts = (fields * bits).view(1, 1, vpw)
-    out = torch.empty((n_pad // 4, k_pad * 4 // vpw), dtype=torch.int32, device=device)
+    out = torch.empty(mma_storage_shape(k, n, bits), dtype=torch.int32, device=device)
     for n0 in range(0, n_pad, chunk_n):
         n1 = min(n0 + chunk_n, n_pad)
         codes = torch.full((n1 - n0, k_pad), zero_code, dtype=torch.int64, device=device)  # [n_chunk, K_pad]
@@ -231,8 +238,14 @@ def mma_shuffle(weight: PackedQuantWeight, kwidth: int = 2, chunk_n: int = 1024)
         stored = stored.reshape((n1 - n0) // 4, -1, vpw)  # [rows, words, vpw] values in word order
         words = (stored << shifts).sum(dim=-1)  # unsigned 32-bit values
         out[n0 // 4 : n1 // 4] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    zeros = None if weight.zeros is None else (weight.zeros.to(torch.int32) - zero_code).to(torch.float16)
-    return MmaQuantWeight(bits, weight.group_size, k, n, kwidth, out, weight.scales, zeros, weight.perm)
+    return MmaQuantWeight(bits, weight.group_size, k, n, kwidth, out, weight.scales, mma_zeros(weight), weight.perm)
+
+
+def mma_zeros(weight: PackedQuantWeight) -> torch.Tensor | None:
+    """The zero points as ``MmaQuantWeight`` keeps them: fp16 ``z - 2**(bits-1)`` [num_groups, N]."""
+    if weight.zeros is None:
+        return None
+    return (weight.zeros.to(torch.int32) - (1 << (weight.bits - 1))).to(torch.float16)
 
 
 def mma_unshuffle(shuffled: MmaQuantWeight) -> PackedQuantWeight:

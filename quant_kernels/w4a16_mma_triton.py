@@ -48,7 +48,6 @@ not round-trip through DRAM.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 
@@ -57,6 +56,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from quant_kernels import device as kdevice
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.pdl import use_pdl
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_shuffle
@@ -388,12 +388,54 @@ def _accumulate(
 
 
 @triton.jit
+def _store_tile(out_t, out_ptrs, bias_ptr, offs_n, mask_n, mask_mn, HAS_BIAS: tl.constexpr):
+    """Write a whole tile's fp32 product ``[BLOCK_M, BLOCK_N]`` (plus the bias) to the output."""
+    if HAS_BIAS:
+        out_t += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptrs, out_t.to(out_ptrs.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
+def _share_tile(
+    out_t,  # fp32 [BLOCK_M, BLOCK_N]: this program's partial
+    out_ptrs,
+    bias_ptr,
+    ws_ptr,  # fp32 workspace
+    cnt_ptr,  # int32 arrival counters
+    offs_m,
+    offs_n,
+    mask_n,
+    mask_mn,
+    stride_wsk,
+    stride_wsm,
+    slot,
+    n_slots,
+    tile_id,
+    HAS_BIAS: tl.constexpr,
+):
+    """One of ``n_slots`` partials of a tile: into the workspace; the last to arrive (atomic
+    counter) sums them, adds the bias, writes the output and resets the counter."""
+    BLOCK_M: tl.constexpr = out_t.shape[0]
+    BLOCK_N: tl.constexpr = out_t.shape[1]
+    ws_tile = ws_ptr + offs_m[:, None] * stride_wsm + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+    tl.store(ws_tile + slot * stride_wsk, out_t, mask=mask_mn)
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_slots - 1:  # last program of this tile: reduce, add bias, write, reset
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for sk in range(0, n_slots):
+            total += tl.load(ws_tile + sk * stride_wsk, mask=mask_mn, other=0.0, cache_modifier=".cg")
+        _store_tile(total, out_ptrs, bias_ptr, offs_n, mask_n, mask_mn, HAS_BIAS)
+        tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _write_tile(
     acc,  # fp32 [BLOCK_N, BLOCK_M]
     out_ptr,
     bias_ptr,
-    ws_ptr,
-    cnt_ptr,
+    ws_ptr,  # fp32 workspace (a never-read placeholder unless USE_SPLIT or SEGMENTED)
+    cnt_ptr,  # int32 counters (likewise)
     offs_m,
     offs_n,
     mask_m,
@@ -408,33 +450,28 @@ def _write_tile(
     USE_SPLIT: tl.constexpr,
     SEGMENTED: tl.constexpr = False,  # n_slots varies by tile (stream-K): 1 means a direct write
 ):
-    """Write a tile's product: directly, or as one of ``n_slots`` partials in the fp32 workspace,
-    the last to arrive (atomic counter) summing them, adding the bias and resetting the counter."""
-    BLOCK_M: tl.constexpr = acc.shape[1]
-    BLOCK_N: tl.constexpr = acc.shape[0]
+    """Write a tile's product: directly, or as one of ``n_slots`` partials (``_share_tile``).
+    Which of the two a launch compiles is chosen by constexprs alone (the split-K grid by
+    ``USE_SPLIT``; the stream-K grid, whose tiles are shared or not at run time, compiles both):
+    the plain grid never compiles the atomics at all."""
     out_t = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask_mn = mask_m[:, None] & mask_n[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    direct = not USE_SPLIT
     if SEGMENTED:
-        direct = n_slots == 1
-    if direct:
-        if HAS_BIAS:
-            out_t += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, out_t.to(out_ptr.dtype.element_ty), mask=mask_mn)
+        if n_slots == 1:
+            _store_tile(out_t, out_ptrs, bias_ptr, offs_n, mask_n, mask_mn, HAS_BIAS)
+        else:
+            _share_tile(
+                out_t, out_ptrs, bias_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, mask_n, mask_mn,
+                stride_wsk, stride_wsm, slot, n_slots, tile_id, HAS_BIAS,
+            )  # fmt: skip
+    elif USE_SPLIT:
+        _share_tile(
+            out_t, out_ptrs, bias_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, mask_n, mask_mn,
+            stride_wsk, stride_wsm, slot, n_slots, tile_id, HAS_BIAS,
+        )  # fmt: skip
     else:
-        ws_tile = ws_ptr + offs_m[:, None] * stride_wsm + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
-        tl.store(ws_tile + slot * stride_wsk, out_t, mask=mask_mn)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_slots - 1:  # last program of this tile: reduce, add bias, write, reset
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sk in range(0, n_slots):
-                total += tl.load(ws_tile + sk * stride_wsk, mask=mask_mn, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_mn)
-            tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+        _store_tile(out_t, out_ptrs, bias_ptr, offs_n, mask_n, mask_mn, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -812,6 +849,24 @@ def _fix(cfg: MmaConfig, m: int, k: int, n: int, group_size: int) -> MmaConfig:
     )
 
 
+SMALL_SHARED = 160 * 1024  # sm86 / sm89 allow a block 99 KB of shared memory (sm80 163 KB, sm90 227 KB)
+
+
+def fit_shared(cfg: MmaConfig, max_shared: int | None, has_zeros: bool) -> MmaConfig:
+    """Fewer pipeline stages where a launch would need more shared memory than the device lets one
+    block have (the launch is refused outright). Read from the sm86 / sm89 compiles of every
+    dispatched launch and sweep candidate (tests/kernels/test_launch_compile.py checks that every
+    one fits after this): with asymmetric zeros the 128 x 128 tiles need 112 KB at 3 stages (the
+    symmetric ones 80 KB), and the 6-stage sweep candidates 100 KB. Devices of 160 KB or more
+    (sm80, sm90) keep every config as measured."""
+    if cfg.kind != "mma" or max_shared is None or max_shared >= SMALL_SHARED:
+        return cfg
+    stages = min(cfg.num_stages, 4)
+    if has_zeros and cfg.block_m * cfg.block_n >= 128 * 128:
+        stages = min(stages, 2)
+    return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
+
+
 def _pow2_at_most(v: float) -> int:
     p = 1
     while p * 2 <= v and p < 8:
@@ -883,14 +938,9 @@ def select_config(weight: MmaQuantWeight, dtype: torch.dtype, m: int) -> MmaConf
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_sms(device: torch.device) -> int:
     """SMs of ``device`` (the stream-K grid's unit); 1 off CUDA, so CPU tests set the grid directly."""
-    return _sm_count(device.index or 0) if device.type == "cuda" else 1
+    return kdevice.sm_count(device, default=1)
 
 
 def supports(weight: PackedQuantWeight) -> bool:
@@ -898,7 +948,7 @@ def supports(weight: PackedQuantWeight) -> bool:
     (sm80+; older cards keep the tile-interleaved kernel), and every K-tile of 64 or 128 lies in
     one group or holds whole groups (else the caller keeps the reference path)."""
     device = weight.qweight.device
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+    if kdevice.triton_serves(device) and kdevice.capability(device) < (8, 0):
         return False
     g, k = weight.group_size, weight.in_features
     return any(_block_k_ok(bk, g, k) for bk in (64, 128))
@@ -910,7 +960,7 @@ def prepare(weight: PackedQuantWeight, kwidth: int | None = None) -> MmaQuantWei
         raise ValueError(f"group_size={weight.group_size} is not served by the MMA kernel")
     if kwidth is None:
         device = weight.qweight.device
-        kwidth = mma_kwidth(torch.cuda.get_device_capability(device)) if device.type == "cuda" else 2
+        kwidth = mma_kwidth(kdevice.capability(device)) if kdevice.triton_serves(device) else 2
     shuffled = mma_shuffle(weight, kwidth)
     shuffled.scales = shuffled.scales.contiguous()  # the kernels assume unit N strides
     if shuffled.zeros is not None:
@@ -940,8 +990,9 @@ def dequantize_dense(
         out = torch.empty((k, nc), dtype=dtype, device=weight.qweight.device)  # [K, nc]
     block_n, block_k = 64, 64
     qw, sc = weight.qweight[n0 // 4 :], weight.scales[:, n0:]  # views: the kernel takes strides
-    zeros = weight.zeros[:, n0:] if weight.zeros is not None else sc
-    perm = weight.perm if weight.perm is not None else qw
+    device = weight.qweight.device
+    zeros = weight.zeros[:, n0:] if weight.zeros is not None else kdevice.placeholder(device, torch.float16)
+    perm = weight.perm if weight.perm is not None else kdevice.placeholder(device, torch.int64)
     grid = (triton.cdiv(nc, block_n), weight.k_pad // block_k)
     mma_dequant_kernel[grid](
         qw,
@@ -954,7 +1005,7 @@ def dequantize_dense(
         weight.group_size,
         qw.stride(0),
         sc.stride(0),
-        zeros.stride(0),
+        zeros.stride(0) if weight.zeros is not None else 0,
         out.stride(0),
         BITS=weight.bits,
         KW=weight.kwidth,
@@ -1012,6 +1063,7 @@ def w4a16_gemm(
     if k != weight.in_features:
         raise ValueError(f"x has K={k}, weight has in_features={weight.in_features}")
     cfg = select_config(weight, x.dtype, m) if config is None else _fix(config, m, k, n, g)
+    cfg = fit_shared(cfg, kdevice.max_shared(x.device), weight.zeros is not None)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     elif out.stride(1) != 1:
@@ -1029,10 +1081,14 @@ def w4a16_gemm(
     num_k_tiles = triton.cdiv(k, cfg.block_k)
     total = num_pid_m * num_pid_n * num_k_tiles
     programs = min(total, _num_sms(x.device) * cfg.stream_k) if cfg.stream_k else 0
-    if programs == 1:  # one program does it all: the plain grid (no workspace to compile against)
+    if programs == 1:  # one program does it all: the plain grid (no partials to reduce)
         programs = 0
     # stream-K: a tile's K-tiles meet at most floor(K-tiles / per-program share) + 2 programs
     slots = min(programs, num_k_tiles // (total // programs) + 2) if programs else split
+    # Every pointer argument has one dtype whatever the launch: the unused ones get typed placeholders
+    # (quant_kernels.device.placeholder), never another tensor of the launch.
+    if counters is not None and counters.dtype != torch.int32:
+        raise ValueError(f"counters must be int32, got {counters.dtype}")
     if slots > 1:
         ws = torch.empty((slots, m, n), dtype=torch.float32, device=x.device)  # [slots, M, N]
         if counters is None:
@@ -1040,12 +1096,13 @@ def w4a16_gemm(
         elif counters.numel() < num_pid_m * num_pid_n:
             raise ValueError(f"counters hold {counters.numel()} entries, need {num_pid_m * num_pid_n}")
     else:
-        ws = out
-        counters = out
+        ws = kdevice.placeholder(x.device, torch.float32)
+        if counters is None:
+            counters = kdevice.placeholder(x.device, torch.int32)
     qw, sc = weight.qweight, weight.scales
-    zeros = weight.zeros if weight.zeros is not None else sc
-    perm = weight.perm if weight.perm is not None else qw
-    bias_arg = bias if bias is not None else sc
+    zeros = weight.zeros if weight.zeros is not None else kdevice.placeholder(x.device, torch.float16)
+    perm = weight.perm if weight.perm is not None else kdevice.placeholder(x.device, torch.int64)
+    bias_arg = bias if bias is not None else kdevice.placeholder(x.device, x.dtype)
     ng = 1 if (g % cfg.block_k == 0 or g >= k) else cfg.block_k // g
     launch_opts = {"maxnreg": cfg.max_regs} if cfg.max_regs and not _INTERPRET else {}
     with_pdl = use_pdl(x.device, pdl)
@@ -1056,7 +1113,7 @@ def w4a16_gemm(
         x.stride(0),
         qw.stride(0),
         sc.stride(0),
-        zeros.stride(0),
+        zeros.stride(0) if weight.zeros is not None else 0,
         out.stride(0),
         ws.stride(0) if slots > 1 else 0,
         ws.stride(1) if slots > 1 else 0,

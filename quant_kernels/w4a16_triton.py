@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quant_kernels import device as kdevice
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.repack import DEFAULT_INTERLEAVE, TiledQuantWeight, tile_interleave
 
@@ -663,8 +664,11 @@ def dequantize_dense(weight: TiledQuantWeight, dtype: torch.dtype, out: torch.Te
         out = torch.empty((k, n), dtype=dtype, device=weight.qweight.device)  # [K, N]
     block_n = 128
     qw, sc = weight.qweight, weight.scales
-    zeros = weight.zeros if weight.zeros is not None else sc
-    perm = weight.perm if weight.perm is not None else qw
+    device = qw.device
+    # typed placeholders for the arguments this launch leaves unused (quant_kernels.device)
+    zeros = weight.zeros if weight.zeros is not None else kdevice.placeholder(device, torch.uint8)
+    perm = weight.perm if weight.perm is not None else kdevice.placeholder(device, torch.int64)
+    zero_strides = weight.zeros.stride() if weight.zeros is not None else (0, 0)
     grid = (qw.shape[0] // weight.interleave, triton.cdiv(n, block_n))
     w4a16_dequant_kernel[grid](
         qw,
@@ -679,8 +683,7 @@ def dequantize_dense(weight: TiledQuantWeight, dtype: torch.dtype, out: torch.Te
         qw.stride(1),
         sc.stride(0),
         sc.stride(1),
-        zeros.stride(0),
-        zeros.stride(1),
+        *zero_strides,
         out.stride(0),
         out.stride(1),
         BITS=weight.bits,
@@ -727,13 +730,16 @@ def w4a16_gemm(
             counters = torch.zeros(num_pid_m * num_pid_n, dtype=torch.int32, device=x.device)
         elif counters.numel() < num_pid_m * num_pid_n:
             raise ValueError(f"counters hold {counters.numel()} entries, need {num_pid_m * num_pid_n}")
-    else:
-        ws = out
-        counters = out
+    else:  # typed placeholders for the arguments this launch leaves unused (quant_kernels.device)
+        ws = kdevice.placeholder(x.device, torch.float32)
+        counters = counters if counters is not None else kdevice.placeholder(x.device, torch.int32)
+    if counters.dtype != torch.int32:
+        raise ValueError(f"counters must be int32, got {counters.dtype}")
     qw, sc = weight.qweight, weight.scales
-    zeros = weight.zeros if weight.zeros is not None else sc
-    perm = weight.perm if weight.perm is not None else qw
-    bias_arg = bias if bias is not None else sc
+    zeros = weight.zeros if weight.zeros is not None else kdevice.placeholder(x.device, torch.uint8)
+    perm = weight.perm if weight.perm is not None else kdevice.placeholder(x.device, torch.int64)
+    bias_arg = bias if bias is not None else kdevice.placeholder(x.device, x.dtype)
+    zero_strides = weight.zeros.stride() if weight.zeros is not None else (0, 0)
     grid = (num_pid_n, split, num_pid_m)
     w4a16_gemm_kernel[grid](
         x,
@@ -756,8 +762,7 @@ def w4a16_gemm(
         qw.stride(1),
         sc.stride(0),
         sc.stride(1),
-        zeros.stride(0),
-        zeros.stride(1),
+        *zero_strides,
         out.stride(0),
         out.stride(1),
         ws.stride(0) if split > 1 else 0,

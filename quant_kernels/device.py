@@ -1,0 +1,72 @@
+"""What the kernel wrappers ask of a device, asked in one place.
+
+Knows: whether Triton kernels serve a device (a CUDA device, triton importable), its compute
+capability, SM count and shared memory per block (``torch.cuda``'s queries), and the never-read placeholder tensors a
+launch passes for the pointer arguments of a branch it does not take. Must not know: kernels,
+models, engines.
+
+Every wrapper and dispatcher asks here rather than ``torch.cuda``, so that the launch-compile
+check (``tests/helpers/kernel_launches.py``) can put a simulated GPU of any architecture in the
+real one's place on a machine without one, and capture the exact launches the engine makes.
+
+Placeholders: a kernel argument keeps one type whichever branch the kernel takes. A launch that
+does not use, say, the split-K workspace still passes an fp32 tensor there, never the fp16 output:
+Triton type-checks whatever code survives constant folding, so an fp16 pointer where the kernel
+declares an fp32 workspace or an int32 counter is a compile error the moment a branch is not
+folded away (main at b0d3937 crashed at the first token on every GPU this way).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from quant_kernels import have_triton
+
+
+def triton_serves(device: torch.device) -> bool:
+    """Whether Triton kernels run on ``device``: a CUDA device, with triton importable."""
+    return device.type == "cuda" and have_triton()
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability of ``device`` (``(9, 0)`` for an H100 / H200)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def sm_count(device: torch.device, default: int) -> int:
+    """Streaming multiprocessors of ``device``; ``default`` off CUDA (interpreter tests)."""
+    if device.type != "cuda":
+        return default
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def max_shared(device: torch.device) -> int | None:
+    """Bytes of shared memory one block of ``device`` may use (the opt-in maximum: 227 KB on sm90,
+    99 KB on sm86 / sm89); None off CUDA (no limit to respect)."""
+    if device.type != "cuda":
+        return None
+    return _max_shared(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _max_shared(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor of ``dtype`` on ``device`` that no kernel reads or writes: what a
+    launch passes for a pointer argument its compiled branch leaves unused. Made once per
+    (device, dtype) — no allocation per launch, and safe inside CUDA-graph capture once made."""
+    return _placeholder(device, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(1, dtype=dtype, device=device)

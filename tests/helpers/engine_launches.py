@@ -1,0 +1,427 @@
+"""Drive every production Triton launch of qserve through its real code path, on a simulated GPU.
+
+Knows: the model shapes qserve is built for (Qwen2.5-14B, Qwen-14B v1, Llama-3-8B, plus the
+families that add launch variants: Baichuan2-13B's ALiBi, Qwen3's q/k norms), the weight formats
+(GPTQ sym / act-order, AWQ asym, compressed-tensors bf16 scales, group 32 / 64 / 128, 8-bit), the
+KV cache dtypes, and the steps an engine runs (start-up warm-up, the decode CUDA-graph buckets,
+eager decodes at short and long contexts, the W4A16 tuning sweep). Must not know: what any kernel
+computes (``tests/helpers/kernel_launches.py`` captures and compiles).
+
+Each model is built with one decoder layer at its real dimensions (every layer of a model launches
+the same kernels) and a small vocabulary (the LM head is a dense torch product, no Triton launch),
+from random weights, on the CPU. Under ``simulated_gpu`` the model runner, the decode-graph forward
+and the layers take their CUDA branches; every launch is captured and compiled for that GPU.
+
+``python -m tests.helpers.engine_launches --gpu sm90 --tier full --out report.json`` writes the
+distinct launches and failures as JSON (``tests/kernels/test_launch_compile.py`` runs it per GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from loaders.spec import CheckpointSpec
+from qserve.config import ModelConfig
+from qserve.layers.linear import Linear
+from qserve.layers.quant_methods import make_linear_method
+from qserve.model.llama import LlamaFamilyForCausalLM
+from qserve.runner.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
+from qserve.runner.model_runner import ModelRunner, allocate_kv_caches
+from qserve.runner.warmup import warmup_steps
+from qserve.sampling_params import SamplingParams
+from qserve.scheduler.output import ScheduledSequence, SchedulerOutput
+from quant_kernels import ops
+from quant_kernels.layout import PackedQuantWeight
+from quant_kernels.reference_kv_int4 import INT4_KV_DTYPE
+from quant_kernels.repack import MmaQuantWeight, mma_storage_shape, mma_zeros
+from tests.helpers.kernel_launches import GPUS, Capture, SimulatedGpu, simulated_gpu, where
+
+VOCAB = 1024
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 32768
+MAX_NUM_SEQS = 256
+MAX_NUM_BATCHED_TOKENS = 2048  # the engine's default (SchedulerConfig)
+KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": INT4_KV_DTYPE}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One model shape and checkpoint format."""
+
+    name: str
+    config: dict  # config.json of the real model, one layer
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    act_order: bool = False
+    scale_dtype: torch.dtype = torch.float16
+
+
+def _llama_like(architecture: str, hidden: int, heads: int, kv_heads: int, inter: int, **extra) -> dict:
+    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[architecture]
+    config = dict(
+        architectures=[architecture],
+        model_type=model_type,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=MAX_MODEL_LEN,
+        rms_norm_eps=1e-6,
+        torch_dtype="bfloat16",
+    )
+    config.update(extra)
+    return config
+
+
+MODELS = [
+    # GPTQ Int4 release layout (sym, group 128) with the q/k/v biases
+    ModelCase("qwen2.5-14b", _llama_like("Qwen2ForCausalLM", 5120, 40, 8, 13824, rope_theta=1e6)),
+    # Qwen v1 (remote-code config): multi-head attention, dynamic NTK + logn past seq_length
+    ModelCase(
+        "qwen-14b-v1",
+        dict(
+            architectures=["QWenLMHeadModel"],
+            model_type="qwen",
+            hidden_size=5120,
+            num_attention_heads=40,
+            num_hidden_layers=1,
+            kv_channels=128,
+            intermediate_size=27392,
+            rotary_pct=1.0,
+            rotary_emb_base=10000,
+            seq_length=2048,
+            max_position_embeddings=8192,
+            layer_norm_epsilon=1e-6,
+            vocab_size=VOCAB,
+            use_dynamic_ntk=True,
+            use_logn_attn=True,
+            no_bias=True,
+            bf16=True,
+        ),
+    ),
+    # AWQ (GEMM): asymmetric zeros, group 128
+    ModelCase(
+        "llama-3-8b",
+        _llama_like("LlamaForCausalLM", 4096, 32, 8, 14336, rope_theta=500000.0),
+        sym=False,
+    ),
+    # ALiBi (13B): attention with position biases instead of rotary
+    ModelCase(
+        "baichuan2-13b",
+        dict(
+            architectures=["BaichuanForCausalLM"],
+            model_type="baichuan",
+            hidden_size=5120,
+            num_attention_heads=40,
+            num_hidden_layers=1,
+            intermediate_size=13696,
+            model_max_length=4096,
+            rms_norm_eps=1e-6,
+            vocab_size=VOCAB,
+            torch_dtype="bfloat16",
+        ),
+    ),
+    # q/k RMSNorm on [tokens, heads, head_dim] views; compressed-tensors with bf16 scales, group 64
+    ModelCase(
+        "qwen3-8b",
+        _llama_like("Qwen3ForCausalLM", 4096, 32, 8, 12288, head_dim=128, rope_theta=1e6),
+        group_size=64,
+        scale_dtype=torch.bfloat16,
+    ),
+]
+
+# What each tier drives. "ci" (tests/kernels/test_launch_compile.py): on sm90 (the H200 the engine
+# and bench/kernels.py are measured on) the engine's launches for the models qserve is measured on
+# and for ALiBi, both dtypes, every KV cache dtype, the sweep candidates (fp16, as the bench runs
+# them) and the PDL launches (bf16: the two dtypes' checks take about as long); on
+# sm86 / sm89 the same engine launches for the GQA shapes with and without zero points (Qwen2.5-14B
+# GPTQ, Llama-3-8B AWQ: every block config the dispatch picks, at 99 KB of shared memory). "full"
+# (``--tier full``, before changing a kernel or its dispatch): every model on every GPU, Qwen3's q/k
+# norms, the extra weight formats, PDL in bf16. A distinct compile costs ~0.4 s of CPU; "ci" is
+# sized to CI's budget.
+FALLBACK = "g80 (the tile-interleaved fallback kernel)"
+CI_MODELS = ("qwen2.5-14b", "qwen-14b-v1", "llama-3-8b", "baichuan2-13b")
+TIERS = {
+    "ci": dict(
+        models=CI_MODELS, consumer_models=("qwen2.5-14b", "llama-3-8b"), formats=(FALLBACK,), pdl_dtypes=("bf16",)
+    ),
+    "full": dict(models=tuple(c.name for c in MODELS), consumer_models=None, formats=None, pdl_dtypes=("fp16", "bf16")),
+}
+
+# Weight formats beyond the models' own, through the W4A16 dispatch at every M bucket (Qwen2.5-14B's
+# qkv and down shapes): (label, bits, group_size, sym, act_order)
+FORMATS = [
+    ("g32-asym", 4, 32, False, False),
+    ("g64-act-order", 4, 64, True, True),
+    ("8bit-g128", 8, 128, True, False),
+    ("channelwise", 4, -1, True, False),
+    (FALLBACK, 4, 80, True, False),
+]
+FORMAT_SHAPES = [(5120, 7168), (13824, 5120)]  # (K, N): qkv and down of Qwen2.5-14B
+M_BUCKETS = [1, 9, 32, 64, 128, 256, 2048]  # one M of each dispatch bucket
+SWEEP_MS = [1, 16, 64, 128, 256, 512]  # bench/kernels.py --sweep's M values
+
+
+@functools.lru_cache(maxsize=64)
+def random_weight(
+    k: int, n: int, bits: int, group_size: int, sym: bool, act_order: bool, scale_dtype
+) -> PackedQuantWeight:
+    group = k if group_size == -1 else group_size
+    groups = -(-k // group)
+    return PackedQuantWeight(
+        bits=bits,
+        group_size=group,
+        qweight=torch.empty((k * bits // 32, n), dtype=torch.int32),  # [K / pf, N]: no kernel reads it here
+        scales=(torch.rand(groups, n) * 0.01 + 0.001).to(scale_dtype),  # [groups, N]
+        zeros=None if sym else torch.randint(0, 2**bits, (groups, n), dtype=torch.uint8),  # [groups, N]
+        perm=torch.randperm(k) if act_order else None,  # [K]
+    )
+
+
+@contextlib.contextmanager
+def layout_without_shuffling() -> Iterator[None]:
+    """``mma_shuffle`` returns a weight of the shuffled layout's shapes and dtypes with its words left
+    unwritten. A launch depends on those alone (no kernel runs here), and shuffling a 14B-sized layer
+    takes seconds of CPU: most of this drive's time otherwise. The shuffle itself is checked by
+    tests/kernels/test_w4a16_mma.py; scales, zeros and permutation stay each weight's own, converted
+    as ``mma_shuffle`` converts them."""
+    from quant_kernels import w4a16_mma_triton
+
+    def shuffle(weight: PackedQuantWeight, kwidth: int = 2) -> MmaQuantWeight:
+        k, n = weight.in_features, weight.out_features
+        words = torch.empty(mma_storage_shape(k, n, weight.bits), dtype=torch.int32, device=weight.qweight.device)
+        return MmaQuantWeight(
+            weight.bits, weight.group_size, k, n, kwidth, words, weight.scales, mma_zeros(weight), weight.perm
+        )
+
+    with mock.patch.object(w4a16_mma_triton, "mma_shuffle", shuffle):
+        yield
+
+
+def build_model(case: ModelCase, dtype: torch.dtype) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
+    """The model with random weights, prepared for the (simulated) device the way loading does."""
+    config = ModelConfig.from_hf(case.config, source=case.name)
+    spec = CheckpointSpec(
+        method="gptq", bits=case.bits, group_size=case.group_size, sym=case.sym, desc_act=case.act_order
+    )
+    with torch.device("cpu"):
+        model = LlamaFamilyForCausalLM(config, dtype, lambda names: make_linear_method(spec, names))
+    for module in model.modules():
+        if isinstance(module, Linear) and hasattr(module, "quant_shards"):
+            for shard_id, n in enumerate(module.output_sizes):
+                weight = random_weight(
+                    module.in_features, n, case.bits, case.group_size, case.sym, case.act_order, case.scale_dtype
+                )
+                module.load_weight(shard_id, weight)
+            module.process_after_loading()
+    model.eval()
+    return model, config
+
+
+def _sequence(name: str, start: int, count: int, blocks: int, prompt_len: int, params: SamplingParams):
+    prompt = [(7 * i + 3) % VOCAB for i in range(prompt_len)]
+    output = [1] * max(0, start + count - prompt_len)
+    return ScheduledSequence(name, start, count, list(range(blocks)), prompt, output, params, True)
+
+
+def decode_step(batch: int, context: int) -> SchedulerOutput:
+    """``batch`` sequences with ``context`` tokens each, one new token each (greedy)."""
+    blocks = -(-context // BLOCK_SIZE)
+    greedy = SamplingParams(temperature=0.0)
+    rows = [_sequence(f"d{i}", context - 1, 1, blocks, context - 1, greedy) for i in range(batch)]
+    return SchedulerOutput(rows, batch)
+
+
+def drive_model(capture: Capture, case: ModelCase, model, config: ModelConfig, dtype_name: str, kv: str) -> None:
+    """The launches of an engine serving ``model`` with a ``kv`` cache: warm-up, graphs, eager decodes."""
+    kv_dtype = KV_DTYPES[kv] or model.dtype
+    max_len = min(MAX_MODEL_LEN, config.max_position_embeddings)
+    num_blocks = -(-max_len // BLOCK_SIZE) + 8
+    kv_caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, kv_dtype, torch.device("cpu"))
+    runner = ModelRunner(model, config, kv_caches, BLOCK_SIZE, torch.device("cpu"))
+    label = f"{case.name} {dtype_name} kv={kv}"
+    steps = warmup_steps(
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=max_len,
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        vocab_size=VOCAB,
+    )
+    # Prefill chunks past 256 tokens all take the dequantize path and the same attention launches
+    # (only grids differ): the largest stands for them.
+    steps = [s for s in steps if s.num_batched_tokens <= 256 or s.num_batched_tokens == MAX_NUM_BATCHED_TOKENS
+             or len(s.sequences) > 1]  # fmt: skip
+    if kv != "auto":  # the KV dtype changes attention only: its prefill, mixed and decode steps
+        steps = [s for s in steps if s.num_batched_tokens in (16, MAX_NUM_BATCHED_TOKENS) or len(s.sequences) > 1]
+    for step in steps:
+        with where(capture, f"{label} warm-up step of {step.num_batched_tokens} tokens"):
+            runner.execute(step)
+    # Eager decodes (batches past the last graph bucket, or enforce_eager): the split count follows
+    # the batch's real longest context.
+    for batch, context in ((1, 16), (1, max_len), (3, 700), (64, 4096), (300, 100)):
+        with where(capture, f"{label} eager decode batch {batch} context {context}"):
+            runner.execute(decode_step(batch, min(context, max_len)))
+    # The decode CUDA graphs' forward (what capture records), every bucket at the graphs' fixed length.
+    graphs = DecodeGraphs(model, kv_caches, MAX_NUM_SEQS, max_len, BLOCK_SIZE, torch.device("cpu"))
+    buckets = DEFAULT_BUCKETS if kv == "auto" else (1, 8, 64, 256)
+    for batch in buckets:
+        with where(capture, f"{label} decode graph batch {batch}"), torch.inference_mode():
+            graphs._run(batch)
+
+
+def drive_sweep(capture: Capture, case: ModelCase, model) -> None:
+    """Every candidate ``bench/kernels.py --sweep`` times (and may pin with ``set_config``) on this
+    model's layers, launched as that bench launches them: fp16, no bias."""
+    from quant_kernels import w4a16_mma_triton as mma
+
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or not hasattr(module, "quant_prepared"):
+            continue
+        for prepared in module.quant_prepared:
+            if not isinstance(prepared, ops.W4A16Prepared) or not isinstance(prepared.weight, MmaQuantWeight):
+                continue
+            w = prepared.weight
+            for m in SWEEP_MS:
+                x = torch.zeros((m, w.in_features), dtype=model.dtype)  # [M, K]
+                for cfg in mma.candidate_configs(m, w.in_features, w.out_features, w.group_size):
+                    with where(capture, f"{case.name} sweep {name} M={m} {cfg.short()}"), torch.inference_mode():
+                        mma.w4a16_gemm(x, w, None, config=cfg, counters=prepared.counters)
+
+
+def drive_formats(capture: Capture, dtype: torch.dtype, dtype_name: str, labels: tuple[str, ...] | None) -> None:
+    """The W4A16 dispatch (``ops``) for each extra weight format (``labels``; None: all) at every M bucket."""
+    for label, bits, group, sym, act_order in FORMATS:
+        if labels is not None and label not in labels:
+            continue
+        for k, n in FORMAT_SHAPES:
+            weight = random_weight(k, n, bits, group, sym, act_order, torch.float16)
+            prepared = ops.prepare_w4a16(weight)
+            for m in M_BUCKETS:
+                x = torch.zeros((m, k), dtype=dtype)  # [M, K]
+                with where(capture, f"format {label} {dtype_name} K={k} N={n} M={m}"), torch.inference_mode():
+                    ops.w4a16_linear(x, prepared)
+
+
+def drive_pdl(capture: Capture, model, config: ModelConfig, label: str) -> None:
+    """QSERVE_ENABLE_PDL=1 (opt-in, sm90): the decode graphs' forward with PDL launches."""
+    previous = os.environ.get("QSERVE_ENABLE_PDL")
+    os.environ["QSERVE_ENABLE_PDL"] = "1"
+    try:
+        max_len = min(MAX_MODEL_LEN, config.max_position_embeddings)
+        num_blocks = -(-max_len // BLOCK_SIZE) + 8
+        kv_caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, model.dtype, torch.device("cpu"))
+        graphs = DecodeGraphs(model, kv_caches, MAX_NUM_SEQS, max_len, BLOCK_SIZE, torch.device("cpu"))
+        for batch in DEFAULT_BUCKETS:
+            with where(capture, f"{label} PDL decode graph batch {batch}"), torch.inference_mode():
+                graphs._run(batch)
+    finally:
+        if previous is None:
+            del os.environ["QSERVE_ENABLE_PDL"]
+        else:
+            os.environ["QSERVE_ENABLE_PDL"] = previous
+
+
+def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", "bf16"), log=print) -> Capture:
+    """All the launches of ``tier`` (``TIERS``) for ``gpu``; ``log`` gets one line per stage."""
+    plan = TIERS[tier]
+    names = plan["models"] if gpu.arch >= 90 or plan["consumer_models"] is None else plan["consumer_models"]
+    models = [c for c in MODELS if c.name in names]
+    with simulated_gpu(gpu) as capture, layout_without_shuffling():
+        for dtype_name in dtypes:
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+            for case in models:
+                t0 = time.perf_counter()
+                with where(capture, f"{case.name} {dtype_name} load"):
+                    model, config = build_model(case, dtype)
+                for kv in KV_DTYPES:
+                    drive_model(capture, case, model, config, dtype_name, kv)
+                if gpu.arch >= 90 and case is models[0]:  # bench/kernels.py runs on the H200, in fp16
+                    if dtype == torch.float16:
+                        drive_sweep(capture, case, model)
+                    if dtype_name in plan["pdl_dtypes"]:
+                        drive_pdl(capture, model, config, f"{case.name} {dtype_name}")
+                del model
+                log(f"{gpu.name}: {case.name} {dtype_name} in {time.perf_counter() - t0:.1f} s, "
+                    f"{len(capture.launches)} distinct launches so far, {capture.compile_seconds:.0f} s compiling")  # fmt: skip
+            if gpu.arch >= 90 or plan["consumer_models"] is None:
+                drive_formats(capture, dtype, dtype_name, plan["formats"])
+    return capture
+
+
+KERNEL_MODULES = ("w4a16_mma_triton", "w4a16_triton", "attention_triton", "attention_int4_triton", "elementwise_triton")
+
+
+def use_kernels_from(rev: str, folder: Path) -> None:
+    """Replace the kernel modules (``quant_kernels/*_triton.py``: kernels and their wrappers) by
+    their text at git revision ``rev``, to check an older tree's launches with today's drive (the
+    dispatch modules that route to them stay today's). Files go to ``folder``: Triton reads a
+    kernel's source from its file."""
+    import importlib.util
+    import subprocess
+
+    import quant_kernels
+
+    for name in KERNEL_MODULES:
+        text = subprocess.run(["git", "show", f"{rev}:quant_kernels/{name}.py"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).resolve().parents[2]).stdout  # fmt: skip
+        path = folder / f"{name}.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(f"quant_kernels.{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        setattr(quant_kernels, name, module)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", choices=sorted(GPUS), required=True)
+    parser.add_argument("--out", required=True, help="JSON report")
+    parser.add_argument("--tier", choices=sorted(TIERS), default="ci")
+    parser.add_argument("--dtypes", default="fp16,bf16")
+    parser.add_argument("--kernels-from", metavar="REV", help="check the kernel modules of this git revision")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="qserve-kernels-") as folder:
+        if args.kernels_from:
+            use_kernels_from(args.kernels_from, Path(folder))
+        t0 = time.perf_counter()
+        capture = run(GPUS[args.gpu], args.tier, tuple(args.dtypes.split(",")),
+                      log=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+    report = {
+        "gpu": asdict(capture.gpu),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "launches": [asdict(launch) for launch in capture.launches.values()],
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f, default=str)
+    failures = capture.failures
+    print(f"{capture.gpu.name}: {len(capture.launches)} distinct launches of {len(capture.kernels())} kernels, "
+          f"{len(failures)} failing, {report['seconds']} s")  # fmt: skip
+    for launch in failures[:50]:
+        print(f"FAIL {launch.error}\n     {launch.describe()}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
