@@ -25,18 +25,22 @@ mkdir -p "$OUT"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 stage() { echo "=== $1 ($(date +%T))"; }
 
-git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' || true
-git status --porcelain 2>/dev/null | grep -q . && echo "(working tree differs from that commit)"
+# The device machine gets a copy of the working tree whose git metadata may be older than the tree:
+# a hash of the code identifies what ran (bench/code_hash.sh computes the same on the machine here).
+echo "code $(bash bench/code_hash.sh)"
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)"
 if has smoke; then
     stage "smoke: every -m gpu test"
     # the files that hold a gpu test (collecting the rest would need the server's packages there)
     mapfile -t GPU_FILES < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include='test_*.py' | sort)
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout=150 "${GPU_FILES[@]}" \
-        > "$OUT/smoke_gputests.txt" 2>&1
-    echo "pytest -m gpu exit code $?"
+    # ~800 tests, most of their time in Triton compiles (CPU): spread over the machine's cores
+    WORKERS=$(python3 -c "import os, xdist; print(min(16, os.cpu_count()))" 2>/dev/null || echo 0)
+    PARALLEL=(); [[ $WORKERS -gt 1 ]] && PARALLEL=(-n "$WORKERS")
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout=240 "${PARALLEL[@]}" \
+        --durations=10 "${GPU_FILES[@]}" > "$OUT/smoke_gputests.txt" 2>&1
+    echo "pytest -m gpu exit code $? (${WORKERS} workers)"
     grep -E "^(FAILED|ERROR)" "$OUT/smoke_gputests.txt" | head -20
-    tail -2 "$OUT/smoke_gputests.txt"
+    tail -1 "$OUT/smoke_gputests.txt"
     stage "smoke: decode at batch 1 and 128 through the engine (Qwen2.5-14B-shaped GPTQ 4-bit)"
     timeout 150 python3 bench/e2e.py --skip small,offline,capacity --decode-batches 1,128 --tmp /tmp/qbe \
         --out "$OUT/smoke_e2e.md" 2>&1 | grep -v USDT | tail -6
