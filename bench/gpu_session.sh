@@ -32,10 +32,13 @@ python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__ve
 if has smoke; then
     stage "smoke: every -m gpu test"
     # the files that hold a gpu test (collecting the rest would need the server's packages there)
-    mapfile -t GPU_FILES < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include='test_*.py' | sort)
-    # ~800 tests, most of their time in Triton compiles (CPU): spread over the machine's cores
+    # (the longest first: the 14B-layer quantize tests take ~90 s each, async scheduling ~50 s)
+    mapfile -t GPU_FILES < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include='test_*.py' \
+        | awk '{ print (/quantize\/test_gpu/ ? 0 : /test_async_scheduling|test_w4a16/ ? 1 : 2), $0 }' | sort | cut -d' ' -f2)
+    # ~800 tests, most of their time in Triton compiles (CPU): spread over the machine's cores, work-stealing
     WORKERS=$(python3 -c "import os, xdist; print(min(16, os.cpu_count()))" 2>/dev/null || echo 0)
-    PARALLEL=(); [[ $WORKERS -gt 1 ]] && PARALLEL=(-n "$WORKERS")
+    DIST=$(python3 -c "import xdist; print('worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else 'load')" 2>/dev/null)
+    PARALLEL=(); [[ $WORKERS -gt 1 ]] && PARALLEL=(-n "$WORKERS" --dist "$DIST")
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout=240 "${PARALLEL[@]}" \
         --durations=10 "${GPU_FILES[@]}" > "$OUT/smoke_gputests.txt" 2>&1
     echo "pytest -m gpu exit code $? (${WORKERS} workers)"
