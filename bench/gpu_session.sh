@@ -39,7 +39,8 @@ if has smoke; then
     WORKERS=$(python3 -c "import os, xdist; print(min(16, os.cpu_count()))" 2>/dev/null || echo 0)
     DIST=$(python3 -c "import xdist; print('worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else 'load')" 2>/dev/null)
     PARALLEL=(); [[ $WORKERS -gt 1 ]] && PARALLEL=(-n "$WORKERS" --dist "$DIST")
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout=240 "${PARALLEL[@]}" \
+    # one OpenMP/MKL thread pool of 2 per worker: 16 workers x 16 threads oversubscribed the 16 cores
+    OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout=240 "${PARALLEL[@]}" \
         --durations=10 "${GPU_FILES[@]}" > "$OUT/smoke_gputests.txt" 2>&1
     echo "pytest -m gpu exit code $? (${WORKERS} workers)"
     grep -E "^(FAILED|ERROR)" "$OUT/smoke_gputests.txt" | head -20
