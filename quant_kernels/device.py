@@ -1,9 +1,9 @@
 """What the kernel wrappers ask of a device, asked in one place.
 
 Knows: whether Triton kernels serve a device (a CUDA device, triton importable), its compute
-capability, SM count and shared memory per block (``torch.cuda``'s queries), and the never-read placeholder tensors a
-launch passes for the pointer arguments of a branch it does not take. Must not know: kernels,
-models, engines.
+capability, SM count and shared memory per block (``torch.cuda``'s queries), and the never-read
+placeholder tensors a launch passes for the pointer arguments of a branch it does not take. Must
+not know: kernels, models, engines.
 
 Every wrapper and dispatcher asks here rather than ``torch.cuda``, so that the launch-compile
 check (``tests/helpers/kernel_launches.py``) can put a simulated GPU of any architecture in the
@@ -37,27 +37,22 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 def sm_count(device: torch.device, default: int) -> int:
     """Streaming multiprocessors of ``device``; ``default`` off CUDA (interpreter tests)."""
-    if device.type != "cuda":
-        return default
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return _properties(device).multi_processor_count if device.type == "cuda" else default
 
 
 def max_shared(device: torch.device) -> int | None:
     """Bytes of shared memory one block of ``device`` may use (the opt-in maximum: 227 KB on sm90,
     99 KB on sm86 / sm89); None off CUDA (no limit to respect)."""
-    if device.type != "cuda":
-        return None
-    return _max_shared(device.index if device.index is not None else torch.cuda.current_device())
+    return _properties(device).shared_memory_per_block_optin if device.type == "cuda" else None
+
+
+def _properties(device: torch.device):  # noqa: ANN202 - torch's _CudaDeviceProperties
+    return _properties_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=16)
-def _max_shared(index: int) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+def _properties_of(index: int):  # noqa: ANN202
+    return torch.cuda.get_device_properties(index)
 
 
 def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:

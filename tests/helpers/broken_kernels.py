@@ -46,3 +46,17 @@ def launch_big_tile(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     """128 x 128 fp16 tiles of both operands, 3 stages: 64 KB of buffers per stage (sm90: 192 KB, under
     its 227 KB; sm86: 128 KB, over the 99 KB an sm86 / sm89 block may have)."""
     big_tile_kernel[(1,)](a, b, c, a.shape[1], BLOCK=128, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def fill_kernel(out_ptr):
+    """One store per program."""
+    tl.store(out_ptr + tl.program_id(1), 0.0)
+
+
+def launch_tall_grid(out: torch.Tensor) -> None:
+    """A grid of 70,000 programs along y: CUDA allows 65,535 there (an elementwise grid over rows must
+    put them on x). Launched twice, first within the limit, so the check must look at every launch's
+    grid and not only the one that compiled the kernel."""
+    fill_kernel[(1, 8)](out)
+    fill_kernel[(1, 70_000)](out)

@@ -137,11 +137,13 @@ MODELS = [
             torch_dtype="bfloat16",
         ),
     ),
-    # q/k RMSNorm on [tokens, heads, head_dim] views; compressed-tensors with bf16 scales, group 64
+    # q/k RMSNorm on [tokens, heads, head_dim] views; compressed-tensors with bf16 scales, group 64,
+    # act-order: q's permutation differs from k's and v's, so q/k/v stay unfused (the concatenated path)
     ModelCase(
         "qwen3-8b",
         _llama_like("Qwen3ForCausalLM", 4096, 32, 8, 12288, head_dim=128, rope_theta=1e6),
         group_size=64,
+        act_order=True,
         scale_dtype=torch.bfloat16,
     ),
 ]
@@ -248,12 +250,25 @@ def decode_step(batch: int, context: int) -> SchedulerOutput:
     return SchedulerOutput(rows, batch)
 
 
-def drive_model(capture: Capture, case: ModelCase, model, config: ModelConfig, dtype_name: str, kv: str) -> None:
-    """The launches of an engine serving ``model`` with a ``kv`` cache: warm-up, graphs, eager decodes."""
-    kv_dtype = KV_DTYPES[kv] or model.dtype
+def _kv_pool(config: ModelConfig, kv_dtype: torch.dtype) -> tuple[int, int, list]:
+    """``(max_model_len, num_blocks, kv_caches)``: a pool that holds one sequence of the longest length."""
     max_len = min(MAX_MODEL_LEN, config.max_position_embeddings)
     num_blocks = -(-max_len // BLOCK_SIZE) + 8
-    kv_caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, kv_dtype, torch.device("cpu"))
+    return max_len, num_blocks, allocate_kv_caches(config, num_blocks, BLOCK_SIZE, kv_dtype, torch.device("cpu"))
+
+
+def _graph_forwards(capture: Capture, model, kv_caches: list, max_len: int, buckets, label: str) -> None:
+    """The decode CUDA graphs' forward (what capture records) for each batch bucket, at the graphs'
+    fixed length."""
+    graphs = DecodeGraphs(model, kv_caches, MAX_NUM_SEQS, max_len, BLOCK_SIZE, torch.device("cpu"))
+    for batch in buckets:
+        with where(capture, f"{label} decode graph batch {batch}"), torch.inference_mode():
+            graphs._run(batch)
+
+
+def drive_model(capture: Capture, case: ModelCase, model, config: ModelConfig, dtype_name: str, kv: str) -> None:
+    """The launches of an engine serving ``model`` with a ``kv`` cache: warm-up, graphs, eager decodes."""
+    max_len, num_blocks, kv_caches = _kv_pool(config, KV_DTYPES[kv] or model.dtype)
     runner = ModelRunner(model, config, kv_caches, BLOCK_SIZE, torch.device("cpu"))
     label = f"{case.name} {dtype_name} kv={kv}"
     steps = warmup_steps(
@@ -278,12 +293,7 @@ def drive_model(capture: Capture, case: ModelCase, model, config: ModelConfig, d
     for batch, context in ((1, 16), (1, max_len), (3, 700), (64, 4096), (300, 100)):
         with where(capture, f"{label} eager decode batch {batch} context {context}"):
             runner.execute(decode_step(batch, min(context, max_len)))
-    # The decode CUDA graphs' forward (what capture records), every bucket at the graphs' fixed length.
-    graphs = DecodeGraphs(model, kv_caches, MAX_NUM_SEQS, max_len, BLOCK_SIZE, torch.device("cpu"))
-    buckets = DEFAULT_BUCKETS if kv == "auto" else (1, 8, 64, 256)
-    for batch in buckets:
-        with where(capture, f"{label} decode graph batch {batch}"), torch.inference_mode():
-            graphs._run(batch)
+    _graph_forwards(capture, model, kv_caches, max_len, DEFAULT_BUCKETS if kv == "auto" else (1, 8, 64, 256), label)
 
 
 def drive_sweep(capture: Capture, case: ModelCase, model) -> None:
@@ -321,21 +331,9 @@ def drive_formats(capture: Capture, dtype: torch.dtype, dtype_name: str, labels:
 
 def drive_pdl(capture: Capture, model, config: ModelConfig, label: str) -> None:
     """QSERVE_ENABLE_PDL=1 (opt-in, sm90): the decode graphs' forward with PDL launches."""
-    previous = os.environ.get("QSERVE_ENABLE_PDL")
-    os.environ["QSERVE_ENABLE_PDL"] = "1"
-    try:
-        max_len = min(MAX_MODEL_LEN, config.max_position_embeddings)
-        num_blocks = -(-max_len // BLOCK_SIZE) + 8
-        kv_caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, model.dtype, torch.device("cpu"))
-        graphs = DecodeGraphs(model, kv_caches, MAX_NUM_SEQS, max_len, BLOCK_SIZE, torch.device("cpu"))
-        for batch in DEFAULT_BUCKETS:
-            with where(capture, f"{label} PDL decode graph batch {batch}"), torch.inference_mode():
-                graphs._run(batch)
-    finally:
-        if previous is None:
-            del os.environ["QSERVE_ENABLE_PDL"]
-        else:
-            os.environ["QSERVE_ENABLE_PDL"] = previous
+    max_len, _, kv_caches = _kv_pool(config, model.dtype)
+    with mock.patch.dict(os.environ, {"QSERVE_ENABLE_PDL": "1"}):
+        _graph_forwards(capture, model, kv_caches, max_len, DEFAULT_BUCKETS, f"{label} PDL")
 
 
 def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", "bf16"), log=print) -> Capture:
@@ -379,8 +377,11 @@ def use_kernels_from(rev: str, folder: Path) -> None:
     import quant_kernels
 
     for name in KERNEL_MODULES:
-        text = subprocess.run(["git", "show", f"{rev}:quant_kernels/{name}.py"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).resolve().parents[2]).stdout  # fmt: skip
+        shown = subprocess.run(["git", "show", f"{rev}:quant_kernels/{name}.py"], capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+        if shown.returncode != 0:
+            raise SystemExit(f"--kernels-from {rev}: no quant_kernels/{name}.py there ({shown.stderr.strip()})")
+        text = shown.stdout
         path = folder / f"{name}.py"
         path.write_text(text)
         spec = importlib.util.spec_from_file_location(f"quant_kernels.{name}", path)

@@ -6,7 +6,8 @@ the wrappers ask about the device). Must not know: which kernels exist or what t
 
 Inside ``simulated_gpu(gpu)``:
 
-- ``quant_kernels.device`` answers for CPU tensors as a GPU of ``gpu.arch`` with ``gpu.sms`` SMs:
+- ``quant_kernels.device`` answers for CPU tensors as a GPU of ``gpu.arch`` with ``gpu.sms`` SMs and
+  ``gpu.max_shared`` bytes of shared memory a block:
   the engine's CPU tensors take the CUDA branches, so the real dispatch and the real wrappers build
   the real arguments;
 - Triton's active driver reports that GPU's target, and each launch (``kernel[grid](...)``) goes
@@ -178,6 +179,10 @@ class _NoProducts(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _outside_grid_limits(dims: tuple[int, ...]) -> bool:
+    return any(d < 0 for d in dims) or (bool(dims) and dims[0] > MAX_GRID_X) or any(d > MAX_GRID_YZ for d in dims[1:])
+
+
 _lock = threading.Lock()
 
 
@@ -202,11 +207,13 @@ def simulated_gpu(gpu: SimulatedGpu) -> Iterator[Capture]:
         )
         name = getattr(fn, "__name__", None) or fn.fn.__name__
         key = (name, signature, options)
-        launch = capture.launches.get(key)
-        if launch is not None:
-            launch.count += 1
-            return None
         dims = tuple(grid(dict(zip(fn.arg_names, args))) if callable(grid) else grid)
+        launch = capture.launches.get(key)
+        if launch is not None:  # compiled already; the grid is this launch's own
+            launch.count += 1
+            if _outside_grid_limits(dims) and not launch.error:
+                launch.error, launch.grid, launch.where = f"grid {dims} is outside CUDA's limits", dims, capture.where
+            return None
         launch = Launch(name, signature, options, _launch_site(), capture.where, dims)
         capture.launches[key] = launch
         start = time.perf_counter()
@@ -222,7 +229,7 @@ def simulated_gpu(gpu: SimulatedGpu) -> Iterator[Capture]:
         problems = []
         if launch.shared > gpu.max_shared:
             problems.append(f"needs {launch.shared} B of shared memory, {gpu.name} allows {gpu.max_shared}")
-        if any(d < 0 for d in dims) or (dims and dims[0] > MAX_GRID_X) or any(d > MAX_GRID_YZ for d in dims[1:]):
+        if _outside_grid_limits(dims):
             problems.append(f"grid {dims} is outside CUDA's limits")
         if problems:
             launch.error = "; ".join(problems)

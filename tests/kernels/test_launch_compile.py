@@ -148,6 +148,7 @@ for name in ("sm90", "sm86"):
         broken_kernels.launch_split_or_direct(torch.empty(16, dtype=torch.float16))
         a = torch.empty(128, 512, dtype=torch.float16)
         broken_kernels.launch_big_tile(a, torch.empty(512, 128, dtype=torch.float16), torch.empty(128, 128))
+        broken_kernels.launch_tall_grid(torch.empty(70_000))
     result[name] = {launch.kernel: launch.error for launch in capture.launches.values()}
 print("RESULT" + json.dumps(result))
 """
@@ -155,8 +156,8 @@ print("RESULT" + json.dumps(result))
 
 def test_the_check_catches_what_broke_main(tmp_path) -> None:
     """Controls: b0d3937's branch pattern with the fp16 output as the counters fails to compile
-    (on every GPU), and a kernel needing more shared memory than an sm86 block has fails there
-    (and only there)."""
+    (on every GPU), a kernel needing more shared memory than an sm86 block has fails there (and
+    only there), and a grid past CUDA's limits fails even when the kernel compiled for a smaller one."""
     proc = subprocess.run(
         [sys.executable, "-c", _CONTROL], cwd=ROOT, env=_env(tmp_path, "control"), capture_output=True, text=True,
         timeout=600,
@@ -167,3 +168,5 @@ def test_the_check_catches_what_broke_main(tmp_path) -> None:
         assert "atomic_xchg does not support fp16" in (result[gpu]["split_or_direct_kernel"] or ""), result[gpu]
     assert result["sm90"]["big_tile_kernel"] is None, result["sm90"]
     assert "shared memory" in (result["sm86"]["big_tile_kernel"] or ""), result["sm86"]
+    for gpu in ("sm90", "sm86"):
+        assert "grid (1, 70000)" in (result[gpu]["fill_kernel"] or ""), result[gpu]

@@ -402,3 +402,33 @@ def test_pre_ampere_cards_keep_the_older_kernel(monkeypatch, capability, served)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     weight = SimpleNamespace(qweight=SimpleNamespace(device=torch.device("cuda", 0)), group_size=128, in_features=256)
     assert mma.supports(weight) is served
+
+
+def test_counters_of_another_dtype_are_refused() -> None:
+    """The counters are an int32 argument in every launch: anything else is refused by name (a fp16
+    tensor there is what broke main at b0d3937, issue 24)."""
+    w = mma.prepare(make_weight(256, 128, 128, device="cpu"), kwidth=2)
+    x = torch.randn(1, 256, dtype=torch.float16)  # [M, K]
+    with pytest.raises(ValueError, match="counters must be int32"):
+        w4a16_gemm(x, w, counters=torch.zeros(8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize(
+    "max_shared,has_zeros,stages_in,expected",
+    [
+        (None, True, 6, 6),  # off CUDA: no limit
+        (232448, True, 3, 3),  # sm90: every config as measured
+        (166912, True, 6, 6),  # sm80 (163 KB)
+        (101376, False, 3, 3),  # sm86 / sm89, symmetric 128 x 128: 80 KB fits
+        (101376, True, 3, 2),  # ... with zero points: 112 KB at 3 stages does not
+        (101376, False, 6, 4),  # the 6-stage candidates
+    ],
+)
+def test_fit_shared_takes_stages_only_where_a_block_would_be_refused(
+    max_shared, has_zeros, stages_in, expected
+) -> None:
+    cfg = MmaConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=stages_in)
+    assert mma.fit_shared(cfg, max_shared, has_zeros).num_stages == expected
+    small = MmaConfig(block_m=16, block_n=64, block_k=128, num_stages=4)  # decode tiles: untouched
+    assert mma.fit_shared(small, 101376, has_zeros) == small
+    assert mma.fit_shared(mma.DEQUANT, 101376, has_zeros) == mma.DEQUANT
