@@ -55,9 +55,11 @@ from quant_kernels.attention_triton import (
     _online_softmax_step,
     _prefill_launch,
     _prefill_rows,
+    _prefill_work_item,
     _reduce_splits,
     _split_row,
     _split_workspace,
+    prefill_grid_blocks,
 )
 from quant_kernels.reference_kv_int4 import INT4_KV_DTYPE, META_BYTES, cache_head_size
 
@@ -275,7 +277,7 @@ def paged_attention_int4_decode_kernel(
         tl.store(o_ptrs + half_dim * stride_od, (acc1 * inv_l[:, None]).to(o_ty), mask=omask)
 
 
-@triton.jit(do_not_specialize=["num_queries_per_kv", "block_size", "sliding_window", "stride_bts"])
+@triton.jit(do_not_specialize=["num_seqs", "num_queries_per_kv", "block_size", "sliding_window", "stride_bts"])
 def paged_attention_int4_prefill_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]
@@ -288,6 +290,7 @@ def paged_attention_int4_prefill_kernel(
     query_start_loc_ptr,  # int [num_seqs + 1]
     qk_scale,  # softmax scale * log2(e)
     alibi_ptr,  # fp32 [num_heads] ALiBi slopes (read only with HAS_ALIBI)
+    num_seqs,
     num_queries_per_kv,
     half_dim,
     block_size,
@@ -313,10 +316,10 @@ def paged_attention_int4_prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DH: tl.constexpr,
+    REVERSE: tl.constexpr = True,
 ):
-    seq = tl.program_id(0)
-    q_block = tl.program_id(1)
-    kvh = tl.program_id(2)
+    seq, q_block = _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q, REVERSE)
+    kvh = tl.program_id(1)
     q_start, ctx_before, tok, heads, row_mask, lo, hi = _prefill_rows(
         query_start_loc_ptr, seq_lens_ptr, seq, q_block, kvh, num_queries_per_kv, sliding_window,
         SKIP_DECODE, BLOCK_M, BLOCK_Q,
@@ -497,7 +500,7 @@ def paged_attention(
     run_prefill = max_query_len > 1
     if run_prefill:
         block_m, block_q, block_n, prefill_warps = _prefill_launch(cfg, group, head_dim)
-        grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+        grid = (prefill_grid_blocks(num_tokens, num_seqs, block_q), num_kv_heads)
         paged_attention_int4_prefill_kernel[grid](
             out,
             query,
@@ -510,6 +513,7 @@ def paged_attention(
             query_start_loc,
             qk_scale,
             alibi,
+            num_seqs,
             group,
             half,
             block_size,
@@ -518,6 +522,7 @@ def paged_attention(
             *out.stride(),
             *cache_args,
             SKIP_DECODE=run_decode,
+            REVERSE=cfg.prefill_reverse,
             HAS_ALIBI=has_alibi,
             ROW_ALIGN=row_align,
             DOT_F32=_INTERPRET,

@@ -154,6 +154,31 @@ def _split_row(seq, heads, split, num_queries_per_kv, num_splits):
 
 
 @triton.jit
+def _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr, REVERSE: tl.constexpr):
+    """``(seq, q_block)`` of this program on the flat prefill grid axis 0. Sequence ``s`` owns the
+    programs ``[first(s), first(s + 1))`` with ``first(s) = query_start_loc[s] // BLOCK_Q + s``:
+    at least ``cdiv(q_len, BLOCK_Q)`` of them whatever the alignment of its first token, so a grid
+    of ``num_tokens // BLOCK_Q + num_seqs`` programs covers every query block of every sequence
+    without the host knowing the lengths (surplus programs, and one per decode sequence of a mixed
+    batch, get an empty block). The owner is found by binary search over ``first``. ``REVERSE``
+    hands out the last blocks of each sequence first: under the causal mask they see the most keys,
+    so the long programs start in the first wave and the short ones fill in behind them."""
+    pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
+    lo = pid * 0  # int32 scalars carried by the loop: the owner is in [lo, hi)
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        right = first <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    q_block = pid - (tl.load(query_start_loc_ptr + lo).to(tl.int32) // BLOCK_Q + lo)
+    return lo, q_block
+
+
+@triton.jit
 def _prefill_rows(
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -583,7 +608,65 @@ def paged_attention_reduce_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < tl.where(q_len == 1, head_dim, 0))
 
 
-@triton.jit(do_not_specialize=["num_queries_per_kv", "block_size", "sliding_window", "stride_bts"])
+@triton.jit
+def _prefill_key_tile(
+    acc,  # fp32 [BLOCK_M, BLOCK_D]
+    m_i,  # fp32 [BLOCK_M]
+    l_i,  # fp32 [BLOCK_M]
+    q,  # [BLOCK_M, BLOCK_D]
+    start,
+    hi,
+    q_pos,  # [BLOCK_M]
+    win_lo,  # [BLOCK_M]
+    heads,  # [BLOCK_M]
+    row_mask,  # [BLOCK_M]
+    k_base,  # [1, BLOCK_D] pointers
+    v_base,
+    bt_base,
+    block_size,
+    stride_kcb,
+    stride_kcs,
+    stride_vcb,
+    stride_vcs,
+    dmask,  # [BLOCK_D]
+    scale_s,
+    alibi_ptr,
+    KV_QUANT: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One key tile ``[start, start + BLOCK_N)`` of a prefill program's online softmax. ``MASKED``:
+    the tile crosses the end of the keys, the causal diagonal or a window edge, so every score is
+    masked per row; otherwise every key of the tile is visible to every row (no mask work)."""
+    pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    if MASKED:
+        nmask = pos < hi
+        page = tl.load(bt_base + pos // block_size, mask=nmask, other=0).to(tl.int64)
+        kv_mask = nmask[:, None] & dmask[None, :]
+    else:
+        page = tl.load(bt_base + pos // block_size).to(tl.int64)
+        kv_mask = dmask[None, :]
+    off = pos % block_size
+    k = _load_kv_tile(
+        k_base + page[:, None] * stride_kcb + off[:, None] * stride_kcs, kv_mask, KV_QUANT, q.dtype
+    )  # [BLOCK_N, BLOCK_D]
+    s = tl.dot(q, tl.trans(k)) * scale_s  # [BLOCK_M, BLOCK_N]
+    if USE_ALIBI:
+        s += tl.load(alibi_ptr + heads, mask=row_mask, other=0.0)[:, None] * (pos[None, :] - q_pos[:, None]).to(
+            tl.float32
+        )
+    if MASKED:
+        visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = visible & (pos[None, :] > win_lo[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    p, alpha, m_new, l_i = _online_softmax_step(s, m_i, l_i)
+    v = _load_kv_tile(v_base + page[:, None] * stride_vcb + off[:, None] * stride_vcs, kv_mask, KV_QUANT, q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_queries_per_kv", "block_size", "sliding_window", "stride_bts"])
 def paged_attention_prefill_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]
@@ -595,6 +678,7 @@ def paged_attention_prefill_kernel(
     k_scale_ptr,  # fp32 [1] or [num_kv_heads] (unused unless KV_QUANT)
     v_scale_ptr,  # fp32 [1] or [num_kv_heads]
     qk_scale,  # softmax scale * log2(e)
+    num_seqs,
     num_queries_per_kv,
     head_dim,
     block_size,
@@ -624,16 +708,15 @@ def paged_attention_prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_ALIBI: tl.constexpr = False,
+    REVERSE: tl.constexpr = True,
 ):
-    seq = tl.program_id(0)
-    q_block = tl.program_id(1)
-    kvh = tl.program_id(2)
+    seq, q_block = _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q, REVERSE)
+    kvh = tl.program_id(1)
     q_start, ctx_before, tok, heads, row_mask, lo, hi = _prefill_rows(
         query_start_loc_ptr, seq_lens_ptr, seq, q_block, kvh, num_queries_per_kv, sliding_window,
         SKIP_DECODE, BLOCK_M, BLOCK_Q,
     )  # fmt: skip
     d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_N)
     dmask = d < head_dim
     q_ptrs = query_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_mask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -653,27 +736,23 @@ def paged_attention_prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + n  # [BLOCK_N]
-        nmask = pos < hi
-        page = tl.load(bt_base + pos // block_size, mask=nmask, other=0).to(tl.int64)
-        off = pos % block_size
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = _load_kv_tile(
-            k_base + page[:, None] * stride_kcb + off[:, None] * stride_kcs, kv_mask, KV_QUANT, q.dtype
-        )  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k)) * scale_s  # [BLOCK_M, BLOCK_N]
-        if USE_ALIBI:
-            s += tl.load(alibi_ptr + heads, mask=row_mask, other=0.0)[:, None] * (pos[None, :] - q_pos[:, None]).to(
-                tl.float32
-            )
-        visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
-        visible = visible & (pos[None, :] > win_lo[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        p, alpha, m_new, l_i = _online_softmax_step(s, m_i, l_i)
-        v = _load_kv_tile(v_base + page[:, None] * stride_vcb + off[:, None] * stride_vcs, kv_mask, KV_QUANT, q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Keys before the block's first query position are visible to every row when there is no
+    # window: those whole tiles skip the mask; the rest (the diagonal, the end, window edges) mask.
+    first_q = ctx_before + q_block * BLOCK_Q
+    open_hi = tl.where(sliding_window > 0, lo, lo + (tl.maximum(first_q - lo, 0) // BLOCK_N) * BLOCK_N)
+    open_hi = tl.minimum(open_hi, hi)
+    for start in range(lo, open_hi, BLOCK_N):
+        acc, m_i, l_i = _prefill_key_tile(
+            acc, m_i, l_i, q, start, hi, q_pos, win_lo, heads, row_mask, k_base, v_base, bt_base, block_size,
+            stride_kcb, stride_kcs, stride_vcb, stride_vcs, dmask, scale_s, alibi_ptr,
+            KV_QUANT, USE_ALIBI, False, BLOCK_N,
+        )  # fmt: skip
+    for start in range(open_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _prefill_key_tile(
+            acc, m_i, l_i, q, start, hi, q_pos, win_lo, heads, row_mask, k_base, v_base, bt_base, block_size,
+            stride_kcb, stride_kcs, stride_vcb, stride_vcs, dmask, scale_s, alibi_ptr,
+            KV_QUANT, USE_ALIBI, True, BLOCK_N,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows outside the block: l = 0, not stored
     if KV_QUANT != 0:
@@ -698,6 +777,7 @@ class AttentionConfig:
     prefill_block_n: int | None = None
     prefill_num_warps: int | None = None  # None: 8 for head_dim > 64 (no spills on sm80), else 4
     prefill_num_stages: int = 2
+    prefill_reverse: bool = True  # hand out each sequence's last (longest) query blocks first
     min_split_tokens: int = 256  # no split shorter than this many keys
     decode_packed: bool = True  # fp8 / int8 caches: read 4 codes a 32-bit word (see the packed kernel)
 
@@ -797,6 +877,12 @@ def _prefill_launch(cfg: AttentionConfig, group: int, head_dim: int) -> tuple[in
     block_n = cfg.prefill_block_n or (32 if head_dim > 128 else 64)
     num_warps = cfg.prefill_num_warps or (8 if head_dim > 64 else 4)
     return block_m, block_m // group, block_n, num_warps
+
+
+def prefill_grid_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Programs on the flat prefill grid axis 0 (see ``_prefill_work_item``): enough for every
+    query block of any split of ``num_tokens`` over ``num_seqs`` sequences, from host integers only."""
+    return num_tokens // block_q + num_seqs
 
 
 def _decode_num_splits(
@@ -957,7 +1043,7 @@ def paged_attention(
     run_prefill = max_query_len > 1
     if run_prefill:
         block_m, block_q, block_n, prefill_warps = _prefill_launch(cfg, group, head_dim)
-        grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+        grid = (prefill_grid_blocks(num_tokens, num_seqs, block_q), num_kv_heads)
         paged_attention_prefill_kernel[grid](
             out,
             query,
@@ -969,6 +1055,7 @@ def paged_attention(
             ks,
             vs,
             qk_scale,
+            num_seqs,
             group,
             head_dim,
             block_size,
@@ -978,6 +1065,7 @@ def paged_attention(
             *cache_args,
             KV_QUANT=quant,
             USE_ALIBI=use_alibi,
+            REVERSE=cfg.prefill_reverse,
             SKIP_DECODE=run_decode,
             DOT_F32=_INTERPRET,
             BLOCK_M=block_m,

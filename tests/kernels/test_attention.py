@@ -240,6 +240,11 @@ CPU_CASES = {
     ),
     # the default launch configuration (64-wide tiles)
     "mixed-default-config-mha": Case((3, 1), (20, 90), 4, 1, 128),
+    # the flat prefill grid: GQA 3 (5 tokens a block of 16 rows), first tokens at every alignment,
+    # sequences shorter than a block, decodes in between, and long cached prefixes whose whole key
+    # tiles take the unmasked path
+    "flat-grid-gqa3-extends": Case((5, 40, 1, 19, 2, 1, 11), (70, 40, 33, 100, 2, 9, 60), 6, 2, config=SMALL),
+    "flat-grid-fp8-prefix": Case((3, 1, 17), (90, 50, 81), 6, 2, cache="fp8", config=SMALL),
 }
 
 
@@ -338,6 +343,29 @@ def test_dispatcher_uses_reference_off_cuda() -> None:
     args = (b.query, kc, vc, b.block_tables, b.seq_lens, b.query_start_loc, 4, 20, 0.125)
     out = attention_ops.paged_attention(*args, None, b.k_scale, b.v_scale)
     torch.testing.assert_close(out, reference_kv_quant.paged_attention(*args, None, b.k_scale, b.v_scale))
+
+
+def _prefill_owner(query_start_loc: list[int], pid: int, block_q: int) -> tuple[int, int]:
+    """Host mirror of ``_prefill_work_item``'s search: the last sequence whose first program <= pid."""
+    firsts = [start // block_q + s for s, start in enumerate(query_start_loc[:-1])]
+    seq = max(s for s, first in enumerate(firsts) if first <= pid)
+    return seq, pid - firsts[seq]
+
+
+@pytest.mark.parametrize("block_q", [1, 3, 5, 12, 64])
+def test_flat_prefill_grid_covers_every_query_block(block_q: int) -> None:
+    """Every query block of every sequence gets exactly one program of the flat grid, for any mix of
+    lengths (a grid built from host integers only: the token and sequence counts)."""
+    gen = torch.Generator().manual_seed(block_q)
+    for _ in range(50):
+        lens = torch.randint(1, 3 * block_q + 2, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen)
+        qsl = [0, *torch.cumsum(lens, 0).tolist()]
+        grid = attention_triton.prefill_grid_blocks(qsl[-1], len(lens), block_q)
+        owners = [_prefill_owner(qsl, pid, block_q) for pid in range(grid)]
+        for seq, q_len in enumerate(lens.tolist()):
+            blocks = sorted(b for s, b in owners if s == seq)
+            assert blocks[: -(-q_len // block_q)] == list(range(-(-q_len // block_q))), (qsl, seq)
+            assert len(blocks) == len(set(blocks))
 
 
 def test_choose_num_splits() -> None:

@@ -235,6 +235,8 @@ CPU_CASES = {
     "mixed-gqa4-split2": Case((1, 6, 1), (40, 6, 18), 8, 2, 32, num_splits=2, strided=True),
     # the default launch configuration (64-wide tiles), fp32 activations
     "mixed-default-config-fp32": Case((3, 1), (20, 70), 2, 2, 32, dtype=torch.float32, config=None),
+    # the flat prefill grid: GQA 3, first tokens at several alignments, short sequences, decodes between
+    "flat-grid-gqa3": Case((5, 21, 1, 2, 1), (40, 21, 33, 2, 9), 6, 2, 32),
 }
 
 
