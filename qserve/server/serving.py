@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from qserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestItem
 from qserve.outputs import PositionLogprobs, RequestOutput
 from qserve.sampling_params import SamplingParams
+from qserve.server.accepted_fields import template_switches
 from qserve.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -663,7 +664,8 @@ class OpenAIServing:
             raise bad_request(f"model {model.name!r} has no chat template; use /v1/completions", "messages")
         num_chars = sum(len(str(m.get("content") or "")) for m in messages)
         self._check_prompt_chars(model, num_chars, "messages")
-        template_kwargs = self._chat_template_kwargs(request)
+        # reasoning_effort's thinking switch; the request's own chat_template_kwargs win
+        template_kwargs = {**template_switches(request), **self._chat_template_kwargs(request)}
         render = model.prompts.apply_chat_template if model.prompts is not None else tokenizer.apply_chat_template
         try:
             if tools is not None and tools.template_tools:
