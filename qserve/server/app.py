@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qserve.engine.async_engine import AsyncEngine, Listeners
 from qserve.server import admin, chat, completions, models, tokenize
+from qserve.server.cors import CorsConfig, add_cors
 from qserve.server.drain import DrainMiddleware, DrainState
 from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
@@ -145,12 +146,14 @@ def create_app(
     ui: bool = True,
     tool_call_parser: str | None = None,
     tenants: Tenants | None = None,
+    cors: CorsConfig | None = None,
 ) -> FastAPI:
     """``allowed_hosts``: names the ``Host`` header may carry (None: any). ``max_request_bytes``:
     bodies above it get 413 before they are read (None: no limit). With ``api_key`` every route
     but ``/health`` and ``/ping`` needs it (``/metrics`` too unless ``metrics_without_key``).
     ``log_requests`` / ``log_stats``: the per-request log line and the periodic stats line
-    (``qserve.server.request_log``). Shut down gracefully with ``drain_app``."""
+    (``qserve.server.request_log``). ``cors``: cross-origin settings (None: no CORS headers).
+    Shut down gracefully with ``drain_app``."""
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
     state = AppState(api_key, tenants, log_requests=log_requests)
@@ -227,6 +230,8 @@ def create_app(
     # Outermost last: X-Request-Id is set (and echoed) even on a drain's 503.
     app.add_middleware(DrainMiddleware, state=state.drain)
     app.add_middleware(RequestIdMiddleware)
+    if cors is not None:  # outermost: a preflight carries no key, and errors need the CORS headers
+        add_cors(app, cors)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ServingError)

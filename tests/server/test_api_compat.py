@@ -105,3 +105,111 @@ def test_reasoning_effort_switches_the_templates_thinking(client):
     assert prompt_tokens(reasoning_effort="minimal") == no_think
     # The request's own chat_template_kwargs win over reasoning_effort.
     assert prompt_tokens(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == plain
+
+
+# ---------------------------------------------------------------------- CORS
+def _cors_app(cors):
+    def no_model():
+        raise ValueError("no model in this test")
+
+    return create_app(host_factory=no_model, api_key="k", cors=cors, log_stats=False, on_load_failed=lambda err: None)
+
+
+def test_cors_preflight_is_answered_without_the_key_and_errors_carry_the_headers():
+    from qserve.server.cors import CorsConfig
+
+    cors = CorsConfig(allowed_origins=["https://a.example"])
+    with TestClient(_cors_app(cors)) as client:
+        preflight = {
+            "Origin": "https://a.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
+        reply = client.options("/v1/chat/completions", headers=preflight)
+        assert reply.status_code == 200
+        assert reply.headers["access-control-allow-origin"] == "https://a.example"
+        assert "POST" in reply.headers["access-control-allow-methods"]
+        assert "access-control-allow-credentials" not in reply.headers  # vLLM's default: no credentials
+        refused = client.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+        assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+        # A page must be able to read the error of a request without the key.
+        unauthorized = client.post("/v1/models", headers={"Origin": "https://a.example"})
+        assert unauthorized.status_code == 401
+        assert unauthorized.headers["access-control-allow-origin"] == "https://a.example"
+
+
+def test_cors_wildcard_default_answers_any_origin():
+    from qserve.server.cors import CorsConfig
+
+    with TestClient(_cors_app(CorsConfig())) as client:
+        headers = {"Origin": "https://b.example", "Access-Control-Request-Method": "POST"}
+        reply = client.options("/v1/completions", headers=headers)
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "*"
+    with TestClient(_cors_app(None)) as client:  # no CORS configured: the preflight is refused (the key)
+        reply = client.options("/v1/completions", headers=headers)
+        assert reply.status_code == 401 and "access-control-allow-origin" not in reply.headers
+
+
+# ---------------------------------------------------------------------- tool calls cut by max_tokens
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_call_cut_by_max_tokens_is_length_without_half_json(client):
+    reply = chat(client, tools=[WEATHER], tool_choice=NAMED, max_tokens=3, temperature=0)
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["tool_calls"] is None and choice["message"]["content"] is None
+    whole = chat(client, tools=[WEATHER], tool_choice=NAMED, max_tokens=200, temperature=0)["choices"][0]
+    (call,) = whole["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]).keys() == {"city", "days"}
+
+
+def test_a_required_call_cut_by_max_tokens_puts_no_raw_json_in_content(client):
+    reply = chat(client, tools=[WEATHER], tool_choice="required", max_tokens=4, temperature=0)
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] is None and choice["message"]["tool_calls"] is None
+
+
+def _stream_tool_deltas(client, **body) -> tuple[list[dict], str | None]:
+    payload = {"model": "tiny", "messages": USER, "tools": [WEATHER], "stream": True, "temperature": 0, **body}
+    deltas, finish = [], None
+    with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                deltas += choice["delta"].get("tool_calls") or []
+                finish = choice.get("finish_reason") or finish
+    return deltas, finish
+
+
+def test_a_streamed_required_call_streams_its_arguments_as_they_are_generated(client):
+    deltas, finish = _stream_tool_deltas(client, tool_choice="required", max_tokens=200)
+    assert finish == "tool_calls"
+    assert deltas[0]["id"] and deltas[0]["function"]["name"] == "get_weather"
+    first_call = [d for d in deltas if d["index"] == 0]
+    argument_pieces = [d["function"]["arguments"] for d in first_call[1:]]
+    assert len(argument_pieces) > 3  # piece by piece, not one delta at the end
+    assert json.loads("".join(argument_pieces)).keys() == {"city", "days"}
+    # Cut short: the arguments so far were streamed, and the stream says it was cut.
+    whole = chat(client, tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0)
+    cut = whole["usage"]["completion_tokens"] - 3  # inside the arguments
+    deltas, finish = _stream_tool_deltas(client, tool_choice="required", max_tokens=cut)
+    assert finish == "length" and deltas[0]["function"]["name"] == "get_weather"
+    assert "".join(d["function"]["arguments"] for d in deltas[1:]).startswith("{")
