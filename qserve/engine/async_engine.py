@@ -493,8 +493,10 @@ class AsyncEngine:
                 listener.on_tokens(model, new_tokens, gap)
             tracked.last_token = now
         if output.finished and listener is not None:
-            if tracked.first_token is not None:  # vLLM's RequestOutput.metrics name
+            if tracked.first_token is not None:  # vLLM's RequestOutput.metrics names
                 output.metrics["first_token_latency"] = tracked.first_token - tracked.arrival
+                output.metrics["first_token_time"] = tracked.first_token
+                output.metrics["last_token_time"] = tracked.last_token or tracked.first_token
             listener.on_finished(model, output, now - tracked.arrival)
 
     # ------------------------------------------------------------------ introspection

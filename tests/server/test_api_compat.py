@@ -213,3 +213,36 @@ def test_a_streamed_required_call_streams_its_arguments_as_they_are_generated(cl
     deltas, finish = _stream_tool_deltas(client, tool_choice="required", max_tokens=cut)
     assert finish == "length" and deltas[0]["function"]["name"] == "get_weather"
     assert "".join(d["function"]["arguments"] for d in deltas[1:]).startswith("{")
+
+
+# ---------------------------------------------------------------------- metrics
+def test_metrics_have_vllm_v1_request_phases_and_no_created_series(client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict[str, float]:
+        text = client.get("/metrics").text
+        assert "_created" not in text  # vLLM turns the *_created series off
+        return {
+            s.name: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.labels.get("model_name") == "tiny" and "le" not in s.labels
+        }
+
+    before = samples()
+    chat(client, max_tokens=4, n=2, temperature=1.0)
+    after = samples()
+    for name in ("prefill", "decode", "inference"):
+        key = f"vllm:request_{name}_time_seconds_count"
+        assert after[key] == before.get(key, 0) + 1, key
+    assert after["vllm:request_params_n_sum"] - before.get("vllm:request_params_n_sum", 0) == 2
+    inference = after["vllm:request_inference_time_seconds_sum"] - before.get(
+        "vllm:request_inference_time_seconds_sum", 0
+    )
+    decode = after["vllm:request_decode_time_seconds_sum"] - before.get("vllm:request_decode_time_seconds_sum", 0)
+    assert 0 <= decode <= inference
+    lora = next(
+        f for f in text_string_to_metric_families(client.get("/metrics").text) if f.name == "vllm:lora_requests_info"
+    )
+    (sample,) = lora.samples
+    assert sample.labels["running_lora_adapters"] == "" and sample.labels["waiting_lora_adapters"] == ""
