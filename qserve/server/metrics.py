@@ -22,6 +22,7 @@ from qserve.server.swap_metrics import SwapCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # vLLM's request_params_n buckets
+ITERATION_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
 
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -223,6 +224,20 @@ class ServerMetrics:
         self.params_n = Histogram(
             "vllm:request_params_n", "The n of finished requests.", labels, buckets=N_BUCKETS, registry=r
         )
+        self.params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens",
+            "The max_tokens of finished requests.",
+            labels,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens (prompt and generated) per engine step.",
+            labels,
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.registry.register(_HostCollector(host))
         self.registry.register(SwapCollector(host))  # swap preemption's series
 
@@ -244,6 +259,9 @@ class ServerMetrics:
         self.request_prompt_tokens.labels(model).observe(len(output.prompt_token_ids))
         self.request_generation_tokens.labels(model).observe(sum(len(c.token_ids) for c in output.outputs))
         self.params_n.labels(model).observe(len(output.outputs))
+        max_tokens = output.metrics.get("max_tokens_param")
+        if max_tokens is not None:
+            self.params_max_tokens.labels(model).observe(max_tokens)
         timing = output.metrics
         queued = timing.get("time_in_queue")
         if queued is not None:
@@ -255,6 +273,9 @@ class ServerMetrics:
             self.prefill_time.labels(model).observe(max(first - scheduled, 0.0))
             self.decode_time.labels(model).observe(max(last - first, 0.0))
             self.inference_time.labels(model).observe(max(last - scheduled, 0.0))
+
+    def on_step(self, model: str, num_tokens: int) -> None:
+        self.iteration_tokens.labels(model).observe(num_tokens)
 
     # -------------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -236,6 +236,10 @@ def test_metrics_have_vllm_v1_request_phases_and_no_created_series(client):
         key = f"vllm:request_{name}_time_seconds_count"
         assert after[key] == before.get(key, 0) + 1, key
     assert after["vllm:request_params_n_sum"] - before.get("vllm:request_params_n_sum", 0) == 2
+    assert after["vllm:request_params_max_tokens_sum"] - before.get("vllm:request_params_max_tokens_sum", 0) == 4
+    steps = after["vllm:iteration_tokens_total_count"] - before.get("vllm:iteration_tokens_total_count", 0)
+    tokens = after["vllm:iteration_tokens_total_sum"] - before.get("vllm:iteration_tokens_total_sum", 0)
+    assert steps >= 4 and tokens >= steps  # a prefill step, then a decode step per token (2 sequences)
     inference = after["vllm:request_inference_time_seconds_sum"] - before.get(
         "vllm:request_inference_time_seconds_sum", 0
     )
