@@ -20,9 +20,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from qserve.commands.vllm_flags import check_quantization, cors_config, register_vllm_flags
 from qserve.scheduler.swap import PREEMPTION_MODES, check_tensor_parallel_preemption  # pure Python, no torch
 
 logger = logging.getLogger(__name__)
+
+# qserve.server.tools.PARSERS (not imported here: the CLI starts without the server's imports)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3")
 
 
 def _demo_model() -> str:
@@ -110,7 +114,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /")
     parser.add_argument(
         "--tool-call-parser",
-        choices=("hermes", "llama3_json"),
+        choices=TOOL_CALL_PARSERS,
         default=None,
         help="format of tool calls in model output (default: from each model's chat template)",
     )
@@ -136,6 +140,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     _register_hardening(parser)
     register_worker_flags(parser)
+    register_vllm_flags(parser)
 
 
 # ---------------------------------------------------------------------- access and limits (hardening)
@@ -414,9 +419,10 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         # The checks inspect runs (config, format, tensor headers, tokenizer), before the server
         # starts: a broken checkpoint is one line on stderr, not a traceback from the loader thread.
         try:
-            check_checkpoint(path)
+            checked = check_checkpoint(path)
         except (ValueError, FileNotFoundError) as err:
             raise type(err)(f"model {name!r}: {err}") from err
+        check_quantization(getattr(args, "quantization", None), checked.spec.method, name)
     min_shares = parse_shares(args.min_share, "--min-share", names)
     max_shares = parse_shares(args.max_share, "--max-share", names)
     specs = [ModelSpec(name, path, min_shares.get(name), max_shares.get(name)) for name, path in pairs]
@@ -524,6 +530,7 @@ def run(args: argparse.Namespace) -> int:
         ui=not getattr(args, "no_ui", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         tenants=tenants,
+        cors=cors_config(args) if hasattr(args, "allowed_origins") else None,
     )
     show_worker_logs(args)
     config = uvicorn.Config(
@@ -532,6 +539,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.uvicorn_log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        root_path=getattr(args, "root_path", None) or "",
     )
     server = DrainingServer(config, app, args.shutdown_timeout)
     print(f"qserve: serving on http://{args.host}:{args.port} (models load in the background; see /health)")

@@ -97,6 +97,13 @@ class Listeners:
         for listener in self.listeners:
             listener.on_finished(model, output, seconds)
 
+    def on_step(self, model: str, num_tokens: int) -> None:
+        """An engine step of ``num_tokens`` tokens (prompt and generated) completed."""
+        for listener in self.listeners:
+            on_step = getattr(listener, "on_step", None)  # optional in a RequestListener
+            if on_step is not None:
+                on_step(model, num_tokens)
+
 
 @dataclass(eq=False)
 class _Tracked:
@@ -108,6 +115,7 @@ class _Tracked:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    max_tokens: int | None = None  # the request's (vLLM's request_params_max_tokens)
     # The submitter's context (e.g. the HTTP request id a log filter reads): listener calls
     # for this request run inside it, as if the submitting task made them.
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
@@ -307,7 +315,9 @@ class AsyncEngine:
         stream = OutputStream(self, model, [item.request_id for item in items])
         now = time.monotonic()
         for item in items:
-            self._tracked[(model, item.request_id)] = _Tracked(item.request_id, stream, now)
+            self._tracked[(model, item.request_id)] = _Tracked(
+                item.request_id, stream, now, max_tokens=item.params.max_tokens
+            )
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def add() -> None:  # step thread
@@ -404,6 +414,10 @@ class AsyncEngine:
             self._fail_model(hosted, err)
             return
         self.num_steps += 1
+        step_tokens = getattr(hosted.engine, "take_step_tokens", None)
+        if step_tokens is not None and self.listener is not None and hasattr(self.listener, "on_step"):
+            for num_tokens in step_tokens():
+                self._call_in_loop(self.listener.on_step, hosted.name, num_tokens)
         if self.kv_events is not None:
             self._publish_kv_events()
         for output in outputs:
@@ -493,8 +507,12 @@ class AsyncEngine:
                 listener.on_tokens(model, new_tokens, gap)
             tracked.last_token = now
         if output.finished and listener is not None:
-            if tracked.first_token is not None:  # vLLM's RequestOutput.metrics name
+            if tracked.first_token is not None:  # vLLM's RequestOutput.metrics names
                 output.metrics["first_token_latency"] = tracked.first_token - tracked.arrival
+                output.metrics["first_token_time"] = tracked.first_token
+                output.metrics["last_token_time"] = tracked.last_token or tracked.first_token
+            if tracked.max_tokens is not None:
+                output.metrics["max_tokens_param"] = tracked.max_tokens
             listener.on_finished(model, output, now - tracked.arrival)
 
     # ------------------------------------------------------------------ introspection

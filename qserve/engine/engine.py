@@ -30,6 +30,7 @@ copies are stream-ordered with the steps (docs/async_scheduling.md). Not with te
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -348,6 +349,8 @@ class Engine:
         self._sequences: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> owner
         self._pending_outputs: dict[str, _Group] = {}  # finished out-of-step (aborts)
         self._arrival = itertools.count()
+        # Tokens per completed step, until take_step_tokens() (bounded: offline use never takes them).
+        self._step_tokens: collections.deque[int] = collections.deque(maxlen=64)
         # Async scheduling: the step launched by the previous step() call, not yet processed, and
         # the requests (group ids) whose steps must run in the synchronous order.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None  # (.., launch time)
@@ -393,8 +396,16 @@ class Engine:
             self.swap_cost.bandwidth_bytes_per_s / 1e9,
         )
 
+    def take_step_tokens(self) -> list[int]:
+        """The tokens (prompt and generated) of each step completed since the last call."""
+        taken = list(self._step_tokens)
+        self._step_tokens.clear()
+        return taken
+
     def _observe_step_time(self, num_tokens: int, seconds: float) -> None:
-        """auto preemption: the per-token prefill cost, from steps of many tokens."""
+        """Records the step's tokens (``take_step_tokens``); auto preemption: the per-token
+        prefill cost, from steps of many tokens."""
+        self._step_tokens.append(num_tokens)
         cost = self.swap_cost
         if cost is None or num_tokens < RECOMPUTE_COST_MIN_TOKENS:
             return

@@ -1,13 +1,13 @@
-"""The FastAPI app: routes, API-key check, OpenAI-shaped errors, health, metrics, lifespan.
+"""The FastAPI app: which API surfaces it serves, the API-key check, OpenAI-shaped errors, lifespan.
 
-Knows: the HTTP surface (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/metrics``; the vLLM-compatible worker routes come from ``worker_api``), the
-middleware (``X-Request-Id``; the drain's in-flight count and 503s), how errors of every
-kind (pydantic validation, ``ServingError``, unknown routes, bugs) become OpenAI's
-``{"error": {...}}`` body, how a client disconnect
-cancels its request, and the app's lifetime (load models in the background so ``/health``
-answers 503 while loading; start and stop the ``AsyncEngine``). Must not know: how requests
-become engine inputs (``serving``), how engines are stepped (``AsyncEngine``).
+Knows: the API surfaces, each a module with its own ``router`` (``completions``, ``chat``,
+``models``, ``tokenize``: behind the API key; ``admin``: ``/health``, ``/ping``, ``/version``,
+``/metrics``, open or gated by the guard middleware), the middleware (``X-Request-Id``; the
+drain's in-flight count and 503s), how errors of every kind (pydantic validation,
+``ServingError``, unknown routes, bugs) become OpenAI's ``{"error": {...}}`` body, and the
+app's lifetime (load models in the background so ``/health`` answers 503 while loading; start
+and stop the ``AsyncEngine``). Must not know: what a route does (its surface's module), how
+requests become engine inputs (``serving``), how engines are stepped (``AsyncEngine``).
 
 ``create_app(host)`` serves an ``AsyncEngine`` that already exists; ``create_app(
 host_factory=...)`` builds it in a worker thread after the server is up. ``drain_app`` is
@@ -19,21 +19,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from qserve.engine.async_engine import AsyncEngine, Listeners
+from qserve.server import admin, chat, completions, models, tokenize
+from qserve.server.cors import CorsConfig, add_cors
 from qserve.server.drain import DrainMiddleware, DrainState
 from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
-from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from qserve.server.metrics import ServerMetrics
 from qserve.server.playground import add_offline_docs, add_playground
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from qserve.server.request_context import RequestIdMiddleware
@@ -41,12 +42,14 @@ from qserve.server.request_limits import clip
 from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
 from qserve.server.serving import OpenAIServing, ServingError
 from qserve.server.tenancy import TenantGate
-from qserve.server.worker_api import add_worker_routes
 from qserve.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+# The API surfaces: one module each, exposing ``router`` (a FastAPI ``APIRouter``). A new
+# surface (e.g. ``responses``, ``embeddings``) is one import and one entry here.
+KEYED_ROUTERS: tuple[APIRouter, ...] = (models.router, completions.router, chat.router, tokenize.router)
+OPEN_ROUTERS: tuple[APIRouter, ...] = (admin.router,)  # no key dependency (the guard gates /metrics)
 
 _STATUS_TYPES = {
     400: "BadRequestError",
@@ -127,46 +130,6 @@ def error_response(
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-class _SSEResponse(StreamingResponse):
-    """Server-sent events whose generator is always closed, even when the client goes away
-    mid-stream (closing it aborts the engine request and frees its pages)."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Run ``work``; cancel it (aborting its engine requests) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    return None
-
-
 def create_app(
     host: AsyncEngine | None = None,
     *,
@@ -183,12 +146,14 @@ def create_app(
     ui: bool = True,
     tool_call_parser: str | None = None,
     tenants: Tenants | None = None,
+    cors: CorsConfig | None = None,
 ) -> FastAPI:
     """``allowed_hosts``: names the ``Host`` header may carry (None: any). ``max_request_bytes``:
     bodies above it get 413 before they are read (None: no limit). With ``api_key`` every route
     but ``/health`` and ``/ping`` needs it (``/metrics`` too unless ``metrics_without_key``).
     ``log_requests`` / ``log_stats``: the per-request log line and the periodic stats line
-    (``qserve.server.request_log``). Shut down gracefully with ``drain_app``."""
+    (``qserve.server.request_log``). ``cors``: cross-origin settings (None: no CORS headers).
+    Shut down gracefully with ``drain_app``."""
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
     state = AppState(api_key, tenants, log_requests=log_requests)
@@ -265,6 +230,8 @@ def create_app(
     # Outermost last: X-Request-Id is set (and echoed) even on a drain's 503.
     app.add_middleware(DrainMiddleware, state=state.drain)
     app.add_middleware(RequestIdMiddleware)
+    if cors is not None:  # outermost: a preflight carries no key, and errors need the CORS headers
+        add_cors(app, cors)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ServingError)
@@ -305,49 +272,11 @@ def create_app(
                 401, "Invalid or missing API key (Authorization: Bearer <key>)", type="AuthenticationError"
             )
 
-    def serving() -> OpenAIServing:
-        if not state.ready or state.serving is None:
-            message = state.load_error or "the server is still loading its models"
-            raise ServingError(503, message, type="ServiceUnavailableError", headers={"Retry-After": "1"})
-        return state.serving
-
-    # ------------------------------------------------------------------ routes
-    @app.get("/health")
-    async def health() -> Response:
-        if state.drain.draining:
-            return error_response(503, "shutting down")
-        if state.ready:
-            return Response(status_code=200)
-        return error_response(503, state.load_error or "loading models")
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
-    async def list_models(s: OpenAIServing = Depends(serving)) -> Any:  # noqa: B008
-        return s.list_models()
-
-    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
-    async def completions(
-        body: CompletionRequest,
-        request: Request,
-        s: OpenAIServing = Depends(serving),  # noqa: B008
-    ) -> Any:
-        state.apply_sampling_defaults(body)
-        return await _respond(request, s.create_completion(body, **_tenant_of(request)))
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
-    async def chat_completions(
-        body: ChatCompletionRequest,
-        request: Request,
-        s: OpenAIServing = Depends(serving),  # noqa: B008
-    ) -> Any:
-        state.apply_sampling_defaults(body)
-        return await _respond(request, s.create_chat_completion(body, **_tenant_of(request)))
-
-    # ------------------------------------------------------------------ vLLM-compatible worker routes
-    add_worker_routes(app, health=health, require_api_key=require_api_key, serving=serving)
+    # ------------------------------------------------------------------ routes (one module per API surface)
+    for router in OPEN_ROUTERS:
+        app.include_router(router)
+    for router in KEYED_ROUTERS:
+        app.include_router(router, dependencies=[Depends(require_api_key)])
 
     return app
 
@@ -382,17 +311,3 @@ def _resolve_tenant(tenants: Tenants, request: Request) -> bool:
         return False
     request.state.tenant = tenant.name
     return True
-
-
-def _tenant_of(request: Request) -> dict[str, str]:
-    tenant = getattr(request.state, "tenant", None)
-    return {"tenant": tenant} if tenant is not None else {}
-
-
-async def _respond(request: Request, work: Awaitable[Any]) -> Any:
-    result = await _unless_disconnected(request, work)
-    if result is None:  # the client is gone; nobody reads this
-        return Response(status_code=499)
-    if isinstance(result, AsyncIterator):
-        return _SSEResponse(result, headers={"Cache-Control": "no-cache"})
-    return result

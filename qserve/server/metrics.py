@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -21,6 +21,8 @@ from qserve.outputs import RequestOutput
 from qserve.server.swap_metrics import SwapCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # vLLM's request_params_n buckets
+ITERATION_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
 
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -96,7 +98,7 @@ class _HostCollector(Collector):
         )
         lora_info = GaugeMetricFamily(
             "vllm:lora_requests_info",
-            "Resident models (as running_lora_adapters) and models with waiting requests; value: time of the scrape.",
+            "LoRA adapters running and waiting (qserve serves none: empty lists); value: time of the scrape.",
             labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
         families = (running, waiting, usage, gpu_usage, used, total, free, queries, hits, preemptions)
@@ -133,15 +135,8 @@ class _HostCollector(Collector):
                 ],
                 1.0,
             )
-            lora_info.add_metric(
-                [
-                    process_label,
-                    str(len(stats)),
-                    ",".join(stats),
-                    ",".join(name for name, values in stats.items() if values["num_waiting"] > 0),
-                ],
-                time.time(),
-            )
+            # No adapters: a base model is not an adapter (it made routers pin it as one).
+            lora_info.add_metric([process_label, "0", "", ""], time.time())
         yield from families
         yield from (cache_info, lora_info)
 
@@ -165,6 +160,7 @@ class ServerMetrics:
     """The app's registry plus the per-request event sink (a ``RequestListener``)."""
 
     def __init__(self, host: Callable[[], AsyncEngine | None]) -> None:
+        disable_created_metrics()  # no *_created series, as vLLM (a process-wide prometheus_client switch)
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -215,6 +211,33 @@ class ServerMetrics:
             buckets=ITL_BUCKETS,
             registry=r,
         )
+        # vLLM V1's request phases: prefill (first scheduled -> first token), decode (first -> last
+        # token), inference (first scheduled -> last token); and the requests' n.
+        self.prefill_time, self.decode_time, self.inference_time = (
+            Histogram(f"vllm:request_{phase}_time_seconds", help_, labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+            for phase, help_ in (
+                ("prefill", "Time from first scheduled to first token."),
+                ("decode", "Time from first to last token."),
+                ("inference", "Time from first scheduled to last token."),
+            )
+        )
+        self.params_n = Histogram(
+            "vllm:request_params_n", "The n of finished requests.", labels, buckets=N_BUCKETS, registry=r
+        )
+        self.params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens",
+            "The max_tokens of finished requests.",
+            labels,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens (prompt and generated) per engine step.",
+            labels,
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.registry.register(_HostCollector(host))
         self.registry.register(SwapCollector(host))  # swap preemption's series
 
@@ -235,9 +258,24 @@ class ServerMetrics:
         self.e2e.labels(model).observe(seconds)
         self.request_prompt_tokens.labels(model).observe(len(output.prompt_token_ids))
         self.request_generation_tokens.labels(model).observe(sum(len(c.token_ids) for c in output.outputs))
-        queued = output.metrics.get("time_in_queue")
+        self.params_n.labels(model).observe(len(output.outputs))
+        max_tokens = output.metrics.get("max_tokens_param")
+        if max_tokens is not None:
+            self.params_max_tokens.labels(model).observe(max_tokens)
+        timing = output.metrics
+        queued = timing.get("time_in_queue")
         if queued is not None:
             self.queue_time.labels(model).observe(queued)
+        scheduled, first, last = (
+            timing.get(k) for k in ("first_scheduled_time", "first_token_time", "last_token_time")
+        )
+        if scheduled is not None and first is not None and last is not None:
+            self.prefill_time.labels(model).observe(max(first - scheduled, 0.0))
+            self.decode_time.labels(model).observe(max(last - first, 0.0))
+            self.inference_time.labels(model).observe(max(last - scheduled, 0.0))
+
+    def on_step(self, model: str, num_tokens: int) -> None:
+        self.iteration_tokens.labels(model).observe(num_tokens)
 
     # -------------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -159,6 +159,9 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extras accepted for compatibility (what each does: qserve.server.accepted_fields).
+    priority: int = 0
+    guided_decoding_backend: str | None = None
 
 
 # ---------------------------------------------------------------------- completions
@@ -232,6 +235,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's newer fields, accepted (what each does: qserve.server.accepted_fields).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    modalities: list[Literal["text"]] | None = None  # qserve answers in text only
+    verbosity: Literal["low", "medium", "high"] | None = None
+    store: bool | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class ChatTopLogprob(BaseModel):

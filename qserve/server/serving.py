@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from qserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestItem
 from qserve.outputs import PositionLogprobs, RequestOutput
 from qserve.sampling_params import SamplingParams
+from qserve.server.accepted_fields import template_switches
 from qserve.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -65,6 +66,8 @@ from qserve.server.request_limits import (
 from qserve.server.structured import ConstraintError, constraint_of
 from qserve.server.tokenizing import PromptTokenizer
 from qserve.server.tools import (
+    KEEP_SPECIAL_TOKENS,
+    ForcedCallStreamer,
     ToolCallStreamer,
     ToolPlan,
     new_call_id,
@@ -663,7 +666,8 @@ class OpenAIServing:
             raise bad_request(f"model {model.name!r} has no chat template; use /v1/completions", "messages")
         num_chars = sum(len(str(m.get("content") or "")) for m in messages)
         self._check_prompt_chars(model, num_chars, "messages")
-        template_kwargs = self._chat_template_kwargs(request)
+        # reasoning_effort's thinking switch; the request's own chat_template_kwargs win
+        template_kwargs = {**template_switches(request), **self._chat_template_kwargs(request)}
         render = model.prompts.apply_chat_template if model.prompts is not None else tokenizer.apply_chat_template
         try:
             if tools is not None and tools.template_tools:
@@ -696,6 +700,8 @@ class OpenAIServing:
             tools = plan_tools(request)
         except ConstraintError as err:
             raise bad_request(str(err), err.field) from err
+        if tools.mode == "auto" and model.tool_parser in KEEP_SPECIAL_TOKENS:
+            request.skip_special_tokens = False  # the call marker is a special token (as vLLM does)
         constraint, constraint_field = self._constraint(request)
         if tools.constraint is not None:
             if constraint is not None:
@@ -745,9 +751,13 @@ class OpenAIServing:
     ) -> tuple[ChatResponseMessage, str | None]:
         """The assistant message of a finished choice, with its tool calls parsed out."""
         if tools.mode == "auto":
-            content, calls = parse_tool_calls(text, model.tool_parser)
+            content, calls = parse_tool_calls(text, model.tool_parser, tools.template_tools)
         elif tools.mode in ("required", "named"):
+            # Only complete calls; forced output cut by max_tokens before any call was complete is
+            # finish_reason "length" with neither calls nor the half-written JSON as content.
             content, calls = None, parse_forced(text, tools)
+            if not calls:
+                return ChatResponseMessage(content=None), finish_reason
         else:
             return ChatResponseMessage(content=text), finish_reason
         if not calls:
@@ -843,8 +853,8 @@ class _ToolStream:
     def __init__(self, plan: ToolPlan, parser: str) -> None:
         self.plan = plan
         self.active = plan.parses_calls
-        self._auto = ToolCallStreamer(parser) if plan.mode == "auto" else None
-        self._buffer = ""
+        self._auto = ToolCallStreamer(parser, plan.template_tools) if plan.mode == "auto" else None
+        self._forced = ForcedCallStreamer() if plan.mode == "required" else None
         self.num_calls = 0
 
     def _deltas(self, calls: Sequence[Any]) -> list[DeltaToolCall]:
@@ -890,10 +900,23 @@ class _ToolStream:
             if text:
                 deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text)))
             return "", deltas
-        self._buffer += text  # required: a JSON array, parsed once complete
-        if not finishing:
-            return "", []
-        return "", self._deltas(parse_forced(self._buffer, self.plan))
+        return "", self._forced_deltas(text)
+
+    def _forced_deltas(self, text: str) -> list[DeltaToolCall]:
+        """required: each call's id and name once its name is complete, then its arguments as
+        they are generated."""
+        assert self._forced is not None
+        deltas = []
+        for index, name, arguments in self._forced.feed(text):
+            if not self.plan.parallel and index > 0:
+                break
+            if name is not None:
+                self.num_calls = index + 1
+                function = DeltaFunctionCall(name=name, arguments="")
+                deltas.append(DeltaToolCall(index=index, id=new_call_id(), type="function", function=function))
+            if arguments:
+                deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments)))
+        return deltas
 
 
 def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:

@@ -5,10 +5,12 @@ Knows: OpenAI's tool semantics (``none``: no calls; ``auto``: the model decides,
 parsed; ``required``: at least one call; a named function: exactly that call), how forced
 calls are enforced with a JSON schema (the structured-output machinery, so they always parse:
 ``required`` -> a JSON array of ``{"name", "parameters"}``, a named function -> its parameters
-object, as vLLM does), the two text formats parsed in ``auto`` mode (Hermes / Qwen
-``<tool_call>{"name", "arguments"}</tool_call>`` and Llama 3's bare JSON ``{"name",
-"parameters"}``, optionally after ``<|python_tag|>``), and how chat messages carrying tool
-calls and tool results are handed to a chat template. Must not know: the engine, HTTP.
+object, as vLLM does), the text formats parsed in ``auto`` mode (Hermes / Qwen
+``<tool_call>{"name", "arguments"}</tool_call>``, Llama 3's bare JSON ``{"name",
+"parameters"}``, optionally after ``<|python_tag|>``, and vLLM's ``mistral``, ``pythonic``,
+``qwen3_coder`` and ``deepseek_v3`` formats from ``tool_formats``), and how chat messages
+carrying tool calls and tool results are handed to a chat template. Must not know: the
+engine, HTTP.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from qserve.server import tool_formats
 from qserve.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
 from qserve.server.structured import ConstraintError
 from qserve.structured.params import StructuredOutputsParams
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3")
+# Formats whose call marker is a special token: the output must keep special tokens.
+KEEP_SPECIAL_TOKENS = frozenset({"mistral"})
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -35,9 +40,19 @@ def new_call_id() -> str:
 
 
 def detect_parser(chat_template: str | None) -> str:
-    """The tool-call format a chat template teaches: Llama 3 if it mentions ``<|python_tag|>``
-    or Llama's ``"parameters"`` calls without ``<tool_call>``; Hermes / Qwen otherwise."""
+    """The tool-call format a chat template teaches: Qwen3-Coder's XML calls, Mistral's
+    ``[TOOL_CALLS]``, DeepSeek V3's markers, Llama 4's pythonic calls, Llama 3 if it mentions
+    ``<|python_tag|>`` or Llama's ``"parameters"`` calls without ``<tool_call>``; Hermes / Qwen
+    otherwise."""
     template = chat_template or ""
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
+    if tool_formats.MISTRAL_MARKER in template:
+        return "mistral"
+    if tool_formats.DEEPSEEK_V3_MARKER in template:
+        return "deepseek_v3"
+    if tool_formats.PYTHON_START in template:
+        return "pythonic"
     if TOOL_CALL_START not in template and (PYTHON_TAG in template or '"parameters"' in template):
         return "llama3_json"
     return "hermes"
@@ -143,11 +158,18 @@ def _call(name: Any, arguments: Any) -> ToolCall | None:
     return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))
 
 
-def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
-    """``auto`` mode: (content, calls) from the model's text in the ``parser`` format.
-    Text that is not a well-formed call stays content."""
+def parse_tool_calls(
+    text: str, parser: str, tools: list[dict[str, Any]] | None = None
+) -> tuple[str | None, list[ToolCall]]:
+    """``auto`` mode: (content, calls) from the model's text in the ``parser`` format
+    (``tools``: the request's tools, which type qwen3_coder's parameters). Text that is not a
+    well-formed call stays content."""
     if parser == "llama3_json":
         return _parse_llama3(text)
+    if parser in _FORMATS:
+        content, found = _FORMATS[parser](text, tools)
+        calls = [c for c in (_call(name, arguments) for name, arguments in found) if c is not None]
+        return (content, calls) if calls and len(calls) == len(found) else (text, [])
     calls: list[ToolCall] = []
     for match in _HERMES_CALL.finditer(text):
         try:
@@ -161,6 +183,14 @@ def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]
         return text, []
     content = text[: text.find(TOOL_CALL_START)].strip()
     return content or None, calls
+
+
+_FORMATS = {
+    "mistral": lambda text, tools: tool_formats.parse_mistral(text),
+    "pythonic": lambda text, tools: tool_formats.parse_pythonic(text),
+    "qwen3_coder": tool_formats.parse_qwen3_coder,
+    "deepseek_v3": lambda text, tools: tool_formats.parse_deepseek_v3(text),
+}
 
 
 def _parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -190,16 +220,122 @@ def _parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def parse_forced(text: str, plan: ToolPlan) -> list[ToolCall]:
-    """``required`` / named: the output was constrained to the plan's schema, so it parses
-    (unless it was cut by max_tokens: then no calls)."""
+    """``required`` / named: the complete calls of an output constrained to the plan's schema.
+    Output cut by max_tokens keeps only the calls that were complete (a named call cut inside
+    its arguments: none); half-written JSON never becomes a call."""
     if plan.mode == "named":
-        return [ToolCall(id=new_call_id(), function=FunctionCall(name=plan.named or "", arguments=text))]
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []
-    calls = [_call(item.get("name"), item.get("parameters")) for item in items if isinstance(item, dict)]
+        try:
+            arguments = json.loads(text)
+        except ValueError:
+            return []
+        if not isinstance(arguments, dict):
+            return []
+        return [ToolCall(id=new_call_id(), function=FunctionCall(name=plan.named or "", arguments=text.strip()))]
+    calls = [_call(item.get("name"), item.get("parameters")) for item in _complete_items(text)]
     return [c for c in calls if c is not None]
+
+
+def _complete_items(text: str) -> list[dict[str, Any]]:
+    """The complete objects of a JSON array, also when the array itself was cut short."""
+    decoder = json.JSONDecoder()
+    position = _skip_space(text, 0)
+    if not text.startswith("[", position):
+        return []
+    items = []
+    position += 1
+    while True:
+        position = _skip_space(text, position)
+        if text.startswith(",", position):
+            position = _skip_space(text, position + 1)
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except ValueError:
+            return items  # the end of the array, or an item cut short
+        if isinstance(item, dict):
+            items.append(item)
+
+
+def _skip_space(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\r\n":
+        position += 1
+    return position
+
+
+class ForcedCallStreamer:
+    """Streaming ``required``: the constrained output ``[{"name": ..., "parameters": {...}},
+    ...]`` as it is generated: a call's name as soon as it is complete, then its arguments
+    piece by piece. ``feed`` returns ``(call index, name or None, argument text)`` events."""
+
+    _CLOSE = re.compile(r"\s*\}")
+    _HEAD = re.compile(r'\s*(?:\[|,)?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*', re.S)
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._position = 0  # how far the text has been consumed
+        self._in_arguments = False
+        self._closing_call = False  # the arguments are complete; the call object's "}" is next
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self.num_calls = 0
+
+    def feed(self, delta: str) -> list[tuple[int, str | None, str]]:
+        self._text += delta
+        events: list[tuple[int, str | None, str]] = []
+        while True:
+            if self._closing_call:
+                closing = self._CLOSE.match(self._text, self._position)
+                if closing is None:
+                    return events
+                self._position = closing.end()
+                self._closing_call = False
+            if not self._in_arguments:
+                match = self._HEAD.match(self._text, self._position)
+                if match is None:
+                    return events  # not yet (or the end of the array)
+                self._position = match.end()
+                self._in_arguments = True
+                self._depth = 0
+                events.append((self.num_calls, json.loads(f'"{match.group(1)}"'), ""))
+                self.num_calls += 1
+                continue
+            start, end = self._scan_arguments()
+            piece = self._text[start:end]
+            if piece:
+                events.append((self.num_calls - 1, None, piece))
+            self._position = end
+            if self._in_arguments:
+                return events
+            self._closing_call = True
+
+    def _scan_arguments(self) -> tuple[int, int]:
+        """Advance over the arguments value: (start, end) of the text read. Leaves
+        ``_in_arguments`` when the value is complete."""
+        text = self._text
+        position = self._position
+        if self._depth == 0:  # before the value: whitespace is not part of the arguments
+            position = _skip_space(text, position)
+        start = position
+        while position < len(text):
+            char = text[position]
+            position += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._in_arguments = False
+                    return start, position
+        return start, position
 
 
 # ---------------------------------------------------------------------- streaming
@@ -214,10 +350,11 @@ class ToolCallStreamer:
     may become) a tool call, which is held until the call is complete and then released as a
     ``ToolCall``. Feed the text deltas, then ``finish()``."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, tools: list[dict[str, Any]] | None = None) -> None:
         self.parser = parser
+        self.tools = tools
         self._pending = ""  # text not yet released
-        self._in_call = False  # inside <tool_call> ... (hermes) or a JSON call (llama3)
+        self._in_call = False  # inside <tool_call> ..., a leading call (llama3, pythonic), or after a marker
         self._seen_content = False
         self.num_calls = 0
 
@@ -230,8 +367,10 @@ class ToolCallStreamer:
 
     def _drain(self, final: bool) -> StreamEvent:
         event = StreamEvent()
-        if self.parser == "llama3_json":
-            return self._drain_llama3(event, final)
+        if self.parser in _LEADING_STARTS:
+            return self._drain_leading(event, final)
+        if self.parser in _MARKERS:
+            return self._drain_marker(event, final)
         while self._pending:
             if self._in_call:
                 end = self._pending.find(TOOL_CALL_END)
@@ -239,7 +378,7 @@ class ToolCallStreamer:
                     break
                 block = self._pending if end < 0 else self._pending[: end + len(TOOL_CALL_END)]
                 self._pending = "" if end < 0 else self._pending[end + len(TOOL_CALL_END) :]
-                _, calls = parse_tool_calls(TOOL_CALL_START + block, "hermes")
+                _, calls = parse_tool_calls(TOOL_CALL_START + block, self.parser, self.tools)
                 if calls:
                     event.calls.extend(calls)
                 else:
@@ -259,12 +398,14 @@ class ToolCallStreamer:
         self.num_calls += len(event.calls)
         return event
 
-    def _drain_llama3(self, event: StreamEvent, final: bool) -> StreamEvent:
+    def _drain_leading(self, event: StreamEvent, final: bool) -> StreamEvent:
+        """Formats whose calls are the whole output (llama3_json, pythonic): held to the end."""
         if not self._seen_content and not self._in_call:
             head = self._pending.lstrip()
             if not head:
                 return event
-            if head.startswith("{") or head.startswith(PYTHON_TAG) or (not final and PYTHON_TAG.startswith(head)):
+            bracket, tag = _LEADING_STARTS[self.parser]
+            if head.startswith(bracket) or head.startswith(tag) or (not final and tag.startswith(head)):
                 self._in_call = True
             else:
                 self._seen_content = True
@@ -272,11 +413,38 @@ class ToolCallStreamer:
             event.content, self._pending = self._pending, ""
             return event
         if final:
-            content, calls = _parse_llama3(self._pending)
+            content, calls = parse_tool_calls(self._pending, self.parser, self.tools)
             event.calls, event.content = calls, content or ""
             self._pending = ""
             self.num_calls += len(calls)
         return event
+
+    def _drain_marker(self, event: StreamEvent, final: bool) -> StreamEvent:
+        """Formats whose calls follow a marker (mistral, deepseek_v3): content passes until the
+        marker; from it on the text is held, and parsed at the end."""
+        marker = _MARKERS[self.parser]
+        if not self._in_call:
+            start = self._pending.find(marker)
+            if start >= 0:
+                event.content += self._pending[:start]
+                self._pending = self._pending[start:]
+                self._in_call = True
+            else:
+                keep = 0 if final else _partial_suffix(self._pending, marker)
+                event.content += self._pending[: len(self._pending) - keep]
+                self._pending = self._pending[len(self._pending) - keep :]
+        if self._in_call and final:
+            content, calls = parse_tool_calls(self._pending, self.parser, self.tools)
+            event.content += (content or "") if calls else self._pending
+            event.calls.extend(calls)
+            self._pending = ""
+            self.num_calls += len(calls)
+        return event
+
+
+# Leading-call formats: (what a call opens with, its optional wrapper tag).
+_LEADING_STARTS = {"llama3_json": ("{", PYTHON_TAG), "pythonic": ("[", tool_formats.PYTHON_START)}
+_MARKERS = {"mistral": tool_formats.MISTRAL_MARKER, "deepseek_v3": tool_formats.DEEPSEEK_V3_MARKER}
 
 
 def _partial_suffix(text: str, tag: str) -> int:

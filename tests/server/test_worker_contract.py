@@ -55,7 +55,8 @@ def test_first_series_is_the_process_total(two_model_server):
     assert cache.labels["block_size"] == "16" and cache.labels["num_gpu_blocks"] == str(int(total))
     assert cache.labels["model_name"] == "" and cache.value == 1
     (lora,) = metrics["vllm:lora_requests_info"]
-    assert lora.labels["running_lora_adapters"] == "llama,qwen" and lora.labels["max_lora"] == "2"
+    # No adapters: base models are not reported as adapters (as vLLM).
+    assert lora.labels["running_lora_adapters"] == "" and lora.labels["waiting_lora_adapters"] == ""
     preemptions = {s.labels["model_name"]: s.value for s in metrics["vllm:num_preemptions"]}
     engines = {name: hosted.engine for name, hosted in two_model_server.host.models.items()}
     assert preemptions == {
