@@ -195,6 +195,8 @@ def create_app(
                 stats_task.cancel()
             if loading is not None and not loading.done():
                 loading.cancel()
+            if state.serving is not None:
+                state.serving.close()  # running grammar compiles are killed, never waited on
             if state.host is not None:
                 await asyncio.to_thread(state.host.shutdown)
                 logger.info("engine stopped; outstanding requests aborted")
@@ -297,6 +299,8 @@ async def drain_app(app: FastAPI, timeout_s: float) -> bool:
     state: AppState = app.state.qserve
 
     async def abort_all() -> None:
+        if state.serving is not None:
+            state.serving.close()
         if state.host is not None:
             await asyncio.to_thread(state.host.shutdown)
 

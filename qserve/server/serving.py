@@ -14,7 +14,6 @@ Before any work, a request's text and caps are checked (``request_limits``).
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import logging
@@ -76,7 +75,9 @@ from qserve.server.tools import (
     plan_tools,
     template_message,
 )
+from qserve.structured.gate import GrammarBusy, GrammarGate
 from qserve.structured.grammar import GrammarError
+from qserve.structured.limits import LimitError, check_logit_bias
 from qserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class ServedModel:
     tokenizer: Any  # front-end copy: loop thread only
     prompts: PromptTokenizer | None = None  # encode / chat template in a worker thread
     grammar_compiler: Any = None  # the engine's GrammarCompiler (thread-safe): validates + warms its cache
+    grammar_gate: GrammarGate | None = None  # limits, time-limited compiles in a child process, then the cache
     tool_parser: str = "hermes"  # the auto-mode tool-call format (qserve.server.tools.PARSERS)
 
 
@@ -237,6 +239,7 @@ class OpenAIServing:
                 tokenizer=copy.deepcopy(engine.tokenizer),
                 prompts=PromptTokenizer(engine.tokenizer, engine.max_model_len, name),
                 grammar_compiler=getattr(engine, "grammar_compiler", None),
+                grammar_gate=_grammar_gate(engine),
                 tool_parser=tool_call_parser or detect_parser(getattr(engine.tokenizer, "chat_template", None)),
             )
 
@@ -333,12 +336,20 @@ class OpenAIServing:
     async def _compile(model: ServedModel, constraint: StructuredOutputsParams | None, field: str | None) -> None:
         """Compile the grammar off the event loop (a 400 naming ``field`` if it does not
         compile); the engine then finds it in the cache."""
-        if constraint is None or model.grammar_compiler is None:
+        if constraint is None or model.grammar_gate is None:
             return
         try:
-            await asyncio.to_thread(model.grammar_compiler.compile, constraint, field or "structured_outputs")
+            await model.grammar_gate.compile(constraint, field or "structured_outputs")
         except GrammarError as err:
             raise bad_request(str(err), err.field) from err
+        except GrammarBusy as err:
+            raise ServingError(503, str(err), type="ServiceUnavailableError", param=field) from err
+
+    def close(self) -> None:
+        """Shutdown: kill running grammar compiles (requests waiting on them get 503)."""
+        for model in self.models.values():
+            if model.grammar_gate is not None:
+                model.grammar_gate.close()
 
     def _check_length(self, model: ServedModel, prompt: _Prompt, param: str) -> None:
         if len(prompt.token_ids) >= model.max_model_len:
@@ -919,10 +930,19 @@ class _ToolStream:
         return deltas
 
 
+def _grammar_gate(engine: Any) -> GrammarGate | None:
+    compiler = getattr(engine, "grammar_compiler", None)
+    return GrammarGate(compiler) if compiler is not None and compiler.tokenizer is not None else None
+
+
 def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI sends token ids as JSON object keys (strings)."""
     if value is None:
         return None
+    try:
+        check_logit_bias(len(value))
+    except LimitError as err:
+        raise bad_request(str(err), "logit_bias") from None
     out = {}
     for key, bias in value.items():
         try:

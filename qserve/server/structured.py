@@ -4,7 +4,10 @@ Knows: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
 ``structured_outputs`` and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` fields, that at most one of them may be set, and that a JSON schema must
 itself be valid (checked with ``jsonschema``'s meta-schema, so the error names the schema's
-fault). Must not know: the grammar library (``qserve.structured.grammar`` compiles), HTTP.
+fault) after qserve's limits (``qserve.structured.limits``: the walk is iterative and comes
+first, so nothing recursive ever sees a schema nested past ``MAX_SCHEMA_DEPTH``) and that some
+value must match it (``qserve.structured.satisfiable``). Must not know: the grammar library
+(``qserve.structured.grammar`` compiles), HTTP.
 
 ``constraint_of(request)`` returns ``(params, field)`` where ``field`` is the request field to
 name in a 400 when the grammar does not compile.
@@ -12,11 +15,12 @@ name in a 400 when the grammar does not compile.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from qserve.server.protocol import SamplingFields
+from qserve.structured import limits
 from qserve.structured.params import StructuredOutputsParams
+from qserve.structured.satisfiable import why_unsatisfiable
 
 
 class ConstraintError(ValueError):
@@ -28,23 +32,34 @@ class ConstraintError(ValueError):
 
 
 def check_json_schema(schema: Any, field: str) -> dict[str, Any]:
-    """A JSON schema (object or its JSON text) checked against its meta-schema."""
+    """A JSON schema (object or its JSON text) within the limits, checked against its
+    meta-schema, and satisfiable; ConstraintError naming ``field`` otherwise."""
     import jsonschema
 
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as err:
-            raise ConstraintError(f"{field} is not valid JSON: {err}", field) from None
-    if not isinstance(schema, dict):
-        raise ConstraintError(f"{field} must be a JSON schema object, got {type(schema).__name__}", field)
     try:
+        if isinstance(schema, str):
+            try:
+                schema = limits.loads_json(schema)
+            except ValueError as err:
+                if isinstance(err, limits.LimitError):
+                    raise
+                raise ConstraintError(f"{field} is not valid JSON: {err}", field) from None
+        if not isinstance(schema, dict):
+            raise ConstraintError(f"{field} must be a JSON schema object, got {type(schema).__name__}", field)
+        limits.check_schema(schema)
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except limits.LimitError as err:
+        raise ConstraintError(f"{field}: {err}", field) from None
+    except RecursionError:  # a safety net: the depth limit keeps the meta-schema check far from this
+        raise ConstraintError(f"{field}: nested too deep (MAX_SCHEMA_DEPTH)", field) from None
     except jsonschema.SchemaError as err:
         where = "/".join(str(p) for p in err.absolute_path)
         raise ConstraintError(
             f"{field} is not a valid JSON schema{f' (at {where})' if where else ''}: {err.message}", field
         ) from None
+    reason = why_unsatisfiable(schema)
+    if reason:
+        raise ConstraintError(f"{field} is unsatisfiable, no JSON value matches it: {reason}", field)
     return schema
 
 

@@ -1,22 +1,23 @@
 """Grammars for structured outputs, through xgrammar: compile once per constraint, keep one
 matcher per running sequence, fill next-token bitmasks.
 
-Knows: xgrammar's API (``TokenizerInfo``, ``GrammarCompiler``, ``GrammarMatcher``), how each
-``StructuredOutputsParams`` kind becomes a grammar, the compiled-grammar cache, and the
-bitmask layout (``[rows, ceil(vocab / 32)]`` int32, bit j of word w allows token 32 w + j).
-Must not know: the scheduler, the sampler's math, HTTP. Why xgrammar and not llguidance:
+Knows: xgrammar's API (``TokenizerInfo``, ``GrammarCompiler``, ``GrammarMatcher``), the
+compiled-grammar cache (LRU, bounded in entries and in bytes), and the bitmask layout
+(``[rows, ceil(vocab / 32)]`` int32, bit j of word w allows token 32 w + j). How each
+``StructuredOutputsParams`` kind becomes a grammar is ``qserve.structured.build``; the limits
+every constraint is checked against first are ``qserve.structured.limits``. Must not know:
+the scheduler, the sampler's math, HTTP. Why xgrammar and not llguidance:
 docs/structured_output.md (measured with bench/grammar_backends.py).
 
-Threads: ``GrammarCompiler`` is thread-safe, so the server compiles (and so validates) a
-request's grammar on a worker thread before it reaches the engine; the engine's step thread
-then finds it in the cache. Matchers belong to the step thread.
+Threads: ``GrammarCompiler`` is thread-safe. The server checks and compiles a request's
+grammar before it reaches the engine (``qserve.structured.gate``: a time-limited compile in a
+child process first, then this one on the gate's own threads); the engine's step thread then
+finds it in the cache. Matchers belong to the step thread.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -25,37 +26,47 @@ from typing import Any
 import numpy as np
 import torch
 
+from qserve.structured import limits
+from qserve.structured.build import clean_error, compile_constraint, xgrammar
 from qserve.structured.params import StructuredOutputsParams
+from qserve.structured.satisfiable import why_unsatisfiable
 
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer (least recently used dropped)
-_XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+CACHE_BYTES = 1 << 30  # and at most this much memory for them (xgrammar's own size estimate)
 
 
 class GrammarError(ValueError):
-    """A constraint the grammar library cannot compile; ``field`` names the request field."""
+    """A constraint the grammar library cannot compile, or past a limit; ``field`` names the
+    request field."""
 
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
         self.field = field
 
 
-def _xgrammar() -> Any:
+def check_constraint(params: StructuredOutputsParams, field: str) -> tuple[str, str]:
+    """The constraint's cache key, after the limits (and, for a JSON schema, satisfiability):
+    a GrammarError naming ``field`` and the limit otherwise."""
     try:
-        import xgrammar
-    except ImportError as err:  # pragma: no cover - a dependency of qserve
-        raise RuntimeError("structured outputs need the xgrammar package: pip install xgrammar") from err
-    return xgrammar
-
-
-def _clean(err: BaseException) -> str:
-    return _XGRAMMAR_LOCATION.sub("", str(err).strip()).strip()
-
-
-def _ebnf_literal(text: str) -> str:
-    """A string as an xgrammar EBNF literal (JSON escapes are EBNF escapes)."""
-    return json.dumps(text, ensure_ascii=False)
+        kind = params.kind
+        if kind == "json":
+            schema = params.schema()
+            limits.check_schema(schema)
+            reason = why_unsatisfiable(schema)
+            if reason:
+                raise GrammarError(f"{field} is unsatisfiable, no JSON value matches it: {reason}", field)
+        elif kind == "regex":
+            limits.check_regex(params.regex or "")
+        elif kind == "choice":
+            limits.check_choices(params.choice or [])
+        elif kind == "grammar":
+            limits.check_grammar(params.grammar or "")
+        return params.key()
+    except (limits.LimitError, RecursionError) as err:
+        detail = str(err) if isinstance(err, limits.LimitError) else "nested too deep"
+        raise GrammarError(f"{field}: {detail}", field) from None
 
 
 class GrammarCompiler:
@@ -66,8 +77,10 @@ class GrammarCompiler:
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.stop_token_ids = sorted(set(stop_token_ids))
         self._compiler: Any = None
+        self._info: Any = None
         self._max_threads = max_threads
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._cache_bytes = 0
         self._lock = threading.Lock()
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and logs
 
@@ -87,70 +100,56 @@ class GrammarCompiler:
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
-                xgr = _xgrammar()
-                info = xgr.TokenizerInfo.from_huggingface(
+                xgr = xgrammar()
+                self._info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=self._max_threads)
             return self._compiler
 
-    def compile(self, params: StructuredOutputsParams, field: str = "structured_outputs") -> Any:
-        """The compiled grammar of ``params`` (cached); GrammarError naming ``field`` if it is bad."""
-        key = params.key()
+    def tokenizer_info(self) -> str:
+        """The tokenizer as xgrammar serializes it (what a compile process needs)."""
+        self._get_compiler()
+        return self._info.serialize_json()
+
+    def cached(self, key: tuple[str, str]) -> Any:
+        """The compiled grammar of ``key`` if it is cached (then it becomes the most recent)."""
         with self._lock:
-            cached = self._cache.get(key)
-            if cached is not None:
-                self._cache.move_to_end(key)
-                return cached
+            entry = self._cache.get(key)
+            if entry is None:
+                return None
+            self._cache.move_to_end(key)
+            return entry[0]
+
+    def compile(self, params: StructuredOutputsParams, field: str = "structured_outputs") -> Any:
+        """The compiled grammar of ``params`` (cached); GrammarError naming ``field`` if it is
+        past a limit or does not compile."""
+        key = check_constraint(params, field)
+        return self.cached(key) or self.compile_checked(key, field)
+
+    def compile_checked(self, key: tuple[str, str], field: str) -> Any:
+        """Compile a key that passed ``check_constraint`` (no time limit here: the gate proves
+        in a child process that it compiles in time before it calls this)."""
         try:
             compiler = self._get_compiler()
         except RuntimeError as err:
             raise GrammarError(f"{field}: {err}", field) from err
         kind, text = key
         try:
-            if kind == "json":
-                # Compact JSON (no free whitespace): a model cannot pad its output with blanks forever.
-                schema = json.dumps(_string_lengths_as_patterns(json.loads(text)))
-                compiled = compiler.compile_json_schema(schema, any_whitespace=False)
-            elif kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            elif kind == "regex":
-                compiled = compiler.compile_regex(text)
-            elif kind == "choice":
-                choices = params.choice or []
-                compiled = compiler.compile_grammar("root ::= " + " | ".join(_ebnf_literal(c) for c in choices))
-            else:
-                compiled = compiler.compile_grammar(text)
+            compiled = compile_constraint(compiler, kind, text)
         except Exception as err:  # noqa: BLE001 - the library raises RuntimeError for every bad input
-            raise GrammarError(f"{field}: cannot compile this {kind.replace('_', ' ')}: {_clean(err)}", field) from err
+            message = f"{field}: cannot compile this {kind.replace('_', ' ')}: {clean_error(err)}"
+            raise GrammarError(message, field) from err
+        size = int(getattr(compiled, "memory_size_bytes", 0) or 0)
         with self._lock:
             self.num_compiled += 1
-            self._cache[key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = (compiled, size)
+                self._cache_bytes += size
+            while len(self._cache) > 1 and (len(self._cache) > CACHE_SIZE or self._cache_bytes > CACHE_BYTES):
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self._cache_bytes -= dropped
         return compiled
-
-
-def _string_lengths_as_patterns(schema: Any) -> Any:
-    """Work around xgrammar 0.2's rule for strings with ``minLength`` / ``maxLength``: it admits
-    raw control characters (invalid JSON) and UTF-8-encoded surrogates (bytes that decode to
-    several U+FFFD, breaking the length). Such a string (without its own pattern or format)
-    gets the equivalent pattern over JSON-safe characters instead (no escapes: the library's
-    length rule has none either). Returns a copy."""
-    if isinstance(schema, list):
-        return [_string_lengths_as_patterns(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: _string_lengths_as_patterns(value) for key, value in schema.items()}
-    lengths = ("minLength" in out, "maxLength" in out)
-    if out.get("type") == "string" and any(lengths) and "pattern" not in out and "format" not in out:
-        low = int(out.pop("minLength", 0))
-        high = out.pop("maxLength", None)
-        out["pattern"] = _SAFE_STRING % (low, "" if high is None else int(high))
-    return out
-
-
-_SAFE_STRING = r'^[^\x00-\x1f"\\\ud800-\udfff]{%d,%s}$'
 
 
 class GrammarMatchers:
@@ -168,7 +167,7 @@ class GrammarMatchers:
 
     def add(self, request_id: str, params: StructuredOutputsParams) -> None:
         compiled = self.compiler.compile(params)
-        self._matchers[request_id] = _xgrammar().GrammarMatcher(
+        self._matchers[request_id] = xgrammar().GrammarMatcher(
             compiled, override_stop_tokens=self.compiler.stop_token_ids or None
         )
 

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from qserve.structured.limits import LimitError, loads_json
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -33,7 +35,9 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got {self.json!r}")
         if isinstance(self.json, str):
             try:
-                schema = json.loads(self.json)
+                schema = loads_json(self.json)  # json.loads, but a RecursionError is a LimitError
+            except LimitError as err:
+                raise ValueError(f"structured_outputs.json: {err}") from None
             except ValueError as err:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
             if not isinstance(schema, (dict, bool)):

@@ -174,6 +174,17 @@ def test_streamed_guided_json_and_json_object_on_completions(client):
         ({"logit_bias": {"5": 500}}, "logit_bias"),
         ({"logit_bias": {"999999": 1}}, "logit_bias"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        # The audit's hostile constraints (issue 31): 400 naming the field, never a 500 or a stall.
+        ({"logit_bias": {str(i): 1 for i in range(100_000)}}, "logit_bias"),
+        ({"guided_json": {"enum": [f"v{i}" for i in range(100_000)]}}, "guided_json"),
+        ({"guided_json": "[" * 100_000 + "]" * 100_000}, "guided_json"),
+        ({"guided_json": {"type": "string", "pattern": "(" * 5000 + "a" + ")" * 5000}}, "guided_json"),
+        ({"guided_regex": "(" * 100 + "a" + ")" * 100}, "guided_regex"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, "guided_json"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),

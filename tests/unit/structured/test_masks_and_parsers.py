@@ -14,7 +14,7 @@ from qserve.server.playground import ThroughputMeter
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from qserve.server.structured import ConstraintError, constraint_of
 from qserve.server.tools import ToolCallStreamer, detect_parser, parse_tool_calls, plan_tools
-from qserve.structured.grammar import _string_lengths_as_patterns
+from qserve.structured.schema_rewrite import rewrite_schema
 
 
 def _reference_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ def test_string_lengths_become_safe_patterns():
         "type": "object",
         "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"type": "string", "pattern": "x"}},
     }
-    out = _string_lengths_as_patterns(schema)
+    out = rewrite_schema(schema)
     assert out["properties"]["a"] == {"type": "string", "pattern": '^[^\\x00-\\x1f"\\\\\\ud800-\\udfff]{0,3}$'}
     assert out["properties"]["b"] == {"type": "string", "pattern": "x"}
     assert schema["properties"]["a"] == {"type": "string", "maxLength": 3}  # the input is not changed
