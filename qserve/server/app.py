@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from qserve.engine.async_engine import AsyncEngine, Listeners
+from qserve.server.body_gate import BodyGate
 from qserve.server.drain import DrainMiddleware, DrainState
 from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
@@ -251,6 +252,8 @@ def create_app(
                 return False
         return _bearer_matches(header, state.api_key)
 
+    # Inside the guard (key and size first): caps on what a large JSON body holds, counted off the loop.
+    app.add_middleware(BodyGate, respond=lambda status, message, param: error_response(status, message, param))
     app.add_middleware(
         RequestGuard,
         config=GuardConfig(
