@@ -261,7 +261,8 @@ def register_worker_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help="publish KV-cache events for prefix-aware routers (vLLM's format), e.g. '{\"enable_kv_cache_events\": "
-        'true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'; topic default kv@{pod}:{port}@{model}',
+        'true, "publisher": "zmq"}\'; endpoint default tcp://127.0.0.1:5557 (loopback: the events carry prompts\' '
+        "token ids; another address is warned), topic default kv@{pod}:{port}@{model}",
     )
 
 
