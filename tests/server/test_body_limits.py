@@ -86,6 +86,7 @@ def test_small_bodies_are_checked_by_the_routes_too(http):
     """Under the body gate's threshold the same message cap applies after parsing."""
     response = post_json(http, "/v1/chat/completions", {"model": "llama", "messages": [{"role": "user"}] * 2_100})
     assert_error(response, 400, "messages")
+    assert "2100 messages in one request; at most 2048" in response.json()["error"]["message"]
 
 
 def test_check_body_counts_and_passes_what_it_cannot_judge():
