@@ -491,6 +491,11 @@ def run(args: argparse.Namespace) -> int:
     from qserve.server.app import create_app
     from qserve.server.draining_server import DrainingServer
 
+    tenants = None
+    if getattr(args, "tenants", None):  # before anything loads: a bad file is a one-line error at once
+        from qserve.tenants import Tenants, load_tenants
+
+        tenants = Tenants(load_tenants(args.tenants))
     factory = build_host_factory(args)
     api_key = resolve_api_key(args)
     if args.max_request_bytes < 0:
@@ -502,12 +507,6 @@ def run(args: argparse.Namespace) -> int:
         failed.append(err)
         if server is not None:
             server.should_exit = True
-
-    tenants = None
-    if getattr(args, "tenants", None):
-        from qserve.tenants import Tenants, load_tenants
-
-        tenants = Tenants(load_tenants(args.tenants))
 
     def on_ready(host: object) -> None:
         print(ready_line(f"http://{args.host}:{args.port}", host, args.block_size), flush=True)

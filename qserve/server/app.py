@@ -41,7 +41,7 @@ from qserve.server.request_context import RequestIdMiddleware
 from qserve.server.request_limits import clip
 from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
 from qserve.server.serving import OpenAIServing, ServingError
-from qserve.server.tenancy import TenantGate
+from qserve.server.tenancy import TenantGate, tenant_view
 from qserve.server.worker_api import add_worker_routes
 from qserve.tenants import Tenants
 
@@ -324,8 +324,11 @@ def create_app(
         return error_response(503, state.load_error or "loading models")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics(request: Request) -> Response:
+        body = state.metrics.render()
+        if state.tenants is not None and _resolve_tenant(state.tenants, request):  # a tenant's key
+            body = tenant_view(body, request.state.tenant)  # its own series only
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models(s: OpenAIServing = Depends(serving)) -> Any:  # noqa: B008
