@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from qserve.engine.async_engine import AsyncEngine, Listeners
 from qserve.server.body_gate import BodyGate
-from qserve.server.drain import DrainMiddleware, DrainState
+from qserve.server.drain import FLUSH_TIMEOUT_S, DrainMiddleware, DrainState
 from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -366,10 +366,11 @@ def _bearer_matches(header: str, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
 
 
-async def drain_app(app: FastAPI, timeout_s: float) -> bool:
+async def drain_app(app: FastAPI, timeout_s: float, flush_s: float = FLUSH_TIMEOUT_S) -> bool:
     """Graceful shutdown of an app from ``create_app``: new requests get 503 and ``/health``
     503 at once; in-flight requests get up to ``timeout_s`` seconds to finish; then the engine
-    is stopped, which ends every remaining stream with ``finish_reason: "abort"`` and ``[DONE]``.
+    is stopped, which ends every remaining stream with ``finish_reason: "abort"`` and ``[DONE]``
+    (stopping it and flushing those last chunks take at most ``flush_s`` more).
     Returns True if every request finished by itself. Call it on the app's event loop."""
     state: AppState = app.state.qserve
 
@@ -377,7 +378,7 @@ async def drain_app(app: FastAPI, timeout_s: float) -> bool:
         if state.host is not None:
             await asyncio.to_thread(state.host.shutdown)
 
-    return await state.drain.drain(timeout_s, abort_all)
+    return await state.drain.drain(timeout_s, abort_all, flush_s)
 
 
 def _resolve_tenant(tenants: Tenants, request: Request) -> bool:
