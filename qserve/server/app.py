@@ -38,6 +38,7 @@ from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from qserve.server.playground import add_offline_docs, add_playground
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from qserve.server.request_context import RequestIdMiddleware
+from qserve.server.security_headers import SecurityHeaders
 from qserve.server.request_limits import clip
 from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
 from qserve.server.serving import OpenAIServing, ServingError
@@ -267,6 +268,7 @@ def create_app(
 
     # Outermost last: X-Request-Id is set (and echoed) even on a drain's 503.
     app.add_middleware(DrainMiddleware, state=state.drain)
+    app.add_middleware(SecurityHeaders)  # on every answer, refusals included
     app.add_middleware(RequestIdMiddleware)
 
     # ------------------------------------------------------------------ errors
