@@ -38,9 +38,9 @@ from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from qserve.server.playground import add_offline_docs, add_playground
 from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from qserve.server.request_context import RequestIdMiddleware
-from qserve.server.security_headers import SecurityHeaders
 from qserve.server.request_limits import clip
 from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
+from qserve.server.security_headers import SecurityHeaders
 from qserve.server.serving import OpenAIServing, ServingError
 from qserve.server.tenancy import TenantGate, tenant_view
 from qserve.server.worker_api import add_worker_routes

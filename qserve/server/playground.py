@@ -50,7 +50,7 @@ def declare_bearer_auth(app: FastAPI) -> None:
 
 def add_offline_docs(app: FastAPI) -> None:
     """``/docs`` and ``/redoc`` with their JavaScript and CSS served by this server; the schema
-declares the bearer key, so Swagger UI's "Authorize" button sends it."""
+    declares the bearer key, so Swagger UI's "Authorize" button sends it."""
     declare_bearer_auth(app)
     assets = _docs_assets()
     if assets is None:
