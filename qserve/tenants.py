@@ -8,10 +8,12 @@ Knows: the tenants file (JSON)::
         "bob":   {"api_keys": ["sk-bob"]}
     }}
 
-(``weight`` default 1; limits default to none), key -> tenant lookup (constant-time
-comparisons), and admission: a tenant may have ``max_concurrent + max_queued`` requests in
-flight (the scheduler runs at most ``max_concurrent`` of them and shares seats by ``weight``;
-the rest wait), and spends tokens from a bucket refilled at ``tokens_per_minute`` (a request
+(``weight`` default 1, a finite positive number; limits default to none; keys are non-empty
+and free of whitespace and control characters, as an ``Authorization`` header carries them),
+key -> tenant lookup (constant-time comparisons), and admission: a tenant may have
+``max_concurrent + max_queued`` sequences in flight, counted as the engine counts them (a request
+of 4 prompts with ``n=8`` is 32; the scheduler runs at most ``max_concurrent`` of them and shares
+seats by ``weight``; the rest wait), and spends tokens from a bucket refilled at ``tokens_per_minute`` (a request
 costs its prompt plus ``max_tokens`` per sequence up front; what it did not generate is given
 back when it ends). Over a limit, ``TenantLimitError`` says which, with a ``Retry-After``.
 Per-tenant counters are kept here for metrics. Must not know: HTTP, the engine, torch.
@@ -37,12 +39,12 @@ class TenantConfig:
     api_keys: tuple[str, ...]
     weight: float = 1.0
     max_concurrent: int | None = None  # running sequences (the scheduler's seats)
-    max_queued: int | None = None  # requests waiting beyond max_concurrent
+    max_queued: int | None = None  # sequences waiting beyond max_concurrent
     tokens_per_minute: int | None = None
 
     @property
     def max_in_flight(self) -> int | None:
-        """Requests admitted and not finished: running plus queued."""
+        """Sequences admitted and not finished: running plus queued."""
         if self.max_concurrent is None or self.max_queued is None:
             return None
         return self.max_concurrent + self.max_queued
@@ -64,9 +66,11 @@ def _positive(name: str, tenant: str, value: Any, kind: type) -> Any:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
+        or not math.isfinite(value)  # json accepts NaN and Infinity
         or (kind is int and not float(value).is_integer())
     ):
-        raise ValueError(f"tenant {tenant!r}: {name} must be a positive {kind.__name__}, got {value!r}")
+        what = "finite positive number" if kind is float else "positive integer"
+        raise ValueError(f"tenant {tenant!r}: {name} must be a {what}, got {value!r}")
     if value <= 0 and not (name == "max_queued" and value == 0):
         raise ValueError(f"tenant {tenant!r}: {name} must be positive, got {value!r}")
     return kind(value)
@@ -88,17 +92,25 @@ def parse_tenants(data: Any, source: str = "tenants") -> dict[str, TenantConfig]
         if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
             raise ValueError(f"{source}: tenant {name!r} needs api_keys, a non-empty list of non-empty strings")
         for key in keys:
+            if any(c.isspace() or not c.isprintable() for c in key):
+                raise ValueError(
+                    f"{source}: tenant {name!r} has an API key with whitespace or control characters "
+                    "(an Authorization: Bearer header cannot carry it)"
+                )
             if key in owners:
                 raise ValueError(f"{source}: an API key of tenant {name!r} is also tenant {owners[key]!r}'s")
             owners[key] = name
-        tenants[name] = TenantConfig(
-            name=name,
-            api_keys=tuple(keys),
-            weight=_positive("weight", name, spec.get("weight", 1.0), float),
-            max_concurrent=_positive("max_concurrent", name, spec.get("max_concurrent"), int),
-            max_queued=_positive("max_queued", name, spec.get("max_queued"), int),
-            tokens_per_minute=_positive("tokens_per_minute", name, spec.get("tokens_per_minute"), int),
-        )
+        try:
+            tenants[name] = TenantConfig(
+                name=name,
+                api_keys=tuple(keys),
+                weight=_positive("weight", name, spec.get("weight", 1.0), float),
+                max_concurrent=_positive("max_concurrent", name, spec.get("max_concurrent"), int),
+                max_queued=_positive("max_queued", name, spec.get("max_queued"), int),
+                tokens_per_minute=_positive("tokens_per_minute", name, spec.get("tokens_per_minute"), int),
+            )
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
     return tenants
 
 
@@ -112,7 +124,8 @@ def load_tenants(path: str | Path) -> dict[str, TenantConfig]:
 
 @dataclass
 class _TenantState:
-    in_flight: int = 0
+    in_flight: int = 0  # requests
+    sequences: int = 0  # their sequences (prompts x n): what the limits count
     tokens: float = 0.0  # the bucket
     refilled_at: float = 0.0
     # counters for metrics
@@ -129,6 +142,7 @@ class Admission:
     tenant: str
     cost: int
     prompt_tokens: int
+    sequences: int = 1
     released: bool = False
 
 
@@ -173,16 +187,27 @@ class Tenants:
         state.rejected[error.reason] = state.rejected.get(error.reason, 0) + 1
         return error
 
-    def admit(self, tenant: str, prompt_tokens: int, max_new_tokens: int) -> Admission:
-        """Admit a request costing ``prompt_tokens + max_new_tokens`` or raise ``TenantLimitError``."""
+    def admit(self, tenant: str, prompt_tokens: int, max_new_tokens: int, sequences: int = 1) -> Admission:
+        """Admit a request of ``sequences`` sequences (prompts x n) costing ``prompt_tokens +
+        max_new_tokens`` tokens, or raise ``TenantLimitError``."""
         config, state = self.configs[tenant], self._state[tenant]
         limit = config.max_in_flight
-        if limit is not None and state.in_flight >= limit:
+        if limit is not None and sequences > limit:
             raise self._reject(
                 state,
                 TenantLimitError(
-                    tenant, "queue", f"tenant {tenant!r} has {state.in_flight} requests in flight, its limit "
-                    f"(max_concurrent {config.max_concurrent} + max_queued {config.max_queued}); retry later",
+                    tenant, "too_large", f"this request asks for {sequences} sequences (prompts x n), more than "
+                    f"tenant {tenant!r} may have in flight (max_concurrent {config.max_concurrent} + max_queued "
+                    f"{config.max_queued}); lower n or send fewer prompts", retry_after_s=60,
+                ),
+            )  # fmt: skip
+        if limit is not None and state.sequences + sequences > limit:
+            raise self._reject(
+                state,
+                TenantLimitError(
+                    tenant, "queue", f"tenant {tenant!r} has {state.sequences} sequences in flight; {sequences} more "
+                    f"would pass its limit (max_concurrent {config.max_concurrent} + max_queued "
+                    f"{config.max_queued}); retry later",
                 ),
             )  # fmt: skip
         cost = prompt_tokens + max_new_tokens
@@ -208,9 +233,10 @@ class Tenants:
                 )  # fmt: skip
             state.tokens -= cost
         state.in_flight += 1
+        state.sequences += sequences
         state.admitted += 1
         state.tokens_charged += cost
-        return Admission(tenant, cost, prompt_tokens)
+        return Admission(tenant, cost, prompt_tokens, sequences)
 
     def release(self, admission: Admission, generated_tokens: int) -> None:
         """The request ended (finished, failed or aborted); idempotent."""
@@ -219,6 +245,7 @@ class Tenants:
         admission.released = True
         config, state = self.configs[admission.tenant], self._state[admission.tenant]
         state.in_flight -= 1
+        state.sequences -= admission.sequences
         unused = max(admission.cost - admission.prompt_tokens - generated_tokens, 0)
         state.tokens_refunded += unused
         if config.tokens_per_minute and unused:
@@ -229,6 +256,7 @@ class Tenants:
         return {
             name: {
                 "in_flight": s.in_flight,
+                "sequences_in_flight": s.sequences,
                 "admitted": s.admitted,
                 "rejected": dict(s.rejected),
                 "tokens_used": s.tokens_charged - s.tokens_refunded,

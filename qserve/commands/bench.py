@@ -88,9 +88,9 @@ async def _model_info(client: Any, base_url: str, headers: dict[str, str]) -> li
 def _load_tokenizer(name: str | None) -> Any | None:
     if not name:
         return None
-    from transformers import AutoTokenizer
+    from qserve.tokenization import auto_tokenizer
 
-    return AutoTokenizer.from_pretrained(name)
+    return auto_tokenizer(name)  # never the checkpoint's own code, never a prompt
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 First it runs the checks ``qserve serve`` runs (``qserve.model.checkpoint_check``: config,
 architecture, format, tensor shapes and dtypes, tokenizer; and, unless ``--headers-only``, every
 tensor streamed through the loaders on the ``meta`` device: non-finite values, scales/zeros
-shapes) and exits non-zero with a one-line error if the checkpoint would not serve.
+shapes) and exits non-zero with a one-line error if the checkpoint would not serve: a directory
+without tokenizer files is refused as ``serve`` refuses it (``--skip-tokenizer-init``, vLLM's
+name, describes a weights-only directory).
 
 Knows: how to present ``loaders.detect`` / ``loaders.inventory`` results (format, bits, groups,
 symmetry, act-order, zero convention, which modules are quantized, weight bytes as qserve holds
@@ -30,6 +32,11 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--headers-only",
         action="store_true",
         help="check metadata and tensor headers only (do not read tensor data: faster on large checkpoints)",
+    )
+    parser.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="do not check the tokenizer (a weights-only directory; serving it needs a tokenizer)",
     )
 
 
@@ -93,10 +100,10 @@ def _human(nbytes: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qserve.model.checkpoint_check import check_checkpoint, has_tokenizer
+    from qserve.model.checkpoint_check import check_checkpoint
 
-    # A weights-only directory (tokenizer kept elsewhere) is still described; a broken tokenizer is not.
-    tokenizer = has_tokenizer(args.model)
+    # The same checks as serve, tokenizer included (a directory serve refuses never passes here).
+    tokenizer = not args.skip_tokenizer_init
     check_checkpoint(args.model, tokenizer=tokenizer, tensors=not args.headers_only)  # ValueError: one line, exit 2
     info = describe(args.model)
     info["tokenizer"] = tokenizer
@@ -123,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         "KV per token:     " + ", ".join(f"{k} {v} B" for k, v in info["kv_bytes_per_token"].items()),
     ]
     if not info["tokenizer"]:
-        lines.append("tokenizer:        none in this directory (serving it needs one)")
+        lines.append("tokenizer:        not checked (--skip-tokenizer-init; serving it needs one)")
     if info["dynamic_overrides"]:
         lines.append(f"dynamic:          {', '.join(info['dynamic_overrides'])}")
     print("\n".join(lines))

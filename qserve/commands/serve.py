@@ -266,7 +266,8 @@ def register_worker_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help="publish KV-cache events for prefix-aware routers (vLLM's format), e.g. '{\"enable_kv_cache_events\": "
-        'true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'; topic default kv@{pod}:{port}@{model}',
+        'true, "publisher": "zmq"}\'; endpoint default tcp://127.0.0.1:5557 (loopback: the events carry prompts\' '
+        "token ids; another address is warned), topic default kv@{pod}:{port}@{model}",
     )
 
 
@@ -496,6 +497,11 @@ def run(args: argparse.Namespace) -> int:
     from qserve.server.app import create_app
     from qserve.server.draining_server import DrainingServer
 
+    tenants = None
+    if getattr(args, "tenants", None):  # before anything loads: a bad file is a one-line error at once
+        from qserve.tenants import Tenants, load_tenants
+
+        tenants = Tenants(load_tenants(args.tenants))
     factory = build_host_factory(args)
     api_key = resolve_api_key(args)
     if args.max_request_bytes < 0:
@@ -507,12 +513,6 @@ def run(args: argparse.Namespace) -> int:
         failed.append(err)
         if server is not None:
             server.should_exit = True
-
-    tenants = None
-    if getattr(args, "tenants", None):
-        from qserve.tenants import Tenants, load_tenants
-
-        tenants = Tenants(load_tenants(args.tenants))
 
     def on_ready(host: object) -> None:
         print(ready_line(f"http://{args.host}:{args.port}", host, args.block_size), flush=True)

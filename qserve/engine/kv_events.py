@@ -9,12 +9,19 @@ token_ids, block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medi
 that hashes go out as unsigned 64-bit integers. Must not know: HTTP, how events are recorded
 (``qserve.scheduler.kv_events``).
 
+Exposure: ``BlockStored`` carries the token ids of every cached prompt block, and a ZMQ PUB
+socket has no authentication, so the default endpoint binds loopback only (a subscriber on
+the same host or pod, e.g. a sidecar). Binding any other address takes an explicit
+``endpoint`` and logs a warning that prompts' token ids are published there.
+
 Threads: built on any thread, then used only by the host's step thread, closed after it stops.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 import os
 import socket
 import time
@@ -24,7 +31,10 @@ from typing import Any
 
 from qserve.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-DEFAULT_ENDPOINT = "tcp://*:5557"
+logger = logging.getLogger(__name__)
+
+# Loopback only: the events carry prompts' token ids and ZMQ has no authentication.
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 DEFAULT_TOPIC = "kv@{pod}:{port}@{model}"
 _U64 = (1 << 64) - 1
 
@@ -61,6 +71,25 @@ def parse_kv_events_config(text: str) -> KVEventsConfig | None:
     return KVEventsConfig(endpoint=str(raw.get("endpoint", DEFAULT_ENDPOINT)), topic=topic)
 
 
+def is_local_endpoint(endpoint: str) -> bool:
+    """True if only this host can connect: ``ipc://``/``inproc://``, or TCP on a loopback address."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        return False
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    host = host.strip("[]").split(";")[-1]  # "tcp://eth0;192.168.1.1:5555" binds the part after ';'
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name, a host name: reachable from elsewhere
+        return False
+
+
 def encode_event(event: KVEvent, medium: str) -> list[Any]:
     """One event as vLLM's tagged msgpack array."""
     if isinstance(event, BlockStored):
@@ -89,6 +118,13 @@ class ZmqKVEventPublisher:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(config.endpoint)
         self._seq = 0
+        if not is_local_endpoint(config.endpoint):
+            logger.warning(
+                "KV events are published on %s, reachable from other hosts without authentication: every "
+                "subscriber reads the token ids of every prompt (BlockStored). Bind tcp://127.0.0.1 or an "
+                "ipc:// endpoint unless the network is trusted",
+                self.endpoint,
+            )
 
     @property
     def endpoint(self) -> str:

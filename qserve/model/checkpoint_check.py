@@ -21,7 +21,6 @@ import loaders
 from qserve.config import ModelConfig
 from qserve.model.registry import checkpoint_view
 from qserve.tokenization import load_tokenizer
-from qserve.tokenization.files import find_tokenizer_files
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +28,6 @@ class CheckedCheckpoint:
     path: Path
     config: ModelConfig
     spec: loaders.CheckpointSpec
-
-
-def has_tokenizer(path: str | Path) -> bool:
-    return bool(find_tokenizer_files(path))
 
 
 def check_tokenizer(path: str | Path) -> None:

@@ -131,9 +131,9 @@ def quantize_checkpoint(
     files = CheckpointFiles(src)
     try:
         if method != "rtn":
-            from transformers import AutoTokenizer  # noqa: PLC0415 - only calibrated methods need it
+            from qserve.tokenization import auto_tokenizer  # noqa: PLC0415 - only calibrated methods need it
 
-            tokenizer = AutoTokenizer.from_pretrained(str(src))
+            tokenizer = auto_tokenizer(str(src))
             tokens = calibration_windows(options.calib, tokenizer, options.num_samples, options.seq_len, options.seed)
             embed = files.get("model.embed_tokens.weight").to(device=device, dtype=torch.float32)  # [vocab, hidden]
             hidden = embed[tokens.to(device)]  # [S, T, hidden]

@@ -19,6 +19,7 @@ from qserve import __version__
 from qserve.server.metrics import CONTENT_TYPE
 from qserve.server.route_support import app_state
 from qserve.server.serving import ServingError
+from qserve.server.tenancy import resolve_tenant, tenant_view
 
 router = APIRouter()
 
@@ -39,7 +40,11 @@ async def health(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(app_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    state = app_state(request)
+    body = state.metrics.render()
+    if state.tenants is not None and resolve_tenant(state.tenants, request):  # a tenant's key
+        body = tenant_view(body, request.state.tenant)  # its own series only
+    return Response(body, media_type=CONTENT_TYPE)
 
 
 @router.get("/version")

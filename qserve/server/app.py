@@ -30,8 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qserve.engine.async_engine import AsyncEngine, Listeners
 from qserve.server import admin, chat, completions, models, tokenize
+from qserve.server.body_gate import BodyGate
 from qserve.server.cors import CorsConfig, add_cors
-from qserve.server.drain import DrainMiddleware, DrainState
+from qserve.server.drain import FLUSH_TIMEOUT_S, DrainMiddleware, DrainState
 from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
 from qserve.server.metrics import ServerMetrics
@@ -40,8 +41,9 @@ from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, Err
 from qserve.server.request_context import RequestIdMiddleware
 from qserve.server.request_limits import clip
 from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
+from qserve.server.security_headers import SecurityHeaders
 from qserve.server.serving import OpenAIServing, ServingError
-from qserve.server.tenancy import TenantGate
+from qserve.server.tenancy import TenantGate, resolve_tenant
 from qserve.tenants import Tenants
 
 logger = logging.getLogger(__name__)
@@ -218,6 +220,8 @@ def create_app(
                 return False
         return _bearer_matches(header, state.api_key)
 
+    # Inside the guard (key and size first): caps on what a large JSON body holds, counted off the loop.
+    app.add_middleware(BodyGate, respond=lambda status, message, param: error_response(status, message, param))
     app.add_middleware(
         RequestGuard,
         config=GuardConfig(
@@ -231,6 +235,7 @@ def create_app(
 
     # Outermost last: X-Request-Id is set (and echoed) even on a drain's 503.
     app.add_middleware(DrainMiddleware, state=state.drain)
+    app.add_middleware(SecurityHeaders)  # on every answer, refusals included
     app.add_middleware(RequestIdMiddleware)
     if cors is not None:  # outermost: a preflight carries no key, and errors need the CORS headers
         add_cors(app, cors)
@@ -265,7 +270,7 @@ def create_app(
 
     # ------------------------------------------------------------------ dependencies
     async def require_api_key(request: Request) -> None:
-        if state.tenants is not None and _resolve_tenant(state.tenants, request):
+        if state.tenants is not None and resolve_tenant(state.tenants, request):
             return  # a tenant's key; with tenants, --api-key (if any) is a key without a tenant
         if state.api_key is None and state.tenants is None:
             return
@@ -291,10 +296,11 @@ def _bearer_matches(header: str, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
 
 
-async def drain_app(app: FastAPI, timeout_s: float) -> bool:
+async def drain_app(app: FastAPI, timeout_s: float, flush_s: float = FLUSH_TIMEOUT_S) -> bool:
     """Graceful shutdown of an app from ``create_app``: new requests get 503 and ``/health``
     503 at once; in-flight requests get up to ``timeout_s`` seconds to finish; then the engine
-    is stopped, which ends every remaining stream with ``finish_reason: "abort"`` and ``[DONE]``.
+    is stopped, which ends every remaining stream with ``finish_reason: "abort"`` and ``[DONE]``
+    (stopping it and flushing those last chunks take at most ``flush_s`` more).
     Returns True if every request finished by itself. Call it on the app's event loop."""
     state: AppState = app.state.qserve
 
@@ -304,14 +310,4 @@ async def drain_app(app: FastAPI, timeout_s: float) -> bool:
         if state.host is not None:
             await asyncio.to_thread(state.host.shutdown)
 
-    return await state.drain.drain(timeout_s, abort_all)
-
-
-def _resolve_tenant(tenants: Tenants, request: Request) -> bool:
-    """Set ``request.state.tenant`` from the Bearer key if it is a tenant's."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    tenant = tenants.tenant_for_key(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
-    if tenant is None:
-        return False
-    request.state.tenant = tenant.name
-    return True
+    return await state.drain.drain(timeout_s, abort_all, flush_s)

@@ -47,9 +47,13 @@ class DrainState:
             await asyncio.sleep(POLL_S)
         return True
 
-    async def drain(self, timeout_s: float, abort_all: Callable[[], Awaitable[None]]) -> bool:
+    async def drain(
+        self, timeout_s: float, abort_all: Callable[[], Awaitable[None]], flush_s: float = FLUSH_TIMEOUT_S
+    ) -> bool:
         """Refuse new requests, wait up to ``timeout_s`` for the in-flight ones, then abort the
-        rest through ``abort_all`` and let their final chunks go out. True if nothing was cut."""
+        rest through ``abort_all`` and let their final chunks go out, both within ``flush_s``
+        (a request that ignores the abort, e.g. one waiting on a worker thread, is left to the
+        server's own shutdown). True if nothing was cut."""
         self.draining = True
         logger.info("draining: %d request(s) in flight; waiting up to %.0f s", self.in_flight, timeout_s)
         if await self._wait_idle(timeout_s):
@@ -60,8 +64,12 @@ class DrainState:
             "asked to stop now" if self._cut else f"shutdown timeout ({timeout_s:.0f} s) reached",
             self.in_flight,
         )
-        await abort_all()
-        if not await self._wait_idle(FLUSH_TIMEOUT_S, cuttable=False):
+        flush_deadline = time.monotonic() + flush_s
+        try:  # stopping the engine joins its step thread: bounded, like the rest
+            await asyncio.wait_for(abort_all(), timeout=flush_s)
+        except asyncio.TimeoutError:
+            logger.warning("the engine did not stop within %.1f s; shutting down anyway", flush_s)
+        if not await self._wait_idle(max(flush_deadline - time.monotonic(), 0.0), cuttable=False):
             logger.warning("%d request(s) still open after aborting; closing anyway", self.in_flight)
         return False
 

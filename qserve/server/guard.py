@@ -32,8 +32,10 @@ DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # 16 MiB: far above any prompt a context c
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 # The playground's page and static files hold no data (its requests and its /ui/stats poll carry the
 # key the user types into it), so a browser can open it on a server that has a key.
-OPEN_PAGE_PATHS = frozenset({"/"})
-OPEN_PREFIXES = ("/ui/static/",)
+# The API docs hold no secrets either (vLLM leaves them open too): a browser opens /docs on a keyed
+# server, and Swagger UI's "Authorize" button sends the key on the requests it tries.
+OPEN_PAGE_PATHS = frozenset({"/", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OPEN_PREFIXES = ("/ui/static/", "/_docs_static/")
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
 # respond(status, message, headers) -> an ASGI app that sends the error body

@@ -34,8 +34,24 @@ def _docs_assets() -> Path | None:
     return path if (path / "swagger-ui-bundle.js").is_file() else None
 
 
+def declare_bearer_auth(app: FastAPI) -> None:
+    """``Authorization: Bearer <key>`` as the OpenAPI schema's security scheme, for every route."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()  # FastAPI caches it; adding the scheme again changes nothing
+        schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+        schemes["bearerAuth"] = {"type": "http", "scheme": "bearer", "description": "--api-key or a tenant's key"}
+        schema["security"] = [{"bearerAuth": []}]
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def add_offline_docs(app: FastAPI) -> None:
-    """``/docs`` and ``/redoc`` with their JavaScript and CSS served by this server."""
+    """``/docs`` and ``/redoc`` with their JavaScript and CSS served by this server; the schema
+    declares the bearer key, so Swagger UI's "Authorize" button sends it."""
+    declare_bearer_auth(app)
     assets = _docs_assets()
     if assets is None:
         return  # no local bundle: no docs pages rather than pages that call a CDN

@@ -4,16 +4,20 @@ Knows: how a submission's cost is counted for ``qserve.tenants.Tenants`` (prompt
 ``max_tokens`` per sequence; without ``max_tokens``, what the context leaves), how an engine
 output stream is wrapped so its admission is released exactly once when it ends, is aborted
 or fails (giving back the tokens it did not generate), and the per-tenant Prometheus metrics
-(``qserve:tenant_*``: requests in flight, admitted, rejected by reason, tokens used, time to
-first token). Must not know: routes, auth headers, engines' internals.
+(``qserve:tenant_*``: requests and sequences in flight, admitted, rejected by reason, tokens used, time to
+first token), and what a tenant's own key may read of ``/metrics``: only the series labelled
+with its own name (``tenant_view``; the server's key reads everything). Must not know: routes,
+auth headers, engines' internals.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from fastapi import Request
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -75,6 +79,11 @@ class _TenantCollector(Collector):
         in_flight = GaugeMetricFamily(
             "qserve:tenant_requests_in_flight", "Requests admitted, not finished.", labels=labels
         )
+        sequences = GaugeMetricFamily(
+            "qserve:tenant_sequences_in_flight",
+            "Sequences (prompts x n) admitted, not finished: what max_concurrent + max_queued bound.",
+            labels=labels,
+        )
         admitted = CounterMetricFamily("qserve:tenant_requests_admitted", "Requests admitted.", labels=labels)
         rejected = CounterMetricFamily(
             "qserve:tenant_requests_rejected", "Requests refused with 429, by reason.", labels=["tenant", "reason"]
@@ -84,11 +93,12 @@ class _TenantCollector(Collector):
         )
         for name, stats in self._tenants.stats().items():
             in_flight.add_metric([name], stats["in_flight"])
+            sequences.add_metric([name], stats["sequences_in_flight"])
             admitted.add_metric([name], stats["admitted"])
             for reason in ("queue", "tokens", "too_large"):
                 rejected.add_metric([name, reason], stats["rejected"].get(reason, 0))
             tokens.add_metric([name], stats["tokens_used"])
-        yield from (in_flight, admitted, rejected, tokens)
+        yield from (in_flight, sequences, admitted, rejected, tokens)
 
 
 class TenantGate:
@@ -112,7 +122,38 @@ class TenantGate:
         new_tokens = sum(
             (max_tokens if max_tokens is not None else max_model_len - length) * n for length in prompt_lens
         )
-        return self.tenants.admit(tenant, sum(prompt_lens), new_tokens)
+        return self.tenants.admit(tenant, sum(prompt_lens), new_tokens, sequences=len(prompt_lens) * n)
 
     def wrap(self, stream: Any, admission: Admission) -> TenantStream:
         return TenantStream(stream, self, admission)
+
+
+def tenant_view(exposition: bytes, tenant: str) -> bytes:
+    """Prometheus text reduced to the series labelled ``tenant="<tenant>"`` (with their HELP and
+    TYPE lines): a tenant's key sees its own usage, not other tenants' nor the server's."""
+    escaped = tenant.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    own = re.compile(r'[{,]tenant="' + re.escape(escaped) + r'"[,}]')
+    out: list[str] = []
+    headers: list[str] = []
+    for line in exposition.decode("utf-8").splitlines():
+        if line.startswith("#"):
+            if line.startswith("# HELP "):
+                headers = [line]
+            else:
+                headers.append(line)
+            continue
+        if own.search(line):
+            out.extend(headers)
+            headers = []
+            out.append(line)
+    return ("\n".join(out) + "\n").encode("utf-8") if out else b""
+
+
+def resolve_tenant(tenants: Tenants, request: Request) -> bool:
+    """Set ``request.state.tenant`` from the Bearer key if it is a tenant's."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    tenant = tenants.tenant_for_key(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+    if tenant is None:
+        return False
+    request.state.tenant = tenant.name
+    return True

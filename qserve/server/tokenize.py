@@ -90,7 +90,10 @@ async def tokenize(body: TokenizeRequest, s: OpenAIServing = Depends(serving)) -
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, s: OpenAIServing = Depends(serving)) -> DetokenizeResponse:  # noqa: B008
     model = _served_model(s, body.model)
-    bad = next((t for t in body.tokens if t >= model.vocab_size), None)
-    if bad is not None:
+    if body.tokens and max(body.tokens) >= model.vocab_size:  # max(): C speed on 262k ids
+        bad = next(t for t in body.tokens if t >= model.vocab_size)
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", "tokens")
-    return DetokenizeResponse(prompt=model.tokenizer.decode(body.tokens))
+    if model.prompts is None:
+        return DetokenizeResponse(prompt=model.tokenizer.decode(body.tokens))
+    # Off the loop, like tokenization: decoding 262k ids takes 0.15 s.
+    return DetokenizeResponse(prompt=await model.prompts.decode(body.tokens))

@@ -54,6 +54,9 @@ class PromptTokenizer:
     async def encode(self, text: str, **kwargs: Any) -> list[int]:
         return await self._run(self._tokenizer.encode, text, **kwargs)
 
+    async def decode(self, token_ids: list[int], **kwargs: Any) -> str:
+        return await self._run(self._tokenizer.decode, token_ids, **kwargs)
+
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         return await self._run(self._tokenizer.apply_chat_template, messages, **kwargs)
 

@@ -78,3 +78,44 @@ def test_a_second_signal_ends_the_wait(slow_app):
         assert time.monotonic() - started < 10
         stream.join(timeout=10)
         assert stream.finish_reason() == "abort"
+
+
+def test_sigterm_exits_within_the_one_budget_even_with_a_stuck_request(checkpoints):
+    """Issue 31: SIGTERM exited 32.5 s after the signal with --shutdown-timeout 25 (drain, then a
+    5 s flush, then uvicorn's own 10 s, then the interpreter joining worker threads). The budget
+    now covers all of it; a request stuck in a worker thread cannot hold the process past it."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    from qserve.server.draining_server import DrainingServer, shutdown_plan
+
+    plan = shutdown_plan(25.0)
+    assert plan.wait_s == 20.0 and plan.wait_s + plan.flush_s + plan.close_s <= plan.total_s == 25.0
+    host = AsyncEngine(build_engines([ModelSpec("llama", checkpoints["llama"])], host_config()))
+    app = create_app(host, log_stats=False, log_requests=False)
+    release = threading.Event()
+
+    @app.post("/stuck")
+    async def stuck() -> dict:
+        await asyncio.to_thread(release.wait, 60)  # ignores the engine's abort
+        return {}
+
+    exits: list[float] = []
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=10)
+    server = DrainingServer(config, app, shutdown_timeout=2.0, exit_process=lambda code: exits.append(time.monotonic()))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: server.started, timeout=30)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        threading.Thread(target=lambda: httpx.post(f"{url}/stuck", timeout=30), daemon=True).start()
+        assert wait_for(lambda: app.state.qserve.drain.in_flight == 1, timeout=10)
+        signalled = time.monotonic()
+        server.handle_exit(signal.SIGTERM, None)
+        assert wait_for(lambda: exits, timeout=20)
+        assert exits[0] - signalled <= 2.0 + 0.3, exits[0] - signalled
+    finally:
+        release.set()
+        thread.join(timeout=30)

@@ -116,8 +116,9 @@ def test_api_key_enforced(guarded_server):
     assert ok.status_code == 200
     assert httpx.get(f"{url}/health").status_code == 200  # liveness probes stay open
     assert httpx.get(f"{url}/ping").status_code == 200
-    for path in ("/metrics", "/openapi.json", "/docs", "/no-such-route"):  # everything else needs the key
+    for path in ("/metrics", "/ui/stats", "/no-such-route"):  # everything else but the docs needs the key
         assert_error(httpx.get(f"{url}{path}"), 401)
+    assert httpx.get(f"{url}/openapi.json").status_code == 200  # no data (issue 31: usable in a browser)
     assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
 
 

@@ -123,3 +123,30 @@ def test_subscriber_sees_stored_then_removed_blocks(checkpoints):
     # Its allocation evicted the first request's cached blocks.
     assert {h0 & U64, h1 & U64} <= set(removed)
     assert events.index(stored[0]) < min(i for i, e in enumerate(events) if isinstance(e, BlockRemoved))
+
+
+def test_default_endpoint_is_loopback_and_another_address_is_warned(caplog):
+    """Issue 31: the events carry prompts' token ids and ZMQ has no key; binding every interface
+    by default let any host read a keyed server's prompts."""
+    from qserve.engine.kv_events import DEFAULT_ENDPOINT, is_local_endpoint
+
+    assert is_local_endpoint(DEFAULT_ENDPOINT)
+    assert parse_kv_events_config('{"enable_kv_cache_events": true}').endpoint == DEFAULT_ENDPOINT
+    for endpoint, local in [
+        ("tcp://127.0.0.1:5557", True),
+        ("tcp://[::1]:5557", True),
+        ("tcp://localhost:1", True),
+        ("ipc:///tmp/kv", True),
+        ("tcp://*:5557", False),
+        ("tcp://0.0.0.0:5557", False),
+        ("tcp://10.1.2.3:5557", False),
+        ("tcp://eth0:5557", False),
+    ]:
+        assert is_local_endpoint(endpoint) is local, endpoint
+    with caplog.at_level("WARNING", logger="qserve.engine.kv_events"):
+        quiet = ZmqKVEventPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:*"), port=8000, medium="CPU")
+        quiet.close()
+        assert not caplog.records
+        loud = ZmqKVEventPublisher(KVEventsConfig(endpoint="tcp://*:*"), port=8000, medium="CPU")
+        loud.close()
+    assert any("token ids of every prompt" in r.getMessage() for r in caplog.records)

@@ -49,7 +49,8 @@ def test_sigterm_drains_streams_then_exits_zero(tmp_path):
             s.join(timeout=10)
         assert short.finish_reason() == "length"
         assert long.finish_reason() == "abort"
-        assert SHUTDOWN_TIMEOUT_S - 0.5 <= exited < SHUTDOWN_TIMEOUT_S + 10, exited
+        # One budget (issue 31): in-flight requests get all but a fifth of it; the exit is inside it.
+        assert 0.8 * SHUTDOWN_TIMEOUT_S - 0.5 <= exited <= SHUTDOWN_TIMEOUT_S + 0.5, exited
         assert "Traceback" not in output, output
         assert "shutdown timeout" in output and "request" in output, output  # the drain's log lines
     finally:

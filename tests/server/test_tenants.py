@@ -35,6 +35,17 @@ def test_config_errors_name_the_tenant_and_field(tmp_path):
         parse_tenants({"tenants": {"x": {"api_keys": ["k"], "wieght": 2}}})
     with pytest.raises(ValueError, match="tenant 'x': weight must be positive"):
         parse_tenants({"tenants": {"x": {"api_keys": ["k"], "weight": 0}}})
+    # json reads Infinity and NaN; a key with a space can never arrive in a Bearer header.
+    for text, match in [
+        ('{"tenants": {"x": {"api_keys": ["k"], "weight": Infinity}}}', "tenant 'x': weight must be a finite"),
+        ('{"tenants": {"x": {"api_keys": ["k"], "weight": NaN}}}', "tenant 'x': weight must be a finite"),
+        ('{"tenants": {"x": {"api_keys": ["k"], "weight": -1}}}', "tenant 'x': weight must be positive"),
+        ('{"tenants": {"x": {"api_keys": ["k"], "max_queued": Infinity}}}', "tenant 'x': max_queued must be"),
+        ('{"tenants": {"x": {"api_keys": ["sk alice"]}}}', "tenant 'x' has an API key with whitespace"),
+        ('{"tenants": {"x": {"api_keys": ["sk\\talice"]}}}', "tenant 'x' has an API key with whitespace"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            parse_tenants(json.loads(text))
     with pytest.raises(ValueError, match="tenant 'x' needs api_keys"):
         parse_tenants({"tenants": {"x": {"api_keys": []}}})
     with pytest.raises(ValueError, match="also tenant 'x'"):
@@ -73,11 +84,28 @@ def test_token_bucket_refills_and_refunds():
     assert tenants.stats()["small"]["rejected"] == {"tokens": 1, "too_large": 1}
 
 
+def test_limits_count_sequences_not_requests():
+    """Issue 31: a tenant limited to 3 in flight queued 1,024 sequences with one request."""
+    tenants = Tenants(parse_tenants({"tenants": {"t": {"api_keys": ["k"], "max_concurrent": 1, "max_queued": 2}}}))
+    with pytest.raises(TenantLimitError, match="asks for 1024 sequences") as err:
+        tenants.admit("t", 8, 8, sequences=1024)
+    assert err.value.reason == "too_large"
+    two = tenants.admit("t", 1, 1, sequences=2)
+    with pytest.raises(TenantLimitError, match="2 sequences in flight") as err:
+        tenants.admit("t", 1, 1, sequences=2)
+    assert err.value.reason == "queue"
+    one = tenants.admit("t", 1, 1)
+    assert tenants.stats()["t"]["sequences_in_flight"] == 3 and tenants.stats()["t"]["in_flight"] == 2
+    tenants.release(two, 0)
+    tenants.release(one, 0)
+    tenants.admit("t", 1, 1, sequences=3)
+
+
 # ---------------------------------------------------------------------- over HTTP
 @pytest.fixture(scope="module")
 def tenant_server(checkpoints):
     host = AsyncEngine(build_engines([ModelSpec("llama", checkpoints["llama"])], host_config(max_num_seqs=4)))
-    app = create_app(host, tenants=Tenants(parse_tenants(TENANTS)))
+    app = create_app(host, tenants=Tenants(parse_tenants(TENANTS)), api_key="admin-key")
     with serve(app) as url:
         yield url
 
@@ -99,12 +127,21 @@ def test_keys_map_to_tenants_and_limits_answer_429(tenant_server):
     assert _post(url, "key-small", max_tokens=100, ignore_eos=True).status_code == 200  # 103 of 120 used
     over = _post(url, "key-small", max_tokens=100, ignore_eos=True)
     assert over.status_code == 429 and int(over.headers["Retry-After"]) >= 1
-    # With tenants every route but the probes needs a key; a tenant's key reads /metrics too.
+    # n counts: bob may have 1 sequence in flight, so n=2 can never be admitted.
+    fan_out = _post(url, "key-bob", n=2)
+    assert fan_out.status_code == 429 and "asks for 2 sequences" in fan_out.json()["error"]["message"]
+    # With tenants every route but the probes needs a key; the server's key reads all of /metrics.
     assert httpx.get(f"{url}/metrics").status_code == 401
-    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer key-alice"}).text
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer admin-key"}).text
     assert 'qserve:tenant_requests_rejected_total{reason="tokens",tenant="small"} 1.0' in metrics
     assert 'qserve:tenant_requests_in_flight{tenant="small"} 0.0' in metrics  # released at the end
     assert 'qserve:tenant_time_to_first_token_seconds_count{tenant="alice"}' in metrics
+    assert "vllm:" in metrics
+    # A tenant's key reads its own series only (issue 31: alice read small's and the server's).
+    own = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer key-alice"}).text
+    assert 'qserve:tenant_time_to_first_token_seconds_count{tenant="alice"}' in own
+    assert "# TYPE qserve:tenant_requests_in_flight gauge" in own
+    assert 'tenant="small"' not in own and 'tenant="bob"' not in own and "vllm:" not in own
 
 
 # ---------------------------------------------------------------------- fairness under a flood
@@ -191,3 +228,16 @@ def test_a_flooding_tenant_does_not_push_another_past_twice_its_idle_ttft(wider_
         assert flood_steps <= 2 * idle_steps, (idle, flooded)
     else:  # FCFS: bob waits for alice's requests to finish
         assert flood_steps > 2 * idle_steps, (idle, flooded)
+
+
+def test_a_bad_tenants_file_is_refused_before_the_models_load(tmp_path, monkeypatch):
+    """NaN used to be refused only by the scheduler, after the models had loaded."""
+    from qserve.cli import build_parser
+    from qserve.commands import serve as serve_command
+
+    path = tmp_path / "tenants.json"
+    path.write_text('{"tenants": {"x": {"api_keys": ["k"], "weight": NaN}}}')
+    monkeypatch.setattr(serve_command, "build_host_factory", lambda args: pytest.fail("the models started loading"))
+    argv = ["serve", "--tenants", str(path)]
+    with pytest.raises(ValueError, match="tenants.json: tenant 'x': weight must be a finite"):
+        serve_command.run(build_parser(argv).parse_args(argv))

@@ -159,7 +159,7 @@ function renderPool(stats) {
     card.className = "model-card";
     card.dataset.model = m.name;
     const share = m.pages_total ? (100 * m.pages_used) / m.pages_total : 0;
-    card.innerHTML = `<h3></h3><div class="bar"><div style="width:${share.toFixed(1)}%"></div></div>
+    card.innerHTML = `<h3></h3><div class="bar"><div></div></div>
       <div class="numbers">
         <span>pages held</span><span class="pages-used">${m.pages_used} / ${m.pages_total}</span>
         <span>running</span><span class="running">${m.running}</span>
@@ -168,6 +168,8 @@ function renderPool(stats) {
         <span>tokens generated</span><span class="generated">${m.generated_tokens}</span>
       </div>`;
     card.querySelector("h3").textContent = m.name;
+    // Set through the DOM, not a style attribute: the page's Content-Security-Policy forbids inline styles.
+    card.querySelector(".bar > div").style.width = `${share.toFixed(1)}%`;
     pool.appendChild(card);
   }
   $("pool-summary").textContent = stats.models.length
