@@ -1,7 +1,8 @@
 """The FastAPI app: routes, API-key check, OpenAI-shaped errors, health, metrics, lifespan.
 
 Knows: the HTTP surface (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/metrics``; the vLLM-compatible worker routes come from ``worker_api``), the
+``/health``, ``/metrics``; ``/v1/responses``, ``/v1/embeddings`` and the vLLM-compatible
+worker routes come from ``responses``, ``embeddings`` and ``worker_api``), the
 middleware (``X-Request-Id``; the drain's in-flight count and 503s), how errors of every
 kind (pydantic validation, ``ServingError``, unknown routes, bugs) become OpenAI's
 ``{"error": {...}}`` body, how a client disconnect
@@ -31,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from qserve.engine.async_engine import AsyncEngine, Listeners
 from qserve.server.drain import DrainMiddleware, DrainState
+from qserve.server.embeddings import add_embedding_routes
 from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -39,6 +41,7 @@ from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, Err
 from qserve.server.request_context import RequestIdMiddleware
 from qserve.server.request_limits import clip
 from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
+from qserve.server.responses import add_responses_routes
 from qserve.server.serving import OpenAIServing, ServingError
 from qserve.server.tenancy import TenantGate
 from qserve.server.worker_api import add_worker_routes
@@ -345,6 +348,10 @@ def create_app(
     ) -> Any:
         state.apply_sampling_defaults(body)
         return await _respond(request, s.create_chat_completion(body, **_tenant_of(request)))
+
+    api = {"require_api_key": require_api_key, "serving": serving, "respond": _respond, "tenant_of": _tenant_of}
+    add_embedding_routes(app, **api)
+    add_responses_routes(app, apply_defaults=state.apply_sampling_defaults, **api)
 
     # ------------------------------------------------------------------ vLLM-compatible worker routes
     add_worker_routes(app, health=health, require_api_key=require_api_key, serving=serving)
