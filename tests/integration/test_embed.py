@@ -9,8 +9,7 @@ import random
 import pytest
 import torch
 
-from qserve import LLM, SamplingParams
-from qserve.pooling_params import PoolingParams
+from qserve import LLM, PoolingParams, SamplingParams
 from tests.helpers.tiny_models import make_tiny_model, save_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
