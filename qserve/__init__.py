@@ -7,13 +7,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "PoolingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+]
 
 __version__ = "0.1.0"  # the package version (pyproject.toml reads it)
 
 if TYPE_CHECKING:
     from qserve.engine.llm import LLM
     from qserve.outputs import CompletionOutput, RequestOutput
+    from qserve.pooling_params import PoolingParams
     from qserve.sampling_params import SamplingParams
     from qserve.structured.params import StructuredOutputsParams
 
@@ -23,6 +32,10 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import qserve` 
         from qserve.engine.llm import LLM
 
         return LLM
+    if name == "PoolingParams":
+        from qserve.pooling_params import PoolingParams
+
+        return PoolingParams
     if name == "SamplingParams":
         from qserve.sampling_params import SamplingParams
 

@@ -43,6 +43,24 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # An embedding (pooling) request's vector: its last prompt token's final hidden state, pooled
+    # as its PoolingParams say; None for generation requests (and embedding requests that failed).
+    embedding: list[float] | None = None
     # Timing (vLLM's names: arrival_time, first_scheduled_time, time_in_queue, first_token_latency);
     # not part of the result, so two runs of the same request compare equal.
     metrics: dict[str, float] = field(default_factory=dict, compare=False)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result, shaped like vLLM's: the vector is ``.outputs.embedding``."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -46,6 +46,8 @@ class Request:
     num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     tenant: str | None = None  # who sent it (API key's tenant); the scheduler shares seats by tenant weight
+    # An embedding request: the runner returns its last prompt token's final hidden state.
+    pooling: bool = False
     # Prefix-cache hashes of this sequence's full blocks, filled lazily by the prefix cache.
     block_hashes: list[int] = field(default_factory=list)
 

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from qserve.engine.engine import Engine, EngineConfig, PromptInput, resolve_device, resolve_dtype
 from qserve.outputs import RequestOutput
+from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.kv_events import KVEvent, KVEventRecorder
 from qserve.scheduler.swap import check_tensor_parallel_preemption
@@ -127,7 +128,7 @@ class RequestItem:
 
     request_id: str
     prompt: PromptInput
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
     tenant: str | None = None  # the API key's tenant (the scheduler shares seats by tenant)
 
 

@@ -20,6 +20,12 @@ previous token accepted). Penalties stay asynchronous: the runner counts the in-
 the device (Qwen's ``generation_config.json`` puts ``repetition_penalty`` on every request).
 Tensor-parallel engines run synchronously (rank 0's broadcasting runner has no ``launch``).
 
+Embedding requests (``add_request`` with ``PoolingParams``, vLLM's name) go through the same
+scheduler and page pool as generation: each runs as a greedy one-token request whose prefill's
+last position the runner returns as a final hidden state (after the model's last norm); the
+engine pools it (``PoolingParams.pool``: last token, L2-normalized) and the one sampled token
+finishes the request, so its pages are freed as any other's.
+
 Swap preemption (``EngineConfig.preemption_mode`` "swap" | "auto", ``swap_space`` GiB of host
 memory; vLLM V0's names): the engine gives the runner a host KV pool and the scheduler its slots
 (and, for auto, a cost estimate whose copy bandwidth is measured at start-up and whose
@@ -57,6 +63,7 @@ from qserve.memory.planner import (
 from qserve.memory.profiler import kv_cache_torch_dtype, profile_model, set_kv_scales
 from qserve.model.loader import load_model
 from qserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from qserve.pooling_params import PoolingParams
 from qserve.request import Request, RequestStatus
 from qserve.runner.kv_swap import kv_block_bytes
 from qserve.runner.model_runner import LaunchedStep, ModelRunner, allocate_kv_caches, kv_cache_shape
@@ -78,6 +85,9 @@ PromptInput = str | list[int] | dict[str, Any]
 ADMISSION_WATERMARK = 0.01
 ADMISSION_WATERMARK_PAGES_PER_RUNNING = 1
 GIB = 2**30
+# An embedding (pooling) request runs as a one-token greedy request: its prefill's last position
+# gives the hidden state, the one sampled token is discarded and finishes it (pages freed).
+POOLING_STEP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 # auto preemption: steps with at least this many tokens measure the per-token prefill cost
 # (smaller ones are dominated by the step's fixed cost); each measurement moves the estimate by
 # this share of the difference.
@@ -146,6 +156,8 @@ class _Group:
     # Timing for metrics (time.monotonic()): queue time is first_scheduled_time - arrival_time.
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    pooling: PoolingParams | None = None  # an embedding request (params is then POOLING_STEP_PARAMS)
+    embedding: list[float] | None = None  # its pooled vector, once its prefill is done
 
     @property
     def finished(self) -> bool:
@@ -494,7 +506,12 @@ class Engine:
             raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab})")
         return list(token_ids)
 
-    def validate_request(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int]]:
+    def validate_request(
+        self, prompt: PromptInput, params: SamplingParams | PoolingParams
+    ) -> tuple[str | None, list[int]]:
+        if isinstance(params, PoolingParams):
+            params.verify(self.model_config.hidden_size)
+            params = POOLING_STEP_PARAMS
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if self.tokenizer is None and params.stop:
@@ -529,16 +546,25 @@ class Engine:
         return text, token_ids
 
     def add_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, *, tenant: str | None = None
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | PoolingParams,
+        *,
+        tenant: str | None = None,
     ) -> None:
         """Queue a request (``tenant``: whose it is, for the scheduler's shares). Raises ValueError
-        for bad input; nothing else is disturbed then."""
+        for bad input; nothing else is disturbed then. With ``PoolingParams`` it is an embedding
+        request: its output carries ``embedding`` and no generated tokens."""
+        pooling = params if isinstance(params, PoolingParams) else None
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{index}" for index in range(params.n)]
         taken = [i for i in [request_id, *seq_ids] if i in self._groups or i in self._sequences]
         if taken:  # checked up front: a half-added request would run under an id that was refused
             raise ValueError(f"request_id {request_id!r} is already in use (as {taken[0]!r})")
         text, token_ids = self.validate_request(prompt, params)
-        group = _Group(request_id, text, token_ids, params)
+        if pooling is not None:
+            params = POOLING_STEP_PARAMS
+        group = _Group(request_id, text, token_ids, params, pooling=pooling)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index in range(params.n):
@@ -546,7 +572,14 @@ class Engine:
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + index
                 child_params = params.clone(n=1, seed=seed)
-            request = Request(seq_ids[index], token_ids, child_params, arrival_index=next(self._arrival), tenant=tenant)
+            request = Request(
+                seq_ids[index],
+                token_ids,
+                child_params,
+                arrival_index=next(self._arrival),
+                tenant=tenant,
+                pooling=pooling is not None,
+            )
             sequence = _Sequence(
                 request,
                 index,
@@ -704,6 +737,10 @@ class Engine:
             group, sequence = owner
             self._on_prompt_logprobs(group, sequence, entries)
             touched[group.request_id] = group
+        for request_id, hidden in runner_output.hidden_states.items():  # before their token finishes them
+            owner = sequences.get(request_id)
+            if owner is not None and owner[0].pooling is not None and owner[1].finish_reason is None:
+                owner[0].embedding = owner[0].pooling.pool(hidden)
         logprobs = runner_output.logprobs
         on_token = self._on_token
         for request in new_token_requests:  # finished or aborted requests' extra tokens are not here
@@ -782,6 +819,8 @@ class Engine:
         """A cumulative output of the group (copies, so later steps do not change it)."""
         if finished is None:
             finished = group.finished
+        if group.pooling is not None:
+            return self._make_pooling_output(group, finished)
         completions = [
             CompletionOutput(
                 index=seq.index,
@@ -803,6 +842,25 @@ class Engine:
             finished=finished,
             num_cached_tokens=group.sequences[0].request.num_cached_tokens,
             metrics=self._timing(group) if finished else {},
+        )
+
+    def _make_pooling_output(self, group: _Group, finished: bool) -> RequestOutput:
+        """An embedding request's output: its vector and no generated tokens (the one token its
+        step sampled is not part of the result). Finished without a vector: aborted, or the KV
+        pool could never hold it (its finish reason says which)."""
+        reason = group.sequences[0].finish_reason
+        if reason is not None and group.embedding is not None:
+            reason = "stop"
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason=reason)],
+            finished=finished,
+            num_cached_tokens=group.sequences[0].request.num_cached_tokens,
+            metrics=self._timing(group) if finished else {},
+            embedding=group.embedding,
         )
 
     @staticmethod

@@ -1,5 +1,5 @@
 """The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, sampling_params)`` and
-``LLM(model).chat(messages, sampling_params)``.
+``LLM(model).chat(messages, sampling_params)``; ``LLM(model).embed(prompts)`` for embeddings.
 
 Knows: how to feed a batch of prompts through an ``Engine`` and return outputs in input order,
 how chat conversations become prompts through the tokenizer's chat template, and the optional
@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from qserve.engine.engine import Engine, EngineConfig, PromptInput
-from qserve.outputs import RequestOutput
+from qserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.swap import check_tensor_parallel_preemption
 
@@ -120,6 +121,23 @@ class LLM:
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (vLLM's ``LLM.embed``): the last prompt
+        token's final hidden state, L2-normalized unless ``pooling_params.normalize`` is False."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        outputs = self._run(prompts, params, use_tqdm)
+        return [
+            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []), o.prompt_token_ids, o.finished)
+            for o in outputs
+        ]
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -132,12 +150,20 @@ class LLM:
         leaves the engine as it was. ``use_tqdm`` shows a progress bar of finished requests
         (as vLLM; it writes to stderr).
         """
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | PoolingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, PoolingParams)):
             params_list = [sampling_params] * len(prompts)
         else:
             params_list = list(sampling_params)

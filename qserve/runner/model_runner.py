@@ -15,6 +15,10 @@ still in flight has input positions whose token the host does not know yet (the 
 placeholders): they are filled on the device from the previous step's sampled ids, so no token
 makes a round trip through the host. ``execute`` is ``launch(...).result()``.
 
+Pooling (embedding requests, ``ScheduledSequence.pooling``): a step that computes such a
+sequence's last prompt token returns that token's final hidden state (float32) in
+``RunnerOutput.hidden_states``; such a step runs eagerly (a decode graph returns logits only).
+
 Swap preemption: a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` are copied by the
 ``KVSwapper`` (``enable_swap``) at the start of ``launch``, before anything of the step's forward
 is enqueued (qserve.runner.kv_swap says why that order is enough, with or without a step in flight).
@@ -96,6 +100,9 @@ class LaunchedStep:
     ready: torch.cuda.Event | None = None  # recorded after the copy to host_sampled (CUDA only)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Pooling sequences' final hidden states: (request ids, [H, hidden] float32 on the host, pinned
+    # on CUDA), copied before ``ready`` is recorded, so valid once it is.
+    pooled: tuple[list[str], torch.Tensor] | None = None
     _output: RunnerOutput | None = None
     _rows: dict[str, int] | None = None
 
@@ -109,7 +116,10 @@ class LaunchedStep:
             if self.ready is not None:
                 self.ready.synchronize()
             tokens = [] if self.host_sampled is None else self.host_sampled.tolist()
-            self._output = RunnerOutput(dict(zip(self.request_ids, tokens)), self.logprobs, self.prompt_logprobs)
+            hidden_states = {} if self.pooled is None else dict(zip(self.pooled[0], self.pooled[1].tolist()))
+            self._output = RunnerOutput(
+                dict(zip(self.request_ids, tokens)), self.logprobs, self.prompt_logprobs, hidden_states
+            )
         return self._output
 
 
@@ -135,7 +145,8 @@ def uses_decode_graph(
     graphs: DecodeGraphs, is_decode: bool, num_sample_rows: int, num_seqs: int, has_prompt_logprobs: bool
 ) -> bool:
     """Whether a step replays a captured decode graph: one new token per sequence, every one
-    sampled, no prompt logprobs, and a bucket large enough. Per-sequence rotary tables (Qwen v1
+    sampled, no prompt logprobs nor pooled hidden states (``has_prompt_logprobs`` covers both:
+    the graph returns logits only), and a bucket large enough. Per-sequence rotary tables (Qwen v1
     dynamic NTK) are a graph input, so they do not force the eager path."""
     return (
         is_decode
@@ -264,14 +275,22 @@ class ModelRunner:
                     prompt_targets.append(seq.prompt_token_ids[p + 1])
                     prompt_owners.append((seq.request_id, k))
             offset += seq.num_new_tokens
+        # Embedding requests whose last prompt token is computed by this step: its final hidden
+        # state is the result (a later decode step of one, under async scheduling, is not).
+        pool_rows = [
+            (int(ends[i]) - 1, seq.request_id)
+            for i, seq in enumerate(sequences)
+            if seq.pooling and seq.start_position + seq.num_new_tokens == len(seq.prompt_token_ids)
+        ]
 
         graphs = self.decode_graphs
-        if graphs is not None and uses_decode_graph(graphs, is_decode, len(sample_rows), num_seqs, bool(prompt_rows)):
+        needs_hidden = bool(prompt_rows or pool_rows)
+        if graphs is not None and uses_decode_graph(graphs, is_decode, len(sample_rows), num_seqs, needs_hidden):
             block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
             sample_logits = graphs.replay(input_ids, positions, slots, block_tables, ntk_tables, pending=pending)
-            prompt_hidden = None
+            prompt_hidden = pooled = None
         else:
-            sample_logits, prompt_hidden = self._forward_eager(
+            sample_logits, prompt_hidden, pooled = self._forward_eager(
                 input_ids,
                 positions,
                 slots,
@@ -284,10 +303,23 @@ class ModelRunner:
                 prompt_rows,
                 ntk_tables,
                 pending,
+                [row for row, _ in pool_rows],
             )
-        return self._sample(
+        if pooled is not None:  # enqueued before the sampled ids' event: ready with them
+            pooled = ([rid for _, rid in pool_rows], self._to_host(pooled))
+        step = self._sample(
             sequences, sample_logits, prompt_hidden, prompt_targets, prompt_owners, scheduler_output, previous
         )
+        step.pooled = pooled
+        return step
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An asynchronous copy to the host (pinned on CUDA), complete once later work is."""
+        if self.device.type == "cpu":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host
 
     def _forward_eager(
         self,
@@ -303,7 +335,10 @@ class ModelRunner:
         prompt_rows: list[int],
         ntk_tables: np.ndarray | None = None,
         pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        pool_rows: list[int] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(sampling rows' logits, prompt-logprob rows' hidden states, ``pool_rows``' hidden states
+        as float32); each None when there are no such rows."""
         device = self.device
         block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
         metadata = AttentionMetadata(
@@ -333,7 +368,10 @@ class ModelRunner:
             # Hidden states only: their logits are computed in slices by _sample, so a long prompt
             # asking for prompt_logprobs never holds [P, vocab] float32 (the planner counts a slice).
             prompt_hidden = hidden[_to_device(np.array(prompt_rows, dtype=np.int64), device)]  # [P, hidden]
-        return sample_logits, prompt_hidden
+        pooled = None
+        if pool_rows:
+            pooled = hidden[_to_device(np.array(pool_rows, dtype=np.int64), device)].float()  # [H, hidden]
+        return sample_logits, prompt_hidden, pooled
 
     def _sample(
         self,

@@ -23,6 +23,7 @@ class ScheduledSequence:
     output_token_ids: list[int]
     sampling_params: Any  # SamplingParams
     sample: bool  # this chunk reaches the last known token: sample the next one
+    pooling: bool = False  # an embedding request: return the last prompt token's final hidden state
 
     def input_token_ids(self) -> list[int]:
         """The token ids at positions [start_position, start_position + num_new_tokens)."""
@@ -84,3 +85,6 @@ class RunnerOutput:
     # request_id -> one entry per prompt position computed this step whose next token is a
     # prompt token (only when SamplingParams.prompt_logprobs is set)
     prompt_logprobs: dict[str, list[TokenLogprobs]]
+    # request_id -> the final hidden state (after the model's last norm) of the last prompt token,
+    # as float32 values, for pooling sequences whose step computed that token
+    hidden_states: dict[str, list[float]] = field(default_factory=dict)

@@ -463,6 +463,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             sampling_params=request.sampling_params,
             sample=start + num_new == request.num_tokens + request.num_output_placeholders,
+            pooling=request.pooling,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -1,7 +1,7 @@
 """The FastAPI app: which API surfaces it serves, the API-key check, OpenAI-shaped errors, lifespan.
 
 Knows: the API surfaces, each a module with its own ``router`` (``completions``, ``chat``,
-``models``, ``tokenize``: behind the API key; ``admin``: ``/health``, ``/ping``, ``/version``,
+``models``, ``tokenize``, ``responses``, ``embeddings``: behind the API key; ``admin``: ``/health``, ``/ping``, ``/version``,
 ``/metrics``, open or gated by the guard middleware), the middleware (``X-Request-Id``; the
 drain's in-flight count and 503s), how errors of every kind (pydantic validation,
 ``ServingError``, unknown routes, bugs) become OpenAI's ``{"error": {...}}`` body, and the
@@ -29,10 +29,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qserve.engine.async_engine import AsyncEngine, Listeners
-from qserve.server import admin, chat, completions, models, tokenize
+from qserve.server import admin, chat, completions, models, route_support, tokenize
 from qserve.server.body_gate import BodyGate
 from qserve.server.cors import CorsConfig, add_cors
 from qserve.server.drain import FLUSH_TIMEOUT_S, DrainMiddleware, DrainState
+from qserve.server.embeddings import add_embedding_routes
 from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
 from qserve.server.metrics import ServerMetrics
@@ -41,6 +42,7 @@ from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, Err
 from qserve.server.request_context import RequestIdMiddleware
 from qserve.server.request_limits import clip
 from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
+from qserve.server.responses import add_responses_routes
 from qserve.server.security_headers import SecurityHeaders
 from qserve.server.serving import OpenAIServing, ServingError
 from qserve.server.tenancy import TenantGate, resolve_tenant
@@ -284,6 +286,11 @@ def create_app(
         app.include_router(router)
     for router in KEYED_ROUTERS:
         app.include_router(router, dependencies=[Depends(require_api_key)])
+    # The Responses and Embeddings surfaces register themselves (their own modules).
+    api = dict(require_api_key=require_api_key, serving=route_support.serving, respond=route_support.respond,
+               tenant_of=route_support.tenant_of)  # fmt: skip
+    add_embedding_routes(app, **api)
+    add_responses_routes(app, apply_defaults=state.apply_sampling_defaults, **api)
 
     return app
 
