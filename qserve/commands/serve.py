@@ -9,7 +9,7 @@ seconds, then shuts down, tensor-parallel workers included), and vLLM's flag nam
 onto qserve's own options by ``apply_worker_flags``). Must not know: routes, engines' internals.
 
 With no model argument it serves the built-in demo model (``DEFAULT_MODEL``): a tiny model
-trained by ``recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.
+trained by ``qserve/recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.
 """
 
 from __future__ import annotations

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from qserve.engine.async_engine import AsyncEngine, HostConfig, ModelSpec, build_engines
+from qserve.quantize.demo import DEMO_MODEL
 from qserve.server.app import create_app
 from tests.server.conftest import serve
 
-DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo" / "model"
+DEMO = DEMO_MODEL
 
 pytestmark = pytest.mark.slow
 
