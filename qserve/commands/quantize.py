@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 
+from qserve.model.hub import add_revision_argument, resolve_model_path
 from qserve.quantize.pipeline import METHODS
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="fp16/bf16 Hugging Face model directory (safetensors)")
+    add_revision_argument(parser)
     parser.add_argument("dst", help="output directory (created; must be absent or empty)")
     parser.add_argument("--method", default="gptq", help=f"one of {', '.join(METHODS)} (rtn needs no calibration)")
     parser.add_argument("--bits", type=int, default=4, help="4 (all methods) or 8 (gptq, rtn)")
@@ -33,6 +35,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.src = resolve_model_path(args.src, args.revision)  # a Hub id: its cached snapshot
     from qserve.memory.planner import parse_memory_budget
     from qserve.quantize.pipeline import QuantizeOptions, quantize_checkpoint
 

@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from qserve.model.hub import add_revision_argument, is_hub_id, resolve_model_path
 from qserve.scheduler.swap import PREEMPTION_MODES, check_tensor_parallel_preemption  # pure Python, no torch
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ def register(parser: argparse.ArgumentParser) -> None:
         "models",
         nargs="*",
         metavar="MODEL",
-        help="a model directory, or NAME=PATH to serve it under NAME (default name: the directory's name)",
+        help="a model directory, a Hugging Face Hub id in the local cache (org/name; served under the id), "
+        "or NAME=PATH to serve it under NAME (default name: the directory's name)",
     )
+    add_revision_argument(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -320,7 +323,8 @@ def parse_model_args(values: list[str]) -> list[tuple[str, str]]:
         name, sep, path = value.partition("=")
         if not sep:
             path = value
-            name = Path(value.rstrip("/")).name or value
+            # A Hub id is served under the id, as vLLM does; a directory under its name.
+            name = value if is_hub_id(value) else (Path(value.rstrip("/")).name or value)
         if not name or not path:
             raise ValueError(f"model {value!r}: use PATH or NAME=PATH")
         result.append((name, path))
@@ -388,6 +392,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     pairs = apply_served_model_names(parse_model_args(values), getattr(args, "served_model_name", None))
+    pairs = [(name, resolve_model_path(path, getattr(args, "revision", None))) for name, path in pairs]
     names = [name for name, _ in pairs]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique, got {names}; use NAME=PATH")
