@@ -7,6 +7,7 @@ algorithms or layouts (``qserve.quantize`` owns them).
 from __future__ import annotations
 
 import argparse
+import sys
 
 from qserve.model.hub import add_revision_argument, resolve_model_path
 from qserve.quantize.pipeline import METHODS
@@ -24,7 +25,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     sym.add_argument("--sym", dest="sym", action="store_true", default=None, help="symmetric (gptq/rtn default)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric, with zero points (awq always)")
     parser.add_argument(
-        "--calib", default=None, help="calibration text: .txt, .jsonl ('text' field) or a saved datasets dir"
+        "--calib",
+        default=None,
+        help="calibration text: .txt, .jsonl ('text' field) or a saved datasets dir (default: the demo's "
+        "calibration text, Python source packaged with qserve: right for the demo, give text like a real "
+        "model's traffic for one)",
     )
     parser.add_argument("--num-samples", type=int, default=128, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
@@ -39,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
     from qserve.memory.planner import parse_memory_budget
     from qserve.quantize.pipeline import QuantizeOptions, quantize_checkpoint
 
+    calib = args.calib
+    if calib is None and args.method != "rtn":
+        from qserve.quantize.recipes import DEMO_CALIB
+
+        calib = str(DEMO_CALIB)
+        print(f"qserve quantize: no --calib: calibrating on the demo's text ({calib})", file=sys.stderr)
     options = QuantizeOptions(
         method=args.method,
         bits=args.bits,
@@ -46,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         sym=args.sym,
         desc_act=args.desc_act,
         damp_percent=args.damp_percent,
-        calib=args.calib,
+        calib=calib,
         num_samples=args.num_samples,
         seq_len=args.seq_len,
         seed=args.seed,

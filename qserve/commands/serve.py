@@ -539,8 +539,11 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     server = DrainingServer(config, app, args.shutdown_timeout)
+    from qserve.server.listen import bind_socket
+
+    sock = bind_socket(args.host, args.port)  # a taken port: one line, and no "serving on" before it
     print(f"qserve: serving on http://{args.host}:{args.port} (models load in the background; see /health)")
-    server.run()
+    server.run(sockets=[sock])
     if failed:
         raise ValueError(f"loading the models failed: {failed[0]}") from failed[0]  # --debug: its traceback
     return 0

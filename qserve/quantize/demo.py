@@ -22,12 +22,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from qserve.quantize.pipeline import QuantizeOptions, quantize_checkpoint
+from qserve.quantize.recipes import DEMO_CALIB, RECIPES_DIR
 
 logger = logging.getLogger(__name__)
 
-DEMO_DIR = Path(__file__).resolve().parents[1] / "recipes" / "demo"
+DEMO_DIR = RECIPES_DIR / "demo"
 DEMO_MODEL = DEMO_DIR / "model"
-DEMO_CALIB = DEMO_DIR / "calib.txt"
 DEMO_HELDOUT = DEMO_DIR / "heldout.txt"
 CACHE_NAME = "demo-gptq"
 STAMP = "qserve_demo.json"

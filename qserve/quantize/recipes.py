@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+# The demo's calibration text (Python source): the default --calib of qserve quantize and qserve recipe.
+DEMO_CALIB = RECIPES_DIR / "demo" / "calib.txt"
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,10 @@ def _served_model(s: OpenAIServing, name: str | None) -> ServedModel:
         raise bad_request(f"model is required: this server serves {', '.join(s.models)}", "model")
     model = s.models.get(name)
     if model is None:
-        raise ServingError(404, f"The model `{name}` does not exist.", type="NotFoundError", param="model")
+        served = ", ".join(s.models)
+        raise ServingError(
+            404, f"The model `{name}` does not exist. Served models: {served}.", type="NotFoundError", param="model"
+        )
     return model
 
 
@@ -89,7 +92,9 @@ def add_worker_routes(
         for card in s.list_models().data:
             if card.id == model_id:
                 return card
-        raise ServingError(404, f"The model `{model_id}` does not exist.", type="NotFoundError", param="model")
+        served = ", ".join(s.models)
+        message = f"The model `{model_id}` does not exist. Served models: {served}."
+        raise ServingError(404, message, type="NotFoundError", param="model")
 
     @app.post("/tokenize", dependencies=[Depends(require_api_key)])
     async def tokenize(body: TokenizeRequest, s: OpenAIServing = Depends(serving)) -> TokenizeResponse:  # noqa: B008
