@@ -25,9 +25,8 @@ COPY pyproject.toml README.md ./
 COPY qserve ./qserve
 COPY quant_kernels ./quant_kernels
 COPY loaders ./loaders
-COPY recipes ./recipes
-# Editable: the demo model and recipes are found next to the package.
-RUN pip install -e ".[server,kv-events]"
+# The demo model and the recipes are package data (qserve/recipes/): a regular install carries them.
+RUN pip install ".[server,kv-events]"
 
 RUN useradd --create-home --uid 1000 qserve && mkdir -p /cache /models && chown qserve /cache
 USER qserve

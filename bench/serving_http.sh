@@ -21,7 +21,9 @@ until python3 -c "$health" 2>/dev/null; do
     kill -0 "$SERVER" 2>/dev/null || { tail -30 "$OUT/serve.log"; exit 1; }
     sleep 2
 done
-COMMON=(--port "$PORT" --ignore-eos --vocab-size 152064 --disable-tqdm --result-dir "$OUT")
+# the workload of the recorded runs (qserve bench's own defaults are sized for the CPU demo)
+COMMON=(--port "$PORT" --ignore-eos --vocab-size 152064 --disable-tqdm --result-dir "$OUT"
+    --random-input-len 256 --random-output-len 256 --random-max-len 2048)
 python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 48 --max-concurrency 1,16 --result-filename concurrency.json
 python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 400 --request-rate 16 --num-warmups 0 --result-filename poisson16.json
 grep -E "allocated after start-up|warm start|memory plan" -A0 "$OUT/serve.log" || true

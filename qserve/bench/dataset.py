@@ -1,10 +1,12 @@
 """What the bench sends: prompts with their prompt and output lengths.
 
 Knows: the seeded ShareGPT-like synthetic workload (prompt and output lengths drawn from
-log-normal distributions with given means, capped; random token ids as prompts, fresh per load
-point so a prefix cache cannot reuse an earlier point's prompts) and the JSONL format of
-user prompts (one object a line: ``prompt`` (text or token ids), optional ``output_len``).
-Must not know: HTTP, timing, the server.
+log-normal distributions with given means, capped; random token ids as prompts — from a
+vocabulary range or from a pool of ids the tokenizer produced — fresh per load point so a prefix
+cache cannot reuse an earlier point's prompts), the JSONL format of user prompts (one object a
+line: ``prompt`` (text or token ids), optional ``output_len``; vLLM's ``custom``) and the ShareGPT
+JSON format (``[{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}]``)
+with vLLM's length filter. Must not know: HTTP, timing, the server.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,19 +42,25 @@ def synthetic_requests(
     output_len: int,
     max_len: int,
     sigma: float,
-    vocab_size: int,
+    vocab_size: int | None = None,
     seed: int,
     run: int = 0,
     max_model_len: int | None = None,
     first_token_id: int = 3,
+    token_pool: Sequence[int] | None = None,
 ) -> list[SampleRequest]:
     """The ShareGPT-like synthetic workload: lengths depend only on ``seed``; token ids on
     ``seed`` and ``run`` (so each load point gets new prompts of the same lengths).
 
-    ``first_token_id`` keeps the lowest ids (special tokens of most tokenizers) out of prompts.
+    Ids are drawn from ``[first_token_id, vocab_size)`` (``first_token_id`` keeps the lowest ids,
+    special tokens of most tokenizers, out of prompts) or, given ``token_pool``, from it (ids the
+    tokenizer produced for ordinary text: valid whatever the vocabulary's size).
     With ``max_model_len``, output lengths are cut so prompt + output fits the context.
     """
-    if vocab_size <= first_token_id:
+    if token_pool is not None:
+        if not token_pool:
+            raise ValueError("the token pool is empty: no token ids to draw prompts from")
+    elif vocab_size is None or vocab_size <= first_token_id:
         raise ValueError(f"vocab size {vocab_size} leaves no token ids to draw prompts from")
     lengths = random.Random(seed)
     in_lens = lognormal_lengths(num_prompts, input_len, max_len, sigma, lengths)
@@ -62,7 +71,10 @@ def synthetic_requests(
         if max_model_len is not None:
             n_in = min(n_in, max_model_len - 1)
             n_out = max(1, min(n_out, max_model_len - n_in))
-        prompt = [ids.randrange(first_token_id, vocab_size) for _ in range(n_in)]
+        if token_pool is not None:
+            prompt = [token_pool[ids.randrange(len(token_pool))] for _ in range(n_in)]
+        else:
+            prompt = [ids.randrange(first_token_id, vocab_size) for _ in range(n_in)]
         requests.append(SampleRequest(prompt, n_in, n_out))
     return requests
 
@@ -96,13 +108,32 @@ def load_jsonl(path: str | Path, *, default_output_len: int, tokenizer: Any | No
     return requests
 
 
-def as_text(requests: list[SampleRequest], tokenizer: Any) -> list[SampleRequest]:
-    """Token-id prompts decoded to text (chat endpoints take text only); lengths re-counted."""
-    out = []
-    for r in requests:
-        if isinstance(r.prompt, str):
-            out.append(r)
+def sharegpt_conversations(path: str | Path, seed: int) -> list[tuple[str, str]]:
+    """(first human turn, the reply to it) of every ShareGPT conversation with two turns or more,
+    in a seeded random order (vLLM's ``--dataset-name sharegpt`` input)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err.msg}); ShareGPT data is one JSON list of conversations") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: ShareGPT data is a JSON list of {{'conversations': [...]}} objects")
+    pairs = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
             continue
-        text = tokenizer.decode(r.prompt)
-        out.append(SampleRequest(text, len(tokenizer.encode(text, add_special_tokens=False)), r.output_len))
-    return out
+        prompt, reply = (t.get("value") if isinstance(t, dict) else None for t in turns[:2])
+        if isinstance(prompt, str) and isinstance(reply, str) and prompt and reply:
+            pairs.append((prompt, reply))
+    if not pairs:
+        raise ValueError(f"{path}: no conversation with a prompt and a reply (ShareGPT's 'conversations' list)")
+    random.Random(seed).shuffle(pairs)
+    return pairs
+
+
+def sharegpt_keeps(prompt_len: int, output_len: int, *, fixed_output_len: int | None = None) -> bool:
+    """vLLM's ShareGPT filter: both sides at least 4 tokens (unless the output length is fixed),
+    the prompt at most 1024 and prompt + output at most 2048."""
+    if prompt_len < 4 or (fixed_output_len is None and output_len < 4):
+        return False
+    return prompt_len <= 1024 and prompt_len + output_len <= 2048

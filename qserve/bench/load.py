@@ -1,7 +1,8 @@
 """Arrivals: one load point is a request rate (Poisson, or all at once) and a concurrency cap.
 
-Knows: how to send a list of requests with exponential inter-arrival gaps (vLLM's
-``--request-rate``; ``inf`` sends them all at once) while at most ``max_concurrency`` are in
+Knows: how to send a list of requests with gamma-distributed inter-arrival gaps of mean
+1 / rate (vLLM's ``--request-rate`` and ``--burstiness``: shape 1 is a Poisson process, below 1
+burstier, above 1 more regular; ``inf`` sends them all at once) while at most ``max_concurrency`` are in
 flight (vLLM's ``--max-concurrency``), seeded so a load point is repeatable, with a progress bar.
 Must not know: request bodies beyond handing them to ``client.send_request``, summaries.
 """
@@ -25,6 +26,7 @@ from qserve.bench.dataset import SampleRequest
 class LoadPoint:
     request_rate: float  # requests/s; inf = all at once
     max_concurrency: int | None  # None = no cap
+    burstiness: float = 1.0  # gamma shape of the inter-arrival gaps (1: Poisson)
 
     @property
     def label(self) -> str:
@@ -36,15 +38,21 @@ class LoadPoint:
         return ", ".join(parts) or "all at once"
 
 
-def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
-    """Seconds after the start at which each request is sent: 0 for ``inf``, else a Poisson process."""
+def arrival_offsets(n: int, rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Seconds after the start at which each request is sent: 0 for ``inf``, else gaps drawn from
+    a gamma distribution with shape ``burstiness`` and mean ``1 / rate`` (1.0: a Poisson process)."""
+    if burstiness <= 0:
+        raise ValueError(f"--burstiness must be > 0, got {burstiness}")
     if math.isinf(rate):
         return [0.0] * n
     rng = random.Random(seed)
     offsets, t = [], 0.0
     for _ in range(n):
         offsets.append(t)
-        t += rng.expovariate(rate)
+        if burstiness == 1.0:
+            t += rng.expovariate(rate)  # the same draws as before --burstiness existed
+        else:
+            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return offsets
 
 
@@ -63,7 +71,7 @@ async def run_load(
     wall time from the first send to the last response."""
     from tqdm.asyncio import tqdm
 
-    offsets = arrival_offsets(len(requests), point.request_rate, seed)
+    offsets = arrival_offsets(len(requests), point.request_rate, seed, point.burstiness)
     seats = asyncio.Semaphore(point.max_concurrency) if point.max_concurrency else None
     bar = tqdm(total=len(requests), desc=point.label, unit="req", disable=not progress, leave=False)
 

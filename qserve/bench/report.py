@@ -1,8 +1,11 @@
 """What a bench run leaves behind: a table on the terminal, a JSON result file, a PNG plot.
 
-Knows: the columns of the table (output tok/s, req/s, TTFT / TPOT / ITL / E2E at the chosen
-percentiles, errors per status), the result file's layout (``{"config": ..., "runs": [one
-vLLM-named summary per load point]}``) and the plot (throughput and latency against load,
+Knows: the columns of the table (output tok/s, req/s, the chosen metrics of TTFT / TPOT / ITL /
+E2E at the chosen percentiles, errors per status), the result file's layout (vLLM ``bench serve``'s
+flat object per load point — ``date``, ``backend``, ``model_id``, ``num_prompts``, ``request_rate``,
+``burstiness``, ``max_concurrency``, ``duration``, ``completed``, throughputs, ``mean_ttft_ms``,
+``p99_ttft_ms``, ...; one point is one JSON object, several are JSON Lines, one object a line, as
+vLLM's ``--append-result`` writes them) and the plot (throughput and latency against load,
 matplotlib without a display). Must not know: HTTP or how numbers were measured.
 """
 
@@ -21,10 +24,11 @@ def _ms(value: float) -> str:
 
 
 def table(runs: list[dict[str, Any]], percentiles: tuple[float, ...]) -> str:
-    """A markdown table: one row per load point."""
+    """A markdown table: one row per load point (the metrics the runs have percentiles of)."""
     ps = " / ".join(f"p{q:g}" for q in percentiles)
+    shown = [(key, title) for key, title in PLOTTED if runs and f"mean_{key}_ms" in runs[0]]
     columns = ["load", "done", "req/s", "out tok/s"]
-    columns += [f"{title} {ps} (ms)" for _, title in PLOTTED]
+    columns += [f"{title} {ps} (ms)" for _, title in shown]
     columns += ["errors"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for run in runs:
@@ -34,7 +38,7 @@ def table(runs: list[dict[str, Any]], percentiles: tuple[float, ...]) -> str:
             f"{run['request_throughput']:.2f}",
             f"{run['output_throughput']:.1f}",
         ]
-        for key, _ in PLOTTED:
+        for key, _ in shown:
             cells.append(" / ".join(_ms(run[f"p{q:g}_{key}_ms"]) for q in percentiles))
         errors = run["errors_by_status"]
         cells.append(", ".join(f"{status}: {n}" for status, n in errors.items()) or "0")
@@ -52,9 +56,18 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def write_json(path: str | Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
-    """Strict JSON (NaN -> null, inf -> "inf"), rewritten after every load point."""
-    Path(path).write_text(json.dumps(_jsonable({"config": config, "runs": runs}), indent=1))
+def write_results(path: str | Path, runs: list[dict[str, Any]], before: str = "") -> None:
+    """Strict JSON (NaN -> null, inf -> "inf"), one flat object per load point, one a line,
+    after ``before`` (what the file held, for ``--append-result``); rewritten after every point."""
+    lines = [json.dumps(_jsonable(run)) for run in runs]
+    if before and not before.endswith("\n"):
+        before += "\n"
+    Path(path).write_text(before + "\n".join(lines) + "\n")
+
+
+def read_results(path: str | Path) -> list[dict[str, Any]]:
+    """The load points of a result file (one JSON object, or JSON Lines)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def plot(path: str | Path, runs: list[dict[str, Any]], percentiles: tuple[float, ...]) -> None:

@@ -16,6 +16,8 @@ import json
 import shutil
 from pathlib import Path
 
+from qserve.model.hub import add_revision_argument, resolve_model_path
+
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth")
 BIN_INDEX = "pytorch_model.bin.index.json"
 SKIP_NAMES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth")
@@ -23,6 +25,7 @@ SKIP_NAMES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pt
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="DIR", help="checkpoint directory with pytorch_model*.bin weights")
+    add_revision_argument(parser)
     parser.add_argument("dst", metavar="OUT", help="output directory (created; must be absent or empty)")
     parser.add_argument("--max-shard-size", default="4GiB", help="largest safetensors shard (e.g. 4GiB, 500MB)")
 
@@ -88,6 +91,7 @@ def convert(src: str | Path, dst: str | Path, max_shard_bytes: int) -> list[Path
 
 
 def run(args: argparse.Namespace) -> int:
+    args.src = resolve_model_path(args.src, args.revision)  # a Hub id: its cached snapshot
     from qserve.memory.planner import parse_memory_budget
 
     shards = convert(args.src, args.dst, int(parse_memory_budget(args.max_shard_size)))

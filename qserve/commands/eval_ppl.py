@@ -11,9 +11,12 @@ import json
 import time
 from pathlib import Path
 
+from qserve.model.hub import add_revision_argument, resolve_model_path
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model directory (fp16, GPTQ, AWQ, compressed-tensors)")
+    add_revision_argument(parser)
     parser.add_argument("--text", required=True, help="a UTF-8 text file to score")
     parser.add_argument("--max-length", type=int, default=512, help="tokens per window")
     parser.add_argument("--stride", type=int, default=256, help="tokens between window starts")
@@ -30,6 +33,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.model = resolve_model_path(args.model, args.revision)  # a Hub id: its cached snapshot
     from qserve import LLM
     from qserve.quantize.perplexity import perplexity, qserve_scorer
 

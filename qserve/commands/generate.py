@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from qserve.model.hub import add_revision_argument, resolve_model_path
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="path to a Hugging Face model directory")
+    add_revision_argument(parser)
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -38,6 +41,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.model = resolve_model_path(args.model, args.revision)  # a Hub id: its cached snapshot
     from qserve.engine.engine import Engine, EngineConfig
     from qserve.sampling_params import SamplingParams
 

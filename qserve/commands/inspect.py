@@ -21,12 +21,14 @@ from typing import Any
 
 import loaders
 from loaders.inventory import inventory
+from qserve.model.hub import add_revision_argument, resolve_model_path
 
 KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="checkpoint directory (config.json + safetensors)")
+    add_revision_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument(
         "--headers-only",
@@ -100,6 +102,7 @@ def _human(nbytes: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.model = resolve_model_path(args.model, args.revision)  # a Hub id: its cached snapshot
     from qserve.model.checkpoint_check import check_checkpoint
 
     # The same checks as serve, tokenizer included (a directory serve refuses never passes here).

@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from qserve.model.hub import add_revision_argument, resolve_model_path
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a model directory (config.json with its quantization_config is enough)")
+    add_revision_argument(parser)
     parser.add_argument("--gpu-memory-budget", required=True, help="bytes (24GiB, 22000MB) or a fraction (0.9)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8, int8 or int4")
@@ -28,6 +31,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.model = resolve_model_path(args.model, args.revision)  # a Hub id: its cached snapshot
     import torch
 
     import loaders

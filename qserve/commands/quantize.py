@@ -7,12 +7,15 @@ algorithms or layouts (``qserve.quantize`` owns them).
 from __future__ import annotations
 
 import argparse
+import sys
 
+from qserve.model.hub import add_revision_argument, resolve_model_path
 from qserve.quantize.pipeline import METHODS
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="fp16/bf16 Hugging Face model directory (safetensors)")
+    add_revision_argument(parser)
     parser.add_argument("dst", help="output directory (created; must be absent or empty)")
     parser.add_argument("--method", default="gptq", help=f"one of {', '.join(METHODS)} (rtn needs no calibration)")
     parser.add_argument("--bits", type=int, default=4, help="4 (all methods) or 8 (gptq, rtn)")
@@ -22,7 +25,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     sym.add_argument("--sym", dest="sym", action="store_true", default=None, help="symmetric (gptq/rtn default)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric, with zero points (awq always)")
     parser.add_argument(
-        "--calib", default=None, help="calibration text: .txt, .jsonl ('text' field) or a saved datasets dir"
+        "--calib",
+        default=None,
+        help="calibration text: .txt, .jsonl ('text' field) or a saved datasets dir (default: the demo's "
+        "calibration text, Python source packaged with qserve: right for the demo, give text like a real "
+        "model's traffic for one)",
     )
     parser.add_argument("--num-samples", type=int, default=128, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
@@ -33,9 +40,16 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.src = resolve_model_path(args.src, args.revision)  # a Hub id: its cached snapshot
     from qserve.memory.planner import parse_memory_budget
     from qserve.quantize.pipeline import QuantizeOptions, quantize_checkpoint
 
+    calib = args.calib
+    if calib is None and args.method != "rtn":
+        from qserve.quantize.recipes import DEMO_CALIB
+
+        calib = str(DEMO_CALIB)
+        print(f"qserve quantize: no --calib: calibrating on the demo's text ({calib})", file=sys.stderr)
     options = QuantizeOptions(
         method=args.method,
         bits=args.bits,
@@ -43,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         sym=args.sym,
         desc_act=args.desc_act,
         damp_percent=args.damp_percent,
-        calib=args.calib,
+        calib=calib,
         num_samples=args.num_samples,
         seq_len=args.seq_len,
         seed=args.seed,

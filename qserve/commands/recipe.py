@@ -15,7 +15,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", help="recipe name, e.g. qwen2.5-7b-instruct-gptq-rtx4090 (omit with --list)")
     parser.add_argument("--model-path", help="local directory of the fp16 model the recipe names")
     parser.add_argument("--output-path", default=None, help="where the quantized model goes (default from the recipe)")
-    parser.add_argument("--calib", default=None, help="calibration text (.txt / .jsonl / saved datasets dir)")
+    parser.add_argument(
+        "--calib",
+        default=None,
+        help="calibration text (.txt / .jsonl / saved datasets dir; default: the demo's calibration text, "
+        "packaged with qserve — give text like the model's real traffic)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the two commands and exit")
     parser.add_argument("--list", action="store_true", help="list the recipes")
 
@@ -32,13 +37,18 @@ def run(args: argparse.Namespace) -> int:
     if not args.model_path:
         raise ValueError("--model-path is required: the local directory of the fp16 model")
     recipe = find_recipe(args.name)
-    quantize_cmd, serve_cmd = recipe.commands(args.model_path, args.output_path, args.calib)
+    calib = args.calib
+    if calib is None:
+        from qserve.quantize.recipes import DEMO_CALIB
+
+        calib = str(DEMO_CALIB)  # the same default as qserve quantize's, so the printed commands run as they are
+    quantize_cmd, serve_cmd = recipe.commands(args.model_path, args.output_path, calib)
     if args.dry_run:
         print(quantize_cmd)
         print(serve_cmd)
         return 0
     if args.calib is None:
-        raise ValueError("--calib is required to run a gptq/awq recipe (nothing is downloaded); see --dry-run")
+        print(f"no --calib: calibrating on the demo's text ({calib}); give text like the model's traffic", flush=True)
     if not Path(args.model_path).is_dir():
         raise FileNotFoundError(f"--model-path {args.model_path} is not a directory")
     from qserve.cli import main as cli_main

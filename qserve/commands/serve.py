@@ -9,7 +9,7 @@ seconds, then shuts down, tensor-parallel workers included), and vLLM's flag nam
 onto qserve's own options by ``apply_worker_flags``). Must not know: routes, engines' internals.
 
 With no model argument it serves the built-in demo model (``DEFAULT_MODEL``): a tiny model
-trained by ``recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.
+trained by ``qserve/recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qserve.commands.vllm_flags import check_quantization, cors_config, register_vllm_flags
+from qserve.model.hub import add_revision_argument, is_hub_id, resolve_model_path
 from qserve.scheduler.swap import PREEMPTION_MODES, check_tensor_parallel_preemption  # pure Python, no torch
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,10 @@ def register(parser: argparse.ArgumentParser) -> None:
         "models",
         nargs="*",
         metavar="MODEL",
-        help="a model directory, or NAME=PATH to serve it under NAME (default name: the directory's name)",
+        help="a model directory, a Hugging Face Hub id in the local cache (org/name; served under the id), "
+        "or NAME=PATH to serve it under NAME (default name: the directory's name)",
     )
+    add_revision_argument(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -326,7 +329,8 @@ def parse_model_args(values: list[str]) -> list[tuple[str, str]]:
         name, sep, path = value.partition("=")
         if not sep:
             path = value
-            name = Path(value.rstrip("/")).name or value
+            # A Hub id is served under the id, as vLLM does; a directory under its name.
+            name = value if is_hub_id(value) else (Path(value.rstrip("/")).name or value)
         if not name or not path:
             raise ValueError(f"model {value!r}: use PATH or NAME=PATH")
         result.append((name, path))
@@ -394,6 +398,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     pairs = apply_served_model_names(parse_model_args(values), getattr(args, "served_model_name", None))
+    pairs = [(name, resolve_model_path(path, getattr(args, "revision", None))) for name, path in pairs]
     names = [name for name, _ in pairs]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique, got {names}; use NAME=PATH")
@@ -542,8 +547,11 @@ def run(args: argparse.Namespace) -> int:
         root_path=getattr(args, "root_path", None) or "",
     )
     server = DrainingServer(config, app, args.shutdown_timeout)
+    from qserve.server.listen import bind_socket
+
+    sock = bind_socket(args.host, args.port)  # a taken port: one line, and no "serving on" before it
     print(f"qserve: serving on http://{args.host}:{args.port} (models load in the background; see /health)")
-    server.run()
+    server.run(sockets=[sock])
     if failed:
         raise ValueError(f"loading the models failed: {failed[0]}") from failed[0]  # --debug: its traceback
     return 0

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from qserve.engine.engine import Engine, EngineConfig, PromptInput
+from qserve.model.hub import resolve_model_path
 from qserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
@@ -40,9 +41,10 @@ class LLM:
         async_scheduling: bool = True,
         preemption_mode: str = "recompute",
         swap_space: float = 4.0,
+        revision: str | None = None,
     ) -> None:
         config = EngineConfig(
-            model=str(model),
+            model=resolve_model_path(str(model), revision),  # a Hub id (org/name): its cached snapshot
             device=device,
             dtype=dtype,
             max_model_len=max_model_len,

@@ -1,8 +1,8 @@
 """The built-in demo model: a tiny Llama trained on Python's standard library, served 4-bit.
 
 Knows: where the committed fp16 demo checkpoint and its calibration text live
-(``recipes/demo/`` next to the ``qserve`` package, found from this file's path, so both a source
-checkout and an editable install work), how to GPTQ-quantize it once into a cache directory
+(``qserve/recipes/demo/``, package data: a source checkout, an editable and a regular install all
+carry it), how to GPTQ-quantize it once into a cache directory
 (atomically: a temporary directory renamed into place) and when a cached copy is stale (its stamp
 names the source weights' hash and the quantize settings). Must not know: the server.
 
@@ -22,13 +22,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from qserve.quantize.pipeline import QuantizeOptions, quantize_checkpoint
+from qserve.quantize.recipes import DEMO_CALIB, RECIPES_DIR
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEMO_DIR = REPO_ROOT / "recipes" / "demo"
+DEMO_DIR = RECIPES_DIR / "demo"
 DEMO_MODEL = DEMO_DIR / "model"
-DEMO_CALIB = DEMO_DIR / "calib.txt"
 DEMO_HELDOUT = DEMO_DIR / "heldout.txt"
 CACHE_NAME = "demo-gptq"
 STAMP = "qserve_demo.json"
@@ -46,7 +45,7 @@ def default_cache_root() -> Path:
 def demo_source() -> Path:
     if not (DEMO_MODEL / "model.safetensors").is_file():
         raise FileNotFoundError(
-            f"the demo model is missing: expected {DEMO_MODEL}/model.safetensors (train it with recipes/demo/train.py)"
+            f"the demo model is missing: expected {DEMO_MODEL}/model.safetensors (train it with qserve/recipes/demo/train.py)"
         )
     return DEMO_MODEL
 

@@ -1,7 +1,6 @@
-"""Quantize-then-serve recipes: the JSON data files under ``recipes/<model>/<method>-<card>.json``.
+"""Quantize-then-serve recipes: the JSON data files under ``qserve/recipes/<model>/<method>-<card>.json``.
 
-Knows: where the recipe files live (``recipes/`` next to the ``qserve`` package, found from this
-file's path), how to find one by name and how to fill in its command templates
+Knows: where the recipe files live (``qserve/recipes/``, package data, found from this file's path), how to find one by name and how to fill in its command templates
 (``{model_path}``, ``{output_path}``, ``{calib}``). Must not know: what the commands do.
 """
 
@@ -13,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+# The demo's calibration text (Python source): the default --calib of qserve quantize and qserve recipe.
+DEMO_CALIB = RECIPES_DIR / "demo" / "calib.txt"
 
 
 @dataclass(frozen=True, slots=True)

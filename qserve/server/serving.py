@@ -254,7 +254,9 @@ class OpenAIServing:
     def _model(self, name: str) -> ServedModel:
         model = self.models.get(name)
         if model is None:
-            raise ServingError(404, f"The model `{clip(name)}` does not exist.", type="NotFoundError", param="model")
+            served = ", ".join(self.models)  # the names a client can use instead
+            message = f"The model `{clip(name)}` does not exist. Served models: {served}."
+            raise ServingError(404, message, type="NotFoundError", param="model")
         return model
 
     # ------------------------------------------------------------------ shared helpers

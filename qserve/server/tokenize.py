@@ -56,7 +56,10 @@ def _served_model(s: OpenAIServing, name: str | None) -> ServedModel:
         raise bad_request(f"model is required: this server serves {', '.join(s.models)}", "model")
     model = s.models.get(name)
     if model is None:
-        raise ServingError(404, f"The model `{name}` does not exist.", type="NotFoundError", param="model")
+        served = ", ".join(s.models)
+        raise ServingError(
+            404, f"The model `{name}` does not exist. Served models: {served}.", type="NotFoundError", param="model"
+        )
     return model
 
 

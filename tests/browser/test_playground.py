@@ -1,6 +1,8 @@
 """The playground in a real browser: headless Chromium (Debian's ``chromium`` and
 ``chromium-driver``) driven by Selenium against the demo model. Sends a message, sees the
-answer stream in, sees the live pool panel change, and writes screenshots
+answer stream in, sees the live pool panel change and the stats line (tokens, tok/s, TTFT), finds
+the conversation again after a reload (localStorage), sees Markdown render a code block with
+HTML escaped, edits the last question, and writes screenshots
 (``playground-running.png`` mid-answer, ``playground.png`` after) to ``$QSERVE_ARTIFACTS_DIR``,
 else to pytest's temporary directory.
 
@@ -18,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from qserve.engine.async_engine import AsyncEngine, HostConfig, ModelSpec, build_engines
+from qserve.quantize.demo import DEMO_MODEL
 from qserve.server.app import create_app
 from tests.server.conftest import serve
 
-DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo" / "model"
+DEMO = DEMO_MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -115,8 +118,34 @@ def test_chat_streams_and_pool_panel_moves(demo_server, tmp_path):
         _wait(lambda: int(panel("generated")) > generated_before, 10, "the token counter to move")
         _wait(lambda: panel("running") == "0", 10, "the panel to show the request done")
 
+        stats = driver.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").text
+        assert "tok/s" in stats and "TTFT" in stats and "tokens" in stats, stats
         shot = out_dir / "playground.png"
         assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
         print(f"screenshot: {shot}")
+
+        # The conversation is saved: a reload shows it again, stats line included.
+        driver.refresh()
+        _wait(lambda: driver.find_elements(By.CSS_SELECTOR, ".msg.user .text"), 10, "the saved conversation")
+        assert driver.find_element(By.CSS_SELECTOR, ".msg.user .text").text == "def parse_args("
+        assert "tok/s" in driver.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").text
+
+        # Markdown: a fenced code block renders as code (with a copy button); HTML stays text.
+        answer = 'Some **bold** text\n```python\nprint(1 < 2)\n```\n<img src=x onerror="window.pwned=1">'
+        saved = [{"id": "md", "title": "md", "updated": 1, "messages": [
+            {"role": "user", "content": "show code"}, {"role": "assistant", "content": answer}]}]  # fmt: skip
+        driver.execute_script("localStorage.setItem('qserve.conversations', JSON.stringify(arguments[0]))", saved)
+        driver.refresh()
+        code = _wait(lambda: driver.find_elements(By.CSS_SELECTOR, ".msg.assistant pre code"), 10, "a code block")
+        assert code[0].text == "print(1 < 2)"
+        assert driver.find_elements(By.CSS_SELECTOR, ".msg.assistant pre button.copy")
+        assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant strong").text == "bold"
+        assert not driver.find_elements(By.CSS_SELECTOR, ".msg img")
+        assert driver.execute_script("return window.pwned === undefined")
+        assert '<img src=x onerror="window.pwned=1">' in driver.find_element(By.CSS_SELECTOR, ".msg.assistant").text
+        # Edit: the last question goes back into the box, off the conversation.
+        driver.find_element(By.ID, "edit").click()
+        assert driver.find_element(By.ID, "prompt").get_attribute("value") == "show code"
+        assert not driver.find_elements(By.CSS_SELECTOR, ".msg")
     finally:
         driver.quit()

@@ -20,9 +20,11 @@ import random
 
 import pytest
 
-from qserve.bench.dataset import load_jsonl, lognormal_lengths, synthetic_requests
+from qserve.bench.client import RequestResult
+from qserve.bench.dataset import load_jsonl, lognormal_lengths, sharegpt_conversations, synthetic_requests
 from qserve.bench.load import arrival_offsets
-from qserve.bench.metrics import percentile, summarize
+from qserve.bench.metrics import parse_goodput, percentile, summarize
+from qserve.bench.report import read_results
 from qserve.commands import bench as bench_command
 from tests.helpers.tokenizer import make_tokenizer
 from tests.server.conftest import host_config, serve
@@ -54,8 +56,9 @@ def test_bench_against_server_agrees_with_its_metrics(bench_server, tmp_path, ca
     result = asyncio.run(bench_command.bench(args))
     runs = result["runs"]
     assert [r["max_concurrency"] for r in runs] == [1, 4]
-    saved = json.loads((tmp_path / "qserve-bench.json").read_text())
-    assert [r["load"] for r in saved["runs"]] == ["concurrency 1", "concurrency 4"]
+    saved = read_results(tmp_path / "qserve-bench.json")  # vLLM's flat layout, one load point a line
+    assert [r["load"] for r in saved] == ["concurrency 1", "concurrency 4"]
+    assert [r["max_concurrency"] for r in saved] == [1, 4] and saved[0]["tokenizer_id"] == tokenizer
     png = (tmp_path / "qserve-bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
@@ -118,3 +121,79 @@ def test_jsonl_errors_name_the_line(tmp_path):
     path.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_jsonl(path, default_output_len=8)
+
+
+# vLLM bench serve's per-run keys (flat, one object per load point)
+VLLM_KEYS = (
+    "date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
+    "duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
+    "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "generated_texts",
+    "errors",
+)  # fmt: skip
+
+
+def test_bench_without_tokenizer_uses_the_servers_and_writes_vllm_layout(bench_server, tmp_path):
+    # No --tokenizer / --vocab-size: /v1/models names "llama" (no local path), so prompts are built
+    # through the server's /tokenize and /detokenize.
+    url, _ = bench_server
+    args = _args(url, tmp_path, "--num-prompts", "6", "--goodput", "ttft:60000", "tpot:60000", "--save-result",
+                 "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99")  # fmt: skip
+    asyncio.run(bench_command.bench(args))
+    (run,) = read_results(tmp_path / "qserve-bench.json")
+    assert json.loads((tmp_path / "qserve-bench.json").read_text()) == run  # one point: one plain JSON object
+    for key in VLLM_KEYS:
+        assert key in run, key
+    assert run["backend"] == "openai" and run["model_id"] == "llama" and run["tokenizer_id"] == "llama"
+    assert run["completed"] == 6 and run["request_rate"] == "inf" and run["burstiness"] == 1.0
+    assert run["request_goodput"] == pytest.approx(run["request_throughput"])  # generous SLOs: every request good
+    for key in ("mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "p50_e2el_ms"):
+        assert key in run, key
+    assert "mean_tpot_ms" not in run and "p90_ttft_ms" not in run  # --percentile-metrics / --metric-percentiles
+    assert run["total_input_tokens"] == sum(run["input_lens"]) > 0
+
+
+def test_bench_sharegpt_chat_backend_appends(bench_server, tmp_path):
+    url, _ = bench_server
+    data = [
+        {"conversations": [{"from": "human", "value": f"hello there number {i} how are you"},
+                           {"from": "gpt", "value": "fine thanks " * (i + 2)}]}
+        for i in range(8)
+    ] + [{"conversations": [{"from": "human", "value": "only one turn"}]}]  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    assert len(sharegpt_conversations(path, seed=0)) == 8
+    (tmp_path / "r.json").write_text('{"earlier": 1}\n')
+    args = _args(url, tmp_path, "--backend", "openai-chat", "--dataset-name", "sharegpt", "--dataset-path",
+                 str(path), "--num-prompts", "3", "--num-warmups", "0", "--result-filename", "r.json",
+                 "--append-result", "--request-rate", "40", "--burstiness", "0.5", "--plot", "")  # fmt: skip
+    asyncio.run(bench_command.bench(args))
+    earlier, run = read_results(tmp_path / "r.json")
+    assert earlier == {"earlier": 1}
+    assert run["endpoint"] == "/v1/chat/completions" and run["dataset_name"] == "sharegpt"
+    assert run["completed"] == 3 and run["burstiness"] == 0.5 and run["request_rate"] == 40.0
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    def done(ttft: float, latency: float, tokens: int) -> RequestResult:
+        return RequestResult(prompt_len=4, success=True, ttft=ttft, latency=latency, output_tokens=tokens)
+
+    results = [done(0.1, 0.5, 5), done(0.3, 0.5, 5), done(0.1, 2.1, 5), done(0.1, 0.1, 1)]
+    # TPOT: 100 ms, 50 ms, 500 ms, 0 (one token); TTFT 100/300/100/100 ms
+    summary = summarize(results, 2.0, (50.0,), goodput=parse_goodput(["ttft:200 tpot:100"]))
+    assert summary["request_goodput"] == pytest.approx(2 / 2.0)
+    assert summarize(results, 2.0, (50.0,))["request_goodput"] is None
+    with pytest.raises(ValueError, match="METRIC:MILLISECONDS"):
+        parse_goodput(["itl:5"])
+
+
+def test_burstiness_keeps_the_rate_and_changes_the_spread():
+    def gaps(burstiness: float) -> list[float]:
+        offsets = arrival_offsets(20000, 10.0, seed=2, burstiness=burstiness)
+        return [b - a for a, b in zip(offsets, offsets[1:])]
+
+    for burstiness in (0.5, 1.0, 4.0):
+        g = gaps(burstiness)
+        mean = sum(g) / len(g)
+        cv2 = sum((x - mean) ** 2 for x in g) / len(g) / mean**2  # gamma: squared CV = 1 / shape
+        assert mean == pytest.approx(0.1, rel=0.05)
+        assert cv2 == pytest.approx(1 / burstiness, rel=0.15)

@@ -1,11 +1,124 @@
 // qserve playground: chat with a served model (streamed over SSE) and watch the shared KV
 // page pool. Plain browser JavaScript, no dependencies, nothing loaded from elsewhere.
+// Conversations are kept in localStorage (list, new, delete); answers render as Markdown
+// (markdown.js, HTML-escaped); the last answer can be regenerated and the last question edited.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const POLL_MS = 500;
-let history = []; // chat messages sent so far: {role, content}
+const STORE_KEY = "qserve.conversations";
 let controller = null; // AbortController of the running request
+let conversations = loadConversations(); // [{id, title, updated, messages: [{role, content, stats}]}]
+let current = null; // the open conversation
+
+function loadConversations() {
+  try {
+    const list = JSON.parse(localStorage.getItem(STORE_KEY) || "[]");
+    return Array.isArray(list) ? list : [];
+  } catch (err) {
+    return [];
+  }
+}
+
+function saveConversations() {
+  try { localStorage.setItem(STORE_KEY, JSON.stringify(conversations)); } catch (err) { /* full or disabled */ }
+  renderConversationList();
+}
+
+function newConversation() {
+  current = { id: String(Date.now()) + Math.random().toString(16).slice(2, 6), title: "new chat", updated: Date.now(), messages: [] };
+  renderLog();
+  renderConversationList();
+}
+
+function openConversation(id) {
+  const found = conversations.find((c) => c.id === id);
+  if (found) { current = found; renderLog(); renderConversationList(); }
+}
+
+function storeCurrent() {
+  if (!current.messages.length) return;
+  const first = current.messages.find((m) => m.role === "user");
+  current.title = first ? first.content.slice(0, 40) : current.title;
+  current.updated = Date.now();
+  if (!conversations.includes(current)) conversations.unshift(current);
+  saveConversations();
+}
+
+function renderConversationList() {
+  const select = $("conversations");
+  select.replaceChildren();
+  const entries = conversations.includes(current) ? conversations : [current, ...conversations];
+  for (const c of entries) {
+    const option = document.createElement("option");
+    option.value = c.id;
+    option.textContent = c.title || "new chat";
+    select.appendChild(option);
+  }
+  select.value = current.id;
+}
+
+async function copyText(text, button) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch (err) { // no clipboard API (insecure origin): the old way
+    const area = document.createElement("textarea");
+    area.value = text;
+    document.body.appendChild(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+  button.textContent = "copied";
+  setTimeout(() => { button.textContent = "copy"; }, 1200);
+}
+
+function copyButton(getText) {
+  const button = document.createElement("button");
+  button.type = "button";
+  button.className = "copy";
+  button.textContent = "copy";
+  button.addEventListener("click", () => copyText(getText(), button));
+  return button;
+}
+
+function renderText(el, role, text) {
+  if (role === "assistant") {
+    QMarkdown.render(el, text, (pre, code) => pre.appendChild(copyButton(() => code)));
+  } else {
+    el.textContent = text;
+  }
+}
+
+function statsLine(stats) {
+  const parts = [`${stats.tokens} tokens`, `${stats.tps.toFixed(1)} tok/s`];
+  if (stats.ttft_ms !== null) parts.push(`TTFT ${stats.ttft_ms.toFixed(0)} ms`);
+  parts.push(`${stats.seconds.toFixed(2)} s`, `finish: ${stats.finish}`);
+  return parts.join(" · ");
+}
+
+function renderLog() {
+  $("log").replaceChildren();
+  current.messages.forEach((m) => {
+    const div = addMessage(m.role, m.content);
+    if (m.stats) addStats(div, m.stats);
+  });
+  updateActions();
+}
+
+function addStats(div, stats) {
+  const meta = document.createElement("span");
+  meta.className = "meta stats";
+  meta.textContent = statsLine(stats);
+  div.appendChild(meta);
+}
+
+function updateActions() {
+  const msgs = current.messages;
+  const last = msgs[msgs.length - 1];
+  $("regenerate").disabled = Boolean(controller) || !last || last.role !== "assistant";
+  $("edit").disabled = Boolean(controller) || !msgs.some((m) => m.role === "user");
+}
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -20,10 +133,12 @@ function addMessage(role, text) {
   const div = document.createElement("div");
   div.className = "msg " + role;
   div.dataset.role = role;
-  const body = document.createElement("span");
+  const body = document.createElement("div");
   body.className = "text";
-  body.textContent = text;
+  renderText(body, role, text);
   div.appendChild(body);
+  div.appendChild(copyButton(() => div.dataset.raw || body.textContent));
+  div.dataset.raw = text;
   $("log").appendChild(div);
   $("log").scrollTop = $("log").scrollHeight;
   return div;
@@ -50,7 +165,13 @@ async function loadModels() {
   }
 }
 
-function requestBody(prompt) {
+const NUMBER_FIELDS = [ // [input id, request field, parse]; left empty: the server's default
+  ["top_k", "top_k", parseInt], ["min_p", "min_p", parseFloat], ["repetition_penalty", "repetition_penalty", parseFloat],
+  ["presence_penalty", "presence_penalty", parseFloat], ["frequency_penalty", "frequency_penalty", parseFloat],
+  ["seed", "seed", parseInt],
+];
+
+function requestBody(prompt, earlier) {
   const body = {
     model: $("model").value,
     stream: true,
@@ -59,12 +180,17 @@ function requestBody(prompt) {
     top_p: parseFloat($("top_p").value),
     max_tokens: parseInt($("max_tokens").value, 10),
   };
-  const seed = $("seed").value.trim();
-  if (seed !== "") body.seed = parseInt(seed, 10);
+  for (const [id, field, parse] of NUMBER_FIELDS) {
+    const value = $(id).value.trim();
+    if (value !== "") body[field] = parse(value, 10);
+  }
+  const stop = $("stop_seqs").value.split("|").filter((s) => s !== "");
+  if (stop.length) body.stop = stop;
   if ($("endpoint").value === "chat") {
     const messages = [];
     const system = $("system").value.trim();
     if (system) messages.push({ role: "system", content: system });
+    const history = earlier.map((m) => ({ role: m.role, content: m.content }));
     body.messages = messages.concat(history, [{ role: "user", content: prompt }]);
   } else {
     body.prompt = prompt;
@@ -97,20 +223,26 @@ async function readEvents(response, onEvent) {
 
 async function send(prompt) {
   const chat = $("endpoint").value === "chat";
+  const earlier = current.messages.slice();
+  current.messages.push({ role: "user", content: prompt });
   addMessage("user", prompt);
   const reply = addMessage("assistant", "");
   const text = reply.querySelector(".text");
   const started = performance.now();
+  let ttft = null;
+  let answer = "";
   let tokens = 0;
+  let chunks = 0;
   let finish = null;
   controller = new AbortController();
   $("send").disabled = true;
   $("stop").disabled = false;
+  updateActions();
   setStatus("generating…");
   try {
     const url = chat ? "/v1/chat/completions" : "/v1/completions";
     const response = await fetch(url, {
-      method: "POST", headers: headers(), body: JSON.stringify(requestBody(prompt)), signal: controller.signal,
+      method: "POST", headers: headers(), body: JSON.stringify(requestBody(prompt, earlier)), signal: controller.signal,
     });
     if (!response.ok) {
       const body = await response.json().catch(() => ({}));
@@ -121,31 +253,64 @@ async function send(prompt) {
       if (event.usage) tokens = event.usage.completion_tokens;
       for (const choice of event.choices || []) {
         const piece = chat ? (choice.delta && choice.delta.content) || "" : choice.text || "";
-        text.textContent += piece;
+        if (piece && ttft === null) ttft = performance.now() - started;
+        if (piece) chunks += 1;
+        answer += piece;
         if (choice.finish_reason) finish = choice.finish_reason;
       }
+      renderText(text, "assistant", answer);
+      reply.dataset.raw = answer;
       $("log").scrollTop = $("log").scrollHeight;
     });
-    if (chat) history.push({ role: "user", content: prompt }, { role: "assistant", content: text.textContent });
     const seconds = (performance.now() - started) / 1000;
-    const meta = document.createElement("span");
-    meta.className = "meta";
-    meta.textContent = `${tokens} tokens in ${seconds.toFixed(2)} s · finish: ${finish}`;
-    reply.appendChild(meta);
+    tokens = tokens || chunks;
+    const decodeSeconds = ttft === null ? seconds : seconds - ttft / 1000;
+    const stats = { tokens, seconds, ttft_ms: ttft, tps: decodeSeconds > 0 ? tokens / decodeSeconds : 0, finish };
+    addStats(reply, stats);
+    current.messages.push({ role: "assistant", content: answer, stats });
+    storeCurrent();
     setStatus("");
   } catch (err) {
+    current.messages.pop(); // the question goes back to the box rather than staying unanswered
     if (err.name === "AbortError") {
+      $("prompt").value = prompt;
+      renderLog();
       setStatus("stopped");
     } else {
       reply.className = "msg error";
-      text.textContent += (text.textContent ? "\n" : "") + "error: " + err.message;
+      text.textContent = answer + (answer ? "\n" : "") + "error: " + err.message;
       setStatus("");
     }
   } finally {
     controller = null;
     $("send").disabled = false;
     $("stop").disabled = true;
+    updateActions();
   }
+}
+
+// Regenerate: drop the last answer and ask its question again.
+function regenerate() {
+  const msgs = current.messages;
+  if (controller || !msgs.length || msgs[msgs.length - 1].role !== "assistant") return;
+  msgs.pop();
+  const question = msgs.pop();
+  renderLog();
+  send(question.content);
+}
+
+// Edit: the last question (and its answer) come off the conversation and back into the box.
+function editLast() {
+  const msgs = current.messages;
+  if (controller) return;
+  let i = msgs.length - 1;
+  while (i >= 0 && msgs[i].role !== "user") i -= 1;
+  if (i < 0) return;
+  $("prompt").value = msgs[i].content;
+  msgs.splice(i);
+  storeCurrent();
+  renderLog();
+  $("prompt").focus();
 }
 
 function renderPool(stats) {
@@ -198,8 +363,19 @@ $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
 });
 $("stop").addEventListener("click", () => controller && controller.abort());
-$("clear").addEventListener("click", () => { history = []; $("log").innerHTML = ""; });
+$("clear").addEventListener("click", () => { if (!controller) newConversation(); });
+$("new_chat").addEventListener("click", () => { if (!controller) newConversation(); });
+$("delete_chat").addEventListener("click", () => {
+  if (controller) return;
+  conversations = conversations.filter((c) => c.id !== current.id);
+  saveConversations();
+  if (conversations.length) openConversation(conversations[0].id); else newConversation();
+});
+$("conversations").addEventListener("change", (e) => { if (!controller) openConversation(e.target.value); });
+$("regenerate").addEventListener("click", regenerate);
+$("edit").addEventListener("click", editLast);
 $("api_key").addEventListener("change", loadModels);
 
+if (conversations.length) openConversation(conversations[0].id); else newConversation();
 loadModels();
 poll();

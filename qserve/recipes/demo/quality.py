@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's qserve, not a stale install
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout's qserve, not a stale install
 
 import torch  # noqa: E402
 
