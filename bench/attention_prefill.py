@@ -176,13 +176,13 @@ def sweep_configs() -> list[AttentionConfig]:
         AttentionConfig(prefill_block_m=bm, prefill_block_n=bn, prefill_num_warps=w, prefill_num_stages=st)
         for bm, bn, w, st in grid
     ]
-    return configs + [AttentionConfig(prefill_reverse=False)]
+    return configs
 
 
 def describe(cfg: AttentionConfig) -> str:
     return (
-        f"m{cfg.prefill_block_m} n{cfg.prefill_block_n or 'auto'} w{cfg.prefill_num_warps or 'auto'} "
-        f"st{cfg.prefill_num_stages}" + ("" if cfg.prefill_reverse else " fwd")
+        f"m{cfg.prefill_block_m or 'auto'} n{cfg.prefill_block_n or 'auto'} w{cfg.prefill_num_warps or 'auto'} "
+        f"st{cfg.prefill_num_stages or 'auto'}"
     )
 
 

@@ -316,9 +316,8 @@ def paged_attention_int4_prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DH: tl.constexpr,
-    REVERSE: tl.constexpr = True,
 ):
-    seq, q_block = _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q, REVERSE)
+    seq, q_block = _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q)
     kvh = tl.program_id(1)
     q_start, ctx_before, tok, heads, row_mask, lo, hi = _prefill_rows(
         query_start_loc_ptr, seq_lens_ptr, seq, q_block, kvh, num_queries_per_kv, sliding_window,
@@ -499,7 +498,7 @@ def paged_attention(
     run_decode = max_query_len == 1 or num_seqs > 1
     run_prefill = max_query_len > 1
     if run_prefill:
-        block_m, block_q, block_n, prefill_warps = _prefill_launch(cfg, group, head_dim)
+        block_m, block_q, block_n, prefill_warps, prefill_stages = _prefill_launch(cfg, group, head_dim)
         grid = (prefill_grid_blocks(num_tokens, num_seqs, block_q), num_kv_heads)
         paged_attention_int4_prefill_kernel[grid](
             out,
@@ -522,7 +521,6 @@ def paged_attention(
             *out.stride(),
             *cache_args,
             SKIP_DECODE=run_decode,
-            REVERSE=cfg.prefill_reverse,
             HAS_ALIBI=has_alibi,
             ROW_ALIGN=row_align,
             DOT_F32=_INTERPRET,
@@ -531,7 +529,7 @@ def paged_attention(
             BLOCK_N=block_n,
             BLOCK_DH=block_dh,
             num_warps=prefill_warps,
-            num_stages=cfg.prefill_num_stages,
+            num_stages=prefill_stages,
         )
     if run_decode:
         num_splits = _decode_num_splits(cfg, num_splits, num_seqs, num_kv_heads, max_seq_len, window, query.device)

@@ -154,18 +154,15 @@ def _split_row(seq, heads, split, num_queries_per_kv, num_splits):
 
 
 @triton.jit
-def _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr, REVERSE: tl.constexpr):
+def _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr):
     """``(seq, q_block)`` of this program on the flat prefill grid axis 0. Sequence ``s`` owns the
     programs ``[first(s), first(s + 1))`` with ``first(s) = query_start_loc[s] // BLOCK_Q + s``:
     at least ``cdiv(q_len, BLOCK_Q)`` of them whatever the alignment of its first token, so a grid
     of ``num_tokens // BLOCK_Q + num_seqs`` programs covers every query block of every sequence
     without the host knowing the lengths (surplus programs, and one per decode sequence of a mixed
-    batch, get an empty block). The owner is found by binary search over ``first``. ``REVERSE``
-    hands out the last blocks of each sequence first: under the causal mask they see the most keys,
-    so the long programs start in the first wave and the short ones fill in behind them."""
+    batch, get an empty block). The owner is found by binary search over ``first``. (Handing out
+    the longest causal blocks first measured no faster on the H200: bench/RESULTS.md, issue 25.)"""
     pid = tl.program_id(0)
-    if REVERSE:
-        pid = tl.num_programs(0) - 1 - pid
     lo = pid * 0  # int32 scalars carried by the loop: the owner is in [lo, hi)
     hi = lo + num_seqs
     while hi - lo > 1:
@@ -708,9 +705,8 @@ def paged_attention_prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_ALIBI: tl.constexpr = False,
-    REVERSE: tl.constexpr = True,
 ):
-    seq, q_block = _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q, REVERSE)
+    seq, q_block = _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q)
     kvh = tl.program_id(1)
     q_start, ctx_before, tok, heads, row_mask, lo, hi = _prefill_rows(
         query_start_loc_ptr, seq_lens_ptr, seq, q_block, kvh, num_queries_per_kv, sliding_window,
@@ -773,11 +769,11 @@ class AttentionConfig:
     decode_block_n: int | None = None
     decode_num_warps: int = 4
     decode_num_stages: int = 2
-    prefill_block_m: int = 64
+    # Prefill tiles; None: ``_prefill_launch`` picks by device and the step's longest prompt chunk.
+    prefill_block_m: int | None = None
     prefill_block_n: int | None = None
-    prefill_num_warps: int | None = None  # None: 8 for head_dim > 64 (no spills on sm80), else 4
-    prefill_num_stages: int = 2
-    prefill_reverse: bool = True  # hand out each sequence's last (longest) query blocks first
+    prefill_num_warps: int | None = None
+    prefill_num_stages: int | None = None
     min_split_tokens: int = 256  # no split shorter than this many keys
     decode_packed: bool = True  # fp8 / int8 caches: read 4 codes a 32-bit word (see the packed kernel)
 
@@ -870,13 +866,34 @@ def _check_quant_scales(quant: int, k_scale: object, v_scale: object) -> None:
         raise ValueError("an int8 KV cache needs k_scale and v_scale")
 
 
-def _prefill_launch(cfg: AttentionConfig, group: int, head_dim: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_Q, BLOCK_N, num_warps)`` of a prefill launch: ``BLOCK_M`` rows are
-    ``BLOCK_Q`` tokens times the ``group`` query heads of one KV head."""
-    block_m = max(cfg.prefill_block_m, triton.next_power_of_2(group))
-    block_n = cfg.prefill_block_n or (32 if head_dim > 128 else 64)
-    num_warps = cfg.prefill_num_warps or (8 if head_dim > 64 else 4)
-    return block_m, block_m // group, block_n, num_warps
+# Prefill tiles measured on the H200 (bench/attention_prefill.py --sweep, bench/RESULTS.md, issue 25):
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for chunks of at least / under LONG_PREFILL tokens.
+HOPPER_LONG_PREFILL = (128, 128, 8, 3)
+HOPPER_SHORT_PREFILL = (128, 32, 4, 2)
+LONG_PREFILL = 512
+HOPPER_SHARED = 200 * 1024  # the long tiles keep ~160 KB of K/V stages in shared memory
+
+
+def _prefill_launch(
+    cfg: AttentionConfig,
+    group: int,
+    head_dim: int,
+    max_query_len: int | None = None,
+    device: torch.device | None = None,
+) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_Q, BLOCK_N, num_warps, num_stages)`` of a prefill launch: ``BLOCK_M`` rows are
+    ``BLOCK_Q`` tokens times the ``group`` query heads of one KV head. Head dims up to 128 on a card
+    with Hopper's shared memory take the measured tiles (given ``max_query_len``); elsewhere (Ampere,
+    Ada, the int4 kernel, CPU) the earlier tiles: 64 rows, 64 keys (32 past head dim 128), 8 warps
+    past head dim 64 (no spills on sm80), 2 stages. Fields of ``cfg`` that are set win."""
+    tuned = None
+    shared = kdevice.max_shared(device) if device is not None else None
+    if max_query_len is not None and head_dim <= 128 and shared is not None and shared >= HOPPER_SHARED:
+        tuned = HOPPER_LONG_PREFILL if max_query_len >= LONG_PREFILL else HOPPER_SHORT_PREFILL
+    m, n, w, st = tuned or (64, 32 if head_dim > 128 else 64, 8 if head_dim > 64 else 4, 2)
+    block_m = max(cfg.prefill_block_m or m, triton.next_power_of_2(group))
+    block_n = cfg.prefill_block_n or n
+    return block_m, block_m // group, block_n, cfg.prefill_num_warps or w, cfg.prefill_num_stages or st
 
 
 def prefill_grid_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -1042,7 +1059,9 @@ def paged_attention(
     run_decode = max_query_len == 1 or num_seqs > 1
     run_prefill = max_query_len > 1
     if run_prefill:
-        block_m, block_q, block_n, prefill_warps = _prefill_launch(cfg, group, head_dim)
+        block_m, block_q, block_n, prefill_warps, prefill_stages = _prefill_launch(
+            cfg, group, head_dim, max_query_len, query.device
+        )
         grid = (prefill_grid_blocks(num_tokens, num_seqs, block_q), num_kv_heads)
         paged_attention_prefill_kernel[grid](
             out,
@@ -1065,7 +1084,6 @@ def paged_attention(
             *cache_args,
             KV_QUANT=quant,
             USE_ALIBI=use_alibi,
-            REVERSE=cfg.prefill_reverse,
             SKIP_DECODE=run_decode,
             DOT_F32=_INTERPRET,
             BLOCK_M=block_m,
@@ -1073,7 +1091,7 @@ def paged_attention(
             BLOCK_N=block_n,
             BLOCK_D=block_d,
             num_warps=prefill_warps,
-            num_stages=cfg.prefill_num_stages,
+            num_stages=prefill_stages,
         )
     if run_decode:
         num_splits = _decode_num_splits(cfg, num_splits, num_seqs, num_kv_heads, max_seq_len, window, query.device)

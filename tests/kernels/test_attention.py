@@ -483,3 +483,20 @@ def test_reference_store_kv_refuses_quantized_caches_and_skips_pad_rows():
     assert cache.view(8, 8)[[1, 6]].eq(1).all() and cache.view(8, 8)[[0, 2, 3, 4, 5, 7]].eq(0).all()
     with pytest.raises(ValueError, match="needs scales"):
         reference.store_kv(key, key, cache.to(torch.int8), cache.to(torch.int8), torch.tensor([0, 1, 2]))
+
+
+def test_prefill_tiles_follow_the_device_and_the_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hopper-sized shared memory takes the tiles measured on the H200 (long chunks: 128 x 128 keys, 8
+    warps, 3 stages); smaller cards, head dims past 128 and callers without a chunk length keep the
+    earlier tiles; set fields of the config win."""
+    from quant_kernels import device as kdevice
+
+    cfg, cuda = AttentionConfig(), torch.device("cuda", 0)
+    monkeypatch.setattr(kdevice, "max_shared", lambda device: 227 * 1024)
+    assert attention_triton._prefill_launch(cfg, 5, 128, 4096, cuda) == (128, 25, 128, 8, 3)
+    assert attention_triton._prefill_launch(cfg, 5, 128, 224, cuda) == (128, 25, 32, 4, 2)
+    assert attention_triton._prefill_launch(cfg, 5, 256, 4096, cuda) == (64, 12, 32, 8, 2)
+    assert attention_triton._prefill_launch(cfg, 5, 128) == (64, 12, 64, 8, 2)  # the int4 kernel's
+    assert attention_triton._prefill_launch(AttentionConfig(prefill_block_n=16), 1, 64, 4096, cuda)[2] == 16
+    monkeypatch.setattr(kdevice, "max_shared", lambda device: 99 * 1024)  # sm86 / sm89
+    assert attention_triton._prefill_launch(cfg, 5, 128, 4096, cuda) == (64, 12, 64, 8, 2)
