@@ -27,11 +27,14 @@ Kernels
   per code, and the head dim is processed as 4 interleaved slices (4 partial ``tl.dot``s), so
   codes are never re-interleaved. 2x faster than byte-wise reads on an H200 (bench/RESULTS_attention.md).
 ``paged_attention_prefill_kernel``: sequences with several new tokens over a paged prefix
-  (chunked prefill, prefix-cache hits, plain prefill). Grid ``(num_seqs, q_blocks,
-  num_kv_heads)``: a program's ``BLOCK_M`` rows are ``BLOCK_Q = BLOCK_M // G`` consecutive
-  new tokens times the ``G`` query heads of one KV head (GQA packing: K/V read once per KV
-  head), iterating key tiles from the window start to its last query position, with the
-  causal (and sliding-window) mask per row. The new tokens' K/V are read from the cache, so
+  (chunked prefill, prefix-cache hits, plain prefill). Flat grid ``(num_tokens // BLOCK_Q +
+  num_seqs, num_kv_heads)`` over the query blocks that exist (``_prefill_work_item``: a program
+  finds its sequence by binary search over ``query_start_loc``; decode sequences of a mixed batch
+  cost one empty program each, not a row of them): a program's ``BLOCK_M`` rows are ``BLOCK_Q =
+  BLOCK_M // G`` consecutive new tokens times the ``G`` query heads of one KV head (GQA packing:
+  K/V read once per KV head), iterating key tiles from the window start to its last query
+  position; tiles wholly before the block's first query position skip the mask, the rest apply
+  the causal (and sliding-window) mask per row. Tiles by device and chunk length: ``_prefill_launch``. The new tokens' K/V are read from the cache, so
   ``store_kv`` runs first (as in the reference).
 
 The kernels of this module and of ``attention_int4_triton`` share their index, mask and softmax
