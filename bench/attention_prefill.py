@@ -36,6 +36,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.attention import graph_of  # noqa: E402 - the same capture as the decode benchmark
 from quant_kernels import reference, reference_kv_quant  # noqa: E402
 from quant_kernels.attention_triton import AttentionConfig, paged_attention  # noqa: E402
 
@@ -82,17 +83,6 @@ def bench_us(fn) -> float:
         fn()
         return (time.perf_counter() - t0) * 1e6
     return do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
-
-
-def graph_of(fn):
-    if DEVICE != "cuda":
-        return fn
-    fn()  # compile and warm outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

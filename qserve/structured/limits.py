@@ -124,7 +124,8 @@ def check_logit_bias(entries: int) -> None:
         raise _over("logit_bias entries", entries, MAX_LOGIT_BIAS_ENTRIES, "MAX_LOGIT_BIAS_ENTRIES")
 
 
-# Where a schema keeps its subschemas (everything else under a schema is data: walked for depth only).
+# Where a schema keeps its subschemas (everything else under a schema is data: walked for depth only);
+# schema_rewrite walks the same places.
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_ONE = (

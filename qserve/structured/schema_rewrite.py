@@ -19,24 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from qserve.structured.limits import _SCHEMA_LISTS, _SCHEMA_MAPS, _SCHEMA_ONE  # where subschemas live
+
 INTEGER_DIGITS = 16  # digits of an integer whose schema does not bound it (llama.cpp's choice)
 INT64_MAX = 2**63 - 1  # xgrammar refuses integer bounds past int64
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_ONE = (
-    "items",
-    "additionalItems",
-    "additionalProperties",
-    "not",
-    "if",
-    "then",
-    "else",
-    "contains",
-    "propertyNames",
-    "unevaluatedItems",
-    "unevaluatedProperties",
-)
 _SAFE_STRING = r'^[^\x00-\x1f"\\\ud800-\udfff]{%d,%s}$'
 
 
