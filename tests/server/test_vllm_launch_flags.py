@@ -103,7 +103,7 @@ def test_root_path_and_cors_reach_uvicorn_and_the_app(checkpoints, monkeypatch):
     from qserve.server.draining_server import DrainingServer
 
     started = {}
-    monkeypatch.setattr(DrainingServer, "run", lambda self: started.setdefault("server", self))
+    monkeypatch.setattr(DrainingServer, "run", lambda self, sockets=None: started.setdefault("server", self))
     args = serve_args(checkpoints["llama"], "--device", "cpu", "--root-path", "/llm", "--enable-auto-tool-choice")
     assert serve_command.run(args) == 0
     server = started["server"]
