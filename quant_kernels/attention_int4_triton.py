@@ -317,7 +317,7 @@ def paged_attention_int4_prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_DH: tl.constexpr,
 ):
-    seq, q_block = _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q)
+    seq, q_block = _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q, True)
     kvh = tl.program_id(1)
     q_start, ctx_before, tok, heads, row_mask, lo, hi = _prefill_rows(
         query_start_loc_ptr, seq_lens_ptr, seq, q_block, kvh, num_queries_per_kv, sliding_window,

@@ -157,15 +157,18 @@ def _split_row(seq, heads, split, num_queries_per_kv, num_splits):
 
 
 @triton.jit
-def _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr):
+def _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr, REVERSE: tl.constexpr):
     """``(seq, q_block)`` of this program on the flat prefill grid axis 0. Sequence ``s`` owns the
     programs ``[first(s), first(s + 1))`` with ``first(s) = query_start_loc[s] // BLOCK_Q + s``:
     at least ``cdiv(q_len, BLOCK_Q)`` of them whatever the alignment of its first token, so a grid
     of ``num_tokens // BLOCK_Q + num_seqs`` programs covers every query block of every sequence
     without the host knowing the lengths (surplus programs, and one per decode sequence of a mixed
-    batch, get an empty block). The owner is found by binary search over ``first``. (Handing out
-    the longest causal blocks first measured no faster on the H200: bench/RESULTS.md, issue 25.)"""
+    batch, get an empty block). The owner is found by binary search over ``first``. ``REVERSE``
+    hands out the last (longest causal) blocks first: the order ``pytest -m gpu`` passed with; grid
+    order measured as fast (bench/RESULTS.md, issue 25) and becomes the default once it has passed too."""
     pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
     lo = pid * 0  # int32 scalars carried by the loop: the owner is in [lo, hi)
     hi = lo + num_seqs
     while hi - lo > 1:
@@ -708,8 +711,9 @@ def paged_attention_prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_ALIBI: tl.constexpr = False,
+    REVERSE: tl.constexpr = True,
 ):
-    seq, q_block = _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q)
+    seq, q_block = _prefill_work_item(query_start_loc_ptr, num_seqs, BLOCK_Q, REVERSE)
     kvh = tl.program_id(1)
     q_start, ctx_before, tok, heads, row_mask, lo, hi = _prefill_rows(
         query_start_loc_ptr, seq_lens_ptr, seq, q_block, kvh, num_queries_per_kv, sliding_window,
@@ -886,12 +890,14 @@ def _prefill_launch(
 ) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_Q, BLOCK_N, num_warps, num_stages)`` of a prefill launch: ``BLOCK_M`` rows are
     ``BLOCK_Q`` tokens times the ``group`` query heads of one KV head. Head dims up to 128 on a card
-    with Hopper's shared memory take the measured tiles (given ``max_query_len``); elsewhere (Ampere,
+    with Hopper's shared memory take the measured tiles (given ``max_query_len``) under
+    ``QSERVE_PREFILL_TILES=h200`` (opt-in: not yet through ``pytest -m gpu``); elsewhere (Ampere,
     Ada, the int4 kernel, CPU) the earlier tiles: 64 rows, 64 keys (32 past head dim 128), 8 warps
     past head dim 64 (no spills on sm80), 2 stages. Fields of ``cfg`` that are set win."""
     tuned = None
     shared = kdevice.max_shared(device) if device is not None else None
-    if max_query_len is not None and head_dim <= 128 and shared is not None and shared >= HOPPER_SHARED:
+    measured = os.environ.get("QSERVE_PREFILL_TILES") == "h200"  # opt-in until pytest -m gpu passes with them
+    if measured and max_query_len is not None and head_dim <= 128 and shared is not None and shared >= HOPPER_SHARED:
         tuned = HOPPER_LONG_PREFILL if max_query_len >= LONG_PREFILL else HOPPER_SHORT_PREFILL
     m, n, w, st = tuned or (64, 32 if head_dim > 128 else 64, 8 if head_dim > 64 else 4, 2)
     block_m = max(cfg.prefill_block_m or m, triton.next_power_of_2(group))
@@ -1087,6 +1093,7 @@ def paged_attention(
             *cache_args,
             KV_QUANT=quant,
             USE_ALIBI=use_alibi,
+            REVERSE=True,
             SKIP_DECODE=run_decode,
             DOT_F32=_INTERPRET,
             BLOCK_M=block_m,
