@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "SamplingParams",
     "PoolingParams",
     "StructuredOutputsParams",
@@ -21,6 +22,7 @@ __version__ = "0.1.0"  # the package version (pyproject.toml reads it)
 
 if TYPE_CHECKING:
     from qserve.engine.llm import LLM
+    from qserve.lora.request import LoRARequest
     from qserve.outputs import CompletionOutput, RequestOutput
     from qserve.pooling_params import PoolingParams
     from qserve.sampling_params import SamplingParams
@@ -32,6 +34,10 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy imports keep `import qserve` 
         from qserve.engine.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from qserve.lora.request import LoRARequest
+
+        return LoRARequest
     if name == "PoolingParams":
         from qserve.pooling_params import PoolingParams
 

@@ -48,6 +48,9 @@ class Request:
     tenant: str | None = None  # who sent it (API key's tenant); the scheduler shares seats by tenant weight
     # An embedding request: the runner returns its last prompt token's final hidden state.
     pooling: bool = False
+    # The LoRA adapter it runs with (qserve.lora: the id the engine's adapter registry gave it;
+    # None: the base model). Keys its prefix-cache blocks and counts toward max_loras per step.
+    lora_id: int | None = None
     # Prefix-cache hashes of this sequence's full blocks, filled lazily by the prefix cache.
     block_hashes: list[int] = field(default_factory=list)
 

@@ -32,6 +32,14 @@ memory; vLLM V0's names): the engine gives the runner a host KV pool and the sch
 per-token prefill cost is measured on the synchronous steps). Swapped requests resume without
 recomputing, so their prompt logprobs are not sent again. It works in both step orders: the
 copies are stream-ordered with the steps (docs/async_scheduling.md). Not with tensor parallelism.
+
+LoRA (``EngineConfig.enable_lora``, vLLM's names; off by default, and then nothing here changes): the
+engine holds a ``LoRAManager`` (qserve.lora.slots) whose slots the runner fills per step; a request
+names its adapter with a ``LoRARequest`` (read from its directory the first time, or registered
+before with ``add_lora``); each of its sequences holds a reference to the adapter until it finishes,
+so ``remove_lora`` never pulls an adapter from under a running request. The scheduler keeps the
+distinct adapters of the running requests within ``max_loras``. With LoRA on, decode runs eagerly
+(no CUDA graphs) for now, and the adapters' slots are set aside in the memory plan.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import per_rank_config
 from qserve.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, TokenStrings
 from qserve.engine.stop_checker import StopResult, check_stop
+from qserve.lora.request import LoRAConfig, LoRARequest
 from qserve.memory.planner import (
     GPU_DEFAULT_FRACTION,
     MemoryPlan,
@@ -119,11 +128,22 @@ class EngineConfig:
     # a host pool of swap_space GiB (pinned on CUDA) and back; "auto" swaps where that is cheaper.
     preemption_mode: str = "recompute"
     swap_space: float = 4.0  # GiB of host memory for swapped KV (allocated only when not "recompute")
+    # LoRA adapters (vLLM's names): slots on the device, the largest rank, adapters kept in host memory.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         check_preemption_mode(self.preemption_mode)
+        if self.enable_lora:
+            self.lora_config  # noqa: B018 - checks the limits now
         if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+
+    @property
+    def lora_config(self) -> LoRAConfig:
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
 
 @dataclass(eq=False)
@@ -248,6 +268,13 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp=tp)
         rank_config = per_rank_config(self.model_config, 1 if tp is None else tp.size)  # this rank's heads
+        self.lora_manager = None
+        if config.enable_lora:
+            if tp is not None:
+                raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
+            from qserve.lora.slots import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, config.lora_config, self.dtype, self.device)
         # Checked before the weights load: a missing tokenizer is a quick, clear error.
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         # id -> token strings, shared by all sequences
@@ -313,16 +340,20 @@ class Engine:
             watermark=ADMISSION_WATERMARK,
             watermark_per_running=ADMISSION_WATERMARK_PAGES_PER_RUNNING,
             async_scheduling=config.async_scheduling and tp is None,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         if kv_caches is None:
             kv_caches = allocate_kv_caches(rank_config, num_blocks, cache.block_size, kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.model_config, kv_caches, cache.block_size, self.device, config.seed)
+        self.runner.lora_manager = self.lora_manager
         if self.tokenizer is not None:  # model rows past the tokenizer's ids (Qwen's padding) are never sampled
             self.runner.set_valid_vocab_size(num_token_ids(self.tokenizer))
         self.swap_cost: SwapCost | None = None
         if config.preemption_mode != "recompute":
             self._enable_swap(config.preemption_mode, config.swap_space, kv_caches)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and config.enable_lora:
+            logger.info("enable_lora: decode runs eagerly (no CUDA graphs with LoRA yet)")
+        elif self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         if self.device.type == "cuda":  # compile / tune what the first requests would otherwise wait for
             from qserve.runner.warmup import warm_up
@@ -446,9 +477,11 @@ class Engine:
 
     def _plan_memory(self, activation_bytes: int, max_model_len: int) -> MemoryPlan:
         """KV pages from the budget minus the weights as loaded and the measured activation peak."""
+        lora_bytes = 0 if self.lora_manager is None else self.lora_manager.nbytes
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
-            weights = torch.cuda.memory_allocated(self.device)  # the model is all that is allocated yet
+            # the model (and the LoRA slots, counted apart) is all that is allocated yet
+            weights = torch.cuda.memory_allocated(self.device) - lora_bytes
         else:
             total = None
             weights = weight_bytes(
@@ -467,6 +500,7 @@ class Engine:
             max_num_seqs=self.config.max_num_seqs,
             activation_bytes=activation_bytes or None,
             tensor_parallel_size=self._tensor_parallel_size,
+            lora_bytes=lora_bytes,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -507,8 +541,10 @@ class Engine:
         return list(token_ids)
 
     def validate_request(
-        self, prompt: PromptInput, params: SamplingParams | PoolingParams
+        self, prompt: PromptInput, params: SamplingParams | PoolingParams, lora_request: LoRARequest | None = None
     ) -> tuple[str | None, list[int]]:
+        if lora_request is not None:
+            self._check_lora_request(lora_request)
         if isinstance(params, PoolingParams):
             params.verify(self.model_config.hidden_size)
             params = POOLING_STEP_PARAMS
@@ -545,6 +581,52 @@ class Engine:
             self.grammar_compiler.compile(params.structured_outputs)  # GrammarError (a ValueError) if bad
         return text, token_ids
 
+    # ------------------------------------------------------------------------------------------
+    # LoRA adapters
+    # ------------------------------------------------------------------------------------------
+
+    def _check_lora_request(self, lora_request: LoRARequest) -> None:
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora_manager is None:
+            raise ValueError(
+                f"lora_request: adapter {lora_request.lora_name!r} given, but LoRA is not enabled "
+                "(LLM(..., enable_lora=True) / qserve serve --enable-lora)"
+            )
+        known = self.lora_manager.request_of(lora_request.lora_name)
+        if known is not None and known.lora_path != lora_request.lora_path:
+            raise ValueError(
+                f"lora_request: adapter {lora_request.lora_name!r} is loaded from {known.lora_path}, not "
+                f"{lora_request.lora_path}; unload it first to load another path under that name"
+            )
+
+    def add_lora(self, lora_request: LoRARequest) -> int:
+        """Register an adapter (read and checked now; ValueError naming the field if it cannot be
+        served); returns its id. Registering a name again with the same path changes nothing."""
+        self._check_lora_request(lora_request)
+        assert self.lora_manager is not None
+        return self.lora_manager.add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unregister an adapter (False if unknown); requests already running with it finish with it."""
+        return self.lora_manager is not None and self.lora_manager.remove(lora_name)
+
+    def list_loras(self) -> list[str]:
+        return [] if self.lora_manager is None else self.lora_manager.names()
+
+    def lora_stats(self) -> tuple[list[str], list[str]]:
+        """(adapters of running requests, adapters of waiting ones), by name (never the base model)."""
+        manager = self.lora_manager
+        if manager is None:
+            return [], []
+        scheduler = self.scheduler
+
+        def names(requests: Any) -> list[str]:
+            ids = dict.fromkeys(r.lora_id for r in requests if r.lora_id is not None)
+            return [manager.name_of(i) for i in ids]
+
+        return names(scheduler.running), names(scheduler.waiting)
+
     def add_request(
         self,
         request_id: str,
@@ -552,16 +634,19 @@ class Engine:
         params: SamplingParams | PoolingParams,
         *,
         tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request (``tenant``: whose it is, for the scheduler's shares). Raises ValueError
-        for bad input; nothing else is disturbed then. With ``PoolingParams`` it is an embedding
-        request: its output carries ``embedding`` and no generated tokens."""
+        """Queue a request (``tenant``: whose it is, for the scheduler's shares; ``lora_request``: the
+        adapter it runs with, loaded now if it is new). Raises ValueError for bad input; nothing else
+        is disturbed then. With ``PoolingParams`` it is an embedding request: its output carries
+        ``embedding`` and no generated tokens."""
         pooling = params if isinstance(params, PoolingParams) else None
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{index}" for index in range(params.n)]
         taken = [i for i in [request_id, *seq_ids] if i in self._groups or i in self._sequences]
         if taken:  # checked up front: a half-added request would run under an id that was refused
             raise ValueError(f"request_id {request_id!r} is already in use (as {taken[0]!r})")
-        text, token_ids = self.validate_request(prompt, params)
+        text, token_ids = self.validate_request(prompt, params, lora_request)
+        lora_id = None if lora_request is None else self.add_lora(lora_request)
         if pooling is not None:
             params = POOLING_STEP_PARAMS
         group = _Group(request_id, text, token_ids, params, pooling=pooling)
@@ -579,6 +664,7 @@ class Engine:
                 arrival_index=next(self._arrival),
                 tenant=tenant,
                 pooling=pooling is not None,
+                lora_id=lora_id,
             )
             sequence = _Sequence(
                 request,
@@ -603,6 +689,8 @@ class Engine:
         for sequence in group.sequences:
             self.scheduler.add_request(sequence.request)
             self._sequences[sequence.request.request_id] = (group, sequence)
+            if lora_id is not None:  # released when the group is collected finished (_collect_outputs)
+                self.lora_manager.acquire(lora_id)
         self._groups[request_id] = group
 
     def abort_request(self, request_id: str) -> None:
@@ -661,6 +749,8 @@ class Engine:
                 for sequence in group.sequences:
                     sequences.pop(sequence.request.request_id, None)
                     self._grammar_matchers.remove(sequence.request.request_id)
+                    if sequence.request.lora_id is not None:
+                        self.lora_manager.release(sequence.request.lora_id)
         return outputs
 
     def _step_async(self, finished_only: bool) -> list[RequestOutput]:

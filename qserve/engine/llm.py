@@ -3,7 +3,8 @@
 
 Knows: how to feed a batch of prompts through an ``Engine`` and return outputs in input order,
 how chat conversations become prompts through the tokenizer's chat template, and the optional
-progress bar (``use_tqdm``, as vLLM). Must not know: anything the engine does not expose.
+progress bar (``use_tqdm``, as vLLM), and LoRA adapters per prompt (``lora_request``: one for every
+prompt or one per prompt, vLLM's argument). Must not know: anything the engine does not expose.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from qserve.engine.engine import Engine, EngineConfig, PromptInput
+from qserve.lora.request import LoRARequest
 from qserve.model.hub import resolve_model_path
 from qserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from qserve.pooling_params import PoolingParams
@@ -42,6 +44,10 @@ class LLM:
         preemption_mode: str = "recompute",
         swap_space: float = 4.0,
         revision: str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=resolve_model_path(str(model), revision),  # a Hub id (org/name): its cached snapshot
@@ -62,6 +68,10 @@ class LLM:
             async_scheduling=async_scheduling,
             preemption_mode=preemption_mode,
             swap_space=swap_space,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
         # tensor_parallel_size > 1: this process is rank 0 and drives; the other ranks are
         # spawned processes (qserve.distributed.launcher), stopped by shutdown() or at exit.
@@ -145,20 +155,23 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         All requests are validated before any is queued, so a bad one raises ValueError and
         leaves the engine as it was. ``use_tqdm`` shows a progress bar of finished requests
-        (as vLLM; it writes to stderr).
+        (as vLLM; it writes to stderr). ``lora_request``: the adapter of every prompt, or one per
+        prompt (None: the base model); needs ``enable_lora=True``.
         """
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | PoolingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -173,13 +186,23 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
                 )
-        for prompt, params in zip(prompts, params_list):
-            self.engine.validate_request(prompt, params)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"got {len(loras)} lora_request for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        for prompt, params, lora in zip(prompts, params_list, loras):
+            self.engine.validate_request(prompt, params, lora)
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):  # adapters read (and checked) now
+            self.engine.add_lora(lora)
         request_ids = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, lora in zip(prompts, params_list, loras):
             request_id = f"llm-{self._counter}"
             self._counter += 1
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, lora_request=lora)
             request_ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)

@@ -6,6 +6,10 @@ hands it ready tensors (dense ``[N_shard, K]`` in torch orientation) or ``Packed
 
 A fused layer (qkv, gate_up) has several output shards concatenated along N, in the order of
 ``output_sizes``; ``shard_id`` indexes that list.
+
+LoRA (``qserve.lora``): a layer may hold adapter slots (``lora``, set by ``LoRAManager``); a forward
+given the step's ``LoRAIndices`` adds each row's adapter to the base output. Without indices (LoRA
+off, or no row of the step uses an adapter) the forward is the base layer's alone.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quant_kernels import lora_ops
 from quant_kernels.layout import PackedQuantWeight
 
 
@@ -90,6 +95,7 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=params_dtype), requires_grad=False)
         else:
             self.bias = None
+        self.lora = None  # qserve.lora.slots.LoRALayerWeights when LoRA is enabled
         method.create_weights(self)
 
     def shard_range(self, shard_id: int) -> tuple[int, int]:
@@ -112,5 +118,11 @@ class Linear(nn.Module):
     def process_after_loading(self) -> None:
         self.method.process_after_loading(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, K] -> [num_tokens, N]
-        return self.method.apply(self, x, self.bias)
+    def forward(
+        self, x: torch.Tensor, lora: lora_ops.LoRAIndices | None = None
+    ) -> torch.Tensor:  # [num_tokens, K] -> [num_tokens, N]
+        y = self.method.apply(self, x, self.bias)
+        if lora is not None and self.lora is not None:
+            w = self.lora
+            y = lora_ops.add_lora(y, x, w.a, w.b, w.slice_starts, lora)
+        return y

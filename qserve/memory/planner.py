@@ -203,6 +203,7 @@ class MemoryPlan:
     max_model_len: int
     max_concurrent_sequences: int  # at max_model_len
     concurrent_sequences_at: dict[int, int] = field(default_factory=dict)
+    lora_bytes: int = 0  # LoRA adapter slots on the device (--enable-lora: max_loras x every adapted layer)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -214,6 +215,7 @@ class MemoryPlan:
             f"weights           {self.weights_bytes / gib:8.2f} GiB",
             f"activation peak   {self.activation_bytes / gib:8.2f} GiB",
             f"overheads         {self.overhead_bytes / gib:8.2f} GiB",
+            *([f"LoRA slots        {self.lora_bytes / gib:8.2f} GiB"] if self.lora_bytes else []),
             f"KV cache          {self.kv_cache_bytes / gib:8.2f} GiB  ({self.kv_cache_dtype}, "
             f"{self.kv_bytes_per_token / 1024:.1f} KiB/token)",
             f"KV pages          {self.num_kv_blocks} x {self.block_size} tokens = {self.kv_tokens} tokens",
@@ -237,8 +239,9 @@ def make_plan(
     activation_bytes: int | None = None,
     overhead_bytes: int | None = None,
     tensor_parallel_size: int = 1,
+    lora_bytes: int = 0,
 ) -> MemoryPlan:
-    """KV pages = budget - weights - activation peak - overheads. Refuses a budget that cannot
+    """KV pages = budget - weights - activation peak - overheads (- LoRA slots). Refuses a budget that cannot
     hold one request at ``max_model_len`` and names the largest context that fits.
 
     With ``tensor_parallel_size > 1`` everything is per rank: the budget is one device's,
@@ -256,7 +259,7 @@ def make_plan(
     if overhead_bytes is None:
         overhead_bytes = cuda_graph_bytes_estimate(config, max_num_seqs, dtype)
     per_token = kv_bytes_per_token(config, kv_cache_dtype, dtype)
-    kv_budget = budget_bytes - weights_bytes - activation_bytes - overhead_bytes
+    kv_budget = budget_bytes - weights_bytes - activation_bytes - overhead_bytes - lora_bytes
     num_blocks = max(kv_budget, 0) // (per_token * block_size)
     kv_tokens = num_blocks * block_size
     blocks_per_seq = math.ceil(max_model_len / block_size)
@@ -283,6 +286,7 @@ def make_plan(
         concurrent_sequences_at={
             ctx: num_blocks // math.ceil(ctx / block_size) for ctx in REPORT_CONTEXTS if ctx <= max_model_len
         },
+        lora_bytes=lora_bytes,
     )
 
 

@@ -30,6 +30,7 @@ from qserve.layers.rotary import RotaryEmbedding, interleaved_permutation, num_n
 from qserve.runner.attn_metadata import AttentionMetadata
 from quant_kernels import elementwise_ops
 from quant_kernels.layout import PackedQuantWeight
+from quant_kernels.lora_ops import LoRAIndices
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ _FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# qserve fused module name -> the HF sub-modules of its output slices, in order (LoRA maps adapters' per-
+# projection matrices onto these slices).
+FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class Attention(nn.Module):
@@ -101,9 +105,10 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
+        lora: LoRAIndices | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [num_tokens, (H + 2 * Hkv) * D]
+        qkv = self.qkv_proj(hidden, lora) if lora is not None else self.qkv_proj(hidden)  # [T, (H + 2 * Hkv) * D]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -115,6 +120,8 @@ class Attention(nn.Module):
         if rotary is not None:  # None: ALiBi models
             query, key = rotary(positions, query, key, metadata.ntk_tables)
         out = self.attn(query, key, value, kv_cache, metadata)  # [num_tokens, H, D]
+        if lora is not None:
+            return self.o_proj(out.reshape(num_tokens, q_size), lora)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
 
@@ -206,7 +213,10 @@ class MLP(nn.Module):
             prefix=f"{prefix}.down_proj",
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def forward(self, hidden: torch.Tensor, lora: LoRAIndices | None = None) -> torch.Tensor:  # [T, hidden]
+        if lora is not None:  # LoRA rows in this step (qserve.lora); the base path is unchanged below
+            gate_up = self.gate_up_proj(hidden, lora)
+            return self.down_proj(elementwise_ops.silu_and_mul(gate_up), lora)
         gate_up = self.gate_up_proj(hidden)  # [num_tokens, 2 * intermediate (this rank's)]
         return self.down_proj(elementwise_ops.silu_and_mul(gate_up))
 
@@ -239,6 +249,7 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
+        lora: LoRAIndices | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp_out, residual)``; the caller's next norm adds them. Carrying the residual
         this way lets each add ride inside the following norm's kernel."""
@@ -246,11 +257,11 @@ class DecoderLayer(nn.Module):
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn_out = self.self_attn(positions, normed, rotary, kv_cache, metadata)
+        attn_out = self.self_attn(positions, normed, rotary, kv_cache, metadata, lora)
         if self.post_self_attn_layernorm is not None:
             attn_out = self.post_self_attn_layernorm(attn_out)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        mlp_out = self.mlp(normed)
+        mlp_out = self.mlp(normed, lora)
         if self.post_mlp_layernorm is not None:
             mlp_out = self.post_mlp_layernorm(mlp_out)
         return mlp_out, residual
@@ -299,11 +310,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         positions: torch.Tensor,  # int64 [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (key, value) pair per layer
         metadata: AttentionMetadata,
+        lora: LoRAIndices | None = None,  # each row's adapter slot (qserve.lora); None: the base model only
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.model.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, self.rotary, kv_cache, metadata)
+            hidden, residual = layer(positions, hidden, residual, self.rotary, kv_cache, metadata, lora)
         if residual is None:  # a model without layers
             return self.model.norm(hidden)
         return self.model.norm.add_and_norm(hidden, residual)[0]

@@ -19,6 +19,11 @@ Pooling (embedding requests, ``ScheduledSequence.pooling``): a step that compute
 sequence's last prompt token returns that token's final hidden state (float32) in
 ``RunnerOutput.hidden_states``; such a step runs eagerly (a decode graph returns logits only).
 
+LoRA (``enable_lora``): with a ``LoRAManager`` set, a step whose sequences use adapters puts them in
+device slots and passes each row's slot to the model (``LoRAIndices``, the forward's explicit
+argument); such a step runs eagerly. A step with no adapter row, and every step without a manager,
+runs exactly as before.
+
 Swap preemption: a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` are copied by the
 ``KVSwapper`` (``enable_swap``) at the start of ``launch``, before anything of the step's forward
 is enqueued (qserve.runner.kv_swap says why that order is enough, with or without a step in flight).
@@ -45,6 +50,7 @@ from qserve.runner.sampler import (
     pending_output_slots,
 )
 from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprobs
+from quant_kernels.lora_ops import LoRAIndices
 from quant_kernels.reference_kv_int4 import cache_head_size
 
 
@@ -178,6 +184,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed, valid_vocab_size=valid_vocab_size)
         self.decode_graphs: DecodeGraphs | None = None
         self.kv_swapper: KVSwapper | None = None  # swap preemption's host pool (enable_swap)
+        self.lora_manager = None  # qserve.lora.slots.LoRAManager (enable_lora)
         # Qwen v1 dynamic NTK: how many rotary tables the model holds (1: none to pick from).
         self.num_ntk_tables = getattr(getattr(model, "rotary", None), "num_ntk_tables", 1)
 
@@ -283,9 +290,16 @@ class ModelRunner:
             if seq.pooling and seq.start_position + seq.num_new_tokens == len(seq.prompt_token_ids)
         ]
 
+        lora = None
+        if self.lora_manager is not None:  # None unless some sequence of the step uses an adapter
+            lora = self.lora_manager.prepare([seq.lora_id for seq in sequences], counts)
         graphs = self.decode_graphs
         needs_hidden = bool(prompt_rows or pool_rows)
-        if graphs is not None and uses_decode_graph(graphs, is_decode, len(sample_rows), num_seqs, needs_hidden):
+        if (
+            graphs is not None
+            and lora is None
+            and uses_decode_graph(graphs, is_decode, len(sample_rows), num_seqs, needs_hidden)
+        ):
             block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
             sample_logits = graphs.replay(input_ids, positions, slots, block_tables, ntk_tables, pending=pending)
             prompt_hidden = pooled = None
@@ -304,6 +318,7 @@ class ModelRunner:
                 ntk_tables,
                 pending,
                 [row for row, _ in pool_rows],
+                lora,
             )
         if pooled is not None:  # enqueued before the sampled ids' event: ready with them
             pooled = ([rid for _, rid in pool_rows], self._to_host(pooled))
@@ -336,6 +351,7 @@ class ModelRunner:
         ntk_tables: np.ndarray | None = None,
         pending: tuple[torch.Tensor, torch.Tensor] | None = None,
         pool_rows: list[int] | None = None,
+        lora: LoRAIndices | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """(sampling rows' logits, prompt-logprob rows' hidden states, ``pool_rows``' hidden states
         as float32); each None when there are no such rows."""
@@ -353,11 +369,13 @@ class ModelRunner:
         input_ids_t = _to_device(np.array(input_ids, dtype=np.int64), device)  # [T]
         if pending is not None:  # tokens sampled by the step in flight, straight from the device
             input_ids_t.index_copy_(0, *pending)
+        lora_kwargs = {} if lora is None else {"lora": lora}  # no adapter row: the call is the base model's
         hidden = self.model(
             input_ids_t,  # [T] int64
             _to_device(positions, device),  # [T] int64
             self.kv_caches,
             metadata,
+            **lora_kwargs,
         )  # [T, hidden]
         sample_logits = prompt_hidden = None
         if len(sample_rows) == len(input_ids):  # every token is sampled (pure decode): no gather

@@ -41,6 +41,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.owner = owner
         self.hash_seed = owner_seed(owner)
+        self._lora_seeds: dict[int, int] = {}  # LoRA adapter id -> its chain's seed (see _seed)
         self._tables: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of the table already in the index
         # Prefix-cache statistics (tokens), for metrics.
@@ -66,6 +67,17 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     # ---------------------------------------------------------------- prefix cache
+    def _seed(self, request: Request) -> int:
+        """The hash chain's start: the owner's, or, for a request on a LoRA adapter, one of that
+        adapter's own (its KV differs from the base model's for the same tokens, so two adapters, or an
+        adapter and the base, never share a cached block; a re-loaded adapter gets a new id)."""
+        if request.lora_id is None:
+            return self.hash_seed
+        seed = self._lora_seeds.get(request.lora_id)
+        if seed is None:
+            seed = self._lora_seeds[request.lora_id] = owner_seed(f"{self.owner}\x00lora:{request.lora_id}")
+        return seed
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks: (block ids, number of tokens they hold).
 
@@ -77,7 +89,7 @@ class KVCacheManager:
             return [], 0
         if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
             return [], 0
-        hashes = update_block_hashes(request, self.block_size, self.hash_seed)
+        hashes = update_block_hashes(request, self.block_size, self._seed(request))
         hit = find_longest_cache_hit(self.pool, hashes, max_cache_hit_blocks(request.num_tokens, self.block_size))
         num_hit_tokens = len(hit) * self.block_size
         self.num_prefix_queries += request.num_tokens
@@ -95,7 +107,7 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= num_cached:
             return
-        hashes = update_block_hashes(request, self.block_size, self.hash_seed)
+        hashes = update_block_hashes(request, self.block_size, self._seed(request))
         events = self.pool.kv_events
         if events is not None:
             self._cache_blocks_with_events(request, table, hashes, num_cached, num_full, events)

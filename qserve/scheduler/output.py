@@ -24,6 +24,7 @@ class ScheduledSequence:
     sampling_params: Any  # SamplingParams
     sample: bool  # this chunk reaches the last known token: sample the next one
     pooling: bool = False  # an embedding request: return the last prompt token's final hidden state
+    lora_id: int | None = None  # its LoRA adapter (Request.lora_id); None: the base model
 
     def input_token_ids(self) -> list[int]:
         """The token ids at positions [start_position, start_position + num_new_tokens)."""

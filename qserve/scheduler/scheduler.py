@@ -72,6 +72,7 @@ class Scheduler:
         watermark: float = 0.0,
         watermark_per_running: int = 0,
         async_scheduling: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be a fraction of the KV pages in [0, 1), got {watermark}")
@@ -90,6 +91,10 @@ class Scheduler:
         self.watermark = watermark
         self.watermark_per_running = watermark_per_running
         self.async_scheduling = async_scheduling
+        # LoRA (None: off): at most this many distinct adapters among the running requests, so every
+        # step's adapters fit the device slots. A waiting request on another adapter waits; requests
+        # behind it that fit (the base model, a running adapter) go ahead of it.
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue()  # FCFS; preempted requests re-enter at the front; O(1) removal
         self.running: list[Request] = []  # sorted by arrival_index: the newest is last
@@ -337,6 +342,10 @@ class Scheduler:
                 request = self._next_waiting(running_by_tenant)
                 if request is None:
                     break  # every waiting tenant is at its seat cap
+                if self.max_loras is not None and not self._lora_fits(request):
+                    request = next((r for r in self.waiting if self._lora_fits(r)), None)
+                    if request is None:
+                        break  # every waiting request needs an adapter slot the running ones hold
                 if request.num_output_placeholders:
                     break  # preempted while its last step was in flight: its token lands after this step
                 if request.num_tokens > max_num_tokens:  # more blocks than this model can ever hold
@@ -452,6 +461,13 @@ class Scheduler:
         return with_new_token
 
     # ---------------------------------------------------------------- helpers
+    def _lora_fits(self, request: Request) -> bool:
+        """Admitting it keeps the running requests' distinct adapters within ``max_loras``."""
+        if request.lora_id is None:
+            return True
+        active = {r.lora_id for r in self.running if r.lora_id is not None}
+        return request.lora_id in active or len(active) < self.max_loras
+
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
         return ScheduledSequence(
@@ -464,6 +480,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             sample=start + num_new == request.num_tokens + request.num_output_placeholders,
             pooling=request.pooling,
+            lora_id=request.lora_id,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -1,0 +1,247 @@
+"""Multi-LoRA through the engine (CPU, tiny models): each adapter equals the dequantized base with the
+adapter merged into it, a batch mixing adapters and the base equals each request run alone, slots and
+host copies swap LRU, prefix caching never crosses adapters, adapters load and unload while requests
+run, and unservable adapters are refused with a message naming the field.
+
+One GPTQ 4-bit engine (float32 compute, so the only differences to the float reference are
+summation order) serves 5 adapters with ``max_loras=4`` slots and ``max_cpu_loras=4`` host copies:
+a batch of all of them makes the scheduler hold the fifth back, a slot change hands it one, and one
+adapter is read again from its directory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qserve import LLM, LoRARequest, SamplingParams
+from tests.helpers.lora_adapters import merged_state_dict, projection_shapes, write_peft_adapter
+from tests.helpers.quant_packers import gptq_config, quantize_state_dict, write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+SHAPES = projection_shapes(64, 128, 4, 2, 16)
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# name -> (targets, rank, alpha, rsLoRA, only these layers)
+ADAPTERS = {
+    "all-r8": (ALL, 8, 16, False, None),
+    "qv-r4": (("q_proj", "v_proj"), 4, 8, False, None),
+    "mlp-r16-rs": (("gate_proj", "up_proj", "down_proj"), 16, 32, True, None),
+    "attn-r2": (("k_proj", "o_proj"), 2, 4, False, (1,)),
+    "up-r8": (("up_proj", "q_proj"), 8, 8, False, None),
+}
+PROMPTS = [[(7 * i + 3 * j + 1) % 256 for i in range(10 + 3 * j)] for j in range(7)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(LLM, {name: LoRARequest}, {name: reference HF model}, base reference)"""
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SMALL)
+    config.architectures = ["LlamaForCausalLM"]
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    state = {k: v for k, v in model.state_dict().items() if "rotary_emb" not in k}
+    qm = quantize_state_dict(state, "gptq", group_size=32)
+    config_dict = config.to_dict() | {"quantization_config": gptq_config(4, 32, sym=True), "torch_dtype": "float32"}
+    config_dict.pop("dtype", None)
+    write_checkpoint(root / "base", config_dict, qm.tensors)
+    dequant = {k: v for k, v in qm.tensors.items() if k in state}
+    dequant.update({f"{m}.weight": w for m, w in qm.dequant.items()})
+    references, requests = {}, {}
+    for i, (name, (targets, rank, alpha, rs, layers)) in enumerate(ADAPTERS.items()):
+        written = write_peft_adapter(
+            root / name, SHAPES, 2, targets=targets, rank=rank, alpha=alpha, use_rslora=rs, seed=i, layers=layers
+        )
+        ref = transformers.LlamaForCausalLM(config).float().eval()
+        ref.load_state_dict(merged_state_dict(dequant, written), strict=False)
+        references[name] = ref
+        requests[name] = LoRARequest(name, i + 1, str(root / name))
+    base = transformers.LlamaForCausalLM(config).float().eval()
+    base.load_state_dict(dequant, strict=False)
+    references[None] = base
+    llm = LLM(
+        str(root / "base"),
+        device="cpu",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+        max_cpu_loras=4,
+        num_kv_blocks=64,
+        max_num_seqs=16,
+    )
+    return llm, requests, references, root
+
+
+def _reference(model, prompt: list[int], max_tokens: int) -> tuple[list[float], list[int]]:
+    """(prompt logprobs of tokens 1.., greedy tokens) of an HF model."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0].double(), -1)
+        prompt_lp = [logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+        for _ in range(max_tokens):
+            next_id = model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return prompt_lp, ids[0, len(prompt) :].tolist()
+
+
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+
+
+def _prompt_lp(output) -> list[float]:
+    return [next(iter(pos.values())).logprob for pos in output.prompt_logprobs[1:]]
+
+
+@pytest.mark.slow
+def test_mixed_batch_matches_merged_reference_and_solo_runs(setup) -> None:
+    llm, requests, references, _ = setup
+    names = [*ADAPTERS, None, None]
+    loras = [None if n is None else requests[n] for n in names]
+    mixed = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False, lora_request=loras)
+    for prompt, name, lora, out in zip(PROMPTS, names, loras, mixed):
+        want_lp, want_tokens = _reference(references[name], prompt, PARAMS.max_tokens)
+        assert out.outputs[0].token_ids == want_tokens, name
+        assert max(abs(a - b) for a, b in zip(_prompt_lp(out), want_lp)) < 2e-4, name
+        (solo,) = llm.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False, lora_request=lora)
+        assert solo.outputs[0].token_ids == out.outputs[0].token_ids, name
+        assert max(abs(a - b) for a, b in zip(_prompt_lp(solo), _prompt_lp(out))) < 1e-5, name
+    manager = llm.engine.lora_manager
+    assert len(manager.resident_names()) == 4  # five adapters went through four slots
+    assert (
+        manager.nbytes
+        == 4 * 2 * (3 * 16 * 64 + 128 * 16 + 16 * 64 + 64 * 16 + 2 * 16 * 64 + 256 * 16 + 16 * 128 + 64 * 16) * 4
+    )
+
+
+def test_adapters_change_outputs(setup) -> None:
+    """A control for the equalities above: each adapter's logprobs differ from the base model's
+    (one prompt under every adapter and the base, in one batch)."""
+    llm, requests, _, _ = setup
+    loras = [None, *(requests[name] for name in ADAPTERS)]
+    base, *outs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0]}] * len(loras), PARAMS, use_tqdm=False, lora_request=loras
+    )
+    for name, out in zip(ADAPTERS, outs):
+        assert max(abs(a - b) for a, b in zip(_prompt_lp(out), _prompt_lp(base))) > 1e-3, name
+
+
+def test_prefix_cache_is_keyed_by_adapter(setup) -> None:
+    llm, requests, _, _ = setup
+    prompt = {"prompt_token_ids": [(11 * i + 5) % 256 for i in range(40)]}  # two full blocks of 16
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    a, b = requests["all-r8"], requests["qv-r4"]
+    first = llm.generate(prompt, params, use_tqdm=False, lora_request=a)[0]
+    assert first.num_cached_tokens == 0
+    assert llm.generate(prompt, params, use_tqdm=False, lora_request=b)[0].num_cached_tokens == 0
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0  # the base model
+    again = llm.generate(prompt, params, use_tqdm=False, lora_request=a)[0]
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_load_and_unload_while_requests_run(setup) -> None:
+    """Requests on an adapter removed mid-generation finish with it; a new adapter loaded mid-run
+    serves at once; nobody is lost and every output equals its undisturbed run."""
+    llm, requests, _, root = setup
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    late = LoRARequest("late", 99, str(root / "up-r8"))
+    work = [("r0", PROMPTS[1], requests["qv-r4"]), ("r1", PROMPTS[2], None), ("r2", PROMPTS[3], requests["qv-r4"])]
+    for rid, prompt, lora in work:
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params, lora_request=lora)
+    outputs = {}
+    for step in range(200):
+        if step == 2:
+            assert engine.remove_lora("qv-r4")
+            assert "qv-r4" not in engine.list_loras()
+            engine.add_lora(late)
+            engine.add_request("r3", {"prompt_token_ids": PROMPTS[4]}, params, lora_request=late)
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(outputs) == ["r0", "r1", "r2", "r3"]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs.values())
+    assert engine.lora_manager.lookup("qv-r4") is None
+    solo = [(PROMPTS[1], requests["qv-r4"], "r0"), (PROMPTS[2], None, "r1"), (PROMPTS[4], late, "r3")]
+    for prompt, lora, rid in solo:
+        (want,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, lora_request=lora)
+        assert outputs[rid].outputs[0].token_ids == want.outputs[0].token_ids, rid
+    engine.remove_lora("late")
+
+
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        ({"use_dora": True}, "'use_dora'"),
+        ({"r": 32}, "'r'"),
+        ({"bias": "all"}, "'bias'"),
+        ({"modules_to_save": ["lm_head"]}, "'modules_to_save'"),
+        ({"peft_type": "IA3"}, "'peft_type'"),
+        ({"rank_pattern": {"q_proj": 4}}, "'rank_pattern'"),
+    ],
+)
+def test_unservable_adapter_config_refused(setup, tmp_path, extra, field) -> None:
+    llm, requests, _, _ = setup
+    rank = extra.get("r", 4)
+    write_peft_adapter(tmp_path, SHAPES, 2, targets=("q_proj",), rank=rank, alpha=8, config_extra=extra)
+    before = llm.engine.list_loras()
+    with pytest.raises(ValueError, match=field):
+        llm.generate(
+            {"prompt_token_ids": PROMPTS[0]}, PARAMS, use_tqdm=False, lora_request=LoRARequest("bad", 50, str(tmp_path))
+        )
+    assert llm.engine.list_loras() == before and not llm.engine.has_unfinished_requests()
+
+
+def test_wrong_base_and_target_refused(setup, tmp_path) -> None:
+    llm, _, _, _ = setup
+    wide = dict(SHAPES) | {"q_proj": (96, 64)}  # trained on a base with hidden size 96
+    write_peft_adapter(tmp_path / "wide", wide, 2, targets=("q_proj",), rank=4, alpha=8)
+    with pytest.raises(ValueError, match=r"q_proj\.lora_A has shape \(4, 96\).*wrong base model.*tiny-test-base"):
+        llm.engine.add_lora(LoRARequest("wide", 60, str(tmp_path / "wide")))
+    head = write_peft_adapter(tmp_path / "head", SHAPES, 2, targets=("q_proj",), rank=4, alpha=8)
+    assert head
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "head" / "adapter_model.safetensors"))
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
+    tensors["base_model.model.lm_head.lora_B.weight"] = torch.zeros(256, 4)
+    save_file(tensors, str(tmp_path / "head" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"'target_modules' includes 'lm_head'"):
+        llm.engine.add_lora(LoRARequest("head", 61, str(tmp_path / "head")))
+    with pytest.raises(ValueError, match="lora_request.lora_int_id"):
+        LoRARequest("x", 0, str(tmp_path))
+    with pytest.raises(ValueError, match="not a directory"):
+        llm.engine.add_lora(LoRARequest("missing", 62, str(tmp_path / "nope")))
+
+
+def test_lora_off_refuses_lora_request(tiny_checkpoints) -> None:
+    llm = LLM(tiny_checkpoints["LlamaForCausalLM"][1], device="cpu", dtype="float32", num_kv_blocks=16)
+    assert llm.engine.lora_manager is None and llm.engine.runner.lora_manager is None
+    with pytest.raises(ValueError, match="lora_request: .*LoRA is not enabled"):
+        llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False, lora_request=LoRARequest("a", 1, "/x"))
+
+
+def test_rslora_scale() -> None:
+    from qserve.lora.peft import check_adapter_config
+
+    assert check_adapter_config({"r": 16, "lora_alpha": 32}, None, 16) == (16, 2.0)
+    assert check_adapter_config({"r": 16, "lora_alpha": 32, "use_rslora": True}, None, 16) == (16, 32 / math.sqrt(16))
