@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from qserve.commands.lora_flags import check_lora_flags, register_lora_flags, register_lora_modules
 from qserve.commands.vllm_flags import check_quantization, cors_config, register_vllm_flags
 from qserve.model.hub import add_revision_argument, is_hub_id, resolve_model_path
 from qserve.scheduler.swap import PREEMPTION_MODES, check_tensor_parallel_preemption  # pure Python, no torch
@@ -142,6 +143,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="most pages of the pool model NAME may hold (fraction of the pool); repeatable",
     )
     _register_hardening(parser)
+    register_lora_flags(parser)
     register_worker_flags(parser)
     register_vllm_flags(parser)
 
@@ -429,6 +431,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         except (ValueError, FileNotFoundError) as err:
             raise type(err)(f"model {name!r}: {err}") from err
         check_quantization(getattr(args, "quantization", None), checked.spec.method, name)
+    lora_modules = check_lora_flags(args, names, tensor_parallel_size)
     min_shares = parse_shares(args.min_share, "--min-share", names)
     max_shares = parse_shares(args.max_share, "--max-share", names)
     specs = [ModelSpec(name, path, min_shares.get(name), max_shares.get(name)) for name, path in pairs]
@@ -448,6 +451,10 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         async_scheduling=args.async_scheduling,
         preemption_mode=preemption_mode,
         swap_space=getattr(args, "swap_space", 4.0),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
     )
 
     def kv_events(engines: dict) -> object | None:
@@ -474,6 +481,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         from qserve.server.generation_config import load_sampling_defaults
 
         host = build()
+        register_lora_modules(host, lora_modules)
         for spec in specs:  # worker flags that shape the front end, per model
             hosted = host.models[spec.name]
             hosted.sampling_defaults = load_sampling_defaults(generation_config, spec.path)

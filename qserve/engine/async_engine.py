@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qserve.engine.engine import Engine, EngineConfig, PromptInput, resolve_device, resolve_dtype
+from qserve.lora.request import LoRARequest
 from qserve.outputs import RequestOutput
 from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
@@ -130,6 +131,7 @@ class RequestItem:
     prompt: PromptInput
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
     tenant: str | None = None  # the API key's tenant (the scheduler shares seats by tenant)
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass(eq=False)
@@ -329,11 +331,13 @@ class AsyncEngine:
                     raise EngineDeadError("the engine is shutting down")
                 hosted.check_queue(sum(item.params.n for item in items), self.retry_after_s)
                 for item in items:  # validate all before queuing any
-                    hosted.engine.validate_request(item.prompt, item.params)
+                    hosted.engine.validate_request(item.prompt, item.params, item.lora_request)
                 added: list[str] = []
                 try:
                     for item in items:
                         extra = {"tenant": item.tenant} if item.tenant is not None else {}
+                        if item.lora_request is not None:
+                            extra["lora_request"] = item.lora_request
                         hosted.engine.add_request(item.request_id, item.prompt, item.params, **extra)
                         added.append(item.request_id)
                 except BaseException:
@@ -357,6 +361,47 @@ class AsyncEngine:
                     self.abort(model, item.request_id)
             raise
         return stream
+
+    async def _on_step_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the step thread (between steps) and return its result or raise its error."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def command() -> None:
+            if not done.set_running_or_notify_cancel():
+                return
+            try:
+                done.set_result(fn())
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                done.set_exception(err)
+
+        self._commands.put(command)
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
+    async def add_lora(self, model: str, lora_request: LoRARequest) -> int:
+        """Register a LoRA adapter with ``model``'s engine (read and checked on the step thread, between
+        steps: running requests go on); ValueError naming the field if it cannot be served."""
+        hosted = self.get_model(model)
+        return await self._on_step_thread(lambda: hosted.engine.add_lora(lora_request))
+
+    async def remove_lora(self, model: str, lora_name: str) -> bool:
+        """Unregister an adapter of ``model`` (False if unknown); its running requests finish with it."""
+        hosted = self.get_model(model)
+        return await self._on_step_thread(lambda: hosted.engine.remove_lora(lora_name))
+
+    def lora_info(self) -> dict[str, dict[str, Any]]:
+        """Per model with LoRA enabled: ``max_lora`` and the adapters of its running and waiting
+        requests (read from the step thread's state; approximate, as ``stats``)."""
+        result = {}
+        for name, hosted in self.models.items():
+            engine = hosted.engine
+            if getattr(engine, "lora_manager", None) is None:
+                continue
+            running, waiting = engine.lora_stats()
+            result[name] = {"max_lora": engine.config.max_loras, "running": running, "waiting": waiting}
+        return result
 
     def abort(self, model: str, request_id: str) -> None:
         """Abort a request; its pages are freed before the next step. Safe to call twice."""
@@ -585,6 +630,11 @@ class HostConfig:
     # whole process, split evenly between the hosted models.
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
+    # LoRA adapters (EngineConfig's fields, vLLM's names), for every hosted model.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
@@ -669,6 +719,10 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
             async_scheduling=config.async_scheduling,
             preemption_mode=config.preemption_mode,
             swap_space=config.swap_space / len(models),
+            enable_lora=config.enable_lora,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras,
         )
         engines[m.name] = Engine(
             engine_config, block_pool=pool.block_pool, owner=m.name, kv_caches=pool.kv_caches(m.name)
@@ -694,6 +748,8 @@ def build_tensor_parallel_engine(
     check_tensor_parallel_preemption(config.preemption_mode, tensor_parallel_size, "--preemption-mode")
     if model.min_share is not None or model.max_share is not None:
         raise ValueError(f"model {model.name!r}: pool shares need a shared pool; a tensor-parallel model has its own")
+    if config.enable_lora:
+        raise ValueError("--enable-lora: LoRA adapters are not supported with tensor parallelism")
     engine_config = EngineConfig(
         model=model.path,
         device=config.device,
@@ -726,6 +782,7 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
         GPU_DEFAULT_FRACTION,
         activation_bytes_estimate,
         cuda_graph_bytes_estimate,
+        lora_slot_bytes,
         parse_memory_budget,
         weight_bytes,
     )
@@ -750,7 +807,11 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
         activation_bytes_estimate(s.config, tokens, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes)
     )
     overhead = 64 << 20
-    if not config.enforce_eager:  # decode CUDA graphs: their pool and logits buffer, per model
+    if config.enable_lora:  # every model's adapter slots (and no decode graphs: LoRA runs eagerly)
+        overhead += sum(
+            lora_slot_bytes(s.config, config.max_loras, config.max_lora_rank, d) for s, d in zip(specs, act_dtypes)
+        )
+    elif not config.enforce_eager:  # decode CUDA graphs: their pool and logits buffer, per model
         overhead = sum(cuda_graph_bytes_estimate(s.config, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes))
     kv_bytes = budget - weights - activations - overhead
     if kv_bytes <= 0:

@@ -42,6 +42,10 @@ _REFUSED_WHEN_SET = {
     "layer_replication": "layer_replication is not supported",
     "use_qalora": "QA-LoRA (use_qalora) is not supported",
     "lora_bias": "LoRA biases (lora_bias) are not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "target_parameters": "LoRA on parameters (target_parameters) is not supported; only on linear layers",
+    "trainable_token_indices": "trainable embedding tokens (trainable_token_indices) are not supported",
+    "arrow_config": "Arrow routing (arrow_config) is not supported",
 }
 
 

@@ -138,6 +138,15 @@ SAMPLER_BYTES_PER_LOGIT = 37 + 16 + 4
 PROMPT_LOGPROBS_BYTES_PER_LOGIT = 5 + 3 + 4
 
 
+def lora_slot_bytes(config: ModelConfig, max_loras: int, max_lora_rank: int, dtype: torch.dtype) -> int:
+    """Device bytes of the LoRA adapter slots (``--enable-lora``): per decoder layer and slot, each of
+    qkv / o / gate_up / down holds ``A`` ``[slices * R, K]`` and ``B`` ``[N, R]`` (qserve.lora.slots)."""
+    h, d, inter, r = config.hidden_size, config.head_dim, config.intermediate_size, max_lora_rank
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    per_layer = (3 * r * h + (q + 2 * kv) * r) + (r * q + h * r) + (2 * r * h + 2 * inter * r) + (r * inter + h * r)
+    return config.num_layers * max_loras * per_layer * torch.empty((), dtype=dtype).element_size()
+
+
 def sampling_bytes(config: ModelConfig, num_sample_rows: int, num_prompt_rows: int, dtype: torch.dtype) -> int:
     """Peak transient bytes of one step after the decoder layers: the sampled rows' float32
     logits (the LM head's model-dtype output and its float32 copy exist together for a moment),

@@ -1,7 +1,8 @@
 """The FastAPI app: which API surfaces it serves, the API-key check, OpenAI-shaped errors, lifespan.
 
 Knows: the API surfaces, each a module with its own ``router`` (``completions``, ``chat``,
-``models``, ``tokenize``, ``responses``, ``embeddings``: behind the API key; ``admin``: ``/health``, ``/ping``, ``/version``,
+``models``, ``tokenize``, ``responses``, ``embeddings``, and ``lora_routes`` when runtime LoRA
+updates are allowed: behind the API key; ``admin``: ``/health``, ``/ping``, ``/version``,
 ``/metrics``, open or gated by the guard middleware), the middleware (``X-Request-Id``; the
 drain's in-flight count and 503s), how errors of every kind (pydantic validation,
 ``ServingError``, unknown routes, bugs) become OpenAI's ``{"error": {...}}`` body, and the
@@ -29,7 +30,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qserve.engine.async_engine import AsyncEngine, Listeners
-from qserve.server import admin, chat, completions, models, route_support, tokenize
+from qserve.server import admin, chat, completions, lora_routes, models, route_support, tokenize
 from qserve.server.body_gate import BodyGate
 from qserve.server.cors import CorsConfig, add_cors
 from qserve.server.drain import FLUSH_TIMEOUT_S, DrainMiddleware, DrainState
@@ -92,7 +93,10 @@ class AppState:
         self.host = host
 
     def apply_sampling_defaults(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        hosted = self.host.models.get(body.model) if self.host is not None else None
+        name = body.model
+        if self.serving is not None and name in self.serving.lora_models:  # an adapter: its base's defaults
+            name = self.serving.lora_models[name].host_name
+        hosted = self.host.models.get(name) if self.host is not None else None
         if hosted is not None and hosted.sampling_defaults:
             apply_sampling_defaults(body, hosted.sampling_defaults)
 
@@ -286,6 +290,8 @@ def create_app(
         app.include_router(router)
     for router in KEYED_ROUTERS:
         app.include_router(router, dependencies=[Depends(require_api_key)])
+    if lora_routes.runtime_updates_allowed():  # vLLM's switch: the adapter routes exist only then
+        app.include_router(lora_routes.router, dependencies=[Depends(require_api_key)])
     # The Responses and Embeddings surfaces register themselves (their own modules).
     api = dict(require_api_key=require_api_key, serving=route_support.serving, respond=route_support.respond,
                tenant_of=route_support.tenant_of)  # fmt: skip

@@ -72,7 +72,7 @@ def _inputs(raw: Any) -> list[str | list[int]]:
 
 
 def _hidden_size(serving: OpenAIServing, model: ServedModel) -> int:
-    return serving.host.models[model.name].engine.model_config.hidden_size
+    return serving.host.models[model.host_name].engine.model_config.hidden_size
 
 
 async def create_embedding(
@@ -94,7 +94,7 @@ async def create_embedding(
         params.verify(_hidden_size(serving, model))
     except ValueError as err:
         raise bad_request(str(err), "dimensions") from err
-    serving._check_queue(model.name, len(items))  # noqa: SLF001
+    serving._check_queue(model.host_name, len(items))  # noqa: SLF001
     prompts: list[_Prompt] = []
     for i, item in enumerate(items):
         param = "input" if len(items) == 1 else f"input.{i}"

@@ -98,7 +98,8 @@ class _HostCollector(Collector):
         )
         lora_info = GaugeMetricFamily(
             "vllm:lora_requests_info",
-            "LoRA adapters running and waiting (qserve serves none: empty lists); value: time of the scrape.",
+            "LoRA adapters of running and waiting requests (comma-separated; never the base model); value: time "
+            "of the scrape.",
             labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
         families = (running, waiting, usage, gpu_usage, used, total, free, queries, hits, preemptions)
@@ -135,8 +136,12 @@ class _HostCollector(Collector):
                 ],
                 1.0,
             )
-            # No adapters: a base model is not an adapter (it made routers pin it as one).
-            lora_info.add_metric([process_label, "0", "", ""], time.time())
+            # Adapters only: a base model is not an adapter (it made routers pin it as one).
+            loras = host.lora_info() if hasattr(host, "lora_info") else {}
+            max_lora = sum(info["max_lora"] for info in loras.values())
+            running_loras = ",".join(dict.fromkeys(n for info in loras.values() for n in info["running"]))
+            waiting_loras = ",".join(dict.fromkeys(n for info in loras.values() for n in info["waiting"]))
+            lora_info.add_metric([process_label, str(max_lora), running_loras, waiting_loras], time.time())
         yield from families
         yield from (cache_info, lora_info)
 

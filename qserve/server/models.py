@@ -28,6 +28,6 @@ async def retrieve_model(model_id: str, s: OpenAIServing = Depends(serving)) -> 
     for card in s.list_models().data:
         if card.id == model_id:
             return card
-    served = ", ".join(s.models)
+    served = ", ".join([*s.models, *s.lora_models])
     message = f"The model `{model_id}` does not exist. Served models: {served}."
     raise ServingError(404, message, type="NotFoundError", param="model")

@@ -313,6 +313,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "qserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for a base model
     max_model_len: int | None = None
 
 

@@ -15,6 +15,7 @@ Before any work, a request's text and caps are checked (``request_limits``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import re
@@ -152,6 +153,14 @@ class ServedModel:
     grammar_compiler: Any = None  # the engine's GrammarCompiler (thread-safe): validates + warms its cache
     grammar_gate: GrammarGate | None = None  # limits, time-limited compiles in a child process, then the cache
     tool_parser: str = "hermes"  # the auto-mode tool-call format (qserve.server.tools.PARSERS)
+    # A LoRA adapter served under its own name: the hosted (base) model that runs it, and the adapter.
+    base: str | None = None
+    lora_request: Any = None  # qserve.lora.request.LoRARequest
+
+    @property
+    def host_name(self) -> str:
+        """The hosted model that runs it (the base model for an adapter)."""
+        return self.base or self.name
 
 
 class ClosingStream:
@@ -242,19 +251,35 @@ class OpenAIServing:
                 grammar_gate=_grammar_gate(engine),
                 tool_parser=tool_call_parser or detect_parser(getattr(engine.tokenizer, "chat_template", None)),
             )
+        # LoRA adapters by name (qserve.server.lora_routes keeps it current): name -> its ServedModel.
+        self.lora_models: dict[str, ServedModel] = {}
+        for name, hosted in host.models.items():
+            manager = getattr(hosted.engine, "lora_manager", None)
+            for adapter in [] if manager is None else manager.names():
+                self.add_lora_model(name, manager.request_of(adapter))
+
+    def add_lora_model(self, base: str, lora_request: Any) -> None:
+        """Serve an adapter of the hosted model ``base`` under its own name (the base's front end)."""
+        self.lora_models[lora_request.lora_name] = dataclasses.replace(
+            self.models[base], name=lora_request.lora_name, base=base, lora_request=lora_request
+        )
 
     # ------------------------------------------------------------------ models
     def list_models(self) -> ModelList:
         return ModelList(
             # root is the served name, never the checkpoint's filesystem path (it tells clients
-            # nothing they can use and tells attackers about the host).
+            # nothing they can use and tells attackers about the host). An adapter's parent is its base.
             data=[ModelCard(id=m.name, root=m.name, max_model_len=m.max_model_len) for m in self.models.values()]
+            + [
+                ModelCard(id=m.name, root=m.name, parent=m.base, max_model_len=m.max_model_len)
+                for m in self.lora_models.values()
+            ]
         )
 
     def _model(self, name: str) -> ServedModel:
-        model = self.models.get(name)
+        model = self.models.get(name) or self.lora_models.get(name)
         if model is None:
-            served = ", ".join(self.models)  # the names a client can use instead
+            served = ", ".join([*self.models, *self.lora_models])  # the names a client can use instead
             message = f"The model `{clip(name)}` does not exist. Served models: {served}."
             raise ServingError(404, message, type="NotFoundError", param="model")
         return model
@@ -412,8 +437,10 @@ class OpenAIServing:
         return await self._submit_items(model, items, prompt_param)
 
     async def _submit_items(self, model: ServedModel, items: list[RequestItem], prompt_param: str) -> Any:
+        if model.lora_request is not None:  # an adapter: its base model runs it
+            items = [dataclasses.replace(item, lora_request=model.lora_request) for item in items]
         try:
-            return await self.host.submit(model.name, items)
+            return await self.host.submit(model.host_name, items)
         except QueueFullError as err:
             raise ServingError(
                 429,
@@ -498,7 +525,7 @@ class OpenAIServing:
             raise bad_request("max_tokens must be >= 1 (0 is allowed only with echo=true)", "max_tokens")
         if prompt_only and request.stream:
             raise bad_request("max_tokens=0 (echo only) is not supported with stream=true", "stream")
-        self._check_queue(model.name, num_sequences)
+        self._check_queue(model.host_name, num_sequences)
         prompts = await self._completion_prompts(model, request)
         logprobs = request.logprobs
         constraint, constraint_field = self._constraint(request)
@@ -708,7 +735,7 @@ class OpenAIServing:
         model = self._model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        self._check_queue(model.name, num_sequences)
+        self._check_queue(model.host_name, num_sequences)
         try:
             tools = plan_tools(request)
         except ConstraintError as err:

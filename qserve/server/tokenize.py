@@ -54,9 +54,9 @@ def _served_model(s: OpenAIServing, name: str | None) -> ServedModel:
         if len(s.models) == 1:
             return next(iter(s.models.values()))
         raise bad_request(f"model is required: this server serves {', '.join(s.models)}", "model")
-    model = s.models.get(name)
+    model = s.models.get(name) or s.lora_models.get(name)  # an adapter tokenizes as its base model
     if model is None:
-        served = ", ".join(s.models)
+        served = ", ".join([*s.models, *s.lora_models])
         raise ServingError(
             404, f"The model `{name}` does not exist. Served models: {served}.", type="NotFoundError", param="model"
         )
