@@ -4,7 +4,8 @@ Knows: the model shapes qserve is built for (Qwen2.5-14B, Qwen-14B v1, Llama-3-8
 families that add launch variants: Baichuan2-13B's ALiBi, Qwen3's q/k norms), the weight formats
 (GPTQ sym / act-order, AWQ asym, compressed-tensors bf16 scales, group 32 / 64 / 128, 8-bit), the
 KV cache dtypes, and the steps an engine runs (start-up warm-up, the decode CUDA-graph buckets,
-eager decodes at short and long contexts, the W4A16 tuning sweep). Must not know: what any kernel
+eager decodes at short and long contexts, the W4A16 tuning sweep, and with ``QSERVE_LORA_TRITON=1``
+the multi-LoRA steps: a prefill of sequences on two adapters and the base, and mixed decodes). Must not know: what any kernel
 computes (``tests/helpers/kernel_launches.py`` captures and compiles).
 
 Each model is built with one decoder layer at its real dimensions (every layer of a model launches
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -336,6 +338,48 @@ def drive_pdl(capture: Capture, model, config: ModelConfig, label: str) -> None:
         _graph_forwards(capture, model, kv_caches, max_len, DEFAULT_BUCKETS, f"{label} PDL")
 
 
+def drive_lora(capture: Capture, case: ModelCase, model, config: ModelConfig, dtype_name: str) -> None:
+    """``--enable-lora`` with the opt-in Triton kernels (QSERVE_LORA_TRITON=1): two rank-16 adapters on
+    every projection of the layer, a mixed prefill (two adapters and the base) and mixed decodes."""
+    from qserve.lora.request import LoRAConfig, LoRARequest
+    from qserve.lora.slots import LoRAManager
+    from tests.helpers.lora_adapters import projection_shapes, write_peft_adapter
+
+    _, _, kv_caches = _kv_pool(config, model.dtype)
+    manager = LoRAManager(model, LoRAConfig(max_loras=4, max_lora_rank=16), model.dtype, torch.device("cpu"))
+    shapes = projection_shapes(
+        config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim
+    )
+    all_projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with tempfile.TemporaryDirectory(prefix="qserve-lora-") as folder:
+        ids = []
+        for i, rank in enumerate((16, 8)):
+            path = Path(folder) / f"a{i}"
+            write_peft_adapter(path, shapes, config.num_layers, targets=all_projections, rank=rank, alpha=16, seed=i)
+            ids.append(manager.add(LoRARequest(f"a{i}", i + 1, str(path))))
+    runner = ModelRunner(model, config, kv_caches, BLOCK_SIZE, torch.device("cpu"))
+    runner.lora_manager = manager
+    greedy = SamplingParams(temperature=0.0)
+    label = f"{case.name} {dtype_name} LoRA"
+    prefill = [_sequence(f"p{i}", 0, n, -(-n // BLOCK_SIZE), n, greedy) for i, n in enumerate((37, 300, 5))]
+    decode = decode_step(32, 200).sequences
+    with mock.patch.dict(os.environ, {"QSERVE_LORA_TRITON": "1"}):
+        for step_label, sequences, loras in (
+            ("prefill", prefill, [ids[0], ids[1], None]),
+            ("decode batch 32", decode, [ids[i % 2] if i % 3 else None for i in range(32)]),
+            ("decode batch 1", decode[:1], [ids[1]]),
+        ):
+            step = SchedulerOutput(
+                [dataclasses.replace(seq, lora_id=lora) for seq, lora in zip(sequences, loras)],
+                sum(seq.num_new_tokens for seq in sequences),
+            )
+            with where(capture, f"{label} {step_label}"):
+                runner.execute(step)
+    for module in model.modules():  # the model goes on without LoRA
+        if isinstance(module, Linear):
+            module.lora = None
+
+
 def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", "bf16"), log=print) -> Capture:
     """All the launches of ``tier`` (``TIERS``) for ``gpu``; ``log`` gets one line per stage."""
     plan = TIERS[tier]
@@ -355,6 +399,8 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
                         drive_sweep(capture, case, model)
                     if dtype_name in plan["pdl_dtypes"]:
                         drive_pdl(capture, model, config, f"{case.name} {dtype_name}")
+                if case is models[0] and dtype == torch.float16:  # the LoRA kernels (sm90 and the lowest
+                    drive_lora(capture, case, model, config, dtype_name)  # job's sm86 check fp16)
                 del model
                 log(f"{gpu.name}: {case.name} {dtype_name} in {time.perf_counter() - t0:.1f} s, "
                     f"{len(capture.launches)} distinct launches so far, {capture.compile_seconds:.0f} s compiling")  # fmt: skip
