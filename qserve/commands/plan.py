@@ -28,6 +28,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", default=None, help="card size, to resolve a fractional budget (e.g. 24GiB)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="plan one rank of this many")
+    parser.add_argument("--enable-lora", action="store_true", help="set aside LoRA adapter slots (qserve serve's flag)")
+    parser.add_argument("--max-loras", type=int, default=1, help="adapter slots on the device (with --enable-lora)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the rank the slots are sized for")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     import loaders
     from qserve.config import ModelConfig, parse_dtype
-    from qserve.memory.planner import make_plan, parse_memory_budget, weight_bytes
+    from qserve.memory.planner import lora_slot_bytes, make_plan, parse_memory_budget, weight_bytes
 
     config = ModelConfig.from_path(args.model)
     spec = loaders.detect(args.model)
@@ -58,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size,
+        lora_bytes=lora_slot_bytes(config, args.max_loras, args.max_lora_rank, dtype) if args.enable_lora else 0,
     )
     if args.json:
         print(json.dumps({"model": args.model, "format": spec.method, **plan.to_json()}))

@@ -245,3 +245,23 @@ def test_rslora_scale() -> None:
 
     assert check_adapter_config({"r": 16, "lora_alpha": 32}, None, 16) == (16, 2.0)
     assert check_adapter_config({"r": 16, "lora_alpha": 32, "use_rslora": True}, None, 16) == (16, 32 / math.sqrt(16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_triton_path_matches_reference_path(setup, monkeypatch) -> None:
+    """On CUDA (fp16): the engine with the opt-in Triton kernels (QSERVE_LORA_TRITON=1) gives the
+    outputs of the PyTorch reference path, for a batch of five adapters and the base."""
+    _, requests, _, root = setup
+    llm = LLM(
+        str(root / "base"), dtype="float16", skip_tokenizer_init=True, enable_lora=True, max_loras=4, num_kv_blocks=64
+    )
+    names = [*ADAPTERS, None, None]
+    loras = [None if n is None else requests[n] for n in names]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("QSERVE_LORA_TRITON", flag)
+        runs[flag] = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
+    for name, ref, got in zip(names, runs["0"], runs["1"]):
+        assert max(abs(a - b) for a, b in zip(_prompt_lp(got), _prompt_lp(ref))) < 2e-2, name

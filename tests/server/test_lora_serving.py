@@ -121,3 +121,18 @@ def test_lora_module_flags(tmp_path) -> None:
         parse_lora_modules(['{"name": "c", "path": "p", "rank": 4}'])
     with pytest.raises(ValueError, match="--max-loras"):
         check("--enable-lora", "--max-loras", "0")
+
+
+def test_plan_sets_the_slots_aside(checkpoints, capsys) -> None:
+    from qserve.cli import main
+
+    def plan(*extra: str) -> dict:
+        assert main(["plan", checkpoints["llama"], "--gpu-memory-budget", "1GiB", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    base, lora = plan(), plan("--enable-lora", "--max-loras", "4", "--max-lora-rank", "8")
+    per_layer = (
+        3 * 8 * 64 + 128 * 8 + 8 * 64 + 64 * 8 + 2 * 8 * 64 + 256 * 8 + 8 * 128 + 64 * 8
+    )  # A + B of qkv/o/gate_up/down
+    assert base["lora_bytes"] == 0 and lora["lora_bytes"] == 2 * 4 * per_layer * 2  # 2 layers, 4 slots, fp16
+    assert lora["kv_cache_bytes"] <= base["kv_cache_bytes"] - lora["lora_bytes"] + base["kv_bytes_per_token"] * 16
