@@ -95,7 +95,7 @@ def encode_event(event: KVEvent, medium: str) -> list[Any]:
     if isinstance(event, BlockStored):
         parent = None if event.parent_block_hash is None else event.parent_block_hash & _U64
         hashes = [h & _U64 for h in event.block_hashes]
-        return ["BlockStored", hashes, parent, list(event.token_ids), event.block_size, None, medium]
+        return ["BlockStored", hashes, parent, list(event.token_ids), event.block_size, event.lora_id, medium]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", [h & _U64 for h in event.block_hashes], medium]
     if isinstance(event, AllBlocksCleared):

@@ -134,7 +134,9 @@ class KVCacheManager:
                 return
             parent = hashes[run_start - 1] if run_start > 0 else None
             tokens = block_token_ids(request, run_start, stop - run_start, self.block_size)
-            events.record(BlockStored(self.owner, hashes[run_start:stop], parent, tokens, self.block_size))
+            events.record(
+                BlockStored(self.owner, hashes[run_start:stop], parent, tokens, self.block_size, request.lora_id)
+            )
 
         for i in range(first, end):
             stored = self.pool.block_hash(table[i]) is None and self.pool.cache_block(table[i], hashes[i])

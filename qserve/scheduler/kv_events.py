@@ -25,6 +25,7 @@ class BlockStored:
     parent_block_hash: int | None  # the block before the first one (None: the sequence's first block)
     token_ids: list[int]  # every token of those blocks, len == len(block_hashes) * block_size
     block_size: int
+    lora_id: int | None = None  # the LoRA adapter the blocks were computed with (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -176,6 +176,8 @@ def test_load_and_unload_while_requests_run(setup) -> None:
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
+        if step == 1:  # what vllm:lora_requests_info reports: adapters by name, never the base model
+            assert engine.lora_stats() == (["qv-r4"], [])
         if not engine.has_unfinished_requests():
             break
     assert sorted(outputs) == ["r0", "r1", "r2", "r3"]
