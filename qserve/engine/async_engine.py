@@ -131,7 +131,8 @@ class RequestItem:
     prompt: PromptInput
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
     tenant: str | None = None  # the API key's tenant (the scheduler shares seats by tenant)
-    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
+    # The LoRA adapter it runs with (None: the base model); registered with the engine (add_lora) first.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(eq=False)
@@ -332,6 +333,7 @@ class AsyncEngine:
                 hosted.check_queue(sum(item.params.n for item in items), self.retry_after_s)
                 for item in items:  # validate all before queuing any
                     hosted.engine.validate_request(item.prompt, item.params, item.lora_request)
+                    _check_registered(hosted, item.lora_request)
                 added: list[str] = []
                 try:
                     for item in items:
@@ -596,6 +598,14 @@ class AsyncEngine:
             }
             for name, hosted in self.models.items()
         }
+
+
+def _check_registered(hosted: HostedModel, lora_request: LoRARequest | None) -> None:
+    """A submission never loads an adapter (the engine would for an unknown name): one unloaded between
+    the front end's lookup and this step-thread check is refused, not brought back."""
+    manager = getattr(hosted.engine, "lora_manager", None)
+    if lora_request is not None and manager is not None and manager.lookup(lora_request.lora_name) is None:
+        raise ValueError(f"model: the LoRA adapter {lora_request.lora_name!r} is not loaded (it was unloaded)")
 
 
 # ---------------------------------------------------------------------- building engines

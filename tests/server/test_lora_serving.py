@@ -136,3 +136,13 @@ def test_plan_sets_the_slots_aside(checkpoints, capsys) -> None:
     )  # A + B of qkv/o/gate_up/down
     assert base["lora_bytes"] == 0 and lora["lora_bytes"] == 2 * 4 * per_layer * 2  # 2 layers, 4 slots, fp16
     assert lora["kv_cache_bytes"] <= base["kv_cache_bytes"] - lora["lora_bytes"] + base["kv_bytes_per_token"] * 16
+
+
+def test_a_submission_never_reloads_an_unloaded_adapter(served) -> None:
+    from qserve.engine.async_engine import _check_registered
+
+    client, root = served
+    hosted = client.app.state.qserve.host.models["llama"]
+    _check_registered(hosted, LoRARequest("sql", 1, str(root / "sql")))  # registered: fine
+    with pytest.raises(ValueError, match="'gone' is not loaded"):
+        _check_registered(hosted, LoRARequest("gone", 7, str(root / "extra")))
