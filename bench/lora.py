@@ -14,6 +14,13 @@ Per layer and case: ``triton`` µs (shrink + expand, one call of ``lora_ops.add_
 opt-in), ``floor`` µs = bytes the kernels must move (each distinct adapter's A and B once, x read,
 y read and written) / the measured copy bandwidth, and ``floor / triton``. ``--tiny`` is a CPU smoke
 run under ``TRITON_INTERPRET=1`` at toy sizes (wall-clock times, meaningless as performance).
+
+``--e2e`` (issue 30's engine measurements): a Qwen2.5-14B-shaped random GPTQ checkpoint
+(``bench/e2e.py``'s) under ``--budget``, rank-16 random adapters on every projection of every layer
+(4 distinct files, registered under up to 32 names: each name its own slot), decode tok/s at batch 32
+and 128 with 1, 8 and 32 distinct adapters and at batch 1 with one, against the base model with CUDA
+graphs (the default) and eager (LoRA decodes eagerly for now), with and without ``QSERVE_LORA_TRITON``,
+plus the memory plan with the 32 slots set aside. ``--e2e --small`` checks the script on CPU.
 """
 
 from __future__ import annotations
@@ -114,12 +121,99 @@ def run_case(k: int, sizes: list[int], rows: int, distinct: int, per_seq: int, n
     return {"triton_us": triton_us, "reference_us": reference_us, "floor_us": floor_us, "error": error}
 
 
+def e2e(args: argparse.Namespace) -> list[str]:
+    """Engine decode throughput with adapters vs the base model (see the module doc)."""
+    import gc
+    from pathlib import Path
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import e2e as e2e_bench  # bench/e2e.py: the random 14B-shaped checkpoint
+
+    from qserve import LLM, LoRARequest, SamplingParams
+    from tests.helpers.lora_adapters import projection_shapes, write_peft_adapter
+
+    shape = e2e_bench.SMALL if args.small else e2e_bench.QWEN14B
+    tmp = Path(args.tmp)
+    ckpt = tmp / ("small-gptq" if args.small else "qwen14b-gptq")
+    if not (ckpt / "config.json").is_file():
+        e2e_bench.write_random_gptq(ckpt, shape)
+    h, d = shape["hidden"], 128 if shape["hidden"] >= 1024 else shape["hidden"] // shape["heads"]
+    shapes = projection_shapes(h, shape["inter"], shape["heads"], shape["kv_heads"], d)
+    projections = tuple(shapes)
+    files = []
+    for i in range(4):
+        path = tmp / f"lora-r{RANK}-{i}"
+        if not (path / "adapter_config.json").is_file():
+            write_peft_adapter(
+                path, shapes, shape["layers"], targets=projections, rank=RANK, alpha=32, seed=i, std=0.01
+            )
+        files.append(str(path))
+    names = [LoRARequest(f"a{i}", i + 1, files[i % 4]) for i in range(MAX_LORAS)]
+    budget = args.budget if DEVICE == "cuda" else None
+    steps = 4 if args.small else 32
+    batches = (1, 4) if args.small else (1, 32, 128)
+    lines = ["| engine | batch | adapters | decode tok/s |", "|---|---:|---:|---:|"]
+
+    def decode(llm: LLM, batch: int, distinct: int) -> float:
+        engine = llm.engine
+        gen = torch.Generator().manual_seed(batch)
+        params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+        for i in range(batch):
+            ids = torch.randint(3, shape["vocab"], (128,), generator=gen).tolist()
+            lora = names[i % distinct] if distinct else None
+            engine.add_request(f"d{batch}-{distinct}-{i}", {"prompt_token_ids": ids}, params, lora_request=lora)
+        while any(not seq.request.output_token_ids for _, seq in engine._sequences.values()):  # noqa: SLF001
+            engine.step()
+        e2e_bench.sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        e2e_bench.sync()
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        return batch * steps / elapsed
+
+    common = dict(device=DEVICE, gpu_memory_budget=budget, max_model_len=4096, max_num_seqs=256)
+    runs = [("base, CUDA graphs", {}, [0]), ("base, eager", {"enforce_eager": True}, [0])]
+    lora = dict(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
+    runs += [(f"LoRA, {k}", lora | {"_triton": k == "triton"}, [1, 8, 32]) for k in ("reference", "triton")]
+    for label, kwargs, adapter_counts in runs:
+        os.environ[lora_ops.TRITON_ENV] = "1" if kwargs.pop("_triton", False) else "0"
+        llm = LLM(str(ckpt), **common, **kwargs)
+        if llm.engine.memory_plan is not None:
+            lines.insert(0, f"- {label}: plan " + llm.engine.memory_plan.describe().replace("\n", "; "))
+        for batch in batches:
+            for distinct in adapter_counts:
+                if distinct > batch and distinct != adapter_counts[0]:
+                    continue  # batch 1: one adapter
+                tps = decode(llm, batch, min(distinct, batch))
+                lines.append(f"| {label} | {batch} | {min(distinct, batch)} | {tps:.0f} |")
+                print(lines[-1], flush=True)
+        del llm
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the table (Markdown) and the raw JSON beside it")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    parser.add_argument("--e2e", action="store_true", help="engine decode throughput with adapters (issue 30)")
+    parser.add_argument("--small", action="store_true", help="--e2e on a tiny shape (CPU check of the script)")
+    parser.add_argument("--budget", default="24GiB")
+    parser.add_argument("--tmp", default="/tmp/qserve-bench")
     args = parser.parse_args()
+    if args.e2e:
+        text = "\n".join(e2e(args)) + "\n"
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        return
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     tiny = args.tiny or DEVICE == "cpu"
     layers, cases = (TINY_LAYERS, TINY_CASES) if tiny else (LAYERS, CASES)
