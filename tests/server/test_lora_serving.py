@@ -146,3 +146,18 @@ def test_a_submission_never_reloads_an_unloaded_adapter(served) -> None:
     _check_registered(hosted, LoRARequest("sql", 1, str(root / "sql")))  # registered: fine
     with pytest.raises(ValueError, match="'gone' is not loaded"):
         _check_registered(hosted, LoRARequest("gone", 7, str(root / "extra")))
+
+
+def test_serve_flags_register_the_adapters(checkpoints, served) -> None:
+    """``qserve serve --enable-lora --lora-modules ...`` builds engines with LoRA and the adapters."""
+    from qserve.cli import build_parser
+    from qserve.commands.serve import build_host_factory
+
+    _, root = served
+    argv = ["serve", f"llama={checkpoints['llama']}", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "16",
+            "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+            "--lora-modules", f"sql={root / 'sql'}", json.dumps({"name": "x", "path": str(root / "extra")})]  # fmt: skip
+    host = build_host_factory(build_parser(argv).parse_args(argv))()
+    engine = host.models["llama"].engine
+    assert engine.list_loras() == ["sql", "x"] and engine.config.max_loras == 2
+    assert engine.lora_manager.request_of("x").base_model_name == "llama"
