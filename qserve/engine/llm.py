@@ -107,6 +107,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or several (a
         list of such lists); the chat template renders each into a prompt, then as ``generate``."""
@@ -131,20 +132,21 @@ class LLM:
             )
             # The template already has the special tokens it wants: do not add BOS again.
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(
         self,
         prompts: PromptInput | Sequence[PromptInput],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order (vLLM's ``LLM.embed``): the last prompt
         token's final hidden state, L2-normalized unless ``pooling_params.normalize`` is False."""
         params = pooling_params if pooling_params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
-        outputs = self._run(prompts, params, use_tqdm)
+        outputs = self._run(prompts, params, use_tqdm, lora_request)
         return [
             EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding or []), o.prompt_token_ids, o.finished)
             for o in outputs

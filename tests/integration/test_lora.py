@@ -267,3 +267,14 @@ def test_gpu_triton_path_matches_reference_path(setup, monkeypatch) -> None:
         runs[flag] = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
     for name, ref, got in zip(names, runs["0"], runs["1"]):
         assert max(abs(a - b) for a, b in zip(_prompt_lp(got), _prompt_lp(ref))) < 2e-2, name
+
+
+def test_embed_takes_an_adapter(setup) -> None:
+    llm, requests, references, _ = setup
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    base, tuned = llm.embed([prompt, prompt], use_tqdm=False, lora_request=[None, requests["all-r8"]])
+    with torch.no_grad():  # the merged model's last hidden state, L2-normalized
+        hidden = references["all-r8"](torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states[-1][0, -1]
+    want = torch.nn.functional.normalize(hidden.double(), dim=0)
+    torch.testing.assert_close(torch.tensor(tuned.outputs.embedding, dtype=torch.float64), want, atol=1e-4, rtol=0)
+    assert max(abs(a - b) for a, b in zip(base.outputs.embedding, tuned.outputs.embedding)) > 1e-3
