@@ -40,9 +40,15 @@ class LoRAIndices:
     tile_slots: torch.Tensor  # int32 [G]: the tile's slot
 
 
-def build_lora_indices(token_slots: np.ndarray, device: torch.device) -> LoRAIndices:
-    """Indices for a step whose row ``t`` uses slot ``token_slots[t]`` (-1: base). Host numpy, no
-    per-row Python loop; one host-to-device copy per array."""
+def max_lora_tiles(num_rows: int, max_loras: int) -> int:
+    """The most tiles ``num_rows`` rows over at most ``max_loras`` adapters can take (each adapter's
+    rows end in one partial tile): the fixed tile count of a CUDA graph's indices."""
+    return -(-num_rows // TILE_ROWS) + min(max_loras, num_rows)
+
+
+def lora_tiles(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(sorted_rows [T_lora], tile_offsets [G], tile_lens [G], tile_slots [G])`` (int32) of a step
+    whose row ``t`` uses slot ``token_slots[t]`` (-1: base). Host numpy, no per-row Python loop."""
     slots = np.asarray(token_slots, dtype=np.int32)  # [T]
     rows = np.flatnonzero(slots >= 0)  # [T_lora]
     rows = rows[np.argsort(slots[rows], kind="stable")].astype(np.int32)
@@ -55,12 +61,19 @@ def build_lora_indices(token_slots: np.ndarray, device: torch.device) -> LoRAInd
     piece_index = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     offsets = first_piece + piece_index * TILE_ROWS  # [G]
     lens = np.minimum(np.repeat(run_ends, pieces) - offsets, TILE_ROWS)  # [G]
+    as32 = np.int32
+    return rows, offsets.astype(as32), lens.astype(as32), sorted_slots[offsets].astype(as32)
+
+
+def build_lora_indices(token_slots: np.ndarray, device: torch.device) -> LoRAIndices:
+    """Indices for a step whose row ``t`` uses slot ``token_slots[t]`` (-1: base); one host-to-device
+    copy per array."""
 
     def put(array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
         return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
 
-    return LoRAIndices(put(slots), put(rows), put(offsets), put(lens), put(sorted_slots[offsets]))
+    return LoRAIndices(put(token_slots), *(put(a) for a in lora_tiles(token_slots)))
 
 
 def triton_enabled() -> bool:

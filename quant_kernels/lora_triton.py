@@ -7,7 +7,8 @@ lazily (by ``quant_kernels.lora_ops`` on CUDA when ``QSERVE_LORA_TRITON=1``, or 
 ``TRITON_INTERPRET=1``).
 
 Grouping: the rows of a step that use an adapter are sorted by slot (``sorted_rows``) and cut into
-tiles of at most ``TILE_ROWS`` rows of ONE slot (``tile_offsets`` / ``tile_lens`` / ``tile_slots``).
+tiles of at most ``TILE_ROWS`` rows of ONE slot (``tile_offsets`` / ``tile_lens`` / ``tile_slots``);
+a tile of length 0 is padding (a CUDA graph's fixed tile count) and does nothing.
 A tile of a prefill segment is up to 16 consecutive tokens of one sequence; in a decode step the
 rows of every sequence on the same adapter share tiles, so an adapter's A and B are read once per
 16 rows, not once per row (the point of Punica's grouped GEMMs). Rows of the base model are in no
@@ -75,7 +76,8 @@ def lora_shrink_kernel(
     r_mask = r < RANK
     a_rows = (s * RANK + r).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_end = tl.where(count > 0, K, 0)  # an empty tile (a CUDA graph's padding) reads nothing
+    for k0 in range(0, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)

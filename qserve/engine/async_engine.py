@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from qserve.engine.engine import Engine, EngineConfig, PromptInput, resolve_device, resolve_dtype
+from qserve.engine.engine import LORA_GRAPHS_ENV, Engine, EngineConfig, PromptInput, resolve_device, resolve_dtype
 from qserve.lora.request import LoRARequest
 from qserve.outputs import RequestOutput
 from qserve.pooling_params import PoolingParams
@@ -817,12 +817,14 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
         activation_bytes_estimate(s.config, tokens, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes)
     )
     overhead = 64 << 20
-    if config.enable_lora:  # every model's adapter slots (and no decode graphs: LoRA runs eagerly)
+    # LoRA decodes eagerly unless its graphs are opted into (qserve.engine.engine.LORA_GRAPHS_ENV)
+    graphs = not config.enforce_eager and (not config.enable_lora or os.environ.get(LORA_GRAPHS_ENV) == "1")
+    if graphs:  # decode CUDA graphs: their pool and logits buffer, per model
+        overhead = sum(cuda_graph_bytes_estimate(s.config, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes))
+    if config.enable_lora:  # every model's adapter slots
         overhead += sum(
             lora_slot_bytes(s.config, config.max_loras, config.max_lora_rank, d) for s, d in zip(specs, act_dtypes)
         )
-    elif not config.enforce_eager:  # decode CUDA graphs: their pool and logits buffer, per model
-        overhead = sum(cuda_graph_bytes_estimate(s.config, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes))
     kv_bytes = budget - weights - activations - overhead
     if kv_bytes <= 0:
         raise ValueError(

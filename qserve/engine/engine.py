@@ -39,7 +39,8 @@ names its adapter with a ``LoRARequest`` (read from its directory the first time
 before with ``add_lora``); each of its sequences holds a reference to the adapter until it finishes,
 so ``remove_lora`` never pulls an adapter from under a running request. The scheduler keeps the
 distinct adapters of the running requests within ``max_loras``. With LoRA on, decode runs eagerly
-(no CUDA graphs) for now, and the adapters' slots are set aside in the memory plan.
+unless ``QSERVE_LORA_GRAPHS=1`` (opt-in: graphs that take each row's adapter slot as an input), and the
+adapters' slots are set aside in the memory plan.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +103,8 @@ POOLING_STEP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 # (smaller ones are dominated by the step's fixed cost); each measurement moves the estimate by
 # this share of the difference.
 RECOMPUTE_COST_MIN_TOKENS = 64
+# LoRA: decode CUDA graphs that take each row's adapter slot (opt-in; without it LoRA decodes eagerly).
+LORA_GRAPHS_ENV = "QSERVE_LORA_GRAPHS"
 RECOMPUTE_COST_EMA = 0.2
 
 
@@ -352,7 +356,10 @@ class Engine:
         if config.preemption_mode != "recompute":
             self._enable_swap(config.preemption_mode, config.swap_space, kv_caches)
         if self.device.type == "cuda" and not config.enforce_eager and config.enable_lora:
-            logger.info("enable_lora: decode runs eagerly (no CUDA graphs with LoRA yet)")
+            if os.environ.get(LORA_GRAPHS_ENV) == "1":  # opt-in until pytest -m gpu has run with it
+                self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len, max_loras=config.max_loras)
+            else:
+                logger.info("enable_lora: decode runs eagerly (%s=1 captures CUDA graphs with LoRA)", LORA_GRAPHS_ENV)
         elif self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         if self.device.type == "cuda":  # compile / tune what the first requests would otherwise wait for

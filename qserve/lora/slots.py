@@ -179,6 +179,12 @@ class LoRAManager:
     # ---------------------------------------------------------------- per step
     def prepare(self, seq_lora_ids: list[int | None], counts: np.ndarray) -> LoRAIndices | None:
         """The step's indices (None when no row uses an adapter); puts its adapters in slots first."""
+        per_seq = self.assign_slots(seq_lora_ids)
+        return None if per_seq is None else build_lora_indices(np.repeat(per_seq, counts), self.device)
+
+    def assign_slots(self, seq_lora_ids: list[int | None]) -> np.ndarray | None:
+        """int32 ``[S]``: each sequence's slot (-1: the base model), its adapters put in slots first;
+        None when no sequence uses an adapter."""
         wanted = list(dict.fromkeys(i for i in seq_lora_ids if i is not None))
         if not wanted:
             return None
@@ -190,8 +196,7 @@ class LoRAManager:
                 slot_of[lora_id] = self._take_slot(set(wanted))
                 self._load_slot(self._by_id[lora_id], slot_of[lora_id])
             slot_of.move_to_end(lora_id)
-        per_seq = np.fromiter((-1 if i is None else slot_of[i] for i in seq_lora_ids), np.int32, len(seq_lora_ids))
-        return build_lora_indices(np.repeat(per_seq, counts), self.device)
+        return np.fromiter((-1 if i is None else slot_of[i] for i in seq_lora_ids), np.int32, len(seq_lora_ids))
 
     def _take_slot(self, keep: set[int]) -> int:
         if self._free_slots:

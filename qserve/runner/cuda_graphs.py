@@ -5,6 +5,11 @@ token per sequence) into graphs sharing one memory pool, and how to feed a step 
 static buffers. Must not know: scheduling, sampling or the kernels' internals — it only
 relies on the kernels being capture-safe (no host sync, grids fixed by the arguments) and on
 the KV-store kernel skipping negative slots, which pad rows use.
+
+LoRA (``max_loras``, opt-in with ``QSERVE_LORA_GRAPHS=1``): the graphs also take each row's adapter
+slot and the rows' tiles as static inputs (``LoRAIndices`` views of fixed size: pad rows and base rows
+have slot -1, unused tiles length 0), so steps mixing adapters and the base replay the same graph.
+Without ``max_loras`` nothing of this exists and the graphs are exactly the base model's.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 import torch
 
 from qserve.runner.attn_metadata import AttentionMetadata
+from quant_kernels.lora_ops import LoRAIndices, lora_tiles, max_lora_tiles
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +40,7 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        max_loras: int | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -59,6 +66,19 @@ class DecodeGraphs:
         self.logits = torch.empty(max_batch, vocab, dtype=torch.float32, device=device)  # [max_batch, vocab]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        # LoRA (see the module doc): every row's slot and the tiles, sized for the largest bucket.
+        self.max_loras = max_loras
+        self.lora_buffers: tuple[torch.Tensor, ...] | None = None
+        if max_loras is not None:
+            int32 = {"dtype": torch.int32, "device": device}
+            max_tiles = max_lora_tiles(max_batch, max_loras)
+            self.lora_buffers = (
+                torch.full((max_batch,), -1, **int32),  # token_slots [max_batch]
+                torch.zeros(max_batch, **int32),  # sorted_rows [max_batch]
+                torch.zeros(max_tiles, **int32),  # tile_offsets [max_tiles]
+                torch.zeros(max_tiles, **int32),  # tile_lens [max_tiles]; 0: an unused tile
+                torch.zeros(max_tiles, **int32),  # tile_slots [max_tiles]
+            )
 
     def _metadata(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -71,8 +91,17 @@ class DecodeGraphs:
             ntk_tables=None if self.ntk_tables is None else self.ntk_tables[:batch],
         )
 
+    def _lora(self, batch: int) -> LoRAIndices:
+        assert self.lora_buffers is not None and self.max_loras is not None
+        token_slots, rows, offsets, lens, slots = self.lora_buffers
+        tiles = max_lora_tiles(batch, self.max_loras)
+        return LoRAIndices(token_slots[:batch], rows[:batch], offsets[:tiles], lens[:tiles], slots[:tiles])
+
     def _run(self, batch: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._metadata(batch))
+        extra = {} if self.lora_buffers is None else {"lora": self._lora(batch)}
+        hidden = self.model(
+            self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._metadata(batch), **extra
+        )
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -105,6 +134,7 @@ class DecodeGraphs:
         block_tables: np.ndarray,  # int32 [B, width], width <= max blocks per sequence
         ntk_tables: np.ndarray | None = None,  # int64 [B]: rotary table per row (None: table 0)
         pending: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows [P], token ids [P]) on the device
+        lora_slots: np.ndarray | None = None,  # int32 [B]: each row's adapter slot, -1 the base (None: all)
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` for a pure-decode batch (one token per sequence).
 
@@ -141,5 +171,29 @@ class DecodeGraphs:
         tables = torch.from_numpy(block_tables)
         self.block_tables[:batch, :width].copy_(tables.pin_memory() if pinned else tables, non_blocking=True)
         self.block_tables[batch:bucket, 0] = 0
+        if self.lora_buffers is not None:
+            self._stage_lora(bucket, lora_slots, pinned)
         self.graphs[bucket].replay()
         return self.logits[:batch]
+
+    def _stage_lora(self, bucket: int, lora_slots: np.ndarray | None, pinned: bool) -> None:
+        """Each row's slot (pad and base rows -1) and the tiles, padded with empty tiles."""
+        assert self.lora_buffers is not None and self.max_loras is not None
+        tiles = max_lora_tiles(bucket, self.max_loras)
+        host = np.zeros((2, bucket), dtype=np.int32)  # token slots, sorted rows
+        host[0, :] = -1
+        tile_host = np.zeros((3, tiles), dtype=np.int32)  # offsets, lens (0: unused), slots
+        if lora_slots is not None:
+            host[0, : len(lora_slots)] = lora_slots
+            rows, offsets, lens, slots = lora_tiles(host[0])
+            host[1, : len(rows)] = rows
+            tile_host[:, : len(offsets)] = (offsets, lens, slots)
+        staged = [torch.from_numpy(host), torch.from_numpy(tile_host)]
+        if pinned:
+            staged = [t.pin_memory() for t in staged]
+        token_slots, rows_buf, offsets_buf, lens_buf, slots_buf = self.lora_buffers
+        token_slots[:bucket].copy_(staged[0][0], non_blocking=True)
+        rows_buf[:bucket].copy_(staged[0][1], non_blocking=True)
+        offsets_buf[:tiles].copy_(staged[1][0], non_blocking=True)
+        lens_buf[:tiles].copy_(staged[1][1], non_blocking=True)
+        slots_buf[:tiles].copy_(staged[1][2], non_blocking=True)

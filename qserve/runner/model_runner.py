@@ -21,8 +21,9 @@ sequence's last prompt token returns that token's final hidden state (float32) i
 
 LoRA (``enable_lora``): with a ``LoRAManager`` set, a step whose sequences use adapters puts them in
 device slots and passes each row's slot to the model (``LoRAIndices``, the forward's explicit
-argument); such a step runs eagerly. A step with no adapter row, and every step without a manager,
-runs exactly as before.
+argument); such a step runs eagerly, or, with decode graphs captured for LoRA (``QSERVE_LORA_GRAPHS=1``),
+replays them with each row's slot as a graph input. A step with no adapter row, and every step without
+a manager, runs exactly as before.
 
 Swap preemption: a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` are copied by the
 ``KVSwapper`` (``enable_swap``) at the start of ``launch``, before anything of the step's forward
@@ -50,7 +51,7 @@ from qserve.runner.sampler import (
     pending_output_slots,
 )
 from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprobs
-from quant_kernels.lora_ops import LoRAIndices
+from quant_kernels.lora_ops import LoRAIndices, build_lora_indices
 from quant_kernels.reference_kv_int4 import cache_head_size
 
 
@@ -198,10 +199,12 @@ class ModelRunner:
         self.kv_swapper = KVSwapper(self.kv_caches, num_host_blocks, self.device)
         return self.kv_swapper
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture CUDA graphs for pure-decode steps (after kernels are warm; before serving)."""
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, max_loras: int | None = None) -> None:
+        """Capture CUDA graphs for pure-decode steps (after kernels are warm; before serving);
+        ``max_loras``: graphs that take each row's LoRA adapter slot too (cuda_graphs' module doc)."""
+        extra = {} if max_loras is None else {"max_loras": max_loras}
         self.decode_graphs = DecodeGraphs(
-            self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device
+            self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device, **extra
         )
         self.decode_graphs.capture()
 
@@ -290,20 +293,26 @@ class ModelRunner:
             if seq.pooling and seq.start_position + seq.num_new_tokens == len(seq.prompt_token_ids)
         ]
 
-        lora = None
-        if self.lora_manager is not None:  # None unless some sequence of the step uses an adapter
-            lora = self.lora_manager.prepare([seq.lora_id for seq in sequences], counts)
+        lora_slots = lora = None
+        if self.lora_manager is not None:  # each sequence's adapter slot; None when no sequence has one
+            seq_slots = self.lora_manager.assign_slots([seq.lora_id for seq in sequences])  # [S] int32
+            lora_slots = None if seq_slots is None else np.repeat(seq_slots, counts)  # [T] int32
         graphs = self.decode_graphs
         needs_hidden = bool(prompt_rows or pool_rows)
         if (
             graphs is not None
-            and lora is None
+            and (lora_slots is None or graphs.max_loras is not None)
             and uses_decode_graph(graphs, is_decode, len(sample_rows), num_seqs, needs_hidden)
         ):
             block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
-            sample_logits = graphs.replay(input_ids, positions, slots, block_tables, ntk_tables, pending=pending)
+            extra = {} if graphs.max_loras is None else {"lora_slots": lora_slots}
+            sample_logits = graphs.replay(
+                input_ids, positions, slots, block_tables, ntk_tables, pending=pending, **extra
+            )
             prompt_hidden = pooled = None
         else:
+            if lora_slots is not None:
+                lora = build_lora_indices(lora_slots, self.device)
             sample_logits, prompt_hidden, pooled = self._forward_eager(
                 input_ids,
                 positions,

@@ -5,7 +5,8 @@ families that add launch variants: Baichuan2-13B's ALiBi, Qwen3's q/k norms), th
 (GPTQ sym / act-order, AWQ asym, compressed-tensors bf16 scales, group 32 / 64 / 128, 8-bit), the
 KV cache dtypes, and the steps an engine runs (start-up warm-up, the decode CUDA-graph buckets,
 eager decodes at short and long contexts, the W4A16 tuning sweep, and with ``QSERVE_LORA_TRITON=1``
-the multi-LoRA steps: a prefill of sequences on two adapters and the base, and mixed decodes). Must not know: what any kernel
+the multi-LoRA steps: a prefill of sequences on two adapters and the base, mixed decodes, and the
+decode graphs' forward with adapter slots as inputs). Must not know: what any kernel
 computes (``tests/helpers/kernel_launches.py`` captures and compiles).
 
 Each model is built with one decoder layer at its real dimensions (every layer of a model launches
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import torch
 
 from loaders.spec import CheckpointSpec
@@ -345,7 +347,7 @@ def drive_lora(capture: Capture, case: ModelCase, model, config: ModelConfig, dt
     from qserve.lora.slots import LoRAManager
     from tests.helpers.lora_adapters import projection_shapes, write_peft_adapter
 
-    _, _, kv_caches = _kv_pool(config, model.dtype)
+    max_len, _, kv_caches = _kv_pool(config, model.dtype)
     manager = LoRAManager(model, LoRAConfig(max_loras=4, max_lora_rank=16), model.dtype, torch.device("cpu"))
     shapes = projection_shapes(
         config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim
@@ -375,6 +377,12 @@ def drive_lora(capture: Capture, case: ModelCase, model, config: ModelConfig, dt
             )
             with where(capture, f"{label} {step_label}"):
                 runner.execute(step)
+        # QSERVE_LORA_GRAPHS=1: the decode graphs' forward with every row's slot as a static input
+        graphs = DecodeGraphs(model, kv_caches, MAX_NUM_SEQS, max_len, BLOCK_SIZE, torch.device("cpu"), max_loras=4)
+        for batch in (1, 64, 256):
+            graphs._stage_lora(batch, np.arange(batch, dtype=np.int32) % 5 - 1, pinned=False)
+            with where(capture, f"{label} decode graph batch {batch}"), torch.inference_mode():
+                graphs._run(batch)
     for module in model.modules():  # the model goes on without LoRA
         if isinstance(module, Linear):
             module.lora = None

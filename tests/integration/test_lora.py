@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from qserve import LLM, LoRARequest, SamplingParams
+from qserve.memory.planner import lora_slot_bytes
+from qserve.runner.cuda_graphs import DecodeGraphs
 from tests.helpers.lora_adapters import merged_state_dict, projection_shapes, write_peft_adapter
 from tests.helpers.quant_packers import gptq_config, quantize_state_dict, write_checkpoint
 
@@ -125,10 +127,10 @@ def test_mixed_batch_matches_merged_reference_and_solo_runs(setup) -> None:
         assert max(abs(a - b) for a, b in zip(_prompt_lp(solo), _prompt_lp(out))) < 1e-5, name
     manager = llm.engine.lora_manager
     assert len(manager.resident_names()) == 4  # five adapters went through four slots
-    assert (
-        manager.nbytes
-        == 4 * 2 * (3 * 16 * 64 + 128 * 16 + 16 * 64 + 64 * 16 + 2 * 16 * 64 + 256 * 16 + 16 * 128 + 64 * 16) * 4
-    )
+    # 2 layers x 4 slots x float32 x (A + B of qkv, o, gate_up, down), and the planner's arithmetic (what
+    # the memory plan and the shared pool set aside) agrees.
+    per_layer = 3 * 16 * 64 + 128 * 16 + 16 * 64 + 64 * 16 + 2 * 16 * 64 + 256 * 16 + 16 * 128 + 64 * 16
+    assert manager.nbytes == 2 * 4 * 4 * per_layer == lora_slot_bytes(llm.engine.model_config, 4, 16, torch.float32)
 
 
 def test_adapters_change_outputs(setup) -> None:
@@ -253,7 +255,8 @@ def test_rslora_scale() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_triton_path_matches_reference_path(setup, monkeypatch) -> None:
     """On CUDA (fp16): the engine with the opt-in Triton kernels (QSERVE_LORA_TRITON=1) gives the
-    outputs of the PyTorch reference path, for a batch of five adapters and the base."""
+    outputs of the PyTorch reference path, for a batch of five adapters and the base; and with the LoRA
+    decode graphs (QSERVE_LORA_GRAPHS=1) the eager engine's tokens."""
     _, requests, _, root = setup
     llm = LLM(
         str(root / "base"), dtype="float16", skip_tokenizer_init=True, enable_lora=True, max_loras=4, num_kv_blocks=64
@@ -267,6 +270,16 @@ def test_gpu_triton_path_matches_reference_path(setup, monkeypatch) -> None:
         runs[flag] = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
     for name, ref, got in zip(names, runs["0"], runs["1"]):
         assert max(abs(a - b) for a, b in zip(_prompt_lp(got), _prompt_lp(ref))) < 2e-2, name
+    # QSERVE_LORA_GRAPHS=1: decode graphs that take the adapter slots; decode tokens match the eager run's
+    monkeypatch.setenv("QSERVE_LORA_GRAPHS", "1")
+    graphed = LLM(str(root / "base"), dtype="float16", skip_tokenizer_init=True, enable_lora=True, max_loras=4,
+                  num_kv_blocks=64)  # fmt: skip
+    assert graphed.engine.runner.decode_graphs is not None
+    decode = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = llm.generate(prompts, decode, use_tqdm=False, lora_request=loras)
+    got = graphed.generate(prompts, decode, use_tqdm=False, lora_request=loras)
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(want, got))
+    assert same >= len(prompts) - 1  # fp16: one near-tie may flip a greedy token
 
 
 def test_embed_takes_an_adapter(setup) -> None:
@@ -278,3 +291,33 @@ def test_embed_takes_an_adapter(setup) -> None:
     want = torch.nn.functional.normalize(hidden.double(), dim=0)
     torch.testing.assert_close(torch.tensor(tuned.outputs.embedding, dtype=torch.float64), want, atol=1e-4, rtol=0)
     assert max(abs(a - b) for a, b in zip(base.outputs.embedding, tuned.outputs.embedding)) > 1e-3
+
+
+def test_decode_graph_inputs_with_adapters(setup) -> None:
+    """The LoRA decode graphs' staging (QSERVE_LORA_GRAPHS=1: each row's slot and the padded tiles as
+    static inputs), on CPU with eager replays standing in for the graphs: tokens and logprobs equal the
+    eager runner's for a batch of adapters and the base, padded to the next bucket."""
+    from tests.integration.test_decode_graph_inputs import EagerReplay
+
+    llm, requests, _, _ = setup
+    runner = llm.engine.runner
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
+    loras = [requests["all-r8"], None, requests["qv-r4"], requests["all-r8"], requests["mlp-r16-rs"]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    eager = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, 8, 256, runner.block_size, runner.device, (1, 2, 8), 4)
+    for bucket in graphs.buckets:
+        graphs.graphs[bucket] = EagerReplay(lambda b=bucket: graphs.logits[:b].copy_(graphs._run(b)))
+    replays = []
+    original = graphs.replay
+    graphs.replay = lambda *args, **kwargs: replays.append(kwargs["lora_slots"]) or original(*args, **kwargs)
+    runner.decode_graphs = graphs
+    try:
+        staged = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    finally:
+        runner.decode_graphs = None
+    assert replays and any(slots is not None and len(slots) == 5 for slots in replays)  # padded 5 -> 8
+    for a, b in zip(eager, staged):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
