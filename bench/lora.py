@@ -19,8 +19,9 @@ run under ``TRITON_INTERPRET=1`` at toy sizes (wall-clock times, meaningless as 
 (``bench/e2e.py``'s) under ``--budget``, rank-16 random adapters on every projection of every layer
 (4 distinct files, registered under up to 32 names: each name its own slot), decode tok/s at batch 32
 and 128 with 1, 8 and 32 distinct adapters and at batch 1 with one, against the base model with CUDA
-graphs (the default) and eager (LoRA decodes eagerly for now), with and without ``QSERVE_LORA_TRITON``,
-plus the memory plan with the 32 slots set aside. ``--e2e --small`` checks the script on CPU.
+graphs (the default) and eager, LoRA eager (the default with LoRA) with and without
+``QSERVE_LORA_TRITON``, and LoRA with its opt-in decode graphs (``QSERVE_LORA_GRAPHS=1``), plus the
+memory plan with the 32 slots set aside. ``--e2e --small`` checks the script on CPU.
 """
 
 from __future__ import annotations
@@ -178,8 +179,10 @@ def e2e(args: argparse.Namespace) -> list[str]:
     runs = [("base, CUDA graphs", {}, [0]), ("base, eager", {"enforce_eager": True}, [0])]
     lora = dict(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
     runs += [(f"LoRA, {k}", lora | {"_triton": k == "triton"}, [1, 8, 32]) for k in ("reference", "triton")]
+    runs.append(("LoRA, triton + graphs", lora | {"_triton": True, "_graphs": True}, [1, 8, 32]))
     for label, kwargs, adapter_counts in runs:
         os.environ[lora_ops.TRITON_ENV] = "1" if kwargs.pop("_triton", False) else "0"
+        os.environ["QSERVE_LORA_GRAPHS"] = "1" if kwargs.pop("_graphs", False) else "0"
         llm = LLM(str(ckpt), **common, **kwargs)
         if llm.engine.memory_plan is not None:
             lines.insert(0, f"- {label}: plan " + llm.engine.memory_plan.describe().replace("\n", "; "))
