@@ -238,7 +238,7 @@ class Engine:
         if tp is not None and block_pool is not None:
             raise ValueError("Engine: a tensor-parallel engine cannot draw from a shared block pool")
         check_tensor_parallel_preemption(config.preemption_mode, 1 if tp is None else tp.size)
-        # Tensor parallel (qserve.distributed.launcher builds one Engine per rank): the model is
+        # Tensor parallel (qserve.engine.tensor_parallel builds one Engine per rank): the model is
         # this rank's shard, KV caches and the memory plan are per rank.
         self.tp = tp
 
