@@ -1,0 +1,45 @@
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) against their native transformers
+models: prompt logprobs and greedy tokens on CPU, unquantized and from GPTQ / AWQ /
+compressed-tensors W4A16 checkpoints whose experts load into one stacked tensor per layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qserve import LLM, SamplingParams
+from qserve.config import ModelConfig
+from qserve.layers.moe import SparseMoeBlock
+from tests.helpers.moe_models import moe_oracle, save_moe
+from tests.integration.test_hf_parity import hf_greedy, hf_prompt_logprobs
+
+PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 47))]
+
+
+def _check(model, path) -> LLM:
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    for prompt, output in zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)):
+        ours = torch.tensor([output.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i > 0])
+        theirs = hf_prompt_logprobs(model, prompt)
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), (ours - theirs).abs().max()
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 6)
+    return llm
+
+
+def _blocks(llm: LLM) -> list[SparseMoeBlock]:
+    return [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"])
+def test_moe_family_matches_transformers(tmp_path, arch):
+    model = moe_oracle(arch, seed=11)
+    path = save_moe(model, tmp_path / arch)
+    config = ModelConfig.from_path(path)
+    expected_layers = (1,) if arch == "Qwen3MoeForCausalLM" else (0, 1)  # Qwen3's mlp_only_layers=[0]
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_layers) == (8, 2, expected_layers)
+    llm = _check(model, path)
+    blocks = _blocks(llm)
+    assert len(blocks) == len(expected_layers)
+    assert blocks[0].w_gate_up.shape == (8, 64, 64) and blocks[0].w_down.shape == (8, 64, 32)
+    assert (blocks[0].shared_expert is not None) == (arch == "Qwen2MoeForCausalLM")
