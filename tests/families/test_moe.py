@@ -10,6 +10,7 @@ import torch
 from qserve import LLM, SamplingParams
 from qserve.config import ModelConfig
 from qserve.layers.moe import SparseMoeBlock
+from quant_kernels.moe_layout import StackedQuantWeight
 from tests.helpers.moe_models import moe_oracle, save_moe
 from tests.integration.test_hf_parity import hf_greedy, hf_prompt_logprobs
 
@@ -43,3 +44,26 @@ def test_moe_family_matches_transformers(tmp_path, arch):
     assert len(blocks) == len(expected_layers)
     assert blocks[0].w_gate_up.shape == (8, 64, 64) and blocks[0].w_down.shape == (8, 64, 32)
     assert (blocks[0].shared_expert is not None) == (arch == "Qwen2MoeForCausalLM")
+
+
+@pytest.mark.parametrize(
+    ("arch", "fmt", "sym"),
+    [
+        ("Qwen3MoeForCausalLM", "gptq", True),
+        ("Qwen2MoeForCausalLM", "awq", False),
+        ("MixtralForCausalLM", "awq", False),
+        ("Qwen3MoeForCausalLM", "ct", False),
+    ],
+)
+def test_quantized_moe_checkpoint(tmp_path, arch, fmt, sym):
+    """GPTQModel-style per-expert W4A16 tensors (router 16-bit) load into one stacked packed-int4
+    tensor per layer; outputs match the oracle holding the dequantized weights."""
+    model = moe_oracle(arch, seed=12)
+    path = save_moe(model, tmp_path / f"{arch}-{fmt}", fmt=fmt, group_size=32, sym=sym)
+    llm = _check(model, path)
+    for block in _blocks(llm):
+        gate_up, down = block.w_gate_up, block.w_down
+        assert isinstance(gate_up, StackedQuantWeight) and isinstance(down, StackedQuantWeight)
+        assert gate_up.qweight.shape == (8, 64 // 8, 2 * 32) and down.qweight.shape == (8, 32 // 8, 64)
+        assert (gate_up.zeros is None) == sym
+        assert block.gate.weight.dtype == torch.float32  # the router stays unquantized
