@@ -100,7 +100,10 @@ def _moe_linear_shapes(config: ModelConfig, mlp: str) -> list[tuple[str, int, in
         shapes.append((f"{expert}.{down}", inter, h, True))
     shared = config.shared_expert_intermediate_size
     if shared:
-        shapes += [(f"{mlp}.shared_expert.gate_proj", h, shared, False), (f"{mlp}.shared_expert.up_proj", h, shared, False)]
+        shapes += [
+            (f"{mlp}.shared_expert.gate_proj", h, shared, False),
+            (f"{mlp}.shared_expert.up_proj", h, shared, False),
+        ]
         shapes.append((f"{mlp}.shared_expert.down_proj", shared, h, True))
     return shapes
 
@@ -127,7 +130,12 @@ def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype, t
     if config.o_bias:
         total += config.num_layers * config.hidden_size * elem
     num_moe = len(config.moe_layers)  # routers [E, H] and shared-expert gates [1, H] stay 16-bit
-    total += num_moe * (config.num_experts + (1 if config.shared_expert_intermediate_size else 0)) * config.hidden_size * elem
+    total += (
+        num_moe
+        * (config.num_experts + (1 if config.shared_expert_intermediate_size else 0))
+        * config.hidden_size
+        * elem
+    )
     for name, k, n, row_parallel in _linear_shapes(config, tp):
         quant = spec.module_quant(name) if spec is not None else None
         if quant is None:
