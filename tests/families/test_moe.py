@@ -47,25 +47,28 @@ def test_moe_family_matches_transformers(tmp_path, arch):
 
 
 @pytest.mark.parametrize(
-    ("arch", "fmt", "sym"),
+    ("arch", "fmt", "sym", "act_order"),
     [
-        ("Qwen3MoeForCausalLM", "gptq", True),
-        ("Qwen2MoeForCausalLM", "awq", False),
-        ("MixtralForCausalLM", "awq", False),
-        ("Qwen3MoeForCausalLM", "ct", False),
+        ("Qwen3MoeForCausalLM", "gptq", True, False),
+        ("Qwen2MoeForCausalLM", "gptq", False, True),
+        ("Qwen2MoeForCausalLM", "awq", False, False),
+        ("MixtralForCausalLM", "awq", False, False),
+        ("Qwen3MoeForCausalLM", "ct", False, False),
     ],
 )
-def test_quantized_moe_checkpoint(tmp_path, arch, fmt, sym):
+def test_quantized_moe_checkpoint(tmp_path, arch, fmt, sym, act_order):
     """GPTQModel-style per-expert W4A16 tensors (router 16-bit) load into one stacked packed-int4
-    tensor per layer; outputs match the oracle holding the dequantized weights."""
+    tensor per layer (GPTQ act-order: one permutation per expert); outputs match the oracle
+    holding the dequantized weights."""
     model = moe_oracle(arch, seed=12)
-    path = save_moe(model, tmp_path / f"{arch}-{fmt}", fmt=fmt, group_size=32, sym=sym)
+    path = save_moe(model, tmp_path / f"{arch}-{fmt}", fmt=fmt, group_size=32, sym=sym, act_order=act_order)
     llm = _check(model, path)
     for block in _blocks(llm):
         gate_up, down = block.w_gate_up, block.w_down
         assert isinstance(gate_up, StackedQuantWeight) and isinstance(down, StackedQuantWeight)
         assert gate_up.qweight.shape == (8, 64 // 8, 2 * 32) and down.qweight.shape == (8, 32 // 8, 64)
         assert (gate_up.zeros is None) == sym
+        assert (gate_up.perm is not None) == act_order  # down (K = 32 = one group) needs none
         assert block.gate.weight.dtype == torch.float32  # the router stays unquantized
 
 

@@ -112,24 +112,34 @@ _QUANTIZED = re.compile(
 
 
 def save_moe(
-    model: transformers.PreTrainedModel, path: Path, fmt: str = "none", group_size: int = 32, sym: bool = True
+    model: transformers.PreTrainedModel,
+    path: Path,
+    fmt: str = "none",
+    group_size: int = 32,
+    sym: bool = True,
+    act_order: bool = False,
 ) -> Path:
     """Write ``model`` as a checkpoint (``fmt``: none | gptq | awq | ct). Quantized formats
-    overwrite ``model``'s weights with their dequantized values, so it stays the oracle."""
+    overwrite ``model``'s weights with their dequantized values, so it stays the oracle. GPTQ
+    ``act_order``: a shuffled g_idx per linear, shared by each expert's gate and up (one input)."""
     tensors = checkpoint_tensors(model)
     config = model.config.to_dict()
     if fmt != "none":
         dequant: dict[str, torch.Tensor] = {}
         for name in [n for n in tensors if _QUANTIZED.search(n)]:
             module = name.removesuffix(".weight")
-            q = rtn_quantize(tensors.pop(name).t(), 4, group_size, sym=sym)
+            seed = None
+            if act_order:  # gate and up of one module see the same input: one permutation
+                key = re.sub(r"(gate_proj|up_proj|w1|w3)$", "gate_up", module)
+                seed = sum(map(ord, key)) * 31 + len(key)
+            q = rtn_quantize(tensors.pop(name).t(), 4, group_size, sym=sym, act_order_seed=seed)
             packed = _pack(q, fmt, sym)
             tensors.update({f"{module}.{suffix}": t for suffix, t in packed.items()})
             dequant[module] = q.dequant.t().contiguous()  # [N, K]
         _write_back(model, dequant)
         not_convert = ["gate"] if model.config.architectures[0] == "MixtralForCausalLM" else None
         config["quantization_config"] = {
-            "gptq": lambda: gptq_config(group_size=group_size, sym=sym),
+            "gptq": lambda: gptq_config(group_size=group_size, sym=sym, desc_act=act_order),
             # AutoAWQ's Mixtral releases keep the router out by the substring "gate" (safe: w1/w2/w3)
             "awq": lambda: awq_config(group_size=group_size, zero_point=not sym, modules_to_not_convert=not_convert),
             "ct": lambda: ct_config(group_size=group_size, sym=sym, ignore=["lm_head", "re:.*mlp.gate$"]),

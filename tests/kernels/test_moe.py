@@ -112,3 +112,25 @@ def test_fused_moe_qwen3_30b_shapes_on_gpu(num_tokens, dtype):
     expected = moe_reference.fused_moe_w4a16(x.float(), _as_f32(w13), _as_f32(w2), weights, ids)
     out = moe_triton.fused_moe_w4a16(x, w13, w2, weights, ids)
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_per_expert_loop_matches_reference():
+    """The default GPU path's code (a loop of ``ops.w4a16_linear`` over the hit experts and the
+    measured silu_and_mul), run with CPU-prepared weights, equals the reference."""
+    from quant_kernels import moe_ops, ops
+
+    w13 = random_stacked(8, 64, 64, 32, False, torch.float32, seed=7)
+    w2 = random_stacked(8, 32, 64, 32, False, torch.float32, seed=8)
+    x, weights, ids = routing(9, 8, 2, 64, torch.float32, seed=9)
+    prepared = moe_ops.PreparedExperts(
+        "per_expert",
+        8,
+        32,
+        gate_up_list=[ops.prepare_w4a16(w13.expert(e)) for e in range(8)],
+        down_list=[ops.prepare_w4a16(w2.expert(e)) for e in range(8)],
+    )
+    assert not prepared.graph_safe
+    expected = moe_reference.fused_moe_w4a16(x, w13, w2, weights, ids)
+    torch.testing.assert_close(moe_ops.moe_experts(x, prepared, weights, ids), expected, atol=1e-5, rtol=1e-5)
+    on_cpu = moe_ops.prepare_experts(w13, w2)  # off CUDA: the reference, whatever QSERVE_FUSED_MOE says
+    assert (on_cpu.kind, on_cpu.fused) == ("stacked", False)
