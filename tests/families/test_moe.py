@@ -90,3 +90,28 @@ def test_quantized_moe_on_gpu_matches_cpu(tmp_path, monkeypatch, fused):
     gpu = gpu_llm.generate(prompts, params)
     agree = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(cpu, gpu))
     assert agree == len(PROMPTS)
+
+
+@pytest.mark.slow
+def test_experts_stream_into_one_stacked_tensor(tmp_path):
+    """Loading holds one checkpoint tensor / about one expert's tensors beyond the stacked
+    per-layer storage: no copy of a whole layer's (let alone the model's) experts is ever made."""
+    import loaders
+    from qserve.layers.quant_methods import make_linear_method
+    from qserve.model.llama import LlamaFamilyForCausalLM
+    from qserve.model.registry import checkpoint_view
+    from tests.helpers.live_bytes import LiveBytes
+
+    num_experts = 64
+    model = moe_oracle("Qwen3MoeForCausalLM", seed=3, num_experts=num_experts, moe_intermediate_size=64)
+    path = save_moe(model, tmp_path / "qwen3moe-gptq", fmt="gptq", group_size=32)
+    config = ModelConfig.from_path(path)
+    spec = loaders.detect(path)
+    ours = LlamaFamilyForCausalLM(config, torch.float32, lambda names: make_linear_method(spec, names))
+    with LiveBytes() as live:
+        ours.load_weights(loaders.iter_weights(path, spec, checkpoint_view(config.raw)))
+    (block,) = [m for m in ours.modules() if isinstance(m, SparseMoeBlock)]
+    stacked = block.w_gate_up.nbytes() + block.w_down.nbytes()
+    assert live.current >= stacked  # the stacked storage is what stays
+    largest = 2 * model.lm_head.weight.numel() * 4  # one dense tensor read (and its finiteness check) at a time
+    assert live.peak - live.current <= largest + 4 * stacked // num_experts, (live.peak, live.current, stacked)
