@@ -9,7 +9,8 @@ weight (a view, no copy). Must not know: checkpoint formats, routing, kernels.
 * ``qweight``: int32 ``[E, K // pack_factor, N]`` (each ``[e]`` is the canonical K-packed layout);
 * ``scales``: ``[E, num_groups, N]``;
 * ``zeros``: ``None`` (symmetric, implicit zero ``2**(bits-1)``) or uint8 ``[E, num_groups, N]``;
-* ``perm``: ``None`` or int64 ``[E, K]`` (act-order: each expert's own permutation).
+* ``perm``: ``None`` or int64 ``[E, K]`` (act-order: each expert's own permutation; an expert
+  without one holds the identity).
 
 A fused gate_up weight holds each expert's gate columns ``[0, I)`` then its up columns
 ``[I, 2I)`` along N, as a dense fused ``gate_up_proj`` does.
@@ -99,7 +100,14 @@ class StackedQuantWeight:
             self.scales.shape[1],
             self.scales.dtype,
         ) and col_start + cols <= self.out_features
-        if not same or (weight.zeros is None) != (self.zeros is None) or (weight.perm is None) != (self.perm is None):
+        if weight.perm is not None and self.perm is None:  # the first act-order expert: the others kept row order
+            self.perm = torch.arange(self.in_features, device=self.qweight.device).repeat(self.num_experts, 1)
+        if weight.perm is None and self.perm is not None:  # a trivial g_idx (or an RTN-fallback expert)
+            weight = PackedQuantWeight(
+                weight.bits, weight.group_size, weight.qweight, weight.scales, weight.zeros,
+                torch.arange(self.in_features, device=self.qweight.device),
+            )  # fmt: skip
+        if not same or (weight.zeros is None) != (self.zeros is None):
             raise ValueError(
                 f"{what}: expert weights of one layer must share bits, group size, shape, scale dtype, symmetry and "
                 f"act-order; got {weight.bits}-bit g{weight.group_size} qweight {tuple(weight.qweight.shape)} "
