@@ -4,8 +4,9 @@ Knows: the layer-by-layer flow shared by every method — read one decoder layer
 the (sharded) safetensors source, put only that layer on the device, quantize it (GPTQ, AWQ or
 RTN), write its tensors, push the calibration activations through the quantized layer to become
 the next layer's inputs — plus the progress bar, timing and the choice of output layout (GPTQ v1
-for gptq/rtn, AWQ GEMM for awq). Must not know: the algorithms' insides (``gptq``, ``awq``,
-``rtn``), the bit layouts (``writers``) or the serving engine.
+for gptq/rtn, AWQ GEMM for awq). Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE) take the sparse
+calibration layer and GPTQ per expert (``moe``). Must not know: the algorithms' insides (``gptq``,
+``awq``, ``rtn``, ``moe``), the bit layouts (``writers``) or the serving engine.
 """
 
 from __future__ import annotations
