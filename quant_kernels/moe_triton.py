@@ -7,9 +7,9 @@ formats, engines. Imported lazily (CUDA, or the CPU tests under TRITON_INTERPRET
 
 ``moe_w4a16_kernel``: program ``(m, n)`` owns ``BLOCK_M`` rows of the expert-sorted (token,
 slot) pairs, all of one expert (``expert_ids[m]``), and ``BLOCK_N`` output columns. Per K-tile
-it loads that expert's ``[BLOCK_K, BLOCK_N]`` codes once (the 8 codes of a word come from one
-int32 load each row of 8), dequantizes with the tile's one group of scales (``BLOCK_K`` divides
-the group size) and multiplies the gathered activation rows. Two uses, one kernel:
+it loads that expert's ``[BLOCK_K / 8, BLOCK_N]`` int32 words once, unpacks their codes,
+dequantizes with the tile's one group of scales (``BLOCK_K`` divides the group size) and
+multiplies the gathered activation rows. Two uses, one kernel:
 
 * gate_up (``SILU_MUL``): a second accumulator over the up columns ``[I + n]`` of the same
   expert; the epilogue writes ``silu(gate) * up`` as the pair's intermediate row ``[T*k, I]``
@@ -45,17 +45,22 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _dequant_tile(
-    qw_ptr, s_ptr, z_ptr, expert, offs_k, offs_n, n_mask, k0,
+    qw_ptr, s_ptr, z_ptr, expert, k0, offs_n, n_mask,
     stride_qe, stride_qk, stride_se, stride_sg, stride_ze, stride_zg,
-    GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, dtype: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """The expert's ``[BLOCK_K, BLOCK_N]`` weight tile at rows ``offs_k`` as ``dtype``."""
+    """The expert's ``[BLOCK_K, BLOCK_N]`` weight tile at rows ``k0 + [0, BLOCK_K)`` as ``dtype``:
+    each int32 word is loaded once and its 8 codes unpacked along a new axis (packed row
+    ``8 * w + j`` is slot ``j`` of word row ``w``), then reshaped into the tile's rows."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(
-        qw_ptr + expert * stride_qe + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :],
+        qw_ptr + expert * stride_qe + offs_w[:, None] * stride_qk + offs_n[None, :],
         mask=n_mask[None, :],
         other=0,
-    )  # int32 [BK, BN]
-    codes = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
+    )  # int32 [BK/8, BN]
+    shifts = tl.arange(0, 8) * 4  # [8]
+    codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]
+    codes = tl.reshape(codes, (BLOCK_K, offs_n.shape[0]))  # [BK, BN]
     group = k0 // GROUP_SIZE
     scales = tl.load(s_ptr + expert * stride_se + group * stride_sg + offs_n, mask=n_mask, other=0.0)  # [BN]
     if HAS_ZEROS:
@@ -109,14 +114,14 @@ def moe_w4a16_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=valid[:, None], other=0.0)
         a = a.to(compute)
         w = _dequant_tile(
-            qw_ptr, s_ptr, z_ptr, expert, offs_k, offs_n, n_mask, k0,
-            stride_qe, stride_qk, stride_se, stride_sg, stride_ze, stride_zg, GROUP_SIZE, HAS_ZEROS, compute,
+            qw_ptr, s_ptr, z_ptr, expert, k0, offs_n, n_mask,
+            stride_qe, stride_qk, stride_se, stride_sg, stride_ze, stride_zg, GROUP_SIZE, HAS_ZEROS, compute, BLOCK_K,
         )  # fmt: skip
         acc += tl.dot(a, w)
         if SILU_MUL:
             w_up = _dequant_tile(
-                qw_ptr, s_ptr, z_ptr, expert, offs_k, offs_n + up_offset, n_mask, k0,
-                stride_qe, stride_qk, stride_se, stride_sg, stride_ze, stride_zg, GROUP_SIZE, HAS_ZEROS, compute,
+                qw_ptr, s_ptr, z_ptr, expert, k0, offs_n + up_offset, n_mask,
+                stride_qe, stride_qk, stride_se, stride_sg, stride_ze, stride_zg, GROUP_SIZE, HAS_ZEROS, compute, BLOCK_K,
             )  # fmt: skip
             acc_up += tl.dot(a, w_up)
     if SILU_MUL:
