@@ -115,3 +115,16 @@ def test_experts_stream_into_one_stacked_tensor(tmp_path):
     assert live.current >= stacked  # the stacked storage is what stays
     largest = 2 * model.lm_head.weight.numel() * 4  # one dense tensor read (and its finiteness check) at a time
     assert live.peak - live.current <= largest + 4 * stacked // num_experts, (live.peak, live.current, stacked)
+
+
+def test_moe_refusals_name_the_field():
+    from qserve.model.llama import _moe_block
+
+    model = moe_oracle("MixtralForCausalLM", seed=1)
+    bad = {**model.config.to_dict(), "num_experts_per_tok": 9}
+    with pytest.raises(ValueError, match="num_experts_per_tok=9"):
+        ModelConfig.from_hf(bad)
+    config = ModelConfig.from_hf(model.config.to_dict())
+    assert config.moe_expert_names == ("w1", "w3", "w2") and config.norm_topk_prob
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        _moe_block(config, "model.layers.0.mlp", torch.float32, lambda names: None, tp=object())
