@@ -322,7 +322,12 @@ class Engine:
         self.swap_cost: SwapCost | None = None
         if config.preemption_mode != "recompute":
             self._enable_swap(config.preemption_mode, config.swap_space, kv_caches)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        graphs_ok = getattr(self.model, "supports_cuda_graphs", True)  # False: MoE experts that sync with the host
+        if self.device.type == "cuda" and not config.enforce_eager and not graphs_ok:
+            logger.info(
+                "%s: mixture-of-experts layers run eagerly (set QSERVE_FUSED_MOE=1 for CUDA graphs)", self.owner
+            )
+        if self.device.type == "cuda" and not config.enforce_eager and graphs_ok:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         if self.device.type == "cuda":  # compile / tune what the first requests would otherwise wait for
             from qserve.runner.warmup import warm_up
