@@ -23,7 +23,7 @@ from loaders.weights import plan_checkpoint, read_config
 from quant_kernels.layout import pack_factor
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float": 4, "half": 2}
-_PROJ_RE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$")
+_PROJ_RE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)$")
 
 
 @dataclass

@@ -7,7 +7,8 @@ HF module quantized, and how" from them. Must not know: files, tensors, or the e
 built by ``loaders.detect`` and read by the converters and ``qserve.layers.quant_methods``.
 
 Only Linear modules inside decoder layers (``q/k/v/o_proj``, ``gate/up/down_proj``) and,
-optionally, ``lm_head`` are ever quantized; everything else (embeddings, norms, routers) is not.
+optionally, ``lm_head`` are ever quantized, plus mixture-of-experts linears (``mlp.experts.N.*``,
+``mlp.shared_expert.*``); everything else (embeddings, norms, routers) is not.
 """
 
 from __future__ import annotations
@@ -22,12 +23,22 @@ PACK_FORMATS = ("gptq", "awq-gemm", "pack-quantized", "dense")
 DECODER_LINEAR_RE = re.compile(
     r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 )
+# Mixture-of-experts linears: routed experts (Qwen names; Mixtral's w1/w3/w2) and Qwen2-MoE's
+# shared expert. The router (``mlp.gate``) and ``shared_expert_gate`` are never quantized.
+MOE_LINEAR_RE = re.compile(
+    r"(^|\.)layers\.\d+\.mlp\.(experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)|"
+    r"shared_expert\.(gate_proj|up_proj|down_proj))$"
+)
 LM_HEAD = "lm_head"
 
 
 def is_quantizable(hf_module_name: str) -> bool:
     """Whether a module is one qserve may hold quantized (a decoder Linear or ``lm_head``)."""
-    return hf_module_name == LM_HEAD or bool(DECODER_LINEAR_RE.search(hf_module_name))
+    return (
+        hf_module_name == LM_HEAD
+        or bool(DECODER_LINEAR_RE.search(hf_module_name))
+        or bool(MOE_LINEAR_RE.search(hf_module_name))
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,8 @@ def expected_linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]
         vocab = int(config["vocab_size"])
     except (KeyError, TypeError, ValueError):
         return {}
+    moe = config.get("qserve_moe") or {}  # a family adapter's plain-data MoE description
+    moe_layers = set(moe.get("layers") or ())
     shapes: dict[str, tuple[int, int]] = {}
     for i in range(layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
@@ -55,11 +57,30 @@ def expected_linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]
         shapes[f"{attn}.k_proj"] = (hidden, kv_heads * head_dim)
         shapes[f"{attn}.v_proj"] = (hidden, kv_heads * head_dim)
         shapes[f"{attn}.o_proj"] = (heads * head_dim, hidden)
+        if i in moe_layers:
+            shapes.update(_moe_linear_shapes(mlp, hidden, moe))
+            continue
         shapes[f"{mlp}.gate_proj"] = (hidden, inter)
         shapes[f"{mlp}.up_proj"] = (hidden, inter)
         shapes[f"{mlp}.down_proj"] = (inter, hidden)
     if not config.get("tie_word_embeddings", False):
         shapes["lm_head"] = (hidden, vocab)
+    return shapes
+
+
+def _moe_linear_shapes(mlp: str, hidden: int, moe: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(K, N) of one sparse layer's expert linears (and its shared expert's)."""
+    inter = int(moe["intermediate_size"])
+    gate, up, down = moe.get("expert_names") or ("gate_proj", "up_proj", "down_proj")
+    shapes: dict[str, tuple[int, int]] = {}
+    for e in range(int(moe["num_experts"])):
+        expert = f"{mlp}.experts.{e}"
+        shapes[f"{expert}.{gate}"] = shapes[f"{expert}.{up}"] = (hidden, inter)
+        shapes[f"{expert}.{down}"] = (inter, hidden)
+    shared = int(moe.get("shared_expert_intermediate_size") or 0)
+    if shared:
+        shapes[f"{mlp}.shared_expert.gate_proj"] = shapes[f"{mlp}.shared_expert.up_proj"] = (hidden, shared)
+        shapes[f"{mlp}.shared_expert.down_proj"] = (shared, hidden)
     return shapes
 
 

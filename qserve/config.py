@@ -86,6 +86,15 @@ class ModelConfig:
     dynamic_ntk: bool = False  # Qwen v1: rotary base scaled per sequence from its prompt length
     logn_attn: bool = False  # Qwen v1: query scaled by log_S(position + 1) beyond seq_length
     seq_length: int | None = None  # Qwen v1: the training length that gates dynamic NTK and logn
+    # Mixture of experts (qserve.model.families.moe): which layers' MLP is a routed block of
+    # ``num_experts`` SwiGLU experts of ``moe_intermediate_size``, ``num_experts_per_tok`` per token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
+    moe_layers: tuple[int, ...] = ()
+    moe_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
@@ -168,6 +177,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             raw=cfg,
         )
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index in self.moe_layers
 
     def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies across all layers."""

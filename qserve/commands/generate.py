@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     if args.tensor_parallel_size > 1:
-        from qserve.distributed.launcher import launch_engine
+        from qserve.engine.tensor_parallel import launch_engine
 
         tensor_parallel = launch_engine(config, args.tensor_parallel_size)
         try:

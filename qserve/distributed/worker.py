@@ -5,27 +5,19 @@ Knows: the step protocol — rank 0 broadcasts the ``SchedulerOutput`` (plain da
 ``broadcast_object_list``) or ``None`` to stop; every rank then runs the same forward, whose
 collectives (all-reduce after row-parallel layers, all-gather of the logits) line up because
 every rank runs the same layers on the same tokens. Only rank 0's sampled tokens are used.
-Must not know: scheduling, text, HTTP; how processes are started (``launcher``).
+Must not know: scheduling, text, HTTP; engines; how processes are started
+(``qserve.engine.tensor_parallel``, which builds each rank's engine and calls ``serve_steps``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import signal
-import sys
 import time
-import traceback
 from typing import Any
 
 from qserve.distributed.parallel_state import (
     DEFAULT_TIMEOUT_S,
-    NCCL_SAFE_ENV,
     TPGroup,
-    destroy_tp_group,
-    init_tp_group,
-    rank_device,
 )
 from qserve.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -78,34 +70,3 @@ def serve_steps(runner: Any, tp: TPGroup) -> int:
             return steps
         runner.execute(scheduler_output)
         steps += 1
-
-
-def run_worker(rank: int, size: int, init_method: str, engine_config: Any, errors: Any) -> None:
-    """Entry point of a spawned rank>0 process: join the group, build this rank's engine (model
-    shard, KV caches; the same start-up as rank 0, so start-up collectives line up), serve steps.
-
-    ``errors`` (a multiprocessing queue) receives ``(rank, traceback text)`` if anything fails.
-    A clean stop ends the process with ``os._exit(0)`` once the group is left: interpreter
-    finalization (torch, tokenizers) takes seconds and there is nothing left to release.
-    """
-    from qserve.engine.engine import Engine, resolve_device
-
-    # Ctrl-C in a terminal reaches the whole process group; rank 0 stops the workers itself.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(NCCL_SAFE_ENV)
-    tp = None
-    try:
-        device = rank_device(resolve_device(engine_config.device), rank)
-        tp = init_tp_group(rank, size, init_method, device)
-        engine = Engine(dataclasses.replace(engine_config, device=str(device)), tp=tp)
-        steps = serve_steps(engine.runner, tp)
-        logger.debug("tensor-parallel rank %d stops after %d steps", rank, steps)
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        if tp is not None:
-            destroy_tp_group(tp)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

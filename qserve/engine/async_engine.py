@@ -15,7 +15,7 @@ belongs to the step thread; the front end gets its own copy from ``frontend_toke
 
 Also here: ``build_engines``, which loads several models onto one shared KV page pool
 (``qserve.memory.shared_pool``) under one memory budget, and ``build_tensor_parallel_engine``,
-which loads one model sharded over N processes (``qserve.distributed.launcher``). The host
+which loads one model sharded over N processes (``qserve.engine.tensor_parallel``). The host
 learns nothing about tensor parallelism: such an engine comes with ``HostHooks`` (a keep-alive
 the step thread calls while it runs, and a shutdown that stops the worker processes after it).
 """
@@ -752,7 +752,7 @@ def build_tensor_parallel_engine(
     ``gpu_memory_budget`` / ``num_kv_blocks`` are per device, as for ``LLM(...,
     tensor_parallel_size=N)``. Errors of ``launch_engine`` (sizes, device count) pass unchanged.
     """
-    from qserve.distributed.launcher import launch_engine
+    from qserve.engine.tensor_parallel import launch_engine
 
     _check_kv_cache_dtype(config)
     check_tensor_parallel_preemption(config.preemption_mode, tensor_parallel_size, "--preemption-mode")

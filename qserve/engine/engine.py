@@ -262,7 +262,7 @@ class Engine:
         if tp is not None and block_pool is not None:
             raise ValueError("Engine: a tensor-parallel engine cannot draw from a shared block pool")
         check_tensor_parallel_preemption(config.preemption_mode, 1 if tp is None else tp.size)
-        # Tensor parallel (qserve.distributed.launcher builds one Engine per rank): the model is
+        # Tensor parallel (qserve.engine.tensor_parallel builds one Engine per rank): the model is
         # this rank's shard, KV caches and the memory plan are per rank.
         self.tp = tp
 
@@ -355,12 +355,17 @@ class Engine:
         self.swap_cost: SwapCost | None = None
         if config.preemption_mode != "recompute":
             self._enable_swap(config.preemption_mode, config.swap_space, kv_caches)
-        if self.device.type == "cuda" and not config.enforce_eager and config.enable_lora:
+        graphs_ok = getattr(self.model, "supports_cuda_graphs", True)  # False: MoE experts that sync with the host
+        if self.device.type == "cuda" and not config.enforce_eager and not graphs_ok:
+            logger.info(
+                "%s: mixture-of-experts layers run eagerly (set QSERVE_FUSED_MOE=1 for CUDA graphs)", self.owner
+            )
+        if self.device.type == "cuda" and not config.enforce_eager and graphs_ok and config.enable_lora:
             if os.environ.get(LORA_GRAPHS_ENV) == "1":  # opt-in until pytest -m gpu has run with it
                 self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len, max_loras=config.max_loras)
             else:
                 logger.info("enable_lora: decode runs eagerly (%s=1 captures CUDA graphs with LoRA)", LORA_GRAPHS_ENV)
-        elif self.device.type == "cuda" and not config.enforce_eager:
+        elif self.device.type == "cuda" and not config.enforce_eager and graphs_ok:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         if self.device.type == "cuda":  # compile / tune what the first requests would otherwise wait for
             from qserve.runner.warmup import warm_up

@@ -74,13 +74,13 @@ class LLM:
             max_cpu_loras=max_cpu_loras,
         )
         # tensor_parallel_size > 1: this process is rank 0 and drives; the other ranks are
-        # spawned processes (qserve.distributed.launcher), stopped by shutdown() or at exit.
+        # spawned processes (qserve.engine.tensor_parallel), stopped by shutdown() or at exit.
         self._tensor_parallel = None
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         check_tensor_parallel_preemption(preemption_mode, tensor_parallel_size)  # before any worker starts
         if tensor_parallel_size > 1:
-            from qserve.distributed.launcher import launch_engine
+            from qserve.engine.tensor_parallel import launch_engine
 
             self._tensor_parallel = launch_engine(config, tensor_parallel_size)
             self.engine = self._tensor_parallel.engine

@@ -27,7 +27,7 @@ from torch import nn
 from qserve.layers.linear import Linear
 from qserve.lora.peft import LoRAAdapter, TargetLayer, load_peft_adapter
 from qserve.lora.request import LoRAConfig, LoRARequest
-from qserve.model.llama import FUSED_SLICES
+from qserve.model.llama import FUSED_SLICES, MLP, Attention
 from quant_kernels.lora_ops import LoRAIndices, build_lora_indices
 
 logger = logging.getLogger(__name__)
@@ -45,11 +45,18 @@ class LoRALayerWeights:
 
 
 def lora_targets(model: nn.Module) -> dict[str, tuple[Linear, TargetLayer]]:
-    """The decoder's linear layers LoRA may adapt, with their HF slice names."""
+    """The decoder's linear layers LoRA may adapt, with their HF slice names: the attention projections
+    and a dense MLP's (a mixture-of-experts block's experts take no LoRA)."""
+    parents = {  # a decoder layer's own attention and dense MLP (not an MoE block's shared expert)
+        name
+        for name, module in model.named_modules()
+        if (isinstance(module, Attention) and name.endswith(".self_attn"))
+        or (isinstance(module, MLP) and name.endswith(".mlp"))
+    }
     result = {}
     for name, module in model.named_modules():
         leaf = name.rpartition(".")[2]
-        if isinstance(module, Linear) and leaf in _ADAPTED:
+        if isinstance(module, Linear) and leaf in _ADAPTED and name.rpartition(".")[0] in parents:
             parent = name.rpartition(".")[0]
             names = tuple(f"{parent}.{hf}" for hf in FUSED_SLICES.get(leaf, (leaf,)))
             target = TargetLayer(name, module.in_features, names, tuple(module.output_sizes))

@@ -78,10 +78,33 @@ def _linear_shapes(config: ModelConfig, tensor_parallel_size: int = 1) -> list[t
     for i in range(config.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         shapes += [(f"{attn}.q_proj", h, q, False), (f"{attn}.k_proj", h, kv, False), (f"{attn}.v_proj", h, kv, False)]
-        shapes += [(f"{attn}.o_proj", q, h, True), (f"{mlp}.gate_proj", h, inter, False)]
+        shapes.append((f"{attn}.o_proj", q, h, True))
+        if config.is_moe_layer(i):  # every expert is resident (one device: no expert parallelism yet)
+            shapes += _moe_linear_shapes(config, mlp)
+            continue
+        shapes += [(f"{mlp}.gate_proj", h, inter, False)]
         shapes += [(f"{mlp}.up_proj", h, inter, False), (f"{mlp}.down_proj", inter, h, True)]
     if not config.tie_word_embeddings:
         shapes.append(("lm_head", h, math.ceil(config.vocab_size / tensor_parallel_size), False))
+    return shapes
+
+
+def _moe_linear_shapes(config: ModelConfig, mlp: str) -> list[tuple[str, int, int, bool]]:
+    """A sparse layer's expert linears (and its shared expert's), under their checkpoint names."""
+    h, inter = config.hidden_size, config.moe_intermediate_size
+    gate, up, down = config.moe_expert_names
+    shapes = []
+    for e in range(config.num_experts):
+        expert = f"{mlp}.experts.{e}"
+        shapes += [(f"{expert}.{gate}", h, inter, False), (f"{expert}.{up}", h, inter, False)]
+        shapes.append((f"{expert}.{down}", inter, h, True))
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        shapes += [
+            (f"{mlp}.shared_expert.gate_proj", h, shared, False),
+            (f"{mlp}.shared_expert.up_proj", h, shared, False),
+        ]
+        shapes.append((f"{mlp}.shared_expert.down_proj", shared, h, True))
     return shapes
 
 
@@ -106,6 +129,13 @@ def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype, t
         total += config.num_layers * (rank.num_heads + 2 * rank.num_kv_heads) * config.head_dim * elem
     if config.o_bias:
         total += config.num_layers * config.hidden_size * elem
+    num_moe = len(config.moe_layers)  # routers [E, H] and shared-expert gates [1, H] stay 16-bit
+    total += (
+        num_moe
+        * (config.num_experts + (1 if config.shared_expert_intermediate_size else 0))
+        * config.hidden_size
+        * elem
+    )
     for name, k, n, row_parallel in _linear_shapes(config, tp):
         quant = spec.module_quant(name) if spec is not None else None
         if quant is None:
@@ -143,8 +173,11 @@ def lora_slot_bytes(config: ModelConfig, max_loras: int, max_lora_rank: int, dty
     qkv / o / gate_up / down holds ``A`` ``[slices * R, K]`` and ``B`` ``[N, R]`` (qserve.lora.slots)."""
     h, d, inter, r = config.hidden_size, config.head_dim, config.intermediate_size, max_lora_rank
     q, kv = config.num_heads * d, config.num_kv_heads * d
-    per_layer = (3 * r * h + (q + 2 * kv) * r) + (r * q + h * r) + (2 * r * h + 2 * inter * r) + (r * inter + h * r)
-    return config.num_layers * max_loras * per_layer * torch.empty((), dtype=dtype).element_size()
+    attention = (3 * r * h + (q + 2 * kv) * r) + (r * q + h * r)
+    mlp = (2 * r * h + 2 * inter * r) + (r * inter + h * r)  # a dense MLP's (MoE experts take no LoRA)
+    num_dense = sum(1 for i in range(config.num_layers) if not config.is_moe_layer(i))
+    elements = config.num_layers * attention + num_dense * mlp
+    return max_loras * elements * torch.empty((), dtype=dtype).element_size()
 
 
 def sampling_bytes(config: ModelConfig, num_sample_rows: int, num_prompt_rows: int, dtype: torch.dtype) -> int:
@@ -183,6 +216,9 @@ def activation_bytes_estimate(config: ModelConfig, num_batched_tokens: int, num_
         + config.num_heads * d
         + 3 * config.intermediate_size
     )
+    if config.moe_layers:  # per (token, expert) pair: gate_up, its activation and the weighted output
+        k, moe_inter = config.num_experts_per_tok, config.moe_intermediate_size
+        per_token += k * (3 * moe_inter + config.hidden_size) + 3 * config.shared_expert_intermediate_size
     layer_peak = num_batched_tokens * per_token * elem
     return layer_peak + sampling_bytes(config, min(num_seqs, num_batched_tokens), num_batched_tokens, dtype)
 

@@ -1,6 +1,7 @@
 """One decoder for every family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and,
 through ``qserve.model.registry`` (config translation + checkpoint name map), Qwen v1, ChatGLM,
-GLM / GLM-4 and Baichuan.
+GLM / GLM-4, Baichuan and the mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral: the
+sparse layers' MLP is a ``qserve.layers.moe.SparseMoeBlock``).
 
 Knows: the layer structure, HF parameter names and how checkpoint tensors route into fused
 layers (q/k/v -> qkv_proj, gate/up -> gate_up_proj), and the behaviours ``ModelConfig`` declares:
@@ -13,6 +14,7 @@ over all of the step's tokens at once: ``[num_tokens, hidden]``, no per-request 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -24,7 +26,8 @@ from qserve.distributed.parallel_linear import column_linear, lm_head_linear, ro
 from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import AttentionShard, attention_shard
 from qserve.layers.attention import PagedAttention, alibi_slopes
-from qserve.layers.linear import Linear, LinearMethod
+from qserve.layers.linear import DenseLinearMethod, Linear, LinearMethod
+from qserve.layers.moe import SparseMoeBlock
 from qserve.layers.norm import RMSNorm
 from qserve.layers.rotary import RotaryEmbedding, interleaved_permutation, num_ntk_tables
 from qserve.runner.attn_metadata import AttentionMetadata
@@ -48,6 +51,8 @@ _FUSED_SHARDS = {
 # qserve fused module name -> the HF sub-modules of its output slices, in order (LoRA maps adapters' per-
 # projection matrices onto these slices).
 FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# A routed expert's weight: (MoE block module path, expert index, projection name)
+_EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.([A-Za-z0-9_]+)$")
 
 
 class Attention(nn.Module):
@@ -191,12 +196,14 @@ class MLP(nn.Module):
         dtype: torch.dtype,
         make_method: LinearMethodFactory,
         tp: TPGroup | None = None,
+        intermediate_size: int | None = None,  # a MoE block's shared expert has its own width
     ) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size // (1 if tp is None else tp.size)  # per rank
+        inter = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.intermediate_size = inter // (1 if tp is None else tp.size)  # per rank
         self.gate_up_proj = column_linear(
             config.hidden_size,
-            [config.intermediate_size, config.intermediate_size],
+            [inter, inter],
             tp=tp,
             bias=False,
             params_dtype=dtype,
@@ -204,7 +211,7 @@ class MLP(nn.Module):
             prefix=f"{prefix}.gate_up_proj",
         )
         self.down_proj = row_linear(
-            config.intermediate_size,
+            inter,
             [config.hidden_size],
             tp=tp,
             bias=False,
@@ -221,6 +228,39 @@ class MLP(nn.Module):
         return self.down_proj(elementwise_ops.silu_and_mul(gate_up))
 
 
+def _moe_block(
+    config: ModelConfig, prefix: str, dtype: torch.dtype, make_method: LinearMethodFactory, tp: TPGroup | None
+) -> SparseMoeBlock:
+    if tp is not None:
+        raise ValueError(
+            f"{config.architecture}: mixture-of-experts models run on one device for now "
+            "(tensor / expert parallelism is not supported yet; use tensor_parallel_size=1)"
+        )
+    gate_name = config.moe_expert_names[0]
+    quantized = not isinstance(make_method([f"{prefix}.experts.0.{gate_name}"]), DenseLinearMethod)
+    shared = None
+    if config.shared_expert_intermediate_size:
+        shared = MLP(
+            config,
+            f"{prefix}.shared_expert",
+            dtype,
+            make_method,
+            intermediate_size=config.shared_expert_intermediate_size,
+        )
+    return SparseMoeBlock(
+        prefix=prefix,
+        hidden_size=config.hidden_size,
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=config.norm_topk_prob,
+        expert_names=config.moe_expert_names,
+        quantized=quantized,
+        dtype=dtype,
+        shared_expert=shared,
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -229,12 +269,16 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         make_method: LinearMethodFactory,
         tp: TPGroup | None = None,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, f"{prefix}.self_attn", dtype, make_method, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, f"{prefix}.mlp", dtype, make_method, tp)
+        if config.is_moe_layer(layer_index):
+            self.mlp = _moe_block(config, f"{prefix}.mlp", dtype, make_method, tp)
+        else:
+            self.mlp = MLP(config, f"{prefix}.mlp", dtype, make_method, tp)
         if config.sandwich_norms:  # GLM-4-0414: each sub-block's output is normalized before the add
             self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -261,7 +305,7 @@ class DecoderLayer(nn.Module):
         if self.post_self_attn_layernorm is not None:
             attn_out = self.post_self_attn_layernorm(attn_out)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        mlp_out = self.mlp(normed, lora)
+        mlp_out = self.mlp(normed) if lora is None else self.mlp(normed, lora)  # an MoE block takes no LoRA
         if self.post_mlp_layernorm is not None:
             mlp_out = self.post_mlp_layernorm(mlp_out)
         return mlp_out, residual
@@ -286,7 +330,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, f"model.layers.{i}", dtype, make_method, tp) for i in range(config.num_layers)
+            DecoderLayer(config, f"model.layers.{i}", dtype, make_method, tp, layer_index=i)
+            for i in range(config.num_layers)
         )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = None if config.alibi else _rotary(config)
@@ -320,6 +365,12 @@ class LlamaFamilyForCausalLM(nn.Module):
             return self.model.norm(hidden)
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """False when a MoE layer's experts run a path that syncs with the host (the default
+        per-expert loop on CUDA); the engine then runs every step eagerly."""
+        return all(m.graph_safe for m in self.modules() if isinstance(m, SparseMoeBlock))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> float32 [R, vocab]
         if self.lm_head is None and self.tp is not None:
             return self.model.embed_tokens.compute_logits(hidden).float()  # vocabulary-parallel, gathered
@@ -338,6 +389,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         ``(module_prefix, PackedQuantWeight)``.
         """
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
+        moe_blocks = {name: m for name, m in self.named_modules() if isinstance(m, SparseMoeBlock)}
         loaded_shards: dict[str, set[int]] = {name: set() for name in linears}
         plain_params = {
             name for name, _ in self.named_parameters() if not any(name.startswith(f"{lin}.") for lin in linears)
@@ -351,6 +403,15 @@ class LlamaFamilyForCausalLM(nn.Module):
             else:
                 module_path, _, leaf = name.rpartition(".")
             parent, _, sub = module_path.rpartition(".")
+            expert = _EXPERT.match(module_path) if moe_blocks else None
+            if expert is not None and expert.group(1) in moe_blocks:
+                block = moe_blocks[expert.group(1)]
+                if leaf == "bias":  # GPTQ v1's zero bias of a quantized expert (see below)
+                    if not value.is_meta and bool((value != 0).any()):
+                        raise ValueError(f"{name}: non-zero bias for an expert projection, which has none")
+                    continue
+                block.load_expert(int(expert.group(2)), expert.group(3), value, name)
+                continue
             if self.qk_row_permutation is not None and sub in ("q_proj", "k_proj") and leaf in ("weight", "bias"):
                 value = _permute_head_rows(value, self.qk_row_permutation, self.config.head_dim)
             if sub in _FUSED_SHARDS:
@@ -386,6 +447,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             else:
                 logger.warning("ignoring checkpoint tensor %s (not used by %s)", name, self.config.architecture)
         missing = sorted(plain_params - loaded_params)
+        for block in moe_blocks.values():
+            missing += block.missing()
         for layer_name, layer in linears.items():
             missing += [
                 f"{layer_name} shard {i}" for i in range(len(layer.output_sizes)) if i not in loaded_shards[layer_name]
@@ -397,6 +460,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             self._normalize_lm_head()
         for layer in linears.values():
             layer.process_after_loading()
+        for block in moe_blocks.values():
+            block.process_after_loading()
 
     def _normalize_lm_head(self) -> None:
         """NormHead (Baichuan2): logits = x . normalize(W, dim=1)^T; rows normalized once here."""

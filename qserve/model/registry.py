@@ -36,9 +36,18 @@ class FamilyAdapter:
 
 
 def _families() -> list[FamilyAdapter]:
-    from qserve.model.families import baichuan, chatglm, glm, qwen  # noqa: PLC0415 - keeps import light
+    from qserve.model.families import baichuan, chatglm, glm, moe, qwen  # noqa: PLC0415 - keeps import light
 
-    return [qwen.ADAPTER, chatglm.ADAPTER, glm.GLM_ADAPTER, glm.GLM4_ADAPTER, baichuan.ADAPTER]
+    return [
+        qwen.ADAPTER,
+        chatglm.ADAPTER,
+        glm.GLM_ADAPTER,
+        glm.GLM4_ADAPTER,
+        baichuan.ADAPTER,
+        moe.QWEN3_MOE_ADAPTER,
+        moe.QWEN2_MOE_ADAPTER,
+        moe.MIXTRAL_ADAPTER,
+    ]
 
 
 def llama_family_architectures() -> tuple[str, ...]:

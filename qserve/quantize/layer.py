@@ -56,12 +56,18 @@ class DenseDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         device: torch.device | str,
         dtype: torch.dtype = torch.float32,
+        linear_names: dict[str, str] | None = None,
+        plain: tuple[str, ...] = (),
     ) -> None:
+        """``linear_names``: short -> HF name of the layer's Linears (default ``LINEARS``; a
+        mixture-of-experts layer lists its experts); ``plain``: other tensors it keeps as they
+        are (a router), returned by ``fp_tensors``."""
         super().__init__()
         self.config = config
         self.rotary = rotary
+        self.linear_names = dict(LINEARS if linear_names is None else linear_names)
         self.linears = nn.ModuleDict()
-        for short, hf in LINEARS.items():
+        for short, hf in self.linear_names.items():
             weight = tensors[f"{hf}.weight"]  # [N, K]
             bias = tensors.get(f"{hf}.bias")  # [N] or None
             linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
@@ -74,7 +80,9 @@ class DenseDecoderLayer(nn.Module):
             if f"{hf}.weight" in tensors:
                 weight = tensors[f"{hf}.weight"].to(device=device, dtype=dtype, copy=True)
                 self.norms[hf.replace(".", "__")] = RMSNorm(weight, config.rms_norm_eps)
-        known = {f"{hf}.{p}" for hf in LINEARS.values() for p in ("weight", "bias")} | {f"{n}.weight" for n in NORMS}
+        self.plain = {name: tensors[name].to(device=device, dtype=dtype, copy=True) for name in plain}
+        known = {f"{hf}.{p}" for hf in self.linear_names.values() for p in ("weight", "bias")}
+        known |= {f"{n}.weight" for n in NORMS} | set(plain)
         unknown = sorted(set(tensors) - known)
         if unknown:
             raise ValueError(f"decoder layer holds tensors the quantizer does not know: {unknown}")
@@ -154,4 +162,5 @@ class DenseDecoderLayer(nn.Module):
 
     def fp_tensors(self) -> dict[str, torch.Tensor]:
         """Unquantized tensors of the layer (norm weights), HF names relative to the layer."""
-        return {f"{key.replace('__', '.')}.weight": norm.weight.detach() for key, norm in self.norms.items()}
+        norms = {f"{key.replace('__', '.')}.weight": norm.weight.detach() for key, norm in self.norms.items()}
+        return {**norms, **self.plain}

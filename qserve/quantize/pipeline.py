@@ -4,8 +4,9 @@ Knows: the layer-by-layer flow shared by every method — read one decoder layer
 the (sharded) safetensors source, put only that layer on the device, quantize it (GPTQ, AWQ or
 RTN), write its tensors, push the calibration activations through the quantized layer to become
 the next layer's inputs — plus the progress bar, timing and the choice of output layout (GPTQ v1
-for gptq/rtn, AWQ GEMM for awq). Must not know: the algorithms' insides (``gptq``, ``awq``,
-``rtn``), the bit layouts (``writers``) or the serving engine.
+for gptq/rtn, AWQ GEMM for awq). Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE) take the sparse
+calibration layer and GPTQ per expert (``moe``). Must not know: the algorithms' insides (``gptq``,
+``awq``, ``rtn``, ``moe``), the bit layouts (``writers``) or the serving engine.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from qserve.quantize import writers
 from qserve.quantize.awq import AWQSettings, quantize_layer_awq
 from qserve.quantize.calibration import calibration_windows
 from qserve.quantize.gptq import GPTQSettings, quantize_layer_gptq
-from qserve.quantize.layer import LINEARS, DenseDecoderLayer
+from qserve.quantize.layer import DenseDecoderLayer
+from qserve.quantize.moe import MoEQuantReport, SparseDecoderLayer, quantize_layer_gptq_moe
 from qserve.quantize.quantizer import QuantizedLinear, check_settings
 from qserve.quantize.rtn import RTNSettings, quantize_layer_rtn
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("gptq", "awq", "rtn")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")  # quantized per expert (gptq / rtn)
 _ACTIVATION_BYTES = 512 * 1024**2  # transient activations per calibration batch
 
 
@@ -96,6 +99,8 @@ def _check_source(src: Path) -> ModelConfig:
             f"{src} is already quantized ({spec.source} says quant_method={spec.method}); give an fp16/bf16 checkpoint"
         )
     config = ModelConfig.from_path(src)
+    if config.family in MOE_FAMILIES:  # Llama names plus mlp.experts.N.*: written as they are read
+        return config
     if config.family != "llama":  # the writers emit Llama tensor names; other families' layouts differ
         raise ValueError(
             f"{src}: qserve quantize supports Llama-family checkpoints only; {config.architecture} "
@@ -118,6 +123,10 @@ def quantize_checkpoint(
     validate(options)
     src, dst = Path(src), Path(dst)
     config = _check_source(src)
+    if config.moe_layers and options.method == "awq":
+        raise ValueError(
+            f"--method awq is not available for mixture-of-experts models ({config.architecture}); use gptq or rtn"
+        )
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"output directory {dst} is not empty; choose a new path")
     method = options.method
@@ -151,6 +160,7 @@ def quantize_checkpoint(
         for name in head:
             out.add(name, _fp16(files.get(name)))
 
+        moe_report = MoEQuantReport()
         bar = tqdm(
             range(config.num_layers), desc=f"{method} {options.bits}-bit", unit="layer", disable=not options.progress
         )
@@ -161,9 +171,15 @@ def quantize_checkpoint(
                 for n in layer_names
                 if n.startswith(prefix) and not n.endswith("rotary_emb.inv_freq")
             }
-            layer = DenseDecoderLayer(config, tensors, rotary, device)
+            sparse = config.is_moe_layer(i)
+            layer = (SparseDecoderLayer if sparse else DenseDecoderLayer)(config, tensors, rotary, device)
             del tensors
-            if method == "gptq":
+            if method == "gptq" and sparse:
+                settings = GPTQSettings(
+                    options.bits, options.group_size, sym, options.desc_act, options.damp_percent, options.block_size
+                )
+                results = quantize_layer_gptq_moe(layer, hidden, settings, batch_size, moe_report)
+            elif method == "gptq":
                 settings = GPTQSettings(
                     options.bits, options.group_size, sym, options.desc_act, options.damp_percent, options.block_size
                 )
@@ -179,7 +195,7 @@ def quantize_checkpoint(
             if hidden is not None and i + 1 < config.num_layers:
                 hidden = layer.run(hidden, batch_size)
             pack = writers.awq_tensors if method == "awq" else writers.gptq_tensors
-            for short, hf in LINEARS.items():
+            for short, hf in layer.linear_names.items():
                 out.add_all(pack(f"{prefix}{hf}", results[short]))
                 if observer is not None:
                     observer(f"{prefix}{hf}", results[short])
@@ -207,6 +223,13 @@ def quantize_checkpoint(
             method,
         )
     writers.write_configs(src, dst, qconfig)
+    if moe_report.rtn_fallback:
+        logger.warning(
+            "%d of %d experts' linears saw too few calibration tokens and were quantized round-to-nearest: %s",
+            len(moe_report.rtn_fallback),
+            3 * moe_report.experts,
+            ", ".join(moe_report.rtn_fallback[:8]) + (" ..." if len(moe_report.rtn_fallback) > 8 else ""),
+        )
     seconds = time.perf_counter() - start
     logger.info("quantized %s -> %s with %s in %.1f s", src, dst, method, seconds)
     return QuantizeReport(dst, method, seconds, config.num_layers, out.total_bytes)

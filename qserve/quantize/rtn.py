@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qserve.quantize.layer import LINEARS, DenseDecoderLayer
+from qserve.quantize.layer import DenseDecoderLayer
 from qserve.quantize.quantizer import QuantizedLinear, quantize_rtn
 
 
@@ -34,7 +34,7 @@ def quantize_weight_rtn(
 @torch.no_grad()
 def quantize_layer_rtn(layer: DenseDecoderLayer, settings: RTNSettings) -> dict[str, QuantizedLinear]:
     results: dict[str, QuantizedLinear] = {}
-    for name in LINEARS:
+    for name in layer.linear_names:
         linear = layer.linear(name)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         results[name] = quantize_weight_rtn(linear.weight, settings, bias)

@@ -30,6 +30,10 @@ MODELS = {
                                   head_dim=128, inter=14336, vocab=128256, tied=False, qkv_bias=False),
     "mistral-7b-instruct-v0.3": dict(hf="mistralai/Mistral-7B-Instruct-v0.3", layers=32, hidden=4096, heads=32,
                                      kv_heads=8, head_dim=128, inter=14336, vocab=32768, tied=False, qkv_bias=False),
+    # Mixture of experts: every layer sparse (128 experts of 768, top-8), router [128, 2048] and q/k norms fp16.
+    "qwen3-30b-a3b": dict(hf="Qwen/Qwen3-30B-A3B", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128,
+                          inter=6144, vocab=151936, tied=False, qkv_bias=False, experts=128, moe_inter=768,
+                          qk_norm=True),
 }  # fmt: skip
 CARDS = {
     "rtx3090": dict(name="NVIDIA GeForce RTX 3090", memory_gib=24, budget="22GiB"),
@@ -37,11 +41,19 @@ CARDS = {
     "a10g": dict(name="NVIDIA A10G", memory_gib=24, budget="21GiB"),  # 22.5 GiB usable of its 24 GB
 }
 METHODS = ("gptq", "awq")
+MOE_METHODS = ("gptq",)  # qserve quantize has no AWQ for mixture-of-experts models
+
+
+def methods_of(model_key: str) -> tuple[str, ...]:
+    return MOE_METHODS if MODELS[model_key].get("experts") else METHODS
 
 
 def linear_shapes(m: dict) -> list[tuple[int, int]]:
     """(K, N) of every quantized Linear."""
     h, q, kv, i = m["hidden"], m["heads"] * m["head_dim"], m["kv_heads"] * m["head_dim"], m["inter"]
+    if m.get("experts"):  # every expert resident
+        mi = m["moe_inter"]
+        return ([(h, q), (h, kv), (h, kv), (q, h)] + [(h, mi), (h, mi), (mi, h)] * m["experts"]) * m["layers"]
     per_layer = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
     return per_layer * m["layers"]
 
@@ -57,6 +69,8 @@ def weight_bytes(m: dict, method: str) -> dict[str, int]:
     lm_head = 0 if m["tied"] else embed
     norms = (2 * m["layers"] + 1) * m["hidden"] * 2
     biases = m["layers"] * (m["heads"] + 2 * m["kv_heads"]) * m["head_dim"] * 2 if m["qkv_bias"] else 0
+    norms += m["layers"] * 2 * m["head_dim"] * 2 if m.get("qk_norm") else 0
+    norms += m["layers"] * m.get("experts", 0) * m["hidden"] * 2  # routers
     total = quantized + embed + lm_head + norms + biases
     return {"quantized_linears": quantized, "embeddings_and_lm_head_fp16": embed + lm_head,
             "norms_and_biases_fp16": norms + biases, "total": total}  # fmt: skip
@@ -111,7 +125,7 @@ def recipe(model_key: str, method: str, card_key: str) -> dict:
 def main() -> int:
     for model_key in MODELS:
         (HERE / model_key).mkdir(exist_ok=True)
-        for method in METHODS:
+        for method in methods_of(model_key):
             for card_key in CARDS:
                 data = recipe(model_key, method, card_key)
                 path = HERE / model_key / f"{method}-{card_key}.json"

@@ -29,24 +29,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qserve.engine.async_engine import AsyncEngine, Listeners
+from qserve.engine.async_engine import AsyncEngine
 from qserve.server import admin, chat, completions, lora_routes, models, route_support, tokenize
+from qserve.server.app_state import AppState
 from qserve.server.body_gate import BodyGate
 from qserve.server.cors import CorsConfig, add_cors
-from qserve.server.drain import FLUSH_TIMEOUT_S, DrainMiddleware, DrainState
+from qserve.server.drain import FLUSH_TIMEOUT_S, DrainMiddleware
 from qserve.server.embeddings import add_embedding_routes
-from qserve.server.generation_config import apply_sampling_defaults
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
-from qserve.server.metrics import ServerMetrics
 from qserve.server.playground import add_offline_docs, add_playground
-from qserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from qserve.server.protocol import ErrorInfo, ErrorResponse
 from qserve.server.request_context import RequestIdMiddleware
 from qserve.server.request_limits import clip
-from qserve.server.request_log import STATS_INTERVAL_S, RequestLog, StatsLogger
+from qserve.server.request_log import STATS_INTERVAL_S, StatsLogger
 from qserve.server.responses import add_responses_routes
 from qserve.server.security_headers import SecurityHeaders
-from qserve.server.serving import OpenAIServing, ServingError
-from qserve.server.tenancy import TenantGate, resolve_tenant
+from qserve.server.serving import ServingError
+from qserve.server.tenancy import resolve_tenant
 from qserve.tenants import Tenants
 
 logger = logging.getLogger(__name__)
@@ -65,44 +64,6 @@ _STATUS_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
-
-
-class AppState:
-    """What the routes need; filled in when the models are loaded."""
-
-    def __init__(self, api_key: str | None, tenants: Tenants | None = None, *, log_requests: bool = True) -> None:
-        self.api_key = api_key
-        self.host: AsyncEngine | None = None
-        self.serving: OpenAIServing | None = None
-        self.load_error: str | None = None
-        self.metrics = ServerMetrics(lambda: self.host)
-        self.request_log = RequestLog(log_requests=log_requests)
-        self.drain = DrainState()
-        self.tool_call_parser: str | None = None  # None: from each model's chat template
-        # Tenants (API key -> tenant, admission, per-tenant metrics); None: no tenants.
-        self.tenants = tenants
-        self.tenant_gate = TenantGate(tenants, self.metrics.registry) if tenants is not None else None
-
-    def attach(self, host: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
-        host.listener = Listeners(self.metrics, self.request_log)
-        host.start(loop)
-        if self.tenants is not None:  # the schedulers share seats by tenant weight
-            for hosted in host.models.values():
-                hosted.engine.scheduler.set_tenants(self.tenants.weights, self.tenants.max_running)
-        self.serving = OpenAIServing(host, self.tool_call_parser, tenant_gate=self.tenant_gate)
-        self.host = host
-
-    def apply_sampling_defaults(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        name = body.model
-        if self.serving is not None and name in self.serving.lora_models:  # an adapter: its base's defaults
-            name = self.serving.lora_models[name].host_name
-        hosted = self.host.models.get(name) if self.host is not None else None
-        if hosted is not None and hosted.sampling_defaults:
-            apply_sampling_defaults(body, hosted.sampling_defaults)
-
-    @property
-    def ready(self) -> bool:
-        return self.host is not None and self.serving is not None and self.host.is_running
 
 
 MAX_ERROR_MESSAGE_CHARS = 1000  # error messages never echo unbounded input

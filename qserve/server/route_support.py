@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from qserve.server.app_state import AppState
 from qserve.server.serving import OpenAIServing, ServingError
-
-if TYPE_CHECKING:
-    from qserve.server.app import AppState
 
 T = TypeVar("T")
 

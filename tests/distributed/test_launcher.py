@@ -30,7 +30,7 @@ def test_llm_tensor_parallel_matches_single_process(tp_checkpoints, capsys) -> N
 def test_generate_cli_uses_the_launcher(tp_checkpoints, capsys, monkeypatch) -> None:
     """``qserve generate --tensor-parallel-size 2`` streams from the launcher's rank-0 engine and
     shuts it down (the launcher is replaced by a single-process stand-in: no second spawn)."""
-    from qserve.distributed import launcher
+    from qserve.engine import tensor_parallel as launcher
     from qserve.engine.engine import Engine
 
     calls = []

@@ -333,6 +333,34 @@ def drive_formats(capture: Capture, dtype: torch.dtype, dtype_name: str, labels:
                     ops.w4a16_linear(x, prepared)
 
 
+# Qwen3-30B-A3B's experts (hidden 2048, 128 experts top-8, expert MLP 768, GPTQ g128); token
+# counts that reach both of moe_triton.default_config's tiles (decode and prefill).
+MOE_SHAPE = (2048, 128, 8, 768)
+MOE_TOKENS = [1, 32, 512]
+
+
+def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+    """The opt-in fused MoE kernel (QSERVE_FUSED_MOE=1) through ``moe_ops``' dispatch."""
+    from quant_kernels import moe_ops
+    from quant_kernels.moe_layout import StackedQuantWeight
+
+    hidden, num_experts, top_k, inter = MOE_SHAPE
+
+    def stacked(k: int, n: int) -> StackedQuantWeight:
+        qweight = torch.zeros((num_experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
+        return StackedQuantWeight(4, 128, qweight, torch.ones((num_experts, k // 128, n), dtype=torch.float16))
+
+    with mock.patch.dict(os.environ, {moe_ops.FUSED_MOE_ENV: "1"}):
+        prepared = moe_ops.prepare_experts(stacked(hidden, 2 * inter), stacked(inter, hidden))
+    assert prepared.fused, "the fused MoE kernel was not selected"
+    for m in MOE_TOKENS:
+        x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
+        ids = (torch.arange(m * top_k, dtype=torch.int32) % num_experts).view(m, top_k)  # [T, k]
+        weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
+        with where(capture, f"fused MoE {dtype_name} T={m}"), torch.inference_mode():
+            moe_ops.moe_experts(x, prepared, weights, ids)
+
+
 def drive_pdl(capture: Capture, model, config: ModelConfig, label: str) -> None:
     """QSERVE_ENABLE_PDL=1 (opt-in, sm90): the decode graphs' forward with PDL launches."""
     max_len, _, kv_caches = _kv_pool(config, model.dtype)
@@ -414,10 +442,18 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
                     f"{len(capture.launches)} distinct launches so far, {capture.compile_seconds:.0f} s compiling")  # fmt: skip
             if gpu.arch >= 90 or plan["consumer_models"] is None:
                 drive_formats(capture, dtype, dtype_name, plan["formats"])
+            drive_moe(capture, dtype, dtype_name)
     return capture
 
 
-KERNEL_MODULES = ("w4a16_mma_triton", "w4a16_triton", "attention_triton", "attention_int4_triton", "elementwise_triton")
+KERNEL_MODULES = (
+    "w4a16_mma_triton",
+    "w4a16_triton",
+    "attention_triton",
+    "attention_int4_triton",
+    "elementwise_triton",
+    "moe_triton",
+)
 
 
 def use_kernels_from(rev: str, folder: Path) -> None:

@@ -321,3 +321,27 @@ def test_decode_graph_inputs_with_adapters(setup) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+def test_moe_model_adapts_attention_and_dense_mlps_only(tmp_path) -> None:
+    """A mixture-of-experts base: LoRA slots for every attention block and the dense MLP of Qwen3's
+    mlp_only layer, none for routed experts or a shared expert (their blocks take no LoRA)."""
+    from qserve.lora.slots import lora_targets
+    from qserve.model.loader import load_model
+    from tests.helpers.moe_models import moe_oracle, save_moe
+
+    path = save_moe(moe_oracle("Qwen3MoeForCausalLM", seed=3), tmp_path / "moe")
+    model, config = load_model(path, torch.float32, "cpu")
+    assert sorted(lora_targets(model)) == [
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.mlp.gate_up_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.1.self_attn.o_proj",
+        "model.layers.1.self_attn.qkv_proj",
+    ]
+    from qserve.lora.request import LoRAConfig
+    from qserve.lora.slots import LoRAManager
+
+    manager = LoRAManager(model, LoRAConfig(max_loras=2, max_lora_rank=8), torch.float32, torch.device("cpu"))
+    assert manager.nbytes == lora_slot_bytes(config, 2, 8, torch.float32)

@@ -157,7 +157,7 @@ def test_serve_flags_are_checked_before_loading(tmp_path):
 
 
 def test_llm_refuses_swap_with_tensor_parallel_before_starting_workers(llama_path, monkeypatch):
-    from qserve.distributed import launcher
+    from qserve.engine import tensor_parallel as launcher
 
     def no_launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("worker processes were started before the refusal")

@@ -24,9 +24,9 @@ def load_generator():
 def test_every_recipe_exists_and_is_what_the_generator_makes() -> None:
     gen = load_generator()
     recipes = all_recipes()
-    assert len(recipes) == 4 * 2 * 3
-    for model in MODELS:
-        for method in ("gptq", "awq"):
+    assert len(recipes) == 4 * 2 * 3 + 3  # + Qwen3-30B-A3B (MoE: gptq only)
+    for model in (*MODELS, "qwen3-30b-a3b"):
+        for method in gen.methods_of(model):
             for card in ("rtx3090", "rtx4090", "a10g"):
                 path = RECIPES_DIR / model / f"{method}-{card}.json"
                 assert json.loads(path.read_text()) == gen.recipe(model, method, card), path
@@ -40,6 +40,8 @@ def test_plan_numbers_are_consistent() -> None:
     assert plan["kv_tokens"] * plan["kv_bytes_per_token"] <= budget - plan["weights_bytes"] - plan["overhead_bytes"]
     assert plan["max_concurrent_seqs_at_context"] == plan["kv_tokens"] // 4096
     assert all_recipes()["llama-3.1-8b-instruct-awq-a10g"].data["plan"]["kv_bytes_per_token"] == 128 * 1024
+    moe = all_recipes()["qwen3-30b-a3b-gptq-rtx4090"].data["plan"]
+    assert moe["kv_bytes_per_token"] == 96 * 1024 and 15.2 < moe["weights_gib"] < 15.8  # all 128 experts resident
 
 
 def test_recipe_dry_run_prints_quantize_then_serve(capsys) -> None:

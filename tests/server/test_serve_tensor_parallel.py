@@ -1,5 +1,5 @@
 """``qserve serve MODEL --tensor-parallel-size 2`` on CPU: this process is rank 0, one spawned
-gloo process is rank 1 (``qserve.distributed.launcher``).
+gloo process is rank 1 (``qserve.engine.tensor_parallel``).
 
 Checked: the served completions (greedy tokens, text, logprobs; plain, batched and streamed)
 equal those of the same server at TP=1; ``/v1/models`` lists the one model; the idle keep-alive

@@ -3,10 +3,14 @@
 Knows: how to spawn the rank>0 processes (``torch.multiprocessing`` spawn context, a free TCP
 port on 127.0.0.1 for the rendezvous), which backend and device each rank gets (gloo on CPU —
 every rank on the CPU; NCCL on CUDA — rank r on ``cuda:r``, with ``NCCL_SAFE_ENV`` set in every
-process), and how to stop them. Must not know: what the engine does inside.
+process), how each rank builds its engine (``run_worker``: the same start-up as rank 0, so the
+start-up collectives line up), and how to stop them. Must not know: what the engine does inside.
+
+It lives beside the engine, not in ``qserve.distributed``, because it builds engines; the
+package below it only knows process groups, sharded layers and the step protocol.
 
 Rank 0 runs the engine and its scheduler (``TensorParallelEngine.engine`` is an ordinary
-``Engine``); every rank holds a model shard and a runner (see ``worker``). CUDA graphs are not
+``Engine``); every rank holds a model shard and a runner (``qserve.distributed.worker``). CUDA graphs are not
 captured under tensor parallelism yet (``enforce_eager`` is forced on).
 
 Because processes are spawned, a script that starts one must guard its entry point with
@@ -20,6 +24,9 @@ import dataclasses
 import logging
 import os
 import queue
+import signal
+import sys
+import traceback
 import weakref
 from typing import Any
 
@@ -34,7 +41,8 @@ from qserve.distributed.parallel_state import (
     init_tp_group,
     rank_device,
 )
-from qserve.distributed.worker import BroadcastingRunner, run_worker
+from qserve.distributed.worker import BroadcastingRunner, serve_steps
+from qserve.engine.engine import Engine, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +93,6 @@ def _worker_errors(errors: Any) -> str:
 
 def launch_engine(config: Any, tensor_parallel_size: int) -> TensorParallelEngine:
     """Spawn ranks 1..N-1, join the group as rank 0 and build rank 0's engine (an ``EngineConfig``)."""
-    from qserve.engine.engine import Engine, resolve_device
-
     size = int(tensor_parallel_size)
     if size < 2:
         raise ValueError(f"launch_engine needs tensor_parallel_size >= 2, got {size}")
@@ -143,3 +149,32 @@ def _shutdown_ref(ref: weakref.ref) -> None:
     handle = ref()
     if handle is not None:
         handle.shutdown()
+
+
+def run_worker(rank: int, size: int, init_method: str, engine_config: Any, errors: Any) -> None:
+    """Entry point of a spawned rank>0 process: join the group, build this rank's engine (model
+    shard, KV caches; the same start-up as rank 0, so start-up collectives line up), serve steps.
+
+    ``errors`` (a multiprocessing queue) receives ``(rank, traceback text)`` if anything fails.
+    A clean stop ends the process with ``os._exit(0)`` once the group is left: interpreter
+    finalization (torch, tokenizers) takes seconds and there is nothing left to release.
+    """
+    # Ctrl-C in a terminal reaches the whole process group; rank 0 stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(NCCL_SAFE_ENV)
+    tp = None
+    try:
+        device = rank_device(resolve_device(engine_config.device), rank)
+        tp = init_tp_group(rank, size, init_method, device)
+        engine = Engine(dataclasses.replace(engine_config, device=str(device)), tp=tp)
+        steps = serve_steps(engine.runner, tp)
+        logger.debug("tensor-parallel rank %d stops after %d steps", rank, steps)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if tp is not None:
+            destroy_tp_group(tp)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,189 @@
+"""Fused MoE W4A16 benchmark: the grouped kernel vs a per-expert loop of the dense W4A16 kernel vs
+cuBLAS fp16 (grouped, and a per-expert loop), in Qwen3-30B-A3B's expert shapes, against the
+bandwidth floor.
+
+Knows: Qwen3-30B-A3B's MoE shapes (hidden 2048, 128 experts, top-8, expert MLP 768, GPTQ g128),
+random routing (softmax top-k of random logits, renormalized), how to time (CUDA-graph replay
+for the sync-free fused kernel and cuBLAS grouped GEMM; ``do_bench`` medians for the loops, which sync with the host to
+learn the hit experts and cannot be captured), and the floor: the bytes of the experts a step
+actually reads (packed codes + scales of every hit expert, plus activations) over this run's
+measured copy bandwidth. Must not know: the engine. Every timed path is first checked against the
+PyTorch reference (``moe_reference.fused_moe_w4a16``, float32 dequant) on the same inputs.
+
+    PYTHONPATH=. python bench/moe.py --out $OUT/moe.md
+
+Columns: µs per MoE layer call of each path, ratios in the same run (loop / fused and
+cuBLAS grouped / fused: > 1 means the fused kernel is faster), and the fused kernel's share of the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from quant_kernels import moe_ops, moe_reference, moe_triton, ops  # noqa: E402
+from quant_kernels.layout import pack_codes  # noqa: E402
+from quant_kernels.moe_layout import StackedQuantWeight  # noqa: E402
+
+HIDDEN, NUM_EXPERTS, TOP_K, INTER, GROUP = 2048, 128, 8, 768, 128
+TOKENS = [1, 8, 32, 128, 512, 4096]
+
+
+def bench_us(fn, rep: int = 50) -> float:
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
+
+
+def graph_us(fn, rep: int = 50) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return statistics.median(bench_us(graph.replay, rep=rep) for _ in range(3))
+
+
+def copy_bandwidth() -> float:
+    src = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device="cuda")  # [1 GiB]
+    dst = torch.empty_like(src)
+    return 2 * (1 << 30) / (bench_us(lambda: dst.copy_(src), rep=100) * 1e-6)
+
+
+def make_experts(k: int, n: int, seed: int) -> tuple[StackedQuantWeight, torch.Tensor]:
+    """A random stacked 4-bit weight and its fp16 dense copy in torch orientation [E, N, K]."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(0, 16, (NUM_EXPERTS, k, n), device="cuda", generator=gen, dtype=torch.int32)
+    scales = (torch.rand(NUM_EXPERTS, k // GROUP, n, device="cuda", generator=gen) * 0.01 + 0.002).half()
+    qweight = torch.stack([pack_codes(codes[e], 4) for e in range(NUM_EXPERTS)])  # [E, K/8, N]
+    dense = ((codes - 8).half() * scales.repeat_interleave(GROUP, dim=1)).transpose(1, 2).contiguous()  # [E, N, K]
+    return StackedQuantWeight(4, GROUP, qweight, scales), dense
+
+
+def grouped_dense(
+    x: torch.Tensor,  # [T, H]
+    w13t: torch.Tensor,  # [E, H, 2I] (a transposed view of the dense [E, 2I, H])
+    w2t: torch.Tensor,  # [E, I, H]
+    weights: torch.Tensor,  # float32 [T, k]
+    ids: torch.Tensor,  # int32 [T, k]
+) -> torch.Tensor:  # [T, H]
+    """The fp16 experts as two cuBLAS grouped GEMMs (``torch._grouped_mm``) over the pairs sorted
+    by expert: no host sync, so it is graph-timed like the fused kernel."""
+    num_tokens, top_k = ids.shape
+    flat = ids.reshape(-1).long()  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k]
+    tokens = order // top_k
+    counts = torch.zeros(w13t.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # [E]
+    gate_up = torch._grouped_mm(x[tokens], w13t, offs=offs)  # [T*k, 2I]
+    inter = gate_up.shape[-1] // 2
+    act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    y = torch._grouped_mm(act, w2t, offs=offs) * weights.reshape(-1)[order, None].to(x.dtype)  # [T*k, H]
+    return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="markdown table (a .json beside it)")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    w13, dense13 = make_experts(HIDDEN, 2 * INTER, seed=1)
+    w2, dense2 = make_experts(INTER, HIDDEN, seed=2)
+    loop = moe_ops.PreparedExperts(
+        "per_expert",
+        NUM_EXPERTS,
+        INTER,
+        gate_up_list=[ops.prepare_w4a16(w13.expert(e)) for e in range(NUM_EXPERTS)],
+        down_list=[ops.prepare_w4a16(w2.expert(e)) for e in range(NUM_EXPERTS)],
+    )
+    expert_bytes = (w13.nbytes() + w2.nbytes()) / NUM_EXPERTS
+    rows = []
+    for t in [int(v) for v in args.tokens.split(",")]:
+        x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.float16)
+        logits = torch.randn(t, NUM_EXPERTS, device="cuda")
+        weights, ids = moe_reference.select_experts(logits, TOP_K, renormalize=True)
+        ref = moe_reference.fused_moe_w4a16(x.float(), w13, w2, weights, ids)
+        hit = int(torch.unique(ids).numel())
+        floor_bytes = hit * expert_bytes + t * HIDDEN * 2 * 2 + t * TOP_K * (2 * INTER + HIDDEN) * 2
+        floor_us = floor_bytes / bw * 1e6
+        paths = {
+            "fused": (lambda x=x, weights=weights, ids=ids: moe_triton.fused_moe_w4a16(x, w13, w2, weights, ids), True),
+            "w4a16 loop": (lambda x=x, weights=weights, ids=ids: moe_ops.moe_experts(x, loop, weights, ids), False),
+            "cuBLAS fp16 grouped": (
+                lambda x=x, weights=weights, ids=ids: grouped_dense(
+                    x, dense13.transpose(1, 2), dense2.transpose(1, 2), weights, ids
+                ),
+                True,
+            ),
+            "cuBLAS fp16 loop": (
+                lambda x=x, weights=weights, ids=ids: moe_reference.fused_moe_dense(x, dense13, dense2, weights, ids),
+                False,
+            ),
+        }
+        row = {"tokens": t, "experts_hit": hit, "floor_us": floor_us}
+        for name, (fn, graphed) in paths.items():
+            try:
+                out = fn()
+            except (RuntimeError, NotImplementedError) as err:  # e.g. no fp16 grouped GEMM on this card
+                print(f"T={t} {name}: {str(err).splitlines()[0]}", file=sys.stderr)
+                row[name] = row[f"{name} err"] = None
+                continue
+            err = rel_err(out, ref)
+            row[f"{name} err"] = err
+            if err > 2e-2:
+                print(f"T={t} {name}: relative error {err:.3g} against the reference; not timed", file=sys.stderr)
+                row[name] = None
+                continue
+            row[name] = graph_us(fn) if graphed else bench_us(fn)
+        fused = row["fused"]
+        row["loop/fused"] = row["w4a16 loop"] / fused if fused and row["w4a16 loop"] else None
+        row["cublas/fused"] = row["cuBLAS fp16 grouped"] / fused if fused and row["cuBLAS fp16 grouped"] else None
+        row["fused % of floor"] = 100 * floor_us / fused if fused else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    header = (
+        f"Fused MoE W4A16, Qwen3-30B-A3B experts (H {HIDDEN}, E {NUM_EXPERTS}, top-{TOP_K}, I {INTER}, g{GROUP}), "
+        f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s"
+    )
+    lines = [header, "", "| tokens | experts hit | fused µs | w4a16 loop µs | cuBLAS fp16 grouped µs | "
+             "cuBLAS fp16 loop µs | loop/fused | grouped/fused | floor µs | fused % of floor |",
+             "|" + "---|" * 10]  # fmt: skip
+
+    def fmt(v: float | None, spec: str = ".1f") -> str:
+        return "—" if v is None else format(v, spec)
+
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']} | {r['experts_hit']} | {fmt(r['fused'])} | {fmt(r['w4a16 loop'])} | "
+            f"{fmt(r['cuBLAS fp16 grouped'])} | {fmt(r['cuBLAS fp16 loop'])} | {fmt(r['loop/fused'], '.2f')} | "
+            f"{fmt(r['cublas/fused'], '.2f')} | "
+            f"{fmt(r['floor_us'])} | {fmt(r['fused % of floor'], '.0f')} |"
+        )
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"header": header, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

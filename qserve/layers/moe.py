@@ -1,0 +1,141 @@
+"""A sparse mixture-of-experts MLP block: router, routed SwiGLU experts, optional shared expert.
+
+Knows: the block's parameters under HF names (``gate.weight`` = the router [E, H], kept in the
+model dtype; ``experts.N.{gate,up,down}`` or Mixtral's ``w1/w3/w2``; Qwen2-MoE's
+``shared_expert`` and ``shared_expert_gate``), how each expert's weight, as the loader streams
+it one at a time, lands in ONE stacked per-layer tensor (``quant_kernels.moe_layout``; dense
+experts in ``[E, 2I, H]`` / ``[E, H, I]``), and the routing math (softmax top-k, optional
+renormalization, sigmoid-gated shared expert). Must not know: checkpoint formats (the loader
+hands it tensors or ``PackedQuantWeight``) or which kernel runs the experts
+(``quant_kernels.moe_ops`` decides).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quant_kernels import moe_ops, moe_reference
+from quant_kernels.layout import PackedQuantWeight
+from quant_kernels.moe_layout import StackedQuantWeight
+
+
+class _Weight(nn.Module):
+    """A module holding one plain ``weight`` parameter (the router, the shared expert's gate)."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        *,
+        prefix: str,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        expert_names: tuple[str, str, str],
+        quantized: bool,
+        dtype: torch.dtype,
+        shared_expert: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.intermediate_size = intermediate_size
+        self.renormalize = renormalize
+        self.quantized = quantized
+        self.expert_names = expert_names
+        self.gate = _Weight(num_experts, hidden_size, dtype)  # the router: never quantized
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = _Weight(1, hidden_size, dtype) if shared_expert is not None else None
+        # Stacked storage, filled expert by expert. Dense: allocated now (plain tensors, not
+        # parameters: the loader routes expert tensors here by name, see load_expert).
+        if quantized:
+            self.w_gate_up: torch.Tensor | StackedQuantWeight | None = None  # allocated at the first expert
+            self.w_down: torch.Tensor | StackedQuantWeight | None = None
+        else:
+            self.w_gate_up = torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)  # [E, 2I, H]
+            self.w_down = torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype)  # [E, H, I]
+        self._loaded: set[tuple[int, int]] = set()
+        self.prepared: moe_ops.PreparedExperts | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # Loading
+    # ------------------------------------------------------------------------------------------
+
+    def load_expert(self, expert: int, proj: str, value: torch.Tensor | PackedQuantWeight, name: str) -> None:
+        """One expert's gate / up / down weight (``proj`` is its checkpoint name)."""
+        if proj not in self.expert_names:
+            raise ValueError(f"{name}: unknown expert projection {proj!r}; expected one of {self.expert_names}")
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"{name}: expert {expert} out of range for num_experts={self.num_experts}")
+        shard = self.expert_names.index(proj)  # 0 gate, 1 up, 2 down
+        inter, hidden = self.intermediate_size, self.hidden_size
+        k, n = (inter, hidden) if shard == 2 else (hidden, inter)
+        if isinstance(value, PackedQuantWeight) != self.quantized:
+            kind = "a quantized" if isinstance(value, PackedQuantWeight) else "an unquantized"
+            raise ValueError(f"{name}: {kind} expert weight in a layer whose other experts are not")
+        if isinstance(value, PackedQuantWeight):
+            if (value.in_features, value.out_features) != (k, n):
+                raise ValueError(
+                    f"{name}: packed expert weight has K={value.in_features}, N={value.out_features}, expected K={k}, N={n}"
+                )
+            if shard == 2:
+                if self.w_down is None:
+                    self.w_down = StackedQuantWeight.empty_like_expert(value, self.num_experts, hidden)
+                self.w_down.store(expert, value, name)
+            else:
+                if self.w_gate_up is None:
+                    self.w_gate_up = StackedQuantWeight.empty_like_expert(value, self.num_experts, 2 * inter)
+                self.w_gate_up.store(expert, value, name, col_start=shard * inter)
+        else:
+            if tuple(value.shape) != (n, k):
+                raise ValueError(f"{name}: expert weight shape {tuple(value.shape)}, expected {(n, k)}")
+            if shard == 2:
+                self.w_down[expert].copy_(value)
+            else:
+                self.w_gate_up[expert, shard * inter : (shard + 1) * inter].copy_(value)
+        self._loaded.add((expert, shard))
+
+    def missing(self) -> list[str]:
+        return [
+            f"{self.prefix}.experts.{e}.{self.expert_names[s]}"
+            for e in range(self.num_experts)
+            for s in range(3)
+            if (e, s) not in self._loaded
+        ]
+
+    def process_after_loading(self) -> None:
+        self.prepared = moe_ops.prepare_experts(self.w_gate_up, self.w_down)
+        if self.prepared.kind == "per_expert":  # the kernels' per-expert copies replace the canonical stack
+            self.w_gate_up = self.w_down = None
+
+    @property
+    def graph_safe(self) -> bool:
+        return self.prepared is None or self.prepared.graph_safe
+
+    def expert_nbytes(self) -> int:
+        return 0 if self.prepared is None else self.prepared.nbytes()
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+    # ------------------------------------------------------------------------------------------
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        router_logits = F.linear(hidden, self.gate.weight)  # [T, E], in the model dtype as in transformers
+        topk_weights, topk_ids = moe_reference.select_experts(router_logits, self.top_k, self.renormalize)
+        if self.prepared is None:
+            raise RuntimeError(f"{self.prefix}: experts used before process_after_loading")
+        out = moe_ops.moe_experts(hidden, self.prepared, topk_weights, topk_ids)  # [T, H]
+        if self.shared_expert is not None:
+            shared_gate = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight))  # [T, 1]
+            out = out + shared_gate * self.shared_expert(hidden)
+        return out

@@ -1,0 +1,119 @@
+"""Device dispatch for a mixture-of-experts layer's experts: which implementation runs them.
+
+Knows: the three ways the experts of one layer run and when each applies —
+
+* off CUDA: the PyTorch reference (``moe_reference``), the CPU path and the oracle;
+* on CUDA by default: the reference's loop over the experts a step hits, each expert's two
+  matmuls through the already-measured dense W4A16 kernels (``ops.w4a16_linear``, weights
+  repacked per expert once here) and ``elementwise_ops.silu_and_mul``. Learning which experts
+  are hit costs one host sync per layer, so such a model runs without CUDA graphs
+  (``PreparedExperts.graph_safe``);
+* on CUDA with ``QSERVE_FUSED_MOE=1`` (opt-in until ``pytest -m gpu`` has run it): the fused
+  grouped kernel (``moe_triton``), no host sync, CUDA-graph safe.
+
+Must not know: models, checkpoint formats. Triton stays a lazy import.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from quant_kernels import device as kdevice
+from quant_kernels import elementwise_ops, moe_reference, ops
+from quant_kernels.moe_layout import StackedQuantWeight
+
+FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
+
+
+def fused_moe_requested() -> bool:
+    return os.environ.get(FUSED_MOE_ENV, "0") == "1"
+
+
+@dataclass
+class PreparedExperts:
+    """One layer's experts as their implementation consumes them (``kind``):
+
+    ``"dense"``: ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] tensors; ``"stacked"``: canonical
+    ``StackedQuantWeight``s (reference, or the fused kernel when ``fused``); ``"per_expert"``: one
+    ``ops.prepare_w4a16`` result per expert in ``gate_up_list`` / ``down_list``."""
+
+    kind: str
+    num_experts: int
+    intermediate_size: int
+    gate_up: Any = None  # torch.Tensor | StackedQuantWeight | None
+    down: Any = None
+    gate_up_list: list[Any] = field(default_factory=list)
+    down_list: list[Any] = field(default_factory=list)
+    fused: bool = False
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether running these experts needs no host sync (so a CUDA graph can hold them)."""
+        return self.fused
+
+    def nbytes(self) -> int:
+        from quant_kernels.ops import W4A16Prepared  # noqa: PLC0415
+
+        def size(obj: Any) -> int:
+            if isinstance(obj, torch.Tensor):
+                return obj.numel() * obj.element_size()
+            if isinstance(obj, StackedQuantWeight):
+                return obj.nbytes()
+            if isinstance(obj, W4A16Prepared):
+                return size(obj.weight.qweight) + size(obj.weight.scales) + size(getattr(obj.weight, "zeros", None))
+            if hasattr(obj, "nbytes") and callable(obj.nbytes):
+                return obj.nbytes()
+            return 0
+
+        return size(self.gate_up) + size(self.down) + sum(size(p) for p in self.gate_up_list + self.down_list)
+
+
+def prepare_experts(
+    gate_up: torch.Tensor | StackedQuantWeight, down: torch.Tensor | StackedQuantWeight
+) -> PreparedExperts:
+    """Turn one layer's loaded experts (on their device) into what ``moe_experts`` consumes."""
+    if isinstance(gate_up, torch.Tensor):
+        return PreparedExperts("dense", gate_up.shape[0], down.shape[-1], gate_up=gate_up, down=down)
+    num_experts, inter = gate_up.num_experts, down.in_features
+    device = gate_up.qweight.device
+    if not kdevice.triton_serves(device):
+        return PreparedExperts("stacked", num_experts, inter, gate_up=gate_up, down=down)
+    if fused_moe_requested():
+        from quant_kernels import moe_triton  # noqa: PLC0415
+
+        if moe_triton.supports(gate_up) and moe_triton.supports(down):
+            return PreparedExperts("stacked", num_experts, inter, gate_up=gate_up, down=down, fused=True)
+    return PreparedExperts(
+        "per_expert",
+        num_experts,
+        inter,
+        gate_up_list=[ops.prepare_w4a16(gate_up.expert(e)) for e in range(num_experts)],
+        down_list=[ops.prepare_w4a16(down.expert(e)) for e in range(num_experts)],
+    )
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    prepared: PreparedExperts,
+    topk_weights: torch.Tensor,  # float32 [T, k]
+    topk_ids: torch.Tensor,  # int32 [T, k]
+) -> torch.Tensor:  # [T, H]
+    """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` with the implementation ``prepared`` chose."""
+    if prepared.kind == "dense":
+        return moe_reference.fused_moe_dense(x, prepared.gate_up, prepared.down, topk_weights, topk_ids)
+    if prepared.kind == "stacked" and prepared.fused and kdevice.triton_serves(x.device):
+        from quant_kernels import moe_triton  # noqa: PLC0415
+
+        return moe_triton.fused_moe_w4a16(x, prepared.gate_up, prepared.down, topk_weights, topk_ids)
+    if prepared.kind == "stacked":
+        return moe_reference.fused_moe_w4a16(x, prepared.gate_up, prepared.down, topk_weights, topk_ids)
+
+    def mlp(expert: int, xe: torch.Tensor) -> torch.Tensor:
+        gate_up = ops.w4a16_linear(xe, prepared.gate_up_list[expert])  # [c, 2I]
+        return ops.w4a16_linear(elementwise_ops.silu_and_mul(gate_up), prepared.down_list[expert])
+
+    return moe_reference.moe_loop(x, topk_weights, topk_ids, mlp)

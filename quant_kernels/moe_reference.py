@@ -1,0 +1,138 @@
+"""Pure-PyTorch mixture-of-experts ops: routing, the expert MLPs, the token sort by expert.
+
+Knows: top-k softmax routing (optionally renormalized), the SwiGLU expert MLP
+(``down(silu(gate(x)) * up(x))``) over stacked expert weights (``quant_kernels.moe_layout``, or
+dense ``[E, N, K]`` tensors), and the sort of (token, slot) pairs by expert into ``BLOCK_M``-padded
+groups that a grouped GEMM tiles (``moe_align_block_size``). Must not know: models, checkpoint
+formats, engines.
+
+``fused_moe_w4a16`` and ``fused_moe_dense`` are the CPU path of the engine and the oracle of the
+Triton kernel (``quant_kernels.moe_triton``, same signature). They loop over the experts that
+the step hits (a host sync to learn which: fine on CPU) and add each expert's weighted output
+into its tokens in ascending expert order, as transformers' MoE blocks do, so that a float32 CPU
+run reproduces them bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from quant_kernels import reference
+from quant_kernels.moe_layout import StackedQuantWeight
+
+
+def select_experts(
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights [T, k], int32 expert ids [T, k]): softmax in float32, top-k, and with
+    ``renormalize`` the k weights scaled to sum to one (Mixtral always; Qwen MoE iff
+    ``norm_topk_prob``)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,  # int [T, k]
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the ``T * k`` (token, slot) pairs by expert into groups padded to ``block_m`` rows.
+
+    Returns ``sorted_ids`` int32 ``[max_padded]``: flat pair indices ``t * k + slot``, each
+    expert's pairs contiguous (in pair order) and its group padded with the sentinel ``T * k``;
+    ``expert_ids`` int32 ``[max_padded // block_m]``: the expert of each ``block_m`` block (blocks
+    past the end repeat the last one and are never computed); ``num_padded`` int32 ``[1]``: the
+    rows in use. ``max_padded = T*k + min(T*k, E) * (block_m - 1)`` rounded up to ``block_m``:
+    known from the shapes alone, so the whole sort is torch ops on the device with no host sync
+    (CUDA-graph safe: bincount would sync, so counts come from ``scatter_add``).
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [n]
+    num_pairs = flat.numel()
+    max_padded = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    max_padded = -(-max_padded // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    ends = torch.cumsum(padded, 0)  # [E]
+    starts = ends - padded  # [E]
+    order = torch.argsort(flat, stable=True)  # [n]: pairs grouped by expert, pair order kept
+    expert_of = flat[order]  # [n]
+    first_of_expert = torch.cumsum(counts, 0) - counts  # [E]: index in `order` of each expert's first pair
+    rank = torch.arange(num_pairs, device=device) - first_of_expert[expert_of]  # [n]
+    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[starts[expert_of] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_padded, block_m, device=device)  # [num_blocks]
+    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp(max=num_experts - 1).to(torch.int32)
+    num_padded = ends[-1:].to(torch.int32)  # [1]
+    return sorted_ids, expert_ids, num_padded
+
+
+ExpertMLP = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, x [c, H]) -> [c, H]
+
+
+def moe_loop(
+    x: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # float [T, k]
+    topk_ids: torch.Tensor,  # int [T, k]
+    expert_mlp: ExpertMLP,
+) -> torch.Tensor:  # [T, H]
+    """Per hit expert: its tokens through ``expert_mlp``, times their routing weight, added into
+    the output in ascending expert order. One host sync (which experts are hit)."""
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k]
+    hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in zip(hit.tolist(), counts.tolist()):
+        pairs = order[start : start + count]  # [c]: flat (token, slot) indices
+        start += count
+        tokens = pairs // top_k  # [c]
+        y = expert_mlp(expert, x[tokens])  # [c, H]
+        y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def fused_moe_w4a16(
+    x: torch.Tensor,  # [T, H]
+    w_gate_up: StackedQuantWeight,  # E experts of K=H, N=2I (gate | up)
+    w_down: StackedQuantWeight,  # E experts of K=I, N=H
+    topk_weights: torch.Tensor,  # float [T, k]
+    topk_ids: torch.Tensor,  # int [T, k]
+) -> torch.Tensor:  # [T, H]
+    """The SwiGLU experts over 4/8-bit stacked weights, through ``reference.w4a16_matmul``."""
+    inter = w_down.in_features
+
+    def mlp(expert: int, xe: torch.Tensor) -> torch.Tensor:
+        gate_up = reference.w4a16_matmul(xe, w_gate_up.expert(expert))  # [c, 2I]
+        return reference.w4a16_matmul(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down.expert(expert))
+
+    return moe_loop(x, topk_weights, topk_ids, mlp)
+
+
+def fused_moe_dense(
+    x: torch.Tensor,  # [T, H]
+    w_gate_up: torch.Tensor,  # [E, 2I, H] (torch orientation, gate rows first)
+    w_down: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # float [T, k]
+    topk_ids: torch.Tensor,  # int [T, k]
+) -> torch.Tensor:  # [T, H]
+    """The SwiGLU experts over unquantized stacked weights."""
+    inter = w_down.shape[-1]
+
+    def mlp(expert: int, xe: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(xe, w_gate_up[expert])  # [c, 2I]
+        return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down[expert])
+
+    return moe_loop(x, topk_weights, topk_ids, mlp)

@@ -1,0 +1,234 @@
+"""Triton fused MoE W4A16: a grouped dequant-GEMM over the experts a step hits.
+
+Knows: the stacked canonical expert layout (``quant_kernels.moe_layout``: int32 ``[E, K/8, N]``
+words packed along K, scales ``[E, ng, N]``, optional uint8 zeros), the token sort of
+``moe_reference.moe_align_block_size`` and how to tile them. Must not know: models, checkpoint
+formats, engines. Imported lazily (CUDA, or the CPU tests under TRITON_INTERPRET=1).
+
+``moe_w4a16_kernel``: program ``(m, n)`` owns ``BLOCK_M`` rows of the expert-sorted (token,
+slot) pairs, all of one expert (``expert_ids[m]``), and ``BLOCK_N`` output columns. Per K-tile
+it loads that expert's ``[BLOCK_K / 8, BLOCK_N]`` int32 words once, unpacks their codes,
+dequantizes with the tile's one group of scales (``BLOCK_K`` divides the group size) and
+multiplies the gathered activation rows. Two uses, one kernel:
+
+* gate_up (``SILU_MUL``): a second accumulator over the up columns ``[I + n]`` of the same
+  expert; the epilogue writes ``silu(gate) * up`` as the pair's intermediate row ``[T*k, I]``
+  (activation row = pair // top_k);
+* down (``MUL_WEIGHT``): activation row = the pair's intermediate row; the epilogue multiplies
+  the pair's routing weight and writes row ``[T*k, H]``; the k rows of a token are summed after.
+
+Blocks past ``num_padded`` return at once, padding rows (sentinel ``T*k``) are masked: the grid
+depends on shapes only, so launches are CUDA-graph safe with no host sync.
+
+Not tuned yet (opt-in: ``QSERVE_FUSED_MOE=1``, see ``quant_kernels.moe_ops``): codes are
+dequantized to the activation dtype per element (no lop3 / MMA-operand layout), one config per
+M bucket. Act-order (a per-expert permutation) is not served here; such layers take the
+reference-style path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from quant_kernels import device as kdevice
+from quant_kernels.moe_layout import StackedQuantWeight
+from quant_kernels.moe_reference import moe_align_block_size
+
+# Under TRITON_INTERPRET=1 (CPU tests) the dots run in float32 (the interpreter's bf16 dot is wrong).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dequant_tile(
+    qw_ptr, s_ptr, z_ptr, expert, k0, offs_n, n_mask,
+    stride_qe, stride_qk, stride_se, stride_sg, stride_ze, stride_zg,
+    GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The expert's ``[BLOCK_K, BLOCK_N]`` weight tile at rows ``k0 + [0, BLOCK_K)`` as ``dtype``:
+    each int32 word is loaded once and its 8 codes unpacked along a new axis (packed row
+    ``8 * w + j`` is slot ``j`` of word row ``w``), then reshaped into the tile's rows."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(
+        qw_ptr + expert * stride_qe + offs_w[:, None] * stride_qk + offs_n[None, :],
+        mask=n_mask[None, :],
+        other=0,
+    )  # int32 [BK/8, BN]
+    shifts = tl.arange(0, 8) * 4  # [8]
+    codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]
+    codes = tl.reshape(codes, (BLOCK_K, offs_n.shape[0]))  # [BK, BN]
+    group = k0 // GROUP_SIZE
+    scales = tl.load(s_ptr + expert * stride_se + group * stride_sg + offs_n, mask=n_mask, other=0.0)  # [BN]
+    if HAS_ZEROS:
+        zeros = tl.load(z_ptr + expert * stride_ze + group * stride_zg + offs_n, mask=n_mask, other=0).to(tl.int32)
+    else:
+        zeros = tl.full((offs_n.shape[0],), 8, tl.int32)
+    return ((codes - zeros[None, :]).to(tl.float32) * scales.to(tl.float32)[None, :]).to(dtype)
+
+
+@triton.jit
+def moe_w4a16_kernel(
+    a_ptr,  # [rows of A, K]: x [T, H] (gate_up) or the intermediate [T*k, I] (down)
+    qw_ptr,  # int32 [E, K/8, N_total]
+    s_ptr,  # [E, ng, N_total]
+    z_ptr,  # uint8 [E, ng, N_total] (a placeholder when not HAS_ZEROS)
+    c_ptr,  # [T*k, N]
+    topk_w_ptr,  # float32 [T*k]
+    sorted_ids_ptr,  # int32 [max_padded]
+    expert_ids_ptr,  # int32 [max_padded / BLOCK_M]
+    num_padded_ptr,  # int32 [1]
+    N, K, num_pairs, up_offset,
+    stride_am, stride_qe, stride_qk, stride_se, stride_sg, stride_ze, stride_zg, stride_cm,
+    A_ROW_DIV: tl.constexpr,  # top_k for gate_up (A row = pair // top_k), 1 for down
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)  # [BM]
+    valid = pairs < num_pairs
+    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    dtype = c_ptr.dtype.element_ty
+    compute = tl.float32 if DOT_F32 else dtype
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=valid[:, None], other=0.0)
+        a = a.to(compute)
+        w = _dequant_tile(
+            qw_ptr, s_ptr, z_ptr, expert, k0, offs_n, n_mask,
+            stride_qe, stride_qk, stride_se, stride_sg, stride_ze, stride_zg, GROUP_SIZE, HAS_ZEROS, compute, BLOCK_K,
+        )  # fmt: skip
+        acc += tl.dot(a, w)
+        if SILU_MUL:
+            w_up = _dequant_tile(
+                qw_ptr, s_ptr, z_ptr, expert, k0, offs_n + up_offset, n_mask,
+                stride_qe, stride_qk, stride_se, stride_sg, stride_ze, stride_zg, GROUP_SIZE, HAS_ZEROS, compute, BLOCK_K,
+            )  # fmt: skip
+            acc_up += tl.dot(a, w_up)
+    if SILU_MUL:
+        # Rounded to the activation dtype first, as the unfused gate_up output would be.
+        gate = acc.to(dtype).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * acc_up.to(dtype).to(tl.float32)
+    if MUL_WEIGHT:
+        weight = tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)  # [BM]
+        acc = acc.to(dtype).to(tl.float32) * weight[:, None]
+    tl.store(
+        c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
+        acc.to(dtype),
+        mask=valid[:, None] & n_mask[None, :],
+    )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+    """Untuned rules: small blocks of rows while few pairs land on each expert (decode), larger
+    ones for prefill. (Measured tables per architecture are the next step: bench/moe.py.)"""
+    pairs_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if pairs_per_expert <= 16:
+        return MoEConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+    return MoEConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+
+
+def _block_k(group_size: int, in_features: int) -> int:
+    """A K-tile inside one group: divides the group size and K."""
+    block = 64
+    while block > 16 and (group_size % block or in_features % block):
+        block //= 2
+    if group_size % block or in_features % block:
+        raise ValueError(f"fused MoE: group size {group_size} / K={in_features} need a multiple of 16")
+    return block
+
+
+def supports(weight: StackedQuantWeight) -> bool:
+    """Whether the kernel serves this stacked weight (4-bit, no act-order, tiles inside groups)."""
+    return (
+        weight.bits == 4
+        and weight.perm is None
+        and weight.group_size % 16 == 0
+        and weight.in_features % 16 == 0
+        and weight.scales.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    )
+
+
+def _launch(
+    a: torch.Tensor,
+    weight: StackedQuantWeight,
+    out: torch.Tensor,
+    n: int,
+    up_offset: int,
+    topk_weights: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_padded: torch.Tensor,
+    num_pairs: int,
+    a_row_div: int,
+    silu_mul: bool,
+    mul_weight: bool,
+    config: MoEConfig,
+) -> None:
+    zeros = weight.zeros if weight.zeros is not None else kdevice.placeholder(a.device, torch.uint8)
+    stride_ze, stride_zg = (weight.zeros.stride(0), weight.zeros.stride(1)) if weight.zeros is not None else (0, 0)
+    k = weight.in_features
+    grid = (sorted_ids.shape[0] // config.block_m, triton.cdiv(n, config.block_n))
+    moe_w4a16_kernel[grid](
+        a, weight.qweight, weight.scales, zeros, out, topk_weights, sorted_ids, expert_ids, num_padded,
+        n, k, num_pairs, up_offset,
+        a.stride(0), weight.qweight.stride(0), weight.qweight.stride(1), weight.scales.stride(0),
+        weight.scales.stride(1), stride_ze, stride_zg, out.stride(0),
+        A_ROW_DIV=a_row_div, GROUP_SIZE=min(weight.group_size, k), HAS_ZEROS=weight.zeros is not None,
+        SILU_MUL=silu_mul, MUL_WEIGHT=mul_weight, DOT_F32=_INTERPRET,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=_block_k(min(weight.group_size, k), k),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def fused_moe_w4a16(
+    x: torch.Tensor,  # [T, H]
+    w_gate_up: StackedQuantWeight,  # E experts of K=H, N=2I (gate | up)
+    w_down: StackedQuantWeight,  # E experts of K=I, N=H
+    topk_weights: torch.Tensor,  # float [T, k]
+    topk_ids: torch.Tensor,  # int [T, k]
+    config: MoEConfig | None = None,
+) -> torch.Tensor:  # [T, H]
+    """Same signature and result as ``moe_reference.fused_moe_w4a16``; two launches plus the
+    torch-op token sort and the k-way sum, with no host sync."""
+    num_tokens, top_k = topk_ids.shape
+    hidden, inter = x.shape[1], w_down.in_features
+    config = config or default_config(num_tokens, top_k, w_gate_up.num_experts)
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, w_gate_up.num_experts, config.block_m)
+    num_pairs = num_tokens * top_k
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
+    x = x.contiguous()
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # [T*k, I]
+    _launch(x, w_gate_up, act, inter, inter, weights, sorted_ids, expert_ids, num_padded, num_pairs, top_k,
+            True, False, config)  # fmt: skip
+    out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # [T*k, H]
+    _launch(act, w_down, out, hidden, 0, weights, sorted_ids, expert_ids, num_padded, num_pairs, 1,
+            False, True, config)  # fmt: skip
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)
