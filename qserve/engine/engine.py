@@ -634,8 +634,9 @@ class Engine:
         scheduler = self.scheduler
 
         def names(requests: Any) -> list[str]:
-            ids = dict.fromkeys(r.lora_id for r in requests if r.lora_id is not None)
-            return [manager.name_of(i) for i in ids]
+            # list() copies in one C call: the metrics thread reads while the step thread changes them
+            ids = dict.fromkeys(r.lora_id for r in list(requests) if r.lora_id is not None)
+            return [name for name in map(manager.name_of, ids) if name is not None]
 
         return names(scheduler.running), names(scheduler.waiting)
 

@@ -166,8 +166,9 @@ class LoRAManager:
         entry = self._by_name.get(name)
         return None if entry is None else entry.request
 
-    def name_of(self, lora_id: int) -> str:
-        return self._by_id[lora_id].request.lora_name
+    def name_of(self, lora_id: int) -> str | None:
+        entry = self._by_id.get(lora_id)  # None: forgotten meanwhile (metrics read from another thread)
+        return None if entry is None else entry.request.lora_name
 
     def acquire(self, lora_id: int) -> None:
         self._by_id[lora_id].refs += 1
