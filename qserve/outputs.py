@@ -7,6 +7,7 @@ not know: how it was computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -49,6 +50,8 @@ class RequestOutput:
     # Timing (vLLM's names: arrival_time, first_scheduled_time, time_in_queue, first_token_latency);
     # not part of the result, so two runs of the same request compare equal.
     metrics: dict[str, float] = field(default_factory=dict, compare=False)
+    # The LoRA adapter it ran with (vLLM's field; a qserve.lora.request.LoRARequest), None: the base model.
+    lora_request: Any = None
 
 
 @dataclass(slots=True)

@@ -182,6 +182,7 @@ class _Group:
     first_scheduled_time: float | None = None
     pooling: PoolingParams | None = None  # an embedding request (params is then POOLING_STEP_PARAMS)
     embedding: list[float] | None = None  # its pooled vector, once its prefill is done
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     @property
     def finished(self) -> bool:
@@ -662,7 +663,7 @@ class Engine:
         lora_id = None if lora_request is None else self.add_lora(lora_request)
         if pooling is not None:
             params = POOLING_STEP_PARAMS
-        group = _Group(request_id, text, token_ids, params, pooling=pooling)
+        group = _Group(request_id, text, token_ids, params, pooling=pooling, lora_request=lora_request)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index in range(params.n):
@@ -945,6 +946,7 @@ class Engine:
             finished=finished,
             num_cached_tokens=group.sequences[0].request.num_cached_tokens,
             metrics=self._timing(group) if finished else {},
+            lora_request=group.lora_request,
         )
 
     def _make_pooling_output(self, group: _Group, finished: bool) -> RequestOutput:
@@ -963,6 +965,7 @@ class Engine:
             finished=finished,
             num_cached_tokens=group.sequences[0].request.num_cached_tokens,
             metrics=self._timing(group) if finished else {},
+            lora_request=group.lora_request,
             embedding=group.embedding,
         )
 

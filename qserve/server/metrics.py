@@ -243,6 +243,12 @@ class ServerMetrics:
             buckets=ITERATION_TOKEN_BUCKETS,
             registry=r,
         )
+        self.lora_requests = Counter(
+            "qserve:lora_requests",
+            "Finished requests per LoRA adapter (the base model's are not counted).",
+            [*labels, "lora_name"],
+            registry=r,
+        )
         self.registry.register(_HostCollector(host))
         self.registry.register(SwapCollector(host))  # swap preemption's series
 
@@ -264,6 +270,8 @@ class ServerMetrics:
         self.request_prompt_tokens.labels(model).observe(len(output.prompt_token_ids))
         self.request_generation_tokens.labels(model).observe(sum(len(c.token_ids) for c in output.outputs))
         self.params_n.labels(model).observe(len(output.outputs))
+        if output.lora_request is not None:
+            self.lora_requests.labels(model, output.lora_request.lora_name).inc()
         max_tokens = output.metrics.get("max_tokens_param")
         if max_tokens is not None:
             self.params_max_tokens.labels(model).observe(max_tokens)

@@ -151,7 +151,7 @@ def test_prefix_cache_is_keyed_by_adapter(setup) -> None:
     params = SamplingParams(max_tokens=1, temperature=0.0)
     a, b = requests["all-r8"], requests["qv-r4"]
     first = llm.generate(prompt, params, use_tqdm=False, lora_request=a)[0]
-    assert first.num_cached_tokens == 0
+    assert first.num_cached_tokens == 0 and first.lora_request == a  # vLLM's RequestOutput.lora_request
     assert llm.generate(prompt, params, use_tqdm=False, lora_request=b)[0].num_cached_tokens == 0
     assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0  # the base model
     again = llm.generate(prompt, params, use_tqdm=False, lora_request=a)[0]

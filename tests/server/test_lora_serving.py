@@ -79,12 +79,15 @@ def test_runtime_load_and_unload(served) -> None:
     assert gone.status_code == 404 and "extra" in gone.json()["error"]["message"]
 
 
-def test_lora_requests_info(served) -> None:
+def test_lora_metrics(served) -> None:
     client, _ = served
-    families = text_string_to_metric_families(client.get("/metrics").text)
-    (sample,) = next(f for f in families if f.name == "vllm:lora_requests_info").samples
+    assert _completion(client, "sql").status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    (sample,) = families["vllm:lora_requests_info"].samples
     assert sample.labels["max_lora"] == "2"
     assert sample.labels["running_lora_adapters"] == "" and sample.labels["waiting_lora_adapters"] == ""
+    counts = {s.labels["lora_name"]: s.value for s in families["qserve:lora_requests"].samples}
+    assert counts.get("sql", 0) >= 1 and "llama" not in counts  # per adapter; the base model is not one
 
 
 def test_runtime_routes_need_the_switch(served, monkeypatch) -> None:
