@@ -53,3 +53,31 @@ def test_lora_matches_peft_forward(tmp_path) -> None:
         torch.testing.assert_close(g, w, atol=1e-2, rtol=0, msg=name)
     # The control: the adapters move the logprobs far more than the tolerance.
     assert (want[0] - want[2]).abs().max() > 0.3 and (want[1] - want[2]).abs().max() > 0.3
+
+
+def test_lora_on_glm_matches_peft(tmp_path) -> None:
+    """GLM (float32): q/k rows reordered at load for its interleaved rotary (the adapters' B rows follow),
+    and PEFT's adapter of the fused ``gate_up_proj`` module (one A shared by both slices, B split)."""
+    from tests.helpers.family_models import glm_oracle, save_native
+
+    base = glm_oracle("GlmForCausalLM", seed=4)
+    path = save_native(base, tmp_path / "glm")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
+    adapted = glm_oracle("GlmForCausalLM", seed=4)
+    peft_model = peft.get_peft_model(
+        adapted, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    )
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    llm = LLM(str(path), device="cpu", dtype="float32", enable_lora=True, max_lora_rank=4, num_kv_blocks=16)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    loras = [LoRARequest("glm", 1, str(tmp_path / "adapter")), None]
+    outputs = llm.generate([{"prompt_token_ids": PROMPT}] * 2, params, use_tqdm=False, lora_request=loras)
+    for output, oracle in zip(outputs, (peft_model.eval(), base)):
+        got = torch.tensor([next(iter(p.values())).logprob for p in output.prompt_logprobs[1:]])
+        torch.testing.assert_close(got, _logprobs(oracle, PROMPT), atol=2e-4, rtol=0)
+    assert (_logprobs(peft_model, PROMPT) - _logprobs(base, PROMPT)).abs().max() > 0.1
