@@ -44,11 +44,13 @@ class RequestLog:
             return
         ttft = output.metrics.get("first_token_latency")
         reasons = sorted({c.finish_reason or "abort" for c in output.outputs}) or ["abort"]
+        lora = "" if output.lora_request is None else f" lora={output.lora_request.lora_name}"
         logger.info(
-            "request %s (%s): model=%s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
+            "request %s (%s): model=%s%s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
             REQUEST_ID.get() or "-",
             output.request_id,
             model,
+            lora,
             len(output.prompt_token_ids),
             sum(len(c.token_ids) for c in output.outputs),
             "-" if ttft is None else f"{ttft:.3f}s",

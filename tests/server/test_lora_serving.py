@@ -79,9 +79,11 @@ def test_runtime_load_and_unload(served) -> None:
     assert gone.status_code == 404 and "extra" in gone.json()["error"]["message"]
 
 
-def test_lora_metrics(served) -> None:
+def test_lora_metrics(served, caplog) -> None:
     client, _ = served
-    assert _completion(client, "sql").status_code == 200
+    with caplog.at_level("INFO", logger="qserve.server.request_log"):
+        assert _completion(client, "sql").status_code == 200
+    assert any("model=llama lora=sql prompt_tokens=5" in r.getMessage() for r in caplog.records)
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     (sample,) = families["vllm:lora_requests_info"].samples
     assert sample.labels["max_lora"] == "2"
