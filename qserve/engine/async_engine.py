@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qserve.engine.engine import Engine, EngineConfig, PromptInput, resolve_device, resolve_dtype
+from qserve.model.registry import read_model_config
 from qserve.outputs import RequestOutput
 from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
@@ -629,7 +630,7 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
     specs: list[ModelKVSpec] = []
     model_configs: dict[str, ModelConfig] = {}
     for m in models:
-        model_config = ModelConfig.from_path(m.path)
+        model_config = read_model_config(m.path)
         model_configs[m.name] = model_config
         dtype = kv_cache_torch_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, model_config.dtype, device))
         max_model_len = config.max_model_len or model_config.max_position_embeddings
