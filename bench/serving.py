@@ -64,10 +64,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e import QWEN14B, lognormal_lengths, write_random_gptq  # noqa: E402
-from qserve.config import ModelConfig  # noqa: E402
 from qserve.engine.async_engine import AsyncEngine, HostConfig, ModelSpec, RequestItem, build_engines  # noqa: E402
 from qserve.engine.engine import Engine  # noqa: E402
 from qserve.memory.planner import parse_memory_budget  # noqa: E402
+from qserve.model.registry import read_model_config
 from qserve.sampling_params import SamplingParams  # noqa: E402
 from qserve.scheduler.swap import PREEMPTION_MODES  # noqa: E402
 
@@ -402,7 +402,7 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
         )
     header.append(preemption)
 
-    vocab = ModelConfig.from_path(path).vocab_size
+    vocab = read_model_config(path).vocab_size
     mean, cap = (64, 256) if small else (256, 2048)
     workload = make_workload(args.num_requests, mean, mean, cap, vocab, args.seed)
     header.append(

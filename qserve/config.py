@@ -3,17 +3,15 @@ scheduler, and the engine that ties them together.
 
 Knows: how to read and validate HF Llama-family configs (both the classic ``rope_theta`` /
 ``rope_scaling`` keys and transformers v5's ``rope_parameters``); other families' configs are
-first translated into that shape by their adapter (``qserve.model.registry``), which also
-declares their behaviours (partial / interleaved rotary, ALiBi, normalized lm_head, dynamic
-NTK + logn, sandwich norms). Must not know: weights, tensors on devices, or the engine's
-moving parts.
+first translated into that shape by their adapter (``qserve.model.registry.model_config``),
+which also declares their behaviours (partial / interleaved rotary, ALiBi, normalized lm_head, dynamic
+NTK + logn, sandwich norms). Must not know: weights, tensors on devices, the engine's
+moving parts, or which families exist (it imports nothing from ``qserve.model``).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -97,42 +95,16 @@ class ModelConfig:
     moe_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
 
     @classmethod
-    def from_path(cls, path: str | Path) -> ModelConfig:
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face model directory?)")
-        try:
-            cfg = json.loads(config_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{config_path}: not valid JSON ({err})") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{config_path}: expected a JSON object, got {type(cfg).__name__}")
-        # Every user error names the file and the field, in one line (no traceback).
-        try:
-            return cls.from_hf(cfg, source=str(config_path))
-        except KeyError as err:
-            raise ValueError(f"{config_path}: required field {err.args[0]!r} is missing") from None
-        except (TypeError, ValueError, ZeroDivisionError) as err:
-            if str(err).startswith(str(config_path)):
-                raise
-            raise ValueError(f"{config_path}: a field has an invalid value ({err})") from None
-
-    @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        from qserve.model.registry import supported_architectures, translate_config  # noqa: PLC0415 - no cycle
-
+        """A Llama-family ``config.json`` (other families: ``qserve.model.registry.model_config``)."""
         architectures = cfg.get("architectures") or []
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            translated = translate_config(cfg, source)
-            if translated is None:
-                raise ValueError(
-                    f"{source}: architecture {architectures or cfg.get('model_type')!r} is not supported; "
-                    f"supported: {', '.join(supported_architectures())}"
-                )
-            canonical, behaviours = translated
-            config = cls.from_hf(canonical, source)
-            return replace(config, architecture=behaviours.pop("architecture"), raw=cfg, **behaviours)
+            raise ValueError(
+                f"{source}: architecture {architectures or cfg.get('model_type')!r} is not a Llama-family "
+                f"architecture ({', '.join(SUPPORTED_ARCHITECTURES)}); qserve.model.registry.model_config "
+                "translates the other families"
+            )
         features = SUPPORTED_ARCHITECTURES[arch]
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             value = cfg.get(key)

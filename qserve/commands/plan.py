@@ -11,6 +11,7 @@ import argparse
 import json
 
 from qserve.model.hub import add_revision_argument, resolve_model_path
+from qserve.model.registry import read_model_config
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -38,10 +39,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import loaders
-    from qserve.config import ModelConfig, parse_dtype
+    from qserve.config import parse_dtype
     from qserve.memory.planner import lora_slot_bytes, make_plan, parse_memory_budget, weight_bytes
 
-    config = ModelConfig.from_path(args.model)
+    config = read_model_config(args.model)
     spec = loaders.detect(args.model)
     if args.dtype == "auto":
         dtype = config.dtype if config.dtype in (torch.float16, torch.bfloat16) else torch.float16

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from qserve.engine.engine import LORA_GRAPHS_ENV, Engine, EngineConfig, PromptInput, resolve_device, resolve_dtype
 from qserve.lora.request import LoRARequest
+from qserve.model.registry import read_model_config
 from qserve.outputs import RequestOutput
 from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
@@ -689,7 +690,7 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
     specs: list[ModelKVSpec] = []
     model_configs: dict[str, ModelConfig] = {}
     for m in models:
-        model_config = ModelConfig.from_path(m.path)
+        model_config = read_model_config(m.path)
         model_configs[m.name] = model_config
         dtype = kv_cache_torch_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, model_config.dtype, device))
         max_model_len = config.max_model_len or model_config.max_position_embeddings

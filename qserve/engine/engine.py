@@ -73,6 +73,7 @@ from qserve.memory.planner import (
 )
 from qserve.memory.profiler import kv_cache_torch_dtype, profile_model, set_kv_scales
 from qserve.model.loader import load_model
+from qserve.model.registry import read_model_config
 from qserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from qserve.pooling_params import PoolingParams
 from qserve.request import Request, RequestStatus
@@ -269,7 +270,7 @@ class Engine:
 
         self.config = config
         self.device = resolve_device(config.device)
-        model_config = ModelConfig.from_path(config.model)
+        model_config = read_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp=tp)
         rank_config = per_rank_config(self.model_config, 1 if tp is None else tp.size)  # this rank's heads

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import loaders
 from qserve.config import ModelConfig
-from qserve.model.registry import checkpoint_view
+from qserve.model.registry import checkpoint_view, read_model_config
 from qserve.tokenization import load_tokenizer
 
 
@@ -41,7 +41,7 @@ def check_checkpoint(path: str | Path, *, tokenizer: bool = True, tensors: bool 
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: not a directory (expected a Hugging Face model directory)")
-    config = ModelConfig.from_path(root)
+    config = read_model_config(root)
     spec = loaders.detect(root)
     # Other families' tensors are checked under the decoder's names, as the loader will read them.
     plan = loaders.plan_checkpoint(root, spec, checkpoint_view(config.raw, str(root / "config.json")))

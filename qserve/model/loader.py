@@ -16,7 +16,7 @@ from qserve.config import ModelConfig
 from qserve.distributed.parallel_state import TPGroup
 from qserve.layers.quant_methods import make_linear_method
 from qserve.model.llama import LlamaFamilyForCausalLM
-from qserve.model.registry import checkpoint_view
+from qserve.model.registry import checkpoint_view, read_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def load_model(
     With a tensor-parallel group ``tp`` the model is this rank's shard: every rank streams the
     whole checkpoint (one tensor at a time) and keeps its slice.
     """
-    config = ModelConfig.from_path(path)
+    config = read_model_config(path)
     spec = loaders.detect(path)
     view = checkpoint_view(config.raw, str(Path(path) / "config.json"))  # other families' names -> Llama's
     with torch.device(device):

@@ -8,31 +8,21 @@ as Qwen's ``c_attn`` or Baichuan's ``W_pack``), and which declared behaviours it
 logn, sandwich norms). Every family runs through ``qserve.model.llama``; there is no second
 decoder. Must not know: tensors, devices, checkpoint formats (``loaders`` applies the name map).
 
-Plain Llama-family names (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) are read by
-``ModelConfig.from_hf`` directly; ``translate_config`` only handles the other families.
+``model_config`` / ``read_model_config`` are how the rest of qserve reads any checkpoint's
+config: plain Llama-family names (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) go straight to
+``ModelConfig.from_hf``; the other families are translated by their adapter first. ``config``
+itself knows no family but Llama's, so it imports nothing from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import json
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from loaders.renamed import ModuleTarget
-
-# (source module prefix, the translated config) -> where its rows go; [] drops the tensor.
-ModuleMap = Callable[[str, dict[str, Any]], list[ModuleTarget] | None]
-# (raw config.json, its path for messages) -> (Llama-style config, ModelConfig behaviour fields)
-Translate = Callable[[dict[str, Any], str], tuple[dict[str, Any], dict[str, Any]]]
-
-
-@dataclass(frozen=True, slots=True)
-class FamilyAdapter:
-    family: str
-    architectures: tuple[str, ...]
-    needs: str  # one line for the README's architecture table
-    translate: Translate
-    module_map: ModuleMap | None  # None: the checkpoint already uses the decoder's names
+from qserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from qserve.model.adapter import FamilyAdapter
 
 
 def _families() -> list[FamilyAdapter]:
@@ -51,8 +41,6 @@ def _families() -> list[FamilyAdapter]:
 
 
 def llama_family_architectures() -> tuple[str, ...]:
-    from qserve.config import SUPPORTED_ARCHITECTURES  # noqa: PLC0415
-
     return tuple(SUPPORTED_ARCHITECTURES)
 
 
@@ -105,25 +93,39 @@ def architecture_table() -> list[tuple[str, str, str]]:
     return rows
 
 
-def require(cfg: dict[str, Any], source: str, *keys: str) -> Any:
-    """The first of ``keys`` present in ``cfg`` (aliases), or a refusal naming them all."""
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    raise ValueError(f"{source}: field {' / '.join(repr(k) for k in keys)} is missing")
+def model_config(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """The ``ModelConfig`` of any supported ``config.json`` (translated first for non-Llama families)."""
+    architectures = cfg.get("architectures") or []
+    if any(name in SUPPORTED_ARCHITECTURES for name in architectures):
+        return ModelConfig.from_hf(cfg, source)
+    translated = translate_config(cfg, source)
+    if translated is None:
+        raise ValueError(
+            f"{source}: architecture {architectures or cfg.get('model_type')!r} is not supported; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    canonical, behaviours = translated
+    config = ModelConfig.from_hf(canonical, source)
+    return replace(config, architecture=behaviours.pop("architecture"), raw=cfg, **behaviours)
 
 
-def refuse_unless(cond: bool, source: str, field: str, value: Any, supported: str) -> None:
-    if not cond:
-        raise ValueError(f"{source}: {field}={value!r} is not supported; supported: {supported}")
-
-
-def torch_dtype_name(cfg: dict[str, Any]) -> str:
-    """Remote-code configs declare dtype by flags (Qwen: bf16/fp16/fp32) or ``torch_dtype``."""
-    name = cfg.get("torch_dtype") or cfg.get("dtype")
-    if name:
-        return str(name)
-    for flag, dtype in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
-        if cfg.get(flag):
-            return dtype
-    return "bfloat16"
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint directory; every user error is one line naming the file
+    and the field (no traceback)."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face model directory?)")
+    try:
+        cfg = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(cfg).__name__}")
+    try:
+        return model_config(cfg, source=str(config_path))
+    except KeyError as err:
+        raise ValueError(f"{config_path}: required field {err.args[0]!r} is missing") from None
+    except (TypeError, ValueError, ZeroDivisionError) as err:
+        if str(err).startswith(str(config_path)):
+            raise
+        raise ValueError(f"{config_path}: a field has an invalid value ({err})") from None

@@ -24,6 +24,7 @@ import loaders
 from loaders.safetensors_io import CheckpointFiles
 from qserve.config import ModelConfig
 from qserve.layers.rotary import RotaryEmbedding
+from qserve.model.registry import read_model_config
 from qserve.quantize import writers
 from qserve.quantize.awq import AWQSettings, quantize_layer_awq
 from qserve.quantize.calibration import calibration_windows
@@ -98,7 +99,7 @@ def _check_source(src: Path) -> ModelConfig:
         raise ValueError(
             f"{src} is already quantized ({spec.source} says quant_method={spec.method}); give an fp16/bf16 checkpoint"
         )
-    config = ModelConfig.from_path(src)
+    config = read_model_config(src)
     if config.family in MOE_FAMILIES:  # Llama names plus mlp.experts.N.*: written as they are read
         return config
     if config.family != "llama":  # the writers emit Llama tensor names; other families' layouts differ

@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from qserve.config import ModelConfig
 from qserve.distributed.sharding import (
     attention_shard,
     column_shard,
@@ -19,6 +18,7 @@ from qserve.distributed.sharding import (
     vocab_shard,
 )
 from qserve.memory.planner import make_plan, weight_bytes
+from qserve.model.registry import read_model_config
 from quant_kernels import reference
 from quant_kernels.layout import PackedQuantWeight, pack_codes
 from tests.helpers.quant_packers import tiny_llama_config
@@ -129,7 +129,7 @@ def test_vocab_shard_pads_the_last_rank() -> None:
 def test_planner_is_per_rank(tmp_path) -> None:
     raw = tiny_llama_config(hidden_size=128, intermediate_size=256, vocab_size=400)
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    config = ModelConfig.from_path(tmp_path)
+    config = read_model_config(tmp_path)
     rank = per_rank_config(config, 2)
     assert (rank.num_heads, rank.num_kv_heads, rank.intermediate_size) == (2, 1, 128)
     one, two = weight_bytes(config, None, torch.float16), weight_bytes(config, None, torch.float16, 2)

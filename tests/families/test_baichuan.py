@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from qserve import LLM, SamplingParams
-from qserve.config import ModelConfig
 from qserve.layers.attention import alibi_slopes
+from qserve.model.registry import model_config
 from tests.helpers.family_models import alibi_bias, alibi_logits, save_baichuan
 from tests.helpers.tiny_models import make_tiny_model
 from tests.integration.test_hf_parity import hf_greedy, hf_prompt_logprobs
@@ -49,16 +49,16 @@ def test_variant_rule_and_overrides():
         "vocab_size": 125696,
         "model_max_length": 4096,
     }
-    cfg = ModelConfig.from_hf(base)
+    cfg = model_config(base)
     assert cfg.alibi and cfg.lm_head_normalized  # 13B: ALiBi, NormHead (Baichuan2 vocabulary)
-    cfg = ModelConfig.from_hf({**base, "hidden_size": 4096, "num_attention_heads": 32})
+    cfg = model_config({**base, "hidden_size": 4096, "num_attention_heads": 32})
     assert not cfg.alibi and cfg.lm_head_normalized  # 7B: RoPE
-    cfg = ModelConfig.from_hf({**base, "vocab_size": 64000})
+    cfg = model_config({**base, "vocab_size": 64000})
     assert not cfg.lm_head_normalized  # Baichuan 1
-    cfg = ModelConfig.from_hf({**base, "qserve_position_embedding": "rope", "qserve_norm_head": False})
+    cfg = model_config({**base, "qserve_position_embedding": "rope", "qserve_norm_head": False})
     assert not cfg.alibi and not cfg.lm_head_normalized
     with pytest.raises(ValueError, match="qserve_position_embedding"):
-        ModelConfig.from_hf({**base, "qserve_position_embedding": "xpos"})
+        model_config({**base, "qserve_position_embedding": "xpos"})
 
 
 @pytest.mark.parametrize("num_heads", [8, 5, 6, 40])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qserve import LLM, SamplingParams
-from qserve.config import ModelConfig
+from qserve.model.registry import model_config, read_model_config
 from tests.helpers.family_models import glm_oracle, save_chatglm, save_native
 from tests.integration.test_hf_parity import hf_greedy, hf_prompt_logprobs
 
@@ -27,7 +27,7 @@ def _check(model, path):
 def test_chatglm_matches_glm_oracle(tmp_path):
     model = glm_oracle(seed=6, rope_theta=10000.0 * 4)
     path = save_chatglm(model, tmp_path / "chatglm3", rope_ratio=4)
-    cfg = ModelConfig.from_path(path)
+    cfg = read_model_config(path)
     assert (cfg.architecture, cfg.num_kv_heads, cfg.rotary_dim, cfg.rope_interleaved) == ("ChatGLMModel", 2, 8, True)
     assert cfg.rope.theta == 40000.0
     _check(model, path)
@@ -38,7 +38,7 @@ def test_chatglm_matches_glm_oracle(tmp_path):
 def test_native_glm_matches_transformers(tmp_path, arch):
     model = glm_oracle(arch, seed=7)
     path = save_native(model, tmp_path / arch)
-    assert ModelConfig.from_path(path).sandwich_norms == (arch == "Glm4ForCausalLM")
+    assert read_model_config(path).sandwich_norms == (arch == "Glm4ForCausalLM")
     _check(model, path)
 
 
@@ -54,7 +54,7 @@ def test_chatglm_unsupported_variant_is_refused():
         "add_bias_linear": True,
     }
     with pytest.raises(ValueError, match="add_bias_linear"):
-        ModelConfig.from_hf(cfg)
+        model_config(cfg)
 
 
 def test_chatglm3_served_with_its_sentencepiece_tokenizer(tmp_path):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from qserve import LLM, SamplingParams
-from qserve.config import ModelConfig
 from qserve.layers.moe import SparseMoeBlock
+from qserve.model.registry import model_config, read_model_config
 from quant_kernels.moe_layout import StackedQuantWeight
 from tests.helpers.moe_models import moe_oracle, save_moe
 from tests.integration.test_hf_parity import hf_greedy, hf_prompt_logprobs
@@ -36,7 +36,7 @@ def _blocks(llm: LLM) -> list[SparseMoeBlock]:
 def test_moe_family_matches_transformers(tmp_path, arch):
     model = moe_oracle(arch, seed=11)
     path = save_moe(model, tmp_path / arch)
-    config = ModelConfig.from_path(path)
+    config = read_model_config(path)
     expected_layers = (1,) if arch == "Qwen3MoeForCausalLM" else (0, 1)  # Qwen3's mlp_only_layers=[0]
     assert (config.num_experts, config.num_experts_per_tok, config.moe_layers) == (8, 2, expected_layers)
     llm = _check(model, path)
@@ -104,7 +104,7 @@ def test_experts_stream_into_one_stacked_tensor(tmp_path):
     num_experts = 48
     model = moe_oracle("Qwen3MoeForCausalLM", seed=3, num_experts=num_experts, moe_intermediate_size=64)
     path = save_moe(model, tmp_path / "qwen3moe-gptq", fmt="gptq", group_size=32)
-    config = ModelConfig.from_path(path)
+    config = read_model_config(path)
     spec = loaders.detect(path)
     ours = LlamaFamilyForCausalLM(config, torch.float32, lambda names: make_linear_method(spec, names))
     with LiveBytes() as live:
@@ -122,8 +122,8 @@ def test_moe_refusals_name_the_field():
     model = moe_oracle("MixtralForCausalLM", seed=1)
     bad = {**model.config.to_dict(), "num_experts_per_tok": 9}
     with pytest.raises(ValueError, match="num_experts_per_tok=9"):
-        ModelConfig.from_hf(bad)
-    config = ModelConfig.from_hf(model.config.to_dict())
+        model_config(bad)
+    config = model_config(model.config.to_dict())
     assert config.moe_expert_names == ("w1", "w3", "w2") and config.norm_topk_prob
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         _moe_block(config, "model.layers.0.mlp", torch.float32, lambda names: None, tp=object())

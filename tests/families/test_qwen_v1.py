@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qserve import LLM, SamplingParams
-from qserve.config import ModelConfig
+from qserve.model.registry import model_config
 from tests.helpers.family_models import (
     qwen2_oracle,
     qwen_long_oracle,
@@ -31,7 +31,7 @@ def _ours(llm: LLM, prompts: list[list[int]], max_tokens: int = 6):
 
 def test_config_translation():
     model = qwen2_oracle()
-    cfg = ModelConfig.from_hf(qwen_v1_config(model, seq_length=16))
+    cfg = model_config(qwen_v1_config(model, seq_length=16))
     assert cfg.architecture == "QWenLMHeadModel" and cfg.family == "qwen"
     assert cfg.intermediate_size == model.config.intermediate_size  # halved
     assert cfg.num_kv_heads == cfg.num_heads == 4
@@ -46,7 +46,7 @@ def test_aliases_and_default_stop_ids():
     cfg["ffn_hidden_size"] = cfg.pop("intermediate_size")
     cfg["vocab_size"] = 151936
     del cfg["eos_token_id"]
-    parsed = ModelConfig.from_hf(cfg)
+    parsed = model_config(cfg)
     assert parsed.hidden_size == 64 and parsed.num_layers == 2
     assert parsed.eos_token_ids == (151643, 151645, 151644)  # <|endoftext|>, <|im_end|>, <|im_start|>
 

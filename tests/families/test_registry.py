@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qserve.config import ModelConfig
-from qserve.model.registry import architecture_table, supported_architectures
+from qserve.model.registry import architecture_table, model_config, supported_architectures
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -21,7 +20,7 @@ def test_readme_lists_every_architecture():
 
 def test_unknown_architecture_is_refused_naming_the_supported_ones():
     with pytest.raises(ValueError, match="FooForCausalLM.*QWenLMHeadModel.*BaichuanForCausalLM"):
-        ModelConfig.from_hf({"architectures": ["FooForCausalLM"], "hidden_size": 8})
+        model_config({"architectures": ["FooForCausalLM"], "hidden_size": 8})
 
 
 def test_quantize_refuses_other_families(tmp_path):

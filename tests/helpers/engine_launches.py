@@ -42,6 +42,7 @@ from qserve.config import ModelConfig
 from qserve.layers.linear import Linear
 from qserve.layers.quant_methods import make_linear_method
 from qserve.model.llama import LlamaFamilyForCausalLM
+from qserve.model.registry import model_config
 from qserve.runner.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qserve.runner.model_runner import ModelRunner, allocate_kv_caches
 from qserve.runner.warmup import warmup_steps
@@ -222,7 +223,7 @@ def layout_without_shuffling() -> Iterator[None]:
 
 def build_model(case: ModelCase, dtype: torch.dtype) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
     """The model with random weights, prepared for the (simulated) device the way loading does."""
-    config = ModelConfig.from_hf(case.config, source=case.name)
+    config = model_config(case.config, source=case.name)
     spec = CheckpointSpec(
         method="gptq", bits=case.bits, group_size=case.group_size, sym=case.sym, desc_act=case.act_order
     )

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from qserve import LLM, SamplingParams
-from qserve.config import ModelConfig
 from qserve.memory.shared_pool import ModelKVSpec, SharedKVPool, page_bytes_for
+from qserve.model.registry import read_model_config
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 60))}, {"prompt_token_ids": [9, 8, 7] * 20}]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
@@ -47,7 +47,7 @@ def test_int4_kv_cache_layout_and_outputs_close_to_model_dtype(llama_path):
 
 
 def test_int4_pages_in_a_shared_pool(llama_path):
-    config = ModelConfig.from_path(llama_path)
+    config = read_model_config(llama_path)
     spec = ModelKVSpec("m", config, torch.uint8, block_size=16, max_model_len=64, max_num_seqs=2)
     row = config.head_dim // 2 + 4
     assert spec.block_bytes == 2 * config.num_layers * 16 * config.num_kv_heads * row

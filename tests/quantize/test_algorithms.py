@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qserve.model.registry import model_config
 from qserve.quantize.awq import AWQSettings, search_scales
 from qserve.quantize.gptq import GPTQSettings, HessianAccumulator, gptq_quantize_weight
 from qserve.quantize.quantizer import pseudo_quantize, quantize_rtn
@@ -91,7 +92,6 @@ def test_awq_beats_rtn_with_outlier_input_channels() -> None:
 
 def test_awq_layer_folds_scales_and_beats_rtn_on_the_layer_output() -> None:
     """A multi-head (no GQA) Qwen2 layer with biases: every fold (norms, v->o, up->down) is used."""
-    from qserve.config import ModelConfig
     from qserve.layers.rotary import RotaryEmbedding
     from qserve.quantize.awq import quantize_layer_awq
     from qserve.quantize.layer import DenseDecoderLayer
@@ -99,7 +99,7 @@ def test_awq_layer_folds_scales_and_beats_rtn_on_the_layer_output() -> None:
     from tests.helpers.tiny_models import make_tiny_model
 
     model = make_tiny_model("Qwen2ForCausalLM", seed=0, num_key_value_heads=4)
-    config = ModelConfig.from_hf(model.config.to_dict() | {"architectures": ["Qwen2ForCausalLM"]})
+    config = model_config(model.config.to_dict() | {"architectures": ["Qwen2ForCausalLM"]})
     prefix = "model.layers.0."
     tensors = {k[len(prefix) :]: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(prefix)}
     rotary = RotaryEmbedding(config.rope, config.head_dim, 32)

@@ -10,6 +10,7 @@ import torch
 
 from qserve import LLM, SamplingParams
 from qserve.layers.moe import SparseMoeBlock
+from qserve.model.registry import model_config
 from quant_kernels.moe_layout import StackedQuantWeight
 from tests.helpers.moe_models import moe_oracle, save_moe
 from tests.quantize.conftest import run_command
@@ -51,7 +52,6 @@ def test_quantize_moe_then_generate(tmp_path, calib_file, capsys, arch, method, 
 
 
 def test_starved_experts_fall_back_to_rtn() -> None:
-    from qserve.config import ModelConfig
     from qserve.layers.rotary import RotaryEmbedding
     from qserve.quantize.gptq import GPTQSettings
     from qserve.quantize.moe import MoEQuantReport, SparseDecoderLayer, quantize_layer_gptq_moe
@@ -59,7 +59,7 @@ def test_starved_experts_fall_back_to_rtn() -> None:
     from tests.helpers.moe_models import checkpoint_tensors
 
     model = moe_oracle("Qwen3MoeForCausalLM", seed=22, mlp_only_layers=[])
-    config = ModelConfig.from_hf(model.config.to_dict())
+    config = model_config(model.config.to_dict())
     tensors = {
         k[len("model.layers.0.") :]: v for k, v in checkpoint_tensors(model).items() if k.startswith("model.layers.0.")
     }

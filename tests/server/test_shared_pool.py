@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qserve.config import ModelConfig
 from qserve.memory.shared_pool import ModelKVSpec, SharedKVPool, num_pages_for, page_bytes_for
+from qserve.model.registry import read_model_config
 from qserve.scheduler.block_pool import BlockPool
 from qserve.scheduler.kv_cache_manager import KVCacheManager
 
 
 @pytest.fixture(scope="module")
 def specs(checkpoints) -> list[ModelKVSpec]:
-    llama = ModelConfig.from_path(checkpoints["llama"])  # 2 layers, 2 KV heads, head_dim 16
-    qwen = ModelConfig.from_path(checkpoints["qwen"])  # 3 layers, 1 KV head, head_dim 16
+    llama = read_model_config(checkpoints["llama"])  # 2 layers, 2 KV heads, head_dim 16
+    qwen = read_model_config(checkpoints["qwen"])  # 3 layers, 1 KV head, head_dim 16
     return [
         ModelKVSpec("llama", llama, torch.float32, 16, 64, 2),
         ModelKVSpec("qwen", qwen, torch.float16, 16, 64, 2),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qserve.config import ModelConfig
+from qserve.model.registry import model_config
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -45,7 +46,13 @@ def test_qwen3_head_dim_and_qk_norm():
 
 def test_unsupported_architecture_names_supported_ones():
     with pytest.raises(ValueError, match="FalconForCausalLM.*LlamaForCausalLM, MistralForCausalLM"):
-        ModelConfig.from_hf({**BASE, "architectures": ["FalconForCausalLM"]})
+        model_config({**BASE, "architectures": ["FalconForCausalLM"]})
+
+
+def test_model_config_reads_only_llama_family_configs():
+    """Other families reach ModelConfig translated (qserve.model.registry); config knows no family."""
+    with pytest.raises(ValueError, match="QWenLMHeadModel.*not a Llama-family architecture.*registry"):
+        ModelConfig.from_hf({**BASE, "architectures": ["QWenLMHeadModel"]})
 
 
 def test_bad_head_grouping_is_named():

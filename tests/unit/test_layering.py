@@ -20,6 +20,8 @@ RULES = [
         ("qserve.engine", "qserve.server", "qserve.commands"),
         "process groups and sharded layers sit below the engine (the launcher is engine/tensor_parallel.py)",
     ),
+    ("qserve/config.py", ("qserve.model",), "config reads Llama-family configs; the registry translates the rest"),
+    ("qserve/model/families", ("qserve.model.registry",), "adapters take their base from model/adapter.py"),
     ("qserve/server/route_support.py", ("qserve.server.app",), "the app includes the routes, not the reverse"),
 ]
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from qserve.cli import main
-from qserve.config import ModelConfig
 from qserve.memory.planner import make_plan, parse_memory_budget, weight_bytes
+from qserve.model.registry import read_model_config
 
 GIB = 2**30
 
@@ -57,7 +57,7 @@ def test_budget_parsing():
 def test_qwen14b_gptq_weights_match_the_reference_numbers(qwen14b_dir):
     import loaders
 
-    config = ModelConfig.from_path(qwen14b_dir)
+    config = read_model_config(qwen14b_dir)
     import torch
 
     weights = weight_bytes(config, loaders.detect(qwen14b_dir), torch.float16)
@@ -80,7 +80,7 @@ def test_plan_fits_128_sequences_of_1k_with_fp8_kv_in_24gib(qwen14b_dir, capsys)
 def test_plan_refuses_a_budget_too_small_and_names_the_largest_context(qwen14b_dir):
     import torch
 
-    config = ModelConfig.from_path(qwen14b_dir)
+    config = read_model_config(qwen14b_dir)
     with pytest.raises(ValueError, match="largest context that fits is [0-9]+ tokens"):
         make_plan(config, weights_bytes=9 * GIB, budget_bytes=11 * GIB, dtype=torch.float16, max_model_len=32768)
 
@@ -99,6 +99,6 @@ def test_bad_kv_cache_dtype_is_named(qwen14b_dir, capsys):
 def test_plan_reports_only_contexts_the_model_can_run(qwen14b_dir):
     import torch
 
-    config = ModelConfig.from_path(qwen14b_dir)
+    config = read_model_config(qwen14b_dir)
     plan = make_plan(config, weights_bytes=9 * GIB, budget_bytes=24 * GIB, dtype=torch.float16, max_model_len=2048)
     assert list(plan.concurrent_sequences_at) == [1024]

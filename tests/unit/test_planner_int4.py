@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from qserve.cli import main
-from qserve.config import ModelConfig
 from qserve.memory.planner import kv_block_bytes, kv_bytes_per_token, kv_dtype_bytes, make_plan
+from qserve.model.registry import read_model_config
 
 GIB = 2**30
 
@@ -58,7 +58,7 @@ def _plan(path, kv: str, capsys) -> dict:
 
 
 def test_kv_bytes_per_token_per_dtype(qwen14b_v1_dir):
-    config = ModelConfig.from_path(qwen14b_v1_dir)
+    config = read_model_config(qwen14b_v1_dir)
     per_token = {kv: kv_bytes_per_token(config, kv, torch.float16) for kv in ("auto", "fp8", "int8", "int4")}
     # 2 (K, V) x 40 layers x 40 KV heads x bytes per row: 256 (fp16), 128 (fp8 / int8), 64 + 4 (int4)
     assert per_token == {"auto": 800 * 1024, "fp8": 400 * 1024, "int8": 400 * 1024, "int4": 2 * 40 * 40 * 68}
@@ -85,7 +85,7 @@ def test_plan_qwen14b_v1_int4_fits_128_sequences_of_448_in_24gib(qwen14b_v1_dir,
 
 
 def test_make_plan_int4_counts_pages_from_row_bytes(qwen14b_v1_dir):
-    config = ModelConfig.from_path(qwen14b_v1_dir)
+    config = read_model_config(qwen14b_v1_dir)
     plan = make_plan(
         config,
         weights_bytes=9 * GIB,

@@ -8,8 +8,8 @@ import json
 import torch
 
 from qserve.cli import main
-from qserve.config import ModelConfig
 from qserve.memory.planner import weight_bytes
+from qserve.model.registry import read_model_config
 
 GIB = 2**30
 
@@ -43,7 +43,7 @@ def test_qwen3_30b_a3b_config_and_weights(tmp_path):
     import loaders
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    config = ModelConfig.from_path(tmp_path)
+    config = read_model_config(tmp_path)
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 768)
     assert config.moe_layers == tuple(range(48)) and config.qk_norm
     assert config.kv_bytes_per_token(2) == 96 * 1024  # 48 layers x 4 KV heads x 128 x (K, V) x 2 bytes

@@ -19,6 +19,7 @@ import torch
 
 from qserve.engine.engine import Engine, EngineConfig
 from qserve.memory.planner import activation_bytes_estimate, sampling_bytes
+from qserve.model.registry import read_model_config
 from qserve.runner.sampler import (
     PROMPT_LOGPROBS_CHUNK_ROWS,
     SAMPLER_CHUNK_ROWS,
@@ -142,12 +143,11 @@ def test_weight_bytes_cover_everything_the_loaded_model_holds(tmp_path):
     """Parameters and buffers of a loaded GPTQ model, rotary tables included (they were not counted)."""
     import loaders
     from bench.e2e import SMALL, write_random_gptq
-    from qserve.config import ModelConfig
     from qserve.memory.planner import weight_bytes
     from qserve.model.loader import load_model
 
     write_random_gptq(tmp_path, SMALL)
-    config = ModelConfig.from_path(tmp_path)
+    config = read_model_config(tmp_path)
     model, _ = load_model(str(tmp_path), torch.float16, torch.device("cpu"))
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.parameters()}
     storages |= {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.buffers()}

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from loaders.renamed import ModuleTarget
-from qserve.model.registry import FamilyAdapter, refuse_unless, require, torch_dtype_name
+from qserve.model.adapter import FamilyAdapter, refuse_unless, require, torch_dtype_name
 
 BAICHUAN2_VOCAB = 125696
 _W_PACK = re.compile(r"^(model\.layers\.\d+\.self_attn)\.W_pack$")

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from loaders.renamed import ModuleTarget
-from qserve.model.registry import FamilyAdapter, refuse_unless, require, torch_dtype_name
+from qserve.model.adapter import FamilyAdapter, refuse_unless, require, torch_dtype_name
 
 _LAYER = re.compile(r"^transformer\.encoder\.layers\.(\d+)\.(.+)$")
 _LAYER_NAMES = {

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from loaders.renamed import ModuleTarget
-from qserve.model.registry import FamilyAdapter, require
+from qserve.model.adapter import FamilyAdapter, require
 
 _GATE_UP = re.compile(r"^(model\.layers\.\d+\.mlp)\.gate_up_proj$")
 

@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from loaders.renamed import ModuleTarget
-from qserve.model.registry import FamilyAdapter, refuse_unless, require
+from qserve.model.adapter import FamilyAdapter, refuse_unless, require
 
 QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from loaders.renamed import ModuleTarget
-from qserve.model.registry import FamilyAdapter, refuse_unless, require, torch_dtype_name
+from qserve.model.adapter import FamilyAdapter, refuse_unless, require, torch_dtype_name
 
 # Qwen's tokenizer gives these fixed ids (tokenization_qwen.py); its chat format stops on all three.
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 151643, 151644, 151645
