@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -253,6 +254,13 @@ def register_worker_flags(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM: refuse new requests (503), let in-flight ones finish for up to this many seconds, "
         "then end the rest with finish_reason 'abort' and exit",
     )
+    group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="front-end (API server) processes; with $QSERVE_ENABLE_MULTIPROCESSING=1 the engine runs in a "
+        "process of its own under them (docs/server.md); only 1 so far",
+    )
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line while busy")
     group.add_argument(
@@ -397,6 +405,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     check_tensor_parallel_preemption(preemption_mode, tensor_parallel_size, "--preemption-mode")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    separate_core = check_engine_core_process(args, tensor_parallel_size, kv_events_config is not None)
     pairs = apply_served_model_names(parse_model_args(values), getattr(args, "served_model_name", None))
     pairs = [(name, resolve_model_path(path, getattr(args, "revision", None))) for name, path in pairs]
     names = [name for name, _ in pairs]
@@ -459,6 +468,10 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         return ZmqKVEventPublisher(kv_events_config, port=args.port, medium="GPU" if device.type == "cuda" else "CPU")
 
     def build() -> AsyncEngine:
+        if separate_core:  # the engine core in a process of its own (issue 27), shaped like AsyncEngine
+            from qserve.engine.core.client import EngineCoreClient
+
+            return EngineCoreClient.launch(specs, config, max_queue=args.max_queue)  # type: ignore[return-value]
         if tensor_parallel_size == 1:
             engines = build_engines(specs, config)
             return AsyncEngine(engines, max_queue=args.max_queue, kv_events=kv_events(engines))
@@ -482,6 +495,39 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         return host
 
     return factory
+
+
+def check_engine_core_process(args: argparse.Namespace, tensor_parallel_size: int, kv_events: bool) -> bool:
+    """Is the engine core to run in a process of its own ($QSERVE_ENABLE_MULTIPROCESSING=1)?
+    ValueError, naming the option, for what that mode does not support yet."""
+    from qserve.engine.core import ENABLE_MULTIPROCESSING_ENV, multiprocessing_enabled
+
+    count = getattr(args, "api_server_count", 1)
+    if count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {count}")
+    separate = multiprocessing_enabled()
+    if count > 1:
+        raise ValueError(
+            f"--api-server-count {count}: qserve runs one front-end process so far"
+            + (
+                ""
+                if separate
+                else f" (and several need the engine core's own process, ${ENABLE_MULTIPROCESSING_ENV}=1)"
+            )
+        )
+    if not separate:
+        return False
+    unsupported = [
+        (tensor_parallel_size > 1, f"--tensor-parallel-size {tensor_parallel_size}"),
+        (kv_events, "--kv-events-config"),
+    ]
+    for refused, option in unsupported:
+        if refused:
+            raise ValueError(
+                f"{option} is not supported yet with the engine core in its own process "
+                f"(${ENABLE_MULTIPROCESSING_ENV}=1); unset it to serve in one process"
+            )
+    return True
 
 
 def ready_line(url: str, host: object, block_size: int) -> str:
@@ -512,6 +558,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_request_bytes < 0:
         raise ValueError(f"--max-request-bytes must be >= 0, got {args.max_request_bytes}")
     failed: list[BaseException] = []
+    core_died: list[str] = []
     server: uvicorn.Server | None = None
 
     def on_load_failed(err: BaseException) -> None:
@@ -519,7 +566,14 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
+    def on_core_died(reason: str) -> None:  # the loop thread; streams in flight have their error event
+        core_died.append(reason)
+        if server is not None:
+            server.should_exit = True  # exit non-zero: the supervisor restarts the server
+
     def on_ready(host: object) -> None:
+        if hasattr(host, "on_dead"):  # the engine core in its own process
+            host.on_dead.append(on_core_died)
         print(ready_line(f"http://{args.host}:{args.port}", host, args.block_size), flush=True)
 
     app = create_app(
@@ -554,6 +608,9 @@ def run(args: argparse.Namespace) -> int:
     server.run(sockets=[sock])
     if failed:
         raise ValueError(f"loading the models failed: {failed[0]}") from failed[0]  # --debug: its traceback
+    if core_died:
+        print(f"qserve serve: error: {core_died[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -123,6 +123,33 @@ class _Tracked:
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
 
+def observe_output(
+    listener: RequestListener | None, model: str, tracked: _Tracked, output: RequestOutput, now: float
+) -> None:
+    """Tell ``listener`` what ``output`` (of ``tracked``, delivered at ``now``) means: first token,
+    new tokens, finish (with vLLM's timing names added to ``output.metrics``)."""
+    num_tokens = sum(len(c.token_ids) for c in output.outputs)
+    new_tokens = num_tokens - tracked.num_tokens
+    tracked.num_tokens = num_tokens
+    if new_tokens > 0:
+        if tracked.first_token is None:
+            tracked.first_token = now
+            if listener is not None:
+                listener.on_first_token(model, now - tracked.arrival, len(output.prompt_token_ids))
+        if listener is not None:
+            gap = None if tracked.last_token is None else now - tracked.last_token
+            listener.on_tokens(model, new_tokens, gap)
+        tracked.last_token = now
+    if output.finished and listener is not None:
+        if tracked.first_token is not None:  # vLLM's RequestOutput.metrics names
+            output.metrics["first_token_latency"] = tracked.first_token - tracked.arrival
+            output.metrics["first_token_time"] = tracked.first_token
+            output.metrics["last_token_time"] = tracked.last_token or tracked.first_token
+        if tracked.max_tokens is not None:
+            output.metrics["max_tokens_param"] = tracked.max_tokens
+        listener.on_finished(model, output, now - tracked.arrival)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestItem:
     """One engine request of a submission: id, prompt (preferably token ids) and params."""
@@ -495,27 +522,7 @@ class AsyncEngine:
                 tracked.stream._put(error)  # noqa: SLF001
 
     def _observe(self, model: str, tracked: _Tracked, output: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new_tokens = num_tokens - tracked.num_tokens
-        tracked.num_tokens = num_tokens
-        listener = self.listener
-        if new_tokens > 0:
-            if tracked.first_token is None:
-                tracked.first_token = now
-                if listener is not None:
-                    listener.on_first_token(model, now - tracked.arrival, len(output.prompt_token_ids))
-            if listener is not None:
-                gap = None if tracked.last_token is None else now - tracked.last_token
-                listener.on_tokens(model, new_tokens, gap)
-            tracked.last_token = now
-        if output.finished and listener is not None:
-            if tracked.first_token is not None:  # vLLM's RequestOutput.metrics names
-                output.metrics["first_token_latency"] = tracked.first_token - tracked.arrival
-                output.metrics["first_token_time"] = tracked.first_token
-                output.metrics["last_token_time"] = tracked.last_token or tracked.first_token
-            if tracked.max_tokens is not None:
-                output.metrics["max_tokens_param"] = tracked.max_tokens
-            listener.on_finished(model, output, now - tracked.arrival)
+        observe_output(self.listener, model, tracked, output, now)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, dict[str, int]]:
@@ -608,8 +615,11 @@ def _check_kv_cache_dtype(config: HostConfig) -> None:
         )
 
 
-def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, Engine]:
-    """Load every model onto ONE shared KV page pool sized by one budget.
+def build_engines(
+    models: Sequence[ModelSpec], config: HostConfig, *, engine_cls: type[Engine] = Engine
+) -> dict[str, Engine]:
+    """Load every model onto ONE shared KV page pool sized by one budget (``engine_cls``: the
+    engine-core process builds its ``CoreEngine``s here).
 
     Pages: ``--num-kv-blocks`` if given; else the budget (bytes, or a fraction of the device)
     minus the weights of all models (from metadata) and the activation / overhead estimates,
@@ -671,7 +681,7 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
             preemption_mode=config.preemption_mode,
             swap_space=config.swap_space / len(models),
         )
-        engines[m.name] = Engine(
+        engines[m.name] = engine_cls(
             engine_config, block_pool=pool.block_pool, owner=m.name, kv_caches=pool.kv_caches(m.name)
         )
     return engines

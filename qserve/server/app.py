@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qserve.engine.async_engine import AsyncEngine
+from qserve.engine.async_engine import AsyncEngine, EngineDeadError
 from qserve.server import admin, chat, completions, models, route_support, tokenize
 from qserve.server.app_state import AppState
 from qserve.server.body_gate import BodyGate
@@ -210,6 +210,10 @@ def create_app(
     @app.exception_handler(ServingError)
     async def _serving_error(_: Request, err: ServingError) -> JSONResponse:
         return error_response(err.status, err.message, err.param, headers=err.headers, type=err.type)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:  # e.g. the engine core died
+        return error_response(503, str(err) or "the engine is not running", type="ServiceUnavailableError")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:

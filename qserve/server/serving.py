@@ -660,7 +660,7 @@ class OpenAIServing:
                 yield sse(usage_chunk)
         except Exception as err:  # noqa: BLE001 - report in-stream; the HTTP status is already sent
             logger.exception("completion stream %s failed", base_id)
-            yield sse(ServingError(500, str(err), type="InternalServerError").to_response())
+            yield sse(_stream_error(err).to_response())
         finally:
             stream.abort()
         yield sse("[DONE]")
@@ -852,7 +852,7 @@ class OpenAIServing:
                 )
         except Exception as err:  # noqa: BLE001 - report in-stream; the HTTP status is already sent
             logger.exception("chat stream %s failed", base_id)
-            yield sse(ServingError(500, str(err), type="InternalServerError").to_response())
+            yield sse(_stream_error(err).to_response())
         finally:
             stream.abort()
         yield sse("[DONE]")
@@ -930,6 +930,14 @@ class _ToolStream:
             if arguments:
                 deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments)))
         return deltas
+
+
+def _stream_error(err: Exception) -> ServingError:
+    """The error event that ends a stream: 503 if the engine is gone (its core process died),
+    else 500."""
+    if isinstance(err, EngineDeadError):
+        return ServingError(503, str(err), type="ServiceUnavailableError")
+    return ServingError(500, str(err), type="InternalServerError")
 
 
 def _grammar_gate(engine: Any) -> GrammarGate | None:
