@@ -6,7 +6,10 @@ which builder they pick (several models on one shared page pool, or one model sh
 ``--tensor-parallel-size`` processes), and how to run uvicorn with the app (models load in the
 background; ``/health`` is 503 until they are ready; SIGTERM drains for ``--shutdown-timeout``
 seconds, then shuts down, tensor-parallel workers included), and vLLM's flag names (resolved
-onto qserve's own options by ``apply_worker_flags``). Must not know: routes, engines' internals.
+onto qserve's own options by ``apply_worker_flags``). With ``$QSERVE_ENABLE_MULTIPROCESSING=1`` the
+models load in an engine-core process of their own (``qserve.engine.core``; what that mode does not
+support yet is refused here), and the server exits 1 if that process dies. Must not know: routes,
+engines' internals.
 
 With no model argument it serves the built-in demo model (``DEFAULT_MODEL``): a tiny model
 trained by ``qserve/recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.

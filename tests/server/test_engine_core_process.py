@@ -44,7 +44,7 @@ def _post(url: str, path: str, body: dict) -> dict:
     reply = httpx.post(f"{url}/v1/{path}", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     data = reply.json()
-    data.pop("id"), data.pop("created")
+    data.pop("id", None), data.pop("created", None)
     return data
 
 
@@ -78,6 +78,8 @@ def test_completions_equal_the_in_process_engine(servers):
     split = _post(split_url, "completions", body)
     assert split == _post(url, "completions", body)
     assert split["choices"][0]["finish_reason"] == "stop" and split["usage"]["completion_tokens"] < 24
+    embed = {"model": "qwen", "input": ["a b", "c"]}
+    assert _post(split_url, "embeddings", embed) == _post(url, "embeddings", embed)
 
 
 def test_streams_equal_the_in_process_engine(servers):
