@@ -6,6 +6,9 @@ hands tenant weights to every scheduler."""
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import zmq
 
@@ -145,8 +148,33 @@ def test_the_core_loop_sets_tenants_refuses_bad_requests_and_compiles_grammars_o
         core_engine.abort_request("kept")
         core_engine.step()
         assert not core_engine.has_unfinished_requests()
+        # A front end that is gone (its process died: this one was re-parented) ends the loop at
+        # once, and with it the process and every page it held.
+        loop.parent = -1
+        started = time.monotonic()
+        loop.run()
+        assert time.monotonic() - started < 1 and not reader.poll(0)  # no Bye: nobody to say it to
     finally:
         core_engine.scheduler.set_tenants({}, {})
         for sock in (inbound, outbound, reader):
             sock.close(linger=0)
         context.term()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--api-server-count", "2"], "1", "one front-end process so far"),
+        (["--api-server-count", "0"], "0", "must be >= 1"),
+        (["--tensor-parallel-size", "2"], "1", "--tensor-parallel-size 2 is not supported yet"),
+        (["--kv-events-config", '{"enable_kv_cache_events": true}'], "1", "--kv-events-config is not supported yet"),
+        ([], "maybe", "QSERVE_ENABLE_MULTIPROCESSING='maybe'"),
+    ],
+)
+def test_serve_refuses_what_the_separate_core_does_not_support(checkpoints, monkeypatch, argv, env, message):
+    from qserve.commands.serve import build_host_factory
+    from tests.server.test_serve_command import serve_args
+
+    monkeypatch.setenv("QSERVE_ENABLE_MULTIPROCESSING", env)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_host_factory(serve_args(checkpoints["llama"], "--device", "cpu", *argv))
