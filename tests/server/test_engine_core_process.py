@@ -215,3 +215,36 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health").status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_core_process_on_the_gpu_gives_the_in_process_outputs(checkpoints):
+    """On CUDA (graphs captured in the core process, async scheduling): a batch of greedy and
+    seeded requests, submitted together, gives the same token ids and text as one process."""
+    from qserve.engine.async_engine import AsyncEngine, RequestItem, build_engines
+    from qserve.sampling_params import SamplingParams
+
+    specs = [ModelSpec("llama", checkpoints["llama"])]
+    config = host_config(device="cuda", dtype="float16", num_kv_blocks=512, max_num_seqs=16)
+    params = [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=1)] * 8 + [
+        SamplingParams(max_tokens=64, temperature=0.8, seed=i, ignore_eos=True) for i in range(8)
+    ]
+
+    async def run(host) -> list:
+        host.start()
+        items = [
+            RequestItem(f"r{i}", {"prompt_token_ids": [5 + i, 9, 30 + i], "prompt": None}, p)
+            for i, p in enumerate(params)
+        ]
+        final = {}
+        async for request_id, output in await host.submit("llama", items):
+            if output.finished:
+                final[request_id] = output
+        host.shutdown()
+        return [final[item.request_id] for item in items]
+
+    client = EngineCoreClient.launch(specs, config)
+    split = asyncio.run(run(client))
+    assert asyncio.run(run(AsyncEngine(build_engines(specs, config)))) == split
+    assert client.process.returncode == 0
