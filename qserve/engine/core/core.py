@@ -6,8 +6,8 @@ Knows: the loop (inbound messages between steps; one step per busy model per rou
 as ``AsyncEngine`` does; one ``Outputs`` message per step), per-model queue bounds (checked
 exactly here, on add), grammar compiles off the loop (a request with a constraint the core has
 not compiled yet is queued once its compile, on a helper thread, is done), a failing model's
-requests (aborted, reported), the live numbers it sends every ``STATS_INTERVAL_S`` while busy and
-once on going idle, and how it ends: on ``Shutdown`` (abort all, send the last outputs, ``Bye``),
+requests (aborted, reported), the live numbers it sends every ``STATS_INTERVAL_S`` while busy, with
+every output that finishes a request, and once on going idle, and how it ends: on ``Shutdown`` (abort all, send the last outputs, ``Bye``),
 or when its parent process is gone (nobody would read its outputs: it exits at once, so every
 page dies with it). Must not know: HTTP, text, tokenizing prompts, Prometheus.
 
@@ -155,6 +155,9 @@ class EngineCore:
                     logger.error("the front end (pid %d) is gone; the engine core exits", self.parent)
                     return
                 busy = [m for m in self.models.values() if m.engine.has_unfinished_requests()]
+                if not busy and self._was_busy:  # the numbers at the end of a busy spell, before idling
+                    self._was_busy = False
+                    self._send(Outputs([], self.stats()))
                 # Idle: wait for work; compiling only: look again soon; busy: do not wait.
                 self._receive(0.0 if busy else COMPILE_POLL_S if self._compiling else IDLE_WAIT_S)
                 self._admit_compiled()
@@ -162,9 +165,6 @@ class EngineCore:
                     break
                 busy = [m for m in self.models.values() if m.engine.has_unfinished_requests()]
                 if not busy:
-                    if self._was_busy:  # the last numbers of a busy spell (nothing running now)
-                        self._was_busy = False
-                        self._send(Outputs([], self.stats()))
                     continue
                 self._was_busy = True
                 start = rotation % len(busy)
@@ -299,13 +299,16 @@ class EngineCore:
             logger.exception("step of model %s failed; aborting its requests", hosted.name)
             self._fail_model(hosted, err)
             return
+        finished = False
         for output in outputs:
             if output.finished:
+                finished = True
                 hosted.active.discard(output.request_id)
         step_tokens = hosted.engine.take_step_tokens()
         now = time.monotonic()
         stats = None
-        if now - self._stats_sent >= STATS_INTERVAL_S:
+        # With a finished request, the numbers that no longer count it travel with its last output.
+        if finished or now - self._stats_sent >= STATS_INTERVAL_S:
             self._stats_sent = now
             stats = self.stats()
         if outputs or step_tokens or stats is not None:
