@@ -23,6 +23,11 @@ RULES = [
     ("qserve/config.py", ("qserve.model",), "config reads Llama-family configs; the registry translates the rest"),
     ("qserve/model/families", ("qserve.model.registry",), "adapters take their base from model/adapter.py"),
     ("qserve/server/route_support.py", ("qserve.server.app",), "the app includes the routes, not the reverse"),
+    (
+        "qserve/engine/core",
+        ("qserve.server", "fastapi", "starlette", "uvicorn"),
+        "the engine core and its client know no HTTP (the server uses them as it uses AsyncEngine)",
+    ),
 ]
 
 

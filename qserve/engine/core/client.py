@@ -106,7 +106,7 @@ class ModelView:
     serve``): the checkpoint's config and the front end's own tokenizer and grammar compiler."""
 
     def __init__(self, client: EngineCoreClient, info: ModelInfo) -> None:
-        from qserve.config import ModelConfig
+        from qserve.model.registry import read_model_config
         from qserve.structured.grammar import GrammarCompiler
         from qserve.tokenization import load_tokenizer
 
@@ -114,7 +114,7 @@ class ModelView:
         self.config = _ConfigView(info.path, cache["block_size"], cache["cache_dtype"], cache["enable_prefix_caching"])
         self.owner = info.name
         self.max_model_len = info.max_model_len
-        self.model_config = ModelConfig.from_path(info.path)
+        self.model_config = read_model_config(info.path)
         self.tokenizer = load_tokenizer(info.path)
         self.eos_token_ids = set(info.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, info.vocab_size, self.eos_token_ids)
