@@ -143,7 +143,7 @@ def test_a_drain_ends_the_cores_streams_with_abort(checkpoints):
         assert drained.result(timeout=15) is False
         stream.join(timeout=10)
         assert stream.finish_reason() == "abort"
-        assert time.monotonic() - started < 6
+        assert time.monotonic() - started < 0.2 + 5.0 + 1.5  # the wait, the flush, the last chunk
         assert client.process.wait(timeout=5) == 0
         assert httpx.get(f"{url}/health").status_code == 503
 

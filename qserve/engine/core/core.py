@@ -6,10 +6,12 @@ Knows: the loop (inbound messages between steps; one step per busy model per rou
 as ``AsyncEngine`` does; one ``Outputs`` message per step), per-model queue bounds (checked
 exactly here, on add), grammar compiles off the loop (a request with a constraint the core has
 not compiled yet is queued once its compile, on a helper thread, is done), a failing model's
-requests (aborted, reported), the live numbers it sends every ``STATS_INTERVAL_S`` while busy, with
-every output that finishes a request, and once on going idle, and how it ends: on ``Shutdown`` (abort all, send the last outputs, ``Bye``),
-or when its parent process is gone (nobody would read its outputs: it exits at once, so every
-page dies with it). Must not know: HTTP, text, tokenizing prompts, Prometheus.
+requests (aborted, reported), the live numbers (sent every ``STATS_INTERVAL_S`` while busy, with
+every output that finishes a request, and once on going idle), and how it ends: on ``Shutdown``
+(abort all, send the last outputs, ``Bye``), or when its parent process is gone (nobody would
+read its outputs: it exits at once, so every page dies with it). SIGINT and SIGTERM are ignored:
+the front end drains first and then stops the core. Must not know: HTTP, text, tokenizing
+prompts, Prometheus.
 
 Start-up: the parent writes a pickled ``CoreConfig`` to the child's stdin; the child connects
 its two sockets (PULL for requests, PUSH for outputs; the parent bound both), loads the models,
