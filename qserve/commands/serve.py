@@ -408,7 +408,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     check_tensor_parallel_preemption(preemption_mode, tensor_parallel_size, "--preemption-mode")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    separate_core = check_engine_core_process(args, tensor_parallel_size, kv_events_config is not None)
+    separate_core = check_engine_core_process(args, tensor_parallel_size)
     pairs = apply_served_model_names(parse_model_args(values), getattr(args, "served_model_name", None))
     pairs = [(name, resolve_model_path(path, getattr(args, "revision", None))) for name, path in pairs]
     names = [name for name, _ in pairs]
@@ -474,7 +474,9 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         if separate_core:  # the engine core in a process of its own (issue 27), shaped like AsyncEngine
             from qserve.engine.core.client import EngineCoreClient
 
-            return EngineCoreClient.launch(specs, config, max_queue=args.max_queue)  # type: ignore[return-value]
+            return EngineCoreClient.launch(  # type: ignore[return-value]
+                specs, config, max_queue=args.max_queue, kv_events=kv_events_config, port=args.port
+            )
         if tensor_parallel_size == 1:
             engines = build_engines(specs, config)
             return AsyncEngine(engines, max_queue=args.max_queue, kv_events=kv_events(engines))
@@ -500,7 +502,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     return factory
 
 
-def check_engine_core_process(args: argparse.Namespace, tensor_parallel_size: int, kv_events: bool) -> bool:
+def check_engine_core_process(args: argparse.Namespace, tensor_parallel_size: int) -> bool:
     """Is the engine core to run in a process of its own ($QSERVE_ENABLE_MULTIPROCESSING=1)?
     ValueError, naming the option, for what that mode does not support yet."""
     from qserve.engine.core import ENABLE_MULTIPROCESSING_ENV, multiprocessing_enabled
@@ -520,16 +522,11 @@ def check_engine_core_process(args: argparse.Namespace, tensor_parallel_size: in
         )
     if not separate:
         return False
-    unsupported = [
-        (tensor_parallel_size > 1, f"--tensor-parallel-size {tensor_parallel_size}"),
-        (kv_events, "--kv-events-config"),
-    ]
-    for refused, option in unsupported:
-        if refused:
-            raise ValueError(
-                f"{option} is not supported yet with the engine core in its own process "
-                f"(${ENABLE_MULTIPROCESSING_ENV}=1); unset it to serve in one process"
-            )
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"--tensor-parallel-size {tensor_parallel_size} is not supported yet with the engine core in its "
+            f"own process (${ENABLE_MULTIPROCESSING_ENV}=1); unset it to serve in one process"
+        )
     return True
 
 

@@ -167,7 +167,6 @@ def test_the_core_loop_sets_tenants_refuses_bad_requests_and_compiles_grammars_o
         (["--api-server-count", "2"], "1", "one front-end process so far"),
         (["--api-server-count", "0"], "0", "must be >= 1"),
         (["--tensor-parallel-size", "2"], "1", "--tensor-parallel-size 2 is not supported yet"),
-        (["--kv-events-config", '{"enable_kv_cache_events": true}'], "1", "--kv-events-config is not supported yet"),
         ([], "maybe", "QSERVE_ENABLE_MULTIPROCESSING='maybe'"),
     ],
 )

@@ -18,9 +18,11 @@ import time
 import httpx
 import psutil
 import pytest
+import zmq
 
 from qserve.engine.async_engine import ModelSpec
 from qserve.engine.core.client import EngineCoreClient
+from qserve.engine.kv_events import KVEventsConfig
 from qserve.server.app import create_app, drain_app
 from tests.server.conftest import host_config, serve, wait_for
 from tests.server.sse_client import start_streams
@@ -133,19 +135,36 @@ def test_unknown_requests_are_refused_as_in_process(servers):
         assert (split.status_code, split.json()) == (local.status_code, local.json())
 
 
-def test_a_drain_ends_the_cores_streams_with_abort(checkpoints):
-    client = EngineCoreClient.launch([ModelSpec("llama", checkpoints["llama"])], host_config(max_model_len=LONG + 32))
+def test_a_drain_ends_the_cores_streams_with_abort_and_the_core_publishes_kv_events(checkpoints):
+    port = _free_port()
+    events = KVEventsConfig(endpoint=f"tcp://127.0.0.1:{port}")
+    model = [ModelSpec("llama", checkpoints["llama"])]
+    client = EngineCoreClient.launch(model, host_config(max_model_len=LONG + 32), kv_events=events, port=8000)
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.LINGER, 0)
+    subscriber.connect(events.endpoint)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@")
     app = create_app(client, log_stats=False)
-    with serve(app) as url:
-        (stream,) = start_streams(url, LONG)
-        started = time.monotonic()
-        drained = asyncio.run_coroutine_threadsafe(drain_app(app, 0.2, flush_s=5.0), client._loop)  # noqa: SLF001
-        assert drained.result(timeout=15) is False
-        stream.join(timeout=10)
-        assert stream.finish_reason() == "abort"
-        assert time.monotonic() - started < 0.2 + 5.0 + 1.5  # the wait, the flush, the last chunk
-        assert client.process.wait(timeout=5) == 0
-        assert httpx.get(f"{url}/health").status_code == 503
+    try:
+        with serve(app) as url:
+            time.sleep(0.3)  # PUB/SUB: let the subscription reach the publisher first
+            (stream,) = start_streams(url, LONG)
+            # the core published the prompt's pages, under the model's topic (vLLM's format)
+            assert subscriber.poll(5000), "no KV event from the core"
+            topic, _, payload = subscriber.recv_multipart()
+            assert topic.decode().endswith(":8000@llama") and b"BlockStored" in payload
+            started = time.monotonic()
+            drained = asyncio.run_coroutine_threadsafe(drain_app(app, 0.2, flush_s=5.0), client._loop)  # noqa: SLF001
+            assert drained.result(timeout=15) is False
+            stream.join(timeout=10)
+            assert stream.finish_reason() == "abort"
+            assert time.monotonic() - started < 0.2 + 5.0 + 1.5  # the wait, the flush, the last chunk
+            assert client.process.wait(timeout=5) == 0
+            assert httpx.get(f"{url}/health").status_code == 503
+    finally:
+        subscriber.close()
+        context.term()
 
 
 def _free_port() -> int:

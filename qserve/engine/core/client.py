@@ -64,6 +64,7 @@ from qserve.engine.core.messages import (
     params_fields,
 )
 from qserve.engine.core.output_processor import OutputProcessor
+from qserve.engine.kv_events import KVEventsConfig
 from qserve.outputs import RequestOutput
 from qserve.pooling_params import PoolingParams
 
@@ -175,9 +176,12 @@ class EngineCoreClient:
         *,
         max_queue: int | None = None,
         retry_after_s: int = 1,
+        kv_events: KVEventsConfig | None = None,
+        port: int = 0,
     ) -> EngineCoreClient:
         """Start the core process, wait until it has loaded every model, and return its client.
-        A load error is raised here (ValueError for bad input, with the core's message)."""
+        A load error is raised here (ValueError for bad input, with the core's message).
+        ``kv_events``: the core publishes KV-cache events (``port``: the topic's ``{port}``)."""
         socket_dir = tempfile.mkdtemp(prefix="qserve-core-")
         input_address = f"ipc://{socket_dir}/input"
         output_address = f"ipc://{socket_dir}/output"
@@ -198,6 +202,8 @@ class EngineCoreClient:
             max_queue=max_queue,
             retry_after_s=retry_after_s,
             log_level=logging.getLogger().getEffectiveLevel(),
+            kv_events=kv_events,
+            port=port,
         )
         process = subprocess.Popen(
             [sys.executable, "-m", "qserve.engine.core.core"], stdin=subprocess.PIPE, env=_core_environment(config)

@@ -6,7 +6,7 @@ Knows: the loop (inbound messages between steps; one step per busy model per rou
 as ``AsyncEngine`` does; one ``Outputs`` message per step), per-model queue bounds (checked
 exactly here, on add), grammar compiles off the loop (a request with a constraint the core has
 not compiled yet is queued once its compile, on a helper thread, is done), a failing model's
-requests (aborted, reported), the live numbers (sent every ``STATS_INTERVAL_S`` while busy, with
+requests (aborted, reported), KV-cache events (``--kv-events-config``: published here), the live numbers (sent every ``STATS_INTERVAL_S`` while busy, with
 every output that finishes a request, and once on going idle), and how it ends: on ``Shutdown``
 (abort all, send the last outputs, ``Bye``), or when its parent process is gone (nobody would
 read its outputs: it exits at once, so every page dies with it). SIGINT and SIGTERM are ignored:
@@ -37,6 +37,7 @@ from qserve.engine.async_engine import (
     EngineDeadError,
     HostConfig,
     HostedModel,
+    KVEventPublisher,
     ModelSpec,
     QueueFullError,
     build_engines,
@@ -59,6 +60,8 @@ from qserve.engine.core.messages import (
     StartupFailed,
     request_params,
 )
+from qserve.engine.kv_events import KVEventsConfig, ZmqKVEventPublisher
+from qserve.scheduler.kv_events import KVEventRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +82,20 @@ class CoreConfig:
     max_queue: int | None = None
     retry_after_s: int = 1
     log_level: int = logging.WARNING
+    kv_events: KVEventsConfig | None = None  # --kv-events-config: the core publishes them
+    port: int = 0  # the server's port ({port} of the KV-event topic)
 
 
 class EngineCore:
     """The loop of the core process (one thread: it owns every engine)."""
 
     def __init__(
-        self, engines: Mapping[str, CoreEngine], config: CoreConfig, inbound: zmq.Socket, outbound: zmq.Socket
+        self,
+        engines: Mapping[str, CoreEngine],
+        config: CoreConfig,
+        inbound: zmq.Socket,
+        outbound: zmq.Socket,
+        kv_events: KVEventPublisher | None = None,
     ):
         self.models = {name: HostedModel(name, engine, config.max_queue) for name, engine in engines.items()}
         self.config = config
@@ -101,6 +111,16 @@ class EngineCore:
         self._stopping = False
         self._stats_sent = 0.0
         self._was_busy = False
+        # KV-cache events (as AsyncEngine): one recorder per distinct page pool, published after every step.
+        self.kv_events = kv_events
+        self._kv_recorders: list[KVEventRecorder] = []
+        self._model_of_owner = {hosted.engine.owner: name for name, hosted in self.models.items()}
+        if kv_events is not None:
+            for hosted in self.models.values():
+                pool = hosted.engine.block_pool
+                if pool.kv_events is None:
+                    pool.kv_events = KVEventRecorder()
+                    self._kv_recorders.append(pool.kv_events)
 
     # ------------------------------------------------------------------ handshake
     def ready(self) -> Ready:
@@ -307,6 +327,8 @@ class EngineCore:
                 finished = True
                 hosted.active.discard(output.request_id)
         step_tokens = hosted.engine.take_step_tokens()
+        if self.kv_events is not None:
+            self._publish_kv_events()
         now = time.monotonic()
         stats = None
         # With a finished request, the numbers that no longer count it travel with its last output.
@@ -315,6 +337,16 @@ class EngineCore:
             stats = self.stats()
         if outputs or step_tokens or stats is not None:
             self._send(Outputs([ModelOutputs(hosted.name, outputs, step_tokens)], stats))
+
+    def _publish_kv_events(self) -> None:
+        assert self.kv_events is not None
+        for recorder in self._kv_recorders:
+            events = recorder.take()
+            if events:
+                try:
+                    self.kv_events.publish(events, self._model_of_owner)
+                except Exception:  # noqa: BLE001 - a router's index is best effort; keep serving
+                    logger.exception("publishing %d KV events failed", len(events))
 
     def _fail_model(self, hosted: HostedModel, err: Exception) -> None:
         request_ids = list(hosted.active)
@@ -366,10 +398,15 @@ def main() -> int:
     outbound.setsockopt(zmq.LINGER, SEND_LINGER_MS)
     outbound.connect(config.output_address)
     codec = Codec()
+    publisher = None
     try:
         try:
             engines = build_engines(config.models, config.host, engine_cls=CoreEngine)
-            core = EngineCore(engines, config, inbound, outbound)  # type: ignore[arg-type]
+            if config.kv_events is not None:
+                device = next(iter(engines.values())).device
+                medium = "GPU" if device.type == "cuda" else "CPU"
+                publisher = ZmqKVEventPublisher(config.kv_events, port=config.port, medium=medium)
+            core = EngineCore(engines, config, inbound, outbound, publisher)  # type: ignore[arg-type]
         except Exception as err:  # noqa: BLE001 - reported to the front end, which decides
             user_error = isinstance(err, (ValueError, FileNotFoundError))
             if not user_error:
@@ -380,6 +417,8 @@ def main() -> int:
         core.run()
         return 0
     finally:
+        if publisher is not None:
+            publisher.close()
         inbound.close(linger=0)
         outbound.close()
         context.term()
