@@ -36,6 +36,7 @@ from qserve.server.cors import CorsConfig, add_cors
 from qserve.server.drain import FLUSH_TIMEOUT_S, DrainMiddleware
 from qserve.server.embeddings import add_embedding_routes
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
+from qserve.server.internal_errors import InternalErrors
 from qserve.server.playground import add_offline_docs, add_playground
 from qserve.server.protocol import ErrorInfo, ErrorResponse
 from qserve.server.request_context import RequestIdMiddleware
@@ -186,6 +187,8 @@ def create_app(
                 return False
         return _bearer_matches(header, state.api_key)
 
+    # Innermost: a route's unexpected exception is answered here (500) without closing the connection.
+    app.add_middleware(InternalErrors, respond=lambda err: error_response(500, f"internal error: {type(err).__name__}"))
     # Inside the guard (key and size first): caps on what a large JSON body holds, counted off the loop.
     app.add_middleware(BodyGate, respond=lambda status, message, param: error_response(status, message, param))
     app.add_middleware(

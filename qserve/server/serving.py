@@ -62,7 +62,7 @@ from qserve.server.request_limits import (
     check_text,
     clip,
 )
-from qserve.server.structured import ConstraintError, constraint_of
+from qserve.server.structured import ConstraintError, constraint_off_loop
 from qserve.server.tokenizing import PromptTokenizer
 from qserve.server.tools import (
     KEEP_SPECIAL_TOKENS,
@@ -327,10 +327,10 @@ class OpenAIServing:
             )
 
     @staticmethod
-    def _constraint(request: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    async def _constraint(request: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
         OpenAIServing._refuse_unimplemented(request)
         try:
-            return constraint_of(request)
+            return await constraint_off_loop(request)
         except ConstraintError as err:
             raise bad_request(str(err), err.field) from err
 
@@ -501,7 +501,7 @@ class OpenAIServing:
         self._check_queue(model.name, num_sequences)
         prompts = await self._completion_prompts(model, request)
         logprobs = request.logprobs
-        constraint, constraint_field = self._constraint(request)
+        constraint, constraint_field = await self._constraint(request)
         if prompt_only and constraint is not None:
             raise bad_request("max_tokens=0 generates nothing to constrain", constraint_field)
         params = self._sampling_params(
@@ -715,7 +715,7 @@ class OpenAIServing:
             raise bad_request(str(err), err.field) from err
         if tools.mode == "auto" and model.tool_parser in KEEP_SPECIAL_TOKENS:
             request.skip_special_tokens = False  # the call marker is a special token (as vLLM does)
-        constraint, constraint_field = self._constraint(request)
+        constraint, constraint_field = await self._constraint(request)
         if tools.constraint is not None:
             if constraint is not None:
                 raise bad_request(

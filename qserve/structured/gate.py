@@ -39,7 +39,7 @@ class GrammarBusy(Exception):
     """No compile could start in time, or the server is shutting down (a 503, not the request's fault)."""
 
 
-class _DaemonThreads:
+class DaemonThreads:
     """A fixed set of daemon threads running submitted calls (a process exit never waits on them)."""
 
     def __init__(self, threads: int, name: str) -> None:
@@ -70,7 +70,7 @@ class GrammarGate:
     def __init__(self, compiler: GrammarCompiler, pool: CompilePool | None = None) -> None:
         self.compiler = compiler
         self._pool = pool
-        self._threads: _DaemonThreads | None = None
+        self._threads: DaemonThreads | None = None
         self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._closed = False
         self.num_vetted = 0  # constraints compiled in a child process first (tests, logs)
@@ -110,7 +110,7 @@ class GrammarGate:
             raise GrammarBusy(f"structured outputs are unavailable right now: {err}") from None
         self.num_vetted += 1
         if self._threads is None:
-            self._threads = _DaemonThreads(COMPILE_THREADS, "qserve-grammar")
+            self._threads = DaemonThreads(COMPILE_THREADS, "qserve-grammar")
         # Cancelling this await leaves the (bounded) compile running; its grammar lands in the cache.
         await asyncio.wrap_future(self._threads.submit(lambda: self.compiler.compile_checked(key, field)))
 

@@ -95,6 +95,42 @@ def test_schemas_at_the_limits_pass():
 
 
 @pytest.mark.parametrize(
+    "fields",
+    [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+        {"guided_json": {"type": "integer"}},
+        {"guided_json": '{"type": "integer"}'},
+        {"structured_outputs": {"json": {"type": "integer"}}},
+    ],
+)
+def test_schema_checks_run_off_the_event_loop(fields, monkeypatch):
+    """jsonschema's meta-schema check is pure Python: a schema at the limits (5,000 properties)
+    took about 1 s, and on the event loop it held /health that long (the 2026-12-05 audit)."""
+    import threading
+
+    from qserve.server import structured
+    from qserve.server.protocol import CompletionRequest
+    from qserve.server.serving import OpenAIServing
+
+    seen: list[threading.Thread] = []
+    real = structured.check_json_schema
+
+    def recording(schema, field):
+        seen.append(threading.current_thread())
+        return real(schema, field)
+
+    monkeypatch.setattr(structured, "check_json_schema", recording)
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields})
+
+    async def check():
+        return await OpenAIServing._constraint(request), threading.current_thread()
+
+    (params, field), loop_thread = asyncio.run(check())
+    assert params is not None and params.json is not None and field
+    assert len(seen) == 1 and seen[0] is not loop_thread and seen[0].daemon
+
+
+@pytest.mark.parametrize(
     "schema",
     [
         {"not": {}},
