@@ -75,7 +75,7 @@ from qserve.server.tools import (
     plan_tools,
     template_message,
 )
-from qserve.structured.gate import GrammarBusy, GrammarGate
+from qserve.structured.gate import RETRY_AFTER_S, GrammarBusy, GrammarGate
 from qserve.structured.grammar import GrammarError
 from qserve.structured.limits import LimitError, check_logit_bias
 from qserve.structured.params import StructuredOutputsParams
@@ -344,8 +344,9 @@ class OpenAIServing:
             await model.grammar_gate.compile(constraint, field or "structured_outputs")
         except GrammarError as err:
             raise bad_request(str(err), err.field) from err
-        except GrammarBusy as err:
-            raise ServingError(503, str(err), type="ServiceUnavailableError", param=field) from err
+        except GrammarBusy as err:  # not the request's fault: tell the client when to come back
+            retry = {"Retry-After": str(RETRY_AFTER_S)}
+            raise ServingError(503, str(err), type="ServiceUnavailableError", param=field, headers=retry) from err
 
     def close(self) -> None:
         """Shutdown: kill running grammar compiles (requests waiting on them get 503)."""
