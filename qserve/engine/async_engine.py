@@ -40,6 +40,7 @@ from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.kv_events import KVEvent, KVEventRecorder
 from qserve.scheduler.swap import check_tensor_parallel_preemption
+from qserve.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -547,6 +548,10 @@ class AsyncEngine:
             }
         return result
 
+    def spec_decode_stats(self) -> dict[str, SpecDecodeStats]:
+        """Speculative decoding's counters of each model that speculates (read at scrape time)."""
+        return {name: h.engine.spec_stats for name, h in self.models.items() if h.engine.spec_stats is not None}
+
     def cache_info(self) -> dict[str, dict[str, Any]]:
         """Per-model KV-cache settings (vLLM's ``cache_config_info`` labels)."""
         return {
@@ -593,6 +598,8 @@ class HostConfig:
     # whole process, split evenly between the hosted models.
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
+    # Speculative decoding for every hosted model (EngineConfig.speculative_config); None: off.
+    speculative_config: Any = None
 
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
@@ -680,6 +687,7 @@ def build_engines(
             async_scheduling=config.async_scheduling,
             preemption_mode=config.preemption_mode,
             swap_space=config.swap_space / len(models),
+            speculative_config=config.speculative_config,
         )
         engines[m.name] = engine_cls(
             engine_config, block_pool=pool.block_pool, owner=m.name, kv_caches=pool.kv_caches(m.name)

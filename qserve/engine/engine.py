@@ -74,6 +74,9 @@ from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
 from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode, check_tensor_parallel_preemption
+from qserve.spec_decode import ProposalInput, SpeculativeConfig, make_proposer, parse_speculative_config
+from qserve.spec_decode.config import check_tensor_parallel_speculation
+from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
 
@@ -120,8 +123,12 @@ class EngineConfig:
     # a host pool of swap_space GiB (pinned on CUDA) and back; "auto" swaps where that is cheaper.
     preemption_mode: str = "recompute"
     swap_space: float = 4.0  # GiB of host memory for swapped KV (allocated only when not "recompute")
+    # Speculative decoding (vLLM's speculative_config: a dict, JSON string or SpeculativeConfig;
+    # stored parsed). None: off, and every step runs exactly as without it (docs/spec_decode.md).
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         check_preemption_mode(self.preemption_mode)
         if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
@@ -239,6 +246,7 @@ class Engine:
         if tp is not None and block_pool is not None:
             raise ValueError("Engine: a tensor-parallel engine cannot draw from a shared block pool")
         check_tensor_parallel_preemption(config.preemption_mode, 1 if tp is None else tp.size)
+        check_tensor_parallel_speculation(config.speculative_config, 1 if tp is None else tp.size)
         # Tensor parallel (qserve.engine.tensor_parallel builds one Engine per rank): the model is
         # this rank's shard, KV caches and the memory plan are per rank.
         self.tp = tp
@@ -378,6 +386,11 @@ class Engine:
         if config.async_scheduling and tp is not None:
             logger.debug("tensor parallelism: async scheduling is off (steps run in the synchronous order)")
         self.num_preemptions = 0  # sequences preempted since start (vllm:num_preemptions_total)
+        # Speculative decoding (None: off): the proposer, its counters (vllm:spec_decode_*).
+        self.spec_config: SpeculativeConfig | None = config.speculative_config
+        self.proposer = None if self.spec_config is None else make_proposer(self.spec_config)
+        self.spec_stats = None if self.spec_config is None else SpecDecodeStats(self.spec_config.num_speculative_tokens)
+        self._drafts_out = False  # some running request may still carry drafts
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model,
@@ -642,6 +655,8 @@ class Engine:
             return self._step_async(finished_only)
         touched: dict[str, _Group] = dict(self._pending_outputs)
         self._pending_outputs.clear()
+        if self.proposer is not None:
+            self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
         self._on_scheduled(scheduler_output, touched)
         if not scheduler_output.is_empty:
@@ -667,6 +682,8 @@ class Engine:
                 for sequence in group.sequences:
                     sequences.pop(sequence.request.request_id, None)
                     self._grammar_matchers.remove(sequence.request.request_id)
+                if self.proposer is not None:
+                    self.proposer.forget(sequence.request.request_id for sequence in group.sequences)
         return outputs
 
     def _step_async(self, finished_only: bool) -> list[RequestOutput]:
@@ -674,11 +691,15 @@ class Engine:
         touched: dict[str, _Group] = dict(self._pending_outputs)
         self._pending_outputs.clear()
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None and self._sync_only:
+        if in_flight is not None and (
+            self._sync_only or (self.proposer is not None and self._needs_sync(in_flight[0]))
+        ):
             self._process_step(
                 in_flight[0], self._result(in_flight), touched, finished_only, ()
             )  # next step needs them
             in_flight = None
+        if self.proposer is not None:
+            self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
         self._on_scheduled(scheduler_output, touched)
         if not scheduler_output.is_empty:
@@ -691,6 +712,71 @@ class Engine:
             preempted = set(scheduler_output.preempted_request_ids) - set(scheduler_output.swapped_out_request_ids)
             self._process_step(in_flight[0], self._result(in_flight), touched, finished_only, preempted)
         return self._collect_outputs(touched, finished_only)
+
+    # ------------------------------------------------------------------------------------------
+    # Speculative decoding
+    # ------------------------------------------------------------------------------------------
+
+    def _needs_sync(self, in_flight: SchedulerOutput) -> bool:
+        """Whether the step in flight must be processed before the next is scheduled: it verified
+        drafts (its sequences' token counts are unknown until then), or this step will propose
+        (drafts follow the last token, which must be on the host)."""
+        assert self.spec_config is not None
+        return bool(in_flight.num_spec_tokens) or self.spec_config.proposes_at(self.scheduler.num_running)
+
+    def _propose_drafts(self) -> None:
+        """Give each running request in plain decode its draft tokens for the next step
+        (``Request.spec_token_ids``, verified by the scheduler's next step), at most k and never
+        past ``max_tokens`` or ``max_model_len``. None while the running batch is larger than
+        ``disable_by_batch_size``, for requests with a token in flight, and for structured
+        outputs (a draft would have to be checked against the grammar first: speculation is off
+        for them) and embedding requests."""
+        assert self.spec_config is not None and self.proposer is not None
+        running = self.scheduler.running
+        if not self.spec_config.proposes_at(len(running)):
+            if self._drafts_out:  # the batch just grew past the threshold: drop what is left
+                for request in running:
+                    request.spec_token_ids = []
+                self._drafts_out = False
+            return
+        k = self.spec_config.num_speculative_tokens
+        batch: list[ProposalInput] = []
+        owners: list[Request] = []
+        for request in running:
+            request.spec_token_ids = []
+            params = request.sampling_params
+            if (
+                request.num_output_placeholders
+                or request.pooling
+                or params.structured_outputs is not None
+                or request.num_computed_tokens != request.num_tokens - 1
+            ):
+                continue
+            room = min(k, self.max_model_len - request.num_tokens - 1)
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            if room > 0:
+                batch.append(
+                    ProposalInput(request.request_id, request.prompt_token_ids, request.output_token_ids, room)
+                )
+                owners.append(request)
+        if batch:
+            for request, drafts in zip(owners, self.proposer.propose(batch)):
+                request.spec_token_ids = drafts
+        self._drafts_out = bool(batch)
+
+    def _emit_verified(
+        self, sequence: _Sequence, tokens: list[int], token_logprobs: list[TokenLogprobs] | None
+    ) -> bool:
+        """A verified step's tokens for one sequence (the scheduler appended them all), one at a
+        time through the stop checks: those after a stop are discarded. True if it finished."""
+        output = sequence.request.output_token_ids
+        del output[len(output) - len(tokens) :]
+        for i, token in enumerate(tokens):
+            output.append(token)
+            if self._on_token(sequence, token, token_logprobs[i] if token_logprobs else None):
+                return True
+        return False
 
     def _result(self, in_flight: tuple[SchedulerOutput, LaunchedStep, float]) -> RunnerOutput:
         """Wait for a launched step's sampled ids. The step ran from its launch, or from the arrival
@@ -749,12 +835,31 @@ class Engine:
                 owner[0].embedding = owner[0].pooling.pool(hidden)
         logprobs = runner_output.logprobs
         on_token = self._on_token
+        verified = runner_output.spec_token_ids
+        if verified:
+            self._count_verified(scheduler_output, verified)
         for request in new_token_requests:  # finished or aborted requests' extra tokens are not here
             request_id = request.request_id
             group, sequence = sequences[request_id]
+            if verified and request_id in verified:
+                tokens = verified[request_id]
+                if (
+                    self._emit_verified(sequence, tokens, runner_output.spec_logprobs.get(request_id))
+                    or not finished_only
+                ):
+                    touched[group.request_id] = group
+                continue
             token = request.output_token_ids[-1]
             if on_token(sequence, token, logprobs.get(request_id) if logprobs else None) or not finished_only:
                 touched[group.request_id] = group
+
+    def _count_verified(self, scheduler_output: SchedulerOutput, verified: dict[str, list[int]]) -> None:
+        """vllm:spec_decode_* counters: each sequence's drafts and how many were kept."""
+        assert self.spec_stats is not None
+        for seq in scheduler_output.sequences:
+            tokens = verified.get(seq.request_id)
+            if seq.spec_token_ids and tokens is not None:
+                self.spec_stats.observe(len(seq.spec_token_ids), len(tokens) - 1)
 
     def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """The step's work plus the next-token bitmasks of its sampling sequences under a grammar."""

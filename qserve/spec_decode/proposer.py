@@ -1,0 +1,43 @@
+"""The one interface every proposer of draft tokens implements, and the factory.
+
+Knows: what a proposer is given (each sequence's token ids and how many drafts it may propose)
+and what it returns (up to that many token ids per sequence, possibly none). Must not know: the
+scheduler's queues, KV pages, sampling or how drafts are verified: a proposer only guesses; the
+target model's rejection sampling keeps the output distribution exact whatever it guesses.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from qserve.spec_decode.config import SpeculativeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ProposalInput:
+    """One sequence to propose for: its id (for per-sequence state), every token id it has
+    (prompt then outputs; shared lists, read-only) and the most drafts it may get."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    max_num_tokens: int
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def propose(self, batch: Sequence[ProposalInput]) -> list[list[int]]:
+        """Draft tokens for each input, in order (``len(result[i]) <= batch[i].max_num_tokens``)."""
+
+    def forget(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional hook
+        """Drop any state kept for these (finished) sequences."""
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        from qserve.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    raise ValueError(f"speculative_config.method {config.method!r} has no proposer")

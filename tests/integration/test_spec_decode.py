@@ -1,0 +1,203 @@
+"""Speculative decoding with the n-gram proposer on the CPU engine: greedy outputs token-identical
+to decoding without it (a batch of several, batch 1, stop strings and stop tokens mid-proposal,
+max_tokens, n > 1, logprobs, penalties, logit_bias, prefix caching, preemption under a tiny KV
+pool, both step orders), drafts really verified and accepted on repetitive text (and fewer steps
+taken), no drafts while the batch is larger than disable_by_batch_size or for structured outputs,
+every page back in the pool, and the vllm:spec_decode_* series on /metrics."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from qserve import LLM, SamplingParams
+from qserve.structured.params import StructuredOutputsParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+LOOP = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # a repetitive prompt: lookup finds drafts from the start
+ARGS = dict(device="cpu", dtype="float32", block_size=4)
+
+
+def _greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, **{"max_tokens": 24, "ignore_eos": True, **kwargs})
+
+
+def _workload(stop_token: int, stop_text: str) -> list[tuple[str, list[int], SamplingParams]]:
+    return [
+        ("loop", LOOP, _greedy(max_tokens=30)),
+        ("plain", list(range(40, 58)), _greedy()),
+        ("prefix", list(range(40, 58)) + [3, 4], _greedy(max_tokens=13)),  # shares blocks with "plain"
+        ("stop_tok", LOOP, _greedy(stop_token_ids=[stop_token])),
+        ("stop_str", LOOP[2:], _greedy(stop=[stop_text])),
+        ("n2", [9, 8, 7, 9, 8, 7], _greedy(n=2, max_tokens=11)),
+        ("logprobs", LOOP[1:], _greedy(logprobs=2, max_tokens=17)),
+        ("penalty", LOOP, _greedy(repetition_penalty=1.3, presence_penalty=0.2, min_tokens=5, max_tokens=15)),
+        ("bias", [11, 12, 11, 12, 11], _greedy(logit_bias={12: 3.0}, max_tokens=14)),
+    ]
+
+
+def _run(engine, requests) -> tuple[dict, int]:  # noqa: ANN001
+    """Final outputs by request id, and the number of steps that computed something."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    final, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 1000
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+    return final, steps
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for request_id, expected in want.items():
+        for a, b in zip(got[request_id].outputs, expected.outputs, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+                b.token_ids,
+                b.text,
+                b.finish_reason,
+                b.stop_reason,
+            ), request_id
+            if b.logprobs is not None:
+                assert len(a.logprobs) == len(b.logprobs) == len(b.token_ids)
+                for pa, pb in zip(a.logprobs, b.logprobs):
+                    assert list(pa) == list(pb)  # the same tokens in the same order
+                    for token in pb:
+                        assert pa[token].logprob == pytest.approx(pb[token].logprob, abs=1e-4)
+                        assert pa[token].rank == pb[token].rank
+                assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoints) -> str:
+    return tiny_checkpoints["LlamaForCausalLM"][1]
+
+
+@pytest.fixture(scope="module")
+def reference(path):  # noqa: ANN201
+    """The workload without speculation (synchronous order, a roomy pool)."""
+    llm = LLM(path, async_scheduling=False, **ARGS)
+    probe = llm.generate([{"prompt_token_ids": LOOP}], _greedy(), use_tqdm=False)[0].outputs[0]
+    stop_token = probe.token_ids[9]
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.decode(
+        llm.generate([{"prompt_token_ids": LOOP[2:]}], _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    )
+    stop_text = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop_text.strip(), f"no visible text to stop on in {text!r}"
+    requests = _workload(stop_token, stop_text)
+    final, steps = _run(llm.engine, requests)
+    assert final["stop_tok"].outputs[0].finish_reason == "stop" and final["stop_str"].outputs[0].finish_reason == "stop"
+    return requests, final, steps
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_ngram_is_token_identical_and_accepts_drafts(path, reference, async_scheduling):
+    requests, want, base_steps = reference
+    llm = LLM(path, async_scheduling=async_scheduling, speculative_config=NGRAM, **ARGS)
+    engine = llm.engine
+    seen_spec = []
+    schedule = engine.scheduler.schedule
+
+    def spy():  # noqa: ANN202
+        out = schedule()
+        seen_spec.append(out.num_spec_tokens)
+        return out
+
+    engine.scheduler.schedule = spy
+    got, steps = _run(engine, requests)
+    _assert_same(got, want)
+    stats = engine.spec_stats
+    assert sum(seen_spec) == stats.num_draft_tokens > 0, "drafts were scheduled and verified"
+    assert stats.num_accepted_tokens > 0, "the repetitive prompts should get drafts accepted"
+    assert stats.accepted_per_pos[0] >= stats.accepted_per_pos[1] >= stats.accepted_per_pos[2]
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert steps < base_steps, "accepted drafts save steps"
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    assert not engine.proposer._buffers, "finished requests' proposer state is dropped"
+    # batch 1 through the offline API, and a request whose max_tokens cuts a proposal short
+    single = llm.generate([{"prompt_token_ids": LOOP}], _greedy(max_tokens=7), use_tqdm=False)[0].outputs[0]
+    assert single.token_ids == want["loop"].outputs[0].token_ids[:7]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preemption_under_a_tiny_pool_keeps_the_outputs(path, reference, async_scheduling):
+    requests, want, _ = reference
+    llm = LLM(
+        path,
+        async_scheduling=async_scheduling,
+        speculative_config=NGRAM,
+        num_kv_blocks=24,
+        max_num_batched_tokens=16,
+        **ARGS,
+    )
+    engine = llm.engine
+    engine.scheduler.watermark, engine.scheduler.watermark_per_running = 0.0, 0  # preempt, don't hold back
+    got, _ = _run(engine, requests)
+    _assert_same(got, want)
+    assert engine.num_preemptions > 0, "the tiny pool should force preemptions"
+    assert engine.spec_stats.num_accepted_tokens > 0
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_no_drafts_above_disable_by_batch_size_nor_for_grammars(path, reference):
+    requests, want, _ = reference
+    llm = LLM(path, speculative_config={**NGRAM, "disable_by_batch_size": 2}, **ARGS)
+    engine = llm.engine
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def spy():  # noqa: ANN202
+        running = engine.scheduler.num_running
+        out = schedule()
+        seen.append((running, out.num_spec_tokens))
+        return out
+
+    engine.scheduler.schedule = spy
+    got, _ = _run(engine, requests)
+    _assert_same(got, want)
+    assert all(spec == 0 for running, spec in seen if running > 2)
+    assert any(spec for _, spec in seen), "the last requests ran alone and speculated"
+    # a structured-output request gets no drafts (its grammar would have to check them first)
+    seen.clear()
+    choice = SamplingParams(
+        temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(choice=["ab ab ab ab"])
+    )
+    out = llm.generate(["ab ab ab"], choice, use_tqdm=False)[0].outputs[0]
+    assert out.text == "ab ab ab ab" and not any(spec for _, spec in seen)
+
+
+def test_seeded_sampling_is_reproducible_and_metrics_are_exported(path):
+    from qserve.engine.async_engine import AsyncEngine
+    from qserve.server.metrics import ServerMetrics
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=20, ignore_eos=True, logprobs=1)
+    runs = []
+    for _ in range(2):
+        llm = LLM(path, speculative_config=NGRAM, **ARGS)
+        runs.append(llm.generate([{"prompt_token_ids": LOOP}] * 2, params, use_tqdm=False))
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
+    assert all(len(o.outputs[0].token_ids) == len(o.outputs[0].logprobs) == 20 for o in runs[1])
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0
+    metrics = ServerMetrics(lambda: AsyncEngine({"tiny": llm.engine}))
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+        if s.name.startswith("vllm:spec_decode")
+    }
+    assert samples[("vllm:spec_decode_num_drafts_total", None)] == stats.num_drafts
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", None)] == stats.num_draft_tokens
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == stats.num_accepted_tokens
+    per_pos = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(3)]
+    assert per_pos == stats.accepted_per_pos
+
+
+def test_bad_config_is_refused_naming_the_field(path):
+    with pytest.raises(ValueError, match=r"speculative_config\.num_speculative_tokens"):
+        LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": -1}, **ARGS)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        LLM(path, speculative_config=NGRAM, tensor_parallel_size=2, **ARGS)
