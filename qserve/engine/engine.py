@@ -727,7 +727,8 @@ class Engine:
     def _propose_drafts(self) -> None:
         """Give each running request in plain decode its draft tokens for the next step
         (``Request.spec_token_ids``, verified by the scheduler's next step), at most k and never
-        past ``max_tokens`` or ``max_model_len``. None while the running batch is larger than
+        past ``max_tokens`` or ``max_model_len``, and no more in all than ``max_num_seqs`` minus
+        the running sequences (the logit rows the memory plan reserved). None while the running batch is larger than
         ``disable_by_batch_size``, for requests with a token in flight, and for structured
         outputs (a draft would have to be checked against the grammar first: speculation is off
         for them) and embedding requests."""
@@ -761,8 +762,12 @@ class Engine:
                 )
                 owners.append(request)
         if batch:
+            # A step computes logits for one row per draft plus one per sequence; the memory plan
+            # reserved max_num_seqs rows, so the drafts of one step stay within what is left.
+            spare = self.config.max_num_seqs - len(running)
             for request, drafts in zip(owners, self.proposer.propose(batch)):
-                request.spec_token_ids = drafts
+                request.spec_token_ids = drafts[: max(spare, 0)]
+                spare -= len(request.spec_token_ids)
         self._drafts_out = bool(batch)
 
     def _emit_verified(

@@ -8,6 +8,7 @@ every page back in the pool, and the vllm:spec_decode_* series on /metrics."""
 from __future__ import annotations
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from qserve import LLM, SamplingParams
@@ -144,22 +145,27 @@ def test_preemption_under_a_tiny_pool_keeps_the_outputs(path, reference, async_s
 
 def test_no_drafts_above_disable_by_batch_size_nor_for_grammars(path, reference):
     requests, want, _ = reference
-    llm = LLM(path, speculative_config={**NGRAM, "disable_by_batch_size": 2}, **ARGS)
+    llm = LLM(path, speculative_config={**NGRAM, "disable_by_batch_size": 2}, max_num_seqs=4, **ARGS)
     engine = llm.engine
     seen = []
+    rows = []
     schedule = engine.scheduler.schedule
 
     def spy():  # noqa: ANN202
         running = engine.scheduler.num_running
         out = schedule()
         seen.append((running, out.num_spec_tokens))
+        rows.append(sum(seq.sample for seq in out.sequences) + out.num_spec_tokens)
         return out
 
     engine.scheduler.schedule = spy
     got, _ = _run(engine, requests)
     _assert_same(got, want)
     assert all(spec == 0 for running, spec in seen if running > 2)
-    assert any(spec for _, spec in seen), "the last requests ran alone and speculated"
+    assert max(rows) <= 4, "a step's logit rows stay within max_num_seqs (what the memory plan reserved)"
+    seen.clear()  # alone, the same engine speculates
+    alone = llm.generate([{"prompt_token_ids": LOOP}], _greedy(max_tokens=30), use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids == want["loop"].outputs[0].token_ids and any(spec for _, spec in seen)
     # a structured-output request gets no drafts (its grammar would have to check them first)
     seen.clear()
     choice = SamplingParams(
@@ -201,3 +207,58 @@ def test_bad_config_is_refused_naming_the_field(path):
         LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": -1}, **ARGS)
     with pytest.raises(ValueError, match="tensor parallelism"):
         LLM(path, speculative_config=NGRAM, tensor_parallel_size=2, **ARGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_cuda_greedy_ngram_is_token_identical(path, async_scheduling):
+    """On the GPU (Triton attention with several query rows per sequence, the eager verify step
+    between graph-replayed plain decodes, pinned copies): the workload's greedy outputs and
+    logprobs equal those without speculation, in float32 (numerics identical enough for argmax)."""
+    finals = []
+    for spec in (None, NGRAM):
+        # A fixed small pool: the first engine's default pool would take the second's memory.
+        llm = LLM(
+            path,
+            device="cuda",
+            dtype="float32",
+            block_size=16,
+            num_kv_blocks=256,
+            async_scheduling=async_scheduling,
+            speculative_config=spec,
+        )
+        probe = llm.generate([{"prompt_token_ids": LOOP}], _greedy(), use_tqdm=False)[0].outputs[0]
+        requests = [r for r in _workload(probe.token_ids[9], "\n\n") if r[0] != "stop_str"]
+        finals.append(_run(llm.engine, requests)[0])
+        if spec is not None:
+            assert llm.engine.spec_stats.num_accepted_tokens > 0
+            assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
+        del llm
+        torch.cuda.empty_cache()
+    _assert_same(finals[1], finals[0])
+
+
+def test_serve_and_generate_take_the_flag(path, tmp_path, capsys):
+    import argparse
+    import json
+
+    from qserve.commands import generate, serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser)
+    bad = json.dumps({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match=r"speculative_config\.num_speculative_tokens"):
+        serve.build_host_factory(parser.parse_args([str(tmp_path), "--speculative-config", bad]))
+    args = parser.parse_args([str(tmp_path), "--speculative-config", json.dumps(NGRAM), "--tensor-parallel-size", "2"])
+    with pytest.raises(ValueError, match="--speculative-config"):
+        serve.build_host_factory(args)
+
+    parser = argparse.ArgumentParser()
+    generate.register(parser)
+    texts = []
+    for extra in ([], ["--speculative-config", json.dumps(NGRAM)]):
+        args = parser.parse_args([path, "--prompt", "ab ab ab ab", "--max-tokens", "12", "--device", "cpu", *extra])
+        assert generate.run(args) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
