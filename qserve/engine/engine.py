@@ -26,6 +26,14 @@ last position the runner returns as a final hidden state (after the model's last
 engine pools it (``PoolingParams.pool``: last token, L2-normalized) and the one sampled token
 finishes the request, so its pages are freed as any other's.
 
+Speculative decoding (``EngineConfig.speculative_config``, vLLM's; off by default): before each
+schedule the proposer (``qserve.spec_decode``) gives running requests in plain decode their draft
+tokens; the scheduler and runner verify them in the step; the tokens a step emits for a sequence
+go one by one through the stop checks here (those after a stop are dropped). A step with drafts is
+processed before the next is scheduled (the next drafts follow its tokens), so speculation runs
+in the synchronous order while it proposes; above ``disable_by_batch_size`` running sequences it
+proposes nothing and the asynchronous order comes back. Grammars get no drafts (docs/spec_decode.md).
+
 Swap preemption (``EngineConfig.preemption_mode`` "swap" | "auto", ``swap_space`` GiB of host
 memory; vLLM V0's names): the engine gives the runner a host KV pool and the scheduler its slots
 (and, for auto, a cost estimate whose copy bandwidth is measured at start-up and whose

@@ -19,6 +19,12 @@ Pooling (embedding requests, ``ScheduledSequence.pooling``): a step that compute
 sequence's last prompt token returns that token's final hidden state (float32) in
 ``RunnerOutput.hidden_states``; such a step runs eagerly (a decode graph returns logits only).
 
+Speculative decoding (``SchedulerOutput.num_spec_tokens > 0``): a sequence with k draft tokens
+gets logits at its last k + 1 rows and ``_verify`` runs the rejection sampler
+(``qserve.runner.rejection_sampler``) over them; such a step runs eagerly (several rows per
+sequence: no decode graph) and its emitted tokens reach the host inside the launch. Steps without
+drafts take exactly the path they take without speculation.
+
 Swap preemption: a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` are copied by the
 ``KVSwapper`` (``enable_swap``) at the start of ``launch``, before anything of the step's forward
 is enqueued (qserve.runner.kv_swap says why that order is enough, with or without a step in flight).

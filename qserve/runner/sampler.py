@@ -20,6 +20,9 @@ Order of operations (as vLLM):
   5. random rows: / temperature, top-k, top-p, min-p, softmax, then the exponential race
      ``argmax(probs / q)`` with ``q ~ Exp(1)``: a sample from ``probs``.
 
+``process_logits`` (steps 2-3) and ``random_probs`` (step 5's distribution) are also what the
+rejection sampler of speculative decoding verifies draft tokens against.
+
 Determinism: a row with ``seed`` draws its noise from a generator seeded with a hash of
 (seed, output index), so its token depends only on (seed, index, its logits) and never on
 the rest of the batch. Unseeded rows share the Sampler's own generator (no global RNG).

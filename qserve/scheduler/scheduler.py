@@ -37,6 +37,14 @@ of it). ``update_from_output`` then only swaps placeholders for the sampled toke
 with a placeholder is never admitted from the waiting queue (a preempted one waits a step for
 its token) and never finished for capacity on the strength of its placeholder.
 
+Speculative decoding (``Request.spec_token_ids``, set by the engine before ``schedule()``): a
+running request in plain decode is scheduled as its last known token plus its draft tokens
+(``ScheduledSequence.spec_token_ids``), KV slots allocated for all of them, within the token
+budget, ``max_model_len`` and what the pool can hold; drafts that find no pages are dropped (a
+plain decode), never the reason for a preemption. ``update_from_output`` appends the tokens the
+runner emitted (accepted drafts, then the target's token), counts only their KV as computed (so
+the prefix cache registers accepted tokens only) and frees the pages only rejected drafts reached.
+
 Knows: requests' token counters and statuses, the waiting / running queues, this model's
 ``KVCacheManager``, tenants' weights and seat caps. Must not know: torch, tensors, text, stop conditions (the engine decides
 when a request is finished and calls ``finish_request``), other models' queues.
