@@ -34,6 +34,7 @@ def _workload(stop_token: int, stop_text: str) -> list[tuple[str, list[int], Sam
         ("logprobs", LOOP[1:], _greedy(logprobs=2, max_tokens=17)),
         ("penalty", LOOP, _greedy(repetition_penalty=1.3, presence_penalty=0.2, min_tokens=5, max_tokens=15)),
         ("bias", [11, 12, 11, 12, 11], _greedy(logit_bias={12: 3.0}, max_tokens=14)),
+        ("plp", [60, 61, 62, 60, 61, 62, 60], _greedy(prompt_logprobs=1, max_tokens=9)),  # prefills beside drafts
     ]
 
 
@@ -54,6 +55,11 @@ def _run(engine, requests) -> tuple[dict, int]:  # noqa: ANN001
 def _assert_same(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
     for request_id, expected in want.items():
+        if expected.prompt_logprobs is not None:
+            assert len(got[request_id].prompt_logprobs) == len(expected.prompt_logprobs)
+            for pa, pb in zip(got[request_id].prompt_logprobs[1:], expected.prompt_logprobs[1:]):
+                assert list(pa) == list(pb)
+                assert all(pa[t].logprob == pytest.approx(pb[t].logprob, abs=1e-4) for t in pb)
         for a, b in zip(got[request_id].outputs, expected.outputs, strict=True):
             assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
                 b.token_ids,
@@ -123,8 +129,12 @@ def test_greedy_ngram_is_token_identical_and_accepts_drafts(path, reference, asy
     assert single.token_ids == want["loop"].outputs[0].token_ids[:7]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_preemption_under_a_tiny_pool_keeps_the_outputs(path, reference, async_scheduling):
+@pytest.mark.parametrize(
+    ("async_scheduling", "preemption_mode"),
+    [(False, "recompute"), (True, "swap")],
+    ids=["sync-recompute", "async-swap"],
+)
+def test_preemption_under_a_tiny_pool_keeps_the_outputs(path, reference, async_scheduling, preemption_mode):
     requests, want, _ = reference
     llm = LLM(
         path,
@@ -132,6 +142,8 @@ def test_preemption_under_a_tiny_pool_keeps_the_outputs(path, reference, async_s
         speculative_config=NGRAM,
         num_kv_blocks=24,
         max_num_batched_tokens=16,
+        preemption_mode=preemption_mode,
+        swap_space=2**20 / 2**30,
         **ARGS,
     )
     engine = llm.engine
@@ -139,6 +151,7 @@ def test_preemption_under_a_tiny_pool_keeps_the_outputs(path, reference, async_s
     got, _ = _run(engine, requests)
     _assert_same(got, want)
     assert engine.num_preemptions > 0, "the tiny pool should force preemptions"
+    assert (engine.scheduler.num_swapped_out > 0) == (preemption_mode == "swap")
     assert engine.spec_stats.num_accepted_tokens > 0
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
 
@@ -188,6 +201,10 @@ def test_seeded_sampling_is_reproducible_and_metrics_are_exported(path):
     assert all(len(o.outputs[0].token_ids) == len(o.outputs[0].logprobs) == 20 for o in runs[1])
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0
+    # embedding requests share the engine (their one step never gets drafts)
+    plain = LLM(path, **ARGS).embed([{"prompt_token_ids": LOOP}], use_tqdm=False)[0].outputs.embedding
+    embedded = llm.embed([{"prompt_token_ids": LOOP}], use_tqdm=False)[0].outputs.embedding
+    assert embedded == pytest.approx(plain, abs=1e-5)
     metrics = ServerMetrics(lambda: AsyncEngine({"tiny": llm.engine}))
     samples = {
         (s.name, s.labels.get("position")): s.value
