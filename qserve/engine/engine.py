@@ -82,11 +82,12 @@ from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
 from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode, check_tensor_parallel_preemption
-from qserve.spec_decode import ProposalInput, SpeculativeConfig, make_proposer, parse_speculative_config
+from qserve.spec_decode import ProposalInput, Proposer, SpeculativeConfig, make_proposer, parse_speculative_config
 from qserve.spec_decode.config import check_tensor_parallel_speculation
 from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
+from quant_kernels.reference_kv_int4 import cache_head_size
 
 logger = logging.getLogger(__name__)
 
@@ -396,7 +397,12 @@ class Engine:
         self.num_preemptions = 0  # sequences preempted since start (vllm:num_preemptions_total)
         # Speculative decoding (None: off): the proposer, its counters (vllm:spec_decode_*).
         self.spec_config: SpeculativeConfig | None = config.speculative_config
-        self.proposer = None if self.spec_config is None else make_proposer(self.spec_config)
+        self.proposer = None
+        if self.spec_config is not None:
+            if self.spec_config.method == "draft_model":
+                self.proposer = self._draft_proposer(self.runner.kv_caches, kv_dtype)
+            else:
+                self.proposer = make_proposer(self.spec_config)
         self.spec_stats = None if self.spec_config is None else SpecDecodeStats(self.spec_config.num_speculative_tokens)
         self._drafts_out = False  # some running request may still carry drafts
         logger.info(
@@ -407,6 +413,38 @@ class Engine:
             num_blocks,
             cache.block_size,
         )
+
+    def _draft_proposer(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_dtype: torch.dtype) -> Proposer:
+        """``speculative_config.model`` loaded beside the target, its KV in the target's pages
+        (``qserve.spec_decode.draft_model``). Its weights are not in the memory plan yet."""
+        from qserve.spec_decode.draft_model import DraftModelProposer, alias_kv_caches
+
+        assert self.spec_config is not None and self.spec_config.model is not None
+        if kv_dtype != self.dtype:
+            raise ValueError(
+                f"speculative_config.method 'draft_model' needs kv_cache_dtype 'auto' for now, got {self.config.kv_cache_dtype!r}"
+            )
+        model, config = load_model(self.spec_config.model, self.dtype, self.device)
+        vocab = self.model_config.vocab_size
+        if self.tokenizer is not None:
+            vocab = min(vocab, num_token_ids(self.tokenizer))
+        if config.vocab_size < vocab:
+            raise ValueError(
+                f"speculative_config.model has a vocabulary of {config.vocab_size} ids, the target's tokenizer {vocab}: "
+                "the draft needs the same tokenizer"
+            )
+        draft_kv = alias_kv_caches(
+            kv_caches, config.num_layers, config.num_kv_heads, cache_head_size(config.head_dim, kv_dtype)
+        )
+        runner = ModelRunner(model, config, draft_kv, self.kv_manager.block_size, self.device, self.config.seed)
+        runner.set_valid_vocab_size(vocab)  # never a draft the target cannot score
+        kv = KVCacheManager(self.block_pool, self.kv_manager.block_size, False, owner=f"{self.owner}:draft")
+        logger.info(
+            "speculative decoding: draft model %s (%d layers), KV in the target's pages",
+            self.spec_config.model,
+            config.num_layers,
+        )
+        return DraftModelProposer(runner, kv, max_catch_up=self.scheduler_config.max_num_batched_tokens)
 
     @property
     def async_scheduling(self) -> bool:
@@ -766,7 +804,7 @@ class Engine:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
             if room > 0:
                 batch.append(
-                    ProposalInput(request.request_id, request.prompt_token_ids, request.output_token_ids, room)
+                    ProposalInput(request.request_id, request.prompt_token_ids, request.output_token_ids, room, params)
                 )
                 owners.append(request)
         if batch:
@@ -812,6 +850,8 @@ class Engine:
             if request_id not in swapped:
                 sequences[request_id][1].prompt_logprobs_received = 0
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
+        if self.proposer is not None and scheduler_output.preempted_request_ids:
+            self.proposer.forget(scheduler_output.preempted_request_ids)  # a draft model's pages go back
         now = time.monotonic()
         for scheduled in scheduler_output.sequences:
             group = sequences[scheduled.request_id][0]

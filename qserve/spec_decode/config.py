@@ -4,8 +4,9 @@ Knows: the accepted keys, their defaults and ranges, and how a JSON string or a 
 ``SpeculativeConfig``; every error names the offending key as ``speculative_config.<key>``. Must
 not know: torch, the engine, the proposers' internals.
 
-Keys (vLLM's): ``method`` ("ngram"; "draft_model" and EAGLE are refused for now, naming what is
-supported), ``num_speculative_tokens`` (k >= 1, required), ``prompt_lookup_max`` /
+Keys (vLLM's): ``method`` ("ngram" or "draft_model"; EAGLE and the others are refused for now,
+naming what is supported), ``model`` (the draft checkpoint of "draft_model": a directory of the
+same tokenizer), ``num_speculative_tokens`` (k >= 1, required), ``prompt_lookup_max`` /
 ``prompt_lookup_min`` (n-gram sizes; one given sets the other, neither gives vLLM's 5 and 5),
 ``disable_by_batch_size`` (no proposals while more sequences than this are running, so a busy
 engine decodes exactly as without speculation). ``model`` is accepted as vLLM's older way to
@@ -18,8 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("ngram",)
-NOT_YET_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+SUPPORTED_METHODS = ("ngram", "draft_model")
+NOT_YET_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 KNOWN_KEYS = (
     "method",
     "model",
@@ -39,6 +40,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     disable_by_batch_size: int | None = None  # None: always propose
+    model: str | None = None  # the draft checkpoint (method "draft_model")
 
     def proposes_at(self, num_running: int) -> bool:
         """Whether this step gets proposals: off while the running batch exceeds the threshold."""
@@ -74,6 +76,8 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
         method = "ngram"  # vLLM's older spelling: {"model": "[ngram]"}
     elif model is not None and method == "ngram":
         raise ValueError("speculative_config.model must not be given with method 'ngram' (it uses no model)")
+    elif method == "draft_model" and (not isinstance(model, str) or not model):
+        raise ValueError("speculative_config.model is required with method 'draft_model' (the draft checkpoint)")
     if method is None:
         raise ValueError(f"speculative_config.method is required; supported: {', '.join(SUPPORTED_METHODS)}")
     if method not in SUPPORTED_METHODS:
@@ -103,7 +107,7 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     disable = value.get("disable_by_batch_size")
     if disable is not None:
         disable = _positive_int("disable_by_batch_size", disable)
-    return SpeculativeConfig(method, k, lookup_max, lookup_min, disable)
+    return SpeculativeConfig(method, k, lookup_max, lookup_min, disable, model if method == "draft_model" else None)
 
 
 def check_tensor_parallel_speculation(config: SpeculativeConfig | None, tensor_parallel_size: int) -> None:

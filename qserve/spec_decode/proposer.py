@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from qserve.spec_decode.config import SpeculativeConfig
 
@@ -24,6 +25,7 @@ class ProposalInput:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     max_num_tokens: int
+    sampling_params: Any = None  # the request's (a draft model applies its penalties and logit_bias)
 
 
 class Proposer(ABC):
@@ -36,8 +38,10 @@ class Proposer(ABC):
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of a method that needs nothing from the engine (the engine builds a draft
+    model's, which shares its page pool: ``qserve.spec_decode.draft_model``)."""
     if config.method == "ngram":
         from qserve.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config.method {config.method!r} has no proposer")
+    raise ValueError(f"speculative_config.method {config.method!r}: the engine builds its proposer")

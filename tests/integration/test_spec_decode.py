@@ -83,6 +83,21 @@ def path(tiny_checkpoints) -> str:
 
 
 @pytest.fixture(scope="module")
+def drafts(tmp_path_factory) -> dict[str, str]:
+    """Draft checkpoints of the test tokenizer: one layer (fits the target's pages), three (does not)."""
+    from tests.helpers.tiny_models import make_tiny_model, save_tiny_checkpoint
+
+    return {
+        f"{n}-layer": str(
+            save_tiny_checkpoint(
+                make_tiny_model("LlamaForCausalLM", seed=5, num_hidden_layers=n), tmp_path_factory.mktemp(f"draft{n}")
+            )
+        )
+        for n in (1, 3)
+    }
+
+
+@pytest.fixture(scope="module")
 def reference(path):  # noqa: ANN201
     """The workload without speculation (synchronous order, a roomy pool)."""
     llm = LLM(path, async_scheduling=False, **ARGS)
@@ -130,16 +145,17 @@ def test_greedy_ngram_is_token_identical_and_accepts_drafts(path, reference, asy
 
 
 @pytest.mark.parametrize(
-    ("async_scheduling", "preemption_mode"),
-    [(False, "recompute"), (True, "swap")],
-    ids=["sync-recompute", "async-swap"],
+    ("async_scheduling", "preemption_mode", "method"),
+    [(False, "recompute", "ngram"), (True, "swap", "ngram"), (True, "recompute", "draft_model")],
+    ids=["sync-recompute", "async-swap", "draft-model"],
 )
-def test_preemption_under_a_tiny_pool_keeps_the_outputs(path, reference, async_scheduling, preemption_mode):
+def test_preemption_under_a_tiny_pool_keeps_the_outputs(path, reference, async_scheduling, preemption_mode, method):
     requests, want, _ = reference
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
     llm = LLM(
         path,
         async_scheduling=async_scheduling,
-        speculative_config=NGRAM,
+        speculative_config=spec,
         num_kv_blocks=24,
         max_num_batched_tokens=16,
         preemption_mode=preemption_mode,
@@ -219,7 +235,33 @@ def test_seeded_sampling_is_reproducible_and_metrics_are_exported(path):
     assert per_pos == stats.accepted_per_pos
 
 
-def test_bad_config_is_refused_naming_the_field(path):
+@pytest.mark.parametrize(("async_scheduling", "draft"), [(False, "self"), (True, "1-layer")])
+def test_draft_model_in_the_same_pool_is_token_identical(path, drafts, reference, async_scheduling, draft):
+    """The target as its own draft keeps (nearly) every draft; an unrelated one-layer draft keeps
+    what it keeps; both give the outputs of no speculation, and every page (the draft's too)
+    comes back to the pool."""
+    requests, want, base_steps = reference
+    spec = {"method": "draft_model", "model": path if draft == "self" else drafts[draft], "num_speculative_tokens": 3}
+    engine = LLM(path, async_scheduling=async_scheduling, speculative_config=spec, **ARGS).engine
+    got, steps = _run(engine, requests)
+    _assert_same(got, want)
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    if draft == "self":  # the draft's argmax is the target's (same weights, same logit processing)
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.9 and steps < base_steps
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    assert not engine.proposer._mirrors
+
+
+def test_bad_config_is_refused_naming_the_field(path, drafts):
+    with pytest.raises(ValueError, match=r"speculative_config\.model is required"):
+        LLM(path, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}, **ARGS)
+    with pytest.raises(ValueError, match=r"speculative_config\.model has 3 layers"):
+        LLM(
+            path,
+            speculative_config={"method": "draft_model", "model": drafts["3-layer"], "num_speculative_tokens": 2},
+            **ARGS,
+        )
     with pytest.raises(ValueError, match=r"speculative_config\.num_speculative_tokens"):
         LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": -1}, **ARGS)
     with pytest.raises(ValueError, match="tensor parallelism"):

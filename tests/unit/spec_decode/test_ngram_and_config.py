@@ -84,6 +84,10 @@ def test_proposer_keeps_a_growing_buffer_per_request():
             {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 8},
             SpeculativeConfig("ngram", 2, 5, 5, 8),
         ),
+        (
+            {"method": "draft_model", "model": "/m", "num_speculative_tokens": 3},
+            SpeculativeConfig("draft_model", 3, 5, 5, None, "/m"),
+        ),
         (None, None),
     ],
 )
@@ -98,7 +102,7 @@ def test_config_parses_vllm_keys(value, expected):
         ("[1]", "must be a JSON object"),
         ({"num_speculative_tokens": 2}, r"speculative_config\.method is required"),
         ({"method": "eagle3", "num_speculative_tokens": 2}, r"speculative_config\.method 'eagle3'.*supported: ngram"),
-        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, r"speculative_config\.method"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config\.model is required"),
         ({"method": "ngram"}, r"speculative_config\.num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, r"speculative_config\.num_speculative_tokens must be >= 1"),
         ({"method": "ngram", "num_speculative_tokens": 2.5}, r"speculative_config\.num_speculative_tokens must be an"),
