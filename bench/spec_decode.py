@@ -12,6 +12,8 @@ the speedup is reported against it (issue 29: >= 2.0x at >= 70% acceptance with 
 slower at 0%, >= 0.98x at batch 128 with ``disable_by_batch_size``).
 
     python bench/spec_decode.py --out spec_decode.md                        # H200
+    python bench/spec_decode.py --draft-layers 12 --out spec_decode.md      # also a draft model: the
+                                                                            # target's first 12 layers
     python bench/spec_decode.py --small --out /tmp/spec_decode.md           # tiny model, CPU or GPU
 
 The table goes to stdout and ``--out`` (markdown).
@@ -34,6 +36,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import QWEN14B, SMALL, write_random_gptq  # noqa: E402
 
 from qserve import LLM, SamplingParams  # noqa: E402
+
+
+def write_draft(target: Path, path: Path, num_layers: int) -> None:
+    """A draft checkpoint that is the target's first ``num_layers`` layers plus its embeddings, final
+    norm and head (same tokenizer, same quantization): its acceptance is measured, not assumed."""
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for shard in sorted(target.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        kept = {
+            name: t
+            for name, t in tensors.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+        }
+        save_file(kept, str(path / shard.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(kept, shard.name))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (path / "config.json").write_text(json.dumps(config))
+    for other in target.iterdir():  # tokenizer and quantization files
+        if (
+            other.is_file()
+            and other.suffix != ".safetensors"
+            and other.name not in ("config.json", "model.safetensors.index.json")
+        ):
+            (path / other.name).write_bytes(other.read_bytes())
 
 
 def prompts(kind: str, batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -76,6 +107,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--disable-by-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=0,
+        help="also measure method draft_model with the target's first N layers as the draft (0: n-gram only)",
+    )
     args = parser.parse_args()
     shape = SMALL if args.small else QWEN14B
     path = Path(args.checkpoint + ("-small" if args.small else ""))
@@ -89,10 +126,17 @@ def main() -> None:
         "prompt_lookup_min": 1,
         "disable_by_batch_size": args.disable_by_batch_size,
     }
+    modes: list[tuple[str, dict | None]] = [("off", None), ("ngram", spec)]
+    if args.draft_layers:
+        draft_path = Path(f"{path}-draft{args.draft_layers}")
+        if not (draft_path / "config.json").is_file():
+            write_draft(path, draft_path, args.draft_layers)
+        draft = {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": args.k}
+        modes.append((f"draft{args.draft_layers}", {**draft, "disable_by_batch_size": args.disable_by_batch_size}))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results: dict[tuple[str, int, str], tuple[float, int]] = {}
-    acceptance: dict[tuple[str, int], tuple[float, float]] = {}
-    for mode, config in (("off", None), ("ngram", spec)):
+    acceptance: dict[tuple[str, int, str], tuple[float, float]] = {}
+    for mode, config in modes:
         llm = LLM(
             str(path),
             device=device,
@@ -111,27 +155,28 @@ def main() -> None:
                     drafted = stats.num_draft_tokens - before[0]
                     accepted = stats.num_accepted_tokens - before[1]
                     drafts = stats.num_drafts - before[2]
-                    acceptance[(kind, batch)] = (accepted / drafted if drafted else 0.0, drafted / max(drafts, 1))
+                    acceptance[(kind, batch, mode)] = (accepted / drafted if drafted else 0.0, drafted / max(drafts, 1))
         del llm
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     lines = [
         f"speculative decoding, {device}, {'small' if args.small else 'Qwen2.5-14B-shaped GPTQ-4bit'}, greedy, "
-        f"{args.max_tokens} tokens per sequence; config {json.dumps(spec)}",
+        f"{args.max_tokens} tokens per sequence; configs {json.dumps([c for _, c in modes[1:]])}",
         "",
-        "| prompts | batch | off tok/s | ngram tok/s | speedup | acceptance | drafts per draft step | steps off / on |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | prompts | batch | off tok/s | on tok/s | speedup | acceptance | drafts per draft step | steps off / on |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for kind in ("repeat", "random"):
-        for batch in batches:
-            off, off_steps = results[(kind, batch, "off")]
-            on, on_steps = results[(kind, batch, "ngram")]
-            rate, per_draft = acceptance.get((kind, batch), (0.0, 0.0))
-            lines.append(
-                f"| {kind} | {batch} | {off:,.0f} | {on:,.0f} | {on / off:.2f}x | {rate:.0%} | {per_draft:.2f} "
-                f"| {off_steps} / {on_steps} |"
-            )
+    for mode, _ in modes[1:]:
+        for kind in ("repeat", "random"):
+            for batch in batches:
+                off, off_steps = results[(kind, batch, "off")]
+                on, on_steps = results[(kind, batch, mode)]
+                rate, per_draft = acceptance.get((kind, batch, mode), (0.0, 0.0))
+                lines.append(
+                    f"| {mode} | {kind} | {batch} | {off:,.0f} | {on:,.0f} | {on / off:.2f}x | {rate:.0%} "
+                    f"| {per_draft:.2f} | {off_steps} / {on_steps} |"
+                )
     text = "\n".join(lines)
     print(text)
     Path(args.out).write_text(text + "\n")

@@ -3,7 +3,9 @@
 The verify side lives where the work is done: the scheduler schedules a sequence's draft tokens
 after its last known token (``qserve.scheduler``), the runner scores every row in one forward and
 the rejection sampler (``qserve.runner.rejection_sampler``) keeps or rejects them. This package
-only knows how drafts are proposed and how ``speculative_config`` is read (docs/spec_decode.md).
+only knows how drafts are proposed (``ngram``: lookup in the sequence's own tokens; ``draft_model``: a
+small model driven through a ``ModelRunner`` of its own, its KV in the target's pages) and how
+``speculative_config`` is read (docs/spec_decode.md).
 """
 
 from qserve.spec_decode.config import SpeculativeConfig, parse_speculative_config

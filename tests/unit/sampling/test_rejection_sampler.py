@@ -15,7 +15,7 @@ from qserve.runner.sampler import Sampler, build_sampling_metadata
 from qserve.sampling_params import SamplingParams
 
 VOCAB = 6
-NUM_TRIALS = 20_000
+NUM_TRIALS = 10_000
 # chi-square bound for at most 5 degrees of freedom: P(X > 30) < 2e-5 under the right rule; the
 # seeds are fixed, so the test is deterministic either way.
 CHI2_BOUND = 30.0
@@ -64,7 +64,7 @@ def test_emitted_tokens_follow_the_target_distribution(monkeypatch):
     assert (p0 == 0).any(), "top-k / top-p should cut a token"
     first, after_draft = _run(monkeypatch)
     assert _chi2(first, p0) < CHI2_BOUND
-    assert abs(len(after_draft) / NUM_TRIALS - float(p0[DRAFT])) < 0.02  # acceptance rate = p(draft)
+    assert abs(len(after_draft) / NUM_TRIALS - float(p0[DRAFT])) < 0.03  # acceptance rate = p(draft)
     assert _chi2(after_draft, p1) < CHI2_BOUND
 
 
