@@ -312,6 +312,10 @@ def test_serve_and_generate_take_the_flag(path, tmp_path, capsys):
     args = parser.parse_args([str(tmp_path), "--speculative-config", json.dumps(NGRAM), "--tensor-parallel-size", "2"])
     with pytest.raises(ValueError, match="--speculative-config"):
         serve.build_host_factory(args)
+    draft = json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    args = parser.parse_args([f"a={tmp_path}", f"b={tmp_path}", "--speculative-config", draft])
+    with pytest.raises(ValueError, match="a draft model serves one model"):
+        serve.build_host_factory(args)
 
     parser = argparse.ArgumentParser()
     generate.register(parser)

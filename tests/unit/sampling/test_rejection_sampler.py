@@ -97,3 +97,17 @@ def test_a_row_without_a_draft_draws_the_samplers_own_token():
     md = build_sampling_metadata(params, [[1]] * 8, [[2, 3]] * 8, [], 50, "cpu")
     targets, accepted = verify_rows(sampler, logits, md, torch.full((8,), -1))
     assert targets.tolist() == reference(logits, md)[0] and not accepted.any()
+
+
+def test_row_chunks_give_the_same_tokens_as_one_pass(monkeypatch):
+    """More rows than a sampler chunk (the grammar-free, seeded case: every draw is keyed by seed and
+    output index, so chunking cannot change a token)."""
+    logits = torch.randn(150, 40, generator=torch.Generator().manual_seed(1))  # [150, 40]
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=i, repetition_penalty=1.1) for i in range(150)]
+    md = build_sampling_metadata(params, [[1, 2]] * 150, [[3] * (i % 4) for i in range(150)], [], 40, "cpu")
+    drafts = torch.randint(0, 40, (150,), generator=torch.Generator().manual_seed(2))
+    drafts[::5] = -1
+    chunked = verify_rows(Sampler(), logits, md, drafts)
+    monkeypatch.setattr(rs, "SAMPLER_CHUNK_ROWS", 10**9)
+    whole = verify_rows(Sampler(), logits, md, drafts)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
