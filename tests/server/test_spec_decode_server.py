@@ -1,0 +1,54 @@
+"""Speculative decoding behind the OpenAI server (``--speculative-config``'s path: HostConfig ->
+build_engines): a greedy completion, plain and streamed, has the offline engine's text without
+speculation, and /metrics carries vllm:spec_decode_* with drafts accepted."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from qserve import LLM, SamplingParams
+from qserve.engine.async_engine import AsyncEngine, ModelSpec, build_engines
+from qserve.server.app import create_app
+from tests.server.conftest import host_config, serve
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+
+
+@pytest.mark.slow
+def test_speculating_server_answers_as_without_speculation(checkpoints):
+    want = (
+        LLM(checkpoints["llama"], device="cpu", dtype="float32")
+        .generate(
+            {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
+    engines = build_engines([ModelSpec("llama", checkpoints["llama"])], host_config(speculative_config=NGRAM))
+    host = AsyncEngine(engines)
+    with serve(create_app(host)) as url:
+        body = {"model": "llama", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["text"] == want and reply["usage"]["completion_tokens"] == 24
+        text = ""
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        assert text == want
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name.startswith("vllm:spec_decode") and "position" not in s.labels
+    }
+    assert (
+        samples["vllm:spec_decode_num_draft_tokens_total"] >= samples["vllm:spec_decode_num_accepted_tokens_total"] > 0
+    )
+    assert samples["vllm:spec_decode_num_drafts_total"] > 0
