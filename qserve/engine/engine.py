@@ -772,15 +772,17 @@ class Engine:
 
     def _propose_drafts(self) -> None:
         """Give each running request in plain decode its draft tokens for the next step
-        (``Request.spec_token_ids``, verified by the scheduler's next step), at most k and never
-        past ``max_tokens`` or ``max_model_len``, and no more in all than ``max_num_seqs`` minus
-        the running sequences (the logit rows the memory plan reserved). None while the running batch is larger than
-        ``disable_by_batch_size``, for requests with a token in flight, and for structured
-        outputs (a draft would have to be checked against the grammar first: speculation is off
-        for them) and embedding requests."""
+        (``Request.spec_token_ids``, verified by the scheduler's next step): at most k, never past
+        ``max_tokens`` or ``max_model_len``, and in all no more than ``max_num_seqs`` minus the
+        running sequences (a step computes logits for one row per draft plus one per sequence;
+        the memory plan reserved ``max_num_seqs`` rows), handed out oldest request first. None
+        while the running batch is larger than ``disable_by_batch_size``, for requests with a
+        token in flight, for structured outputs (a draft would have to be checked against the
+        grammar first: speculation is off for them) and for embedding requests."""
         assert self.spec_config is not None and self.proposer is not None
         running = self.scheduler.running
-        if not self.spec_config.proposes_at(len(running)):
+        spare = self.config.max_num_seqs - len(running)
+        if spare <= 0 or not self.spec_config.proposes_at(len(running)):
             if self._drafts_out:  # the batch just grew past the threshold: drop what is left
                 for request in running:
                     request.spec_token_ids = []
@@ -799,7 +801,7 @@ class Engine:
                 or request.num_computed_tokens != request.num_tokens - 1
             ):
                 continue
-            room = min(k, self.max_model_len - request.num_tokens - 1)
+            room = min(k, spare, self.max_model_len - request.num_tokens - 1)
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
             if room > 0:
@@ -807,13 +809,10 @@ class Engine:
                     ProposalInput(request.request_id, request.prompt_token_ids, request.output_token_ids, room, params)
                 )
                 owners.append(request)
+                spare -= room
         if batch:
-            # A step computes logits for one row per draft plus one per sequence; the memory plan
-            # reserved max_num_seqs rows, so the drafts of one step stay within what is left.
-            spare = self.config.max_num_seqs - len(running)
             for request, drafts in zip(owners, self.proposer.propose(batch)):
-                request.spec_token_ids = drafts[: max(spare, 0)]
-                spare -= len(request.spec_token_ids)
+                request.spec_token_ids = drafts
         self._drafts_out = bool(batch)
 
     def _emit_verified(

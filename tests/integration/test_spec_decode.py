@@ -209,10 +209,8 @@ def test_seeded_sampling_is_reproducible_and_metrics_are_exported(path):
     from qserve.server.metrics import ServerMetrics
 
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=20, ignore_eos=True, logprobs=1)
-    runs = []
-    for _ in range(2):
-        llm = LLM(path, speculative_config=NGRAM, **ARGS)
-        runs.append(llm.generate([{"prompt_token_ids": LOOP}] * 2, params, use_tqdm=False))
+    llm = LLM(path, speculative_config=NGRAM, **ARGS)
+    runs = [llm.generate([{"prompt_token_ids": LOOP}] * 2, params, use_tqdm=False) for _ in range(2)]
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
     assert all(len(o.outputs[0].token_ids) == len(o.outputs[0].logprobs) == 20 for o in runs[1])
     stats = llm.engine.spec_stats
@@ -235,7 +233,9 @@ def test_seeded_sampling_is_reproducible_and_metrics_are_exported(path):
     assert per_pos == stats.accepted_per_pos
 
 
-@pytest.mark.parametrize(("async_scheduling", "draft"), [(False, "self"), (True, "1-layer")])
+@pytest.mark.parametrize(
+    ("async_scheduling", "draft"), [(False, "self"), pytest.param(True, "1-layer", marks=pytest.mark.slow)]
+)
 def test_draft_model_in_the_same_pool_is_token_identical(path, drafts, reference, async_scheduling, draft):
     """The target as its own draft keeps (nearly) every draft; an unrelated one-layer draft keeps
     what it keeps; both give the outputs of no speculation, and every page (the draft's too)
