@@ -265,6 +265,11 @@ class Engine:
         model_config = read_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp=tp)
+        spec = config.speculative_config
+        # A draft model loads before the memory plan, so the pages it leaves are what is left.
+        self._draft = (
+            None if spec is None or spec.method != "draft_model" else load_model(spec.model, self.dtype, self.device)
+        )
         rank_config = per_rank_config(self.model_config, 1 if tp is None else tp.size)  # this rank's heads
         # Checked before the weights load: a missing tokenizer is a quick, clear error.
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
@@ -415,16 +420,16 @@ class Engine:
         )
 
     def _draft_proposer(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_dtype: torch.dtype) -> Proposer:
-        """``speculative_config.model`` loaded beside the target, its KV in the target's pages
-        (``qserve.spec_decode.draft_model``). Its weights are not in the memory plan yet."""
+        """``speculative_config.model`` (loaded before the memory plan: its weights count there)
+        beside the target, its KV in the target's pages (``qserve.spec_decode.draft_model``)."""
         from qserve.spec_decode.draft_model import DraftModelProposer, alias_kv_caches
 
-        assert self.spec_config is not None and self.spec_config.model is not None
+        assert self.spec_config is not None and self._draft is not None
         if kv_dtype != self.dtype:
             raise ValueError(
                 f"speculative_config.method 'draft_model' needs kv_cache_dtype 'auto' for now, got {self.config.kv_cache_dtype!r}"
             )
-        model, config = load_model(self.spec_config.model, self.dtype, self.device)
+        model, config = self._draft
         vocab = self.model_config.vocab_size
         if self.tokenizer is not None:
             vocab = min(vocab, num_token_ids(self.tokenizer))
@@ -519,6 +524,9 @@ class Engine:
             weights = weight_bytes(
                 self.model_config, loaders.detect(self.config.model), self.dtype, self._tensor_parallel_size
             )
+            if self._draft is not None:
+                draft_path = self.config.speculative_config.model
+                weights += weight_bytes(self._draft[1], loaders.detect(draft_path), self.dtype, 1)
         budget = parse_memory_budget(self.config.gpu_memory_budget or str(GPU_DEFAULT_FRACTION), total)
         return make_plan(
             self.model_config,

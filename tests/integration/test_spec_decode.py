@@ -253,6 +253,14 @@ def test_draft_model_in_the_same_pool_is_token_identical(path, drafts, reference
     assert not engine.proposer._mirrors
 
 
+def test_the_draft_models_weights_count_in_the_memory_plan(path):
+    plain = LLM(path, gpu_memory_budget="256MiB", **ARGS).engine.memory_plan
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
+    with_draft = LLM(path, gpu_memory_budget="256MiB", speculative_config=spec, **ARGS).engine.memory_plan
+    assert with_draft.weights_bytes == 2 * plain.weights_bytes  # the target is its own draft here
+    assert with_draft.num_kv_blocks < plain.num_kv_blocks
+
+
 def test_bad_config_is_refused_naming_the_field(path, drafts):
     with pytest.raises(ValueError, match=r"speculative_config\.model is required"):
         LLM(path, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}, **ARGS)
@@ -273,10 +281,11 @@ def test_bad_config_is_refused_naming_the_field(path, drafts):
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_cuda_greedy_ngram_is_token_identical(path, async_scheduling):
     """On the GPU (Triton attention with several query rows per sequence, the eager verify step
-    between graph-replayed plain decodes, pinned copies): the workload's greedy outputs and
-    logprobs equal those without speculation, in float32 (numerics identical enough for argmax)."""
+    between graph-replayed plain decodes, pinned copies, a draft model's KV aliasing the target's
+    pages): the workload's greedy outputs and logprobs equal those without speculation, for n-gram
+    and draft-model proposals, in float32 (numerics identical enough for argmax)."""
     finals = []
-    for spec in (None, NGRAM):
+    for spec in (None, NGRAM, {"method": "draft_model", "model": path, "num_speculative_tokens": 3}):
         # A fixed small pool: the first engine's default pool would take the second's memory.
         llm = LLM(
             path,
@@ -296,6 +305,7 @@ def test_cuda_greedy_ngram_is_token_identical(path, async_scheduling):
         del llm
         torch.cuda.empty_cache()
     _assert_same(finals[1], finals[0])
+    _assert_same(finals[2], finals[0])
 
 
 def test_serve_and_generate_take_the_flag(path, tmp_path, capsys):
