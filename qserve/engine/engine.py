@@ -83,6 +83,7 @@ from qserve.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
 from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode, check_tensor_parallel_preemption
 from qserve.spec_decode import ProposalInput, Proposer, SpeculativeConfig, make_proposer, parse_speculative_config
+from qserve.spec_decode.backoff import DraftBackoff
 from qserve.spec_decode.config import check_tensor_parallel_speculation
 from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
@@ -409,6 +410,7 @@ class Engine:
             else:
                 self.proposer = make_proposer(self.spec_config)
         self.spec_stats = None if self.spec_config is None else SpecDecodeStats(self.spec_config.num_speculative_tokens)
+        self._draft_backoff = DraftBackoff()  # sequences whose proposals keep failing skip steps
         self._drafts_out = False  # some running request may still carry drafts
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
@@ -737,7 +739,7 @@ class Engine:
                     sequences.pop(sequence.request.request_id, None)
                     self._grammar_matchers.remove(sequence.request.request_id)
                 if self.proposer is not None:
-                    self.proposer.forget(sequence.request.request_id for sequence in group.sequences)
+                    self._forget_drafts([sequence.request.request_id for sequence in group.sequences])
         return outputs
 
     def _step_async(self, finished_only: bool) -> list[RequestOutput]:
@@ -786,7 +788,8 @@ class Engine:
         the memory plan reserved ``max_num_seqs`` rows), handed out oldest request first. None
         while the running batch is larger than ``disable_by_batch_size``, for requests with a
         token in flight, for structured outputs (a draft would have to be checked against the
-        grammar first: speculation is off for them) and for embedding requests."""
+        grammar first: speculation is off for them) and for embedding requests; a sequence whose
+        proposals keep failing skips a growing number of steps (``qserve.spec_decode.backoff``)."""
         assert self.spec_config is not None and self.proposer is not None
         running = self.scheduler.running
         spare = self.config.max_num_seqs - len(running)
@@ -807,6 +810,7 @@ class Engine:
                 or request.pooling
                 or params.structured_outputs is not None
                 or request.num_computed_tokens != request.num_tokens - 1
+                or not self._draft_backoff.allow(request.request_id)
             ):
                 continue
             room = min(k, spare, self.max_model_len - request.num_tokens - 1)
@@ -822,6 +826,12 @@ class Engine:
             for request, drafts in zip(owners, self.proposer.propose(batch)):
                 request.spec_token_ids = drafts
         self._drafts_out = bool(batch)
+
+    def _forget_drafts(self, request_ids: list[str]) -> None:
+        """Drop the proposer's state (a draft model's pages) and the back-off of these sequences."""
+        assert self.proposer is not None
+        self.proposer.forget(request_ids)
+        self._draft_backoff.forget(request_ids)
 
     def _emit_verified(
         self, sequence: _Sequence, tokens: list[int], token_logprobs: list[TokenLogprobs] | None
@@ -858,7 +868,7 @@ class Engine:
                 sequences[request_id][1].prompt_logprobs_received = 0
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
         if self.proposer is not None and scheduler_output.preempted_request_ids:
-            self.proposer.forget(scheduler_output.preempted_request_ids)  # a draft model's pages go back
+            self._forget_drafts(scheduler_output.preempted_request_ids)  # a draft model's pages go back
         now = time.monotonic()
         for scheduled in scheduler_output.sequences:
             group = sequences[scheduled.request_id][0]
@@ -920,6 +930,7 @@ class Engine:
             tokens = verified.get(seq.request_id)
             if seq.spec_token_ids and tokens is not None:
                 self.spec_stats.observe(len(seq.spec_token_ids), len(tokens) - 1)
+                self._draft_backoff.observe(seq.request_id, len(tokens) - 1)
 
     def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """The step's work plus the next-token bitmasks of its sampling sequences under a grammar."""

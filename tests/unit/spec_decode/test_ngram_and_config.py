@@ -136,3 +136,26 @@ def test_stats_count_drafts_tokens_and_positions():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 7, 5)
     assert stats.accepted_per_pos == [2, 2, 1]
     assert stats.acceptance_rate == pytest.approx(5 / 7)
+
+
+def test_backoff_skips_more_steps_while_proposals_fail_and_resets_on_acceptance():
+    from qserve.spec_decode.backoff import DraftBackoff
+
+    backoff = DraftBackoff(max_wait=4)
+
+    def allowed_pattern(steps: int) -> list[bool]:
+        return [backoff.allow("a") for _ in range(steps)]
+
+    assert allowed_pattern(2) == [True, True]
+    backoff.observe("a", 0)  # failed: skip 1
+    assert allowed_pattern(2) == [False, True]
+    backoff.observe("a", 0)  # failed again: skip 2
+    assert allowed_pattern(3) == [False, False, True]
+    backoff.observe("a", 0)
+    backoff.observe("a", 0)  # capped at 4
+    assert allowed_pattern(5) == [False] * 4 + [True]
+    backoff.observe("a", 2)  # accepted: back to every step
+    assert allowed_pattern(2) == [True, True]
+    backoff.observe("b", 0)
+    backoff.forget(["b"])
+    assert backoff.allow("b")
