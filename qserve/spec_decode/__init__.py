@@ -5,7 +5,8 @@ after its last known token (``qserve.scheduler``), the runner scores every row i
 the rejection sampler (``qserve.runner.rejection_sampler``) keeps or rejects them. This package
 only knows how drafts are proposed (``ngram``: lookup in the sequence's own tokens; ``draft_model``: a
 small model driven through a ``ModelRunner`` of its own, its KV in the target's pages) and how
-``speculative_config`` is read (docs/spec_decode.md).
+``speculative_config`` is read, and when a sequence stops getting proposals (``backoff``;
+docs/spec_decode.md).
 """
 
 from qserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
