@@ -144,7 +144,8 @@ def main() -> None:
             max_num_seqs=max(256, 2 * max(batches)),  # room for drafts: a step samples <= max_num_seqs rows
             speculative_config=config,
         )
-        timed_decode(llm, prompts("random", 2, shape["vocab"], 99), 8, "warm")  # compile / warm up
+        for batch in batches:  # compile / warm up every shape first
+            timed_decode(llm, prompts("random", batch, shape["vocab"], 99), 8, f"warm{batch}")
         for kind in ("repeat", "random"):
             for batch in batches:
                 stats = llm.engine.spec_stats
