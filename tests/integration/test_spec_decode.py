@@ -253,6 +253,35 @@ def test_draft_model_in_the_same_pool_is_token_identical(path, drafts, reference
     assert not engine.proposer._mirrors
 
 
+def test_a_stop_inside_a_steps_tokens_discards_the_rest(path):
+    """With the target as its own draft nearly every draft is kept, so steps emit several tokens; a
+    stop token first met inside one (not its last token) ends the output there, as without
+    speculation, and the step's later tokens are discarded."""
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    llm = LLM(path, speculative_config=spec, **ARGS)
+    steps = []  # (index of the step's first token in the output, the tokens it emitted)
+    emit = llm.engine._emit_verified
+
+    def spy(sequence, tokens, token_logprobs):  # noqa: ANN001, ANN202
+        steps.append((len(sequence.request.output_token_ids) - len(tokens), list(tokens)))
+        return emit(sequence, tokens, token_logprobs)
+
+    llm.engine._emit_verified = spy
+    free_run = (
+        llm.generate([{"prompt_token_ids": LOOP}], _greedy(max_tokens=30), use_tqdm=False)[0].outputs[0].token_ids
+    )
+    inside = {start + j for start, tokens in steps for j in range(len(tokens) - 1)}  # a later token followed
+    at = next(i for i in sorted(inside) if free_run[i] not in free_run[:i])
+    stop = free_run[at]
+    steps.clear()
+    params = _greedy(max_tokens=30, stop_token_ids=[stop])
+    got = llm.generate([{"prompt_token_ids": LOOP}], params, use_tqdm=False)[0].outputs[0]
+    want = LLM(path, **ARGS).generate([{"prompt_token_ids": LOOP}], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids == free_run[: at + 1] and got.finish_reason == want.finish_reason == "stop"
+    start, tokens = steps[-1]
+    assert start <= at < start + len(tokens) - 1, "the stop came before the end of its step's tokens"
+
+
 def test_the_draft_models_weights_count_in_the_memory_plan(path):
     plain = LLM(path, gpu_memory_budget="256MiB", **ARGS).engine.memory_plan
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
