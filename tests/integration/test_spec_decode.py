@@ -7,6 +7,8 @@ every page back in the pool, and the vllm:spec_decode_* series on /metrics."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -290,6 +292,24 @@ def test_the_draft_models_weights_count_in_the_memory_plan(path):
     assert with_draft.num_kv_blocks < plain.num_kv_blocks
 
 
+def test_plan_counts_the_draft_model(path, drafts, capsys):
+    import argparse
+
+    from qserve.commands import plan
+
+    parser = argparse.ArgumentParser()
+    plan.register(parser)
+    results = []
+    for extra in (
+        [],
+        ["--speculative-config", json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 2})],
+    ):
+        assert plan.run(parser.parse_args([path, "--gpu-memory-budget", "256MiB", "--json", *extra])) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    assert results[1]["draft_weights_bytes"] > 0
+    assert results[1]["weights_bytes"] == results[0]["weights_bytes"] + results[1]["draft_weights_bytes"]
+
+
 def test_bad_config_is_refused_naming_the_field(path, drafts):
     with pytest.raises(ValueError, match=r"speculative_config\.model is required"):
         LLM(path, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}, **ARGS)
@@ -339,7 +359,6 @@ def test_cuda_greedy_ngram_is_token_identical(path, async_scheduling):
 
 def test_serve_and_generate_take_the_flag(path, tmp_path, capsys):
     import argparse
-    import json
 
     from qserve.commands import generate, serve
 
