@@ -52,3 +52,21 @@ def test_speculating_server_answers_as_without_speculation(checkpoints):
         samples["vllm:spec_decode_num_draft_tokens_total"] >= samples["vllm:spec_decode_num_accepted_tokens_total"] > 0
     )
     assert samples["vllm:spec_decode_num_drafts_total"] > 0
+
+
+def test_draft_model_in_the_shared_pool_of_a_served_model(checkpoints):
+    """``build_engines`` (the server's pool: strided per-model views of one byte buffer): the draft's
+    KV aliases those views, and the output is that of no speculation."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = LLM(checkpoints["llama"], device="cpu", dtype="float32").generate(
+        {"prompt_token_ids": PROMPT}, params, use_tqdm=False
+    )[0]
+    draft = {"method": "draft_model", "model": checkpoints["llama"], "num_speculative_tokens": 3}
+    engine = build_engines([ModelSpec("llama", checkpoints["llama"])], host_config(speculative_config=draft))["llama"]
+    engine.add_request("r", {"prompt_token_ids": PROMPT}, params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    assert final.outputs[0].token_ids == want.outputs[0].token_ids
+    assert engine.spec_stats.num_accepted_tokens > 0
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
