@@ -58,9 +58,7 @@ def run(args: argparse.Namespace) -> int:
     weights = weight_bytes(config, spec, dtype, args.tensor_parallel_size)
     draft_bytes = 0
     if speculative is not None and speculative.method == "draft_model":  # loaded beside the target
-        draft_bytes = weight_bytes(
-            ModelConfig.from_path(speculative.model), loaders.detect(speculative.model), dtype, 1
-        )
+        draft_bytes = weight_bytes(read_model_config(speculative.model), loaders.detect(speculative.model), dtype, 1)
     plan = make_plan(
         config,
         weights_bytes=weights + draft_bytes,
