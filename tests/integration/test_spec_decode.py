@@ -349,7 +349,10 @@ def test_cuda_greedy_ngram_is_token_identical(path, async_scheduling):
         requests = [r for r in _workload(probe.token_ids[9], "\n\n") if r[0] != "stop_str"]
         finals.append(_run(llm.engine, requests)[0])
         if spec is not None:
-            assert llm.engine.spec_stats.num_accepted_tokens > 0
+            stats = llm.engine.spec_stats
+            assert stats.num_accepted_tokens > 0
+            if spec["method"] == "draft_model":  # its own draft: the aliased KV views read right on the GPU
+                assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.9
             assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
         del llm
         torch.cuda.empty_cache()
