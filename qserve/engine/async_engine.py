@@ -40,7 +40,7 @@ from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.kv_events import KVEvent, KVEventRecorder
 from qserve.scheduler.swap import check_tensor_parallel_preemption
-from qserve.spec_decode.metrics import SpecDecodeStats
+from qserve.spec_decode.metrics import stats_entries
 
 logger = logging.getLogger(__name__)
 
@@ -545,12 +545,9 @@ class AsyncEngine:
                 "num_swapped": hosted.engine.scheduler.num_swapped,
                 "num_swapped_out": hosted.engine.scheduler.num_swapped_out,
                 "num_swapped_in": hosted.engine.scheduler.num_swapped_in,
+                **stats_entries(hosted.engine.spec_stats),  # speculative decoding (qserve.server.spec_metrics)
             }
         return result
-
-    def spec_decode_stats(self) -> dict[str, SpecDecodeStats]:
-        """Speculative decoding's counters of each model that speculates (read at scrape time)."""
-        return {name: h.engine.spec_stats for name, h in self.models.items() if h.engine.spec_stats is not None}
 
     def cache_info(self) -> dict[str, dict[str, Any]]:
         """Per-model KV-cache settings (vLLM's ``cache_config_info`` labels)."""

@@ -2,8 +2,9 @@
 
 Knows: vLLM's metric names (``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
 ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos`` with a ``position`` label; all
-counters, exported with ``_total``) and ``AsyncEngine.spec_decode_stats()``. Only models that
-speculate have series. Must not know: HTTP routing, engines' internals.
+counters, exported with ``_total``), read from the ``stats()`` numbers of the host (in-process
+``AsyncEngine`` or the engine-core client: ``qserve.spec_decode.metrics.stats_entries``). Only
+models that speculate have series. Must not know: HTTP routing, engines' internals.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from qserve.engine.async_engine import AsyncEngine
+from qserve.spec_decode.metrics import ACCEPTED_KEY, DRAFT_TOKENS_KEY, DRAFTS_KEY, PER_POS_PREFIX
 
 
 class SpecDecodeCollector(Collector):
@@ -36,10 +38,13 @@ class SpecDecodeCollector(Collector):
         )
         host = self._host()
         if host is not None:
-            for name, stats in host.spec_decode_stats().items():
-                drafts.add_metric([name], stats.num_drafts)
-                draft_tokens.add_metric([name], stats.num_draft_tokens)
-                accepted.add_metric([name], stats.num_accepted_tokens)
-                for position, count in enumerate(stats.accepted_per_pos):
-                    per_pos.add_metric([name, str(position)], count)
+            for name, values in host.stats().items():
+                if DRAFTS_KEY not in values:
+                    continue  # this model does not speculate
+                drafts.add_metric([name], values[DRAFTS_KEY])
+                draft_tokens.add_metric([name], values[DRAFT_TOKENS_KEY])
+                accepted.add_metric([name], values[ACCEPTED_KEY])
+                positions = sorted(int(key[len(PER_POS_PREFIX) :]) for key in values if key.startswith(PER_POS_PREFIX))
+                for position in positions:
+                    per_pos.add_metric([name, str(position)], values[f"{PER_POS_PREFIX}{position}"])
         yield from (drafts, draft_tokens, accepted, per_pos)

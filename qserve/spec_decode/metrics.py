@@ -1,6 +1,8 @@
 """Counters of speculative decoding, as vLLM exports them (``vllm:spec_decode_*``).
 
-Knows: what a verified draft adds to the counters. Must not know: Prometheus, the engine, torch.
+Knows: what a verified draft adds to the counters, and how they travel in a host's ``stats()``
+numbers (``stats_entries``: flat int keys, so the engine-core process sends them as it sends the
+others). Must not know: Prometheus, the engine, torch.
 A "draft" is one sequence's proposal verified in one step (vLLM's ``num_drafts``); accepted
 tokens are the drafts the rejection sampler kept, counted before stop conditions cut the output.
 """
@@ -35,3 +37,23 @@ class SpecDecodeStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+# stats() keys (qserve.server.spec_metrics reads them back); per position: PER_POS_PREFIX + str(i)
+DRAFTS_KEY = "spec_decode_num_drafts"
+DRAFT_TOKENS_KEY = "spec_decode_num_draft_tokens"
+ACCEPTED_KEY = "spec_decode_num_accepted_tokens"
+PER_POS_PREFIX = "spec_decode_num_accepted_tokens_pos_"
+
+
+def stats_entries(stats: SpecDecodeStats | None) -> dict[str, int]:
+    """The counters as ``stats()`` entries of one model; none when it does not speculate."""
+    if stats is None:
+        return {}
+    entries = {
+        DRAFTS_KEY: stats.num_drafts,
+        DRAFT_TOKENS_KEY: stats.num_draft_tokens,
+        ACCEPTED_KEY: stats.num_accepted_tokens,
+    }
+    entries.update({f"{PER_POS_PREFIX}{i}": n for i, n in enumerate(stats.accepted_per_pos)})
+    return entries

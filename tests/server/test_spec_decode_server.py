@@ -5,6 +5,7 @@ speculation, and /metrics carries vllm:spec_decode_* with drafts accepted."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -70,3 +71,35 @@ def test_draft_model_in_the_shared_pool_of_a_served_model(checkpoints):
     assert final.outputs[0].token_ids == want.outputs[0].token_ids
     assert engine.spec_stats.num_accepted_tokens > 0
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+@pytest.mark.slow  # the core process imports torch and loads its model: seconds
+def test_engine_core_process_speculates_with_the_same_answers(checkpoints):
+    """QSERVE_ENABLE_MULTIPROCESSING's engine core: the host config (speculative_config included)
+    is pickled to the core; several tokens per step reach the front end's output processor (stop
+    strings are found there), and the counters come back with the core's live numbers."""
+    from qserve.engine.core.client import EngineCoreClient
+
+    llm = LLM(checkpoints["llama"], device="cpu", dtype="float32")
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    text = llm.generate({"prompt_token_ids": PROMPT}, greedy, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = llm.generate({"prompt_token_ids": PROMPT}, greedy.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    client = EngineCoreClient.launch([ModelSpec("llama", checkpoints["llama"])], host_config(speculative_config=NGRAM))
+    with serve(create_app(client, log_stats=False)) as url:
+        body = {"model": "llama", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == text
+        choice = httpx.post(f"{url}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (cut.text, "stop")
+        for _ in range(100):  # the live numbers arrive with outputs and when the core idles
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+            if "vllm:spec_decode_num_accepted_tokens_total" in metrics:
+                break
+            time.sleep(0.1)
+    accepted = [
+        s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "vllm:spec_decode_num_accepted_tokens_total"
+    ]
+    assert accepted and accepted[0] > 0
