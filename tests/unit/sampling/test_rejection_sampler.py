@@ -7,6 +7,7 @@ rows keep exactly the argmax; a row without a draft gives the sampler's own toke
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import qserve.runner.rejection_sampler as rs
@@ -43,15 +44,15 @@ def _chi2(tokens: list[int], probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-def _run(monkeypatch) -> tuple[list[int], list[int]]:  # noqa: ANN001
+def _run(monkeypatch, device: str = "cpu") -> tuple[list[int], list[int]]:  # noqa: ANN001
     """NUM_TRIALS sequences with the one draft: (first emitted tokens, tokens after an accepted draft)."""
     monkeypatch.setattr(rs, "SAMPLER_CHUNK_ROWS", 10**9)  # one chunk: the rule, not the chunking, is tested
     sampler = Sampler(seed=1234)
     md = build_sampling_metadata(
-        [PARAMS] * (2 * NUM_TRIALS), [PROMPT] * (2 * NUM_TRIALS), [[], [DRAFT]] * NUM_TRIALS, [], VOCAB, "cpu"
+        [PARAMS] * (2 * NUM_TRIALS), [PROMPT] * (2 * NUM_TRIALS), [[], [DRAFT]] * NUM_TRIALS, [], VOCAB, device
     )
-    logits = LOGITS.repeat(NUM_TRIALS, 1)  # [2 T, V]
-    drafts = torch.tensor([DRAFT, -1] * NUM_TRIALS, dtype=torch.int64)
+    logits = LOGITS.repeat(NUM_TRIALS, 1).to(device)  # [2 T, V]
+    drafts = torch.tensor([DRAFT, -1] * NUM_TRIALS, dtype=torch.int64, device=device)
     targets, accepted = verify_rows(sampler, logits, md, drafts)
     emitted = accepted_tokens([[DRAFT]] * NUM_TRIALS, targets.tolist(), accepted.tolist())
     return [e[0] for e in emitted], [e[1] for e in emitted if len(e) == 2]
@@ -66,6 +67,16 @@ def test_emitted_tokens_follow_the_target_distribution(monkeypatch):
     assert _chi2(first, p0) < CHI2_BOUND
     assert abs(len(after_draft) / NUM_TRIALS - float(p0[DRAFT])) < 0.03  # acceptance rate = p(draft)
     assert _chi2(after_draft, p1) < CHI2_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_emitted_tokens_follow_the_target_distribution_on_cuda(monkeypatch):
+    """The same bound with the rows, the noise and the acceptance draws on the GPU."""
+    sampler = Sampler()
+    p0, p1 = _target_probs(sampler, 0, []), _target_probs(sampler, 1, [DRAFT])
+    first, after_draft = _run(monkeypatch, "cuda")
+    assert _chi2(first, p0) < CHI2_BOUND and _chi2(after_draft, p1) < CHI2_BOUND
 
 
 def test_resampling_from_p_instead_of_the_residual_fails_the_bound(monkeypatch):
