@@ -24,9 +24,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from qserve.commands.vllm_flags import check_quantization, cors_config, register_vllm_flags
+from qserve.commands.vllm_flags import (
+    add_speculative_config_argument,
+    check_quantization,
+    cors_config,
+    register_vllm_flags,
+)
 from qserve.model.hub import add_revision_argument, is_hub_id, resolve_model_path
 from qserve.scheduler.swap import PREEMPTION_MODES, check_tensor_parallel_preemption  # pure Python, no torch
+from qserve.spec_decode.config import parse_speculative_config  # pure Python, no torch
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +103,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="GiB of host memory for swapped KV, split between the served models (default 4; used only "
         "with --preemption-mode swap or auto)",
     )
+    add_speculative_config_argument(parser)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once, per model")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
@@ -406,6 +413,9 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     if getattr(args, "swap_space", 4.0) < 0:
         raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space}")
     check_tensor_parallel_preemption(preemption_mode, tensor_parallel_size, "--preemption-mode")
+    speculative_config = parse_speculative_config(getattr(args, "speculative_config", None))
+    if speculative_config is not None and tensor_parallel_size > 1:
+        raise ValueError(f"--speculative-config is not supported with --tensor-parallel-size {tensor_parallel_size}")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     separate_core = check_engine_core_process(args, tensor_parallel_size)
@@ -414,6 +424,10 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     names = [name for name, _ in pairs]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique, got {names}; use NAME=PATH")
+    if speculative_config is not None and speculative_config.method == "draft_model" and len(pairs) > 1:
+        raise ValueError(
+            f"--speculative-config with a draft model serves one model; got {len(pairs)} ({', '.join(names)})"
+        )
     if tensor_parallel_size > 1:
         # Several models share one page pool in this process; a sharded model has a pool of its
         # own on every device, so it is served alone (as vLLM serves one model per server).
@@ -460,6 +474,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         async_scheduling=args.async_scheduling,
         preemption_mode=preemption_mode,
         swap_space=getattr(args, "swap_space", 4.0),
+        speculative_config=speculative_config,
     )
 
     def kv_events(engines: dict) -> object | None:

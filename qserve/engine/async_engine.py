@@ -40,6 +40,7 @@ from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.kv_events import KVEvent, KVEventRecorder
 from qserve.scheduler.swap import check_tensor_parallel_preemption
+from qserve.spec_decode.metrics import stats_entries
 
 logger = logging.getLogger(__name__)
 
@@ -544,6 +545,7 @@ class AsyncEngine:
                 "num_swapped": hosted.engine.scheduler.num_swapped,
                 "num_swapped_out": hosted.engine.scheduler.num_swapped_out,
                 "num_swapped_in": hosted.engine.scheduler.num_swapped_in,
+                **stats_entries(hosted.engine.spec_stats),  # speculative decoding (qserve.server.spec_metrics)
             }
         return result
 
@@ -593,6 +595,8 @@ class HostConfig:
     # whole process, split evenly between the hosted models.
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
+    # Speculative decoding for every hosted model (EngineConfig.speculative_config); None: off.
+    speculative_config: Any = None
 
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
@@ -680,6 +684,7 @@ def build_engines(
             async_scheduling=config.async_scheduling,
             preemption_mode=config.preemption_mode,
             swap_space=config.swap_space / len(models),
+            speculative_config=config.speculative_config,
         )
         engines[m.name] = engine_cls(
             engine_config, block_pool=pool.block_pool, owner=m.name, kv_caches=pool.kv_caches(m.name)

@@ -28,6 +28,8 @@ RULES = [
         ("qserve.server", "fastapi", "starlette", "uvicorn"),
         "the engine core and its client know no HTTP (the server uses them as it uses AsyncEngine)",
     ),
+    ("qserve/spec_decode/config.py", ("torch", "qserve.engine"), "serve checks --speculative-config before torch"),
+    ("qserve/spec_decode/ngram.py", ("torch", "qserve.engine", "qserve.runner"), "n-gram lookup is pure Python"),
 ]
 
 

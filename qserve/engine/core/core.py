@@ -62,6 +62,7 @@ from qserve.engine.core.messages import (
 )
 from qserve.engine.kv_events import KVEventsConfig, ZmqKVEventPublisher
 from qserve.scheduler.kv_events import KVEventRecorder
+from qserve.spec_decode.metrics import stats_entries
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class EngineCore:
                 "num_swapped": engine.scheduler.num_swapped,
                 "num_swapped_out": engine.scheduler.num_swapped_out,
                 "num_swapped_in": engine.scheduler.num_swapped_in,
+                **stats_entries(engine.spec_stats),  # speculative decoding's counters
             }
         return result
 
