@@ -3,6 +3,9 @@
 # --gpu-memory-budget 24GiB, as users run it. First-request TTFT (the warm-up request on a fresh
 # server), concurrency 1 and 16, then Poisson 16 req/s; JSON + PNG per run in OUT_DIR.
 #   PYTHONPATH=. bash bench/serving_http.sh "$OUT" [/tmp/qb]
+# QSERVE_ENABLE_MULTIPROCESSING=1: the engine core in its own process (issue 27). PROFILE_S=30: py-spy
+# records the server (and its core process) for that long during the Poisson run; summary in
+# $OUT/pyspy_summary.txt (bench/pyspy_summary.py).
 set -euo pipefail
 OUT=${1:?usage: serving_http.sh OUT_DIR [CHECKPOINT_DIR]}
 CKPT=${2:-/tmp/qb}
@@ -25,5 +28,14 @@ done
 COMMON=(--port "$PORT" --ignore-eos --vocab-size 152064 --disable-tqdm --result-dir "$OUT"
     --random-input-len 256 --random-output-len 256 --random-max-len 2048)
 python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 48 --max-concurrency 1,16 --result-filename concurrency.json
+PROFILER=
+if [ -n "${PROFILE_S:-}" ]; then
+    py-spy record -s -t -r 100 -d "$PROFILE_S" -p "$SERVER" -f raw -o "$OUT/pyspy.txt" --nonblocking \
+        > "$OUT/pyspy.log" 2>&1 &
+    PROFILER=$!
+fi
 python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 400 --request-rate 16 --num-warmups 0 --result-filename poisson16.json
+if [ -n "$PROFILER" ]; then
+    wait "$PROFILER" && python3 bench/pyspy_summary.py "$OUT/pyspy.txt" > "$OUT/pyspy_summary.txt"
+fi
 grep -E "allocated after start-up|warm start|memory plan" -A0 "$OUT/serve.log" || true

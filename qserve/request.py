@@ -53,6 +53,9 @@ class Request:
     lora_id: int | None = None
     # Prefix-cache hashes of this sequence's full blocks, filled lazily by the prefix cache.
     block_hashes: list[int] = field(default_factory=list)
+    # Speculative decoding: draft tokens proposed for the next step (set by the engine before
+    # ``schedule()``, which verifies them after the last known token); never part of the tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

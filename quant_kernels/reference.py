@@ -94,6 +94,14 @@ def write_slots(
     value_cache[blocks, offsets] = value
 
 
+# Most bytes one padded attention call may hold in fp32 scores and gathered K/V. A step whose
+# padding would exceed it (e.g. 256 prompts sharing a 1,000-token cached prefix, one of them a
+# whole prefill: every sequence padded to 1,000 queries x 1,000 keys, ~4.9 GB on the CPU) runs in
+# groups of sequences, and a long prompt in slices of its query rows (a slice of rows [a, b) of a
+# sequence is itself a sequence of ``b - a`` new tokens over ``seq_len - q_len + b`` of context).
+REFERENCE_ATTENTION_BYTES = 256 << 20
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -116,7 +124,77 @@ def paged_attention(
     ``[num_tokens, num_heads, head_dim]`` in the query dtype; the math runs in float32.
     With ``alibi_slopes`` each score of head ``h`` gets ``slope[h] * (j - p)`` added (ALiBi; the
     same softmax as HF Baichuan's ``slope * j``, which differs by a per-row constant).
+
+    One vectorized call when its padded tensors fit ``REFERENCE_ATTENTION_BYTES``; otherwise the
+    same math over bounded groups (identical results, row by row).
     """
+    num_seqs, num_heads, head_dim = seq_lens.shape[0], query.shape[1], query.shape[2]
+    block_size = key_cache.shape[1]
+
+    def padded_bytes(num: int, rows: int, context: int) -> int:
+        keys = -(-context // block_size) * block_size
+        return 4 * num * num_heads * keys * (rows + 2 * head_dim)  # fp32 scores + K and V
+
+    if padded_bytes(num_seqs, max_query_len, max_seq_len) <= REFERENCE_ATTENTION_BYTES:
+        return _padded_paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
+            scale, sliding_window, alibi_slopes=alibi_slopes,
+        )  # fmt: skip
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    pieces: list[tuple[int, int, int, int]] = []  # (sequence, first query row, rows, context after them)
+    for seq in range(num_seqs):
+        q_len = starts[seq + 1] - starts[seq]
+        per_row = padded_bytes(1, 1, lens[seq]) - padded_bytes(1, 0, lens[seq])
+        rows_fit = max(1, (REFERENCE_ATTENTION_BYTES - padded_bytes(1, 0, lens[seq])) // max(per_row, 1))
+        for first in range(0, q_len, rows_fit):
+            rows = min(rows_fit, q_len - first)
+            pieces.append((seq, first, rows, lens[seq] - q_len + first + rows))
+    groups: list[list[tuple[int, int, int, int]]] = []
+    for piece in pieces:  # consecutive pieces while their padded tensors fit
+        trial = [*groups[-1], piece] if groups else [piece]
+        if groups and padded_bytes(len(trial), max(p[2] for p in trial), max(p[3] for p in trial)) <= (
+            REFERENCE_ATTENTION_BYTES
+        ):
+            groups[-1] = trial
+        else:
+            groups.append([piece])
+    outputs = []
+    for group in groups:
+        seqs = torch.tensor([p[0] for p in group], device=block_tables.device)
+        rows = torch.tensor([0] + [p[2] for p in group], device=query_start_loc.device)
+        outputs.append(
+            _padded_paged_attention(
+                torch.cat([query[starts[s] + first : starts[s] + first + n] for s, first, n, _ in group]),
+                key_cache,
+                value_cache,
+                block_tables[seqs],
+                torch.tensor([p[3] for p in group], dtype=seq_lens.dtype, device=seq_lens.device),
+                rows.cumsum(0).to(query_start_loc.dtype),
+                max(p[2] for p in group),
+                max(p[3] for p in group),
+                scale,
+                sliding_window,
+                alibi_slopes=alibi_slopes,
+            )
+        )
+    return torch.cat(outputs) if outputs else query.new_zeros(query.shape)
+
+
+def _padded_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # int [num_seqs]: tokens in context after this step (cached + new)
+    query_start_loc: torch.Tensor,  # int [num_seqs + 1]: cumulative query lengths
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads]
+) -> torch.Tensor:
+    """``paged_attention`` in one vectorized call: every sequence padded to the longest query and context."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     block_size = key_cache.shape[1]

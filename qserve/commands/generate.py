@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from qserve.commands.vllm_flags import add_speculative_config_argument
 from qserve.model.hub import add_revision_argument, resolve_model_path
 
 
@@ -32,6 +33,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="schedule the next step while the current one runs (default: on; --no-async-scheduling: off)",
     )
+    add_speculative_config_argument(parser)
     parser.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        speculative_config=args.speculative_config,
     )
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")

@@ -2,7 +2,9 @@
 
 Knows: the ``qserve plan`` arguments and how to print a ``MemoryPlan``. Reads only
 ``config.json`` and the checkpoint's quantization metadata (a directory holding just
-``config.json`` works).
+``config.json`` works); with ``--speculative-config`` naming a draft model, the draft's too (its
+weights count; speculation's verify rows need no more: a step's drafts stay within the
+``max_num_seqs`` logit rows and ``max_num_batched_tokens`` tokens already planned).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from qserve.commands.vllm_flags import add_speculative_config_argument
 from qserve.model.hub import add_revision_argument, resolve_model_path
 from qserve.model.registry import read_model_config
+from qserve.spec_decode.config import check_tensor_parallel_speculation, parse_speculative_config
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -32,10 +36,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-lora", action="store_true", help="set aside LoRA adapter slots (qserve serve's flag)")
     parser.add_argument("--max-loras", type=int, default=1, help="adapter slots on the device (with --enable-lora)")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the rank the slots are sized for")
+    add_speculative_config_argument(parser)  # a draft model's weights count in the plan
 
 
 def run(args: argparse.Namespace) -> int:
     args.model = resolve_model_path(args.model, args.revision)  # a Hub id: its cached snapshot
+    speculative = parse_speculative_config(args.speculative_config)
+    check_tensor_parallel_speculation(speculative, args.tensor_parallel_size)
     import torch
 
     import loaders
@@ -51,9 +58,13 @@ def run(args: argparse.Namespace) -> int:
     total = parse_memory_budget(args.device_memory) if args.device_memory else None
     if total is None and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
+    weights = weight_bytes(config, spec, dtype, args.tensor_parallel_size)
+    draft_bytes = 0
+    if speculative is not None and speculative.method == "draft_model":  # loaded beside the target
+        draft_bytes = weight_bytes(read_model_config(speculative.model), loaders.detect(speculative.model), dtype, 1)
     plan = make_plan(
         config,
-        weights_bytes=weight_bytes(config, spec, dtype, args.tensor_parallel_size),
+        weights_bytes=weights + draft_bytes,
         budget_bytes=parse_memory_budget(args.gpu_memory_budget, total),
         dtype=dtype,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -65,8 +76,11 @@ def run(args: argparse.Namespace) -> int:
         lora_bytes=lora_slot_bytes(config, args.max_loras, args.max_lora_rank, dtype) if args.enable_lora else 0,
     )
     if args.json:
-        print(json.dumps({"model": args.model, "format": spec.method, **plan.to_json()}))
+        extra = {"draft_weights_bytes": draft_bytes} if draft_bytes else {}
+        print(json.dumps({"model": args.model, "format": spec.method, **plan.to_json(), **extra}))
     else:
         print(f"model {args.model} ({config.architecture}, {spec.method})")
+        if draft_bytes:
+            print(f"draft model {speculative.model}: {draft_bytes / 2**30:.2f} GiB of the weights below")
         print(plan.describe())
     return 0

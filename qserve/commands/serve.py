@@ -6,7 +6,10 @@ which builder they pick (several models on one shared page pool, or one model sh
 ``--tensor-parallel-size`` processes), and how to run uvicorn with the app (models load in the
 background; ``/health`` is 503 until they are ready; SIGTERM drains for ``--shutdown-timeout``
 seconds, then shuts down, tensor-parallel workers included), and vLLM's flag names (resolved
-onto qserve's own options by ``apply_worker_flags``). Must not know: routes, engines' internals.
+onto qserve's own options by ``apply_worker_flags``). With ``$QSERVE_ENABLE_MULTIPROCESSING=1`` the
+models load in an engine-core process of their own (``qserve.engine.core``; what that mode does not
+support yet is refused here), and the server exits 1 if that process dies. Must not know: routes,
+engines' internals.
 
 With no model argument it serves the built-in demo model (``DEFAULT_MODEL``): a tiny model
 trained by ``qserve/recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.
@@ -17,13 +20,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from qserve.commands.lora_flags import check_lora_flags, register_lora_flags, register_lora_modules
-from qserve.commands.vllm_flags import check_quantization, cors_config, register_vllm_flags
+from qserve.commands.vllm_flags import (
+    add_speculative_config_argument,
+    check_quantization,
+    cors_config,
+    register_vllm_flags,
+)
 from qserve.model.hub import add_revision_argument, is_hub_id, resolve_model_path
 from qserve.scheduler.swap import PREEMPTION_MODES, check_tensor_parallel_preemption  # pure Python, no torch
+from qserve.spec_decode.config import parse_speculative_config  # pure Python, no torch
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +104,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="GiB of host memory for swapped KV, split between the served models (default 4; used only "
         "with --preemption-mode swap or auto)",
     )
+    add_speculative_config_argument(parser)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once, per model")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
@@ -255,6 +266,13 @@ def register_worker_flags(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM: refuse new requests (503), let in-flight ones finish for up to this many seconds, "
         "then end the rest with finish_reason 'abort' and exit",
     )
+    group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="front-end (API server) processes; with $QSERVE_ENABLE_MULTIPROCESSING=1 the engine runs in a "
+        "process of its own under them (docs/server.md); only 1 so far",
+    )
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line while busy")
     group.add_argument(
@@ -397,13 +415,21 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     if getattr(args, "swap_space", 4.0) < 0:
         raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space}")
     check_tensor_parallel_preemption(preemption_mode, tensor_parallel_size, "--preemption-mode")
+    speculative_config = parse_speculative_config(getattr(args, "speculative_config", None))
+    if speculative_config is not None and tensor_parallel_size > 1:
+        raise ValueError(f"--speculative-config is not supported with --tensor-parallel-size {tensor_parallel_size}")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    separate_core = check_engine_core_process(args, tensor_parallel_size)
     pairs = apply_served_model_names(parse_model_args(values), getattr(args, "served_model_name", None))
     pairs = [(name, resolve_model_path(path, getattr(args, "revision", None))) for name, path in pairs]
     names = [name for name, _ in pairs]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique, got {names}; use NAME=PATH")
+    if speculative_config is not None and speculative_config.method == "draft_model" and len(pairs) > 1:
+        raise ValueError(
+            f"--speculative-config with a draft model serves one model; got {len(pairs)} ({', '.join(names)})"
+        )
     if tensor_parallel_size > 1:
         # Several models share one page pool in this process; a sharded model has a pool of its
         # own on every device, so it is served alone (as vLLM serves one model per server).
@@ -432,6 +458,15 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
             raise type(err)(f"model {name!r}: {err}") from err
         check_quantization(getattr(args, "quantization", None), checked.spec.method, name)
     lora_modules = check_lora_flags(args, names, tensor_parallel_size)
+    if getattr(args, "enable_lora", False) and (separate_core or speculative_config is not None):
+        raise ValueError(
+            "--enable-lora is not supported yet with "
+            + (
+                "the engine core in its own process ($QSERVE_ENABLE_MULTIPROCESSING=1)"
+                if separate_core
+                else "--speculative-config"
+            )
+        )
     min_shares = parse_shares(args.min_share, "--min-share", names)
     max_shares = parse_shares(args.max_share, "--max-share", names)
     specs = [ModelSpec(name, path, min_shares.get(name), max_shares.get(name)) for name, path in pairs]
@@ -455,6 +490,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         max_cpu_loras=getattr(args, "max_cpu_loras", None),
+        speculative_config=speculative_config,
     )
 
     def kv_events(engines: dict) -> object | None:
@@ -466,6 +502,12 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         return ZmqKVEventPublisher(kv_events_config, port=args.port, medium="GPU" if device.type == "cuda" else "CPU")
 
     def build() -> AsyncEngine:
+        if separate_core:  # the engine core in a process of its own (issue 27), shaped like AsyncEngine
+            from qserve.engine.core.client import EngineCoreClient
+
+            return EngineCoreClient.launch(  # type: ignore[return-value]
+                specs, config, max_queue=args.max_queue, kv_events=kv_events_config, port=args.port
+            )
         if tensor_parallel_size == 1:
             engines = build_engines(specs, config)
             return AsyncEngine(engines, max_queue=args.max_queue, kv_events=kv_events(engines))
@@ -490,6 +532,34 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         return host
 
     return factory
+
+
+def check_engine_core_process(args: argparse.Namespace, tensor_parallel_size: int) -> bool:
+    """Is the engine core to run in a process of its own ($QSERVE_ENABLE_MULTIPROCESSING=1)?
+    ValueError, naming the option, for what that mode does not support yet."""
+    from qserve.engine.core import ENABLE_MULTIPROCESSING_ENV, multiprocessing_enabled
+
+    count = getattr(args, "api_server_count", 1)
+    if count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {count}")
+    separate = multiprocessing_enabled()
+    if count > 1:
+        raise ValueError(
+            f"--api-server-count {count}: qserve runs one front-end process so far"
+            + (
+                ""
+                if separate
+                else f" (and several need the engine core's own process, ${ENABLE_MULTIPROCESSING_ENV}=1)"
+            )
+        )
+    if not separate:
+        return False
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"--tensor-parallel-size {tensor_parallel_size} is not supported yet with the engine core in its "
+            f"own process (${ENABLE_MULTIPROCESSING_ENV}=1); unset it to serve in one process"
+        )
+    return True
 
 
 def ready_line(url: str, host: object, block_size: int) -> str:
@@ -520,6 +590,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_request_bytes < 0:
         raise ValueError(f"--max-request-bytes must be >= 0, got {args.max_request_bytes}")
     failed: list[BaseException] = []
+    core_died: list[str] = []
     server: uvicorn.Server | None = None
 
     def on_load_failed(err: BaseException) -> None:
@@ -527,7 +598,14 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
+    def on_core_died(reason: str) -> None:  # the loop thread; streams in flight have their error event
+        core_died.append(reason)
+        if server is not None:
+            server.should_exit = True  # exit non-zero: the supervisor restarts the server
+
     def on_ready(host: object) -> None:
+        if hasattr(host, "on_dead"):  # the engine core in its own process
+            host.on_dead.append(on_core_died)
         print(ready_line(f"http://{args.host}:{args.port}", host, args.block_size), flush=True)
 
     app = create_app(
@@ -562,6 +640,9 @@ def run(args: argparse.Namespace) -> int:
     server.run(sockets=[sock])
     if failed:
         raise ValueError(f"loading the models failed: {failed[0]}") from failed[0]  # --debug: its traceback
+    if core_died:
+        print(f"qserve serve: error: {core_died[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

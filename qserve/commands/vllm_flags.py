@@ -90,3 +90,15 @@ def check_quantization(requested: str | None, detected: str, model: str) -> None
     if wanted != detected:
         declared = "is not quantized" if detected == "none" else f"is a {detected} checkpoint"
         raise ValueError(f"--quantization {requested}: model {model!r} {declared} (leave --quantization out)")
+
+
+def add_speculative_config_argument(parser: argparse.ArgumentParser) -> None:
+    """vLLM's ``--speculative-config JSON`` (docs/spec_decode.md); checked by the command before
+    any model loads (``qserve.spec_decode.parse_speculative_config``)."""
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (default: off; docs/spec_decode.md)',
+    )

@@ -41,6 +41,7 @@ from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.kv_events import KVEvent, KVEventRecorder
 from qserve.scheduler.swap import check_tensor_parallel_preemption
+from qserve.spec_decode.metrics import stats_entries
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,33 @@ class _Tracked:
     # The submitter's context (e.g. the HTTP request id a log filter reads): listener calls
     # for this request run inside it, as if the submitting task made them.
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
+
+
+def observe_output(
+    listener: RequestListener | None, model: str, tracked: _Tracked, output: RequestOutput, now: float
+) -> None:
+    """Tell ``listener`` what ``output`` (of ``tracked``, delivered at ``now``) means: first token,
+    new tokens, finish (with vLLM's timing names added to ``output.metrics``)."""
+    num_tokens = sum(len(c.token_ids) for c in output.outputs)
+    new_tokens = num_tokens - tracked.num_tokens
+    tracked.num_tokens = num_tokens
+    if new_tokens > 0:
+        if tracked.first_token is None:
+            tracked.first_token = now
+            if listener is not None:
+                listener.on_first_token(model, now - tracked.arrival, len(output.prompt_token_ids))
+        if listener is not None:
+            gap = None if tracked.last_token is None else now - tracked.last_token
+            listener.on_tokens(model, new_tokens, gap)
+        tracked.last_token = now
+    if output.finished and listener is not None:
+        if tracked.first_token is not None:  # vLLM's RequestOutput.metrics names
+            output.metrics["first_token_latency"] = tracked.first_token - tracked.arrival
+            output.metrics["first_token_time"] = tracked.first_token
+            output.metrics["last_token_time"] = tracked.last_token or tracked.first_token
+        if tracked.max_tokens is not None:
+            output.metrics["max_tokens_param"] = tracked.max_tokens
+        listener.on_finished(model, output, now - tracked.arrival)
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,27 +570,7 @@ class AsyncEngine:
                 tracked.stream._put(error)  # noqa: SLF001
 
     def _observe(self, model: str, tracked: _Tracked, output: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new_tokens = num_tokens - tracked.num_tokens
-        tracked.num_tokens = num_tokens
-        listener = self.listener
-        if new_tokens > 0:
-            if tracked.first_token is None:
-                tracked.first_token = now
-                if listener is not None:
-                    listener.on_first_token(model, now - tracked.arrival, len(output.prompt_token_ids))
-            if listener is not None:
-                gap = None if tracked.last_token is None else now - tracked.last_token
-                listener.on_tokens(model, new_tokens, gap)
-            tracked.last_token = now
-        if output.finished and listener is not None:
-            if tracked.first_token is not None:  # vLLM's RequestOutput.metrics names
-                output.metrics["first_token_latency"] = tracked.first_token - tracked.arrival
-                output.metrics["first_token_time"] = tracked.first_token
-                output.metrics["last_token_time"] = tracked.last_token or tracked.first_token
-            if tracked.max_tokens is not None:
-                output.metrics["max_tokens_param"] = tracked.max_tokens
-            listener.on_finished(model, output, now - tracked.arrival)
+        observe_output(self.listener, model, tracked, output, now)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, dict[str, int]]:
@@ -584,6 +592,7 @@ class AsyncEngine:
                 "num_swapped": hosted.engine.scheduler.num_swapped,
                 "num_swapped_out": hosted.engine.scheduler.num_swapped_out,
                 "num_swapped_in": hosted.engine.scheduler.num_swapped_in,
+                **stats_entries(hosted.engine.spec_stats),  # speculative decoding (qserve.server.spec_metrics)
             }
         return result
 
@@ -646,6 +655,8 @@ class HostConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding for every hosted model (EngineConfig.speculative_config); None: off.
+    speculative_config: Any = None
 
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
@@ -668,8 +679,11 @@ def _check_kv_cache_dtype(config: HostConfig) -> None:
         )
 
 
-def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, Engine]:
-    """Load every model onto ONE shared KV page pool sized by one budget.
+def build_engines(
+    models: Sequence[ModelSpec], config: HostConfig, *, engine_cls: type[Engine] = Engine
+) -> dict[str, Engine]:
+    """Load every model onto ONE shared KV page pool sized by one budget (``engine_cls``: the
+    engine-core process builds its ``CoreEngine``s here).
 
     Pages: ``--num-kv-blocks`` if given; else the budget (bytes, or a fraction of the device)
     minus the weights of all models (from metadata) and the activation / overhead estimates,
@@ -734,8 +748,9 @@ def build_engines(models: Sequence[ModelSpec], config: HostConfig) -> dict[str, 
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
+            speculative_config=config.speculative_config,
         )
-        engines[m.name] = Engine(
+        engines[m.name] = engine_cls(
             engine_config, block_pool=pool.block_pool, owner=m.name, kv_caches=pool.kv_caches(m.name)
         )
     return engines

@@ -26,6 +26,14 @@ last position the runner returns as a final hidden state (after the model's last
 engine pools it (``PoolingParams.pool``: last token, L2-normalized) and the one sampled token
 finishes the request, so its pages are freed as any other's.
 
+Speculative decoding (``EngineConfig.speculative_config``, vLLM's; off by default): before each
+schedule the proposer (``qserve.spec_decode``) gives running requests in plain decode their draft
+tokens; the scheduler and runner verify them in the step; the tokens a step emits for a sequence
+go one by one through the stop checks here (those after a stop are dropped). A step with drafts is
+processed before the next is scheduled (the next drafts follow its tokens), so speculation runs
+in the synchronous order while it proposes; above ``disable_by_batch_size`` running sequences it
+proposes nothing and the asynchronous order comes back. Grammars get no drafts (docs/spec_decode.md).
+
 Swap preemption (``EngineConfig.preemption_mode`` "swap" | "auto", ``swap_space`` GiB of host
 memory; vLLM V0's names): the engine gives the runner a host KV pool and the scheduler its slots
 (and, for auto, a cost estimate whose copy bandwidth is measured at start-up and whose
@@ -85,8 +93,13 @@ from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
 from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode, check_tensor_parallel_preemption
+from qserve.spec_decode import ProposalInput, Proposer, SpeculativeConfig, make_proposer, parse_speculative_config
+from qserve.spec_decode.backoff import DraftBackoff
+from qserve.spec_decode.config import check_tensor_parallel_speculation
+from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
+from quant_kernels.reference_kv_int4 import cache_head_size
 
 logger = logging.getLogger(__name__)
 
@@ -138,11 +151,17 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (vLLM's speculative_config: a dict, JSON string or SpeculativeConfig;
+    # stored parsed). None: off, and every step runs exactly as without it (docs/spec_decode.md).
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         check_preemption_mode(self.preemption_mode)
         if self.enable_lora:
             self.lora_config  # noqa: B018 - checks the limits now
+            if self.speculative_config is not None:  # not combined (or tested together) yet
+                raise ValueError("enable_lora: LoRA adapters are not supported with speculative_config yet")
         if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
 
@@ -264,6 +283,7 @@ class Engine:
         if tp is not None and block_pool is not None:
             raise ValueError("Engine: a tensor-parallel engine cannot draw from a shared block pool")
         check_tensor_parallel_preemption(config.preemption_mode, 1 if tp is None else tp.size)
+        check_tensor_parallel_speculation(config.speculative_config, 1 if tp is None else tp.size)
         # Tensor parallel (qserve.engine.tensor_parallel builds one Engine per rank): the model is
         # this rank's shard, KV caches and the memory plan are per rank.
         self.tp = tp
@@ -273,6 +293,11 @@ class Engine:
         model_config = read_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp=tp)
+        spec = config.speculative_config
+        # A draft model loads before the memory plan, so the pages it leaves are what is left.
+        self._draft = (
+            None if spec is None or spec.method != "draft_model" else load_model(spec.model, self.dtype, self.device)
+        )
         rank_config = per_rank_config(self.model_config, 1 if tp is None else tp.size)  # this rank's heads
         self.lora_manager = None
         if config.enable_lora:
@@ -417,6 +442,17 @@ class Engine:
         if config.async_scheduling and tp is not None:
             logger.debug("tensor parallelism: async scheduling is off (steps run in the synchronous order)")
         self.num_preemptions = 0  # sequences preempted since start (vllm:num_preemptions_total)
+        # Speculative decoding (None: off): the proposer, its counters (vllm:spec_decode_*).
+        self.spec_config: SpeculativeConfig | None = config.speculative_config
+        self.proposer = None
+        if self.spec_config is not None:
+            if self.spec_config.method == "draft_model":
+                self.proposer = self._draft_proposer(self.runner.kv_caches, kv_dtype)
+            else:
+                self.proposer = make_proposer(self.spec_config)
+        self.spec_stats = None if self.spec_config is None else SpecDecodeStats(self.spec_config.num_speculative_tokens)
+        self._draft_backoff = DraftBackoff()  # sequences whose proposals keep failing skip steps
+        self._drafts_out = False  # some running request may still carry drafts
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model,
@@ -425,6 +461,38 @@ class Engine:
             num_blocks,
             cache.block_size,
         )
+
+    def _draft_proposer(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_dtype: torch.dtype) -> Proposer:
+        """``speculative_config.model`` (loaded before the memory plan: its weights count there)
+        beside the target, its KV in the target's pages (``qserve.spec_decode.draft_model``)."""
+        from qserve.spec_decode.draft_model import DraftModelProposer, alias_kv_caches
+
+        assert self.spec_config is not None and self._draft is not None
+        if kv_dtype != self.dtype:
+            raise ValueError(
+                f"speculative_config.method 'draft_model' needs kv_cache_dtype 'auto' for now, got {self.config.kv_cache_dtype!r}"
+            )
+        model, config = self._draft
+        vocab = self.model_config.vocab_size
+        if self.tokenizer is not None:
+            vocab = min(vocab, num_token_ids(self.tokenizer))
+        if config.vocab_size < vocab:
+            raise ValueError(
+                f"speculative_config.model has a vocabulary of {config.vocab_size} ids, the target's tokenizer {vocab}: "
+                "the draft needs the same tokenizer"
+            )
+        draft_kv = alias_kv_caches(
+            kv_caches, config.num_layers, config.num_kv_heads, cache_head_size(config.head_dim, kv_dtype)
+        )
+        runner = ModelRunner(model, config, draft_kv, self.kv_manager.block_size, self.device, self.config.seed)
+        runner.set_valid_vocab_size(vocab)  # never a draft the target cannot score
+        kv = KVCacheManager(self.block_pool, self.kv_manager.block_size, False, owner=f"{self.owner}:draft")
+        logger.info(
+            "speculative decoding: draft model %s (%d layers), KV in the target's pages",
+            self.spec_config.model,
+            config.num_layers,
+        )
+        return DraftModelProposer(runner, kv, max_catch_up=self.scheduler_config.max_num_batched_tokens)
 
     @property
     def async_scheduling(self) -> bool:
@@ -501,6 +569,9 @@ class Engine:
             weights = weight_bytes(
                 self.model_config, loaders.detect(self.config.model), self.dtype, self._tensor_parallel_size
             )
+            if self._draft is not None:
+                draft_path = self.config.speculative_config.model
+                weights += weight_bytes(self._draft[1], loaders.detect(draft_path), self.dtype, 1)
         budget = parse_memory_budget(self.config.gpu_memory_budget or str(GPU_DEFAULT_FRACTION), total)
         return make_plan(
             self.model_config,
@@ -739,6 +810,8 @@ class Engine:
             return self._step_async(finished_only)
         touched: dict[str, _Group] = dict(self._pending_outputs)
         self._pending_outputs.clear()
+        if self.proposer is not None:
+            self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
         self._on_scheduled(scheduler_output, touched)
         if not scheduler_output.is_empty:
@@ -766,6 +839,8 @@ class Engine:
                     self._grammar_matchers.remove(sequence.request.request_id)
                     if sequence.request.lora_id is not None:
                         self.lora_manager.release(sequence.request.lora_id)
+                if self.proposer is not None:
+                    self._forget_drafts([sequence.request.request_id for sequence in group.sequences])
         return outputs
 
     def _step_async(self, finished_only: bool) -> list[RequestOutput]:
@@ -773,11 +848,15 @@ class Engine:
         touched: dict[str, _Group] = dict(self._pending_outputs)
         self._pending_outputs.clear()
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None and self._sync_only:
+        if in_flight is not None and (
+            self._sync_only or (self.proposer is not None and self._needs_sync(in_flight[0]))
+        ):
             self._process_step(
                 in_flight[0], self._result(in_flight), touched, finished_only, ()
             )  # next step needs them
             in_flight = None
+        if self.proposer is not None:
+            self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
         self._on_scheduled(scheduler_output, touched)
         if not scheduler_output.is_empty:
@@ -790,6 +869,83 @@ class Engine:
             preempted = set(scheduler_output.preempted_request_ids) - set(scheduler_output.swapped_out_request_ids)
             self._process_step(in_flight[0], self._result(in_flight), touched, finished_only, preempted)
         return self._collect_outputs(touched, finished_only)
+
+    # ------------------------------------------------------------------------------------------
+    # Speculative decoding
+    # ------------------------------------------------------------------------------------------
+
+    def _needs_sync(self, in_flight: SchedulerOutput) -> bool:
+        """Whether the step in flight must be processed before the next is scheduled: it verified
+        drafts (its sequences' token counts are unknown until then), or this step will propose
+        (drafts follow the last token, which must be on the host)."""
+        assert self.spec_config is not None
+        return bool(in_flight.num_spec_tokens) or self.spec_config.proposes_at(self.scheduler.num_running)
+
+    def _propose_drafts(self) -> None:
+        """Give each running request in plain decode its draft tokens for the next step
+        (``Request.spec_token_ids``, verified by the scheduler's next step): at most k, never past
+        ``max_tokens`` or ``max_model_len``, and in all no more than ``max_num_seqs`` minus the
+        running sequences (a step computes logits for one row per draft plus one per sequence;
+        the memory plan reserved ``max_num_seqs`` rows), handed out oldest request first. None
+        while the running batch is larger than ``disable_by_batch_size``, for requests with a
+        token in flight, for structured outputs (a draft would have to be checked against the
+        grammar first: speculation is off for them) and for embedding requests; a sequence whose
+        proposals keep failing skips a growing number of steps (``qserve.spec_decode.backoff``)."""
+        assert self.spec_config is not None and self.proposer is not None
+        running = self.scheduler.running
+        spare = self.config.max_num_seqs - len(running)
+        if spare <= 0 or not self.spec_config.proposes_at(len(running)):
+            if self._drafts_out:  # the batch just grew past the threshold: drop what is left
+                for request in running:
+                    request.spec_token_ids = []
+                self._drafts_out = False
+            return
+        k = self.spec_config.num_speculative_tokens
+        batch: list[ProposalInput] = []
+        owners: list[Request] = []
+        for request in running:
+            request.spec_token_ids = []
+            params = request.sampling_params
+            if (
+                request.num_output_placeholders
+                or request.pooling
+                or params.structured_outputs is not None
+                or request.num_computed_tokens != request.num_tokens - 1
+                or not self._draft_backoff.allow(request.request_id)
+            ):
+                continue
+            room = min(k, spare, self.max_model_len - request.num_tokens - 1)
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            if room > 0:
+                batch.append(
+                    ProposalInput(request.request_id, request.prompt_token_ids, request.output_token_ids, room, params)
+                )
+                owners.append(request)
+                spare -= room
+        if batch:
+            for request, drafts in zip(owners, self.proposer.propose(batch)):
+                request.spec_token_ids = drafts
+        self._drafts_out = bool(batch)
+
+    def _forget_drafts(self, request_ids: list[str]) -> None:
+        """Drop the proposer's state (a draft model's pages) and the back-off of these sequences."""
+        assert self.proposer is not None
+        self.proposer.forget(request_ids)
+        self._draft_backoff.forget(request_ids)
+
+    def _emit_verified(
+        self, sequence: _Sequence, tokens: list[int], token_logprobs: list[TokenLogprobs] | None
+    ) -> bool:
+        """A verified step's tokens for one sequence (the scheduler appended them all), one at a
+        time through the stop checks: those after a stop are discarded. True if it finished."""
+        output = sequence.request.output_token_ids
+        del output[len(output) - len(tokens) :]
+        for i, token in enumerate(tokens):
+            output.append(token)
+            if self._on_token(sequence, token, token_logprobs[i] if token_logprobs else None):
+                return True
+        return False
 
     def _result(self, in_flight: tuple[SchedulerOutput, LaunchedStep, float]) -> RunnerOutput:
         """Wait for a launched step's sampled ids. The step ran from its launch, or from the arrival
@@ -812,6 +968,8 @@ class Engine:
             if request_id not in swapped:
                 sequences[request_id][1].prompt_logprobs_received = 0
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
+        if self.proposer is not None and scheduler_output.preempted_request_ids:
+            self._forget_drafts(scheduler_output.preempted_request_ids)  # a draft model's pages go back
         now = time.monotonic()
         for scheduled in scheduler_output.sequences:
             group = sequences[scheduled.request_id][0]
@@ -848,12 +1006,32 @@ class Engine:
                 owner[0].embedding = owner[0].pooling.pool(hidden)
         logprobs = runner_output.logprobs
         on_token = self._on_token
+        verified = runner_output.spec_token_ids
+        if verified:
+            self._count_verified(scheduler_output, verified)
         for request in new_token_requests:  # finished or aborted requests' extra tokens are not here
             request_id = request.request_id
             group, sequence = sequences[request_id]
+            if verified and request_id in verified:
+                tokens = verified[request_id]
+                if (
+                    self._emit_verified(sequence, tokens, runner_output.spec_logprobs.get(request_id))
+                    or not finished_only
+                ):
+                    touched[group.request_id] = group
+                continue
             token = request.output_token_ids[-1]
             if on_token(sequence, token, logprobs.get(request_id) if logprobs else None) or not finished_only:
                 touched[group.request_id] = group
+
+    def _count_verified(self, scheduler_output: SchedulerOutput, verified: dict[str, list[int]]) -> None:
+        """vllm:spec_decode_* counters: each sequence's drafts and how many were kept."""
+        assert self.spec_stats is not None
+        for seq in scheduler_output.sequences:
+            tokens = verified.get(seq.request_id)
+            if seq.spec_token_ids and tokens is not None:
+                self.spec_stats.observe(len(seq.spec_token_ids), len(tokens) - 1)
+                self._draft_backoff.observe(seq.request_id, len(tokens) - 1)
 
     def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """The step's work plus the next-token bitmasks of its sampling sequences under a grammar."""

@@ -19,6 +19,7 @@ from qserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutpu
 from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 from qserve.scheduler.swap import check_tensor_parallel_preemption
+from qserve.spec_decode.config import SpeculativeConfig, check_tensor_parallel_speculation
 
 
 class LLM:
@@ -48,6 +49,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
         config = EngineConfig(
             model=resolve_model_path(str(model), revision),  # a Hub id (org/name): its cached snapshot
@@ -72,6 +74,7 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            speculative_config=speculative_config,
         )
         # tensor_parallel_size > 1: this process is rank 0 and drives; the other ranks are
         # spawned processes (qserve.engine.tensor_parallel), stopped by shutdown() or at exit.
@@ -79,6 +82,7 @@ class LLM:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         check_tensor_parallel_preemption(preemption_mode, tensor_parallel_size)  # before any worker starts
+        check_tensor_parallel_speculation(config.speculative_config, tensor_parallel_size)
         if tensor_parallel_size > 1:
             from qserve.engine.tensor_parallel import launch_engine
 

@@ -25,6 +25,12 @@ argument); such a step runs eagerly, or, with decode graphs captured for LoRA (`
 replays them with each row's slot as a graph input. A step with no adapter row, and every step without
 a manager, runs exactly as before.
 
+Speculative decoding (``SchedulerOutput.num_spec_tokens > 0``): a sequence with k draft tokens
+gets logits at its last k + 1 rows and ``_verify`` runs the rejection sampler
+(``qserve.runner.rejection_sampler``) over them; such a step runs eagerly (several rows per
+sequence: no decode graph) and its emitted tokens reach the host inside the launch. Steps without
+drafts take exactly the path they take without speculation.
+
 Swap preemption: a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` are copied by the
 ``KVSwapper`` (``enable_swap``) at the start of ``launch``, before anything of the step's forward
 is enqueued (qserve.runner.kv_swap says why that order is enough, with or without a step in flight).
@@ -43,11 +49,14 @@ from qserve.layers.rotary import ntk_alpha_indices
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.cuda_graphs import DecodeGraphs
 from qserve.runner.kv_swap import KVSwapper
+from qserve.runner.rejection_sampler import accepted_tokens, verify_rows
 from qserve.runner.sampler import (
     PROMPT_LOGPROBS_CHUNK_ROWS,
     Sampler,
     build_sampling_metadata,
     compute_prompt_logprobs,
+    gather_logprobs,
+    mask_padded_vocab,
     pending_output_slots,
 )
 from qserve.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprobs
@@ -85,8 +94,10 @@ def _token_at(seq: ScheduledSequence) -> int:
 
 
 def _num_pending(seq: ScheduledSequence) -> int:
-    """Input tokens of this step that the host does not know yet (sampled by the step in flight)."""
-    return max(0, seq.start_position + seq.num_new_tokens - len(seq.prompt_token_ids) - len(seq.output_token_ids))
+    """Input tokens of this step that the host does not know yet (sampled by the step in flight;
+    draft tokens are known)."""
+    end = seq.start_position + seq.num_new_tokens - len(seq.spec_token_ids)
+    return max(0, end - len(seq.prompt_token_ids) - len(seq.output_token_ids))
 
 
 def _input_ids(seq: ScheduledSequence) -> list[int]:
@@ -110,6 +121,10 @@ class LaunchedStep:
     # Pooling sequences' final hidden states: (request ids, [H, hidden] float32 on the host, pinned
     # on CUDA), copied before ``ready`` is recorded, so valid once it is.
     pooled: tuple[list[str], torch.Tensor] | None = None
+    # Speculative decoding (host lists, final at launch): every token emitted per sequence that
+    # had drafts, and their logprobs when asked for (RunnerOutput's fields of the same names).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     _output: RunnerOutput | None = None
     _rows: dict[str, int] | None = None
 
@@ -125,9 +140,25 @@ class LaunchedStep:
             tokens = [] if self.host_sampled is None else self.host_sampled.tolist()
             hidden_states = {} if self.pooled is None else dict(zip(self.pooled[0], self.pooled[1].tolist()))
             self._output = RunnerOutput(
-                dict(zip(self.request_ids, tokens)), self.logprobs, self.prompt_logprobs, hidden_states
+                dict(zip(self.request_ids, tokens)),
+                self.logprobs,
+                self.prompt_logprobs,
+                hidden_states,
+                self.spec_token_ids,
+                self.spec_logprobs,
             )
         return self._output
+
+
+def spec_sample_rows(sequences: list[ScheduledSequence], ends: np.ndarray) -> np.ndarray:
+    """Token indices of a speculative step's sampling rows: the last ``k + 1`` tokens of each
+    sampling sequence with ``k`` drafts (its last known token, then each draft), in order."""
+    rows = [
+        np.arange(int(end) - len(seq.spec_token_ids) - 1, int(end), dtype=np.int64)
+        for seq, end in zip(sequences, ends)
+        if seq.sample
+    ]
+    return np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)  # [N]
 
 
 def pad_block_tables(table_lens: np.ndarray, flat_tables: np.ndarray) -> np.ndarray:
@@ -265,6 +296,8 @@ class ModelRunner:
         slots = flat_tables[token_tables + block_index] * block_size + positions % block_size  # [T]
         seq_lens = starts + counts  # [S]
         sample_rows = (ends - 1)[sample_mask]  # [R] the last token of each sampling sequence
+        if scheduler_output.num_spec_tokens:  # a sequence with k drafts samples its last k + 1 rows
+            sample_rows = spec_sample_rows(sequences, ends)  # [N]
         ntk_tables = None  # Qwen v1 dynamic NTK: each sequence's table, fixed by its prompt length
         if self.num_ntk_tables > 1:
             prompt_lens = np.fromiter((len(seq.prompt_token_ids) for seq in sequences), np.int64, num_seqs)  # [S]
@@ -331,9 +364,15 @@ class ModelRunner:
             )
         if pooled is not None:  # enqueued before the sampled ids' event: ready with them
             pooled = ([rid for _, rid in pool_rows], self._to_host(pooled))
-        step = self._sample(
-            sequences, sample_logits, prompt_hidden, prompt_targets, prompt_owners, scheduler_output, previous
-        )
+        if scheduler_output.num_spec_tokens:
+            assert previous is None or not any(map(_num_pending, sequences)), "drafts after a token in flight"
+            step = self._verify(
+                sequences, sample_logits, prompt_hidden, prompt_targets, prompt_owners, scheduler_output
+            )
+        else:
+            step = self._sample(
+                sequences, sample_logits, prompt_hidden, prompt_targets, prompt_owners, scheduler_output, previous
+            )
         step.pooled = pooled
         return step
 
@@ -399,6 +438,91 @@ class ModelRunner:
         if pool_rows:
             pooled = hidden[_to_device(np.array(pool_rows, dtype=np.int64), device)].float()  # [H, hidden]
         return sample_logits, prompt_hidden, pooled
+
+    def _verify(
+        self,
+        sequences: list,
+        sample_logits: torch.Tensor,
+        prompt_hidden: torch.Tensor | None,
+        prompt_targets: list[int],
+        prompt_owners: list[tuple[str, int]],
+        scheduler_output: SchedulerOutput,
+    ) -> LaunchedStep:
+        """A step with draft tokens: one sampling row per draft plus one per sampling sequence,
+        rejection sampling (``qserve.runner.rejection_sampler``), results on the host at once (the
+        speculative step is synchronous). Prompt logprobs of prefilling sequences as ``_sample``."""
+        step = self._sample(sequences, None, prompt_hidden, prompt_targets, prompt_owners)
+        sampling_seqs = [seq for seq in sequences if seq.sample]
+        params, prompts, outputs, drafts = [], [], [], []
+        for seq in sampling_seqs:
+            spec = list(seq.spec_token_ids)
+            for j in range(len(spec) + 1):  # row j: the drafts before it count as outputs
+                params.append(seq.sampling_params)
+                prompts.append(seq.prompt_token_ids)
+                outputs.append(seq.output_token_ids if j == 0 else [*seq.output_token_ids, *spec[:j]])
+            drafts.append(spec)
+        first_row = np.cumsum([0] + [len(d) + 1 for d in drafts])  # [R + 1]
+        token_bitmask = None
+        if scheduler_output.grammar_request_ids:  # constrained sequences never get drafts: one row each
+            row_of = {seq.request_id: int(first_row[i]) for i, seq in enumerate(sampling_seqs)}
+            token_bitmask = (
+                [row_of[r] for r in scheduler_output.grammar_request_ids],
+                scheduler_output.grammar_bitmask,
+            )
+        metadata = build_sampling_metadata(
+            params,
+            prompts,
+            outputs,
+            list(self.config.eos_token_ids),
+            sample_logits.shape[-1],
+            "cpu",
+            token_bitmask,
+        ).to(self.device)
+        flat_drafts = [t for d in drafts for t in (*d, -1)]
+        draft_ids = _to_device(np.array(flat_drafts, dtype=np.int64), self.device)  # [N]
+        targets, accepted = verify_rows(self.sampler, sample_logits, metadata, draft_ids)  # [N], [N]
+        emitted = accepted_tokens(drafts, targets.tolist(), accepted.tolist())  # the step's one sync
+        step.host_sampled = torch.tensor([tokens[-1] for tokens in emitted], dtype=torch.int64)  # [R]
+        step.sampled = step.host_sampled.to(self.device)
+        for seq, tokens in zip(sampling_seqs, emitted):
+            if seq.spec_token_ids:
+                step.spec_token_ids[seq.request_id] = tokens
+        if metadata.max_num_logprobs is not None:
+            self._verify_logprobs(step, sampling_seqs, emitted, first_row, sample_logits)
+        return step
+
+    def _verify_logprobs(
+        self,
+        step: LaunchedStep,
+        sampling_seqs: list,
+        emitted: list[list[int]],
+        first_row: np.ndarray,
+        sample_logits: torch.Tensor,
+    ) -> None:
+        """Raw logprobs (as ``Sampler``'s) of every emitted token of the sequences asking for them."""
+        rows, chosen, owners = [], [], []
+        for i, (seq, tokens) in enumerate(zip(sampling_seqs, emitted)):
+            k = seq.sampling_params.logprobs
+            if k is not None:
+                rows += range(int(first_row[i]), int(first_row[i]) + len(tokens))
+                chosen += tokens
+                owners += [(seq, k)] * len(tokens)
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=sample_logits.device)  # [L]
+        logits = mask_padded_vocab(sample_logits[index].float(), self.valid_vocab_size, in_place=True)  # [L, V]
+        max_k = max(k for _, k in owners)
+        if self.valid_vocab_size is not None:
+            max_k = min(max_k, self.valid_vocab_size)
+        entries = gather_logprobs(
+            torch.log_softmax(logits, dim=-1), torch.tensor(chosen, dtype=torch.int64, device=logits.device), max_k
+        )
+        for (seq, k), entry in zip(owners, entries):
+            entry = TokenLogprobs(entry.token_ids[: k + 1], entry.logprobs[: k + 1], entry.ranks[: k + 1])
+            if seq.spec_token_ids:
+                step.spec_logprobs.setdefault(seq.request_id, []).append(entry)
+            else:
+                step.logprobs[seq.request_id] = entry
 
     def _sample(
         self,

@@ -20,6 +20,9 @@ Order of operations (as vLLM):
   5. random rows: / temperature, top-k, top-p, min-p, softmax, then the exponential race
      ``argmax(probs / q)`` with ``q ~ Exp(1)``: a sample from ``probs``.
 
+``process_logits`` (steps 2-3) and ``random_probs`` (step 5's distribution) are also what the
+rejection sampler of speculative decoding verifies draft tokens against.
+
 Determinism: a row with ``seed`` draws its noise from a generator seeded with a hash of
 (seed, output index), so its token depends only on (seed, index, its logits) and never on
 the rest of the batch. Unseeded rows share the Sampler's own generator (no global RNG).
@@ -293,29 +296,7 @@ class Sampler:
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(original, dim=-1)  # [R, V]
-
-        # Never modify the caller's tensor: every step below makes a new tensor, except the
-        # min_tokens mask, which clones first if nothing has yet (greedy rows copy nothing).
-        logits = original  # [R, V]
-        if metadata.repetition_penalties is not None:
-            logits = apply_penalties(logits, metadata)
-        if metadata.logit_bias_rows is not None:
-            if logits is original:
-                logits = logits.clone()
-            logits.index_put_(
-                (metadata.logit_bias_rows, metadata.logit_bias_token_ids), metadata.logit_bias_values, accumulate=True
-            )
-        if metadata.token_bitmask_rows is not None:
-            rows = metadata.token_bitmask_rows
-            constrained = apply_token_bitmask(logits[rows], metadata.token_bitmask)  # [G, V] (a copy)
-            logits = logits.index_copy(0, rows, constrained)  # [R, V] new tensor
-        if metadata.min_tokens_rows is not None:
-            if logits is original:
-                logits = logits.clone()
-            logits.index_put_(
-                (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
-                logits.new_full((), float("-inf")),  # no host-to-device copy (it would sync)
-            )
+        logits = self.process_logits(original, metadata)  # [R, V]
 
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)  # [R]
@@ -342,14 +323,46 @@ class Sampler:
                 logprobs[r] = TokenLogprobs(full.token_ids[:n], full.logprobs[:n], full.ranks[:n])
         return sampled, logprobs  # [R] int64
 
-    # ------------------------------------------------------------------ internals
-    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def process_logits(self, original: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Steps 2 to 3 (penalties, logit_bias, grammar masks, min_tokens) on float32 logits
+        ``[R, V]`` whose padded vocabulary is masked already; ``original`` is never written."""
+        # Never modify the caller's tensor: every step below makes a new tensor, except the
+        # min_tokens mask, which clones first if nothing has yet (greedy rows copy nothing).
+        logits = original  # [R, V]
+        if metadata.repetition_penalties is not None:
+            logits = apply_penalties(logits, metadata)
+        if metadata.logit_bias_rows is not None:
+            if logits is original:
+                logits = logits.clone()
+            logits.index_put_(
+                (metadata.logit_bias_rows, metadata.logit_bias_token_ids), metadata.logit_bias_values, accumulate=True
+            )
+        if metadata.token_bitmask_rows is not None:
+            rows = metadata.token_bitmask_rows
+            constrained = apply_token_bitmask(logits[rows], metadata.token_bitmask)  # [G, V] (a copy)
+            logits = logits.index_copy(0, rows, constrained)  # [R, V] new tensor
+        if metadata.min_tokens_rows is not None:
+            if logits is original:
+                logits = logits.clone()
+            logits.index_put_(
+                (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
+                logits.new_full((), float("-inf")),  # no host-to-device copy (it would sync)
+            )
+        return logits
+
+    def random_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Step 5's distribution of processed logits ``[R, V]``: temperature, top-k, top-p,
+        min-p, softmax (a new ``[R, V]`` float32 tensor)."""
         logits = logits / md.temperature.unsqueeze(1)  # [R, V]
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
-        probs = torch.softmax(logits, dim=-1)  # [R, V]
+        return torch.softmax(logits, dim=-1)  # [R, V]
+
+    # ------------------------------------------------------------------ internals
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        probs = self.random_probs(logits, md)  # [R, V]
         noise = self._exponential_noise(probs, md)  # [R, V]
         return probs.div_(noise).argmax(dim=-1)  # [R]
 

@@ -191,6 +191,19 @@ class KVCacheManager:
             table.extend(new_blocks)
         return True
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Return the blocks past the first ``cdiv(num_tokens, block_size)`` of the request's table
+        (speculative decoding: pages that only rejected draft tokens reached), tail first. Blocks
+        registered in the prefix cache are never among them (they hold computed tokens)."""
+        table = self._tables.get(request.request_id)
+        if not table:
+            return
+        keep = max(cdiv(num_tokens, self.block_size), self._num_cached_blocks.get(request.request_id, 0))
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.pool.free(reversed(tail))
+
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first, so its tail is evicted before its head."""
         table = self._tables.pop(request.request_id, None)

@@ -25,10 +25,19 @@ class ScheduledSequence:
     sample: bool  # this chunk reaches the last known token: sample the next one
     pooling: bool = False  # an embedding request: return the last prompt token's final hidden state
     lora_id: int | None = None  # its LoRA adapter (Request.lora_id); None: the base model
+    # Speculative decoding: draft tokens verified by this step, at the positions after the last
+    # known token (they are the last ``len(spec_token_ids)`` of the ``num_new_tokens``); the step
+    # samples one row per draft plus one.
+    spec_token_ids: list[int] | tuple[()] = ()
 
     def input_token_ids(self) -> list[int]:
         """The token ids at positions [start_position, start_position + num_new_tokens)."""
-        end = self.start_position + self.num_new_tokens
+        if self.spec_token_ids:
+            return self._known_token_ids(self.num_new_tokens - len(self.spec_token_ids)) + list(self.spec_token_ids)
+        return self._known_token_ids(self.num_new_tokens)
+
+    def _known_token_ids(self, num_new_tokens: int) -> list[int]:
+        end = self.start_position + num_new_tokens
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
             return self.prompt_token_ids[self.start_position : end]
@@ -61,6 +70,9 @@ class SchedulerOutput:
     # The preempted requests (a subset of preempted_request_ids) whose KV went to the host: they
     # resume without recomputing, so their prompt logprobs are not sent again.
     swapped_out_request_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: draft tokens scheduled in this step, over all sequences (0: none, and
+    # the runner takes exactly the path it takes without speculation).
+    num_spec_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -89,3 +101,8 @@ class RunnerOutput:
     # request_id -> the final hidden state (after the model's last norm) of the last prompt token,
     # as float32 values, for pooling sequences whose step computed that token
     hidden_states: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative decoding: request_id -> every token this step emits for a sequence that had
+    # drafts (the accepted drafts, then the target's own token); its sampled_token_ids entry is
+    # the last of them. Logprobs (when asked for) one per emitted token.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -37,6 +37,14 @@ of it). ``update_from_output`` then only swaps placeholders for the sampled toke
 with a placeholder is never admitted from the waiting queue (a preempted one waits a step for
 its token) and never finished for capacity on the strength of its placeholder.
 
+Speculative decoding (``Request.spec_token_ids``, set by the engine before ``schedule()``): a
+running request in plain decode is scheduled as its last known token plus its draft tokens
+(``ScheduledSequence.spec_token_ids``), KV slots allocated for all of them, within the token
+budget, ``max_model_len`` and what the pool can hold; drafts that find no pages are dropped (a
+plain decode), never the reason for a preemption. ``update_from_output`` appends the tokens the
+runner emitted (accepted drafts, then the target's token), counts only their KV as computed (so
+the prefix cache registers accepted tokens only) and frees the pages only rejected drafts reached.
+
 Knows: requests' token counters and statuses, the waiting / running queues, this model's
 ``KVCacheManager``, tenants' weights and seat caps. Must not know: torch, tensors, text, stop conditions (the engine decides
 when a request is finished and calls ``finish_request``), other models' queues.
@@ -291,6 +299,7 @@ class Scheduler:
         sequences: list[ScheduledSequence] = []
         preempted_ids: list[str] = []
         capacity_finished_ids: list[str] = []
+        num_spec_tokens = 0
 
         max_num_tokens = kv.max_num_tokens  # fixed by the pool's shares: read once per step
         if self.tenant_weights:
@@ -317,8 +326,14 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute (no token was sampled for it); leave it be
                 index += 1
                 continue
+            spec = request.spec_token_ids
+            if spec:  # drafts to verify after its last token: only a decode, and only what fits
+                request.spec_token_ids = []
+                spec = self._fit_drafts(request, spec, num_new, budget, max_num_tokens)
             scheduled = True
-            while not kv.allocate_slots(request, num_new):
+            if spec and not kv.allocate_slots(request, num_new + len(spec)):
+                spec = []  # no pages for the drafts: a plain decode (which may still preempt)
+            while not spec and not kv.allocate_slots(request, num_new):
                 short_of_pages = True
                 victim = self._page_victim(queue[index:])  # never one already in this step
                 queue.remove(victim)
@@ -330,8 +345,9 @@ class Scheduler:
                     break
             if not scheduled:
                 continue  # it gave up its own pages; the next one is at ``index`` now
-            sequences.append(self._scheduled(request, num_new))
-            budget -= num_new
+            sequences.append(self._scheduled(request, num_new, spec))
+            budget -= num_new + len(spec)
+            num_spec_tokens += len(spec)
             index += 1
 
         # 2. WAITING requests, strict FCFS. Not in a step that had to preempt: pages are short.
@@ -398,6 +414,7 @@ class Scheduler:
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             swapped_out_request_ids=swapped_out_ids,
+            num_spec_tokens=num_spec_tokens,
         )
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
@@ -421,14 +438,17 @@ class Scheduler:
                 continue
             num_computed = request.num_computed_tokens
             request.num_computed_tokens = num_computed + seq.num_new_tokens
-            if seq.sample:
+            if seq.spec_token_ids:
+                self._accept_drafts(request, seq, runner_output)
+                with_new_token.append(request)
+            elif seq.sample:
                 token_id = sampled.get(seq.request_id)
                 if token_id is not None:
                     request.output_token_ids.append(token_id)
                     with_new_token.append(request)
             # Blocks that are full and computed are registered in every step they become so;
             # a step that fills no block (most decode steps) has nothing new to register.
-            if (num_computed + seq.num_new_tokens) // block_size != num_computed // block_size:
+            if request.num_computed_tokens // block_size != num_computed // block_size:
                 kv.cache_full_blocks(request)
         return with_new_token
 
@@ -449,16 +469,47 @@ class Scheduler:
             request = requests.get(seq.request_id)
             if request is None:
                 continue
-            if seq.sample:
+            end = seq.start_position + seq.num_new_tokens
+            if seq.spec_token_ids:  # processed before the next schedule (the engine sees to it)
+                request.num_output_placeholders -= 1
+                end = self._accept_drafts(request, seq, runner_output)
+                with_new_token.append(request)
+            elif seq.sample:
                 request.num_output_placeholders -= 1
                 token_id = sampled.get(seq.request_id)
                 if token_id is not None:
                     request.output_token_ids.append(token_id)
                     with_new_token.append(request)
-            end = seq.start_position + seq.num_new_tokens
             if request.status == running and end // block_size != seq.start_position // block_size:
                 kv.cache_full_blocks(request)  # its tokens are all known now; later steps run after it
         return with_new_token
+
+    # ---------------------------------------------------------------- speculative decoding
+    def _fit_drafts(
+        self, request: Request, spec: list[int], num_new: int, budget: int, max_num_tokens: int
+    ) -> list[int]:
+        """The drafts this step can verify after the request's last token: none unless it is a
+        plain decode of known tokens; at most what the token budget, ``max_model_len`` and the
+        pages this model can ever hold leave room for."""
+        num_tokens = request.num_tokens
+        if num_new != 1 or request.num_output_placeholders or request.num_computed_tokens != num_tokens - 1:
+            return []
+        room = min(budget - 1, self.max_model_len - num_tokens - 1, max_num_tokens - num_tokens)
+        return spec[:room] if room > 0 else []
+
+    def _accept_drafts(self, request: Request, seq: ScheduledSequence, runner_output: RunnerOutput) -> int:
+        """Append the tokens the step emitted for a sequence with drafts (accepted drafts, then the
+        target's own token); only the accepted drafts' KV counts as computed, and the pages past
+        the tokens now known go back to the pool (the rejected drafts' slots). Returns the
+        computed-token count, which is all the prefix cache may register."""
+        tokens = runner_output.spec_token_ids[seq.request_id]
+        num_rejected = len(seq.spec_token_ids) - (len(tokens) - 1)
+        assert tokens and num_rejected >= 0, (seq.request_id, tokens, seq.spec_token_ids)
+        request.output_token_ids.extend(tokens)
+        request.num_computed_tokens = seq.start_position + seq.num_new_tokens - num_rejected
+        if request.status == RequestStatus.RUNNING:
+            self.kv_cache_manager.free_tail(request, request.num_tokens)
+        return request.num_computed_tokens
 
     # ---------------------------------------------------------------- helpers
     def _lora_fits(self, request: Request) -> bool:
@@ -468,12 +519,12 @@ class Scheduler:
         active = {r.lora_id for r in self.running if r.lora_id is not None}
         return request.lora_id in active or len(active) < self.max_loras
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, request: Request, num_new: int, spec: list[int] | tuple[()] = ()) -> ScheduledSequence:
         start = request.num_computed_tokens
         return ScheduledSequence(
             request_id=request.request_id,
             start_position=start,
-            num_new_tokens=num_new,
+            num_new_tokens=num_new + len(spec),
             block_ids=self.kv_cache_manager.block_table(request.request_id),
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
@@ -481,12 +532,14 @@ class Scheduler:
             sample=start + num_new == request.num_tokens + request.num_output_placeholders,
             pooling=request.pooling,
             lora_id=request.lora_id,
+            spec_token_ids=spec,
         )
 
     def _preempt(self, request: Request) -> None:
         """Preempt by swap where the mode and the host slots allow, else by recompute (drop its
         KV); either way it goes back to the waiting queue (FCFS position)."""
         request.num_preemptions += 1
+        request.spec_token_ids = []
         if self._swap_out(request):
             request.status = RequestStatus.SWAPPED
         else:

@@ -35,7 +35,7 @@ async def health(request: Request) -> Response:
         raise ServingError(503, "shutting down", type="ServiceUnavailableError")
     if state.ready:
         return Response(status_code=200)
-    raise ServingError(503, state.load_error or "loading models", type="ServiceUnavailableError")
+    raise ServingError(503, state.not_ready_reason or "loading models", type="ServiceUnavailableError")
 
 
 @router.get("/metrics")

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qserve.engine.async_engine import AsyncEngine
+from qserve.engine.async_engine import AsyncEngine, EngineDeadError
 from qserve.server import admin, chat, completions, lora_routes, models, route_support, tokenize
 from qserve.server.app_state import AppState
 from qserve.server.body_gate import BodyGate
@@ -37,6 +37,7 @@ from qserve.server.cors import CorsConfig, add_cors
 from qserve.server.drain import FLUSH_TIMEOUT_S, DrainMiddleware
 from qserve.server.embeddings import add_embedding_routes
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
+from qserve.server.internal_errors import InternalErrors
 from qserve.server.playground import add_offline_docs, add_playground
 from qserve.server.protocol import ErrorInfo, ErrorResponse
 from qserve.server.request_context import RequestIdMiddleware
@@ -187,6 +188,8 @@ def create_app(
                 return False
         return _bearer_matches(header, state.api_key)
 
+    # Innermost: a route's unexpected exception is answered here (500) without closing the connection.
+    app.add_middleware(InternalErrors, respond=lambda err: error_response(500, f"internal error: {type(err).__name__}"))
     # Inside the guard (key and size first): caps on what a large JSON body holds, counted off the loop.
     app.add_middleware(BodyGate, respond=lambda status, message, param: error_response(status, message, param))
     app.add_middleware(
@@ -211,6 +214,10 @@ def create_app(
     @app.exception_handler(ServingError)
     async def _serving_error(_: Request, err: ServingError) -> JSONResponse:
         return error_response(err.status, err.message, err.param, headers=err.headers, type=err.type)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:  # e.g. the engine core died
+        return error_response(503, str(err) or "the engine is not running", type="ServiceUnavailableError")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:

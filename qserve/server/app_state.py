@@ -57,3 +57,9 @@ class AppState:
     @property
     def ready(self) -> bool:
         return self.host is not None and self.serving is not None and self.host.is_running
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why the server cannot serve, when it is known: the models did not load, or the engine
+        died (``dead_reason``: the engine core's own process is gone)."""
+        return self.load_error or getattr(self.host, "dead_reason", None)

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from qserve.engine.async_engine import AsyncEngine
 from qserve.outputs import RequestOutput
+from qserve.server.spec_metrics import SpecDecodeCollector
 from qserve.server.swap_metrics import SwapCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -251,6 +252,7 @@ class ServerMetrics:
         )
         self.registry.register(_HostCollector(host))
         self.registry.register(SwapCollector(host))  # swap preemption's series
+        self.registry.register(SpecDecodeCollector(host))  # speculative decoding's (models that speculate)
 
     # RequestListener --------------------------------------------------------------
     def on_first_token(self, model: str, seconds: float, num_prompt_tokens: int) -> None:

@@ -33,7 +33,7 @@ def serving(request: Request) -> OpenAIServing:
     """Dependency: the ``OpenAIServing`` of a ready server; 503 (Retry-After) while loading."""
     state = app_state(request)
     if not state.ready or state.serving is None:
-        message = state.load_error or "the server is still loading its models"
+        message = state.not_ready_reason or "the server is still loading its models"
         raise ServingError(503, message, type="ServiceUnavailableError", headers={"Retry-After": "1"})
     return state.serving
 

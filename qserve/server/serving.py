@@ -63,7 +63,7 @@ from qserve.server.request_limits import (
     check_text,
     clip,
 )
-from qserve.server.structured import ConstraintError, constraint_of
+from qserve.server.structured import ConstraintError, constraint_off_loop
 from qserve.server.tokenizing import PromptTokenizer
 from qserve.server.tools import (
     KEEP_SPECIAL_TOKENS,
@@ -76,7 +76,7 @@ from qserve.server.tools import (
     plan_tools,
     template_message,
 )
-from qserve.structured.gate import GrammarBusy, GrammarGate
+from qserve.structured.gate import RETRY_AFTER_S, GrammarBusy, GrammarGate
 from qserve.structured.grammar import GrammarError
 from qserve.structured.limits import LimitError, check_logit_bias
 from qserve.structured.params import StructuredOutputsParams
@@ -352,10 +352,10 @@ class OpenAIServing:
             )
 
     @staticmethod
-    def _constraint(request: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    async def _constraint(request: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
         OpenAIServing._refuse_unimplemented(request)
         try:
-            return constraint_of(request)
+            return await constraint_off_loop(request)
         except ConstraintError as err:
             raise bad_request(str(err), err.field) from err
 
@@ -369,8 +369,9 @@ class OpenAIServing:
             await model.grammar_gate.compile(constraint, field or "structured_outputs")
         except GrammarError as err:
             raise bad_request(str(err), err.field) from err
-        except GrammarBusy as err:
-            raise ServingError(503, str(err), type="ServiceUnavailableError", param=field) from err
+        except GrammarBusy as err:  # not the request's fault: tell the client when to come back
+            retry = {"Retry-After": str(RETRY_AFTER_S)}
+            raise ServingError(503, str(err), type="ServiceUnavailableError", param=field, headers=retry) from err
 
     def close(self) -> None:
         """Shutdown: kill running grammar compiles (requests waiting on them get 503)."""
@@ -528,7 +529,7 @@ class OpenAIServing:
         self._check_queue(model.host_name, num_sequences)
         prompts = await self._completion_prompts(model, request)
         logprobs = request.logprobs
-        constraint, constraint_field = self._constraint(request)
+        constraint, constraint_field = await self._constraint(request)
         if prompt_only and constraint is not None:
             raise bad_request("max_tokens=0 generates nothing to constrain", constraint_field)
         params = self._sampling_params(
@@ -687,7 +688,7 @@ class OpenAIServing:
                 yield sse(usage_chunk)
         except Exception as err:  # noqa: BLE001 - report in-stream; the HTTP status is already sent
             logger.exception("completion stream %s failed", base_id)
-            yield sse(ServingError(500, str(err), type="InternalServerError").to_response())
+            yield sse(_stream_error(err).to_response())
         finally:
             stream.abort()
         yield sse("[DONE]")
@@ -742,7 +743,7 @@ class OpenAIServing:
             raise bad_request(str(err), err.field) from err
         if tools.mode == "auto" and model.tool_parser in KEEP_SPECIAL_TOKENS:
             request.skip_special_tokens = False  # the call marker is a special token (as vLLM does)
-        constraint, constraint_field = self._constraint(request)
+        constraint, constraint_field = await self._constraint(request)
         if tools.constraint is not None:
             if constraint is not None:
                 raise bad_request(
@@ -879,7 +880,7 @@ class OpenAIServing:
                 )
         except Exception as err:  # noqa: BLE001 - report in-stream; the HTTP status is already sent
             logger.exception("chat stream %s failed", base_id)
-            yield sse(ServingError(500, str(err), type="InternalServerError").to_response())
+            yield sse(_stream_error(err).to_response())
         finally:
             stream.abort()
         yield sse("[DONE]")
@@ -957,6 +958,14 @@ class _ToolStream:
             if arguments:
                 deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments)))
         return deltas
+
+
+def _stream_error(err: Exception) -> ServingError:
+    """The error event that ends a stream: 503 if the engine is gone (its core process died),
+    else 500."""
+    if isinstance(err, EngineDeadError):
+        return ServingError(503, str(err), type="ServiceUnavailableError")
+    return ServingError(500, str(err), type="InternalServerError")
 
 
 def _grammar_gate(engine: Any) -> GrammarGate | None:

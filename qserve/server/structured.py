@@ -10,15 +10,21 @@ value must match it (``qserve.structured.satisfiable``). Must not know: the gram
 (``qserve.structured.grammar`` compiles), HTTP.
 
 ``constraint_of(request)`` returns ``(params, field)`` where ``field`` is the request field to
-name in a 400 when the grammar does not compile.
+name in a 400 when the grammar does not compile. ``constraint_off_loop(request)`` is the same
+for a coroutine: a request carrying a JSON schema is checked on threads of this module's own,
+because ``jsonschema``'s meta-schema check is pure Python and slow on large schemas (5,000
+properties, under every limit: about 1 s on a loaded 2-core CPU, which on the event loop held
+``/health`` for as long); in a thread it gives the GIL back every few ms and the loop answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from qserve.server.protocol import SamplingFields
 from qserve.structured import limits
+from qserve.structured.gate import DaemonThreads
 from qserve.structured.params import StructuredOutputsParams
 from qserve.structured.satisfiable import why_unsatisfiable
 
@@ -102,6 +108,25 @@ def constraint_of(request: SamplingFields) -> tuple[StructuredOutputsParams | No
             f"give one structured-output constraint, not several: {', '.join(f for _, f in found)}", found[1][1]
         )
     return found[0] if found else (None, None)
+
+
+SCHEMA_CHECK_THREADS = 2  # schema checks at once (all models); more requests wait their turn
+_check_threads: DaemonThreads | None = None
+
+
+async def constraint_off_loop(
+    request: SamplingFields,
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """``constraint_of(request)``, off the event loop when the request carries a JSON schema
+    (daemon threads: a process exit never waits on a check)."""
+    global _check_threads
+    so = request.structured_outputs
+    fmt = request.response_format
+    if request.guided_json is None and (so is None or so.json_ is None) and (fmt is None or fmt.type != "json_schema"):
+        return constraint_of(request)  # nothing slow to check
+    if _check_threads is None:
+        _check_threads = DaemonThreads(SCHEMA_CHECK_THREADS, "qserve-schema-check")
+    return await asyncio.wrap_future(_check_threads.submit(lambda: constraint_of(request)))
 
 
 def _make(field: str, **kwargs: Any) -> StructuredOutputsParams:

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
 from qserve.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIModel
+from qserve.server.request_limits import RequestLimitError, check_text
 from qserve.server.route_support import serving
 from qserve.server.serving import OpenAIServing, ServedModel, ServingError, bad_request
 
@@ -65,6 +66,10 @@ def _served_model(s: OpenAIServing, name: str | None) -> ServedModel:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, s: OpenAIServing = Depends(serving)) -> TokenizeResponse:  # noqa: B008
+    try:
+        check_text(body)  # a lone surrogate is a 400 naming the field, as on the completion routes
+    except RequestLimitError as err:
+        raise bad_request(str(err), err.param) from err
     model = _served_model(s, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")

@@ -4,7 +4,9 @@ killed, then the real compile on threads of its own.
 Knows: the order of the steps and what each costs. (1) ``check_constraint``: the documented
 limits and satisfiability, microseconds to milliseconds. (2) The compiled-grammar cache
 (``GrammarCompiler.cached``): a hit ends here. (3) A recent refusal of the same constraint
-(a small LRU): answered again at once, so a repeated pathological request costs nothing. (4)
+(a small LRU): answered again at once, so a repeated pathological request costs nothing; a
+refusal for time is forgotten after ``TIMEOUT_REFUSAL_TTL_S``, because how long a compile takes
+depends on the machine's load at the time, while a compile error is the constraint's own. (4)
 ``CompilePool.check``: the constraint compiled in a child process under ``COMPILE_TIMEOUT_S``,
 killed on timeout, on cancellation (the client left) or on ``close()`` (shutdown). (5) The
 compile in this process (the engine samples with the grammar, and a serialized grammar is
@@ -21,6 +23,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -33,13 +36,15 @@ logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2  # in-process compiles at once per model
 REFUSED_CACHE_SIZE = 256  # constraints recently refused (compile error or timeout), answered again at once
+TIMEOUT_REFUSAL_TTL_S = 60.0  # a timed-out constraint is compiled again after this (its time depends on load)
+RETRY_AFTER_S = 5  # what a 503 for busy compile slots tells the client (the compile timeout is 10 s)
 
 
 class GrammarBusy(Exception):
     """No compile could start in time, or the server is shutting down (a 503, not the request's fault)."""
 
 
-class _DaemonThreads:
+class DaemonThreads:
     """A fixed set of daemon threads running submitted calls (a process exit never waits on them)."""
 
     def __init__(self, threads: int, name: str) -> None:
@@ -70,8 +75,9 @@ class GrammarGate:
     def __init__(self, compiler: GrammarCompiler, pool: CompilePool | None = None) -> None:
         self.compiler = compiler
         self._pool = pool
-        self._threads: _DaemonThreads | None = None
-        self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._threads: DaemonThreads | None = None
+        # key -> (reason, monotonic time it expires or None: a compile error is remembered until evicted)
+        self._refused: OrderedDict[tuple[str, str], tuple[str, float | None]] = OrderedDict()
         self._closed = False
         self.num_vetted = 0  # constraints compiled in a child process first (tests, logs)
 
@@ -95,29 +101,34 @@ class GrammarGate:
             return
         refused = self._refused.get(key)
         if refused is not None:
-            self._refused.move_to_end(key)
-            raise GrammarError(f"{field}: {refused}", field)
+            reason, expires = refused
+            if expires is None or time.monotonic() < expires:
+                self._refused.move_to_end(key)
+                raise GrammarError(f"{field}: {reason}", field)
+            del self._refused[key]
         pool = self._pool_for(field)
         try:
             await pool.check(*key)
         except CompileFailed as err:
-            self._refuse(key, f"cannot compile this {key[0].replace('_', ' ')}: {err}")
-            raise GrammarError(f"{field}: {self._refused[key]}", field) from None
+            reason = self._refuse(key, f"cannot compile this {key[0].replace('_', ' ')}: {err}")
+            raise GrammarError(f"{field}: {reason}", field) from None
         except CompileTimeout:
-            self._refuse(key, f"too complex: it did not compile within {pool.timeout_s:g} s (COMPILE_TIMEOUT_S)")
-            raise GrammarError(f"{field}: {self._refused[key]}", field) from None
+            reason = f"too complex: it did not compile within {pool.timeout_s:g} s (COMPILE_TIMEOUT_S)"
+            self._refuse(key, reason, ttl_s=TIMEOUT_REFUSAL_TTL_S)
+            raise GrammarError(f"{field}: {reason}", field) from None
         except (PoolBusy, PoolClosed) as err:
             raise GrammarBusy(f"structured outputs are unavailable right now: {err}") from None
         self.num_vetted += 1
         if self._threads is None:
-            self._threads = _DaemonThreads(COMPILE_THREADS, "qserve-grammar")
+            self._threads = DaemonThreads(COMPILE_THREADS, "qserve-grammar")
         # Cancelling this await leaves the (bounded) compile running; its grammar lands in the cache.
         await asyncio.wrap_future(self._threads.submit(lambda: self.compiler.compile_checked(key, field)))
 
-    def _refuse(self, key: tuple[str, str], reason: str) -> None:
-        self._refused[key] = reason
+    def _refuse(self, key: tuple[str, str], reason: str, ttl_s: float | None = None) -> str:
+        self._refused[key] = (reason, None if ttl_s is None else time.monotonic() + ttl_s)
         while len(self._refused) > REFUSED_CACHE_SIZE:
             self._refused.popitem(last=False)
+        return reason
 
     def close(self) -> None:
         """Kill the running compiles and the compile process (shutdown); later compiles raise GrammarBusy."""

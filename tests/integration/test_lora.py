@@ -345,3 +345,10 @@ def test_moe_model_adapts_attention_and_dense_mlps_only(tmp_path) -> None:
 
     manager = LoRAManager(model, LoRAConfig(max_loras=2, max_lora_rank=8), torch.float32, torch.device("cpu"))
     assert manager.nbytes == lora_slot_bytes(config, 2, 8, torch.float32)
+
+
+def test_lora_with_speculative_decoding_is_refused() -> None:
+    from qserve.engine.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="enable_lora: .*speculative_config"):
+        EngineConfig("m", enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})

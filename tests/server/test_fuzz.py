@@ -80,8 +80,17 @@ CHAT = st.fixed_dictionaries(
         **SAMPLING,
     },
 )
-REQUEST = st.tuples(st.just("/v1/completions"), COMPLETION | ANY) | st.tuples(
-    st.just("/v1/chat/completions"), CHAT | ANY
+TOKENIZE = st.fixed_dictionaries(
+    {"model": MODEL},
+    optional={"prompt": PROMPT, "messages": st.lists(MESSAGE, max_size=2) | ANY, "add_special_tokens": SCALAR},
+)
+DETOKENIZE = st.fixed_dictionaries({"model": MODEL, "tokens": TOKEN_IDS | ANY})
+REQUEST = (
+    st.tuples(st.just("/v1/completions"), COMPLETION | ANY)
+    | st.tuples(st.just("/v1/chat/completions"), CHAT | ANY)
+    # the 2026-12-05 audit: a lone surrogate in a /tokenize prompt was a 500
+    | st.tuples(st.just("/tokenize"), TOKENIZE | ANY)
+    | st.tuples(st.just("/detokenize"), DETOKENIZE | ANY)
 )
 
 

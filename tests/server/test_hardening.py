@@ -55,6 +55,9 @@ def http(two_model_server):
             '{"model": "qwen", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"\\ud800": 1}}',
             "chat_template_kwargs.\\ud800",
         ),
+        # the 2026-12-05 audit's fuzz: /tokenize passed the surrogate to the tokenizer (a 500)
+        ("/tokenize", '{"model": "llama", "prompt": "a\\udfffb"}', "prompt"),
+        ("/tokenize", '{"model": "qwen", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
     ],
 )
 def test_lone_surrogates_are_a_400_naming_the_field_and_the_connection_survives(http, path, body, param):
@@ -63,6 +66,39 @@ def test_lone_surrogates_are_a_400_naming_the_field_and_the_connection_survives(
     ok = {"model": "llama", "prompt": "hello", "max_tokens": 2}
     for _ in range(10):  # the same keep-alive connection keeps serving
         assert http.post("/v1/completions", json=ok).status_code == 200
+
+
+def test_an_internal_error_is_a_500_and_the_keep_alive_connection_stays_usable(two_model_server, monkeypatch):
+    """uvicorn closed the connection after every 500 (Starlette raises again after answering),
+    so the client's next request on it was reset (the 2026-12-05 audit)."""
+    from qserve.server import tokenize
+
+    def broken(*args, **kwargs):
+        raise TypeError("a bug")
+
+    host, port = two_model_server.url.removeprefix("http://").split(":")
+    body = b'{"model": "llama", "prompt": "hello"}'
+    head = f"POST /tokenize HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        reader = sock.makefile("rb")
+
+        def exchange() -> tuple[int, bytes]:
+            sock.sendall(head.encode() + body)
+            status = int(reader.readline().split(b" ", 2)[1])
+            length = 0
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            return status, reader.read(length)
+
+        monkeypatch.setattr(tokenize, "_served_model", broken)
+        status, answer = exchange()
+        assert status == 500 and json.loads(answer)["error"]["message"] == "internal error: TypeError"
+        monkeypatch.undo()
+        time.sleep(0.2)  # a close by the server would have arrived by now
+        for _ in range(3):
+            status, answer = exchange()
+            assert status == 200 and json.loads(answer)["count"] >= 1
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,13 @@ RULES = [
     ("qserve/config.py", ("qserve.model",), "config reads Llama-family configs; the registry translates the rest"),
     ("qserve/model/families", ("qserve.model.registry",), "adapters take their base from model/adapter.py"),
     ("qserve/server/route_support.py", ("qserve.server.app",), "the app includes the routes, not the reverse"),
+    (
+        "qserve/engine/core",
+        ("qserve.server", "fastapi", "starlette", "uvicorn"),
+        "the engine core and its client know no HTTP (the server uses them as it uses AsyncEngine)",
+    ),
+    ("qserve/spec_decode/config.py", ("torch", "qserve.engine"), "serve checks --speculative-config before torch"),
+    ("qserve/spec_decode/ngram.py", ("torch", "qserve.engine", "qserve.runner"), "n-gram lookup is pure Python"),
 ]
 
 

@@ -95,6 +95,42 @@ def test_schemas_at_the_limits_pass():
 
 
 @pytest.mark.parametrize(
+    "fields",
+    [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+        {"guided_json": {"type": "integer"}},
+        {"guided_json": '{"type": "integer"}'},
+        {"structured_outputs": {"json": {"type": "integer"}}},
+    ],
+)
+def test_schema_checks_run_off_the_event_loop(fields, monkeypatch):
+    """jsonschema's meta-schema check is pure Python: a schema at the limits (5,000 properties)
+    took about 1 s, and on the event loop it held /health that long (the 2026-12-05 audit)."""
+    import threading
+
+    from qserve.server import structured
+    from qserve.server.protocol import CompletionRequest
+    from qserve.server.serving import OpenAIServing
+
+    seen: list[threading.Thread] = []
+    real = structured.check_json_schema
+
+    def recording(schema, field):
+        seen.append(threading.current_thread())
+        return real(schema, field)
+
+    monkeypatch.setattr(structured, "check_json_schema", recording)
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields})
+
+    async def check():
+        return await OpenAIServing._constraint(request), threading.current_thread()
+
+    (params, field), loop_thread = asyncio.run(check())
+    assert params is not None and params.json is not None and field
+    assert len(seen) == 1 and seen[0] is not loop_thread and seen[0].daemon
+
+
+@pytest.mark.parametrize(
     "schema",
     [
         {"not": {}},
@@ -271,3 +307,62 @@ def test_timeout_is_a_400_naming_the_limit_and_refusals_are_remembered(compiler)
         gate.close()
 
     asyncio.run(scenario())
+
+
+class _CountingPool:
+    """A compile process stand-in that fails every constraint the same way and counts the tries."""
+
+    timeout_s = 10.0
+
+    def __init__(self, failure: Exception) -> None:
+        self.failure = failure
+        self.calls = 0
+
+    async def check(self, *key: str) -> None:
+        self.calls += 1
+        raise self.failure
+
+
+def test_a_timeout_refusal_expires_but_a_compile_error_does_not(compiler, monkeypatch):
+    """How long a compile takes depends on the load at the time (the audit of 2026-12-05 saw a
+    grammar under the limits time out at load 9.8): a timeout is remembered for a minute, then the
+    constraint is tried again; a compile error is the constraint's own and stays refused."""
+    from qserve.structured import gate as gate_module
+    from qserve.structured.compile_pool import CompileFailed, CompileTimeout
+
+    now = [1000.0]
+    monkeypatch.setattr(gate_module.time, "monotonic", lambda: now[0])
+
+    async def tries(failure: Exception, schema: dict) -> list[int]:
+        pool = _CountingPool(failure)
+        gate = GrammarGate(compiler, pool)  # type: ignore[arg-type]
+        counts = []
+        for step in (0.0, 1.0, gate_module.TIMEOUT_REFUSAL_TTL_S + 1.0):
+            now[0] += step
+            with pytest.raises(GrammarError, match="guided_json"):
+                await gate.compile(Params(json=schema), "guided_json")
+            counts.append(pool.calls)
+        return counts
+
+    timed_out = asyncio.run(tries(CompileTimeout(), {"type": "object", "properties": {"t": {"type": "integer"}}}))
+    assert timed_out == [1, 1, 2]
+    failed = asyncio.run(tries(CompileFailed("bad"), {"type": "object", "properties": {"f": {"type": "integer"}}}))
+    assert failed == [1, 1, 1]
+
+
+def test_busy_compile_slots_answer_503_with_retry_after():
+    """No compile slot came free in time: not the request's fault, so a 503 that says when to retry."""
+    from types import SimpleNamespace
+
+    from qserve.server.serving import OpenAIServing, ServingError
+    from qserve.structured import gate as gate_module
+
+    class BusyGate:
+        async def compile(self, params: Params, field: str) -> None:
+            raise GrammarBusy("structured outputs are unavailable right now: every compile slot is busy")
+
+    model = SimpleNamespace(grammar_gate=BusyGate())
+    with pytest.raises(ServingError) as err:
+        asyncio.run(OpenAIServing._compile(model, Params(json={"type": "object"}), "response_format"))  # type: ignore[arg-type]
+    assert err.value.status == 503
+    assert err.value.headers == {"Retry-After": str(gate_module.RETRY_AFTER_S)}

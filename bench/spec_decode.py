@@ -1,0 +1,187 @@
+"""Decode speed with and without speculative decoding (n-gram), against the measured acceptance.
+
+One engine per mode on a Qwen2.5-14B-shaped random GPTQ-4bit checkpoint (``bench/e2e.py``'s
+``write_random_gptq``, written to ``--checkpoint`` if it is not there yet), greedy, at each batch
+size: B prompts are prefilled, then the time until every sequence has ``--max-tokens`` tokens
+gives decode tok/s. Two prompt kinds: ``repeat`` (a random 32-token segment four times: the
+lookup always finds drafts, and whether the model continues the pattern is measured, not
+assumed) and ``random`` (random tokens: few drafts, mostly rejected). Per row: tok/s off and on,
+the speedup, the acceptance rate (accepted / draft tokens), drafts per sequence-step and the
+steps taken. With random weights the acceptance is whatever greedy decoding of that model gives;
+the speedup is reported against it (issue 29: >= 2.0x at >= 70% acceptance with k = 4, <= 5%
+slower at 0%, >= 0.98x at batch 128 with ``disable_by_batch_size``).
+
+    python bench/spec_decode.py --out spec_decode.md                        # H200
+    python bench/spec_decode.py --draft-layers 12 --out spec_decode.md      # also a draft model: the
+                                                                            # target's first 12 layers
+    python bench/spec_decode.py --small --out /tmp/spec_decode.md           # tiny model, CPU or GPU
+
+The table goes to stdout and ``--out`` (markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from e2e import QWEN14B, SMALL, write_random_gptq  # noqa: E402
+
+from qserve import LLM, SamplingParams  # noqa: E402
+
+
+def write_draft(target: Path, path: Path, num_layers: int) -> None:
+    """A draft checkpoint that is the target's first ``num_layers`` layers plus its embeddings, final
+    norm and head (same tokenizer, same quantization): its acceptance is measured, not assumed."""
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for shard in sorted(target.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        kept = {
+            name: t
+            for name, t in tensors.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+        }
+        save_file(kept, str(path / shard.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(kept, shard.name))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (path / "config.json").write_text(json.dumps(config))
+    for other in target.iterdir():  # tokenizer and quantization files
+        if (
+            other.is_file()
+            and other.suffix != ".safetensors"
+            and other.name not in ("config.json", "model.safetensors.index.json")
+        ):
+            (path / other.name).write_bytes(other.read_bytes())
+
+
+def prompts(kind: str, batch: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "repeat":
+        return [torch.randint(3, vocab, (32,), generator=gen).tolist() * 4 for _ in range(batch)]
+    return [torch.randint(3, vocab, (128,), generator=gen).tolist() for _ in range(batch)]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_decode(llm: LLM, batch_prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, int]:
+    """Decode tok/s once the prompts are in, and the number of steps it took."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, ids in enumerate(batch_prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
+    while any(not seq.request.output_token_ids for _, seq in engine._sequences.values()):
+        engine.step()
+    done = sum(len(seq.request.output_token_ids) for _, seq in engine._sequences.values())
+    sync()
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    sync()
+    return (len(batch_prompts) * max_tokens - done) / (time.perf_counter() - start), steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--checkpoint", default="/tmp/qserve-bench/qwen14b-gptq")
+    parser.add_argument("--budget", default="24GiB")
+    parser.add_argument("--out", default="spec_decode.md")
+    parser.add_argument("--batches", default="1,32,128")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--disable-by-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=0,
+        help="also measure method draft_model with the target's first N layers as the draft (0: n-gram only)",
+    )
+    args = parser.parse_args()
+    shape = SMALL if args.small else QWEN14B
+    path = Path(args.checkpoint + ("-small" if args.small else ""))
+    if not (path / "config.json").is_file():
+        write_random_gptq(path, shape)
+    batches = [int(b) for b in args.batches.split(",")]
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+        "disable_by_batch_size": args.disable_by_batch_size,
+    }
+    modes: list[tuple[str, dict | None]] = [("off", None), ("ngram", spec)]
+    if args.draft_layers:
+        draft_path = Path(f"{path}-draft{args.draft_layers}")
+        if not (draft_path / "config.json").is_file():
+            write_draft(path, draft_path, args.draft_layers)
+        draft = {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": args.k}
+        modes.append((f"draft{args.draft_layers}", {**draft, "disable_by_batch_size": args.disable_by_batch_size}))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results: dict[tuple[str, int, str], tuple[float, int]] = {}
+    acceptance: dict[tuple[str, int, str], tuple[float, float]] = {}
+    for mode, config in modes:
+        llm = LLM(
+            str(path),
+            device=device,
+            gpu_memory_budget=args.budget if device == "cuda" else None,
+            max_num_seqs=max(256, 2 * max(batches)),  # room for drafts: a step samples <= max_num_seqs rows
+            speculative_config=config,
+        )
+        for batch in batches:  # compile / warm up every shape first
+            timed_decode(llm, prompts("random", batch, shape["vocab"], 99), 8, f"warm{batch}")
+        for kind in ("repeat", "random"):
+            for batch in batches:
+                stats = llm.engine.spec_stats
+                before = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts) if stats else None
+                batch_prompts = prompts(kind, batch, shape["vocab"], seed=batch)
+                results[(kind, batch, mode)] = timed_decode(llm, batch_prompts, args.max_tokens, f"{kind}{batch}")
+                if stats is not None:
+                    drafted = stats.num_draft_tokens - before[0]
+                    accepted = stats.num_accepted_tokens - before[1]
+                    drafts = stats.num_drafts - before[2]
+                    acceptance[(kind, batch, mode)] = (accepted / drafted if drafted else 0.0, drafted / max(drafts, 1))
+        del llm
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    lines = [
+        f"speculative decoding, {device}, {'small' if args.small else 'Qwen2.5-14B-shaped GPTQ-4bit'}, greedy, "
+        f"{args.max_tokens} tokens per sequence; configs {json.dumps([c for _, c in modes[1:]])}",
+        "",
+        "| method | prompts | batch | off tok/s | on tok/s | speedup | acceptance | drafts per draft step | steps off / on |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, _ in modes[1:]:
+        for kind in ("repeat", "random"):
+            for batch in batches:
+                off, off_steps = results[(kind, batch, "off")]
+                on, on_steps = results[(kind, batch, mode)]
+                rate, per_draft = acceptance.get((kind, batch, mode), (0.0, 0.0))
+                lines.append(
+                    f"| {mode} | {kind} | {batch} | {off:,.0f} | {on:,.0f} | {on / off:.2f}x | {rate:.0%} "
+                    f"| {per_draft:.2f} | {off_steps} / {on_steps} |"
+                )
+    text = "\n".join(lines)
+    print(text)
+    Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The engine core in its own process (opt-in): HTTP, tokenization, detokenization, stop
+strings and grammar checks stay in the front end; the core owns every hosted model's engine,
+the scheduler and the shared page pool, and talks to the front end over ZMQ in msgspec-encoded
+batches of token ids.
+
+Modules, one idea each: ``messages`` (what crosses the socket), ``core_engine`` (the core's
+``Engine``: token ids and finish reasons out, no text), ``core`` (the core process's loop),
+``output_processor`` (the front end's half of a step: text, stop strings, ``RequestOutput``s),
+``client`` (the front end's ``AsyncEngine``-shaped handle on the core process).
+
+Switch: ``QSERVE_ENABLE_MULTIPROCESSING=1`` (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``) makes
+``qserve serve`` start the core process; without it the engine runs in the server's process, as
+before. Must not know: HTTP, FastAPI, Prometheus.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENABLE_MULTIPROCESSING_ENV = "QSERVE_ENABLE_MULTIPROCESSING"
+
+
+def multiprocessing_enabled() -> bool:
+    """Is the separate engine-core process switched on (``QSERVE_ENABLE_MULTIPROCESSING=1``)?"""
+    value = os.environ.get(ENABLE_MULTIPROCESSING_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"${ENABLE_MULTIPROCESSING_ENV}={value!r}: use 1 (separate engine-core process) or 0")

@@ -1,0 +1,15 @@
+"""Speculative decoding: proposers of draft tokens and the user-facing configuration.
+
+The verify side lives where the work is done: the scheduler schedules a sequence's draft tokens
+after its last known token (``qserve.scheduler``), the runner scores every row in one forward and
+the rejection sampler (``qserve.runner.rejection_sampler``) keeps or rejects them. This package
+only knows how drafts are proposed (``ngram``: lookup in the sequence's own tokens; ``draft_model``: a
+small model driven through a ``ModelRunner`` of its own, its KV in the target's pages) and how
+``speculative_config`` is read, and when a sequence stops getting proposals (``backoff``;
+docs/spec_decode.md).
+"""
+
+from qserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from qserve.spec_decode.proposer import ProposalInput, Proposer, make_proposer
+
+__all__ = ["ProposalInput", "Proposer", "SpeculativeConfig", "make_proposer", "parse_speculative_config"]

@@ -1,0 +1,47 @@
+"""The one interface every proposer of draft tokens implements, and the factory.
+
+Knows: what a proposer is given (each sequence's token ids and how many drafts it may propose)
+and what it returns (up to that many token ids per sequence, possibly none). Must not know: the
+scheduler's queues, KV pages, sampling or how drafts are verified: a proposer only guesses; the
+target model's rejection sampling keeps the output distribution exact whatever it guesses.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from qserve.spec_decode.config import SpeculativeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ProposalInput:
+    """One sequence to propose for: its id (for per-sequence state), every token id it has
+    (prompt then outputs; shared lists, read-only) and the most drafts it may get."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    max_num_tokens: int
+    sampling_params: Any = None  # the request's (a draft model applies its penalties and logit_bias)
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def propose(self, batch: Sequence[ProposalInput]) -> list[list[int]]:
+        """Draft tokens for each input, in order (``len(result[i]) <= batch[i].max_num_tokens``)."""
+
+    def forget(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional hook
+        """Drop any state kept for these (finished) sequences."""
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of a method that needs nothing from the engine (the engine builds a draft
+    model's, which shares its page pool: ``qserve.spec_decode.draft_model``)."""
+    if config.method == "ngram":
+        from qserve.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    raise ValueError(f"speculative_config.method {config.method!r}: the engine builds its proposer")

@@ -1,0 +1,179 @@
+"""The engine core's two halves without processes or sockets (issue 27): ``CoreEngine`` (token
+ids out) and the front end's ``OutputProcessor`` (text, stop strings, logprob tokens) together
+give exactly ``Engine``'s outputs, stop strings the core cannot see included (one sequence of
+n stopping while the others go on); the messages carry every params field; the core's loop
+hands tenant weights to every scheduler."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import zmq
+
+from qserve.engine.async_engine import ModelSpec, build_engines
+from qserve.engine.core.core import CoreConfig, EngineCore
+from qserve.engine.core.core_engine import CoreEngine
+from qserve.engine.core.messages import (
+    Abort,
+    AddRequests,
+    Codec,
+    CoreRequest,
+    Outputs,
+    SetTenants,
+    params_fields,
+    request_params,
+)
+from qserve.engine.core.output_processor import OutputProcessor
+from qserve.sampling_params import SamplingParams
+from qserve.structured.params import StructuredOutputsParams
+from tests.server.conftest import host_config
+
+PROMPT = [5, 17, 9, 30, 2]
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    specs = [ModelSpec("llama", checkpoints["llama"])]
+    return build_engines(specs, host_config())["llama"], build_engines(specs, host_config(), engine_cls=CoreEngine)[
+        "llama"
+    ]
+
+
+def _in_process(engine, request_id, params):
+    engine.add_request(request_id, list(PROMPT), params)
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final = output
+    return final
+
+
+def _split(core, request_id, params):
+    processor = OutputProcessor(core.tokenizer, core.eos_token_ids, core.max_model_len)
+    processor.add(request_id, None, list(PROMPT), params)
+    core.add_request(request_id, list(PROMPT), params)
+    final = None
+    codec = Codec()
+    while core.has_unfinished_requests():
+        for sent in core.step():
+            delta = codec.decode_core(codec.encode(_wrap(sent))).models[0].outputs[0]  # through msgpack
+            processed = processor.process(delta)
+            for rid, index in processed.aborts:  # what the client sends back
+                core.abort_request(rid) if index is None else core.finish_sequence(rid, index)
+            if processed.output is not None and processed.output.finished:
+                final = processed.output
+    assert len(processor) == 0
+    return final
+
+
+def _wrap(delta):
+    from qserve.engine.core.messages import ModelOutputs
+
+    return Outputs([ModelOutputs("llama", [delta])])
+
+
+def test_outputs_equal_the_engines_including_stop_strings_the_core_cannot_see(engines):
+    engine, core = engines
+    greedy = _in_process(engine, "g", SamplingParams(max_tokens=40, temperature=0)).outputs[0]
+    text = greedy.text
+    cases = [
+        SamplingParams(max_tokens=40, temperature=0),
+        SamplingParams(max_tokens=40, temperature=0, stop=[text[10:13]], logprobs=2, prompt_logprobs=1),
+        SamplingParams(max_tokens=40, temperature=0, stop=[text[10:13]], include_stop_str_in_output=True),
+        SamplingParams(max_tokens=40, temperature=0, stop=[text[1:3]], min_tokens=6),
+        SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[greedy.token_ids[7]]),
+        # n=3 sampled: a frequent character stops some sequences while the others go on
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=3, stop=["e", "a"], logprobs=1),
+        SamplingParams(max_tokens=12, temperature=0, skip_special_tokens=False),
+        SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+    ]
+    stopped_early = 0
+    for i, params in enumerate(cases):
+        expected = _in_process(engine, f"r{i}", params)
+        got = _split(core, f"r{i}", params)
+        assert got == expected, (params, got, expected)
+        stopped_early += sum(isinstance(c.stop_reason, str) for c in got.outputs)
+        assert got.metrics["arrival_time"] <= got.metrics["first_scheduled_time"]
+    assert stopped_early >= 4  # the stop-string cases really ended on a stop string
+    assert core.block_pool.num_used_by(core.owner) == 0  # every page came back, early stops included
+
+
+def test_messages_carry_every_params_field():
+    params = SamplingParams(
+        n=2, temperature=0.5, top_k=3, seed=1, stop=["x"], stop_token_ids=[4], logprobs=1, logit_bias={7: -1.5},
+        structured_outputs=StructuredOutputsParams(json={"type": "object"}),
+    )  # fmt: skip
+    codec = Codec()
+    message = codec.decode_frontend(codec.encode(AddRequests(1, "m", [CoreRequest("a", [1], params_fields(params))])))
+    assert request_params(message.requests[0]) == params
+
+
+def test_the_core_loop_sets_tenants_refuses_bad_requests_and_compiles_grammars_off_its_loop(engines, checkpoints):
+    _, core_engine = engines
+    context = zmq.Context()
+    inbound, outbound, reader = context.socket(zmq.PULL), context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    reader.bind("inproc://out")
+    outbound.connect("inproc://out")
+    config = CoreConfig([ModelSpec("llama", checkpoints["llama"])], host_config(), "inproc://in", "inproc://out")
+    try:
+        loop = EngineCore({"llama": core_engine}, config, inbound, outbound)
+        loop._handle(SetTenants({"a": 2.0, "b": 1.0}, {"a": 1, "b": None}))  # noqa: SLF001
+        assert core_engine.scheduler.tenant_weights == {"a": 2.0, "b": 1.0}
+        assert core_engine.scheduler.tenant_max_running == {"a": 1}
+        bad = SamplingParams(max_tokens=4, logprobs=10**7)
+        loop._handle(AddRequests(5, "llama", [CoreRequest("x", [1, 2], params_fields(bad))]))  # noqa: SLF001
+        answer = Codec().decode_core(reader.recv())
+        assert answer.submit_id == 5 and answer.error == "value" and "logprobs" in answer.message
+        assert not core_engine.has_unfinished_requests()
+        # A constraint the core has not compiled: compiled off the loop, then queued; one aborted
+        # meanwhile is dropped as soon as it lands.
+        choice = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]))
+        for submit_id, request_id in ((6, "kept"), (7, "aborted")):
+            request = CoreRequest(request_id, [1, 2], params_fields(choice))
+            loop._handle(AddRequests(submit_id, "llama", [request]))  # noqa: SLF001
+        assert len(loop._compiling) == 2  # noqa: SLF001 - not queued yet: their grammar compiles
+        loop._handle(Abort("llama", "aborted"))  # noqa: SLF001
+        answers = []
+        while len(answers) < 2:
+            loop._admit_compiled()  # noqa: SLF001 - what each round of the loop does
+            while reader.poll(10):
+                answers.append(Codec().decode_core(reader.recv()))
+        assert sorted((a.submit_id, a.error) for a in answers) == [(6, None), (7, None)]
+        aborted = next(o for o in core_engine.step() if o.request_id == "aborted")
+        assert aborted.finished and aborted.sequences[0].finish_reason == "abort" and not aborted.sequences[0].token_ids
+        assert list(core_engine._groups) == ["kept"]  # noqa: SLF001
+        core_engine.abort_request("kept")
+        core_engine.step()
+        assert not core_engine.has_unfinished_requests()
+        # A front end that is gone (its process died: this one was re-parented) ends the loop at
+        # once, and with it the process and every page it held.
+        loop.parent = -1
+        started = time.monotonic()
+        loop.run()
+        assert time.monotonic() - started < 1 and not reader.poll(0)  # no Bye: nobody to say it to
+    finally:
+        core_engine.scheduler.set_tenants({}, {})
+        for sock in (inbound, outbound, reader):
+            sock.close(linger=0)
+        context.term()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--api-server-count", "2"], "1", "one front-end process so far"),
+        (["--api-server-count", "0"], "0", "must be >= 1"),
+        (["--tensor-parallel-size", "2"], "1", "--tensor-parallel-size 2 is not supported yet"),
+        ([], "maybe", "QSERVE_ENABLE_MULTIPROCESSING='maybe'"),
+    ],
+)
+def test_serve_refuses_what_the_separate_core_does_not_support(checkpoints, monkeypatch, argv, env, message):
+    from qserve.commands.serve import build_host_factory
+    from tests.server.test_serve_command import serve_args
+
+    monkeypatch.setenv("QSERVE_ENABLE_MULTIPROCESSING", env)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_host_factory(serve_args(checkpoints["llama"], "--device", "cpu", *argv))
