@@ -12,6 +12,10 @@
 # preempt (two runs of up to 2 minutes: recompute vs swap preemption on a KV pool forced small) runs only
 # when named: with it the default set would pass 10 minutes.
 # decode_pdl (decode-only e2e twice: QSERVE_ENABLE_PDL off, then on; quant_kernels.pdl) also only when named.
+# optin (only when named): what landed opt-in without a GPU run, measured: the Hopper prefill tiles
+#   (QSERVE_PREFILL_TILES=h200) through the GPU attention tests and bench/attention_prefill.py, then
+#   bench/moe.py (fused MoE vs per-expert loop vs cuBLAS grouped), bench/lora.py (kernels, then --e2e)
+#   and bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128).
 set -u
 if [[ $# -ge 1 && ( -d "$1" || "$1" == */* ) ]]; then  # the older order: OUT_DIR first
     OUT=$1
@@ -103,5 +107,19 @@ if has decode_pdl; then
         QSERVE_ENABLE_PDL=$pdl timeout 150 python3 bench/e2e.py --skip small,capacity,offline --tmp /tmp/qbe \
             --out "$OUT/decode_pdl$pdl.md" 2>&1 | grep -v USDT | tail -8
     done
+fi
+if has optin; then
+    stage "opt-in Hopper prefill tiles: GPU attention tests, then the prefill benchmark"
+    QSERVE_PREFILL_TILES=h200 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
+        tests/kernels/test_attention.py tests/kernels/test_attention_int4.py > "$OUT/optin_tiles_tests.txt" 2>&1
+    tail -1 "$OUT/optin_tiles_tests.txt"
+    QSERVE_PREFILL_TILES=h200 timeout 150 python3 bench/attention_prefill.py --out "$OUT/optin_prefill.md" 2>&1 | tail -8
+    stage "fused MoE W4A16 (QSERVE_FUSED_MOE) against the per-expert loop and cuBLAS grouped"
+    timeout 200 python3 bench/moe.py --out "$OUT/moe.md" 2>&1 | grep -v USDT | tail -10
+    stage "LoRA shrink/expand kernels, then decode with 1/8/32 adapters"
+    timeout 120 python3 bench/lora.py --out "$OUT/lora.md" 2>&1 | grep -v USDT | tail -8
+    timeout 240 python3 bench/lora.py --e2e --out "$OUT/lora_e2e.md" 2>&1 | grep -v USDT | tail -8
+    stage "speculative decoding: n-gram and a 12-layer self-draft"
+    timeout 240 python3 bench/spec_decode.py --draft-layers 12 --out "$OUT/spec_decode.md" 2>&1 | grep -v USDT | tail -10
 fi
 stage done
