@@ -342,3 +342,13 @@ def test_gpu_ops_under_cuda_graph() -> None:
         )
         for got, ref in zip(outs, want):
             assert_matches(got, ref)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is the CPU path")
+def test_triton_language_itself_is_interpreted():
+    """``tl.cdiv`` and the other ``triton.language`` helpers were defined under TRITON_INTERPRET:
+    when something imported triton before it was set, every kernel calling them failed."""
+    triton = pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(triton.language.cdiv, InterpretedFunction), type(triton.language.cdiv)

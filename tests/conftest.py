@@ -1,7 +1,12 @@
-"""Kernel-test setup: on a machine without CUDA, run Triton kernels through the interpreter.
+"""Test setup: on a machine without CUDA, Triton kernels run through the interpreter.
 
-TRITON_INTERPRET must be set before any ``@triton.jit`` function is defined, i.e. before
-``quant_kernels.w4a16_triton`` is imported; pytest loads this file before the test modules.
+TRITON_INTERPRET must be set before any ``@triton.jit`` function is defined — ours, and
+``triton.language``'s own (``tl.cdiv`` is one): a library that imports triton at import time
+(peft does) defines those while pytest collects the test modules. So this is the root conftest,
+which pytest loads before it collects anything; in ``tests/kernels/conftest.py`` it came after
+``tests/integration/test_lora_peft.py`` had been collected, and every interpreted kernel calling
+``tl.cdiv`` failed ("Cannot call @triton.jit'd outside of the scope of a kernel"). The variable
+changes nothing else on CPU: the engine runs Triton only on CUDA devices.
 
 Triton 3.6's interpreter turns a scalar into a Python int with ``int(array_of_shape_(1,))``,
 which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted"), so every loop with
