@@ -201,6 +201,44 @@ class HostedModel:
         return self.engine.scheduler.num_running
 
 
+class KVEventFeed:
+    """The hosted models' KV-cache events: one recorder per distinct page pool, drained after
+    every step and published (best effort: a router's index must not stop serving). Step thread only."""
+
+    def __init__(self, models: Mapping[str, HostedModel], publisher: KVEventPublisher) -> None:
+        self.publisher = publisher
+        self._recorders: list[KVEventRecorder] = []
+        self._model_of_owner = {hosted.engine.owner: name for name, hosted in models.items()}
+        for hosted in models.values():
+            pool = hosted.engine.block_pool
+            if pool.kv_events is None:
+                pool.kv_events = KVEventRecorder()
+                self._recorders.append(pool.kv_events)
+
+    def publish_pending(self) -> None:
+        for recorder in self._recorders:
+            events = recorder.take()
+            if events:
+                try:
+                    self.publisher.publish(events, self._model_of_owner)
+                except Exception:  # noqa: BLE001 - a router's index is best effort; keep serving
+                    logger.exception("publishing %d KV events failed", len(events))
+
+
+def abort_model(hosted: HostedModel) -> list[str]:
+    """A model whose step failed: abort its active requests and flush the aborts (their pages come
+    back); returns their ids, for the error each of them gets."""
+    request_ids = list(hosted.active)
+    hosted.active.clear()
+    for request_id in request_ids:
+        hosted.engine.abort_request(request_id)
+    try:
+        hosted.engine.step()  # flushes the aborts, freeing pages
+    except Exception:  # noqa: BLE001
+        logger.exception("could not flush aborts of model %s", hosted.name)
+    return request_ids
+
+
 class OutputStream:
     """The outputs of one submission (one or more engine requests), in arrival order.
 
@@ -279,14 +317,7 @@ class AsyncEngine:
         # KV-cache events (prefix-aware routing): one recorder per distinct page pool, drained
         # and published by the step thread after every step.
         self.kv_events = kv_events
-        self._kv_recorders: list[KVEventRecorder] = []
-        self._model_of_owner = {hosted.engine.owner: name for name, hosted in self.models.items()}
-        if kv_events is not None:
-            for hosted in self.models.values():
-                pool = hosted.engine.block_pool
-                if pool.kv_events is None:
-                    pool.kv_events = KVEventRecorder()
-                    self._kv_recorders.append(pool.kv_events)
+        self._kv_feed = KVEventFeed(self.models, kv_events) if kv_events is not None else None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -495,33 +526,16 @@ class AsyncEngine:
         if step_tokens is not None and self.listener is not None and hasattr(self.listener, "on_step"):
             for num_tokens in step_tokens():
                 self._call_in_loop(self.listener.on_step, hosted.name, num_tokens)
-        if self.kv_events is not None:
-            self._publish_kv_events()
+        if self._kv_feed is not None:
+            self._kv_feed.publish_pending()
         for output in outputs:
             if output.finished:
                 hosted.active.discard(output.request_id)
         if outputs:
             self._publish(hosted.name, outputs)
 
-    def _publish_kv_events(self) -> None:
-        assert self.kv_events is not None
-        for recorder in self._kv_recorders:
-            events = recorder.take()
-            if events:
-                try:
-                    self.kv_events.publish(events, self._model_of_owner)
-                except Exception:  # noqa: BLE001 - a router's index is best effort; keep serving
-                    logger.exception("publishing %d KV events failed", len(events))
-
     def _fail_model(self, hosted: HostedModel, err: Exception) -> None:
-        request_ids = list(hosted.active)
-        hosted.active.clear()
-        for request_id in request_ids:
-            hosted.engine.abort_request(request_id)
-        try:
-            hosted.engine.step()  # flushes the aborts, freeing pages
-        except Exception:  # noqa: BLE001
-            logger.exception("could not flush aborts of model %s", hosted.name)
+        request_ids = abort_model(hosted)
         error = RuntimeError(f"model {hosted.name!r} failed: {err}")
         self._call_in_loop(self._deliver_error, hosted.name, request_ids, error)
 

@@ -37,9 +37,11 @@ from qserve.engine.async_engine import (
     EngineDeadError,
     HostConfig,
     HostedModel,
+    KVEventFeed,
     KVEventPublisher,
     ModelSpec,
     QueueFullError,
+    abort_model,
     build_engines,
 )
 from qserve.engine.core.core_engine import CoreEngine
@@ -61,7 +63,6 @@ from qserve.engine.core.messages import (
     request_params,
 )
 from qserve.engine.kv_events import KVEventsConfig, ZmqKVEventPublisher
-from qserve.scheduler.kv_events import KVEventRecorder
 from qserve.spec_decode.metrics import stats_entries
 
 logger = logging.getLogger(__name__)
@@ -114,14 +115,7 @@ class EngineCore:
         self._was_busy = False
         # KV-cache events (as AsyncEngine): one recorder per distinct page pool, published after every step.
         self.kv_events = kv_events
-        self._kv_recorders: list[KVEventRecorder] = []
-        self._model_of_owner = {hosted.engine.owner: name for name, hosted in self.models.items()}
-        if kv_events is not None:
-            for hosted in self.models.values():
-                pool = hosted.engine.block_pool
-                if pool.kv_events is None:
-                    pool.kv_events = KVEventRecorder()
-                    self._kv_recorders.append(pool.kv_events)
+        self._kv_feed = KVEventFeed(self.models, kv_events) if kv_events is not None else None
 
     # ------------------------------------------------------------------ handshake
     def ready(self) -> Ready:
@@ -329,8 +323,8 @@ class EngineCore:
                 finished = True
                 hosted.active.discard(output.request_id)
         step_tokens = hosted.engine.take_step_tokens()
-        if self.kv_events is not None:
-            self._publish_kv_events()
+        if self._kv_feed is not None:
+            self._kv_feed.publish_pending()
         now = time.monotonic()
         stats = None
         # With a finished request, the numbers that no longer count it travel with its last output.
@@ -340,25 +334,8 @@ class EngineCore:
         if outputs or step_tokens or stats is not None:
             self._send(Outputs([ModelOutputs(hosted.name, outputs, step_tokens)], stats))
 
-    def _publish_kv_events(self) -> None:
-        assert self.kv_events is not None
-        for recorder in self._kv_recorders:
-            events = recorder.take()
-            if events:
-                try:
-                    self.kv_events.publish(events, self._model_of_owner)
-                except Exception:  # noqa: BLE001 - a router's index is best effort; keep serving
-                    logger.exception("publishing %d KV events failed", len(events))
-
     def _fail_model(self, hosted: HostedModel, err: Exception) -> None:
-        request_ids = list(hosted.active)
-        hosted.active.clear()
-        for request_id in request_ids:
-            hosted.engine.abort_request(request_id)
-        try:
-            hosted.engine.step()  # flushes the aborts, freeing pages
-        except Exception:  # noqa: BLE001
-            logger.exception("could not flush aborts of model %s", hosted.name)
+        request_ids = abort_model(hosted)
         self._send(ModelFailed(hosted.name, request_ids, f"model {hosted.name!r} failed: {err}"))
 
     def _abort_all(self) -> None:
