@@ -89,8 +89,8 @@ def main() -> None:
     global BATCHES, CONTEXTS
     if args.tiny:
         BATCHES, CONTEXTS = [1, 2], [64, 160]
-    if DEVICE == "cpu":  # Triton 3.6's interpreter vs NumPy >= 2.4 (see tests/kernels/conftest.py)
-        from tests.kernels.conftest import _fix_interpreter_index
+    if DEVICE == "cpu":  # Triton 3.6's interpreter vs NumPy >= 2.4 (see tests/conftest.py)
+        from tests.conftest import _fix_interpreter_index
 
         _fix_interpreter_index()
     torch.manual_seed(0)

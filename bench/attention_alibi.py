@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU: TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if DEVICE == "cpu":  # the interpreter needs the same fixes as the kernel tests
-        from tests.kernels.conftest import _fix_interpreter_index, _fix_interpreter_mask_dtype
+        from tests.conftest import _fix_interpreter_index, _fix_interpreter_mask_dtype
 
         _fix_interpreter_index()
         _fix_interpreter_mask_dtype()

@@ -76,7 +76,7 @@ def main() -> None:
     batches, contexts = ([1, 32, 128], [448, 1024, 4096]) if not args.tiny else ([1, 2], [48])
     heads = HEADS if not args.tiny else {"tiny 4/4": (4, 4)}
     if DEVICE == "cpu":
-        from tests.kernels.conftest import _fix_interpreter_index
+        from tests.conftest import _fix_interpreter_index
 
         _fix_interpreter_index()
     torch.manual_seed(0)

@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="smoke run at tiny sizes (CPU: TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if DEVICE == "cpu":
-        from tests.kernels.conftest import _fix_interpreter_index
+        from tests.conftest import _fix_interpreter_index
 
         _fix_interpreter_index()
     shapes = TINY if args.tiny else SHAPES

@@ -198,8 +198,8 @@ def main() -> None:
     if args.tiny:
         HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE, MAX_POSITIONS = 200, 4, 2, 16, 300, 64
         tokens = [1, 3]
-    if DEVICE == "cpu":  # Triton 3.6's interpreter vs NumPy >= 2.4 (see tests/kernels/conftest.py)
-        from tests.kernels.conftest import _fix_interpreter_index
+    if DEVICE == "cpu":  # Triton 3.6's interpreter vs NumPy >= 2.4 (see tests/conftest.py)
+        from tests.conftest import _fix_interpreter_index
 
         _fix_interpreter_index()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
