@@ -6,6 +6,10 @@
 # QSERVE_ENABLE_MULTIPROCESSING=1: the engine core in its own process (issue 27). PROFILE_S=30: py-spy
 # records the server (and its core process) for that long during the Poisson run; summary in
 # $OUT/pyspy_summary.txt (bench/pyspy_summary.py).
+# TOKENIZER=full (default since 2026-12-05, issue 27): a tokenizer under which every one of the 152,064
+# ids is text, so every step sends an SSE chunk per sequence (bench/full_vocab_tokenizer.py), as with a
+# real checkpoint's tokenizer; TOKENIZER=synthetic: the tests' small tokenizer (most ids decode to
+# nothing), the case of the runs recorded before that date.
 set -euo pipefail
 OUT=${1:?usage: serving_http.sh OUT_DIR [CHECKPOINT_DIR]}
 CKPT=${2:-/tmp/qb}
@@ -15,7 +19,13 @@ mkdir -p "$OUT"
 if [ ! -f "$CKPT/tokenizer_config.json" ]; then
     python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_random_gptq; write_random_gptq(Path('$CKPT'), QWEN14B)"
 fi
-python3 -m qserve.cli --log-level INFO serve qb="$CKPT" --gpu-memory-budget 24GiB --max-model-len 4096 --port "$PORT" \
+TOKENIZER=${TOKENIZER:-full}
+SERVED=$CKPT
+if [ "$TOKENIZER" = full ]; then
+    SERVED=$(python3 bench/full_vocab_tokenizer.py "$CKPT" "${CKPT%/}-fullvocab")
+fi
+echo "tokenizer: $TOKENIZER ($SERVED)" | tee "$OUT/tokenizer.txt"
+python3 -m qserve.cli --log-level INFO serve qb="$SERVED" --gpu-memory-budget 24GiB --max-model-len 4096 --port "$PORT" \
     > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
