@@ -23,6 +23,7 @@ from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import column_shard, row_shard, split_evenly, vocab_shard
 from qserve.layers.linear import Linear, LinearMethod
 from quant_kernels.layout import PackedQuantWeight
+from quant_kernels.lora_ops import LoRAIndices
 
 
 class ColumnParallelLinear(Linear):
@@ -107,7 +108,11 @@ class RowParallelLinear(Linear):
             shard = dataclasses.replace(shard, perm=None)
         super().load_weight(shard_id, shard)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, K/tp] -> [num_tokens, N]
+    def forward(
+        self, x: torch.Tensor, lora: LoRAIndices | None = None
+    ) -> torch.Tensor:  # [num_tokens, K/tp] -> [num_tokens, N]
+        if lora is not None:  # the engine refuses enable_lora with tensor parallelism
+            raise NotImplementedError(f"{self.prefix}: LoRA adapters under tensor parallelism")
         if self.input_index is not None:
             x = x.index_select(-1, self.input_index)  # [num_tokens, K_pad]
         out = self.tp.all_reduce(self.method.apply(self, x).contiguous())

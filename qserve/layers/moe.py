@@ -18,6 +18,7 @@ from torch import nn
 
 from quant_kernels import moe_ops, moe_reference
 from quant_kernels.layout import PackedQuantWeight
+from quant_kernels.lora_ops import LoRAIndices
 from quant_kernels.moe_layout import StackedQuantWeight
 
 
@@ -129,7 +130,9 @@ class SparseMoeBlock(nn.Module):
     # Forward
     # ------------------------------------------------------------------------------------------
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(self, hidden: torch.Tensor, lora: LoRAIndices | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
+        """``lora``: the step's adapter rows, taken as every MLP takes them; routed and shared experts
+        hold no LoRA slots (``qserve.lora.slots.lora_targets``), so the block's output is the base one."""
         router_logits = F.linear(hidden, self.gate.weight)  # [T, E], in the model dtype as in transformers
         topk_weights, topk_ids = moe_reference.select_experts(router_logits, self.top_k, self.renormalize)
         if self.prepared is None:

@@ -113,7 +113,7 @@ class Attention(nn.Module):
         lora: LoRAIndices | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden, lora) if lora is not None else self.qkv_proj(hidden)  # [T, (H + 2 * Hkv) * D]
+        qkv = self.qkv_proj(hidden, lora)  # [num_tokens, (H + 2 * Hkv) * D]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -125,9 +125,7 @@ class Attention(nn.Module):
         if rotary is not None:  # None: ALiBi models
             query, key = rotary(positions, query, key, metadata.ntk_tables)
         out = self.attn(query, key, value, kv_cache, metadata)  # [num_tokens, H, D]
-        if lora is not None:
-            return self.o_proj(out.reshape(num_tokens, q_size), lora)
-        return self.o_proj(out.reshape(num_tokens, q_size))
+        return self.o_proj(out.reshape(num_tokens, q_size), lora)
 
 
 def _rotary(config: ModelConfig) -> RotaryEmbedding:
@@ -221,11 +219,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, lora: LoRAIndices | None = None) -> torch.Tensor:  # [T, hidden]
-        if lora is not None:  # LoRA rows in this step (qserve.lora); the base path is unchanged below
-            gate_up = self.gate_up_proj(hidden, lora)
-            return self.down_proj(elementwise_ops.silu_and_mul(gate_up), lora)
-        gate_up = self.gate_up_proj(hidden)  # [num_tokens, 2 * intermediate (this rank's)]
-        return self.down_proj(elementwise_ops.silu_and_mul(gate_up))
+        gate_up = self.gate_up_proj(hidden, lora)  # [num_tokens, 2 * intermediate (this rank's)]
+        return self.down_proj(elementwise_ops.silu_and_mul(gate_up), lora)
 
 
 def _moe_block(
@@ -305,7 +300,7 @@ class DecoderLayer(nn.Module):
         if self.post_self_attn_layernorm is not None:
             attn_out = self.post_self_attn_layernorm(attn_out)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        mlp_out = self.mlp(normed) if lora is None else self.mlp(normed, lora)  # an MoE block takes no LoRA
+        mlp_out = self.mlp(normed, lora)
         if self.post_mlp_layernorm is not None:
             mlp_out = self.post_mlp_layernorm(mlp_out)
         return mlp_out, residual

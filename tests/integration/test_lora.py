@@ -347,6 +347,26 @@ def test_moe_model_adapts_attention_and_dense_mlps_only(tmp_path) -> None:
     assert manager.nbytes == lora_slot_bytes(config, 2, 8, torch.float32)
 
 
+def test_moe_model_generates_with_an_adapter_as_the_merged_reference(tmp_path) -> None:
+    """A step with adapter rows on a mixture-of-experts model: every MLP takes the step's LoRA rows
+    (the MoE block passed them to no expert; it once refused the argument: TypeError at the first
+    adapter step). Greedy tokens and prompt logprobs equal the oracle with the adapter merged."""
+    from tests.helpers.moe_models import moe_oracle, save_moe
+
+    oracle = moe_oracle("Qwen3MoeForCausalLM", seed=3).float().eval()
+    path = save_moe(oracle, tmp_path / "moe")
+    shapes = projection_shapes(64, 96, 4, 2, 16)
+    written = write_peft_adapter(tmp_path / "ad", shapes, 2, targets=("q_proj", "v_proj", "o_proj"), rank=4, alpha=8)
+    merged = moe_oracle("Qwen3MoeForCausalLM", seed=3).float().eval()
+    merged.load_state_dict(merged_state_dict(oracle.state_dict(), written))
+    llm = LLM(str(path), device="cpu", dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=32)
+    prompt = PROMPTS[2]
+    out = llm.generate({"prompt_token_ids": prompt}, PARAMS, lora_request=LoRARequest("ad", 1, str(tmp_path / "ad")))
+    want_lp, want_tokens = _reference(merged, prompt, PARAMS.max_tokens)
+    assert out[0].outputs[0].token_ids == want_tokens
+    assert max(abs(a - b) for a, b in zip(_prompt_lp(out[0]), want_lp)) < 2e-4
+
+
 def test_lora_with_speculative_decoding_is_refused() -> None:
     from qserve.engine.engine import EngineConfig
 
