@@ -55,7 +55,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from qserve.request import Request, RequestStatus
 from qserve.scheduler.kv_cache_manager import KVCacheManager
@@ -155,15 +155,22 @@ class Scheduler:
             counts[request.tenant] = counts.get(request.tenant, 0) + 1
         return counts
 
-    def _next_waiting(self, running: dict[str | None, int]) -> Request | None:
+    def _next_waiting(
+        self, running: dict[str | None, int], admissible: Callable[[Request], bool] | None = None
+    ) -> Request | None:
         """The oldest waiting request of the tenant with the fewest running sequences per weight
-        (tenants at their seat cap skipped); plain FCFS without tenants."""
+        (tenants at their seat cap skipped); plain FCFS without tenants. ``admissible``: requests it
+        refuses are passed over (LoRA: an adapter without a free slot), the ones behind them may go."""
         if not self.tenant_weights:
-            return self.waiting.peek()
+            if admissible is None:
+                return self.waiting.peek()
+            return next((request for request in self.waiting if admissible(request)), None)
         best: Request | None = None
         best_key: tuple[float, int] | None = None
         seen: set[str | None] = set()
         for request in self.waiting:
+            if admissible is not None and not admissible(request):
+                continue
             tenant = request.tenant
             if tenant in seen:
                 continue
@@ -355,13 +362,9 @@ class Scheduler:
             watermark_share = math.ceil(self.watermark * kv.max_num_blocks)
             running_by_tenant = self._running_by_tenant() if self.tenant_weights else {}
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self._next_waiting(running_by_tenant)
+                request = self._next_waiting(running_by_tenant, self._lora_fit())
                 if request is None:
-                    break  # every waiting tenant is at its seat cap
-                if self.max_loras is not None and not self._lora_fits(request):
-                    request = next((r for r in self.waiting if self._lora_fits(r)), None)
-                    if request is None:
-                        break  # every waiting request needs an adapter slot the running ones hold
+                    break  # every waiting tenant is at its seat cap, or needs an adapter slot the running hold
                 if request.num_output_placeholders:
                     break  # preempted while its last step was in flight: its token lands after this step
                 if request.num_tokens > max_num_tokens:  # more blocks than this model can ever hold
@@ -512,12 +515,14 @@ class Scheduler:
         return request.num_computed_tokens
 
     # ---------------------------------------------------------------- helpers
-    def _lora_fits(self, request: Request) -> bool:
-        """Admitting it keeps the running requests' distinct adapters within ``max_loras``."""
-        if request.lora_id is None:
-            return True
+    def _lora_fit(self) -> Callable[[Request], bool] | None:
+        """Whether admitting a request keeps the running requests' distinct adapters within
+        ``max_loras`` (None: LoRA is off, every request fits)."""
+        if self.max_loras is None:
+            return None
         active = {r.lora_id for r in self.running if r.lora_id is not None}
-        return request.lora_id in active or len(active) < self.max_loras
+        free = len(active) < self.max_loras
+        return lambda request: request.lora_id is None or free or request.lora_id in active
 
     def _scheduled(self, request: Request, num_new: int, spec: list[int] | tuple[()] = ()) -> ScheduledSequence:
         start = request.num_computed_tokens

@@ -40,3 +40,19 @@ def test_prefix_cache_never_crosses_adapters() -> None:
         probe = _on(make_request(rid, prompt), lora)
         assert kv.get_computed_blocks(probe)[1] == hit, rid
     assert sched._scheduled(first, 1).lora_id == 1  # noqa: SLF001
+
+
+def test_passing_over_an_adapter_keeps_tenant_seat_caps() -> None:
+    """A waiting request held back for an adapter slot lets the ones behind it go, but only those
+    the tenant pick allows: a tenant at its seat cap stays at it."""
+    sched, _ = make_scheduler(num_blocks=64)
+    sched.max_loras = 1
+    sched.set_tenants({"a": 1.0, "b": 1.0}, {"a": 1})
+    for i, (tenant, lora) in enumerate([("a", None), ("b", 1), ("b", 2), ("a", None), ("b", None)]):
+        request = _on(make_request(f"r{i}", [10 + i] * 5, arrival_index=i), lora)
+        request.tenant = tenant
+        sched.add_request(request)
+    out = step(sched)
+    # r0 (a) and r1 (b, adapter 1) run; r2 waits for a slot; r3 is a's second (cap 1); r4 goes
+    assert sorted(scheduled(out)) == ["r0", "r1", "r4"]
+    assert sched.get_request("r3").status == RequestStatus.WAITING
