@@ -12,10 +12,15 @@
 # preempt (two runs of up to 2 minutes: recompute vs swap preemption on a KV pool forced small) runs only
 # when named: with it the default set would pass 10 minutes.
 # decode_pdl (decode-only e2e twice: QSERVE_ENABLE_PDL off, then on; quant_kernels.pdl) also only when named.
-# optin (only when named): what landed opt-in without a GPU run, measured: the Hopper prefill tiles
-#   (QSERVE_PREFILL_TILES=h200) through the GPU attention tests and bench/attention_prefill.py, then
-#   bench/moe.py (fused MoE vs per-expert loop vs cuBLAS grouped), bench/lora.py (kernels, then --e2e)
-#   and bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128).
+# optin (only when named): what landed opt-in without a GPU run, measured, as four stages that can also be
+#   named alone (with them all the set passes 10 minutes: split it over two calls):
+#   optin_tiles  the Hopper prefill tiles (QSERVE_PREFILL_TILES=h200): GPU attention tests, bench/attention_prefill.py
+#   optin_moe    bench/moe.py (fused MoE vs per-expert loop vs cuBLAS grouped)
+#   optin_lora   bench/lora.py (kernels, then --e2e)
+#   optin_spec   bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128)
+# core (only when named; needs the server's wheels): bench/serving_http.sh with the engine core in-process,
+#   then in its own process (QSERVE_ENABLE_MULTIPROCESSING=1), each run's folder packed into one .tgz
+#   (the device call returns at most 8 files).
 set -u
 if [[ $# -ge 1 && ( -d "$1" || "$1" == */* ) ]]; then  # the older order: OUT_DIR first
     OUT=$1
@@ -26,6 +31,7 @@ else
 fi
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
+[[ ",$STAGES," == *",optin,"* ]] && STAGES="$STAGES,optin_tiles,optin_moe,optin_lora,optin_spec"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 stage() { echo "=== $1 ($(date +%T))"; }
 
@@ -53,7 +59,7 @@ if has smoke; then
     timeout 150 python3 bench/e2e.py --skip small,offline,capacity --decode-batches 1,128 --tmp /tmp/qbe \
         --out "$OUT/smoke_e2e.md" 2>&1 | grep -v USDT | tail -6
 fi
-if [[ "$STAGES" =~ (http|overlap|profile|serving|preempt) ]]; then
+if [[ "$STAGES" =~ (http|overlap|profile|serving|preempt|core) ]]; then
     # One Qwen2.5-14B-shaped random GPTQ-4bit checkpoint for the stages below (~10 s).
     python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_random_gptq; write_random_gptq(Path('/tmp/qb'), QWEN14B)"
 fi
@@ -108,18 +114,33 @@ if has decode_pdl; then
             --out "$OUT/decode_pdl$pdl.md" 2>&1 | grep -v USDT | tail -8
     done
 fi
-if has optin; then
+if has optin_tiles; then
     stage "opt-in Hopper prefill tiles: GPU attention tests, then the prefill benchmark"
     QSERVE_PREFILL_TILES=h200 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
         tests/kernels/test_attention.py tests/kernels/test_attention_int4.py > "$OUT/optin_tiles_tests.txt" 2>&1
     tail -1 "$OUT/optin_tiles_tests.txt"
     QSERVE_PREFILL_TILES=h200 timeout 150 python3 bench/attention_prefill.py --out "$OUT/optin_prefill.md" 2>&1 | tail -8
+fi
+if has optin_moe; then
     stage "fused MoE W4A16 (QSERVE_FUSED_MOE) against the per-expert loop and cuBLAS grouped"
     timeout 200 python3 bench/moe.py --out "$OUT/moe.md" 2>&1 | grep -v USDT | tail -10
+fi
+if has optin_lora; then
     stage "LoRA shrink/expand kernels, then decode with 1/8/32 adapters"
     timeout 120 python3 bench/lora.py --out "$OUT/lora.md" 2>&1 | grep -v USDT | tail -8
     timeout 240 python3 bench/lora.py --e2e --out "$OUT/lora_e2e.md" 2>&1 | grep -v USDT | tail -8
+fi
+if has optin_spec; then
     stage "speculative decoding: n-gram and a 12-layer self-draft"
     timeout 240 python3 bench/spec_decode.py --draft-layers 12 --out "$OUT/spec_decode.md" 2>&1 | grep -v USDT | tail -10
+fi
+if has core; then
+    for mp in 0 1; do
+        stage "qserve bench against qserve serve, full-vocabulary tokenizer, QSERVE_ENABLE_MULTIPROCESSING=$mp"
+        QSERVE_ENABLE_MULTIPROCESSING=$mp timeout 250 bash bench/serving_http.sh "/tmp/http_mp$mp" /tmp/qb \
+            > "/tmp/http_mp$mp.txt" 2>&1
+        echo "exit code $?"; tail -14 "/tmp/http_mp$mp.txt"
+        mv "/tmp/http_mp$mp.txt" "/tmp/http_mp$mp/"; tar -czf "$OUT/http_mp$mp.tgz" -C /tmp "http_mp$mp"
+    done
 fi
 stage done
