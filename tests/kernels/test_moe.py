@@ -111,7 +111,16 @@ def test_fused_moe_qwen3_30b_shapes_on_gpu(num_tokens, dtype):
     x, weights, ids = routing(num_tokens, num_experts, top_k, hidden, dtype, seed=num_tokens, device="cuda")
     expected = moe_reference.fused_moe_w4a16(x.float(), _as_f32(w13), _as_f32(w2), weights, ids)
     out = moe_triton.fused_moe_w4a16(x, w13, w2, weights, ids)
-    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    if dtype == torch.float16:
+        torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    else:
+        # bf16 keeps 8 mantissa bits: the dequantized weights (MMA operands), the SiLU-and-mul
+        # intermediate and each pair's row are rounded to it, so ~1.5% of outputs (|y| up to ~40)
+        # land 0.03-0.17 off the fp32 reference (seen on the H200). Emulating those roundings on the
+        # CPU gives a relative norm error of 0.0037; a lost expert or a wrong scale gives > 0.1.
+        error = out.float() - expected
+        assert float(error.norm() / expected.norm()) < 1.5e-2
+        assert float(error.abs().max()) < 2e-2 * float(expected.abs().max())
 
 
 def test_per_expert_loop_matches_reference():
