@@ -3,6 +3,7 @@
 # --gpu-memory-budget 24GiB, as users run it. First-request TTFT (the warm-up request on a fresh
 # server), concurrency 1 and 16, then Poisson 16 req/s; JSON + PNG per run in OUT_DIR.
 #   PYTHONPATH=. bash bench/serving_http.sh "$OUT" [/tmp/qb]
+# CONCURRENCY (default 1,16): the --max-concurrency list of the first run.
 # QSERVE_ENABLE_MULTIPROCESSING=1: the engine core in its own process (issue 27). PROFILE_S=30: py-spy
 # records the server (and its core process) for that long during the Poisson run; summary in
 # $OUT/pyspy_summary.txt (bench/pyspy_summary.py).
@@ -37,7 +38,7 @@ done
 # the workload of the recorded runs (qserve bench's own defaults are sized for the CPU demo)
 COMMON=(--port "$PORT" --ignore-eos --vocab-size 152064 --disable-tqdm --result-dir "$OUT"
     --random-input-len 256 --random-output-len 256 --random-max-len 2048)
-python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 48 --max-concurrency 1,16 --result-filename concurrency.json
+python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 48 --max-concurrency "${CONCURRENCY:-1,16}" --result-filename concurrency.json
 PROFILER=
 if [ -n "${PROFILE_S:-}" ]; then
     py-spy record -s -t -r 100 -d "$PROFILE_S" -p "$SERVER" -f raw -o "$OUT/pyspy.txt" --nonblocking \
