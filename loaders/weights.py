@@ -13,7 +13,7 @@ Yields ``(module_prefix, PackedQuantWeight)`` for every quantized Linear, e.g.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,15 +224,23 @@ def _check_headers(
 
 
 def iter_weights(
-    path: str | Path, spec: CheckpointSpec | None = None, view: CheckpointView | None = None
+    path: str | Path,
+    spec: CheckpointSpec | None = None,
+    view: CheckpointView | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | PackedQuantWeight]]:
-    """Stream every weight of the checkpoint in on-disk order (see the module docstring)."""
+    """Stream every weight of the checkpoint in on-disk order (see the module docstring).
+
+    ``keep``: a weight whose yielded name (module prefix or tensor name) it rejects is not read
+    at all (an expert-parallel rank skips the other ranks' experts)."""
     plan = plan_checkpoint(path, spec, view)
     files, spec = plan.files, plan.spec
     main_to_module = {main: module for module, main in plan.quantized.items()}
     order = sorted(files.names(), key=lambda n: (str(files.infos[n].file), files.infos[n].begin))
     try:
         for name in order:
+            if keep is not None and not keep(main_to_module.get(name, name)):
+                continue
             if name in main_to_module:
                 module = main_to_module[name]
                 quant = spec.module_quant(module)

@@ -49,6 +49,9 @@ class PreparedExperts:
     gate_up_list: list[Any] = field(default_factory=list)
     down_list: list[Any] = field(default_factory=list)
     fused: bool = False
+    # Expert parallelism: these are one rank's experts, and ``moe_experts`` may get the sentinel id
+    # ``num_experts`` (``moe_reference.local_expert_ids``) for pairs routed to another rank's.
+    skip_foreign: bool = False
 
     @property
     def graph_safe(self) -> bool:
@@ -73,26 +76,34 @@ class PreparedExperts:
 
 
 def prepare_experts(
-    gate_up: torch.Tensor | StackedQuantWeight, down: torch.Tensor | StackedQuantWeight
+    gate_up: torch.Tensor | StackedQuantWeight,
+    down: torch.Tensor | StackedQuantWeight,
+    skip_foreign: bool = False,
 ) -> PreparedExperts:
-    """Turn one layer's loaded experts (on their device) into what ``moe_experts`` consumes."""
+    """Turn one layer's loaded experts (on their device) into what ``moe_experts`` consumes;
+    ``skip_foreign``: they are one rank's share of the layer's experts (expert parallelism)."""
     if isinstance(gate_up, torch.Tensor):
-        return PreparedExperts("dense", gate_up.shape[0], down.shape[-1], gate_up=gate_up, down=down)
+        return PreparedExperts(
+            "dense", gate_up.shape[0], down.shape[-1], gate_up=gate_up, down=down, skip_foreign=skip_foreign
+        )
     num_experts, inter = gate_up.num_experts, down.in_features
     device = gate_up.qweight.device
     if not kdevice.triton_serves(device):
-        return PreparedExperts("stacked", num_experts, inter, gate_up=gate_up, down=down)
+        return PreparedExperts("stacked", num_experts, inter, gate_up=gate_up, down=down, skip_foreign=skip_foreign)
     if fused_moe_requested():
         from quant_kernels import moe_triton  # noqa: PLC0415
 
         if moe_triton.supports(gate_up) and moe_triton.supports(down):
-            return PreparedExperts("stacked", num_experts, inter, gate_up=gate_up, down=down, fused=True)
+            return PreparedExperts(
+                "stacked", num_experts, inter, gate_up=gate_up, down=down, fused=True, skip_foreign=skip_foreign
+            )
     return PreparedExperts(
         "per_expert",
         num_experts,
         inter,
         gate_up_list=[ops.prepare_w4a16(gate_up.expert(e)) for e in range(num_experts)],
         down_list=[ops.prepare_w4a16(down.expert(e)) for e in range(num_experts)],
+        skip_foreign=skip_foreign,
     )
 
 
@@ -102,13 +113,16 @@ def moe_experts(
     topk_weights: torch.Tensor,  # float32 [T, k]
     topk_ids: torch.Tensor,  # int32 [T, k]
 ) -> torch.Tensor:  # [T, H]
-    """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` with the implementation ``prepared`` chose."""
+    """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` with the implementation ``prepared`` chose;
+    pairs whose id is ``prepared.num_experts`` (another rank's expert) add nothing."""
     if prepared.kind == "dense":
         return moe_reference.fused_moe_dense(x, prepared.gate_up, prepared.down, topk_weights, topk_ids)
     if prepared.kind == "stacked" and prepared.fused and kdevice.triton_serves(x.device):
         from quant_kernels import moe_triton  # noqa: PLC0415
 
-        return moe_triton.fused_moe_w4a16(x, prepared.gate_up, prepared.down, topk_weights, topk_ids)
+        return moe_triton.fused_moe_w4a16(
+            x, prepared.gate_up, prepared.down, topk_weights, topk_ids, skip_foreign=prepared.skip_foreign
+        )
     if prepared.kind == "stacked":
         return moe_reference.fused_moe_w4a16(x, prepared.gate_up, prepared.down, topk_weights, topk_ids)
 
@@ -116,4 +130,4 @@ def moe_experts(
         gate_up = ops.w4a16_linear(xe, prepared.gate_up_list[expert])  # [c, 2I]
         return ops.w4a16_linear(elementwise_ops.silu_and_mul(gate_up), prepared.down_list[expert])
 
-    return moe_reference.moe_loop(x, topk_weights, topk_ids, mlp)
+    return moe_reference.moe_loop(x, topk_weights, topk_ids, mlp, prepared.num_experts)

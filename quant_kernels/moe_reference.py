@@ -39,10 +39,24 @@ def select_experts(
     return weights, ids.to(torch.int32)
 
 
+def local_expert_ids(
+    topk_ids: torch.Tensor,  # int [T, k], global expert ids
+    expert_start: int,
+    num_local_experts: int,
+) -> torch.Tensor:  # int32 [T, k]
+    """Expert parallelism: the ids of a rank holding experts ``[expert_start, +num_local_experts)``
+    as indices into its own stack; a pair routed to another rank's expert gets the sentinel
+    ``num_local_experts``, which every op here skips (it contributes zero on this rank)."""
+    local = topk_ids.to(torch.int32) - expert_start  # [T, k]
+    foreign = (local < 0) | (local >= num_local_experts)
+    return torch.where(foreign, num_local_experts, local)
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor,  # int [T, k]
     num_experts: int,
     block_m: int,
+    skip_foreign: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the ``T * k`` (token, slot) pairs by expert into groups padded to ``block_m`` rows.
 
@@ -53,15 +67,20 @@ def moe_align_block_size(
     rows in use. ``max_padded = T*k + min(T*k, E) * (block_m - 1)`` rounded up to ``block_m``:
     known from the shapes alone, so the whole sort is torch ops on the device with no host sync
     (CUDA-graph safe: bincount would sync, so counts come from ``scatter_add``).
+
+    ``skip_foreign`` (expert parallelism): ids may also be the sentinel ``num_experts`` of
+    ``local_expert_ids``; those pairs sort into one more group placed after every expert's, past
+    ``num_padded``, so no block computes them.
     """
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)  # [n]
     num_pairs = flat.numel()
-    max_padded = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    num_groups = num_experts + 1 if skip_foreign else num_experts  # the sentinel's group last
+    max_padded = num_pairs + min(num_pairs, num_groups) * (block_m - 1)
     max_padded = -(-max_padded // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+    counts = torch.zeros(num_groups, dtype=torch.int64, device=device).scatter_add_(
         0, flat, torch.ones_like(flat)
-    )  # [E]
+    )  # [E (+1)]
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     ends = torch.cumsum(padded, 0)  # [E]
     starts = ends - padded  # [E]
@@ -73,7 +92,7 @@ def moe_align_block_size(
     sorted_ids[starts[expert_of] + rank] = order.to(torch.int32)
     block_starts = torch.arange(0, max_padded, block_m, device=device)  # [num_blocks]
     expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp(max=num_experts - 1).to(torch.int32)
-    num_padded = ends[-1:].to(torch.int32)  # [1]
+    num_padded = ends[num_experts - 1 : num_experts].to(torch.int32)  # [1]: the sentinel's group lies past it
     return sorted_ids, expert_ids, num_padded
 
 
@@ -85,9 +104,11 @@ def moe_loop(
     topk_weights: torch.Tensor,  # float [T, k]
     topk_ids: torch.Tensor,  # int [T, k]
     expert_mlp: ExpertMLP,
+    num_experts: int | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Per hit expert: its tokens through ``expert_mlp``, times their routing weight, added into
-    the output in ascending expert order. One host sync (which experts are hit)."""
+    the output in ascending expert order. One host sync (which experts are hit). Pairs whose id
+    is ``num_experts`` or more (``local_expert_ids``' sentinel: another rank's expert) are skipped."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
     order = torch.argsort(flat, stable=True)  # [T*k]
@@ -97,6 +118,8 @@ def moe_loop(
     for expert, count in zip(hit.tolist(), counts.tolist()):
         pairs = order[start : start + count]  # [c]: flat (token, slot) indices
         start += count
+        if num_experts is not None and expert >= num_experts:
+            break  # the sentinel sorts last
         tokens = pairs // top_k  # [c]
         y = expert_mlp(expert, x[tokens])  # [c, H]
         y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
@@ -118,7 +141,7 @@ def fused_moe_w4a16(
         gate_up = reference.w4a16_matmul(xe, w_gate_up.expert(expert))  # [c, 2I]
         return reference.w4a16_matmul(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down.expert(expert))
 
-    return moe_loop(x, topk_weights, topk_ids, mlp)
+    return moe_loop(x, topk_weights, topk_ids, mlp, w_gate_up.num_experts)
 
 
 def fused_moe_dense(
@@ -135,4 +158,4 @@ def fused_moe_dense(
         gate_up = F.linear(xe, w_gate_up[expert])  # [c, 2I]
         return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down[expert])
 
-    return moe_loop(x, topk_weights, topk_ids, mlp)
+    return moe_loop(x, topk_weights, topk_ids, mlp, w_gate_up.shape[0])

@@ -215,20 +215,26 @@ def fused_moe_w4a16(
     topk_weights: torch.Tensor,  # float [T, k]
     topk_ids: torch.Tensor,  # int [T, k]
     config: MoEConfig | None = None,
+    skip_foreign: bool = False,
 ) -> torch.Tensor:  # [T, H]
     """Same signature and result as ``moe_reference.fused_moe_w4a16``; two launches plus the
-    torch-op token sort and the k-way sum, with no host sync."""
+    torch-op token sort and the k-way sum, with no host sync. ``skip_foreign`` (expert
+    parallelism): ids equal to ``num_experts`` (another rank's experts) are sorted past the
+    computed blocks and their output rows stay zero."""
     num_tokens, top_k = topk_ids.shape
     hidden, inter = x.shape[1], w_down.in_features
     config = config or default_config(num_tokens, top_k, w_gate_up.num_experts)
-    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, w_gate_up.num_experts, config.block_m)
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(
+        topk_ids, w_gate_up.num_experts, config.block_m, skip_foreign
+    )
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     x = x.contiguous()
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # [T*k, I]
     _launch(x, w_gate_up, act, inter, inter, weights, sorted_ids, expert_ids, num_padded, num_pairs, top_k,
             True, False, config)  # fmt: skip
-    out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # [T*k, H]
+    alloc = torch.zeros if skip_foreign else torch.empty  # a skipped pair's row is never written
+    out = alloc((num_pairs, hidden), dtype=x.dtype, device=x.device)  # [T*k, H]
     _launch(act, w_down, out, hidden, 0, weights, sorted_ids, expert_ids, num_padded, num_pairs, 1,
             False, True, config)  # fmt: skip
     return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -40,6 +40,11 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="shard the model over this many processes (one per GPU; gloo processes on CPU)",
     )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a MoE model's routed experts: whole experts per rank instead of a slice of each (vLLM's flag)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")

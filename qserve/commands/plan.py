@@ -33,6 +33,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", default=None, help="card size, to resolve a fractional budget (e.g. 24GiB)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="plan one rank of this many")
+    parser.add_argument(
+        "--enable-expert-parallel", action="store_true", help="a MoE model: each rank holds whole experts (E / N)"
+    )
     parser.add_argument("--enable-lora", action="store_true", help="set aside LoRA adapter slots (qserve serve's flag)")
     parser.add_argument("--max-loras", type=int, default=1, help="adapter slots on the device (with --enable-lora)")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the rank the slots are sized for")
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     total = parse_memory_budget(args.device_memory) if args.device_memory else None
     if total is None and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
-    weights = weight_bytes(config, spec, dtype, args.tensor_parallel_size)
+    weights = weight_bytes(config, spec, dtype, args.tensor_parallel_size, args.enable_expert_parallel)
     draft_bytes = 0
     if speculative is not None and speculative.method == "draft_model":  # loaded beside the target
         draft_bytes = weight_bytes(read_model_config(speculative.model), loaders.detect(speculative.model), dtype, 1)
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         lora_bytes=lora_slot_bytes(config, args.max_loras, args.max_lora_rank, dtype) if args.enable_lora else 0,
     )
     if args.json:

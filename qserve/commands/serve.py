@@ -124,6 +124,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="shard the one served model over this many processes, one per GPU (cuda:0..N-1; "
         "gloo processes on CPU); CUDA graphs are not captured above 1",
     )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture-of-experts model's routed experts: whole experts per rank (contiguous blocks) instead of "
+        "a slice of every expert (vLLM's flag; attention and dense layers stay tensor-parallel)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     # ---- playground and tool calling (issue 18)
     parser.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /")
@@ -491,6 +497,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         max_cpu_loras=getattr(args, "max_cpu_loras", None),
         speculative_config=speculative_config,
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
     )
 
     def kv_events(engines: dict) -> object | None:

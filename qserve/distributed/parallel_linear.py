@@ -80,6 +80,10 @@ class RowParallelLinear(Linear):
     input once per call, and the method holds the weight without perm — a plain grouped
     ``PackedQuantWeight`` of ``weight_in_features = K_pad`` rows, which the reference op and the
     Triton kernels serve as they are (the padding's repeated input index never reaches them).
+
+    ``reduce_results=False`` (vLLM's name) returns the rank's partial product instead, for a
+    caller that all-reduces a sum of such partials once (a MoE block's shared expert and routed
+    experts); a bias is then added on rank 0 only, so the sum holds it once.
     """
 
     def __init__(
@@ -92,11 +96,13 @@ class RowParallelLinear(Linear):
         method: LinearMethod,
         prefix: str,
         tp: TPGroup,
+        reduce_results: bool = True,
     ) -> None:
         k_local = split_evenly(in_features, tp.size, f"{prefix}: input size K")
         super().__init__(k_local, output_sizes, bias=bias, params_dtype=params_dtype, method=method, prefix=prefix)
         self.full_in_features = in_features
         self.tp = tp
+        self.reduce_results = reduce_results
         self.weight_in_features = k_local  # rows the method's weight has (K_pad for act-order)
         self.register_buffer("input_index", None, persistent=False)  # int64 [K_pad] act-order only
 
@@ -115,8 +121,10 @@ class RowParallelLinear(Linear):
             raise NotImplementedError(f"{self.prefix}: LoRA adapters under tensor parallelism")
         if self.input_index is not None:
             x = x.index_select(-1, self.input_index)  # [num_tokens, K_pad]
-        out = self.tp.all_reduce(self.method.apply(self, x).contiguous())
-        if self.bias is not None:
+        out = self.method.apply(self, x)  # [num_tokens, N]: this rank's partial product
+        if self.reduce_results:
+            out = self.tp.all_reduce(out.contiguous())
+        if self.bias is not None and (self.reduce_results or self.tp.is_driver):
             out = out + self.bias
         return out
 
@@ -190,11 +198,13 @@ def column_linear(
     return ColumnParallelLinear(in_features, output_sizes, shard_slices=shard_slices, tp=tp, **kwargs)
 
 
-def row_linear(in_features: int, output_sizes: list[int], *, tp: TPGroup | None, **kwargs) -> Linear:
-    """A ``Linear`` (``tp`` None) or a ``RowParallelLinear``."""
+def row_linear(
+    in_features: int, output_sizes: list[int], *, tp: TPGroup | None, reduce_results: bool = True, **kwargs
+) -> Linear:
+    """A ``Linear`` (``tp`` None) or a ``RowParallelLinear`` (``reduce_results``: see there)."""
     if tp is None:
         return Linear(in_features, output_sizes, **kwargs)
-    return RowParallelLinear(in_features, output_sizes, tp=tp, **kwargs)
+    return RowParallelLinear(in_features, output_sizes, tp=tp, reduce_results=reduce_results, **kwargs)
 
 
 def vocab_embedding(vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TPGroup | None) -> nn.Module:

@@ -25,6 +25,11 @@ Rules (shared/docs/formats.md §5.3, P3, P4):
 * KV heads: split when ``num_kv_heads >= tp``; otherwise replicated, rank ``r`` uses KV head
   ``r // (tp / num_kv_heads)`` (formats.md §5.3, vLLM's rule).
 * Vocabulary: rank ``r`` owns ids ``[r*chunk, min((r+1)*chunk, V))`` with ``chunk = ceil(V/tp)``.
+* Routed experts of a MoE layer (``ExpertShard``; the router is replicated): with expert
+  parallelism (vLLM's ``enable_expert_parallel``) rank ``r`` holds whole experts
+  ``[r*E/tp, (r+1)*E/tp)`` (contiguous blocks: expert ``e`` lives on rank ``e // (E/tp)``);
+  without it every rank holds every expert, each split like a dense MLP (gate / up
+  column-parallel, down row-parallel over the expert's intermediate size).
 """
 
 from __future__ import annotations
@@ -90,18 +95,96 @@ def vocab_shard(vocab_size: int, rank: int, size: int) -> tuple[int, int, int]:
     return start, min(chunk, vocab_size - start), chunk
 
 
-def per_rank_config(config: ModelConfig, tp_size: int) -> ModelConfig:
+def per_rank_config(config: ModelConfig, tp_size: int, enable_expert_parallel: bool = False) -> ModelConfig:
     """``config`` with the per-rank head and intermediate counts (sizes of one rank's KV cache,
-    activations and attention); vocabulary and hidden size stay global. tp_size 1: unchanged."""
+    activations and attention); vocabulary, hidden size and the number of experts (every rank
+    routes over all of them) stay global. A MoE model's shared expert is split like a dense MLP,
+    its routed experts' ``moe_intermediate_size`` unless ``enable_expert_parallel`` (whole
+    experts per rank; ``expert_shard`` checks the expert count). tp_size 1: unchanged."""
     if tp_size == 1:
         return config
     shard = attention_shard(config.num_heads, config.num_kv_heads, 0, tp_size)
+    moe = {}
+    if config.moe_layers:
+        experts = expert_shard(config.num_experts, config.moe_intermediate_size, 0, tp_size, enable_expert_parallel)
+        moe = {
+            "moe_intermediate_size": experts.intermediate_size,
+            "shared_expert_intermediate_size": split_evenly(
+                config.shared_expert_intermediate_size, tp_size, "shared_expert_intermediate_size"
+            ),
+        }
     return dataclasses.replace(
         config,
         num_heads=shard.num_heads,
         num_kv_heads=shard.num_kv_heads,
         intermediate_size=split_evenly(config.intermediate_size, tp_size, "intermediate_size"),
+        **moe,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Routed experts: whole experts per rank (expert parallel) or every expert split
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertShard:
+    """The routed experts of one MoE layer a rank holds: experts ``[expert_start,
+    +num_local_experts)`` of ``num_experts``, each one's intermediate rows ``[intermediate_start,
+    +intermediate_size)`` of ``full_intermediate_size``."""
+
+    expert_parallel: bool
+    num_experts: int
+    expert_start: int
+    num_local_experts: int
+    full_intermediate_size: int
+    intermediate_start: int
+    intermediate_size: int
+
+    def holds(self, expert: int) -> bool:
+        return self.expert_start <= expert < self.expert_start + self.num_local_experts
+
+
+def expert_shard(num_experts: int, intermediate_size: int, rank: int, size: int, expert_parallel: bool) -> ExpertShard:
+    """Rank ``rank``'s routed experts (see ``ExpertShard``); an uneven split is refused by name."""
+    if expert_parallel:
+        if num_experts % size:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by tensor_parallel_size={size}: expert parallelism "
+                "(--enable-expert-parallel) gives every rank the same number of whole experts; use a tensor_parallel_size "
+                "that divides num_experts, or leave expert parallelism off (each expert split across ranks)"
+            )
+        local = num_experts // size
+        return ExpertShard(True, num_experts, rank * local, local, intermediate_size, 0, intermediate_size)
+    if intermediate_size % size:
+        raise ValueError(
+            f"moe_intermediate_size={intermediate_size} is not divisible by tensor_parallel_size={size}: without "
+            "expert parallelism every expert is split across the ranks; use --enable-expert-parallel (whole experts "
+            "per rank) or another tensor_parallel_size"
+        )
+    inter = intermediate_size // size
+    return ExpertShard(False, num_experts, 0, num_experts, intermediate_size, rank * inter, inter)
+
+
+def expert_weight_shard(weight: Weight, proj: int, shard: ExpertShard, rank: int, size: int, name: str) -> Weight:
+    """The rank's part of one held expert's gate (``proj`` 0) / up (1) / down (2) weight: the
+    whole weight with expert parallelism, else the gate / up output rows or the down input rows
+    of ``shard``'s intermediate slice. A split act-order down is refused (its padded groups
+    differ per expert, which one stacked tensor cannot hold)."""
+    if shard.expert_parallel:
+        return weight
+    full, start, local = shard.full_intermediate_size, shard.intermediate_start, shard.intermediate_size
+    if proj < 2:
+        return column_shard(weight, start, local, full, name)
+    if isinstance(weight, PackedQuantWeight) and weight.perm is not None:
+        raise ValueError(
+            f"{name}: an act-order (desc_act) expert down projection cannot be split over tensor_parallel_size={size}; "
+            "use --enable-expert-parallel (whole experts per rank)"
+        )
+    try:
+        return row_shard(weight, rank, size, full, name)
+    except ValueError as err:
+        raise ValueError(f"{err}; or use --enable-expert-parallel (whole experts per rank)") from err
 
 
 # ----------------------------------------------------------------------------------------------

@@ -671,6 +671,7 @@ class HostConfig:
     max_cpu_loras: int | None = None
     # Speculative decoding for every hosted model (EngineConfig.speculative_config); None: off.
     speculative_config: Any = None
+    enable_expert_parallel: bool = False  # a tensor-parallel MoE model: whole experts per rank
 
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
@@ -804,6 +805,7 @@ def build_tensor_parallel_engine(
         gpu_memory_budget=config.gpu_memory_budget,
         kv_cache_dtype=config.kv_cache_dtype,
         enforce_eager=config.enforce_eager,
+        enable_expert_parallel=config.enable_expert_parallel,
     )
     handle = launch_engine(engine_config, tensor_parallel_size)
     engine = handle.engine

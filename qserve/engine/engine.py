@@ -154,6 +154,9 @@ class EngineConfig:
     # Speculative decoding (vLLM's speculative_config: a dict, JSON string or SpeculativeConfig;
     # stored parsed). None: off, and every step runs exactly as without it (docs/spec_decode.md).
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Mixture-of-experts models under tensor parallelism (vLLM's name): each rank holds whole routed
+    # experts (a contiguous block) instead of a slice of every expert. No effect at one rank.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
@@ -292,13 +295,17 @@ class Engine:
         self.device = resolve_device(config.device)
         model_config = read_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
-        self.model, self.model_config = load_model(config.model, self.dtype, self.device, tp=tp)
+        self.model, self.model_config = load_model(
+            config.model, self.dtype, self.device, tp=tp, enable_expert_parallel=config.enable_expert_parallel
+        )
         spec = config.speculative_config
         # A draft model loads before the memory plan, so the pages it leaves are what is left.
         self._draft = (
             None if spec is None or spec.method != "draft_model" else load_model(spec.model, self.dtype, self.device)
         )
-        rank_config = per_rank_config(self.model_config, 1 if tp is None else tp.size)  # this rank's heads
+        rank_config = per_rank_config(  # this rank's heads (and expert widths)
+            self.model_config, 1 if tp is None else tp.size, config.enable_expert_parallel
+        )
         self.lora_manager = None
         if config.enable_lora:
             if tp is not None:
@@ -567,7 +574,11 @@ class Engine:
         else:
             total = None
             weights = weight_bytes(
-                self.model_config, loaders.detect(self.config.model), self.dtype, self._tensor_parallel_size
+                self.model_config,
+                loaders.detect(self.config.model),
+                self.dtype,
+                self._tensor_parallel_size,
+                self.config.enable_expert_parallel,
             )
             if self._draft is not None:
                 draft_path = self.config.speculative_config.model
@@ -586,6 +597,7 @@ class Engine:
             activation_bytes=activation_bytes or None,
             tensor_parallel_size=self._tensor_parallel_size,
             lora_bytes=lora_bytes,
+            enable_expert_parallel=self.config.enable_expert_parallel,
         )
 
     # ------------------------------------------------------------------------------------------

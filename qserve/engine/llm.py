@@ -50,6 +50,7 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        enable_expert_parallel: bool = False,
     ) -> None:
         config = EngineConfig(
             model=resolve_model_path(str(model), revision),  # a Hub id (org/name): its cached snapshot
@@ -75,6 +76,7 @@ class LLM:
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
             speculative_config=speculative_config,
+            enable_expert_parallel=enable_expert_parallel,
         )
         # tensor_parallel_size > 1: this process is rank 0 and drives; the other ranks are
         # spawned processes (qserve.engine.tensor_parallel), stopped by shutdown() or at exit.
@@ -83,6 +85,8 @@ class LLM:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         check_tensor_parallel_preemption(preemption_mode, tensor_parallel_size)  # before any worker starts
         check_tensor_parallel_speculation(config.speculative_config, tensor_parallel_size)
+        if enable_lora and tensor_parallel_size > 1:  # the engine refuses it too, but only once the workers run
+            raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
         if tensor_parallel_size > 1:
             from qserve.engine.tensor_parallel import launch_engine
 

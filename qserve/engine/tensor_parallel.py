@@ -41,8 +41,10 @@ from qserve.distributed.parallel_state import (
     init_tp_group,
     rank_device,
 )
+from qserve.distributed.sharding import per_rank_config
 from qserve.distributed.worker import BroadcastingRunner, serve_steps
 from qserve.engine.engine import Engine, resolve_device
+from qserve.model.registry import read_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,7 @@ def launch_engine(config: Any, tensor_parallel_size: int) -> TensorParallelEngin
             raise ValueError(f"tensor parallelism uses cuda:0..cuda:{size - 1}; got device={config.device!r}")
     elif base_device.type != "cpu":
         raise ValueError(f"tensor parallelism runs on cuda or cpu, not {base_device.type}")
+    check_partition(config, size)
     if base_device.type == "cuda" and not config.enforce_eager:
         logger.info("tensor parallelism: CUDA graphs are not captured yet (running eagerly)")
     config = dataclasses.replace(config, enforce_eager=True)
@@ -143,6 +146,15 @@ def launch_engine(config: Any, tensor_parallel_size: int) -> TensorParallelEngin
     atexit.register(_shutdown_ref, weakref.ref(handle))
     logger.info("tensor parallel: %d ranks (%s), rank 0 drives", size, tp.backend)
     return handle
+
+
+def check_partition(config: Any, tensor_parallel_size: int) -> None:
+    """Refuse a model that does not split over the ranks (heads, intermediate sizes, experts:
+    ``sharding.per_rank_config``), from its ``config.json``, before any process starts."""
+    try:
+        per_rank_config(read_model_config(config.model), tensor_parallel_size, config.enable_expert_parallel)
+    except ValueError as err:
+        raise ValueError(f"{config.model}: {err}") from err
 
 
 def _shutdown_ref(ref: weakref.ref) -> None:

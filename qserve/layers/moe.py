@@ -7,7 +7,11 @@ it one at a time, lands in ONE stacked per-layer tensor (``quant_kernels.moe_lay
 experts in ``[E, 2I, H]`` / ``[E, H, I]``), and the routing math (softmax top-k, optional
 renormalization, sigmoid-gated shared expert). Must not know: checkpoint formats (the loader
 hands it tensors or ``PackedQuantWeight``) or which kernel runs the experts
-(``quant_kernels.moe_ops`` decides).
+(``quant_kernels.moe_ops`` decides), nor process groups.
+
+The block may hold a contiguous part ``[expert_start, +num_local_experts)`` of the experts
+(expert parallelism, ``qserve.distributed.parallel_moe``): the router still scores all
+``num_experts``, and pairs routed elsewhere contribute nothing here. By default it holds all.
 """
 
 from __future__ import annotations
@@ -44,13 +48,21 @@ class SparseMoeBlock(nn.Module):
         quantized: bool,
         dtype: torch.dtype,
         shared_expert: nn.Module | None = None,
+        expert_start: int = 0,
+        num_local_experts: int | None = None,
     ) -> None:
         super().__init__()
         self.prefix = prefix
         self.hidden_size = hidden_size
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # the router's: every expert of the layer
+        self.expert_start = expert_start
+        self.num_local_experts = num_experts if num_local_experts is None else num_local_experts  # stored here
+        if not (0 <= expert_start and expert_start + self.num_local_experts <= num_experts):
+            raise ValueError(
+                f"{prefix}: experts [{expert_start}, +{self.num_local_experts}) outside [0, {num_experts})"
+            )
         self.top_k = top_k
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size  # of each stored expert
         self.renormalize = renormalize
         self.quantized = quantized
         self.expert_names = expert_names
@@ -63,8 +75,9 @@ class SparseMoeBlock(nn.Module):
             self.w_gate_up: torch.Tensor | StackedQuantWeight | None = None  # allocated at the first expert
             self.w_down: torch.Tensor | StackedQuantWeight | None = None
         else:
-            self.w_gate_up = torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)  # [E, 2I, H]
-            self.w_down = torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype)  # [E, H, I]
+            local = self.num_local_experts
+            self.w_gate_up = torch.empty(local, 2 * intermediate_size, hidden_size, dtype=dtype)  # [E_local, 2I, H]
+            self.w_down = torch.empty(local, hidden_size, intermediate_size, dtype=dtype)  # [E_local, H, I]
         self._loaded: set[tuple[int, int]] = set()
         self.prepared: moe_ops.PreparedExperts | None = None
 
@@ -72,12 +85,20 @@ class SparseMoeBlock(nn.Module):
     # Loading
     # ------------------------------------------------------------------------------------------
 
+    def holds_expert(self, expert: int) -> bool:
+        """Whether expert ``expert`` (a layer-wide index) is stored in this block."""
+        return self.expert_start <= expert < self.expert_start + self.num_local_experts
+
     def load_expert(self, expert: int, proj: str, value: torch.Tensor | PackedQuantWeight, name: str) -> None:
-        """One expert's gate / up / down weight (``proj`` is its checkpoint name)."""
+        """One expert's gate / up / down weight (``proj`` is its checkpoint name; ``expert`` the
+        layer-wide index)."""
         if proj not in self.expert_names:
             raise ValueError(f"{name}: unknown expert projection {proj!r}; expected one of {self.expert_names}")
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"{name}: expert {expert} out of range for num_experts={self.num_experts}")
+        if not self.holds_expert(expert):
+            raise ValueError(f"{name}: expert {expert} is not among the experts this block holds")
+        slot = expert - self.expert_start  # its index in the stacked storage
         shard = self.expert_names.index(proj)  # 0 gate, 1 up, 2 down
         inter, hidden = self.intermediate_size, self.hidden_size
         k, n = (inter, hidden) if shard == 2 else (hidden, inter)
@@ -91,31 +112,36 @@ class SparseMoeBlock(nn.Module):
                 )
             if shard == 2:
                 if self.w_down is None:
-                    self.w_down = StackedQuantWeight.empty_like_expert(value, self.num_experts, hidden)
-                self.w_down.store(expert, value, name)
+                    self.w_down = StackedQuantWeight.empty_like_expert(value, self.num_local_experts, hidden)
+                self.w_down.store(slot, value, name)
             else:
                 if self.w_gate_up is None:
-                    self.w_gate_up = StackedQuantWeight.empty_like_expert(value, self.num_experts, 2 * inter)
-                self.w_gate_up.store(expert, value, name, col_start=shard * inter)
+                    self.w_gate_up = StackedQuantWeight.empty_like_expert(value, self.num_local_experts, 2 * inter)
+                self.w_gate_up.store(slot, value, name, col_start=shard * inter)
         else:
             if tuple(value.shape) != (n, k):
                 raise ValueError(f"{name}: expert weight shape {tuple(value.shape)}, expected {(n, k)}")
             if shard == 2:
-                self.w_down[expert].copy_(value)
+                self.w_down[slot].copy_(value)
             else:
-                self.w_gate_up[expert, shard * inter : (shard + 1) * inter].copy_(value)
+                self.w_gate_up[slot, shard * inter : (shard + 1) * inter].copy_(value)
         self._loaded.add((expert, shard))
 
     def missing(self) -> list[str]:
+        held = range(self.expert_start, self.expert_start + self.num_local_experts)
         return [
             f"{self.prefix}.experts.{e}.{self.expert_names[s]}"
-            for e in range(self.num_experts)
+            for e in held
             for s in range(3)
             if (e, s) not in self._loaded
         ]
 
+    @property
+    def holds_all_experts(self) -> bool:
+        return self.num_local_experts == self.num_experts
+
     def process_after_loading(self) -> None:
-        self.prepared = moe_ops.prepare_experts(self.w_gate_up, self.w_down)
+        self.prepared = moe_ops.prepare_experts(self.w_gate_up, self.w_down, skip_foreign=not self.holds_all_experts)
         if self.prepared.kind == "per_expert":  # the kernels' per-expert copies replace the canonical stack
             self.w_gate_up = self.w_down = None
 
@@ -135,6 +161,8 @@ class SparseMoeBlock(nn.Module):
         hold no LoRA slots (``qserve.lora.slots.lora_targets``), so the block's output is the base one."""
         router_logits = F.linear(hidden, self.gate.weight)  # [T, E], in the model dtype as in transformers
         topk_weights, topk_ids = moe_reference.select_experts(router_logits, self.top_k, self.renormalize)
+        if not self.holds_all_experts:  # ids into this block's stack; another block's experts -> sentinel
+            topk_ids = moe_reference.local_expert_ids(topk_ids, self.expert_start, self.num_local_experts)
         if self.prepared is None:
             raise RuntimeError(f"{self.prefix}: experts used before process_after_loading")
         out = moe_ops.moe_experts(hidden, self.prepared, topk_weights, topk_ids)  # [T, H]

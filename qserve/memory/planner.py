@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from qserve.config import ModelConfig
-from qserve.distributed.sharding import per_rank_config
+from qserve.distributed.sharding import expert_shard, per_rank_config
 from quant_kernels.reference_kv_int4 import INT4_KV_DTYPE, cache_head_size
 
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "int4")
@@ -68,10 +68,13 @@ def kv_block_bytes(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) 
     return 2 * config.num_layers * config.num_kv_heads * row * block_size
 
 
-def _linear_shapes(config: ModelConfig, tensor_parallel_size: int = 1) -> list[tuple[str, int, int, bool]]:
+def _linear_shapes(
+    config: ModelConfig, tensor_parallel_size: int = 1, enable_expert_parallel: bool = False
+) -> list[tuple[str, int, int, bool]]:
     """(HF module name, K, N, row-parallel) of every linear layer, per rank (K of row-parallel
-    layers and N of column-parallel ones divided by ``tensor_parallel_size``)."""
-    rank = per_rank_config(config, tensor_parallel_size)
+    layers and N of column-parallel ones divided by ``tensor_parallel_size``; a MoE layer's
+    routed experts as ``_moe_linear_shapes`` says)."""
+    rank = per_rank_config(config, tensor_parallel_size, enable_expert_parallel)
     h, d = config.hidden_size, config.head_dim
     q, kv, inter = rank.num_heads * d, rank.num_kv_heads * d, rank.intermediate_size
     shapes = []
@@ -79,8 +82,8 @@ def _linear_shapes(config: ModelConfig, tensor_parallel_size: int = 1) -> list[t
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         shapes += [(f"{attn}.q_proj", h, q, False), (f"{attn}.k_proj", h, kv, False), (f"{attn}.v_proj", h, kv, False)]
         shapes.append((f"{attn}.o_proj", q, h, True))
-        if config.is_moe_layer(i):  # every expert is resident (one device: no expert parallelism yet)
-            shapes += _moe_linear_shapes(config, mlp)
+        if config.is_moe_layer(i):
+            shapes += _moe_linear_shapes(config, mlp, tensor_parallel_size, enable_expert_parallel)
             continue
         shapes += [(f"{mlp}.gate_proj", h, inter, False)]
         shapes += [(f"{mlp}.up_proj", h, inter, False), (f"{mlp}.down_proj", inter, h, True)]
@@ -89,16 +92,24 @@ def _linear_shapes(config: ModelConfig, tensor_parallel_size: int = 1) -> list[t
     return shapes
 
 
-def _moe_linear_shapes(config: ModelConfig, mlp: str) -> list[tuple[str, int, int, bool]]:
-    """A sparse layer's expert linears (and its shared expert's), under their checkpoint names."""
-    h, inter = config.hidden_size, config.moe_intermediate_size
+def _moe_linear_shapes(
+    config: ModelConfig, mlp: str, tensor_parallel_size: int = 1, enable_expert_parallel: bool = False
+) -> list[tuple[str, int, int, bool]]:
+    """A sparse layer's expert linears (and its shared expert's), under their checkpoint names, as
+    rank 0 holds them (``sharding.expert_shard``): with expert parallelism only its own experts,
+    whole; otherwise every expert with its intermediate size split. The shared expert is split
+    like a dense MLP."""
+    tp = tensor_parallel_size
+    h = config.hidden_size
+    held = expert_shard(config.num_experts, config.moe_intermediate_size, 0, tp, enable_expert_parallel)
+    inter, split_down = held.intermediate_size, tp > 1 and not enable_expert_parallel
     gate, up, down = config.moe_expert_names
     shapes = []
-    for e in range(config.num_experts):
+    for e in range(held.expert_start, held.expert_start + held.num_local_experts):
         expert = f"{mlp}.experts.{e}"
         shapes += [(f"{expert}.{gate}", h, inter, False), (f"{expert}.{up}", h, inter, False)]
-        shapes.append((f"{expert}.{down}", inter, h, True))
-    shared = config.shared_expert_intermediate_size
+        shapes.append((f"{expert}.{down}", inter, h, split_down))
+    shared = config.shared_expert_intermediate_size // tp
     if shared:
         shapes += [
             (f"{mlp}.shared_expert.gate_proj", h, shared, False),
@@ -108,9 +119,16 @@ def _moe_linear_shapes(config: ModelConfig, mlp: str) -> list[tuple[str, int, in
     return shapes
 
 
-def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+def weight_bytes(
+    config: ModelConfig,
+    spec: object | None,
+    dtype: torch.dtype,
+    tensor_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
+) -> int:
     """Bytes of weights as qserve holds them (canonical packed layout for quantized linears),
-    on one rank of ``tensor_parallel_size`` (qserve.distributed.sharding's partition).
+    on one rank of ``tensor_parallel_size`` (qserve.distributed.sharding's partition; with
+    ``enable_expert_parallel`` a rank counts only the routed experts it holds).
 
     ``spec`` is a ``loaders.CheckpointSpec`` (anything with ``module_quant(name)``) or None for
     an unquantized model. Row-parallel act-order layers keep the full scales / zeros on every
@@ -118,7 +136,7 @@ def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype, t
     """
     tp = tensor_parallel_size
     elem = torch.empty((), dtype=dtype).element_size()
-    rank = per_rank_config(config, tp)
+    rank = per_rank_config(config, tp, enable_expert_parallel)
     total = math.ceil(config.vocab_size / tp) * config.hidden_size * elem  # embeddings (vocabulary-parallel)
     norms = config.num_layers * 2 + 1
     total += norms * config.hidden_size * elem
@@ -136,7 +154,7 @@ def weight_bytes(config: ModelConfig, spec: object | None, dtype: torch.dtype, t
         * config.hidden_size
         * elem
     )
-    for name, k, n, row_parallel in _linear_shapes(config, tp):
+    for name, k, n, row_parallel in _linear_shapes(config, tp, enable_expert_parallel):
         quant = spec.module_quant(name) if spec is not None else None
         if quant is None:
             total += k * n * elem
@@ -285,6 +303,7 @@ def make_plan(
     overhead_bytes: int | None = None,
     tensor_parallel_size: int = 1,
     lora_bytes: int = 0,
+    enable_expert_parallel: bool = False,
 ) -> MemoryPlan:
     """KV pages = budget - weights - activation peak - overheads (- LoRA slots). Refuses a budget that cannot
     hold one request at ``max_model_len`` and names the largest context that fits.
@@ -293,7 +312,7 @@ def make_plan(
     ``weights_bytes`` one rank's shard (``weight_bytes(..., tensor_parallel_size)``), the KV pages
     hold this rank's KV heads, so a page is the same number of tokens on every rank."""
     max_model_len = max_model_len or config.max_position_embeddings
-    config = per_rank_config(config, tensor_parallel_size)  # heads / intermediate per rank
+    config = per_rank_config(config, tensor_parallel_size, enable_expert_parallel)  # heads / widths per rank
     if activation_bytes is None:
         activation_bytes = activation_bytes_estimate(config, max_num_batched_tokens, max_num_seqs, dtype)
     else:

@@ -23,6 +23,7 @@ from torch import nn
 
 from qserve.config import ModelConfig
 from qserve.distributed.parallel_linear import column_linear, lm_head_linear, row_linear, vocab_embedding
+from qserve.distributed.parallel_moe import moe_block
 from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import AttentionShard, attention_shard
 from qserve.layers.attention import PagedAttention, alibi_slopes
@@ -53,6 +54,8 @@ _FUSED_SHARDS = {
 FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # A routed expert's weight: (MoE block module path, expert index, projection name)
 _EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.([A-Za-z0-9_]+)$")
+# Any checkpoint name of a routed expert (module prefix, or a tensor under it): (block path, expert index)
+_EXPERT_TENSOR = re.compile(r"^(.+)\.experts\.(\d+)\.[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)?$")
 
 
 class Attention(nn.Module):
@@ -185,7 +188,8 @@ def _attention_shard(config: ModelConfig, tp: TPGroup | None) -> AttentionShard 
 
 
 class MLP(nn.Module):
-    """With a ``tp`` group: gate_up column-parallel, down_proj row-parallel over the intermediate size."""
+    """With a ``tp`` group: gate_up column-parallel, down_proj row-parallel over the intermediate size
+    (``reduce_results=False``: its output is the rank's partial sum, for a MoE block to all-reduce)."""
 
     def __init__(
         self,
@@ -195,6 +199,7 @@ class MLP(nn.Module):
         make_method: LinearMethodFactory,
         tp: TPGroup | None = None,
         intermediate_size: int | None = None,  # a MoE block's shared expert has its own width
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         inter = config.intermediate_size if intermediate_size is None else intermediate_size
@@ -212,6 +217,7 @@ class MLP(nn.Module):
             inter,
             [config.hidden_size],
             tp=tp,
+            reduce_results=reduce_results,
             bias=False,
             params_dtype=dtype,
             method=make_method([f"{prefix}.down_proj"]),
@@ -224,13 +230,16 @@ class MLP(nn.Module):
 
 
 def _moe_block(
-    config: ModelConfig, prefix: str, dtype: torch.dtype, make_method: LinearMethodFactory, tp: TPGroup | None
+    config: ModelConfig,
+    prefix: str,
+    dtype: torch.dtype,
+    make_method: LinearMethodFactory,
+    tp: TPGroup | None,
+    enable_expert_parallel: bool = False,
 ) -> SparseMoeBlock:
-    if tp is not None:
-        raise ValueError(
-            f"{config.architecture}: mixture-of-experts models run on one device for now "
-            "(tensor / expert parallelism is not supported yet; use tensor_parallel_size=1)"
-        )
+    """The sparse layer's MLP. With a ``tp`` group (``qserve.distributed.parallel_moe``): the rank's
+    routed experts (whole ones with ``enable_expert_parallel``, else a slice of each) and a
+    tensor-parallel shared expert, summed over ranks by the block's one all-reduce."""
     gate_name = config.moe_expert_names[0]
     quantized = not isinstance(make_method([f"{prefix}.experts.0.{gate_name}"]), DenseLinearMethod)
     shared = None
@@ -240,9 +249,13 @@ def _moe_block(
             f"{prefix}.shared_expert",
             dtype,
             make_method,
+            tp,
             intermediate_size=config.shared_expert_intermediate_size,
+            reduce_results=False,  # the block's all-reduce sums it with the routed experts
         )
-    return SparseMoeBlock(
+    return moe_block(
+        tp=tp,
+        enable_expert_parallel=enable_expert_parallel,
         prefix=prefix,
         hidden_size=config.hidden_size,
         num_experts=config.num_experts,
@@ -265,13 +278,14 @@ class DecoderLayer(nn.Module):
         make_method: LinearMethodFactory,
         tp: TPGroup | None = None,
         layer_index: int = 0,
+        enable_expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, f"{prefix}.self_attn", dtype, make_method, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if config.is_moe_layer(layer_index):
-            self.mlp = _moe_block(config, f"{prefix}.mlp", dtype, make_method, tp)
+            self.mlp = _moe_block(config, f"{prefix}.mlp", dtype, make_method, tp, enable_expert_parallel)
         else:
             self.mlp = MLP(config, f"{prefix}.mlp", dtype, make_method, tp)
         if config.sandwich_norms:  # GLM-4-0414: each sub-block's output is normalized before the add
@@ -312,11 +326,17 @@ class LlamaFamilyForCausalLM(nn.Module):
     With a ``tp`` group (qserve.distributed) the model is this rank's shard: vocabulary-parallel
     embedding and LM head, column/row-parallel linears, this rank's attention heads; the
     collectives run inside the forward, and ``compute_logits`` returns the full vocabulary on
-    every rank.
+    every rank. A mixture-of-experts layer holds the rank's routed experts: whole experts with
+    ``enable_expert_parallel`` (vLLM's name), else a slice of every expert (``parallel_moe``).
     """
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, make_method: LinearMethodFactory, tp: TPGroup | None = None
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        make_method: LinearMethodFactory,
+        tp: TPGroup | None = None,
+        enable_expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -325,7 +345,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, f"model.layers.{i}", dtype, make_method, tp, layer_index=i)
+            DecoderLayer(config, f"model.layers.{i}", dtype, make_method, tp, i, enable_expert_parallel)
             for i in range(config.num_layers)
         )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -376,6 +396,19 @@ class LlamaFamilyForCausalLM(nn.Module):
     # ------------------------------------------------------------------------------------------
     # Weight loading
     # ------------------------------------------------------------------------------------------
+
+    def holds_weight(self, name: str) -> bool:
+        """False for a checkpoint name (a quantized module's prefix or a tensor name) this model
+        never stores: a routed expert that another expert-parallel rank holds. The loader skips
+        such names without reading them."""
+        expert = _EXPERT_TENSOR.match(name)
+        if expert is None:
+            return True
+        try:
+            block = self.get_submodule(expert.group(1))
+        except AttributeError:  # not a module of this model: load_weights names it
+            return True
+        return not isinstance(block, SparseMoeBlock) or block.holds_expert(int(expert.group(2)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedQuantWeight]]) -> None:
         """Route checkpoint tensors (HF names) into this model; every weight must arrive.

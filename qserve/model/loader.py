@@ -22,20 +22,32 @@ logger = logging.getLogger(__name__)
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup | None = None,
+    enable_expert_parallel: bool = False,
 ) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
     """Instantiate the model on ``device`` in ``dtype`` and stream the checkpoint into it.
 
     With a tensor-parallel group ``tp`` the model is this rank's shard: every rank streams the
-    whole checkpoint (one tensor at a time) and keeps its slice.
+    checkpoint (one tensor at a time) and keeps its slice; with ``enable_expert_parallel`` a
+    rank does not even read the routed experts other ranks hold (``holds_weight``).
     """
     config = read_model_config(path)
     spec = loaders.detect(path)
     view = checkpoint_view(config.raw, str(Path(path) / "config.json"))  # other families' names -> Llama's
     with torch.device(device):
-        model = LlamaFamilyForCausalLM(config, dtype, lambda names: make_linear_method(spec, names), tp=tp)
+        model = LlamaFamilyForCausalLM(
+            config,
+            dtype,
+            lambda names: make_linear_method(spec, names),
+            tp=tp,
+            enable_expert_parallel=enable_expert_parallel,
+        )
+    keep = model.holds_weight if tp is not None and enable_expert_parallel and config.moe_layers else None
     try:
-        model.load_weights(_on_device(loaders.iter_weights(path, spec, view), device))
+        model.load_weights(_on_device(loaders.iter_weights(path, spec, view, keep), device))
     except ValueError as err:
         if str(path) in str(err):
             raise

@@ -43,7 +43,8 @@ def generate(engine, prompts: list[list[int]] = PROMPTS, params: SamplingParams 
     return [finished[f"r{i}"] for i in range(len(prompts))]
 
 
-def _rank_main(rank: int, size: int, init_method: str, jobs: list[tuple[str, str]], device: str, out: str) -> None:
+def _rank_main(rank: int, size: int, init_method: str, jobs: list[tuple], device: str, out: str) -> None:
+    """``jobs``: ``(name, path)`` or ``(name, path, extra EngineConfig fields)``."""
     from qserve.distributed.parallel_state import destroy_tp_group, init_tp_group, rank_device
     from qserve.distributed.worker import BroadcastingRunner, serve_steps
     from qserve.engine.engine import Engine, EngineConfig
@@ -52,8 +53,10 @@ def _rank_main(rank: int, size: int, init_method: str, jobs: list[tuple[str, str
     tp = init_tp_group(rank, size, init_method, rank_dev, timeout_s=120)
     results = {}
     try:
-        for name, path in jobs:
-            config = EngineConfig(path, device=str(rank_dev), dtype="float32", max_num_seqs=4, enforce_eager=True)
+        for name, path, *extra in jobs:
+            config = EngineConfig(
+                path, device=str(rank_dev), dtype="float32", max_num_seqs=4, enforce_eager=True, **(extra or [{}])[0]
+            )
             engine = Engine(config, tp=tp)
             if rank == 0:
                 runner = BroadcastingRunner(engine.runner, tp)

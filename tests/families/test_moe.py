@@ -126,5 +126,8 @@ def test_moe_refusals_name_the_field():
         model_config(bad)
     config = model_config(model.config.to_dict())
     assert config.moe_expert_names == ("w1", "w3", "w2") and config.norm_topk_prob
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        _moe_block(config, "model.layers.0.mlp", torch.float32, lambda names: None, tp=object())
+    from qserve.distributed.parallel_state import TPGroup
+
+    three = TPGroup(rank=0, size=3, backend="gloo", device=torch.device("cpu"))  # 8 experts do not split in 3
+    with pytest.raises(ValueError, match="num_experts=8 is not divisible by tensor_parallel_size=3"):
+        _moe_block(config, "model.layers.0.mlp", torch.float32, lambda names: None, three, enable_expert_parallel=True)

@@ -143,3 +143,117 @@ def test_per_expert_loop_matches_reference():
     torch.testing.assert_close(moe_ops.moe_experts(x, prepared, weights, ids), expected, atol=1e-5, rtol=1e-5)
     on_cpu = moe_ops.prepare_experts(w13, w2)  # off CUDA: the reference, whatever QSERVE_FUSED_MOE says
     assert (on_cpu.kind, on_cpu.fused) == ("stacked", False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert parallelism: a rank's share of the experts, other ranks' pairs as the sentinel id
+# ----------------------------------------------------------------------------------------------
+
+
+def _rank_share(w: StackedQuantWeight, rank: int, num_ranks: int) -> StackedQuantWeight:
+    n = w.num_experts // num_ranks
+    held = slice(rank * n, (rank + 1) * n)
+    return StackedQuantWeight(
+        w.bits, w.group_size, w.qweight[held], w.scales[held], None if w.zeros is None else w.zeros[held]
+    )
+
+
+def test_local_expert_ids_mark_other_ranks_experts() -> None:
+    ids = torch.tensor([[0, 5], [7, 2], [4, 3]], dtype=torch.int32)
+    assert moe_reference.local_expert_ids(ids, 4, 4).tolist() == [[4, 1], [3, 4], [0, 4]]
+    assert moe_reference.local_expert_ids(ids, 0, 4).tolist() == [[0, 4], [4, 2], [4, 3]]
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_align_block_size_skips_foreign_pairs(block_m):
+    _, _, ids = routing(13, 8, 2, 8, torch.float32, seed=block_m)
+    ids[:, :] = torch.tensor([[1, 6], [5, 0]]).repeat(7, 1)[:13]  # half of the pairs on experts 4..7
+    local = moe_reference.local_expert_ids(ids, 0, 4)  # rank 0 of 2: experts 0..3
+    sorted_ids, expert_ids, num_padded = moe_reference.moe_align_block_size(local, 4, block_m, skip_foreign=True)
+    flat = local.reshape(-1).long()
+    used = int(num_padded)
+    real = sorted_ids[:used]
+    real = real[real < flat.numel()].long()
+    assert sorted(real.tolist()) == sorted((flat < 4).nonzero().flatten().tolist())  # own pairs once, no other
+    for block in range(used // block_m):
+        rows = sorted_ids[block * block_m : (block + 1) * block_m]
+        rows = rows[rows < flat.numel()].long()
+        assert bool((flat[rows] == expert_ids[block]).all())
+
+
+def test_rank_shares_sum_to_the_whole_layer():
+    """Each rank's experts over its local ids (reference path); the shares add up to all experts."""
+    w13 = random_stacked(8, 64, 64, 32, False, torch.float32, seed=21)
+    w2 = random_stacked(8, 32, 64, 32, False, torch.float32, seed=22)
+    x, weights, ids = routing(11, 8, 2, 64, torch.float32, seed=23)
+    ids = torch.randint(0, 8, ids.shape, generator=torch.Generator().manual_seed(24), dtype=torch.int32)
+    want = moe_reference.fused_moe_w4a16(x, w13, w2, weights, ids)
+    shares = []
+    for rank in range(2):
+        local = moe_reference.local_expert_ids(ids, 4 * rank, 4)
+        shares.append(
+            moe_reference.fused_moe_w4a16(x, _rank_share(w13, rank, 2), _rank_share(w2, rank, 2), weights, local)
+        )
+    assert not torch.allclose(shares[0], want) and not torch.allclose(shares[1], want)
+    torch.testing.assert_close(shares[0] + shares[1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_skips_foreign_pairs(monkeypatch):
+    """The Triton kernel (interpreter) over one rank's experts with the sentinel ids equals the
+    reference; its buffers start as NaN, so a skipped pair's row must be written as zero."""
+    from quant_kernels import moe_triton
+
+    real_empty = torch.empty
+    monkeypatch.setattr(
+        moe_triton.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")), raising=True
+    )
+    w13 = random_stacked(8, 64, 64, 32, True, torch.float16, seed=31)
+    w2 = random_stacked(8, 32, 64, 32, True, torch.float16, seed=32)
+    x, weights, ids = routing(7, 8, 2, 64, torch.float16, seed=33)
+    ids = torch.randint(0, 8, ids.shape, generator=torch.Generator().manual_seed(34), dtype=torch.int32)
+    local = moe_reference.local_expert_ids(ids, 4, 4)  # rank 1 of 2
+    assert bool((local == 4).any()) and bool((local < 4).any())
+    mine13, mine2 = _rank_share(w13, 1, 2), _rank_share(w2, 1, 2)
+    config = moe_triton.MoEConfig(16, 32, 4, 1)
+    out = moe_triton.fused_moe_w4a16(x, mine13, mine2, weights, local, config, skip_foreign=True)
+    expected = moe_reference.fused_moe_w4a16(x.float(), _as_f32(mine13), _as_f32(mine2), weights, local)
+    assert not bool(out.isnan().any())
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_per_expert_loop_skips_foreign_pairs():
+    from quant_kernels import moe_ops, ops
+
+    w13 = random_stacked(4, 64, 64, 32, False, torch.float32, seed=41)
+    w2 = random_stacked(4, 32, 64, 32, False, torch.float32, seed=42)
+    x, weights, _ = routing(9, 8, 2, 64, torch.float32, seed=43)
+    ids = torch.randint(0, 8, weights.shape, generator=torch.Generator().manual_seed(44), dtype=torch.int32)
+    local = moe_reference.local_expert_ids(ids, 0, 4)
+    prepared = moe_ops.PreparedExperts(
+        "per_expert",
+        4,
+        32,
+        gate_up_list=[ops.prepare_w4a16(w13.expert(e)) for e in range(4)],
+        down_list=[ops.prepare_w4a16(w2.expert(e)) for e in range(4)],
+        skip_foreign=True,
+    )
+    expected = moe_reference.fused_moe_w4a16(x, w13, w2, weights, local)
+    torch.testing.assert_close(moe_ops.moe_experts(x, prepared, weights, local), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 32, 256])
+def test_fused_moe_skips_foreign_pairs_on_gpu(num_tokens):
+    """Qwen3-30B-A3B's expert shapes, one rank of 4 (32 experts held), real kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from quant_kernels import moe_triton
+
+    dtype = torch.float16
+    w13 = random_stacked(32, 2048, 2 * 768, 128, True, dtype, device="cuda", seed=51)
+    w2 = random_stacked(32, 768, 2048, 128, True, dtype, device="cuda", seed=52)
+    x, weights, ids = routing(num_tokens, 128, 8, 2048, dtype, seed=num_tokens, device="cuda")
+    local = moe_reference.local_expert_ids(ids, 32, 32)
+    expected = moe_reference.fused_moe_w4a16(x.float(), _as_f32(w13), _as_f32(w2), weights, local)
+    out = moe_triton.fused_moe_w4a16(x, w13, w2, weights, local, skip_foreign=True)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
