@@ -113,6 +113,13 @@ def main() -> None:
         default=0,
         help="also measure method draft_model with the target's first N layers as the draft (0: n-gram only)",
     )
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="also measure each method with enable_adaptive_verification (k per step from acceptance and "
+        "batch size; no disable_by_batch_size): it should never be slower than off",
+    )
+    parser.add_argument("--adaptive-row-cost", type=float, default=None, help="adaptive_verification_row_cost")
     args = parser.parse_args()
     shape = SMALL if args.small else QWEN14B
     path = Path(args.checkpoint + ("-small" if args.small else ""))
@@ -133,6 +140,13 @@ def main() -> None:
             write_draft(path, draft_path, args.draft_layers)
         draft = {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": args.k}
         modes.append((f"draft{args.draft_layers}", {**draft, "disable_by_batch_size": args.disable_by_batch_size}))
+    if args.adaptive:
+        adaptive = {"enable_adaptive_verification": True}
+        if args.adaptive_row_cost is not None:
+            adaptive["adaptive_verification_row_cost"] = args.adaptive_row_cost
+        for mode, config in list(modes[1:]):
+            fixed = {k: v for k, v in config.items() if k != "disable_by_batch_size"}
+            modes.append((f"{mode}-adaptive", {**fixed, **adaptive}))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results: dict[tuple[str, int, str], tuple[float, int]] = {}
     acceptance: dict[tuple[str, int, str], tuple[float, float]] = {}

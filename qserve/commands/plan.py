@@ -2,9 +2,10 @@
 
 Knows: the ``qserve plan`` arguments and how to print a ``MemoryPlan``. Reads only
 ``config.json`` and the checkpoint's quantization metadata (a directory holding just
-``config.json`` works); with ``--speculative-config`` naming a draft model, the draft's too (its
-weights count; speculation's verify rows need no more: a step's drafts stay within the
-``max_num_seqs`` logit rows and ``max_num_batched_tokens`` tokens already planned).
+``config.json`` works); with ``--speculative-config`` naming a draft model or an EAGLE head, its
+weights count too (an EAGLE head's from its safetensors headers); speculation's verify rows need no
+more: a step's drafts stay within the ``max_num_seqs`` logit rows and ``max_num_batched_tokens``
+tokens already planned.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     draft_bytes = 0
     if speculative is not None and speculative.method == "draft_model":  # loaded beside the target
         draft_bytes = weight_bytes(read_model_config(speculative.model), loaders.detect(speculative.model), dtype, 1)
+    elif speculative is not None and speculative.is_eagle:  # an EAGLE head: dense, in the model dtype
+        from qserve.spec_decode.eagle_head import eagle_head_bytes
+
+        draft_bytes = eagle_head_bytes(speculative.model, speculative.method, dtype)
     plan = make_plan(
         config,
         weights_bytes=weights + draft_bytes,
@@ -85,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"model {args.model} ({config.architecture}, {spec.method})")
         if draft_bytes:
-            print(f"draft model {speculative.model}: {draft_bytes / 2**30:.2f} GiB of the weights below")
+            what = "draft model" if speculative.method == "draft_model" else f"{speculative.method} head"
+            print(f"{what} {speculative.model}: {draft_bytes / 2**30:.2f} GiB of the weights below")
         print(plan.describe())
     return 0

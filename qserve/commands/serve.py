@@ -432,10 +432,9 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     names = [name for name, _ in pairs]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique, got {names}; use NAME=PATH")
-    if speculative_config is not None and speculative_config.method == "draft_model" and len(pairs) > 1:
-        raise ValueError(
-            f"--speculative-config with a draft model serves one model; got {len(pairs)} ({', '.join(names)})"
-        )
+    if speculative_config is not None and speculative_config.model is not None and len(pairs) > 1:
+        what = "a draft model" if speculative_config.method == "draft_model" else "an EAGLE head"
+        raise ValueError(f"--speculative-config with {what} serves one model; got {len(pairs)} ({', '.join(names)})")
     if tensor_parallel_size > 1:
         # Several models share one page pool in this process; a sharded model has a pool of its
         # own on every device, so it is served alone (as vLLM serves one model per server).

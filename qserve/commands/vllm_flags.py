@@ -100,5 +100,6 @@ def add_speculative_config_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (default: off; docs/spec_decode.md)',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\'; methods ngram, draft_model, eagle, eagle3 '
+        "(default: off; docs/spec_decode.md)",
     )

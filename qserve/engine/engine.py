@@ -33,6 +33,11 @@ go one by one through the stop checks here (those after a stop are dropped). A s
 processed before the next is scheduled (the next drafts follow its tokens), so speculation runs
 in the synchronous order while it proposes; above ``disable_by_batch_size`` running sequences it
 proposes nothing and the asynchronous order comes back. Grammars get no drafts (docs/spec_decode.md).
+With an EAGLE head the engine asks the runner for the target's hidden states of the steps that carry
+them (``SchedulerOutput.spec_hidden_states``: while speculating, and every step that is not a plain
+decode) and hands each sequence's kept positions to the proposer after the step. With
+``enable_adaptive_verification`` the number of drafts per step comes from
+``qserve.spec_decode.adaptive`` (measured acceptance, batch size, a cost model); 0 is a plain step.
 
 Swap preemption (``EngineConfig.preemption_mode`` "swap" | "auto", ``swap_space`` GiB of host
 memory; vLLM V0's names): the engine gives the runner a host KV pool and the scheduler its slots
@@ -94,6 +99,7 @@ from qserve.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
 from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode, check_tensor_parallel_preemption
 from qserve.spec_decode import ProposalInput, Proposer, SpeculativeConfig, make_proposer, parse_speculative_config
+from qserve.spec_decode.adaptive import AdaptiveSpeculation
 from qserve.spec_decode.backoff import DraftBackoff
 from qserve.spec_decode.config import check_tensor_parallel_speculation
 from qserve.spec_decode.metrics import SpecDecodeStats
@@ -245,6 +251,12 @@ def _check_kv_caches(
                 )
 
 
+def _module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (the weights a forward reads, roughly)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _prefix_caching(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> bool:
     """Qwen v1's dynamic NTK rotates a prompt's keys with a base chosen from the WHOLE prompt's
     length, so equal prefixes of prompts longer than seq_length hold different keys: block hashes
@@ -303,6 +315,7 @@ class Engine:
         self._draft = (
             None if spec is None or spec.method != "draft_model" else load_model(spec.model, self.dtype, self.device)
         )
+        self._eagle_head = None if spec is None or not spec.is_eagle else self._load_eagle_head(model_config)
         rank_config = per_rank_config(  # this rank's heads (and expert widths)
             self.model_config, 1 if tp is None else tp.size, config.enable_expert_parallel
         )
@@ -455,11 +468,22 @@ class Engine:
         if self.spec_config is not None:
             if self.spec_config.method == "draft_model":
                 self.proposer = self._draft_proposer(self.runner.kv_caches, kv_dtype)
+            elif self.spec_config.is_eagle:
+                self.proposer = self._eagle_proposer(self.runner.kv_caches, kv_dtype)
             else:
                 self.proposer = make_proposer(self.spec_config)
         self.spec_stats = None if self.spec_config is None else SpecDecodeStats(self.spec_config.num_speculative_tokens)
         self._draft_backoff = DraftBackoff()  # sequences whose proposals keep failing skip steps
         self._drafts_out = False  # some running request may still carry drafts
+        self._speculating = False  # the last proposal call gave drafts a chance (EAGLE: capture the step)
+        # enable_adaptive_verification: k per step from the measured acceptance and the batch size
+        self.adaptive_speculation: AdaptiveSpeculation | None = None
+        if self.spec_config is not None and self.spec_config.enable_adaptive_verification:
+            self.adaptive_speculation = AdaptiveSpeculation(
+                self.spec_config.num_speculative_tokens,
+                self.spec_config.adaptive_verification_row_cost,
+                self._draft_cost(),
+            )
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model,
@@ -500,6 +524,60 @@ class Engine:
             config.num_layers,
         )
         return DraftModelProposer(runner, kv, max_catch_up=self.scheduler_config.max_num_batched_tokens)
+
+    def _load_eagle_head(self, target_config: ModelConfig):  # noqa: ANN202 - qserve.spec_decode.eagle_head.EagleHead
+        """``speculative_config.model`` as an EAGLE / EAGLE-3 head of this target (loaded before the
+        memory plan: its weights count there)."""
+        from qserve.spec_decode.eagle_config import read_eagle_config
+        from qserve.spec_decode.eagle_head import load_eagle_head
+
+        spec = self.config.speculative_config
+        head_config = read_eagle_config(spec.model, spec.method, target_config)
+        return load_eagle_head(
+            spec.model, head_config, self.model, self.dtype, self.device, target_config.max_position_embeddings
+        )
+
+    def _eagle_proposer(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_dtype: torch.dtype) -> Proposer:
+        """The EAGLE head's proposer: its KV in the target's pages, the runner returning the target's
+        hidden states (final, or EAGLE-3's taps) of the steps that ask (``qserve.spec_decode.eagle``)."""
+        from qserve.spec_decode.draft_model import alias_kv_caches
+        from qserve.spec_decode.eagle import EagleProposer
+
+        head = self._eagle_head
+        assert self.spec_config is not None and head is not None
+        if kv_dtype != self.dtype:
+            raise ValueError(
+                f"speculative_config.method {self.spec_config.method!r} needs kv_cache_dtype 'auto' for now, got "
+                f"{self.config.kv_cache_dtype!r}"
+            )
+        config = head.config.model
+        head_kv = alias_kv_caches(
+            kv_caches, config.num_layers, config.num_kv_heads, cache_head_size(config.head_dim, kv_dtype)
+        )
+        vocab = self.model_config.vocab_size
+        if self.tokenizer is not None:
+            vocab = min(vocab, num_token_ids(self.tokenizer))
+        head.set_valid_vocab_size(vocab)  # never a draft the target cannot score
+        self.runner.enable_spec_hidden_states(head.config.taps)
+        kv = KVCacheManager(self.block_pool, self.kv_manager.block_size, False, owner=f"{self.owner}:eagle")
+        logger.info(
+            "speculative decoding: %s head %s (%d layer(s)%s), KV in the target's pages",
+            self.spec_config.method,
+            self.spec_config.model,
+            config.num_layers,
+            "" if head.config.aux_layer_ids is None else f", target layers {list(head.config.aux_layer_ids)}",
+        )
+        return EagleProposer(head, head_kv, kv, self.device, self.scheduler_config.max_num_batched_tokens)
+
+    def _draft_cost(self) -> float:
+        """The adaptive policy's cost of one draft forward relative to one of the target: the bytes
+        each reads (0 for n-gram lookup)."""
+        target = _module_bytes(self.model)
+        if self._draft is not None:
+            return _module_bytes(self._draft[0]) / target
+        if self._eagle_head is not None:
+            return self._eagle_head.weight_bytes() / target
+        return 0.0
 
     @property
     def async_scheduling(self) -> bool:
@@ -583,6 +661,8 @@ class Engine:
             if self._draft is not None:
                 draft_path = self.config.speculative_config.model
                 weights += weight_bytes(self._draft[1], loaders.detect(draft_path), self.dtype, 1)
+            if self._eagle_head is not None:
+                weights += _module_bytes(self._eagle_head)
         budget = parse_memory_budget(self.config.gpu_memory_budget or str(GPU_DEFAULT_FRACTION), total)
         return make_plan(
             self.model_config,
@@ -829,6 +909,8 @@ class Engine:
         if not scheduler_output.is_empty:
             if len(self._grammar_matchers):
                 scheduler_output = self._with_grammar_bitmask(scheduler_output)
+            if self._eagle_head is not None:
+                scheduler_output = self._with_spec_hidden_states(scheduler_output)
             start = time.perf_counter()
             runner_output = self.runner.execute(scheduler_output)  # a TP runner has no launch()
             self._observe_step_time(scheduler_output.num_batched_tokens, time.perf_counter() - start)
@@ -874,6 +956,8 @@ class Engine:
         if not scheduler_output.is_empty:
             if len(self._grammar_matchers):
                 scheduler_output = self._with_grammar_bitmask(scheduler_output)
+            if self._eagle_head is not None:
+                scheduler_output = self._with_spec_hidden_states(scheduler_output)
             previous = None if in_flight is None else in_flight[1]
             launched_at = time.perf_counter()
             self._in_flight = (scheduler_output, self.runner.launch(scheduler_output, previous), launched_at)
@@ -891,7 +975,25 @@ class Engine:
         drafts (its sequences' token counts are unknown until then), or this step will propose
         (drafts follow the last token, which must be on the host)."""
         assert self.spec_config is not None
-        return bool(in_flight.num_spec_tokens) or self.spec_config.proposes_at(self.scheduler.num_running)
+        return bool(in_flight.num_spec_tokens) or self._num_spec_tokens(self.scheduler.num_running) > 0
+
+    def _num_spec_tokens(self, num_running: int) -> int:
+        """Drafts per sequence for a step of ``num_running`` sequences: none above
+        ``disable_by_batch_size``; with adaptive verification the policy's choice, else k."""
+        assert self.spec_config is not None
+        if not self.spec_config.proposes_at(num_running):
+            return 0
+        if self.adaptive_speculation is not None:
+            return self.adaptive_speculation.num_tokens(num_running)
+        return self.spec_config.num_speculative_tokens
+
+    def _with_spec_hidden_states(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """EAGLE: the step returns the target's hidden states while speculation is on, and for any
+        step that is not a plain decode (prompts; those run eagerly anyway). A plain decode step of
+        a busy engine does not (it keeps its CUDA graph); the head fills those positions later."""
+        if self._speculating or scheduler_output.num_batched_tokens > len(scheduler_output.sequences):
+            return dataclasses.replace(scheduler_output, spec_hidden_states=True)
+        return scheduler_output
 
     def _propose_drafts(self) -> None:
         """Give each running request in plain decode its draft tokens for the next step
@@ -906,13 +1008,16 @@ class Engine:
         assert self.spec_config is not None and self.proposer is not None
         running = self.scheduler.running
         spare = self.config.max_num_seqs - len(running)
-        if spare <= 0 or not self.spec_config.proposes_at(len(running)):
+        k = self._num_spec_tokens(len(running))
+        if self.adaptive_speculation is not None:
+            self.adaptive_speculation.end_step()
+        self._speculating = spare > 0 and k > 0
+        if not self._speculating:
             if self._drafts_out:  # the batch just grew past the threshold: drop what is left
                 for request in running:
                     request.spec_token_ids = []
                 self._drafts_out = False
             return
-        k = self.spec_config.num_speculative_tokens
         batch: list[ProposalInput] = []
         owners: list[Request] = []
         for request in running:
@@ -1035,6 +1140,41 @@ class Engine:
             token = request.output_token_ids[-1]
             if on_token(sequence, token, logprobs.get(request_id) if logprobs else None) or not finished_only:
                 touched[group.request_id] = group
+        if runner_output.spec_hidden_states is not None and self._eagle_head is not None:
+            self._observe_hidden_states(scheduler_output, runner_output, preempted_since)
+
+    def _observe_hidden_states(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: RunnerOutput,
+        preempted_since: set[str] | tuple[()],
+    ) -> None:
+        """EAGLE: the head catches up on the positions this step computed and kept for each
+        sequence still running (a verify step: its last known token and the accepted drafts)."""
+        from qserve.spec_decode.eagle import ObservedRows
+
+        rows, offset = [], 0
+        for seq in scheduler_output.sequences:
+            row_offset, offset = offset, offset + seq.num_new_tokens
+            owner = self._sequences.get(seq.request_id)
+            if owner is None or owner[1].finish_reason is not None or seq.pooling or seq.request_id in preempted_since:
+                continue
+            num_rows = seq.num_new_tokens
+            if seq.spec_token_ids:  # rejected drafts' rows are not the sequence's
+                emitted = runner_output.spec_token_ids.get(seq.request_id) or [None]
+                num_rows += len(emitted) - 1 - len(seq.spec_token_ids)
+            request = owner[1].request
+            rows.append(
+                ObservedRows(
+                    seq.request_id,
+                    request.prompt_token_ids,
+                    request.output_token_ids,
+                    seq.start_position,
+                    num_rows,
+                    row_offset,
+                )
+            )
+        self.proposer.observe(rows, runner_output.spec_hidden_states)
 
     def _count_verified(self, scheduler_output: SchedulerOutput, verified: dict[str, list[int]]) -> None:
         """vllm:spec_decode_* counters: each sequence's drafts and how many were kept."""
@@ -1044,6 +1184,8 @@ class Engine:
             if seq.spec_token_ids and tokens is not None:
                 self.spec_stats.observe(len(seq.spec_token_ids), len(tokens) - 1)
                 self._draft_backoff.observe(seq.request_id, len(tokens) - 1)
+                if self.adaptive_speculation is not None:
+                    self.adaptive_speculation.observe(len(seq.spec_token_ids), len(tokens) - 1)
 
     def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """The step's work plus the next-token bitmasks of its sampling sequences under a grammar."""

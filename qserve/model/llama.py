@@ -372,13 +372,42 @@ class LlamaFamilyForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         lora: LoRAIndices | None = None,  # each row's adapter slot (qserve.lora); None: the base model only
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self._run(input_ids, positions, kv_caches, metadata, lora, ())[0]
+
+    def forward_with_taps(
+        self,
+        input_ids: torch.Tensor,  # int64 [num_tokens]
+        positions: torch.Tensor,  # int64 [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        taps: tuple[int, ...],  # layer ids, each in [0, num_layers)
+        lora: LoRAIndices | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s hidden states ``[num_tokens, hidden]`` and, concatenated in the order of
+        ``taps``, the residual stream entering each tapped layer ``[num_tokens, len(taps) * hidden]``
+        (layer 0's is the embeddings). EAGLE-3 heads read these (vLLM's aux hidden states)."""
+        return self._run(input_ids, positions, kv_caches, metadata, lora, taps)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        lora: LoRAIndices | None,
+        taps: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = self.model.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        streams: dict[int, torch.Tensor] = {}
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if index in taps:  # the residual stream entering this layer
+                streams[index] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, self.rotary, kv_cache, metadata, lora)
+        tapped = torch.cat([streams[i] for i in taps], dim=-1) if taps else None  # [T, len(taps) * hidden]
         if residual is None:  # a model without layers
-            return self.model.norm(hidden)
-        return self.model.norm.add_and_norm(hidden, residual)[0]
+            return self.model.norm(hidden), tapped
+        return self.model.norm.add_and_norm(hidden, residual)[0], tapped
 
     @property
     def supports_cuda_graphs(self) -> bool:

@@ -31,6 +31,11 @@ gets logits at its last k + 1 rows and ``_verify`` runs the rejection sampler
 sequence: no decode graph) and its emitted tokens reach the host inside the launch. Steps without
 drafts take exactly the path they take without speculation.
 
+EAGLE heads (``enable_spec_hidden_states``, off by default): a step whose
+``SchedulerOutput.spec_hidden_states`` is set runs eagerly and returns the target's hidden states of
+all its tokens in ``RunnerOutput.spec_hidden_states`` (the final ones, or for EAGLE-3 the residual
+streams entering the tapped layers, concatenated); every other step is unchanged.
+
 Swap preemption: a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` are copied by the
 ``KVSwapper`` (``enable_swap``) at the start of ``launch``, before anything of the step's forward
 is enqueued (qserve.runner.kv_swap says why that order is enough, with or without a step in flight).
@@ -125,6 +130,8 @@ class LaunchedStep:
     # had drafts, and their logprobs when asked for (RunnerOutput's fields of the same names).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # EAGLE: [num_tokens, width] on the device (RunnerOutput.spec_hidden_states), or None
+    spec_hidden_states: torch.Tensor | None = None
     _output: RunnerOutput | None = None
     _rows: dict[str, int] | None = None
 
@@ -146,6 +153,7 @@ class LaunchedStep:
                 hidden_states,
                 self.spec_token_ids,
                 self.spec_logprobs,
+                self.spec_hidden_states,
             )
         return self._output
 
@@ -219,6 +227,19 @@ class ModelRunner:
         self.lora_manager = None  # qserve.lora.slots.LoRAManager (enable_lora)
         # Qwen v1 dynamic NTK: how many rotary tables the model holds (1: none to pick from).
         self.num_ntk_tables = getattr(getattr(model, "rotary", None), "num_ntk_tables", 1)
+        # EAGLE: None (off), () (the final hidden states) or the layers whose input streams are tapped
+        self.spec_hidden_layers: tuple[int, ...] | None = None
+
+    def enable_spec_hidden_states(self, taps: tuple[int, ...]) -> None:
+        """Steps asking for it (``SchedulerOutput.spec_hidden_states``) return the target's hidden
+        states of every token: the final ones when ``taps`` is empty (EAGLE), else the residual
+        streams entering the layers ``taps`` (EAGLE-3), concatenated."""
+        for layer in taps:
+            if not 0 <= layer < self.config.num_layers:
+                raise ValueError(
+                    f"hidden-state tap layer {layer} is outside the model's {self.config.num_layers} layers"
+                )
+        self.spec_hidden_layers = tuple(taps)
 
     def set_valid_vocab_size(self, valid_vocab_size: int | None) -> None:
         """Ids at or past ``valid_vocab_size`` (model rows beyond the tokenizer) are never
@@ -332,8 +353,11 @@ class ModelRunner:
             lora_slots = None if seq_slots is None else np.repeat(seq_slots, counts)  # [T] int32
         graphs = self.decode_graphs
         needs_hidden = bool(prompt_rows or pool_rows)
+        capture = None if not scheduler_output.spec_hidden_states else self.spec_hidden_layers
+        spec_hidden = None
         if (
-            graphs is not None
+            capture is None
+            and graphs is not None
             and (lora_slots is None or graphs.max_loras is not None)
             and uses_decode_graph(graphs, is_decode, len(sample_rows), num_seqs, needs_hidden)
         ):
@@ -346,7 +370,7 @@ class ModelRunner:
         else:
             if lora_slots is not None:
                 lora = build_lora_indices(lora_slots, self.device)
-            sample_logits, prompt_hidden, pooled = self._forward_eager(
+            sample_logits, prompt_hidden, pooled, spec_hidden = self._forward_eager(
                 input_ids,
                 positions,
                 slots,
@@ -361,6 +385,7 @@ class ModelRunner:
                 pending,
                 [row for row, _ in pool_rows],
                 lora,
+                capture,
             )
         if pooled is not None:  # enqueued before the sampled ids' event: ready with them
             pooled = ([rid for _, rid in pool_rows], self._to_host(pooled))
@@ -374,6 +399,7 @@ class ModelRunner:
                 sequences, sample_logits, prompt_hidden, prompt_targets, prompt_owners, scheduler_output, previous
             )
         step.pooled = pooled
+        step.spec_hidden_states = spec_hidden
         return step
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -400,9 +426,11 @@ class ModelRunner:
         pending: tuple[torch.Tensor, torch.Tensor] | None = None,
         pool_rows: list[int] | None = None,
         lora: LoRAIndices | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        spec_taps: tuple[int, ...] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """(sampling rows' logits, prompt-logprob rows' hidden states, ``pool_rows``' hidden states
-        as float32); each None when there are no such rows."""
+        as float32, every token's hidden states for an EAGLE head when ``spec_taps`` is not None);
+        each None when there are no such rows."""
         device = self.device
         block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
         metadata = AttentionMetadata(
@@ -418,13 +446,21 @@ class ModelRunner:
         if pending is not None:  # tokens sampled by the step in flight, straight from the device
             input_ids_t.index_copy_(0, *pending)
         lora_kwargs = {} if lora is None else {"lora": lora}  # no adapter row: the call is the base model's
-        hidden = self.model(
-            input_ids_t,  # [T] int64
-            _to_device(positions, device),  # [T] int64
-            self.kv_caches,
-            metadata,
-            **lora_kwargs,
-        )  # [T, hidden]
+        spec_hidden = None
+        if spec_taps:  # EAGLE-3: the residual streams entering the tapped layers
+            hidden, spec_hidden = self.model.forward_with_taps(
+                input_ids_t, _to_device(positions, device), self.kv_caches, metadata, spec_taps, **lora_kwargs
+            )  # [T, hidden], [T, len(taps) * hidden]
+        else:
+            hidden = self.model(
+                input_ids_t,  # [T] int64
+                _to_device(positions, device),  # [T] int64
+                self.kv_caches,
+                metadata,
+                **lora_kwargs,
+            )  # [T, hidden]
+            if spec_taps is not None:  # EAGLE: the final hidden states themselves
+                spec_hidden = hidden
         sample_logits = prompt_hidden = None
         if len(sample_rows) == len(input_ids):  # every token is sampled (pure decode): no gather
             sample_logits = self.model.compute_logits(hidden)  # [R, vocab]
@@ -437,7 +473,7 @@ class ModelRunner:
         pooled = None
         if pool_rows:
             pooled = hidden[_to_device(np.array(pool_rows, dtype=np.int64), device)].float()  # [H, hidden]
-        return sample_logits, prompt_hidden, pooled
+        return sample_logits, prompt_hidden, pooled, spec_hidden
 
     def _verify(
         self,

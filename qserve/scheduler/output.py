@@ -73,6 +73,10 @@ class SchedulerOutput:
     # Speculative decoding: draft tokens scheduled in this step, over all sequences (0: none, and
     # the runner takes exactly the path it takes without speculation).
     num_spec_tokens: int = 0
+    # Speculative decoding with an EAGLE head (set by the engine, not the scheduler): return the
+    # target's hidden states of every token of the step (RunnerOutput.spec_hidden_states); such a
+    # step runs eagerly.
+    spec_hidden_states: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -106,3 +110,7 @@ class RunnerOutput:
     # the last of them. Logprobs (when asked for) one per emitted token.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # EAGLE (SchedulerOutput.spec_hidden_states): the target's hidden states of every token of the
+    # step, in the step's token order (each sequence's num_new_tokens rows in turn): a tensor on the
+    # device, [num_tokens, width], opaque here (the proposer reads it); None when not asked for.
+    spec_hidden_states: Any = None

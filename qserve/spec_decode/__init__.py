@@ -4,8 +4,10 @@ The verify side lives where the work is done: the scheduler schedules a sequence
 after its last known token (``qserve.scheduler``), the runner scores every row in one forward and
 the rejection sampler (``qserve.runner.rejection_sampler``) keeps or rejects them. This package
 only knows how drafts are proposed (``ngram``: lookup in the sequence's own tokens; ``draft_model``: a
-small model driven through a ``ModelRunner`` of its own, its KV in the target's pages) and how
-``speculative_config`` is read, and when a sequence stops getting proposals (``backoff``;
+small model driven through a ``ModelRunner`` of its own, its KV in the target's pages; ``eagle``: an
+EAGLE / EAGLE-3 head, ``eagle_head``, read from ``eagle_config``, fed the target's hidden states, its KV
+in the target's pages too) and how ``speculative_config`` is read, when a sequence stops getting
+proposals (``backoff``) and how many drafts a step gets with adaptive verification (``adaptive``;
 docs/spec_decode.md).
 """
 

@@ -4,13 +4,17 @@ Knows: the accepted keys, their defaults and ranges, and how a JSON string or a 
 ``SpeculativeConfig``; every error names the offending key as ``speculative_config.<key>``. Must
 not know: torch, the engine, the proposers' internals.
 
-Keys (vLLM's): ``method`` ("ngram" or "draft_model"; EAGLE and the others are refused for now,
-naming what is supported), ``model`` (the draft checkpoint of "draft_model": a directory of the
-same tokenizer), ``num_speculative_tokens`` (k >= 1, required), ``prompt_lookup_max`` /
-``prompt_lookup_min`` (n-gram sizes; one given sets the other, neither gives vLLM's 5 and 5),
-``disable_by_batch_size`` (no proposals while more sequences than this are running, so a busy
-engine decodes exactly as without speculation). ``model`` is accepted as vLLM's older way to
-say ``"[ngram]"`` / ``"ngram"``.
+Keys (vLLM's): ``method`` ("ngram", "draft_model", "eagle" or "eagle3"; MTP, Medusa and the
+others are refused, naming what is supported), ``model`` (the checkpoint of "draft_model" (a
+model of the same tokenizer) or of an EAGLE / EAGLE-3 head), ``num_speculative_tokens`` (k >= 1,
+required), ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram sizes; one given sets the other,
+neither gives vLLM's 5 and 5), ``disable_by_batch_size`` (no proposals while more sequences than
+this are running, so a busy engine decodes exactly as without speculation),
+``enable_adaptive_verification`` (vLLM's name; off by default: k chosen per step from the measured
+acceptance and the batch size, ``qserve.spec_decode.adaptive``) and qserve's own
+``adaptive_verification_row_cost`` (that policy's cost of one verified row relative to the fixed
+cost of a step; default ``DEFAULT_ROW_COST``). ``model`` is accepted as vLLM's older way to say
+``"[ngram]"`` / ``"ngram"``.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("ngram", "draft_model")
-NOT_YET_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+NOT_YET_METHODS = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix", "dflash")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # need speculative_config.model
+EAGLE_METHODS = ("eagle", "eagle3")
 KNOWN_KEYS = (
     "method",
     "model",
@@ -28,9 +34,16 @@ KNOWN_KEYS = (
     "prompt_lookup_max",
     "prompt_lookup_min",
     "disable_by_batch_size",
+    "enable_adaptive_verification",
+    "adaptive_verification_row_cost",
 )
 # vLLM's defaults when neither n-gram size is given.
 DEFAULT_PROMPT_LOOKUP = 5
+# The adaptive policy's cost of one verified row (a sequence's token scored by the target) relative
+# to a step's fixed cost (streaming the weights). Conservative: 32 rows cost as much as the weights,
+# so a step of 32 plain decodes already costs twice a step of one, and speculation stops well
+# before the card is compute-bound (an H100 with a 4-bit 7B model is memory-bound up to ~64 rows).
+DEFAULT_ROW_COST = 1 / 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +53,13 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     disable_by_batch_size: int | None = None  # None: always propose
-    model: str | None = None  # the draft checkpoint (method "draft_model")
+    model: str | None = None  # the draft checkpoint (method "draft_model") or the EAGLE head's
+    enable_adaptive_verification: bool = False  # k per step from acceptance and batch size
+    adaptive_verification_row_cost: float = DEFAULT_ROW_COST
+
+    @property
+    def is_eagle(self) -> bool:
+        return self.method in EAGLE_METHODS
 
     def proposes_at(self, num_running: int) -> bool:
         """Whether this step gets proposals: off while the running batch exceeds the threshold."""
@@ -76,8 +95,9 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
         method = "ngram"  # vLLM's older spelling: {"model": "[ngram]"}
     elif model is not None and method == "ngram":
         raise ValueError("speculative_config.model must not be given with method 'ngram' (it uses no model)")
-    elif method == "draft_model" and (not isinstance(model, str) or not model):
-        raise ValueError("speculative_config.model is required with method 'draft_model' (the draft checkpoint)")
+    elif method in MODEL_METHODS and (not isinstance(model, str) or not model):
+        what = "the draft checkpoint" if method == "draft_model" else "the EAGLE head's checkpoint"
+        raise ValueError(f"speculative_config.model is required with method {method!r} ({what})")
     if method is None:
         raise ValueError(f"speculative_config.method is required; supported: {', '.join(SUPPORTED_METHODS)}")
     if method not in SUPPORTED_METHODS:
@@ -107,7 +127,25 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     disable = value.get("disable_by_batch_size")
     if disable is not None:
         disable = _positive_int("disable_by_batch_size", disable)
-    return SpeculativeConfig(method, k, lookup_max, lookup_min, disable, model if method == "draft_model" else None)
+    adaptive = value.get("enable_adaptive_verification", False)
+    if not isinstance(adaptive, bool):
+        raise ValueError(f"speculative_config.enable_adaptive_verification must be true or false, got {adaptive!r}")
+    row_cost = value.get("adaptive_verification_row_cost", DEFAULT_ROW_COST)
+    if isinstance(row_cost, bool) or not isinstance(row_cost, (int, float)) or not 0 < row_cost < float("inf"):
+        raise ValueError(
+            f"speculative_config.adaptive_verification_row_cost must be a number > 0 (a row's cost relative to a "
+            f"step's fixed cost), got {row_cost!r}"
+        )
+    return SpeculativeConfig(
+        method,
+        k,
+        lookup_max,
+        lookup_min,
+        disable,
+        model if method in MODEL_METHODS else None,
+        adaptive,
+        float(row_cost),
+    )
 
 
 def check_tensor_parallel_speculation(config: SpeculativeConfig | None, tensor_parallel_size: int) -> None:

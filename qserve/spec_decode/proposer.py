@@ -39,7 +39,8 @@ class Proposer(ABC):
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer of a method that needs nothing from the engine (the engine builds a draft
-    model's, which shares its page pool: ``qserve.spec_decode.draft_model``)."""
+    model's and an EAGLE head's, which share its page pool: ``qserve.spec_decode.draft_model``,
+    ``qserve.spec_decode.eagle``)."""
     if config.method == "ngram":
         from qserve.spec_decode.ngram import NgramProposer
 

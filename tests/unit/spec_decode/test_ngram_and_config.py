@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from qserve.spec_decode import ProposalInput, SpeculativeConfig, make_proposer, parse_speculative_config
+from qserve.spec_decode.config import DEFAULT_ROW_COST
 from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.spec_decode.ngram import NgramProposer, ngram_lookup
 
@@ -88,6 +89,24 @@ def test_proposer_keeps_a_growing_buffer_per_request():
             {"method": "draft_model", "model": "/m", "num_speculative_tokens": 3},
             SpeculativeConfig("draft_model", 3, 5, 5, None, "/m"),
         ),
+        (
+            {"method": "eagle", "model": "/h", "num_speculative_tokens": 3},
+            SpeculativeConfig("eagle", 3, 5, 5, None, "/h"),
+        ),
+        (
+            {
+                "method": "eagle3",
+                "model": "/h",
+                "num_speculative_tokens": 5,
+                "enable_adaptive_verification": True,
+                "adaptive_verification_row_cost": 0.05,
+            },
+            SpeculativeConfig("eagle3", 5, 5, 5, None, "/h", True, 0.05),
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "enable_adaptive_verification": False},
+            SpeculativeConfig("ngram", 2, 5, 5, None, None, False, DEFAULT_ROW_COST),
+        ),
         (None, None),
     ],
 )
@@ -101,7 +120,24 @@ def test_config_parses_vllm_keys(value, expected):
         ("{not json", "speculative_config is not valid JSON"),
         ("[1]", "must be a JSON object"),
         ({"num_speculative_tokens": 2}, r"speculative_config\.method is required"),
-        ({"method": "eagle3", "num_speculative_tokens": 2}, r"speculative_config\.method 'eagle3'.*supported: ngram"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, r"'medusa' is not supported \(not implemented.*eagle3"),
+        (
+            {"method": "eagle3", "num_speculative_tokens": 2},
+            r"speculative_config\.model is required with method 'eagle3'",
+        ),
+        ({"method": "eagle", "model": "", "num_speculative_tokens": 2}, r"speculative_config\.model is required"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "enable_adaptive_verification": "yes"},
+            r"speculative_config\.enable_adaptive_verification must be true or false",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "adaptive_verification_row_cost": 0},
+            r"speculative_config\.adaptive_verification_row_cost must be a number > 0",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "adaptive_verification_row_cost": True},
+            r"adaptive_verification_row_cost",
+        ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config\.model is required"),
         ({"method": "ngram"}, r"speculative_config\.num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, r"speculative_config\.num_speculative_tokens must be >= 1"),

@@ -1,0 +1,298 @@
+"""The EAGLE / EAGLE-3 proposer (vLLM's ``method: "eagle"`` / ``"eagle3"``): a head reads the target's
+hidden states and drafts k tokens autoregressively, its KV cache in the target's own page pool.
+
+Knows: which positions of each sequence the head's KV covers, how a step's captured target hidden
+states become the head's inputs, and how to run the head (``EagleHead``) over a batch with
+``AttentionMetadata`` it builds. Must not know: the scheduler's queues, sampling of the target,
+stops.
+
+Positions: the head at position p reads the token at p + 1 and the target's feature at p, and its
+output predicts the token at p + 2 (vLLM's shift by one). After a step of the target, the head
+"catches up" (``observe``): one batched forward over every sequence's positions the target just
+computed and kept (a prefill chunk, a plain decode's one, a verify step's last known token plus
+its accepted drafts), whose next tokens are now all known. The head's valid KV then ends at the
+sequence's last known token minus one, and the output of that position gives the first draft.
+``propose`` takes it from there: k - 1 more forwards of one row per sequence, each reading the
+previous draft and the head's own output feature; those positions' KV is rewritten by the next
+catch-up (they held drafts, not target features).
+
+Steps whose hidden states were not captured (a busy engine decoding without speculation, with its
+CUDA graphs; a swapped-out sequence; pages the head could not get) leave positions the head never
+saw: at the next proposal it catches up over them with a zero feature (the tokens alone), so its
+attention has no holes, and the sequence skips that one proposal: the step that follows is a
+captured plain decode, after which the head drafts from a real feature of the newest position.
+Its attention over the filled positions is poorer than with the target's features; drafts may be
+worse for it, never wrong (the rejection sampler decides).
+
+Pages: the head's blocks come from the target's ``BlockPool`` under the owner ``<target>:eagle``,
+its per-layer caches are views of the target's first layers (``draft_model.alias_kv_caches``), and
+a page per catching-up sequence stays free for the target, as for the draft model.
+
+Drafts are the head's argmax (a point mass q: the rejection rule p(d) keeps the target's
+distribution exactly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from qserve.request import Request
+from qserve.runner.attn_metadata import AttentionMetadata
+from qserve.runner.model_runner import pad_block_tables
+from qserve.sampling_params import SamplingParams
+from qserve.scheduler.kv_cache_manager import KVCacheManager
+from qserve.spec_decode.eagle_head import EagleHead
+from qserve.spec_decode.proposer import ProposalInput, Proposer
+
+_MIRROR_PARAMS = SamplingParams(temperature=0.0, max_tokens=None)
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedRows:
+    """One sequence's share of a step whose target hidden states were captured: the positions
+    ``[start_position, start_position + num_rows)`` were computed and kept, their states are rows
+    ``[row_offset, row_offset + num_rows)`` of the step's tensor; the token ids are the sequence's
+    own (shared lists, read-only), known past the last of those positions."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    start_position: int
+    num_rows: int
+    row_offset: int
+
+
+@dataclass(eq=False, slots=True)
+class _Work:
+    """Positions ``[start, end)`` of one sequence for one head forward, with their inputs."""
+
+    mirror: Request
+    start: int
+    end: int
+    input_ids: list[int]  # the token after each position
+    features: torch.Tensor  # [end - start, H]
+
+
+def _token(prompt: Sequence[int], output: Sequence[int], position: int) -> int:
+    return prompt[position] if position < len(prompt) else output[position - len(prompt)]
+
+
+class EagleProposer(Proposer):
+    def __init__(
+        self,
+        head: EagleHead,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # the head's layers' views of the target's
+        kv: KVCacheManager,
+        device: torch.device,
+        max_tokens_per_forward: int,
+    ) -> None:
+        self.head = head
+        self.kv_caches = kv_caches
+        self.kv = kv
+        self.device = device
+        self.max_tokens_per_forward = max(1, max_tokens_per_forward)
+        # num_computed_tokens: positions whose head KV holds target features (or a zero fill)
+        self._mirrors: dict[str, Request] = {}
+        # request id -> (logits input [H], next feature [H]) of position num_computed_tokens - 1
+        self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hidden_size = head.config.model.hidden_size
+
+    # ------------------------------------------------------------------------------------------
+    # Catching up on the target's steps
+    # ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def observe(self, rows: Sequence[ObservedRows], target_hidden: torch.Tensor) -> None:
+        """A step's captured hidden states ``[num_tokens, width]``: the head catches up on every
+        listed sequence (positions it missed before them get a zero feature)."""
+        if not rows:
+            return
+        index = torch.as_tensor(
+            np.concatenate([np.arange(r.row_offset, r.row_offset + r.num_rows) for r in rows]), device=self.device
+        )  # [N]
+        combined = self.head.combine(target_hidden.index_select(0, index))  # [N, H]
+        work, offset = [], 0
+        for r in rows:
+            mirror = self._mirror(r.request_id, r.prompt_token_ids)
+            end = r.start_position + r.num_rows
+            start = mirror.num_computed_tokens
+            features = combined[offset : offset + r.num_rows]
+            offset += r.num_rows
+            if start >= end:
+                continue
+            if start > r.start_position:  # the head has these already (identical inputs)
+                features = features[start - r.start_position :]
+            elif start < r.start_position:  # a gap: positions whose features were never captured
+                gap = features.new_zeros(r.start_position - start, self._hidden_size)
+                features = torch.cat([gap, features])
+            ids = [_token(r.prompt_token_ids, r.output_token_ids, p + 1) for p in range(start, end)]
+            work.append(_Work(mirror, start, end, ids, features))
+        self._catch_up(work)
+
+    def _catch_up(self, work: list[_Work]) -> None:
+        """Run the head over each entry's positions (in chunks of at most ``max_tokens_per_forward``
+        rows), advancing its mirror and keeping the last position's outputs; an entry whose pages
+        cannot be had is dropped (its positions become a gap, filled later)."""
+        pending = []
+        for item in work:
+            if self.kv.allocate_slots(item.mirror, item.end - item.start, reserve=len(work)):
+                self.kv.free_tail(item.mirror, item.end)
+                pending.append(item)
+        while pending:
+            batch, budget, rest = [], self.max_tokens_per_forward, []
+            for item in pending:
+                if budget <= 0:
+                    rest.append(item)
+                    continue
+                take = min(budget, item.end - item.start)
+                budget -= take
+                batch.append((item, take))
+            chunk = [(item.mirror, item.start, take) for item, take in batch]
+            ids = [t for item, take in batch for t in item.input_ids[:take]]
+            features = torch.cat([item.features[:take] for item, take in batch])  # [T, H]
+            logits_in, feature = self._forward(chunk, torch.tensor(ids, dtype=torch.int64), features)
+            # each sequence's last row, gathered (a kept view would hold the whole chunk's tensor)
+            ends = torch.as_tensor(np.cumsum([take for _, take in batch]) - 1, device=self.device)  # [S]
+            last_in, last_feature = logits_in.index_select(0, ends), feature.index_select(0, ends)  # [S, H]
+            for row, (item, take) in enumerate(batch):
+                item.mirror.num_computed_tokens = item.start + take
+                self._last[item.mirror.request_id] = (last_in[row], last_feature[row])
+                if take < item.end - item.start:
+                    item.start += take
+                    item.input_ids = item.input_ids[take:]
+                    item.features = item.features[take:]
+                    rest.append(item)
+            pending = rest
+
+    def _mirror(self, request_id: str, prompt: Sequence[int]) -> Request:
+        mirror = self._mirrors.get(request_id)
+        if mirror is None:
+            mirror = self._mirrors[request_id] = Request(request_id, list(prompt), _MIRROR_PARAMS)
+        return mirror
+
+    # ------------------------------------------------------------------------------------------
+    # Proposing
+    # ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, batch: Sequence[ProposalInput]) -> list[list[int]]:
+        # Positions the head never saw (steps without captured hidden states): it catches up on
+        # their tokens alone, and the sequence gets no drafts this time: its next step (a plain
+        # decode, whose states are captured while speculation is on) gives the head the real
+        # feature of the newest position, from which the next proposal drafts.
+        gaps, behind = [], set()
+        for item in batch:
+            last = len(item.prompt_token_ids) + len(item.output_token_ids) - 1  # the last known token
+            if item.max_num_tokens <= 0 or last < 1:
+                continue
+            mirror = self._mirror(item.request_id, item.prompt_token_ids)
+            if mirror.num_computed_tokens < last:
+                start = mirror.num_computed_tokens
+                ids = [_token(item.prompt_token_ids, item.output_token_ids, p + 1) for p in range(start, last)]
+                zeros = torch.zeros(last - start, self._hidden_size, dtype=self._dtype, device=self.device)
+                gaps.append(_Work(mirror, start, last, ids, zeros))
+                behind.add(item.request_id)
+        self._catch_up(gaps)
+        # Sequences ready to draft: caught up to their last known token, with room for the drafts'
+        # KV (the first draft needs none: it comes from the last caught-up position).
+        ready = []
+        for i, item in enumerate(batch):
+            mirror = self._mirrors.get(item.request_id)
+            last = len(item.prompt_token_ids) + len(item.output_token_ids) - 1
+            if (
+                item.max_num_tokens <= 0
+                or item.request_id in behind
+                or mirror is None
+                or mirror.num_computed_tokens != last
+                or item.request_id not in self._last
+            ):
+                continue
+            extra = item.max_num_tokens - 1
+            if extra and not self.kv.allocate_slots(mirror, extra, reserve=len(batch)):
+                continue
+            self.kv.free_tail(mirror, last + extra)
+            ready.append(i)
+        drafts: list[list[int]] = [[] for _ in batch]
+        if not ready:
+            return drafts
+        logits_in = torch.stack([self._last[batch[i].request_id][0] for i in ready])  # [R, H]
+        feature = torch.stack([self._last[batch[i].request_id][1] for i in ready])  # [R, H]
+        tokens = self.head.draft_tokens(logits_in)  # [R] int64 on the device: every first draft
+        columns = [tokens]
+        drafting = list(ready)  # the batch indices still drafting, in row order of tokens / feature
+        for j in range(1, max(batch[i].max_num_tokens for i in ready)):
+            keep = [a for a, i in enumerate(drafting) if batch[i].max_num_tokens > j]
+            if len(keep) < len(drafting):
+                rows = torch.tensor(keep, dtype=torch.int64, device=self.device)  # [A]
+                tokens, feature = tokens.index_select(0, rows), feature.index_select(0, rows)
+                drafting = [drafting[a] for a in keep]
+            # draft j reads draft j - 1 at the position after the last known token, plus j - 1
+            mirrors = [self._mirrors[batch[i].request_id] for i in drafting]
+            chunk = [(mirror, mirror.num_computed_tokens + j - 1, 1) for mirror in mirrors]
+            logits_in, feature = self._forward(chunk, tokens, feature)
+            tokens = self.head.draft_tokens(logits_in)  # [A]
+            column = torch.full((len(batch),), -1, dtype=torch.int64, device=self.device)  # [B]
+            column[torch.tensor(drafting, dtype=torch.int64, device=self.device)] = tokens
+            columns.append(column)
+        first = torch.full((len(batch),), -1, dtype=torch.int64, device=self.device)  # [B]
+        first[torch.tensor(ready, dtype=torch.int64, device=self.device)] = columns[0]
+        columns[0] = first
+        table = torch.stack(columns, dim=1).tolist()  # [B, k_max]: the proposal's one sync with the host
+        for i in ready:
+            drafts[i] = table[i][: batch[i].max_num_tokens]
+        return drafts
+
+    # ------------------------------------------------------------------------------------------
+    # One forward of the head
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.head.layers[0].post_attention_layernorm.weight.dtype
+
+    def _forward(
+        self,
+        chunk: list[tuple[Request, int, int]],  # (mirror, first position, number of positions)
+        input_ids: torch.Tensor,  # int64 [T] (host or device)
+        features: torch.Tensor,  # [T, H]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over the positions of ``chunk`` (each sequence's KV before them is in its
+        blocks): (logits inputs ``[T, H]``, next features ``[T, H]``)."""
+        block_size = self.kv.block_size
+        starts = np.array([start for _, start, _ in chunk], dtype=np.int64)  # [S]
+        counts = np.array([count for _, _, count in chunk], dtype=np.int64)  # [S]
+        tables = [self.kv.block_table(mirror.request_id) for mirror, _, _ in chunk]
+        table_lens = np.array([len(t) for t in tables], dtype=np.int64)  # [S]
+        flat = np.array([b for t in tables for b in t], dtype=np.int64)  # [sum(lens)]
+        ends = np.cumsum(counts)  # [S]
+        positions = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - counts - starts, counts)  # [T]
+        table_start = np.repeat(np.cumsum(table_lens) - table_lens, counts)  # [T]
+        slots = flat[table_start + positions // block_size] * block_size + positions % block_size  # [T]
+        seq_lens = starts + counts  # [S]
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(device),  # [T] int64
+            block_tables=torch.from_numpy(pad_block_tables(table_lens, flat)).to(device),  # [S, max_blocks] int32
+            seq_lens=torch.from_numpy(seq_lens).to(device),  # [S] int64
+            query_start_loc=torch.from_numpy(np.concatenate(([0], ends))).to(device),  # [S + 1] int64
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return self.head(
+            input_ids.to(device),
+            torch.from_numpy(positions).to(device),
+            features.to(self._dtype),
+            self.kv_caches,
+            metadata,
+        )
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            mirror = self._mirrors.pop(request_id, None)
+            self._last.pop(request_id, None)
+            if mirror is not None:
+                self.kv.free(mirror)

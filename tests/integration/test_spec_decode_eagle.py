@@ -1,0 +1,396 @@
+"""EAGLE / EAGLE-3 heads (vLLM's checkpoint layout) on the CPU engine, and adaptive speculation.
+
+Random heads: greedy outputs token-identical to no speculation over the mixed workload of
+test_spec_decode (batch of several, batch 1, stops, logprobs, n > 1, ...), both step orders, under
+preemption (recompute and swap), and while ``disable_by_batch_size`` switches speculation on and off
+(the head fills what it missed); each proposal equals the drafts of a dense PyTorch reading of the
+head over the target's hidden states from transformers (so the hidden-state plumbing, the shift by
+one, EAGLE-3's taps, d2t and the head's KV are checked, not only the rejection sampler). Oracle
+heads on a permutation target: nearly every draft accepted, and almost none once the hidden states
+reach the head one position off. Adaptive verification: outputs unchanged, k chosen by the policy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qserve import LLM
+from tests.helpers.eagle_heads import PERM_FIRST, oracle_head, permutation, permutation_target, random_head
+from tests.integration.test_spec_decode import (  # noqa: F401 - path, reference: fixtures
+    ARGS,
+    LOOP,
+    NGRAM,
+    _assert_same,
+    _greedy,
+    _run,
+    _workload,
+    path,
+    reference,
+)
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def heads(path, tmp_path_factory) -> dict[str, str]:  # noqa: F811
+    """Random heads for the tiny target: EAGLE, and EAGLE-3 with a draft vocabulary of 128 ids
+    (its taps given in config.json: the target has 2 layers, vLLM's default needs more)."""
+    target = json.loads((Path(path) / "config.json").read_text())
+    return {
+        "eagle": str(random_head(tmp_path_factory.mktemp("eagle"), target, "eagle", seed=2)),
+        "eagle3": str(
+            random_head(
+                tmp_path_factory.mktemp("eagle3"),
+                target,
+                "eagle3",
+                seed=3,
+                draft_vocab_size=128,
+                eagle_aux_hidden_state_layer_ids=[1, 0, 1],
+            )
+        ),
+    }
+
+
+def _spec(heads: dict[str, str], method: str, **extra) -> dict:
+    return {"method": method, "model": heads[method], "num_speculative_tokens": K, **extra}
+
+
+# ----------------------------------------------------------------------------------------------
+# A dense reading of the head (plain PyTorch over the checkpoint's tensors), the drafts' oracle
+# ----------------------------------------------------------------------------------------------
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:  # [T, heads, D], positions 0..T-1, NeoX halves
+    d = x.shape[-1]
+    angles = torch.arange(x.shape[0]).double()[:, None] / theta ** (torch.arange(0, d, 2).double() / d)  # [T, D/2]
+    cos, sin = angles.cos().float()[:, None], angles.sin().float()[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _layer(t: dict, p: str, cfg: dict, attn_in: torch.Tensor, residual: torch.Tensor) -> tuple:
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dim = cfg["hidden_size"] // heads
+    n = attn_in.shape[0]
+    q = _rope((attn_in @ t[f"{p}.self_attn.q_proj.weight"].T).view(n, heads, dim), cfg.get("rope_theta", 1e4))
+    k = _rope((attn_in @ t[f"{p}.self_attn.k_proj.weight"].T).view(n, kv_heads, dim), cfg.get("rope_theta", 1e4))
+    v = (attn_in @ t[f"{p}.self_attn.v_proj.weight"].T).view(n, kv_heads, dim)
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / dim**0.5
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * dim)
+    stream = out @ t[f"{p}.self_attn.o_proj.weight"].T + residual
+    normed = _rms(stream, t[f"{p}.post_attention_layernorm.weight"], cfg["rms_norm_eps"])
+    gate, up = normed @ t[f"{p}.mlp.gate_proj.weight"].T, normed @ t[f"{p}.mlp.up_proj.weight"].T
+    return (torch.nn.functional.silu(gate) * up) @ t[f"{p}.mlp.down_proj.weight"].T, stream
+
+
+def _dense_head(t: dict, cfg: dict, method: str, target, ids: list[int], features: torch.Tensor) -> tuple:
+    """(logits [T, V_target], next features [T, H]) of the head over rows (ids[i], features[i])
+    at positions 0..T-1, with causal attention among them."""
+    eps = cfg["rms_norm_eps"]
+    embeds = target.model.embed_tokens.weight[torch.tensor(ids)]
+    if method == "eagle":
+        x = torch.cat([embeds, features], -1) @ t["fc.weight"].T
+        mlp_out, stream = _layer(t, "layers.0", cfg, x, x)
+        out = mlp_out + stream
+        return target.lm_head(out), out
+    if cfg.get("norm_before_residual"):
+        residual = hidden = _rms(features, t["midlayer.hidden_norm.weight"], eps)
+    else:
+        residual, hidden = features, _rms(features, t["midlayer.hidden_norm.weight"], eps)
+    attn_in = torch.cat([_rms(embeds, t["midlayer.input_layernorm.weight"], eps), hidden], -1)
+    mlp_out, stream = _layer(t, "midlayer", cfg, attn_in, residual)
+    prenorm = mlp_out + stream
+    draft_logits = _rms(prenorm, t["norm.weight"], eps) @ t["lm_head.weight"].T  # [T, draft_vocab]
+    target_ids = torch.arange(draft_logits.shape[-1]) + t["d2t"]
+    logits = torch.full((len(ids), cfg["vocab_size"]), float("-inf"))
+    logits[:, target_ids] = draft_logits
+    return logits, prenorm
+
+
+def _reference_drafts(head_path: str, method: str, target, tokens: list[int], k: int) -> list[int]:
+    """k drafts for a sequence of known ``tokens``, recomputed from scratch: the target's hidden
+    states (transformers) of positions 0..L-2, the head over them, then k steps of its own."""
+    t = load_file(str(Path(head_path) / "model.safetensors"))
+    t = {name.removeprefix("model."): v.float() if v.is_floating_point() else v for name, v in t.items()}
+    cfg = json.loads((Path(head_path) / "config.json").read_text())
+    with torch.no_grad():
+        out = target(torch.tensor([tokens[:-1]]), output_hidden_states=True)
+        if method == "eagle":
+            features = out.hidden_states[-1][0]  # the final (normed) hidden states
+        else:
+            taps = cfg["eagle_aux_hidden_state_layer_ids"]
+            features = torch.cat([out.hidden_states[i][0] for i in taps], -1) @ t["fc.weight"].T
+        ids, drafts = list(tokens[1:]), []
+        for _ in range(k):
+            logits, feature_out = _dense_head(t, cfg, method, target, ids, features)
+            drafts.append(int(logits[-1].argmax()))
+            ids.append(drafts[-1])
+            features = torch.cat([features, feature_out[-1:]])
+    return drafts
+
+
+# ----------------------------------------------------------------------------------------------
+# Random heads: token identity, and the drafts themselves against the dense reading
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_eagle_is_token_identical(path, heads, reference, method, async_scheduling):  # noqa: F811
+    requests, want, _ = reference
+    llm = LLM(path, async_scheduling=async_scheduling, speculative_config=_spec(heads, method), **ARGS)
+    engine = llm.engine
+    got, _ = _run(engine, requests)
+    _assert_same(got, want)
+    assert engine.spec_stats.num_draft_tokens > 0, "drafts were proposed and verified"
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks, "the head's pages came back too"
+    assert not engine.proposer._mirrors and not engine.proposer._last
+    single = llm.generate([{"prompt_token_ids": LOOP}], _greedy(max_tokens=30), use_tqdm=False)[0].outputs[0]
+    assert single.token_ids == want["loop"].outputs[0].token_ids  # batch 1
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_drafts_equal_a_dense_reading_of_the_head(tiny_checkpoints, path, heads, method):  # noqa: F811
+    """Every proposal (batch of three, chunked prompts, verify steps with rejections) is what the
+    head computes from scratch over the target's hidden states of the sequence's known tokens."""
+    target = tiny_checkpoints["LlamaForCausalLM"][0]
+    llm = LLM(path, speculative_config=_spec(heads, method), max_num_batched_tokens=8, **ARGS)
+    engine = llm.engine
+    engine._draft_backoff.max_wait = 1  # propose (nearly) every step although random drafts fail
+    seen = []
+    propose = engine.proposer.propose
+
+    def spy(batch):  # noqa: ANN001, ANN202
+        result = propose(batch)
+        seen.extend(
+            ([*item.prompt_token_ids, *item.output_token_ids], item.max_num_tokens, drafts)
+            for item, drafts in zip(batch, result)
+        )
+        return result
+
+    engine.proposer.propose = spy
+    prompts = [{"prompt_token_ids": LOOP}, {"prompt_token_ids": list(range(40, 58))}, {"prompt_token_ids": [9, 8, 7]}]
+    llm.generate(prompts, _greedy(max_tokens=12), use_tqdm=False)
+    assert len(seen) >= 8 and all(len(drafts) == k for _, k, drafts in seen)
+    for tokens, k, drafts in seen[:12]:
+        assert drafts == _reference_drafts(heads[method], method, target, tokens, k), tokens
+
+
+def test_preemption_and_disable_by_batch_size_keep_the_outputs(path, heads, reference):  # noqa: F811
+    """Recompute and swap under a tiny pool (a swapped-in sequence's head starts from a gap), and a
+    batch crossing disable_by_batch_size (plain decode steps then carry no hidden states): the
+    outputs are those of no speculation and every page comes back."""
+    requests, want, _ = reference
+    for method, extra in (
+        ("eagle", dict(preemption_mode="recompute")),
+        ("eagle3", dict(preemption_mode="swap", swap_space=2**20 / 2**30, async_scheduling=True)),
+    ):
+        llm = LLM(
+            path, speculative_config=_spec(heads, method), num_kv_blocks=24, max_num_batched_tokens=16, **extra, **ARGS
+        )
+        engine = llm.engine
+        engine.scheduler.watermark, engine.scheduler.watermark_per_running = 0.0, 0
+        got, _ = _run(engine, requests)
+        _assert_same(got, want)
+        assert engine.num_preemptions > 0
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    llm = LLM(path, speculative_config=_spec(heads, "eagle", disable_by_batch_size=3), **ARGS)
+    engine = llm.engine
+    captured = []
+    launch = engine.runner.launch
+
+    def spy(scheduler_output, previous=None):  # noqa: ANN001, ANN202
+        captured.append((scheduler_output.spec_hidden_states, scheduler_output.num_spec_tokens))
+        return launch(scheduler_output, previous)
+
+    engine.runner.launch = spy
+    got, _ = _run(engine, requests)
+    _assert_same(got, want)
+    assert (False, 0) in captured, "busy plain decode steps carry no hidden states"
+    assert any(spec for _, spec in captured), "speculation came back once the batch shrank"
+
+
+# ----------------------------------------------------------------------------------------------
+# Oracle heads: acceptance, and its collapse when the hidden states are one position off
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def walk(tmp_path_factory) -> tuple[str, dict[str, str], list[int]]:
+    perm = permutation()
+    target, config = permutation_target(tmp_path_factory.mktemp("walk-target"), perm)
+    heads = {
+        "eagle": str(oracle_head(tmp_path_factory.mktemp("oracle1"), config, "eagle", perm)),
+        "eagle3": str(oracle_head(tmp_path_factory.mktemp("oracle3"), config, "eagle3", perm, draft_vocab_size=96)),
+    }
+    return str(target), heads, perm
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_oracle_head_gets_its_drafts_accepted(walk, method):
+    """EAGLE-3 here reads vLLM's default taps (2, 2, 1) of the 4-layer target."""
+    target, heads, perm = walk
+    prompts = [{"prompt_token_ids": [PERM_FIRST + s for s in (3, 9, 17, 40)]}, {"prompt_token_ids": [PERM_FIRST + 5]}]
+    params = _greedy(max_tokens=30)
+    slot = 40
+    expected = []
+    for _ in range(30):
+        slot = perm[slot]
+        expected.append(PERM_FIRST + slot)
+
+    def acceptance(shift: bool) -> float:
+        llm = LLM(target, speculative_config=_spec(heads, method), **ARGS)
+        engine = llm.engine
+        if shift:  # the plumbing one position off: each position gets its predecessor's states
+            observe = engine.proposer.observe
+            engine.proposer.observe = lambda rows, hidden: observe(rows, torch.roll(hidden, 1, 0))
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert outputs[0].outputs[0].token_ids == expected
+        stats = engine.spec_stats
+        return stats.num_accepted_tokens / stats.num_draft_tokens
+
+    assert acceptance(shift=False) > 0.95
+    assert acceptance(shift=True) < 0.1
+
+
+# ----------------------------------------------------------------------------------------------
+# Adaptive verification
+# ----------------------------------------------------------------------------------------------
+
+
+def _spy_policy(engine) -> list[tuple[int, int, int]]:  # noqa: ANN001
+    """(running sequences, the policy's k, the most drafts a sequence got) at each proposal."""
+    policy, chosen = engine.adaptive_speculation, []
+    propose = engine._propose_drafts
+
+    def spy():  # noqa: ANN202
+        k = policy.num_tokens(engine.scheduler.num_running)
+        propose()
+        drafts = [len(r.spec_token_ids) for r in engine.scheduler.running]
+        chosen.append((engine.scheduler.num_running, k, max(drafts, default=0)))
+
+    engine._propose_drafts = spy
+    return chosen
+
+
+def test_adaptive_verification_keeps_the_outputs_and_follows_the_policy(path, reference):  # noqa: F811
+    """n-gram drafts on the mixed workload with a costly row: k per step is the policy's for the
+    batch, a busy batch with middling acceptance decodes plainly, and the outputs are those of no
+    speculation."""
+    requests, want, _ = reference
+    spec = {**NGRAM, "enable_adaptive_verification": True, "adaptive_verification_row_cost": 0.5}
+    engine = LLM(path, speculative_config=spec, **ARGS).engine
+    policy = engine.adaptive_speculation
+    assert policy is not None and policy.row_cost == 0.5 and policy.draft_cost == 0.0
+    chosen = _spy_policy(engine)
+    got, _ = _run(engine, requests)
+    _assert_same(got, want)
+    assert all(most <= k for _, k, most in chosen), "no sequence gets more drafts than the policy's k"
+    assert any(k == 0 for running, k, _ in chosen if running > 4), "a busy batch decodes plainly"
+    assert any(k > 0 for _, k, _ in chosen) and engine.spec_stats.num_accepted_tokens > 0
+    assert policy.rates != [policy.prior] * K, "the estimates follow what was measured"
+
+
+def test_adaptive_verification_with_an_eagle_head(walk):
+    """An oracle head (drafts always kept) whose forwards cost a third of the target's: with a row
+    cost of 0.5 speculation pays only below 4 sequences (1 + 0.5 B < 1 / draft_cost), so the
+    policy turns it on as the batch drains, at full k once measured; outputs unchanged."""
+    target, heads, perm = walk
+    spec = {**_spec(heads, "eagle"), "enable_adaptive_verification": True, "adaptive_verification_row_cost": 0.5}
+    llm = LLM(target, speculative_config=spec, **ARGS)
+    engine = llm.engine
+    assert 0.2 < engine.adaptive_speculation.draft_cost < 0.5
+    chosen = _spy_policy(engine)
+    starts = [3, 9, 17, 40, 50, 60]
+    lengths = [8, 12, 16, 20, 28, 40]
+    prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in starts]
+    outputs = llm.generate(prompts, [_greedy(max_tokens=n) for n in lengths], use_tqdm=False)
+    for start, n, output in zip(starts, lengths, outputs):
+        slot, expected = start, []
+        for _ in range(n):
+            slot = perm[slot]
+            expected.append(PERM_FIRST + slot)
+        assert output.outputs[0].token_ids == expected
+    assert all(k == 0 for running, k, _ in chosen if running >= 4)
+    assert any(k == K for running, k, _ in chosen if running == 1), "full k once acceptance is measured"
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_cuda_eagle_heads(path, heads, walk, async_scheduling):  # noqa: F811
+    """On the GPU (Triton attention over the head's pages aliased in the target's, captured steps
+    run eagerly between graph-replayed plain decodes, the head's catch-up enqueued behind a step
+    in flight): random heads keep the workload's greedy outputs, oracle heads get their drafts
+    accepted, and every page comes back; float32 so argmax is not decided by rounding."""
+    gpu = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=256, async_scheduling=async_scheduling)
+    finals = []
+    for spec in (None, _spec(heads, "eagle"), _spec(heads, "eagle3", disable_by_batch_size=4)):
+        llm = LLM(path, speculative_config=spec, **gpu)
+        probe = llm.generate([{"prompt_token_ids": LOOP}], _greedy(), use_tqdm=False)[0].outputs[0]
+        requests = [r for r in _workload(probe.token_ids[9], "\n\n") if r[0] != "stop_str"]
+        finals.append(_run(llm.engine, requests)[0])
+        if spec is not None:
+            assert llm.engine.spec_stats.num_draft_tokens > 0
+            assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
+        del llm
+        torch.cuda.empty_cache()
+    _assert_same(finals[1], finals[0])
+    _assert_same(finals[2], finals[0])
+    target, oracle, perm = walk
+    for method in ("eagle", "eagle3"):
+        llm = LLM(target, speculative_config=_spec(oracle, method), **gpu)
+        prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
+        outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
+        for s, output in zip((3, 9, 17), outputs):
+            slot, expected = s, []
+            for _ in range(40):
+                slot = perm[slot]
+                expected.append(PERM_FIRST + slot)
+            assert output.outputs[0].token_ids == expected
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+        del llm
+        torch.cuda.empty_cache()
+
+
+def test_the_heads_weights_count_and_serve_takes_one_model(path, heads, tmp_path, capsys):  # noqa: F811
+    import argparse
+
+    from qserve.commands import plan, serve
+    from qserve.spec_decode.eagle_head import eagle_head_bytes
+
+    plain = LLM(path, gpu_memory_budget="256MiB", **ARGS).engine.memory_plan
+    engine = LLM(path, gpu_memory_budget="256MiB", speculative_config=_spec(heads, "eagle3"), **ARGS).engine
+    head = engine._eagle_head
+    assert engine.memory_plan.weights_bytes == plain.weights_bytes + sum(
+        t.numel() * t.element_size() for t in [*head.parameters(), *head.buffers()]
+    )
+    parser = argparse.ArgumentParser()
+    plan.register(parser)
+    extra = ["--speculative-config", json.dumps(_spec(heads, "eagle3"))]
+    assert plan.run(parser.parse_args([path, "--gpu-memory-budget", "256MiB", "--json", *extra])) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["draft_weights_bytes"] == eagle_head_bytes(heads["eagle3"], "eagle3", torch.float16) > 0
+    parser = argparse.ArgumentParser()
+    serve.register(parser)
+    args = parser.parse_args(
+        [f"a={tmp_path}", f"b={tmp_path}", "--speculative-config", json.dumps(_spec(heads, "eagle"))]
+    )
+    with pytest.raises(ValueError, match="an EAGLE head serves one model"):
+        serve.build_host_factory(args)
+    with pytest.raises(ValueError, match=r"speculative_config\.model is required with method 'eagle'"):
+        LLM(path, speculative_config={"method": "eagle", "num_speculative_tokens": 2}, **ARGS)
