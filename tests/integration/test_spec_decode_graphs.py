@@ -348,9 +348,17 @@ def test_triton_attention_on_the_padded_layout_matches_the_real_one():
 
 
 def _cuda_engine(checkpoint: str, spec, graphs: bool, monkeypatch, **kwargs) -> LLM:  # noqa: ANN001
+    """A float32 engine on a fixed small pool, graphs up to 32 sequences (fewer captures)."""
     monkeypatch.setenv(SPEC_GRAPHS_ENV, "1" if graphs else "0")
     return LLM(
-        checkpoint, device="cuda", dtype="float32", block_size=16, num_kv_blocks=256, speculative_config=spec, **kwargs
+        checkpoint,
+        device="cuda",
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=256,
+        max_num_seqs=32,
+        speculative_config=spec,
+        **kwargs,
     )
 
 
