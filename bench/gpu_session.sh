@@ -17,7 +17,7 @@
 #   optin_tiles  the Hopper prefill tiles (QSERVE_PREFILL_TILES=h200, the default since 2026-12-05): GPU attention tests, bench/attention_prefill.py
 #   optin_moe    bench/moe.py (fused MoE vs per-expert loop vs cuBLAS grouped)
 #   optin_lora   bench/lora.py (kernels, then --e2e)
-#   optin_spec   bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128)
+#   optin_spec   bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128, eager and graphed verify)
 # core (only when named; needs the server's wheels): bench/serving_http.sh with the engine core in-process,
 #   then in its own process (QSERVE_ENABLE_MULTIPROCESSING=1), concurrency 16 (CONCURRENCY=1,16 adds the
 #   slow batch-1 run) and Poisson 16 req/s, each run's folder packed into one .tgz
@@ -134,7 +134,7 @@ if has optin_lora; then
     timeout 240 python3 bench/lora.py --e2e --out "$OUT/lora_e2e.md" 2>&1 | grep -v USDT | tail -8
 fi
 if has optin_spec; then
-    stage "speculative decoding: n-gram and a 12-layer self-draft"
+    stage "speculative decoding: n-gram and a 12-layer self-draft, eager and graphed verify (QSERVE_SPEC_GRAPHS=1)"
     timeout 240 python3 bench/spec_decode.py --draft-layers 12 --out "$OUT/spec_decode.md" 2>&1 | grep -v USDT | tail -10
 fi
 if has core; then

@@ -7,14 +7,24 @@ gives decode tok/s. Two prompt kinds: ``repeat`` (a random 32-token segment four
 lookup always finds drafts, and whether the model continues the pattern is measured, not
 assumed) and ``random`` (random tokens: few drafts, mostly rejected). Per row: tok/s off and on,
 the speedup, the acceptance rate (accepted / draft tokens), drafts per sequence-step and the
-steps taken. With random weights the acceptance is whatever greedy decoding of that model gives;
-the speedup is reported against it (issue 29: >= 2.0x at >= 70% acceptance with k = 4, <= 5%
-slower at 0%, >= 0.98x at batch 128 with ``disable_by_batch_size``).
+steps taken, and how many of the timed steps verified drafts. With random weights the acceptance
+is whatever greedy decoding of that model gives; the speedup is reported against it (issue 29:
+>= 2.0x at >= 70% acceptance with k = 4, <= 5% slower at 0%, >= 0.98x at batch 128 with
+``disable_by_batch_size``).
+
+``--verify eager|graphs|both`` (default both, CUDA only for graphs): each speculating engine starts
+with ``QSERVE_SPEC_GRAPHS=1`` (verify graphs; a draft model's decode and catch-up graphs) and is
+measured twice, with those graphs detached (``eager``: the verify steps and the draft's steps run
+eagerly, as without the variable) and attached (``graphs``); the plain decode graphs are the same
+in both. At batch 128 (above ``disable_by_batch_size``) every step is the plain decode step; the
+"verify steps" column counts the timed steps that still verified drafts: the tail of the run,
+once finished sequences bring the batch under the threshold.
 
     python bench/spec_decode.py --out spec_decode.md                        # H200
     python bench/spec_decode.py --draft-layers 12 --out spec_decode.md      # also a draft model: the
                                                                             # target's first 12 layers
     python bench/spec_decode.py --small --out /tmp/spec_decode.md           # tiny model, CPU or GPU
+    python bench/spec_decode.py --verify eager --out spec_decode.md         # as before: no verify graphs
 
 The table goes to stdout and ``--out`` (markdown).
 """
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import QWEN14B, SMALL, write_random_gptq  # noqa: E402
 
 from qserve import LLM, SamplingParams  # noqa: E402
+from qserve.engine.engine import SPEC_GRAPHS_ENV  # noqa: E402
 
 
 def write_draft(target: Path, path: Path, num_layers: int) -> None:
@@ -79,8 +91,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed_decode(llm: LLM, batch_prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, int]:
-    """Decode tok/s once the prompts are in, and the number of steps it took."""
+def timed_decode(llm: LLM, batch_prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, int, int]:
+    """Decode tok/s once the prompts are in, the number of steps it took and how many of them
+    verified drafts."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(batch_prompts):
@@ -88,13 +101,44 @@ def timed_decode(llm: LLM, batch_prompts: list[list[int]], max_tokens: int, tag:
     while any(not seq.request.output_token_ids for _, seq in engine._sequences.values()):
         engine.step()
     done = sum(len(seq.request.output_token_ids) for _, seq in engine._sequences.values())
+    verify_steps = []
+    schedule = engine.scheduler.schedule
+
+    def counted():  # noqa: ANN202
+        out = schedule()
+        verify_steps.append(bool(out.num_spec_tokens))
+        return out
+
+    engine.scheduler.schedule = counted
     sync()
     start, steps = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    sync()
-    return (len(batch_prompts) * max_tokens - done) / (time.perf_counter() - start), steps
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        sync()
+    finally:
+        del engine.scheduler.schedule  # the bound method again
+    return (len(batch_prompts) * max_tokens - done) / (time.perf_counter() - start), steps, sum(verify_steps)
+
+
+def attach_spec_graphs(llm: LLM, attach: bool, detached: dict) -> None:
+    """Detach (``attach=False``) or re-attach the graphs of speculative steps: the target's verify
+    graphs, a draft model's decode and catch-up graphs (``detached`` keeps them meanwhile). The
+    target's decode graphs stay: steps without drafts run as always."""
+    engine = llm.engine
+    runners = {"target": (engine.runner, ("row_graphs",))}
+    draft = getattr(engine.proposer, "runner", None)
+    if draft is not None:
+        runners["draft"] = (draft, ("decode_graphs", "row_graphs"))
+    for name, (runner, fields) in runners.items():
+        for field in fields:
+            key = (name, field)
+            if attach and key in detached:
+                setattr(runner, field, detached.pop(key))
+            elif not attach and getattr(runner, field) is not None:
+                detached[key] = getattr(runner, field)
+                setattr(runner, field, None)
 
 
 def main() -> None:
@@ -107,6 +151,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--disable-by-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--verify",
+        choices=("eager", "graphs", "both"),
+        default="both",
+        help="verify (and draft-model) steps eager, under CUDA graphs (QSERVE_SPEC_GRAPHS=1), or both, one engine each method",
+    )
     parser.add_argument(
         "--draft-layers",
         type=int,
@@ -148,9 +198,14 @@ def main() -> None:
             fixed = {k: v for k, v in config.items() if k != "disable_by_batch_size"}
             modes.append((f"{mode}-adaptive", {**fixed, **adaptive}))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    results: dict[tuple[str, int, str], tuple[float, int]] = {}
-    acceptance: dict[tuple[str, int, str], tuple[float, float]] = {}
+    # Verify graphs are captured on CUDA only (the engine captures no graph on the CPU).
+    verify_modes = ["eager", "graphs"] if args.verify == "both" else [args.verify]
+    if device != "cuda":
+        verify_modes = ["eager"]
+    results: dict[tuple[str, int, str, str], tuple[float, int, int]] = {}
+    acceptance: dict[tuple[str, int, str, str], tuple[float, float]] = {}
     for mode, config in modes:
+        os.environ[SPEC_GRAPHS_ENV] = "1" if config is not None and "graphs" in verify_modes else "0"
         llm = LLM(
             str(path),
             device=device,
@@ -158,40 +213,48 @@ def main() -> None:
             max_num_seqs=max(256, 2 * max(batches)),  # room for drafts: a step samples <= max_num_seqs rows
             speculative_config=config,
         )
-        for batch in batches:  # compile / warm up every shape first
-            timed_decode(llm, prompts("random", batch, shape["vocab"], 99), 8, f"warm{batch}")
-        for kind in ("repeat", "random"):
-            for batch in batches:
-                stats = llm.engine.spec_stats
-                before = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts) if stats else None
-                batch_prompts = prompts(kind, batch, shape["vocab"], seed=batch)
-                results[(kind, batch, mode)] = timed_decode(llm, batch_prompts, args.max_tokens, f"{kind}{batch}")
-                if stats is not None:
-                    drafted = stats.num_draft_tokens - before[0]
-                    accepted = stats.num_accepted_tokens - before[1]
-                    drafts = stats.num_drafts - before[2]
-                    acceptance[(kind, batch, mode)] = (accepted / drafted if drafted else 0.0, drafted / max(drafts, 1))
+        detached: dict = {}
+        for n, verify in enumerate(verify_modes if config is not None else ["eager"]):
+            attach_spec_graphs(llm, verify == "graphs", detached)
+            for batch in batches if n == 0 else ():  # compile / warm up every shape first (graphs: at capture)
+                timed_decode(llm, prompts("random", batch, shape["vocab"], 99), 8, f"warm{batch}")
+            for kind in ("repeat", "random"):
+                for batch in batches:
+                    stats = llm.engine.spec_stats
+                    before = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts) if stats else None
+                    batch_prompts = prompts(kind, batch, shape["vocab"], seed=batch)
+                    key = (kind, batch, mode, verify)
+                    results[key] = timed_decode(llm, batch_prompts, args.max_tokens, f"{verify}{kind}{batch}")
+                    if stats is not None:
+                        drafted = stats.num_draft_tokens - before[0]
+                        accepted = stats.num_accepted_tokens - before[1]
+                        drafts = stats.num_drafts - before[2]
+                        acceptance[key] = (accepted / drafted if drafted else 0.0, drafted / max(drafts, 1))
         del llm
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     lines = [
         f"speculative decoding, {device}, {'small' if args.small else 'Qwen2.5-14B-shaped GPTQ-4bit'}, greedy, "
-        f"{args.max_tokens} tokens per sequence; configs {json.dumps([c for _, c in modes[1:]])}",
+        f"{args.max_tokens} tokens per sequence; configs {json.dumps([c for _, c in modes[1:]])}; verify: eager "
+        f"(as without {SPEC_GRAPHS_ENV}) or graphs ({SPEC_GRAPHS_ENV}=1: verify steps and a draft model's steps "
+        "under CUDA graphs)",
         "",
-        "| method | prompts | batch | off tok/s | on tok/s | speedup | acceptance | drafts per draft step | steps off / on |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | verify | prompts | batch | off tok/s | on tok/s | speedup | acceptance | drafts per draft step "
+        "| steps off / on | verify steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, _ in modes[1:]:
-        for kind in ("repeat", "random"):
-            for batch in batches:
-                off, off_steps = results[(kind, batch, "off")]
-                on, on_steps = results[(kind, batch, mode)]
-                rate, per_draft = acceptance.get((kind, batch, mode), (0.0, 0.0))
-                lines.append(
-                    f"| {mode} | {kind} | {batch} | {off:,.0f} | {on:,.0f} | {on / off:.2f}x | {rate:.0%} "
-                    f"| {per_draft:.2f} | {off_steps} / {on_steps} |"
-                )
+        for verify in verify_modes:
+            for kind in ("repeat", "random"):
+                for batch in batches:
+                    off, off_steps, _ = results[(kind, batch, "off", "eager")]
+                    on, on_steps, verify_steps = results[(kind, batch, mode, verify)]
+                    rate, per_draft = acceptance.get((kind, batch, mode, verify), (0.0, 0.0))
+                    lines.append(
+                        f"| {mode} | {verify} | {kind} | {batch} | {off:,.0f} | {on:,.0f} | {on / off:.2f}x "
+                        f"| {rate:.0%} | {per_draft:.2f} | {off_steps} / {on_steps} | {verify_steps} |"
+                    )
     text = "\n".join(lines)
     print(text)
     Path(args.out).write_text(text + "\n")

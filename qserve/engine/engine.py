@@ -38,6 +38,10 @@ them (``SchedulerOutput.spec_hidden_states``: while speculating, and every step 
 decode) and hands each sequence's kept positions to the proposer after the step. With
 ``enable_adaptive_verification`` the number of drafts per step comes from
 ``qserve.spec_decode.adaptive`` (measured acceptance, batch size, a cost model); 0 is a plain step.
+Verify steps (and a draft model's steps) run eagerly unless ``QSERVE_SPEC_GRAPHS=1`` (opt-in until
+``pytest -m gpu`` has run with it): then the target captures graphs of k + 1 rows per sequence for
+its verify steps and a draft model decode and 2-row catch-up graphs, all in the target's graph pool
+(``_capture_spec_graphs``). Steps that propose nothing run exactly as without speculation.
 
 Swap preemption (``EngineConfig.preemption_mode`` "swap" | "auto", ``swap_space`` GiB of host
 memory; vLLM V0's names): the engine gives the runner a host KV pool and the scheduler its slots
@@ -125,7 +129,24 @@ POOLING_STEP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 RECOMPUTE_COST_MIN_TOKENS = 64
 # LoRA: decode CUDA graphs that take each row's adapter slot (opt-in; without it LoRA decodes eagerly).
 LORA_GRAPHS_ENV = "QSERVE_LORA_GRAPHS"
+# Speculative decoding: CUDA graphs for verify steps and the draft model's steps (opt-in; without it
+# they run eagerly).
+SPEC_GRAPHS_ENV = "QSERVE_SPEC_GRAPHS"
+# A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
+# (the last draft and the target's token): its graphs take up to this many rows per sequence.
+DRAFT_CATCH_UP_ROWS = 2
 RECOMPUTE_COST_EMA = 0.2
+
+
+def spec_graph_sizes(spec: SpeculativeConfig, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int]:
+    """The most sequences of the graphs of speculative steps: (target verify graphs, a draft model's
+    decode graphs, its catch-up graphs). Speculating steps have at most ``disable_by_batch_size``
+    (and ``max_num_seqs``) sequences, and a graph's rows (sequences x rows per sequence) stay within
+    ``max_num_batched_tokens``, the step size the memory plan's activation peak was measured for
+    (a size of 0: no such graphs)."""
+    seqs = max_num_seqs if spec.disable_by_batch_size is None else min(max_num_seqs, spec.disable_by_batch_size)
+    verify = min(seqs, max_num_batched_tokens // (spec.num_speculative_tokens + 1))
+    return verify, min(seqs, max_num_batched_tokens), min(seqs, max_num_batched_tokens // DRAFT_CATCH_UP_ROWS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,6 +494,13 @@ class Engine:
             else:
                 self.proposer = make_proposer(self.spec_config)
         self.spec_stats = None if self.spec_config is None else SpecDecodeStats(self.spec_config.num_speculative_tokens)
+        if self.spec_config is not None and self.runner.decode_graphs is not None:
+            if os.environ.get(SPEC_GRAPHS_ENV) == "1":  # opt-in until pytest -m gpu has run with it
+                self._capture_spec_graphs()
+            else:
+                logger.info(
+                    "speculative decoding: verify steps run eagerly (%s=1 captures CUDA graphs)", SPEC_GRAPHS_ENV
+                )
         self._draft_backoff = DraftBackoff()  # sequences whose proposals keep failing skip steps
         self._drafts_out = False  # some running request may still carry drafts
         self._speculating = False  # the last proposal call gave drafts a chance (EAGLE: capture the step)
@@ -578,6 +606,29 @@ class Engine:
         if self._eagle_head is not None:
             return self._eagle_head.weight_bytes() / target
         return 0.0
+
+    def _capture_spec_graphs(self) -> None:
+        """CUDA graphs of speculative steps (``SPEC_GRAPHS_ENV``), after the target's decode graphs,
+        sharing their pool and logits buffer (``spec_graph_sizes`` says how large): the target's
+        verify steps (k + 1 rows per sequence), and a draft model's decode steps and catch-up steps
+        (``DRAFT_CATCH_UP_ROWS``). Off CUDA the same static-shaped steps run eagerly (tests)."""
+        from qserve.spec_decode.draft_model import DraftModelProposer
+
+        spec = self.spec_config
+        target_graphs = self.runner.decode_graphs
+        assert spec is not None and target_graphs is not None
+        verify_seqs, draft_seqs, catch_up_seqs = spec_graph_sizes(
+            spec, self.config.max_num_seqs, self.scheduler_config.max_num_batched_tokens
+        )
+        if verify_seqs:
+            self.runner.capture_row_graphs(
+                spec.num_speculative_tokens + 1, verify_seqs, self.max_model_len, share=target_graphs
+            )
+        draft = self.proposer.runner if isinstance(self.proposer, DraftModelProposer) else None
+        if draft is not None and getattr(draft.model, "supports_cuda_graphs", True):
+            draft.capture_decode_graphs(draft_seqs, self.max_model_len, share=target_graphs)
+            if catch_up_seqs:
+                draft.capture_row_graphs(DRAFT_CATCH_UP_ROWS, catch_up_seqs, self.max_model_len, share=target_graphs)
 
     @property
     def async_scheduling(self) -> bool:

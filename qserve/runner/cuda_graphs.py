@@ -10,12 +10,36 @@ LoRA (``max_loras``, opt-in with ``QSERVE_LORA_GRAPHS=1``): the graphs also take
 slot and the rows' tiles as static inputs (``LoRAIndices`` views of fixed size: pad rows and base rows
 have slot -1, unused tiles length 0), so steps mixing adapters and the base replay the same graph.
 Without ``max_loras`` nothing of this exists and the graphs are exactly the base model's.
+
+Several rows per sequence (``query_len`` Q > 1, opt-in with ``QSERVE_SPEC_GRAPHS=1``): speculative
+decoding's verify steps (each sequence's last known token and up to k drafts: Q = k + 1) and a draft
+model's catch-up steps (Q = 2). A graph of B sequences has B * Q rows, sequence i owning rows
+``[i * Q, (i + 1) * Q)`` (``query_start_loc`` fixed), ``max_query_len`` Q: attention takes the
+prefill/extend kernel, whose grid depends on host integers only (token and sequence counts). A
+sequence with n < Q new tokens puts them in the LAST n rows of its Q; the first Q - n are pad rows at
+the Q - n positions just before its first new token (``static_rows``): with the sequence's true length
+as ``seq_lens[i]``, the kernels see Q new tokens ending there, so the real rows get their real
+positions and causal masks, and the pad rows (slot -1: their K/V are never stored) attend only to
+keys already in the cache, never to a real row's. That needs ``seq_lens[i] >= Q`` (pad positions
+>= 0; the runner falls back to the eager path otherwise). Pad sequences past B have length Q over
+block 0. Logits are computed in the graph for the sampling rows only: ``sample_index`` (static,
+padded with row 0) gathers them, at most ``max_sample_rows`` per graph, so the logits buffer can be
+the decode graphs' own (``share``).
+
+Sharing (``share``): graphs of another ``DecodeGraphs`` (the target's decode graphs) lend their
+memory pool and, where it is large enough, their logits buffer. Safe because every graph of the
+process replays on one stream, never two at once, and nothing reads a graph's logits after the
+next replay is enqueued (the sampler reads them within the step that replayed it).
+
+Off CUDA, ``capture`` records nothing: each bucket's "graph" reruns the same static-buffer forward
+eagerly at replay (``StaticReplay``), so the CPU tests run everything but the capture itself.
 """
 
 from __future__ import annotations
 
 import logging
 from bisect import bisect_left
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -26,6 +50,33 @@ from quant_kernels.lora_ops import LoRAIndices, lora_tiles, max_lora_tiles
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+class StaticReplay:
+    """A bucket's "graph" off CUDA: ``replay()`` reruns the static-buffer forward it stands for."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+def static_rows(counts: np.ndarray, query_len: int) -> np.ndarray:
+    """int64 ``[T]``: the row of each new token in a multi-row graph's layout (``T = counts.sum()``,
+    tokens sequence after sequence): sequence i's ``counts[i] <= query_len`` tokens fill the last
+    ``counts[i]`` of its rows ``[i * query_len, (i + 1) * query_len)``."""
+    num_tokens = int(counts.sum())
+    ends = np.cumsum(counts)  # [S]
+    within = np.arange(num_tokens, dtype=np.int64) - np.repeat(ends - counts, counts)  # [T]
+    first_real = np.arange(len(counts), dtype=np.int64) * query_len + query_len - counts  # [S]
+    return np.repeat(first_real, counts) + within
+
+
+def static_positions(seq_lens: np.ndarray, query_len: int) -> np.ndarray:
+    """int64 ``[B * query_len]``: every row's position when sequence i's rows end at ``seq_lens[i] - 1``
+    (real rows get their own positions, pad rows the ones just before)."""
+    return np.repeat(seq_lens - query_len, query_len) + np.tile(np.arange(query_len, dtype=np.int64), len(seq_lens))
 
 
 class DecodeGraphs:
@@ -41,31 +92,50 @@ class DecodeGraphs:
         device: torch.device,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         max_loras: int | None = None,
+        *,
+        query_len: int = 1,
+        max_sample_rows: int | None = None,
+        share: DecodeGraphs | None = None,
     ) -> None:
+        """``max_num_seqs``: the largest bucket (sequences per graph). ``query_len``: rows per
+        sequence (module doc); ``max_sample_rows``: with ``query_len > 1``, the most logit rows a
+        graph computes (default: every row); ``share``: graphs whose pool and logits buffer these use."""
+        if query_len < 1:
+            raise ValueError(f"query_len must be >= 1, got {query_len}")
+        if query_len > 1 and max_loras is not None:
+            raise ValueError("graphs of several rows per sequence take no LoRA slots")
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
+        self.query_len = query_len
         self.buckets = tuple(sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs}))
         max_batch = self.buckets[-1]
+        max_rows = max_batch * query_len
         max_blocks = -(-max_model_len // block_size)
+        # Pad sequences of a multi-row graph read the first blocks of their length query_len.
+        self.pad_blocks = -(-query_len // block_size)
         int64 = {"dtype": torch.int64, "device": device}
-        # Static inputs, shared by every graph (a graph of batch B reads the first B rows).
-        self.input_ids = torch.zeros(max_batch, **int64)  # [max_batch]
-        self.positions = torch.zeros(max_batch, **int64)  # [max_batch]
-        self.slot_mapping = torch.full((max_batch,), -1, **int64)  # [max_batch]; -1 = pad row
-        self.seq_lens = torch.ones(max_batch, **int64)  # [max_batch]
+        # Static inputs, shared by every graph (a graph of batch B reads the first B * Q rows).
+        self.input_ids = torch.zeros(max_rows, **int64)  # [max_rows]
+        self.positions = torch.zeros(max_rows, **int64)  # [max_rows]
+        self.slot_mapping = torch.full((max_rows,), -1, **int64)  # [max_rows]; -1 = pad row
+        self.seq_lens = torch.full((max_batch,), query_len, **int64)  # [max_batch]
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, **int64)  # [max_batch + 1]
+        self.query_start_loc = torch.arange(max_batch + 1, **int64) * query_len  # [max_batch + 1]
         # Qwen v1 dynamic NTK: each row's rotary table (its sequence's alpha, fixed at prefill),
         # an input like the positions, so mixed-alpha batches replay the same graph.
         has_ntk = getattr(getattr(model, "rotary", None), "num_ntk_tables", 1) > 1
-        self.ntk_tables = torch.zeros(max_batch, **int64) if has_ntk else None  # [max_batch]
+        self.ntk_tables = torch.zeros(max_rows, **int64) if has_ntk else None  # [max_rows]
+        # Multi-row graphs: the rows whose logits are computed (the step's sampling rows, in order,
+        # then row 0), at most max_sample_rows of them.
+        self.max_sample_rows = max_batch if query_len == 1 else min(max_rows, max_sample_rows or max_rows)
+        self.sample_index = torch.zeros(self.max_sample_rows, **int64) if query_len > 1 else None
         vocab = model.config.vocab_size
         # One output buffer for every graph: per-bucket outputs would each stay alive in the
         # pool (on a 152k vocabulary, 15 buckets held 0.75 GiB of logits).
-        self.logits = torch.empty(max_batch, vocab, dtype=torch.float32, device=device)  # [max_batch, vocab]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.logits = _logits_buffer(self.max_sample_rows, vocab, device, share)  # [max_sample_rows, vocab]
+        self.graphs: dict[int, torch.cuda.CUDAGraph | StaticReplay] = {}
+        self.pool = None if share is None else share.pool
         # LoRA (see the module doc): every row's slot and the tiles, sized for the largest bucket.
         self.max_loras = max_loras
         self.lora_buffers: tuple[torch.Tensor, ...] | None = None
@@ -80,15 +150,20 @@ class DecodeGraphs:
                 torch.zeros(max_tiles, **int32),  # tile_slots [max_tiles]
             )
 
+    def sample_rows_of(self, batch: int) -> int:
+        """Logit rows the graph of ``batch`` sequences computes."""
+        return min(batch * self.query_len, self.max_sample_rows)
+
     def _metadata(self, batch: int) -> AttentionMetadata:
+        rows = batch * self.query_len
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch],
+            slot_mapping=self.slot_mapping[:rows],
             block_tables=self.block_tables[:batch],
             seq_lens=self.seq_lens[:batch],
             query_start_loc=self.query_start_loc[: batch + 1],
-            max_query_len=1,
+            max_query_len=self.query_len,
             max_seq_len=self.max_model_len,  # fixed: kernels size their grids from it
-            ntk_tables=None if self.ntk_tables is None else self.ntk_tables[:batch],
+            ntk_tables=None if self.ntk_tables is None else self.ntk_tables[:rows],
         )
 
     def _lora(self, batch: int) -> LoRAIndices:
@@ -99,26 +174,39 @@ class DecodeGraphs:
 
     def _run(self, batch: int) -> torch.Tensor:
         extra = {} if self.lora_buffers is None else {"lora": self._lora(batch)}
+        rows = batch * self.query_len
         hidden = self.model(
-            self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._metadata(batch), **extra
-        )
+            self.input_ids[:rows], self.positions[:rows], self.kv_caches, self._metadata(batch), **extra
+        )  # [rows, hidden]
+        if self.sample_index is not None:  # the sampling rows only
+            hidden = hidden.index_select(0, self.sample_index[: self.sample_rows_of(batch)])  # [R, hidden]
         return self.model.compute_logits(hidden)
+
+    def _run_into_logits(self, batch: int) -> None:
+        self.logits[: self.sample_rows_of(batch)].copy_(self._run(batch))
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm up (kernel compilation, autotuning) and capture, largest bucket first."""
+        """Warm up (kernel compilation, autotuning) and capture, largest bucket first (off CUDA:
+        ``StaticReplay`` stand-ins, see the module doc)."""
+        kind = "decode" if self.query_len == 1 else f"{self.query_len}-row"
+        if self.input_ids.device.type != "cuda":
+            for batch in self.buckets:
+                self.graphs[batch] = StaticReplay(lambda b=batch: self._run_into_logits(b))
+            logger.info("%s graphs replayed eagerly off CUDA (batch sizes %s)", kind, list(self.buckets))
+            return
         torch.cuda.synchronize()
         for batch in reversed(self.buckets):
             self._run(batch)  # warm-up outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[:batch].copy_(self._run(batch))
+                self._run_into_logits(batch)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), list(self.buckets))
+        logger.info("captured %d %s CUDA graphs (batch sizes %s)", len(self.graphs), kind, list(self.buckets))
 
     def bucket_for(self, batch: int) -> int | None:
         if batch > self.buckets[-1]:
@@ -136,7 +224,7 @@ class DecodeGraphs:
         pending: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows [P], token ids [P]) on the device
         lora_slots: np.ndarray | None = None,  # int32 [B]: each row's adapter slot, -1 the base (None: all)
     ) -> torch.Tensor:
-        """Logits ``[B, vocab]`` for a pure-decode batch (one token per sequence).
+        """Logits ``[B, vocab]`` for a pure-decode batch (one token per sequence; ``query_len`` 1).
 
         Rows past ``B`` up to the bucket are pad rows: slot -1 (not stored), length 1, block 0.
         Block-table columns past ``width`` keep stale ids from earlier steps; kernels never
@@ -144,6 +232,7 @@ class DecodeGraphs:
         ``pending``: input ids sampled by the step still in flight (async scheduling), written
         over rows ``pending[0]`` on the device.
         """
+        assert self.query_len == 1, "multi-row graphs replay through replay_rows"
         batch = len(input_ids)
         bucket = self.bucket_for(batch)
         host = np.zeros((5, bucket), dtype=np.int64)  # ids, positions, slots, seq_lens, ntk tables
@@ -176,6 +265,72 @@ class DecodeGraphs:
         self.graphs[bucket].replay()
         return self.logits[:batch]
 
+    def fits_rows(self, counts: np.ndarray, seq_lens: np.ndarray, num_sample_rows: int) -> bool:
+        """Whether a step of ``counts`` new tokens per sequence (``seq_lens`` after it) and
+        ``num_sample_rows`` logit rows (at least one: a step sampling nothing computes no logits)
+        can replay a multi-row graph (module doc)."""
+        bucket = self.bucket_for(len(counts))
+        return (
+            bucket is not None
+            and int(counts.max()) <= self.query_len
+            and int(seq_lens.min()) >= self.query_len
+            and 0 < num_sample_rows <= self.sample_rows_of(bucket)
+        )
+
+    @torch.inference_mode()
+    def replay_rows(
+        self,
+        input_ids: list[int],  # [T]
+        counts: np.ndarray,  # int64 [S]: new tokens per sequence, each in [1, query_len]
+        seq_lens: np.ndarray,  # int64 [S]: context length after the step, each >= query_len
+        slots: np.ndarray,  # int64 [T]
+        block_tables: np.ndarray,  # int32 [S, width]
+        sample_rows: np.ndarray,  # int64 [N]: token indices (in ``input_ids``) whose logits are wanted
+        ntk_tables: np.ndarray | None = None,  # int64 [S]: each sequence's rotary table (None: table 0)
+    ) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of ``sample_rows`` for a step that ``fits_rows`` (``query_len > 1``).
+
+        Tokens go to their ``static_rows``; pad rows get input id 0, slot -1 (nothing stored) and the
+        positions before their sequence's first new token (``static_positions``); pad sequences past
+        S have length ``query_len`` over block 0. Block-table columns past ``width`` keep stale (valid)
+        ids, as in ``replay``.
+        """
+        q = self.query_len
+        num_seqs = len(counts)
+        bucket = self.bucket_for(num_seqs)
+        rows = bucket * q
+        num_sample = len(sample_rows)
+        row_of_token = static_rows(counts, q)  # [T]
+        lens = np.full(bucket, q, dtype=np.int64)  # [bucket]
+        lens[:num_seqs] = seq_lens
+        host = np.zeros((4, rows), dtype=np.int64)  # ids, positions, slots, ntk tables
+        host[0, row_of_token] = input_ids
+        host[1] = static_positions(lens, q)
+        host[2] = -1
+        host[2, row_of_token] = slots
+        if ntk_tables is not None:  # pad sequences read table 0
+            host[3, : num_seqs * q] = np.repeat(ntk_tables, q)
+        index = np.zeros(self.sample_rows_of(bucket), dtype=np.int64)  # [R]; rows past N: row 0
+        index[:num_sample] = row_of_token[sample_rows]
+        staged = [torch.from_numpy(host), torch.from_numpy(lens), torch.from_numpy(index)]
+        tables = torch.from_numpy(block_tables)
+        pinned = self.input_ids.is_cuda
+        if pinned:  # asynchronous copies, as in replay
+            staged = [t.pin_memory() for t in staged]
+            tables = tables.pin_memory()
+        self.input_ids[:rows].copy_(staged[0][0], non_blocking=True)
+        self.positions[:rows].copy_(staged[0][1], non_blocking=True)
+        self.slot_mapping[:rows].copy_(staged[0][2], non_blocking=True)
+        if self.ntk_tables is not None:
+            self.ntk_tables[:rows].copy_(staged[0][3], non_blocking=True)
+        self.seq_lens[:bucket].copy_(staged[1], non_blocking=True)
+        assert self.sample_index is not None
+        self.sample_index[: len(index)].copy_(staged[2], non_blocking=True)
+        self.block_tables[:num_seqs, : block_tables.shape[1]].copy_(tables, non_blocking=True)
+        self.block_tables[num_seqs:bucket, : self.pad_blocks] = 0
+        self.graphs[bucket].replay()
+        return self.logits[:num_sample]
+
     def _stage_lora(self, bucket: int, lora_slots: np.ndarray | None, pinned: bool) -> None:
         """Each row's slot (pad and base rows -1) and the tiles, padded with empty tiles."""
         assert self.lora_buffers is not None and self.max_loras is not None
@@ -197,3 +352,11 @@ class DecodeGraphs:
         offsets_buf[:tiles].copy_(staged[1][0], non_blocking=True)
         lens_buf[:tiles].copy_(staged[1][1], non_blocking=True)
         slots_buf[:tiles].copy_(staged[1][2], non_blocking=True)
+
+
+def _logits_buffer(rows: int, vocab: int, device: torch.device, share: DecodeGraphs | None) -> torch.Tensor:
+    """float32 ``[rows, vocab]``: a view of ``share``'s logits buffer where it holds as many numbers
+    (module doc: sharing), else a new one."""
+    if share is not None and share.logits.device == device and share.logits.numel() >= rows * vocab:
+        return share.logits.view(-1)[: rows * vocab].view(rows, vocab)
+    return torch.empty(rows, vocab, dtype=torch.float32, device=device)

@@ -27,9 +27,12 @@ a manager, runs exactly as before.
 
 Speculative decoding (``SchedulerOutput.num_spec_tokens > 0``): a sequence with k draft tokens
 gets logits at its last k + 1 rows and ``_verify`` runs the rejection sampler
-(``qserve.runner.rejection_sampler``) over them; such a step runs eagerly (several rows per
-sequence: no decode graph) and its emitted tokens reach the host inside the launch. Steps without
-drafts take exactly the path they take without speculation.
+(``qserve.runner.rejection_sampler``) over them; its emitted tokens reach the host inside the
+launch. Such a step runs eagerly, or, with multi-row graphs captured (``capture_row_graphs``,
+``QSERVE_SPEC_GRAPHS=1``: up to ``query_len`` new tokens per sequence, pad rows where a sequence has
+fewer, see ``qserve.runner.cuda_graphs``), replays one when it fits (``uses_row_graph``); a draft
+model's runner uses them for its catch-up steps. Steps without drafts take exactly the path they
+take without speculation (a pure decode never takes a multi-row graph).
 
 EAGLE heads (``enable_spec_hidden_states``, off by default): a step whose
 ``SchedulerOutput.spec_hidden_states`` is set runs eagerly and returns the target's hidden states of
@@ -202,6 +205,21 @@ def uses_decode_graph(
     )
 
 
+def uses_row_graph(
+    graphs: DecodeGraphs,
+    counts: np.ndarray,
+    seq_lens: np.ndarray,
+    num_sample_rows: int,
+    has_prompt_logprobs: bool,
+    has_pending: bool,
+) -> bool:
+    """Whether a step that is not a pure decode replays a multi-row graph (``query_len`` > 1 rows per
+    sequence): every sequence has at most ``query_len`` new tokens and a context of at least that
+    (``DecodeGraphs.fits_rows``), no prompt logprobs nor pooled hidden states (``has_prompt_logprobs``
+    covers both), and no input still sampled by the step in flight (verify steps never have one)."""
+    return not has_prompt_logprobs and not has_pending and graphs.fits_rows(counts, seq_lens, num_sample_rows)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -223,6 +241,8 @@ class ModelRunner:
         self.valid_vocab_size = valid_vocab_size
         self.sampler = Sampler(seed=seed, valid_vocab_size=valid_vocab_size)
         self.decode_graphs: DecodeGraphs | None = None
+        # Graphs of several rows per sequence (speculative verify / a draft's catch-up; opt-in).
+        self.row_graphs: DecodeGraphs | None = None
         self.kv_swapper: KVSwapper | None = None  # swap preemption's host pool (enable_swap)
         self.lora_manager = None  # qserve.lora.slots.LoRAManager (enable_lora)
         # Qwen v1 dynamic NTK: how many rotary tables the model holds (1: none to pick from).
@@ -251,14 +271,47 @@ class ModelRunner:
         self.kv_swapper = KVSwapper(self.kv_caches, num_host_blocks, self.device)
         return self.kv_swapper
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, max_loras: int | None = None) -> None:
+    def capture_decode_graphs(
+        self, max_num_seqs: int, max_model_len: int, max_loras: int | None = None, share: DecodeGraphs | None = None
+    ) -> None:
         """Capture CUDA graphs for pure-decode steps (after kernels are warm; before serving);
-        ``max_loras``: graphs that take each row's LoRA adapter slot too (cuda_graphs' module doc)."""
+        ``max_loras``: graphs that take each row's LoRA adapter slot too (cuda_graphs' module doc);
+        ``share``: another runner's graphs whose pool and logits buffer these use."""
         extra = {} if max_loras is None else {"max_loras": max_loras}
         self.decode_graphs = DecodeGraphs(
-            self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device, **extra
+            self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device, share=share, **extra
         )
         self.decode_graphs.capture()
+
+    def capture_row_graphs(
+        self,
+        query_len: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_sample_rows: int | None = None,
+        share: DecodeGraphs | None = None,
+    ) -> None:
+        """Capture CUDA graphs for steps of up to ``query_len`` new tokens per sequence and up to
+        ``max_num_seqs`` sequences (speculative verify: k + 1; cuda_graphs' module doc), computing at
+        most ``max_sample_rows`` logit rows; ``share``: graphs whose pool and logits buffer they use
+        (default: this runner's decode graphs)."""
+        if query_len < 2:
+            raise ValueError(f"row graphs need query_len >= 2 (a decode graph serves 1), got {query_len}")
+        share = share or self.decode_graphs
+        if max_sample_rows is None and share is not None:
+            max_sample_rows = share.max_sample_rows
+        self.row_graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            max_num_seqs,
+            max_model_len,
+            self.block_size,
+            self.device,
+            query_len=query_len,
+            max_sample_rows=max_sample_rows,
+            share=share,
+        )
+        self.row_graphs.capture()
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its output."""
@@ -352,6 +405,7 @@ class ModelRunner:
             seq_slots = self.lora_manager.assign_slots([seq.lora_id for seq in sequences])  # [S] int32
             lora_slots = None if seq_slots is None else np.repeat(seq_slots, counts)  # [T] int32
         graphs = self.decode_graphs
+        row_graphs = self.row_graphs
         needs_hidden = bool(prompt_rows or pool_rows)
         capture = None if not scheduler_output.spec_hidden_states else self.spec_hidden_layers
         spec_hidden = None
@@ -366,6 +420,18 @@ class ModelRunner:
             sample_logits = graphs.replay(
                 input_ids, positions, slots, block_tables, ntk_tables, pending=pending, **extra
             )
+            prompt_hidden = pooled = None
+        elif (
+            row_graphs is not None
+            and not is_decode
+            and lora_slots is None
+            and uses_row_graph(row_graphs, counts, seq_lens, len(sample_rows), needs_hidden, pending is not None)
+        ):
+            block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
+            seq_tables = None if ntk_tables is None else ntk_tables[ends - 1]  # [S] one table per sequence
+            sample_logits = row_graphs.replay_rows(
+                input_ids, counts, seq_lens, slots, block_tables, sample_rows, seq_tables
+            )  # [N, vocab]
             prompt_hidden = pooled = None
         else:
             if lora_slots is not None:

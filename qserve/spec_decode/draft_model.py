@@ -16,9 +16,12 @@ and a block per layer no larger than the target's (a 0.5B draft of a 7B target f
 Drafts are the draft model's argmax tokens (after the request's penalties, logit_bias and
 min_tokens): a point mass q, so the rejection sampler's rule
 (accept with probability p(d)) keeps the target distribution exactly, as for n-gram drafts.
-A sequence gets drafts only when the draft caught up with it in this call (at most
-``max_catch_up`` new tokens) and its pages are there (keeping ``reserve`` pages free for the
-target); otherwise none, and it decodes plainly.
+A sequence gets drafts only when the draft caught up with it in this call and its pages are there
+(keeping ``reserve`` pages free for the target); otherwise none, and it decodes plainly. The
+catch-up forward computes at most ``max_catch_up`` tokens in all (the engine's step budget, which
+its memory plan measured): after steps without proposals (the batch above
+``disable_by_batch_size``) every sequence is far behind, and one forward over all of them would be
+a prefill of any size; sequences past the budget catch up in the next calls, oldest first.
 """
 
 from __future__ import annotations
@@ -105,14 +108,18 @@ class DraftModelProposer(Proposer):
         drafts: dict[str, list[int]] = {}
         first: list[ScheduledSequence] = []
         wants: dict[str, int] = {}
+        budget = self.max_catch_up  # tokens of the catch-up forward, all sequences together
         for item in batch:
             mirror = self._sync(item)
             behind = mirror.num_tokens - mirror.num_computed_tokens  # new tokens, the last one included
-            catch_up = min(behind, self.max_catch_up)
+            catch_up = min(behind, budget)
+            if catch_up == 0:  # the budget is spent: no drafts for it this step
+                continue
             k = item.max_num_tokens if catch_up == behind else 0
             # a page per sequence stays free for the target: its tokens come before the drafts'
             if not self.kv.allocate_slots(mirror, catch_up + max(k - 1, 0), reserve=len(batch)):
                 continue
+            budget -= catch_up
             self.kv.free_tail(mirror, mirror.num_computed_tokens + catch_up + max(k - 1, 0))
             first.append(self._scheduled(mirror, catch_up, sample=k > 0))
             if k > 0:
