@@ -9,19 +9,24 @@ first checked against the reference on fresh random data in the same run.
 
     PYTHONPATH=. python bench/lora.py --out $OUT/lora.md
 
-Per layer and case: ``triton`` µs (shrink + expand, one call of ``lora_ops.add_lora`` with
-``QSERVE_LORA_TRITON=1``), ``reference`` µs (the gather-based torch path qserve runs without the
-opt-in), ``floor`` µs = bytes the kernels must move (each distinct adapter's A and B once, x read,
-y read and written) / the measured copy bandwidth, and ``floor / triton``. ``--tiny`` is a CPU smoke
-run under ``TRITON_INTERPRET=1`` at toy sizes (wall-clock times, meaningless as performance).
+Per layer and case: the shrink's K split (``split x columns``, ``lora_triton.shrink_config``'s
+heuristic unless ``--split-k`` / ``--block-k`` override it: comma lists, every combination timed),
+``triton`` µs (shrink + expand, one call of ``lora_ops.add_lora`` with ``QSERVE_LORA_TRITON=1``),
+``reference`` µs (the gather-based torch path qserve runs without the opt-in), ``floor`` µs = bytes the
+kernels must move (each distinct adapter's A and B once, x read, y read and written) / the measured
+copy bandwidth, and ``floor / triton``. ``--tiny`` is a CPU smoke run under ``TRITON_INTERPRET=1`` at
+toy sizes (wall-clock times, meaningless as performance). Rows are written to ``--out`` as they come.
 
-``--e2e`` (issue 30's engine measurements): a Qwen2.5-14B-shaped random GPTQ checkpoint
-(``bench/e2e.py``'s) under ``--budget``, rank-16 random adapters on every projection of every layer
-(4 distinct files, registered under up to 32 names: each name its own slot), decode tok/s at batch 32
-and 128 with 1, 8 and 32 distinct adapters and at batch 1 with one, against the base model with CUDA
-graphs (the default) and eager, LoRA eager (the default with LoRA) with and without
-``QSERVE_LORA_TRITON``, and LoRA with its opt-in decode graphs (``QSERVE_LORA_GRAPHS=1``), plus the
-memory plan with the 32 slots set aside. ``--e2e --small`` checks the script on CPU.
+``--e2e`` (issue 30's targets): a Qwen2.5-14B-shaped random GPTQ checkpoint (``bench/e2e.py``'s) under
+``--budget``, rank-16 random adapters on every projection of every layer (4 distinct files,
+registered under up to 32 names: each name its own slot). Decode tok/s and ms per step of the base
+model (CUDA graphs) at batch 1, 32 and 128, then, on one LoRA engine (``QSERVE_LORA_TRITON=1`` and
+``QSERVE_LORA_GRAPHS=1``, 32 slots), batch 32 and 128 with 1, 8 and 32 distinct adapters and batch 1
+with one (the latency with an adapter), each against the base at its batch; last, the same engine
+with its graphs set aside (Triton eager) at batch 32 with 8 adapters. Two engines, not one per
+configuration: the whole run fits ``--time-limit`` (200 s on the H200); a row that would start past
+it is skipped and says so. The table is rewritten after every row, so a run cut short still leaves
+what it measured. ``--e2e --small`` checks the script on CPU (the reference path: no Triton there).
 """
 
 from __future__ import annotations
@@ -83,7 +88,48 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (t * 1e-6)
 
 
-def run_case(k: int, sizes: list[int], rows: int, distinct: int, per_seq: int, num_slots: int, dtype, bandwidth):
+class Table:
+    """A Markdown file rewritten after every row (a run cut short keeps what it measured)."""
+
+    def __init__(self, path: str | None, head: list[str]) -> None:
+        self.path = path
+        self.lines = list(head)
+        self.notes: list[str] = []
+        self.flush()
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        print(line, flush=True)
+        self.flush()
+
+    def note(self, line: str) -> None:
+        self.notes.append(line)
+        print(line, flush=True)
+        self.flush()
+
+    def flush(self) -> None:
+        if self.path:
+            with open(self.path, "w") as f:
+                f.write(self.text())
+
+    def text(self) -> str:
+        return "\n".join(self.lines + ([""] + self.notes if self.notes else [])) + "\n"
+
+
+def run_case(
+    k: int,
+    sizes: list[int],
+    rows: int,
+    distinct: int,
+    per_seq: int,
+    num_slots: int,
+    dtype,
+    bandwidth,
+    split_k: int | None = None,
+    block_k: int | None = None,
+):
+    from quant_kernels import lora_triton
+
     gen = torch.Generator().manual_seed(rows * 31 + distinct)
     n = sum(sizes)
     x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)  # [T, K]
@@ -94,6 +140,9 @@ def run_case(k: int, sizes: list[int], rows: int, distinct: int, per_seq: int, n
     slots = np.repeat(np.arange(seqs) % distinct, per_seq)[:rows].astype(np.int32)  # [T]
     starts = [0, *np.cumsum(sizes).tolist()]
     indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
+    tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 132
+    config = lora_triton.shrink_config(k, rows, tiles[1].numel(), len(sizes), num_sms, split_k, block_k)
     h = torch.empty(rows, lora_a.shape[1], dtype=dtype, device=DEVICE)
     want = reference_lora.lora_expand(
         y.clone(),
@@ -102,27 +151,33 @@ def run_case(k: int, sizes: list[int], rows: int, distinct: int, per_seq: int, n
         indices.token_slots,
         starts,
     )
+    knobs = {"split_k": split_k, "block_k": block_k}
     os.environ[lora_ops.TRITON_ENV] = "1"
-    got = lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, indices)
-    if DEVICE == "cpu":  # the interpreter path: call the kernels' wrappers directly
-        from quant_kernels import lora_triton
-
-        tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
-        got = lora_triton.lora_expand(
-            y.clone(), lora_triton.lora_shrink(x, lora_a, *tiles, len(sizes), h), lora_b, *tiles, starts
-        )
+    got = lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, indices, **knobs)
+    if DEVICE == "cpu":  # the interpreter path: call the kernels' wrappers directly, as add_lora does on CUDA
+        workspace = torch.empty(config.split_k, *h.shape, dtype=torch.float32)  # [split_k, T, S * R]
+        lora_triton.lora_shrink(x, lora_a, *tiles, len(sizes), h, config, workspace, indices.tile_counters)
+        got = lora_triton.lora_expand(y.clone(), h, lora_b, *tiles, starts)
     error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert error < 3e-2, f"kernel differs from the reference by {error:.2e} (relative)"
-    triton_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices))
+    triton_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, **knobs))
     os.environ[lora_ops.TRITON_ENV] = "0"
     reference_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices))
     elem = x.element_size()
     moved = distinct * (lora_a[0].numel() + lora_b[0].numel()) * elem + rows * (k + 2 * n) * elem
     floor_us = moved / bandwidth * 1e6
-    return {"triton_us": triton_us, "reference_us": reference_us, "floor_us": floor_us, "error": error}
+    return {
+        "triton_us": triton_us,
+        "reference_us": reference_us,
+        "floor_us": floor_us,
+        "error": error,
+        "split_k": config.split_k,
+        "k_per_split": config.k_per_split,
+        "block_k": config.block_k,
+    }
 
 
-def e2e(args: argparse.Namespace) -> list[str]:
+def e2e(args: argparse.Namespace) -> Table:
     """Engine decode throughput with adapters vs the base model (see the module doc)."""
     import gc
     from pathlib import Path
@@ -133,7 +188,18 @@ def e2e(args: argparse.Namespace) -> list[str]:
     from qserve import LLM, LoRARequest, SamplingParams
     from tests.helpers.lora_adapters import projection_shapes, write_peft_adapter
 
+    t0 = time.perf_counter()
     shape = e2e_bench.SMALL if args.small else e2e_bench.QWEN14B
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (reference path)"
+    table = Table(
+        args.out,
+        [
+            f"# LoRA decode, rank {RANK} on every projection, {'small shape' if args.small else 'Qwen2.5-14B-shaped GPTQ'}, {device}",
+            "",
+            "| engine | batch | adapters | decode tok/s | ms / step | vs base |",
+            "|---|---:|---:|---:|---:|---:|",
+        ],
+    )
     tmp = Path(args.tmp)
     ckpt = tmp / ("small-gptq" if args.small else "qwen14b-gptq")
     if not (ckpt / "config.json").is_file():
@@ -149,13 +215,16 @@ def e2e(args: argparse.Namespace) -> list[str]:
                 path, shapes, shape["layers"], targets=projections, rank=RANK, alpha=32, seed=i, std=0.01
             )
         files.append(str(path))
+    table.note(f"- checkpoint and adapters ready at {time.perf_counter() - t0:.0f} s")
     names = [LoRARequest(f"a{i}", i + 1, files[i % 4]) for i in range(MAX_LORAS)]
     budget = args.budget if DEVICE == "cuda" else None
     steps = 4 if args.small else 32
-    batches = (1, 4) if args.small else (1, 32, 128)
-    lines = ["| engine | batch | adapters | decode tok/s |", "|---|---:|---:|---:|"]
+    big = 4 if args.small else 128  # the largest batch (max_num_seqs: fewer graph buckets to capture)
+    mid = 2 if args.small else 32
+    base_ms: dict[int, float] = {}
 
     def decode(llm: LLM, batch: int, distinct: int) -> float:
+        """Seconds per decode step of ``batch`` sequences over ``distinct`` adapters (0: the base)."""
         engine = llm.engine
         gen = torch.Generator().manual_seed(batch)
         params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
@@ -173,31 +242,49 @@ def e2e(args: argparse.Namespace) -> list[str]:
         elapsed = time.perf_counter() - start
         while engine.has_unfinished_requests():
             engine.step()
-        return batch * steps / elapsed
+        return elapsed / steps
 
-    common = dict(device=DEVICE, gpu_memory_budget=budget, max_model_len=4096, max_num_seqs=256)
-    runs = [("base, CUDA graphs", {}, [0]), ("base, eager", {"enforce_eager": True}, [0])]
-    lora = dict(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
-    runs += [(f"LoRA, {k}", lora | {"_triton": k == "triton"}, [1, 8, 32]) for k in ("reference", "triton")]
-    runs.append(("LoRA, triton + graphs", lora | {"_triton": True, "_graphs": True}, [1, 8, 32]))
-    for label, kwargs, adapter_counts in runs:
-        os.environ[lora_ops.TRITON_ENV] = "1" if kwargs.pop("_triton", False) else "0"
-        os.environ["QSERVE_LORA_GRAPHS"] = "1" if kwargs.pop("_graphs", False) else "0"
-        llm = LLM(str(ckpt), **common, **kwargs)
-        if llm.engine.memory_plan is not None:
-            lines.insert(0, f"- {label}: plan " + llm.engine.memory_plan.describe().replace("\n", "; "))
-        for batch in batches:
-            for distinct in adapter_counts:
-                if distinct > batch and distinct != adapter_counts[0]:
-                    continue  # batch 1: one adapter
-                tps = decode(llm, batch, min(distinct, batch))
-                lines.append(f"| {label} | {batch} | {min(distinct, batch)} | {tps:.0f} |")
-                print(lines[-1], flush=True)
+    def measure(label: str, llm: LLM, batch: int, distinct: int) -> None:
+        if time.perf_counter() - t0 > args.time_limit:
+            table.add(f"| {label} | {batch} | {distinct} | skipped: past --time-limit {args.time_limit:.0f} s | | |")
+            return
+        seconds = decode(llm, batch, distinct)
+        if not distinct:
+            base_ms[batch] = seconds * 1e3
+        ratio = f"{base_ms[batch] / (seconds * 1e3):.2f}x" if distinct and batch in base_ms else ""
+        table.add(f"| {label} | {batch} | {distinct} | {batch / seconds:.0f} | {seconds * 1e3:.2f} | {ratio} |")
+
+    def build(label: str, **kwargs) -> LLM:
+        started = time.perf_counter()
+        llm = LLM(str(ckpt), device=DEVICE, gpu_memory_budget=budget, max_model_len=4096, max_num_seqs=big, **kwargs)
+        plan = llm.engine.memory_plan
+        described = "" if plan is None else ": plan " + plan.describe().replace("\n", "; ")
+        table.note(f"- {label} built in {time.perf_counter() - started:.0f} s{described}")
+        return llm
+
+    def release(llm: LLM) -> None:
         del llm
         gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-    return lines
+
+    llm = build("base, CUDA graphs")
+    for batch in (mid, big, 1):
+        measure("base, CUDA graphs", llm, batch, 0)
+    release(llm)
+    os.environ[lora_ops.TRITON_ENV] = "1"
+    os.environ["QSERVE_LORA_GRAPHS"] = "1"
+    label = "LoRA, triton + graphs"
+    llm = build(label, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
+    for batch, distinct in ((mid, 8), (mid, 1), (mid, MAX_LORAS), (big, 8), (big, 1), (big, MAX_LORAS), (1, 1)):
+        measure(label, llm, batch, min(distinct, batch))
+    runner = llm.engine.runner
+    graphs, runner.decode_graphs = runner.decode_graphs, None  # the same engine, decoding eagerly
+    measure("LoRA, triton eager", llm, mid, min(8, mid))
+    runner.decode_graphs = graphs
+    release(llm)
+    table.note(f"- total {time.perf_counter() - t0:.0f} s")
+    return table
 
 
 def main() -> None:
@@ -205,46 +292,50 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the table (Markdown) and the raw JSON beside it")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    parser.add_argument("--split-k", default="", help="comma list of shrink K splits to time (default: heuristic)")
+    parser.add_argument("--block-k", default="", help="comma list of shrink K blocks to time (default: heuristic)")
     parser.add_argument("--e2e", action="store_true", help="engine decode throughput with adapters (issue 30)")
     parser.add_argument("--small", action="store_true", help="--e2e on a tiny shape (CPU check of the script)")
     parser.add_argument("--budget", default="24GiB")
     parser.add_argument("--tmp", default="/tmp/qserve-bench")
+    parser.add_argument("--time-limit", type=float, default=180.0, help="--e2e: start no row after this (s)")
     args = parser.parse_args()
     if args.e2e:
-        text = "\n".join(e2e(args)) + "\n"
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+        print(e2e(args).text())
         return
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     tiny = args.tiny or DEVICE == "cpu"
     layers, cases = (TINY_LAYERS, TINY_CASES) if tiny else (LAYERS, CASES)
+    splits = [int(v) for v in args.split_k.split(",") if v] or [None]
+    blocks = [int(v) for v in args.block_k.split(",") if v] or [None]
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (interpreter)"
-    lines = [
-        f"# LoRA shrink + expand, rank {RANK}, {args.dtype}, {device}; copy bandwidth {bandwidth / 1e9:.0f} GB/s",
-        "",
-        "| layer | case | triton µs | reference µs | floor µs | floor / triton |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
+    table = Table(
+        args.out,
+        [
+            f"# LoRA shrink + expand, rank {RANK}, {args.dtype}, {device}; copy bandwidth {bandwidth / 1e9:.0f} GB/s",
+            "",
+            "| layer | case | split x columns | triton µs | reference µs | floor µs | floor / triton |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ],
+    )
     raw = []
     for name, (k, sizes) in layers.items():
         for label, rows, distinct, per_seq in cases:
-            result = run_case(
-                k, sizes, rows, distinct, per_seq, max(distinct, 2 if tiny else MAX_LORAS), dtype, bandwidth
-            )
-            raw.append({"layer": name, "case": label} | result)
-            lines.append(
-                f"| {name} | {label} | {result['triton_us']:.1f} | {result['reference_us']:.1f} | "
-                f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
-            )
-            print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
+            for split_k in splits:
+                for block_k in blocks:
+                    result = run_case(
+                        k, sizes, rows, distinct, per_seq, max(distinct, 2 if tiny else MAX_LORAS), dtype,
+                        bandwidth, split_k, block_k,
+                    )  # fmt: skip
+                    raw.append({"layer": name, "case": label} | result)
+                    table.add(
+                        f"| {name} | {label} | {result['split_k']} x {result['k_per_split']} | "
+                        f"{result['triton_us']:.1f} | {result['reference_us']:.1f} | "
+                        f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
+                    )
+    print(table.text())
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump(raw, f, indent=1)
 

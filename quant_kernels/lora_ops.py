@@ -3,8 +3,13 @@ own adapter slot) and ``build_lora_indices`` (a step's per-row slots and their P
 
 Knows: which implementation serves which device (the PyTorch reference everywhere; the Triton
 kernels on CUDA only when ``QSERVE_LORA_TRITON=1``, until ``pytest -m gpu`` has run with them), and
-how rows are grouped into tiles of one slot. Must not know: models, layers, PEFT, engines. Triton stays
+how rows are grouped into tiles of one slot, and what the kernels need besides the tiles (the split-K
+shrink's arrival counters, its workspace). Must not know: models, layers, PEFT, engines. Triton stays
 a lazy import. Layout and numerics: ``quant_kernels.reference_lora``.
+
+A step's indices reach the device in ONE host-to-device copy: every array is a view of one int32
+buffer (each segment starting 16-byte aligned, so the kernels' pointer specialisation never varies
+between steps and forces a recompile mid-serving).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from quant_kernels import device as kdevice
 from quant_kernels import reference_lora
 
 TILE_ROWS = 16  # = lora_triton.TILE_ROWS (not imported: triton stays lazy)
+MAX_SLICES = 3  # = lora_triton.MAX_SLICES: the shrink's arrival counters per tile
+_ALIGN = 4  # int32 elements per 16 bytes: where each segment of a packed index buffer starts
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_ENV = "QSERVE_LORA_TRITON"
 
@@ -38,6 +45,31 @@ class LoRAIndices:
     tile_offsets: torch.Tensor  # int32 [G]: start of each tile in sorted_rows
     tile_lens: torch.Tensor  # int32 [G]: rows in each tile (1..TILE_ROWS)
     tile_slots: torch.Tensor  # int32 [G]: the tile's slot
+    # int32 [G * MAX_SLICES], zero: the split-K shrink's arrival counters, one per tile and slice.
+    # Each launch leaves them zero again, so every LoRA layer of the step shares them.
+    tile_counters: torch.Tensor
+
+
+def index_layout(num_rows: int, num_tiles: int, num_sorted: int | None = None) -> tuple[int, list[tuple[int, int]]]:
+    """``(total, [(start, length)] * 6)``: where a packed int32 buffer keeps the token slots
+    (``num_rows``), the sorted rows (``num_sorted``, default ``num_rows``: a CUDA graph's fixed size),
+    the tile offsets, lengths, slots (``num_tiles``) and the counters (``num_tiles * MAX_SLICES``),
+    each segment 16-byte aligned."""
+    segments = []
+    start = 0
+    num_sorted = num_rows if num_sorted is None else num_sorted
+    for length in (num_rows, num_sorted, num_tiles, num_tiles, num_tiles, num_tiles * MAX_SLICES):
+        segments.append((start, length))
+        start += -(-length // _ALIGN) * _ALIGN
+    return start, segments
+
+
+def indices_from_buffer(
+    buffer: torch.Tensor, num_rows: int, num_tiles: int, num_sorted: int | None = None
+) -> LoRAIndices:
+    """The ``LoRAIndices`` views of an int32 buffer laid out by ``index_layout`` (same arguments)."""
+    _, segments = index_layout(num_rows, num_tiles, num_sorted)
+    return LoRAIndices(*(buffer[start : start + length] for start, length in segments))
 
 
 def max_lora_tiles(num_rows: int, max_loras: int) -> int:
@@ -65,15 +97,38 @@ def lora_tiles(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return rows, offsets.astype(as32), lens.astype(as32), sorted_slots[offsets].astype(as32)
 
 
+def fill_index_buffer(host: np.ndarray, token_slots: np.ndarray, num_rows: int, num_tiles: int) -> None:
+    """Write a step's indices into ``host`` (int32, laid out by ``index_layout(num_rows, num_tiles)``):
+    row ``t < len(token_slots)`` uses slot ``token_slots[t]``, later rows (a graph's pad rows) none;
+    tiles past the step's own are empty (length 0); the counters zero."""
+    slots = np.full(num_rows, -1, dtype=np.int32)  # [num_rows]
+    slots[: len(token_slots)] = token_slots
+    _fill(host, slots, lora_tiles(slots), num_tiles)
+
+
+def _fill(
+    host: np.ndarray, slots: np.ndarray, tiles: tuple[np.ndarray, ...], num_tiles: int, num_sorted: int | None = None
+) -> None:
+    if len(tiles[1]) > num_tiles:
+        raise ValueError(f"LoRA indices: {len(tiles[1])} tiles, room for {num_tiles}")
+    _, segments = index_layout(len(slots), num_tiles, num_sorted)
+    for (start, length), values in zip(segments, (slots, *tiles, slots[:0])):  # the counters: none given
+        host[start : start + len(values)] = values
+        host[start + len(values) : start + length] = 0  # unused tiles: length 0; counters: zero
+    # (rows of a graph's pad rows past the step's sorted rows are never read: no tile points there)
+
+
 def build_lora_indices(token_slots: np.ndarray, device: torch.device) -> LoRAIndices:
     """Indices for a step whose row ``t`` uses slot ``token_slots[t]`` (-1: base); one host-to-device
-    copy per array."""
-
-    def put(array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
-        return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
-
-    return LoRAIndices(put(token_slots), *(put(a) for a in lora_tiles(token_slots)))
+    copy for all of them (see the module doc)."""
+    slots = np.ascontiguousarray(token_slots, dtype=np.int32)  # [T]
+    tiles = lora_tiles(slots)
+    num_rows, num_sorted, num_tiles = len(slots), len(tiles[0]), len(tiles[1])
+    total, _ = index_layout(num_rows, num_tiles, num_sorted)
+    host = torch.empty(total, dtype=torch.int32, pin_memory=device.type == "cuda")  # [total]
+    _fill(host.numpy(), slots, tiles, num_tiles, num_sorted)
+    buffer = host if device.type == "cpu" else host.to(device, non_blocking=True)
+    return indices_from_buffer(buffer, num_rows, num_tiles, num_sorted)
 
 
 def triton_enabled() -> bool:
@@ -97,6 +152,9 @@ def add_lora(
     lora_b: torch.Tensor,  # [L, N, R]
     slice_starts: Sequence[int],  # S + 1 bounds of the output slices along N
     indices: LoRAIndices,
+    *,
+    split_k: int | None = None,  # the Triton shrink's K split / K block: None = its heuristic
+    block_k: int | None = None,  # (overrides for tuning, bench/lora.py; the reference ignores them)
 ) -> torch.Tensor:
     """``y[t] += B[slot t](A[slot t](x[t]))`` (the scale is folded into B) for rows with a slot."""
     num_slices = len(slice_starts) - 1
@@ -105,7 +163,21 @@ def add_lora(
         from quant_kernels import lora_triton
 
         tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
-        lora_triton.lora_shrink(x, lora_a, *tiles, num_slices, h)
+        config = lora_triton.shrink_config(
+            x.shape[1],
+            x.shape[0],
+            indices.tile_offsets.shape[0],
+            num_slices,
+            kdevice.sm_count(x.device, default=132),
+            split_k,
+            block_k,
+        )
+        workspace = (
+            torch.empty((config.split_k, *h.shape), dtype=torch.float32, device=x.device)  # [split_k, T, S * R]
+            if config.split_k > 1
+            else kdevice.placeholder(x.device, torch.float32)  # never read with one split
+        )
+        lora_triton.lora_shrink(x, lora_a, *tiles, num_slices, h, config, workspace, indices.tile_counters)
         return lora_triton.lora_expand(y, h, lora_b, *tiles, slice_starts)
     reference_lora.lora_shrink(x, lora_a, indices.token_slots, h)
     return reference_lora.lora_expand(y, h, lora_b, indices.token_slots, slice_starts)

@@ -1,9 +1,10 @@
 """Triton kernels for multi-LoRA, Punica style: a grouped shrink (``h = x @ A^T``) and a grouped
 expand (``y += h @ B^T``) over the token rows of a step, each row with its own adapter slot.
 
-Knows: the layout and numerics of ``quant_kernels.reference_lora`` and the row grouping of
-``quant_kernels.lora_ops.LoRAIndices``. Must not know: models, layers, PEFT files, engines. Imported
-lazily (by ``quant_kernels.lora_ops`` on CUDA when ``QSERVE_LORA_TRITON=1``, or by tests under
+Knows: the layout and numerics of ``quant_kernels.reference_lora``, the row grouping of
+``quant_kernels.lora_ops.LoRAIndices`` and how to split the shrink's K over enough programs to fill a
+GPU (``shrink_config``). Must not know: models, layers, PEFT files, engines. Imported lazily (by
+``quant_kernels.lora_ops`` on CUDA when ``QSERVE_LORA_TRITON=1``, or by tests under
 ``TRITON_INTERPRET=1``).
 
 Grouping: the rows of a step that use an adapter are sorted by slot (``sorted_rows``) and cut into
@@ -16,97 +17,210 @@ tile: the kernels never touch them.
 
 Kernels
 -------
-``lora_shrink_kernel``: grid ``(num_tiles, S)``: the tile's ``[TILE_ROWS, K]`` rows of ``x`` (gathered
-  through ``sorted_rows``) times slice ``s``'s ``[R, K]`` block of ``A`` of the tile's slot, K in
-  ``BLOCK_K`` steps, fp32 accumulator, stored rounded to the activation dtype at ``h[row, s*R:]``.
-``lora_expand_kernel``: grid ``(num_tiles, ceil(max_slice / BLOCK_N), S)``: the tile's ``[TILE_ROWS, R]``
-  of ``h`` times ``BLOCK_N`` rows of slice ``s`` of ``B``, added in fp32 to the base output ``y``
-  (read, add, one rounding, write back: each row lives in one tile, so no two programs write it).
-  Programs past the end of a shorter slice mask everything out.
+``lora_shrink_kernel``: grid ``(num_tiles, S, split_k)``: the tile's ``[TILE_ROWS, K]`` rows of ``x``
+  (gathered through ``sorted_rows``) times slice ``s``'s ``[R, K]`` block of ``A`` of the tile's slot,
+  over one ``k_per_split`` stretch of K in ``BLOCK_K`` steps, fp32 accumulator. With one split the
+  result is stored rounded to the activation dtype at ``h[row, s*R:]``. With several (split-K), each
+  program stores its fp32 partial in a workspace ``[split_k, T, S*R]`` and bumps the tile-slice's
+  arrival counter; the last to arrive sums the partials in a fixed order (one ``tl.sum`` over the
+  split axis: deterministic, whatever the arrival order), stores ``h`` rounded once, and sets the
+  counter back to 0. So ``h`` is rounded at the same point as the reference's, no memset is needed
+  (the workspace rows the reduction reads are all written by the same launch; counters are zero
+  before and after every launch), and there are two launches per layer, not three.
+``lora_expand_kernel``: grid ``(num_tiles, sum_s ceil(N_s / BLOCK_N))``: the output blocks of all
+  slices laid end to end (a narrow k/v slice takes only its own blocks, no masked-out programs);
+  the tile's ``[TILE_ROWS, R]`` of ``h`` times ``BLOCK_N`` rows of slice ``s`` of ``B``, added in fp32
+  to the base output ``y`` (read, add, one rounding, write back: each row lives in one tile, so no
+  two programs write it).
 
-Both allocate nothing, never synchronise with the host and launch a grid fixed by host integers.
+Why split-K: at decode a step has a handful of tiles, and a shrink program that walks all of K
+(5120 or 13824) alone is a serial chain of loads on one SM: 35-105 µs a layer on the H200 whatever
+the batch, for microseconds of bytes. Splitting K puts the same bytes in flight on many SMs.
+
+Both allocate nothing, never synchronise with the host and launch a grid fixed by host integers
+(the caller allocates ``h`` and the workspace; the counters come with the step's indices).
+
+Fusing the pair into one launch would need every K split of a tile-slice done before any of its N
+blocks starts: a grid-wide dependency (a spin-wait on programs that may not be resident, or the last
+shrink program walking all of N alone, the serial chain again). Left as two launches.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 TILE_ROWS = 16  # rows per tile (the MMA's smallest M); lora_ops builds tiles of this size
-SHRINK_BLOCK_K = 64
+MAX_SLICES = 3  # = lora_ops.MAX_SLICES: a fused qkv; arrival counters per tile
 EXPAND_BLOCK_N = 64
+# shrink_config's knobs (see there).
+SHRINK_BLOCK_K = 128
+PROGRAMS_PER_SM = 4
+MAX_PROGRAMS_PER_SM = 16
+MIN_SPLIT_BLOCKS = 2
+MAX_SPLIT_K = 32
 # Under TRITON_INTERPRET=1 (CPU tests) bf16 tl.dot gives garbage in Triton 3.6's interpreter (as
 # attention_triton notes): the dots run in fp32 there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@dataclass(frozen=True, slots=True)
+class ShrinkConfig:
+    """How the shrink walks K: ``split_k`` programs per tile-slice, each over ``k_per_split``
+    columns (a multiple of ``block_k``) in ``block_k`` steps."""
+
+    split_k: int
+    block_k: int
+    k_per_split: int
+
+
+@functools.lru_cache(maxsize=1024)
+def shrink_config(
+    k: int,
+    num_rows: int,
+    num_tiles: int,
+    num_slices: int,
+    num_sms: int,
+    split_k: int | None = None,
+    block_k: int | None = None,
+) -> ShrinkConfig:
+    """The shrink's K split for a launch of ``num_tiles`` tiles (padding included) over ``num_rows``
+    rows of width ``k``, with ``num_slices`` slices, on a GPU of ``num_sms`` SMs.
+
+    Heuristic. A tile-slice certainly busy is one of ``min(num_tiles, ceil(num_rows / 16))`` (a
+    CUDA graph's tile count is padded for the most adapters; its rows are known): give those
+    ``PROGRAMS_PER_SM * num_sms`` programs between them, so that decode (1-10 tiles) fills the card
+    (one program per SM keeps too few loads in flight; four do, in ~24 KB of shared memory each).
+    Bounds: each split covers at least ``MIN_SPLIT_BLOCKS`` K blocks (the arrival counter and the
+    partial cost about one block's load: shorter splits would be mostly overhead); at most
+    ``MAX_SPLIT_K`` splits (the reduction holds ``[MAX_SPLIT_K, 16, R]`` fp32 in registers); and all
+    tiles together launch at most ``MAX_PROGRAMS_PER_SM * num_sms`` programs (one wave of 4-warp
+    programs), so a long prefill is split little or not at all. Its choices for the shapes measured on
+    the H200 (132 SMs, Qwen2.5-14B, rank 16): decode at batch 1-128 with 1-32 adapters splits K=5120 in 20 (256
+    columns each) and K=13824 in 27 (512), eager or graphed (qkv in a batch-128 graph with 32 slots:
+    14); a 2048-row prefill over 4 adapters splits in 2 (qkv) to 5 (o, down).
+    ``split_k`` / ``block_k``: overrides for tuning (``bench/lora.py --split-k``); the split is then
+    rounded to what whole ``block_k`` steps allow.
+    """
+    if block_k is None:
+        block_k = SHRINK_BLOCK_K if k >= 8 * SHRINK_BLOCK_K else 64
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"lora shrink: block_k must be a power of two >= 16, got {block_k}")
+    k_blocks = triton.cdiv(k, block_k)
+    if split_k is None:
+        busy = min(num_tiles, triton.cdiv(num_rows, TILE_ROWS)) * num_slices
+        split_k = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(busy, 1))
+        split_k = min(split_k, k_blocks // MIN_SPLIT_BLOCKS, MAX_SPLIT_K)
+        split_k = min(split_k, MAX_PROGRAMS_PER_SM * num_sms // max(num_tiles * num_slices, 1))
+    elif not 1 <= split_k <= MAX_SPLIT_K:
+        raise ValueError(f"lora shrink: split_k must be 1..{MAX_SPLIT_K}, got {split_k}")
+    split_k = max(1, min(split_k, k_blocks))
+    blocks_per_split = triton.cdiv(k_blocks, split_k)
+    return ShrinkConfig(triton.cdiv(k_blocks, blocks_per_split), block_k, blocks_per_split * block_k)
+
+
 @triton.jit
 def lora_shrink_kernel(
-    X,
-    A,
-    OUT,
-    ROWS,
-    TILE_OFF,
-    TILE_LEN,
-    TILE_SLOT,
+    X,  # [T, K]
+    A,  # [L, S * R, K]
+    OUT,  # [T, S * R], X's dtype
+    WS,  # fp32 [split_k, T, S * R] workspace (a never-read placeholder with one split)
+    CNT,  # int32 [>= num_tiles * S] arrival counters, zero (unused with one split)
+    ROWS,  # int32 [T_lora]
+    TILE_OFF,  # int32 [G]
+    TILE_LEN,  # int32 [G]
+    TILE_SLOT,  # int32 [G]
     K,
+    k_per_split,
+    split_k,
     stride_xm,
     stride_al,
     stride_ar,
     stride_om,
+    stride_wsk,
+    stride_wsm,
     RANK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,  # next power of two >= split_k; 1: no split (the atomics never compile)
     DOT_F32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     s = tl.program_id(1)
-    first = tl.load(TILE_OFF + tile)
+    split = tl.program_id(2)
     count = tl.load(TILE_LEN + tile)
-    slot = tl.load(TILE_SLOT + tile).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    row_mask = m < count
-    rows = tl.load(ROWS + first + m, mask=row_mask, other=0).to(tl.int64)
-    r = tl.arange(0, BLOCK_R)
-    r_mask = r < RANK
-    a_rows = (s * RANK + r).to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    k_end = tl.where(count > 0, K, 0)  # an empty tile (a CUDA graph's padding) reads nothing
-    for k0 in range(0, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        a = tl.load(
-            A + slot * stride_al + a_rows[None, :] * stride_ar + k[:, None],
-            mask=r_mask[None, :] & k_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_R]
-        if DOT_F32:
-            acc += tl.dot(x.to(tl.float32), a.to(tl.float32))
+    if count > 0:  # an empty tile (a CUDA graph's padding) reads nothing and takes no counter
+        first = tl.load(TILE_OFF + tile)
+        slot = tl.load(TILE_SLOT + tile).to(tl.int64)
+        m = tl.arange(0, BLOCK_M)
+        row_mask = m < count
+        rows = tl.load(ROWS + first + m, mask=row_mask, other=0).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        r_mask = r < RANK
+        a_rows = (s * RANK + r).to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(K, k_lo + k_per_split)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < K  # k_per_split is a multiple of BLOCK_K: only the last split has a tail
+            x = tl.load(
+                X + rows[:, None] * stride_xm + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+            )  # [BLOCK_M, BLOCK_K]
+            a = tl.load(
+                A + slot * stride_al + a_rows[None, :] * stride_ar + k[:, None],
+                mask=r_mask[None, :] & k_mask[:, None],
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_R]
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), a.to(tl.float32))
+            else:
+                acc += tl.dot(x, a)
+        cols = s * RANK + r
+        mask = row_mask[:, None] & r_mask[None, :]
+        out = OUT + rows[:, None] * stride_om + cols[None, :]
+        if SPLIT_PAD == 1:
+            tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
         else:
-            acc += tl.dot(x, a)
-    out = OUT + rows[:, None] * stride_om + (s * RANK + r)[None, :]
-    tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & r_mask[None, :])
+            ws = WS + rows[:, None] * stride_wsm + cols[None, :]  # [BLOCK_M, BLOCK_R]
+            tl.store(ws + split * stride_wsk, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            counter = CNT + tile * tl.num_programs(1) + s
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == split_k - 1:  # the last split of this tile-slice: reduce, round once, reset
+                sk = tl.arange(0, SPLIT_PAD)
+                parts = tl.load(
+                    ws[None, :, :] + sk[:, None, None] * stride_wsk,
+                    mask=(sk < split_k)[:, None, None] & mask[None, :, :],
+                    other=0.0,
+                    cache_modifier=".cg",  # written by other SMs: past this SM's L1
+                )  # [SPLIT_PAD, BLOCK_M, BLOCK_R]
+                tl.store(out, tl.sum(parts, axis=0).to(OUT.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def lora_expand_kernel(
-    Y,
-    H,
-    B,
-    ROWS,
-    TILE_OFF,
-    TILE_LEN,
-    TILE_SLOT,
+    Y,  # [T, N], updated in place
+    H,  # [T, S * R]
+    B,  # [L, N, R]
+    ROWS,  # int32 [T_lora]
+    TILE_OFF,  # int32 [G]
+    TILE_LEN,  # int32 [G]
+    TILE_SLOT,  # int32 [G]
     n_bound0,
     n_bound1,
     n_bound2,
     n_bound3,
+    first_block1,  # the first output block of slice 1 (past the grid when there is none)
+    first_block2,  # likewise slice 2
     stride_ym,
     stride_hm,
     stride_bl,
@@ -118,34 +232,40 @@ def lora_expand_kernel(
     DOT_F32: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    block_n = tl.program_id(1)
-    s = tl.program_id(2)
-    n_lo = tl.where(s == 0, n_bound0, tl.where(s == 1, n_bound1, n_bound2))
-    n_hi = tl.where(s == 0, n_bound1, tl.where(s == 1, n_bound2, n_bound3))
-    first = tl.load(TILE_OFF + tile)
+    block = tl.program_id(1)
     count = tl.load(TILE_LEN + tile)
-    slot = tl.load(TILE_SLOT + tile).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    row_mask = m < count
-    rows = tl.load(ROWS + first + m, mask=row_mask, other=0).to(tl.int64)
-    r = tl.arange(0, BLOCK_R)
-    r_mask = r < RANK
-    n = (n_lo + block_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    n_mask = n < n_hi
-    h = tl.load(
-        H + rows[:, None] * stride_hm + (s * RANK + r)[None, :], mask=row_mask[:, None] & r_mask[None, :], other=0.0
-    )  # [BLOCK_M, BLOCK_R]
-    b = tl.load(
-        B + slot * stride_bl + n[None, :] * stride_bn + r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0
-    )  # [BLOCK_R, BLOCK_N]
-    if DOT_F32:
-        acc = tl.dot(h.to(tl.float32), b.to(tl.float32))  # [BLOCK_M, BLOCK_N]
-    else:
-        acc = tl.dot(h.to(b.dtype), b)  # [BLOCK_M, BLOCK_N] fp32
-    mask = row_mask[:, None] & n_mask[None, :]
-    y_ptr = Y + rows[:, None] * stride_ym + n[None, :]
-    y = tl.load(y_ptr, mask=mask, other=0.0)
-    tl.store(y_ptr, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=mask)
+    if count > 0:  # an empty tile (padding) does nothing
+        s = (block >= first_block1).to(tl.int32) + (block >= first_block2).to(tl.int32)
+        block_lo = tl.where(s == 0, 0, tl.where(s == 1, first_block1, first_block2))
+        n_lo = tl.where(s == 0, n_bound0, tl.where(s == 1, n_bound1, n_bound2))
+        n_hi = tl.where(s == 0, n_bound1, tl.where(s == 1, n_bound2, n_bound3))
+        first = tl.load(TILE_OFF + tile)
+        slot = tl.load(TILE_SLOT + tile).to(tl.int64)
+        m = tl.arange(0, BLOCK_M)
+        row_mask = m < count
+        rows = tl.load(ROWS + first + m, mask=row_mask, other=0).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        r_mask = r < RANK
+        n = (n_lo + (block - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_mask = n < n_hi
+        h = tl.load(
+            H + rows[:, None] * stride_hm + (s * RANK + r)[None, :],
+            mask=row_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_R]
+        b = tl.load(
+            B + slot * stride_bl + n[None, :] * stride_bn + r[:, None],
+            mask=r_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_R, BLOCK_N]
+        if DOT_F32:
+            acc = tl.dot(h.to(tl.float32), b.to(tl.float32))  # [BLOCK_M, BLOCK_N]
+        else:
+            acc = tl.dot(h.to(b.dtype), b)  # [BLOCK_M, BLOCK_N] fp32
+        mask = row_mask[:, None] & n_mask[None, :]
+        y_ptr = Y + rows[:, None] * stride_ym + n[None, :]
+        y = tl.load(y_ptr, mask=mask, other=0.0)
+        tl.store(y_ptr, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=mask)
 
 
 def _block_r(rank: int) -> int:
@@ -161,29 +281,55 @@ def lora_shrink(
     tile_slots: torch.Tensor,  # int32 [G]
     num_slices: int,
     out: torch.Tensor,  # [T, S * R], x's dtype, last dim contiguous
+    config: ShrinkConfig,
+    workspace: torch.Tensor,  # fp32 [>= config.split_k, T, S * R] contiguous; any fp32 tensor with one split
+    counters: torch.Tensor,  # int32 [>= G * S], zero; left zero (unused with one split)
 ) -> torch.Tensor:
     """``out[row] = x[row] @ A[slot]^T`` for the rows of every tile (see the module doc)."""
     num_tiles = tile_offsets.shape[0]
     if num_tiles == 0:
         return out
     rank = lora_a.shape[1] // num_slices
-    lora_shrink_kernel[(num_tiles, num_slices)](
+    split = config.split_k > 1
+    if split and (
+        workspace.dtype != torch.float32
+        or tuple(workspace.shape[1:]) != tuple(out.shape)
+        or workspace.shape[0] < config.split_k
+        or not workspace.is_contiguous()
+    ):
+        raise ValueError(
+            f"lora_shrink: workspace must be contiguous fp32 [>= {config.split_k}, {out.shape[0]}, {out.shape[1]}], "
+            f"got {workspace.dtype} {tuple(workspace.shape)}"
+        )
+    if split and (counters.dtype != torch.int32 or counters.numel() < num_tiles * num_slices):
+        raise ValueError(
+            f"lora_shrink: counters must be int32 with >= {num_tiles * num_slices} entries, "
+            f"got {counters.dtype} with {counters.numel()}"
+        )
+    lora_shrink_kernel[(num_tiles, num_slices, config.split_k)](
         x,
         lora_a,
         out,
+        workspace,
+        counters,
         sorted_rows,
         tile_offsets,
         tile_lens,
         tile_slots,
         x.shape[1],
+        config.k_per_split,
+        config.split_k,
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),
         out.stride(0),
+        workspace.stride(0) if split else 0,
+        workspace.stride(1) if split else 0,
         RANK=rank,
         BLOCK_M=TILE_ROWS,
         BLOCK_R=_block_r(rank),
-        BLOCK_K=SHRINK_BLOCK_K,
+        BLOCK_K=config.block_k,
+        SPLIT_PAD=triton.next_power_of_2(config.split_k),
         DOT_F32=_INTERPRET,
         num_warps=4,
     )
@@ -205,13 +351,15 @@ def lora_expand(
     num_slices = len(slice_starts) - 1
     if num_tiles == 0:
         return y
-    if not 1 <= num_slices <= 3:
-        raise ValueError(f"lora_expand: 1 to 3 output slices, got {num_slices}")
+    if not 1 <= num_slices <= MAX_SLICES:
+        raise ValueError(f"lora_expand: 1 to {MAX_SLICES} output slices, got {num_slices}")
     bounds = list(slice_starts) + [slice_starts[-1]] * (4 - len(slice_starts))
-    widest = max(slice_starts[i + 1] - slice_starts[i] for i in range(num_slices))
+    blocks = [triton.cdiv(slice_starts[i + 1] - slice_starts[i], EXPAND_BLOCK_N) for i in range(num_slices)]
+    total = sum(blocks)
+    first1 = blocks[0] if num_slices > 1 else total  # a slice that does not exist starts past the grid
+    first2 = blocks[0] + blocks[1] if num_slices > 2 else total
     rank = lora_b.shape[2]
-    grid = (num_tiles, triton.cdiv(widest, EXPAND_BLOCK_N), num_slices)
-    lora_expand_kernel[grid](
+    lora_expand_kernel[(num_tiles, total)](
         y,
         h,
         lora_b,
@@ -220,6 +368,8 @@ def lora_expand(
         tile_lens,
         tile_slots,
         *bounds,
+        first1,
+        first2,
         y.stride(0),
         h.stride(0),
         lora_b.stride(0),

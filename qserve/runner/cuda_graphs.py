@@ -9,6 +9,8 @@ the KV-store kernel skipping negative slots, which pad rows use.
 LoRA (``max_loras``, opt-in with ``QSERVE_LORA_GRAPHS=1``): the graphs also take each row's adapter
 slot and the rows' tiles as static inputs (``LoRAIndices`` views of fixed size: pad rows and base rows
 have slot -1, unused tiles length 0), so steps mixing adapters and the base replay the same graph.
+They are views of one int32 buffer, laid out per bucket (``lora_ops.index_layout``), which a replay
+refills with one host-to-device copy (the split-K arrival counters included, copied as zeros).
 Without ``max_loras`` nothing of this exists and the graphs are exactly the base model's.
 
 Several rows per sequence (``query_len`` Q > 1, opt-in with ``QSERVE_SPEC_GRAPHS=1``): speculative
@@ -45,7 +47,7 @@ import numpy as np
 import torch
 
 from qserve.runner.attn_metadata import AttentionMetadata
-from quant_kernels.lora_ops import LoRAIndices, lora_tiles, max_lora_tiles
+from quant_kernels.lora_ops import LoRAIndices, fill_index_buffer, index_layout, indices_from_buffer, max_lora_tiles
 
 logger = logging.getLogger(__name__)
 
@@ -138,17 +140,11 @@ class DecodeGraphs:
         self.pool = None if share is None else share.pool
         # LoRA (see the module doc): every row's slot and the tiles, sized for the largest bucket.
         self.max_loras = max_loras
-        self.lora_buffers: tuple[torch.Tensor, ...] | None = None
+        self.lora_buffer: torch.Tensor | None = None
         if max_loras is not None:
-            int32 = {"dtype": torch.int32, "device": device}
-            max_tiles = max_lora_tiles(max_batch, max_loras)
-            self.lora_buffers = (
-                torch.full((max_batch,), -1, **int32),  # token_slots [max_batch]
-                torch.zeros(max_batch, **int32),  # sorted_rows [max_batch]
-                torch.zeros(max_tiles, **int32),  # tile_offsets [max_tiles]
-                torch.zeros(max_tiles, **int32),  # tile_lens [max_tiles]; 0: an unused tile
-                torch.zeros(max_tiles, **int32),  # tile_slots [max_tiles]
-            )
+            # every bucket's layout is a prefix of this: rows and tiles only grow with the bucket
+            total, _ = index_layout(max_batch, max_lora_tiles(max_batch, max_loras))
+            self.lora_buffer = torch.zeros(total, dtype=torch.int32, device=device)  # [total]
 
     def sample_rows_of(self, batch: int) -> int:
         """Logit rows the graph of ``batch`` sequences computes."""
@@ -167,13 +163,11 @@ class DecodeGraphs:
         )
 
     def _lora(self, batch: int) -> LoRAIndices:
-        assert self.lora_buffers is not None and self.max_loras is not None
-        token_slots, rows, offsets, lens, slots = self.lora_buffers
-        tiles = max_lora_tiles(batch, self.max_loras)
-        return LoRAIndices(token_slots[:batch], rows[:batch], offsets[:tiles], lens[:tiles], slots[:tiles])
+        assert self.lora_buffer is not None and self.max_loras is not None
+        return indices_from_buffer(self.lora_buffer, batch, max_lora_tiles(batch, self.max_loras))
 
     def _run(self, batch: int) -> torch.Tensor:
-        extra = {} if self.lora_buffers is None else {"lora": self._lora(batch)}
+        extra = {} if self.lora_buffer is None else {"lora": self._lora(batch)}
         rows = batch * self.query_len
         hidden = self.model(
             self.input_ids[:rows], self.positions[:rows], self.kv_caches, self._metadata(batch), **extra
@@ -197,6 +191,8 @@ class DecodeGraphs:
             return
         torch.cuda.synchronize()
         for batch in reversed(self.buckets):
+            if self.lora_buffer is not None:  # this bucket's layout, no adapter row: a base-only warm-up
+                self._stage_lora(batch, None, pinned=False)
             self._run(batch)  # warm-up outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -260,7 +256,7 @@ class DecodeGraphs:
         tables = torch.from_numpy(block_tables)
         self.block_tables[:batch, :width].copy_(tables.pin_memory() if pinned else tables, non_blocking=True)
         self.block_tables[batch:bucket, 0] = 0
-        if self.lora_buffers is not None:
+        if self.lora_buffer is not None:
             self._stage_lora(bucket, lora_slots, pinned)
         self.graphs[bucket].replay()
         return self.logits[:batch]
@@ -332,26 +328,15 @@ class DecodeGraphs:
         return self.logits[:num_sample]
 
     def _stage_lora(self, bucket: int, lora_slots: np.ndarray | None, pinned: bool) -> None:
-        """Each row's slot (pad and base rows -1) and the tiles, padded with empty tiles."""
-        assert self.lora_buffers is not None and self.max_loras is not None
+        """Each row's slot (pad and base rows -1), the tiles padded with empty ones, zero counters: one
+        copy of the bucket's prefix of the buffer."""
+        assert self.lora_buffer is not None and self.max_loras is not None
         tiles = max_lora_tiles(bucket, self.max_loras)
-        host = np.zeros((2, bucket), dtype=np.int32)  # token slots, sorted rows
-        host[0, :] = -1
-        tile_host = np.zeros((3, tiles), dtype=np.int32)  # offsets, lens (0: unused), slots
-        if lora_slots is not None:
-            host[0, : len(lora_slots)] = lora_slots
-            rows, offsets, lens, slots = lora_tiles(host[0])
-            host[1, : len(rows)] = rows
-            tile_host[:, : len(offsets)] = (offsets, lens, slots)
-        staged = [torch.from_numpy(host), torch.from_numpy(tile_host)]
-        if pinned:
-            staged = [t.pin_memory() for t in staged]
-        token_slots, rows_buf, offsets_buf, lens_buf, slots_buf = self.lora_buffers
-        token_slots[:bucket].copy_(staged[0][0], non_blocking=True)
-        rows_buf[:bucket].copy_(staged[0][1], non_blocking=True)
-        offsets_buf[:tiles].copy_(staged[1][0], non_blocking=True)
-        lens_buf[:tiles].copy_(staged[1][1], non_blocking=True)
-        slots_buf[:tiles].copy_(staged[1][2], non_blocking=True)
+        total, _ = index_layout(bucket, tiles)
+        host = torch.empty(total, dtype=torch.int32, pin_memory=pinned)  # [total]
+        slots = np.empty(0, dtype=np.int32) if lora_slots is None else lora_slots
+        fill_index_buffer(host.numpy(), slots, bucket, tiles)
+        self.lora_buffer[:total].copy_(host, non_blocking=pinned)
 
 
 def _logits_buffer(rows: int, vocab: int, device: torch.device, share: DecodeGraphs | None) -> torch.Tensor:

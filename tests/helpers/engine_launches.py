@@ -5,8 +5,9 @@ families that add launch variants: Baichuan2-13B's ALiBi, Qwen3's q/k norms), th
 (GPTQ sym / act-order, AWQ asym, compressed-tensors bf16 scales, group 32 / 64 / 128, 8-bit), the
 KV cache dtypes, and the steps an engine runs (start-up warm-up, the decode CUDA-graph buckets,
 eager decodes at short and long contexts, the W4A16 tuning sweep, and with ``QSERVE_LORA_TRITON=1``
-the multi-LoRA steps: a prefill of sequences on two adapters and the base, mixed decodes, and the
-decode graphs' forward with adapter slots as inputs). Must not know: what any kernel
+the multi-LoRA steps: a prefill of sequences on two adapters and the base, mixed decodes, the
+decode graphs' forward with adapter slots as inputs, and ``add_lora`` alone at 14B shapes with and
+without split-K: ``drive_lora_kernels``). Must not know: what any kernel
 computes (``tests/helpers/kernel_launches.py`` captures and compiles).
 
 Each model is built with one decoder layer at its real dimensions (every layer of a model launches
@@ -417,6 +418,41 @@ def drive_lora(capture: Capture, case: ModelCase, model, config: ModelConfig, dt
             module.lora = None
 
 
+# Qwen2.5-14B's LoRA-adapted layers with the widest K and the most slices: (K, output slices)
+LORA_KERNEL_SHAPES = [(5120, (5120, 1024, 1024)), (13824, (5120,))]
+
+
+def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+    """``lora_ops.add_lora``'s launches (QSERVE_LORA_TRITON=1) at Qwen2.5-14B's qkv and down shapes,
+    rank 16, through the real dispatch: decode at batch 1, a batch-32 decode graph's padded tiles
+    (32 slots), a 2048-row prefill over 4 adapters (the split-K heuristic's 20-27, then 2-5 splits),
+    and one split forced (``split_k=1``: the branch without the workspace and atomics, which the
+    heuristic leaves to longer prefills and small K)."""
+    from quant_kernels import lora_ops
+
+    rank = 16
+    with mock.patch.dict(os.environ, {lora_ops.TRITON_ENV: "1"}), torch.inference_mode():
+        for k, sizes in LORA_KERNEL_SHAPES:
+            starts = [0, *np.cumsum(sizes).tolist()]
+            lora_a = torch.zeros(4, len(sizes) * rank, k, dtype=dtype)  # [L, S * R, K]
+            lora_b = torch.zeros(4, starts[-1], rank, dtype=dtype)  # [L, N, R]
+            graph_tiles = lora_ops.max_lora_tiles(32, 32)
+            graph_buffer = torch.zeros(lora_ops.index_layout(32, graph_tiles)[0], dtype=torch.int32)
+            lora_ops.fill_index_buffer(graph_buffer.numpy(), np.arange(32, dtype=np.int32) % 4, 32, graph_tiles)
+            cases = (
+                ("decode batch 1", lora_ops.build_lora_indices(np.zeros(1, dtype=np.int32), torch.device("cpu")), None),
+                ("decode graph batch 32", lora_ops.indices_from_buffer(graph_buffer, 32, graph_tiles), None),
+                ("prefill 2048", lora_ops.build_lora_indices(np.arange(2048, dtype=np.int32) // 512, torch.device("cpu")), None),
+                ("decode batch 32, one split", lora_ops.build_lora_indices(np.arange(32, dtype=np.int32) % 4, torch.device("cpu")), 1),
+            )  # fmt: skip
+            for label, indices, split_k in cases:
+                rows = indices.token_slots.shape[0]
+                x = torch.zeros(rows, k, dtype=dtype)  # [T, K]
+                y = torch.zeros(rows, starts[-1], dtype=dtype)  # [T, N]
+                with where(capture, f"LoRA kernels {dtype_name} K={k} {label}"):
+                    lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, split_k=split_k)
+
+
 def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", "bf16"), log=print) -> Capture:
     """All the launches of ``tier`` (``TIERS``) for ``gpu``; ``log`` gets one line per stage."""
     plan = TIERS[tier]
@@ -438,6 +474,7 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
                         drive_pdl(capture, model, config, f"{case.name} {dtype_name}")
                 if case is models[0] and dtype == torch.float16:  # the LoRA kernels (sm90 and the lowest
                     drive_lora(capture, case, model, config, dtype_name)  # job's sm86 check fp16)
+                    drive_lora_kernels(capture, dtype, dtype_name)
                 del model
                 log(f"{gpu.name}: {case.name} {dtype_name} in {time.perf_counter() - t0:.1f} s, "
                     f"{len(capture.launches)} distinct launches so far, {capture.compile_seconds:.0f} s compiling")  # fmt: skip

@@ -170,3 +170,41 @@ def test_the_check_catches_what_broke_main(tmp_path) -> None:
     assert "shared memory" in (result["sm86"]["big_tile_kernel"] or ""), result["sm86"]
     for gpu in ("sm90", "sm86"):
         assert "grid (1, 70000)" in (result[gpu]["fill_kernel"] or ""), result[gpu]
+
+
+_LORA = r"""
+import json, torch
+from tests.helpers.engine_launches import drive_lora_kernels
+from tests.helpers.kernel_launches import GPUS, simulated_gpu
+result = {}
+for name in ("sm90", "sm89", "sm86"):
+    with simulated_gpu(GPUS[name]) as capture:
+        for dtype, dtype_name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+            drive_lora_kernels(capture, dtype, dtype_name)
+    result[name] = [
+        {"kernel": l.kernel, "constexprs": dict(l.constexprs), "error": l.error, "where": l.where}
+        for l in capture.launches.values()
+    ]
+print("RESULT" + json.dumps(result, default=str))
+"""
+
+
+def test_lora_launches_compile(tmp_path) -> None:
+    """The multi-LoRA kernels as ``lora_ops.add_lora`` launches them (QSERVE_LORA_TRITON=1) at
+    Qwen2.5-14B's qkv and down shapes, fp16 and bf16, compile for sm90, sm89 and sm86: the split-K
+    shrink (workspace, arrival counters, the last program's reduction) and the one-split shrink, and
+    the expand. Selectable alone (``-k lora``): no engine drive, about a minute."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _LORA], cwd=ROOT, env=_env(tmp_path, "lora"), capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower() and proc.returncode != 0:
+        pytest.skip("this triton has no NVIDIA backend")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT") :])
+    for gpu, launches in result.items():
+        failures = [f"{x['kernel']} [{x['where']}]: {x['error']}" for x in launches if x["error"]]
+        assert not failures, f"{gpu}:\n" + "\n".join(failures)
+        splits = {x["constexprs"]["SPLIT_PAD"] for x in launches if x["kernel"] == "lora_shrink_kernel"}
+        assert 1 in splits and max(splits) == 32, (gpu, splits)  # one split, and the heuristic's decode split
+        assert any(x["kernel"] == "lora_expand_kernel" for x in launches), gpu

@@ -5,8 +5,11 @@ On CPU the kernels run through TRITON_INTERPRET=1 (conftest.py) at small sizes: 
 adapters and of the base model interleaved, prefill-like runs longer than a tile, ranks below the
 maximum (zero padding), 1 / 2 / 3 output slices of unequal widths. Every case draws fresh random
 inputs; the shrink output is NaN-poisoned (base rows must stay NaN: never written) and the expand
-updates a copy of the base output whose base rows must come back bit-identical. The ``gpu`` tests
-run Qwen2.5-14B sizes through ``lora_ops.add_lora`` with the Triton opt-in.
+updates a copy of the base output whose base rows must come back bit-identical. The shrink runs with
+its heuristic K split and with forced splits (workspace partials, arrival counters that must come
+back to zero); the interpreter runs programs one after another, so races between splits show only in
+the ``gpu`` tests, which run Qwen2.5-14B sizes through ``lora_ops.add_lora`` with the Triton opt-in,
+every split override, and a CUDA graph of two LoRA layers replayed for two slot assignments.
 
 Tolerances: kernel and reference both accumulate in fp32 and round at the same points; they differ
 by summation order only (plus the interpreter's bf16 truncation), so one or two ulps of the
@@ -48,16 +51,31 @@ def make_case(t: int, k: int, sizes: list[int], num_slots: int, rank: int, dtype
     return x, lora_a.to(DEVICE), lora_b.to(DEVICE), slots.to(torch.int32).numpy(), y, starts
 
 
-def run_case(t, k, sizes, num_slots, rank, dtype, seed, pad_tiles: int = 0) -> None:
+def shrink(x, lora_a, tiles, num_slices, h, counters, split_k=None, block_k=None):
+    """``lora_triton.lora_shrink`` as ``lora_ops.add_lora`` launches it (config from the heuristic, or
+    the overrides; a workspace when it splits)."""
+    config = lora_triton.shrink_config(
+        x.shape[1], x.shape[0], tiles[1].shape[0], num_slices, 132, split_k=split_k, block_k=block_k
+    )
+    workspace = torch.full((config.split_k, *h.shape), float("nan"), dtype=torch.float32, device=DEVICE)
+    return lora_triton.lora_shrink(x, lora_a, *tiles, num_slices, h, config, workspace, counters), config
+
+
+def run_case(t, k, sizes, num_slots, rank, dtype, seed, pad_tiles: int = 0, split_k=None, block_k=None) -> None:
     x, lora_a, lora_b, slots, y, starts = make_case(t, k, sizes, num_slots, rank, dtype, seed)
     indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
     mask = torch.from_numpy(slots >= 0).to(DEVICE)
     tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
+    counters = indices.tile_counters
     if pad_tiles:  # a CUDA graph's fixed tile count: empty tiles (length 0) after the real ones
         pad = torch.zeros(pad_tiles, dtype=torch.int32, device=DEVICE)
         tiles = (tiles[0], *(torch.cat([tile, pad]) for tile in tiles[1:]))
+        counters = torch.zeros(tiles[1].numel() * lora_ops.MAX_SLICES, dtype=torch.int32, device=DEVICE)
     h = torch.full((t, lora_a.shape[1]), float("nan"), dtype=dtype, device=DEVICE)
-    lora_triton.lora_shrink(x, lora_a, *tiles, len(sizes), h)
+    _, config = shrink(x, lora_a, tiles, len(sizes), h, counters, split_k, block_k)
+    if split_k is not None:
+        assert config.split_k > 1, "the case meant to split K does not"
+    assert not counters.any(), "the split-K arrival counters were not left at zero"
     h_ref = reference_lora.lora_shrink(x, lora_a, indices.token_slots, torch.full_like(h, float("nan")))
     assert torch.isnan(h[~mask]).all(), "base rows of the shrink output were written"
     assert not torch.isnan(h[mask]).any(), "rows with an adapter were not written"
@@ -83,9 +101,78 @@ def test_kernels_match_reference(t, k, sizes, num_slots, rank, dtype) -> None:
     run_case(t, k, sizes, num_slots, rank, dtype, seed=t * 100 + k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "t,k,sizes,num_slots,rank,split_k,block_k",
+    [
+        (1, 100, [48], 1, 8, 7, 16),  # 7 splits of 16 (SPLIT_PAD 8), the last one a 4-column tail
+        (9, 72, [32, 16, 16], 3, 8, 3, 16),  # qkv: 3 splits of 32 (K blocks 5: the last split is short)
+        (37, 130, [40, 40], 4, 16, 2, 64),  # prefill runs past a tile, 2 splits, a 2-column tail
+        (20, 96, [70], 2, 24, 32, 16),  # more splits asked for than K blocks: 6 of 16
+    ],
+)
+def test_split_k_shrink_matches_reference(t, k, sizes, num_slots, rank, split_k, block_k, dtype) -> None:
+    """Split-K (partials in a workspace, the last program of a tile-slice sums them): the same ``h``
+    as the reference within the one-split tolerance, counters back at zero, base rows unwritten."""
+    run_case(t, k, sizes, num_slots, rank, dtype, seed=t * 100 + k + split_k, split_k=split_k, block_k=block_k)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16], ids=str)
 def test_empty_padding_tiles_do_nothing(dtype) -> None:
     run_case(11, 48, [32, 16], 3, 8, dtype, seed=5, pad_tiles=4)
+    run_case(11, 48, [32, 16], 3, 8, dtype, seed=6, pad_tiles=4, split_k=3, block_k=16)
+
+
+def test_split_k_is_deterministic_and_counters_are_reused() -> None:
+    """Two layers' shrinks share one counter array (as a step's layers do): the second launch finds
+    them at zero; the same inputs give bit-identical ``h`` (the reduction order is fixed)."""
+    x, lora_a, _, slots, _, _ = make_case(13, 80, [16, 16], 3, 8, torch.float16, seed=9)
+    indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
+    tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
+    outs = []
+    for _ in range(2):
+        h = torch.zeros(13, lora_a.shape[1], dtype=torch.float16, device=DEVICE)
+        shrink(x, lora_a, tiles, 2, h, indices.tile_counters, split_k=5, block_k=16)
+        assert not indices.tile_counters.any()
+        outs.append(h)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_shrink_config_heuristic() -> None:
+    """Decode fills 132 SMs with at least 2 K blocks a split; a long prefill splits little; every
+    config covers K exactly once in whole blocks; bad overrides are refused."""
+    config = lora_triton.shrink_config
+    assert config(5120, 1, 1, 3, 132).split_k == 20  # qkv at batch 1: 60 programs of 256 columns
+    assert config(13824, 32, 2, 1, 132).split_k == 27  # down: 27 splits of 512 (capped at 32)
+    assert config(5120, 32, 34, 3, 132).split_k == 20  # a graph's padded tiles don't shrink the split
+    assert config(5120, 2048, 132, 3, 132).split_k == 2  # a 2048-row prefill: 792 programs
+    assert config(5120, 8192, 520, 3, 132).split_k == 1
+    assert config(64, 1, 1, 1, 132).split_k == 1  # K of one block: nothing to split
+    for k in (40, 100, 5120, 13824):
+        for rows, tiles, slices in ((1, 1, 3), (32, 10, 2), (128, 40, 1), (2048, 140, 3)):
+            c = config(k, rows, tiles, slices, 82)
+            assert c.k_per_split % c.block_k == 0
+            assert (c.split_k - 1) * c.k_per_split < k <= c.split_k * c.k_per_split
+            assert 1 <= c.split_k <= lora_triton.MAX_SPLIT_K
+    assert config(5120, 1, 1, 1, 132, split_k=4, block_k=64) == lora_triton.ShrinkConfig(4, 64, 1280)
+    with pytest.raises(ValueError, match="split_k"):
+        config(5120, 1, 1, 1, 132, split_k=0)
+    with pytest.raises(ValueError, match="block_k"):
+        config(5120, 1, 1, 1, 132, block_k=48)
+
+
+def test_shrink_refuses_a_short_workspace_or_counters() -> None:
+    x, lora_a, _, slots, _, _ = make_case(5, 64, [16], 2, 8, torch.float16, seed=1)
+    indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
+    tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
+    h = torch.zeros(5, 8, dtype=torch.float16, device=DEVICE)
+    config = lora_triton.shrink_config(64, 5, tiles[1].numel(), 1, 132, split_k=2, block_k=16)
+    with pytest.raises(ValueError, match="workspace"):
+        lora_triton.lora_shrink(x, lora_a, *tiles, 1, h, config, torch.zeros(1, 5, 8), indices.tile_counters)
+    with pytest.raises(ValueError, match="counters"):
+        lora_triton.lora_shrink(
+            x, lora_a, *tiles, 1, h, config, torch.zeros(2, 5, 8), torch.zeros(1, dtype=torch.int32)
+        )
 
 
 def test_reference_is_per_row_matmul() -> None:
@@ -107,11 +194,60 @@ def test_reference_is_per_row_matmul() -> None:
 def test_tiles_group_rows_by_slot() -> None:
     slots = np.array([2, -1, 0, 2, 2, -1, 0] + [1] * 18, dtype=np.int32)
     ind = lora_ops.build_lora_indices(slots, torch.device("cpu"))
+    assert ind.token_slots.tolist() == slots.tolist()
     assert ind.sorted_rows.tolist() == [2, 6] + list(range(7, 25)) + [0, 3, 4]
     assert ind.tile_slots.tolist() == [0, 1, 1, 2]
     assert ind.tile_offsets.tolist() == [0, 2, 18, 20] and ind.tile_lens.tolist() == [2, 16, 2, 3]
+    assert ind.tile_counters.tolist() == [0] * 4 * lora_ops.MAX_SLICES
     empty = lora_ops.build_lora_indices(np.full(4, -1, dtype=np.int32), torch.device("cpu"))
     assert empty.tile_offsets.numel() == 0 and empty.sorted_rows.numel() == 0
+
+
+def test_indices_are_aligned_views_of_one_buffer() -> None:
+    """One host-to-device copy a step: every array a view of one buffer, each 16-byte aligned (a
+    misaligned pointer would compile another kernel variant mid-serving)."""
+    for n in (1, 3, 7, 25):
+        slots = np.arange(n, dtype=np.int32) % 3 - 1
+        ind = lora_ops.build_lora_indices(slots, torch.device("cpu"))
+        tensors = [getattr(ind, f) for f in ind.__dataclass_fields__]
+        base = ind.token_slots.untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == base for t in tensors)
+        assert all(t.storage_offset() % 4 == 0 for t in tensors)
+
+
+def test_graph_layout_pads_rows_and_tiles() -> None:
+    """A decode graph's indices (``fill_index_buffer`` then ``indices_from_buffer`` for a bucket):
+    the step's tiles as ``build_lora_indices`` makes them, then empty tiles; pad rows of slot -1;
+    counters zero; a stale buffer (a bigger bucket's step before) is overwritten."""
+    bucket, max_loras = 8, 4
+    tiles = lora_ops.max_lora_tiles(bucket, max_loras)
+    total, _ = lora_ops.index_layout(bucket, tiles)
+    host = np.full(total + 8, 77, dtype=np.int32)  # stale contents
+    step = np.array([2, -1, 0, 2, 0], dtype=np.int32)  # 5 rows padded to the bucket of 8
+    lora_ops.fill_index_buffer(host, step, bucket, tiles)
+    got = lora_ops.indices_from_buffer(torch.from_numpy(host), bucket, tiles)
+    want = lora_ops.build_lora_indices(step, torch.device("cpu"))
+    assert got.token_slots.tolist() == step.tolist() + [-1] * 3
+    assert got.sorted_rows[: want.sorted_rows.numel()].tolist() == want.sorted_rows.tolist()
+    real = want.tile_offsets.numel()
+    for field in ("tile_offsets", "tile_lens", "tile_slots"):
+        assert getattr(got, field)[:real].tolist() == getattr(want, field).tolist()
+    assert got.tile_lens[real:].tolist() == [0] * (tiles - real)
+    assert got.tile_counters.tolist() == [0] * tiles * lora_ops.MAX_SLICES
+    with pytest.raises(ValueError, match="tiles"):
+        lora_ops.fill_index_buffer(host, np.arange(bucket, dtype=np.int32), bucket, 2)
+    # The kernels on these views (split K): the reference's output, pad and base rows untouched.
+    x, lora_a, lora_b, _, y, starts = make_case(bucket, 64, [16, 8], 3, 8, torch.float16, seed=2)
+    got = lora_ops.indices_from_buffer(torch.from_numpy(host).to(DEVICE), bucket, tiles)
+    views = (got.sorted_rows, got.tile_offsets, got.tile_lens, got.tile_slots)
+    h = torch.zeros(bucket, lora_a.shape[1], dtype=torch.float16, device=DEVICE)
+    shrink(x, lora_a, views, 2, h, got.tile_counters, split_k=4, block_k=16)
+    out = lora_triton.lora_expand(y.clone(), h, lora_b, *views, starts)
+    ref = reference_lora.lora_expand(
+        y.clone(), reference_lora.lora_shrink(x, lora_a, got.token_slots, h.clone()), lora_b, got.token_slots, starts
+    )
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=4e-3)
+    assert torch.equal(out[got.token_slots < 0], y[got.token_slots < 0])
 
 
 def test_dispatch_is_reference_off_cuda(monkeypatch) -> None:
@@ -144,3 +280,68 @@ def test_gpu_real_sizes(monkeypatch, t, k, sizes) -> None:
     )
     want = reference_lora.lora_expand(y.clone(), h, lora_b, indices.token_slots, starts)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("split_k", [1, 2, 7, 32])
+@pytest.mark.parametrize("k,sizes", [(5120, [5120, 1024, 1024]), (13824, [5120])])
+def test_gpu_split_k_overrides(monkeypatch, split_k, k, sizes) -> None:
+    """Every split (the tuning overrides bench/lora.py sweeps) gives the reference's output; the
+    counters come back to zero with programs really racing; the same inputs give the same bits."""
+    monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
+    x, lora_a, lora_b, slots, y, starts = make_case(32, k, sizes, 8, 16, torch.float16, seed=split_k)
+    indices = lora_ops.build_lora_indices(slots, torch.device("cuda"))
+    h = reference_lora.lora_shrink(
+        x, lora_a, indices.token_slots, torch.zeros(32, lora_a.shape[1], dtype=x.dtype, device="cuda")
+    )
+    want = reference_lora.lora_expand(y.clone(), h, lora_b, indices.token_slots, starts)
+    runs = [lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, indices, split_k=split_k) for _ in range(3)]
+    assert not indices.tile_counters.any()
+    torch.testing.assert_close(runs[0].float(), want.float(), atol=2e-2, rtol=1e-2)
+    assert all(torch.equal(runs[0], run) for run in runs[1:]), "split-K results vary from run to run"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_add_lora_in_a_cuda_graph(monkeypatch) -> None:
+    """Two LoRA layers of a decode step (qkv, then down) captured in one CUDA graph with a graph's
+    padded indices (one int32 buffer, ``fill_index_buffer``) and replayed for two different slot
+    assignments: each replay gives the reference's output (the split-K counters are reused by both
+    layers and every replay; the workspace lives in the graph's pool)."""
+    monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
+    batch, max_loras = 32, 8
+    tiles = lora_ops.max_lora_tiles(batch, max_loras)
+    total, _ = lora_ops.index_layout(batch, tiles)
+    buffer = torch.zeros(total, dtype=torch.int32, device="cuda")
+    indices = lora_ops.indices_from_buffer(buffer, batch, tiles)
+    layers = []
+    for k, sizes in ((5120, [5120, 1024, 1024]), (13824, [5120])):
+        x, lora_a, lora_b, _, y, starts = make_case(batch, k, sizes, max_loras, 16, torch.float16, seed=k)
+        layers.append((x, lora_a, lora_b, y, torch.empty_like(y), starts))
+
+    def step() -> None:
+        for x, lora_a, lora_b, y0, y, starts in layers:
+            y.copy_(y0)
+            lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices)
+
+    host = np.zeros(total, dtype=np.int32)
+    lora_ops.fill_index_buffer(host, np.full(batch, -1, dtype=np.int32), batch, tiles)
+    buffer.copy_(torch.from_numpy(host))
+    step()  # warm-up: compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gen = np.random.default_rng(0)
+    for step_slots in (gen.integers(-1, max_loras, batch), np.arange(batch) % 3 - 1):
+        lora_ops.fill_index_buffer(host, step_slots.astype(np.int32), batch, tiles)
+        buffer.copy_(torch.from_numpy(host))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not indices.tile_counters.any()
+        for x, lora_a, lora_b, y0, y, starts in layers:
+            h = torch.zeros(batch, lora_a.shape[1], dtype=x.dtype, device="cuda")
+            h = reference_lora.lora_shrink(x, lora_a, indices.token_slots, h)
+            want = reference_lora.lora_expand(y0.clone(), h, lora_b, indices.token_slots, starts)
+            torch.testing.assert_close(y.float(), want.float(), atol=2e-2, rtol=1e-2)
