@@ -8,8 +8,9 @@ background; ``/health`` is 503 until they are ready; SIGTERM drains for ``--shut
 seconds, then shuts down, tensor-parallel workers included), and vLLM's flag names (resolved
 onto qserve's own options by ``apply_worker_flags``). With ``$QSERVE_ENABLE_MULTIPROCESSING=1`` the
 models load in an engine-core process of their own (``qserve.engine.core``; what that mode does not
-support yet is refused here), and the server exits 1 if that process dies. Must not know: routes,
-engines' internals.
+support yet is refused here), and the server exits 1 if that process dies. ``--api-server-count N``
+above 1 implies it and runs N API server processes over that core (``multi_api_server``; each one
+runs ``serve_app`` as the one server does). Must not know: routes, engines' internals.
 
 With no model argument it serves the built-in demo model (``DEFAULT_MODEL``): a tiny model
 trained by ``qserve/recipes/demo/train.py``, quantized with qserve's own GPTQ on first use and cached.
@@ -22,6 +23,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from qserve.commands.lora_flags import check_lora_flags, register_lora_flags, register_lora_modules
@@ -276,8 +278,8 @@ def register_worker_flags(parser: argparse.ArgumentParser) -> None:
         "--api-server-count",
         type=int,
         default=1,
-        help="front-end (API server) processes; with $QSERVE_ENABLE_MULTIPROCESSING=1 the engine runs in a "
-        "process of its own under them (docs/server.md); only 1 so far",
+        help="API server (front-end) processes sharing the port; above 1 the engine core runs in a process of "
+        "its own under them, as with $QSERVE_ENABLE_MULTIPROCESSING=1 (docs/server.md); default 1",
     )
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line while busy")
@@ -380,17 +382,33 @@ def parse_shares(values: list[str], flag: str, names: list[str]) -> dict[str, fl
     return shares
 
 
+@dataclass(frozen=True)
+class HostPlan:
+    """What ``qserve serve``'s arguments say to host, validated; picklable, so an API server
+    process of ``--api-server-count N`` gets it whole instead of checking the arguments again."""
+
+    specs: list  # [ModelSpec]
+    config: object  # HostConfig
+    max_queue: int | None
+    kv_events_config: object | None  # KVEventsConfig
+    port: int
+    separate_core: bool  # the engine core in its own process
+    tensor_parallel_size: int
+    lora_modules: list
+    generation_config: str
+    chat_template: str | None
+    api_server_count: int = 1
+
+
 def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     """Validate the arguments now (cheap errors before the server starts) and return the
     function that loads the models (slow; run after the server is up)."""
-    from qserve.engine.async_engine import (
-        SUPPORTED_KV_CACHE_DTYPES,
-        AsyncEngine,
-        HostConfig,
-        ModelSpec,
-        build_engines,
-        build_tensor_parallel_engine,
-    )
+    return host_factory(plan_host(args))
+
+
+def plan_host(args: argparse.Namespace) -> HostPlan:
+    """Validate the arguments (cheap errors before the server starts): what to host, and how."""
+    from qserve.engine.async_engine import SUPPORTED_KV_CACHE_DTYPES, HostConfig, ModelSpec
     from qserve.memory.planner import parse_memory_budget
 
     apply_worker_flags(args)
@@ -467,7 +485,7 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         raise ValueError(
             "--enable-lora is not supported yet with "
             + (
-                "the engine core in its own process ($QSERVE_ENABLE_MULTIPROCESSING=1)"
+                "the engine core in its own process ($QSERVE_ENABLE_MULTIPROCESSING=1 or --api-server-count > 1)"
                 if separate_core
                 else "--speculative-config"
             )
@@ -499,27 +517,52 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
     )
 
+    return HostPlan(
+        specs=specs,
+        config=config,
+        max_queue=args.max_queue,
+        kv_events_config=kv_events_config,
+        port=args.port,
+        separate_core=separate_core,
+        tensor_parallel_size=tensor_parallel_size,
+        lora_modules=lora_modules,
+        generation_config=generation_config,
+        chat_template=chat_template,
+        api_server_count=getattr(args, "api_server_count", 1),
+    )
+
+
+def host_factory(plan: HostPlan, connect: Callable[[], object] | None = None) -> Callable[[], object]:
+    """The function that loads the models (slow; run after the server is up). ``connect``: an API
+    server process of several attaches to the engine core ``qserve serve`` started instead."""
+    from qserve.engine.async_engine import AsyncEngine, build_engines, build_tensor_parallel_engine
+
+    specs, config = plan.specs, plan.config
+
     def kv_events(engines: dict) -> object | None:
-        if kv_events_config is None:
+        if plan.kv_events_config is None:
             return None
         from qserve.engine.kv_events import ZmqKVEventPublisher
 
         device = next(iter(engines.values())).device
-        return ZmqKVEventPublisher(kv_events_config, port=args.port, medium="GPU" if device.type == "cuda" else "CPU")
+        medium = "GPU" if device.type == "cuda" else "CPU"
+        return ZmqKVEventPublisher(plan.kv_events_config, port=plan.port, medium=medium)  # type: ignore[arg-type]
 
     def build() -> AsyncEngine:
-        if separate_core:  # the engine core in a process of its own (issue 27), shaped like AsyncEngine
+        if connect is not None:
+            return connect()  # type: ignore[return-value]
+        if plan.separate_core:  # the engine core in a process of its own (issue 27), shaped like AsyncEngine
             from qserve.engine.core.client import EngineCoreClient
 
             return EngineCoreClient.launch(  # type: ignore[return-value]
-                specs, config, max_queue=args.max_queue, kv_events=kv_events_config, port=args.port
+                specs, config, max_queue=plan.max_queue, kv_events=plan.kv_events_config, port=plan.port
             )
-        if tensor_parallel_size == 1:
-            engines = build_engines(specs, config)
-            return AsyncEngine(engines, max_queue=args.max_queue, kv_events=kv_events(engines))
-        engines, hooks = build_tensor_parallel_engine(specs[0], config, tensor_parallel_size)
+        if plan.tensor_parallel_size == 1:
+            engines = build_engines(specs, config)  # type: ignore[arg-type]
+            return AsyncEngine(engines, max_queue=plan.max_queue, kv_events=kv_events(engines))
+        engines, hooks = build_tensor_parallel_engine(specs[0], config, plan.tensor_parallel_size)  # type: ignore[arg-type]
         try:
-            return AsyncEngine(engines, max_queue=args.max_queue, hooks=hooks, kv_events=kv_events(engines))
+            return AsyncEngine(engines, max_queue=plan.max_queue, hooks=hooks, kv_events=kv_events(engines))
         except BaseException:
             if hooks.shutdown is not None:
                 hooks.shutdown()  # nobody else holds the workers yet
@@ -529,19 +572,20 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
         from qserve.server.generation_config import load_sampling_defaults
 
         host = build()
-        register_lora_modules(host, lora_modules)
+        register_lora_modules(host, plan.lora_modules)
         for spec in specs:  # worker flags that shape the front end, per model
             hosted = host.models[spec.name]
-            hosted.sampling_defaults = load_sampling_defaults(generation_config, spec.path)
-            if chat_template is not None:
-                hosted.engine.tokenizer.chat_template = chat_template  # the front end copies it
+            hosted.sampling_defaults = load_sampling_defaults(plan.generation_config, spec.path)
+            if plan.chat_template is not None:
+                hosted.engine.tokenizer.chat_template = plan.chat_template  # the front end copies it
         return host
 
     return factory
 
 
 def check_engine_core_process(args: argparse.Namespace, tensor_parallel_size: int) -> bool:
-    """Is the engine core to run in a process of its own ($QSERVE_ENABLE_MULTIPROCESSING=1)?
+    """Is the engine core to run in a process of its own ($QSERVE_ENABLE_MULTIPROCESSING=1, or
+    --api-server-count above 1, which implies it as in vLLM: N API servers share one core)?
     ValueError, naming the option, for what that mode does not support yet."""
     from qserve.engine.core import ENABLE_MULTIPROCESSING_ENV, multiprocessing_enabled
 
@@ -550,20 +594,24 @@ def check_engine_core_process(args: argparse.Namespace, tensor_parallel_size: in
         raise ValueError(f"--api-server-count must be >= 1, got {count}")
     separate = multiprocessing_enabled()
     if count > 1:
-        raise ValueError(
-            f"--api-server-count {count}: qserve runs one front-end process so far"
-            + (
-                ""
-                if separate
-                else f" (and several need the engine core's own process, ${ENABLE_MULTIPROCESSING_ENV}=1)"
+        if not separate and os.environ.get(ENABLE_MULTIPROCESSING_ENV, "").strip():
+            raise ValueError(
+                f"--api-server-count {count} runs the engine core in a process of its own, under the "
+                f"{count} API servers; ${ENABLE_MULTIPROCESSING_ENV}=0 asks for one process (unset it)"
             )
-        )
+        if getattr(args, "tenants", None):
+            raise ValueError(
+                f"--tenants is not supported with --api-server-count {count}: each API server process would "
+                "count its tenants' admission (max_concurrent, max_queued, tokens_per_minute) on its own; "
+                "use --api-server-count 1"
+            )
+        separate = True
     if not separate:
         return False
     if tensor_parallel_size > 1:
         raise ValueError(
             f"--tensor-parallel-size {tensor_parallel_size} is not supported yet with the engine core in its "
-            f"own process (${ENABLE_MULTIPROCESSING_ENV}=1); unset it to serve in one process"
+            f"own process (${ENABLE_MULTIPROCESSING_ENV}=1 or --api-server-count > 1); serve it in one process"
         )
     return True
 
@@ -581,23 +629,62 @@ def ready_line(url: str, host: object, block_size: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from qserve.server.app import create_app
-    from qserve.server.draining_server import DrainingServer
-
     tenants = None
     if getattr(args, "tenants", None):  # before anything loads: a bad file is a one-line error at once
         from qserve.tenants import Tenants, load_tenants
 
         tenants = Tenants(load_tenants(args.tenants))
-    factory = build_host_factory(args)
+    plan = plan_host(args)
+    options = app_options(args, tenants)
+    if plan.api_server_count > 1:  # N API server processes over one engine core
+        from qserve.commands.multi_api_server import run_api_servers
+
+        return run_api_servers(args, plan, options)
+    return serve_app(args, host_factory(plan), None, options)
+
+
+def app_options(args: argparse.Namespace, tenants: object | None = None) -> dict:
+    """``create_app``'s keyword arguments from the command line (the API key resolved here once;
+    picklable without tenants, so an API server process of several gets them as they are)."""
     api_key = resolve_api_key(args)
     if args.max_request_bytes < 0:
         raise ValueError(f"--max-request-bytes must be >= 0, got {args.max_request_bytes}")
+    return dict(
+        api_key=api_key,
+        allowed_hosts=resolve_allowed_hosts(args),
+        max_request_bytes=args.max_request_bytes or None,
+        metrics_without_key=args.metrics_without_key,
+        log_requests=not args.disable_log_requests,
+        log_stats=not args.disable_log_stats,
+        ui=not getattr(args, "no_ui", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        tenants=tenants,
+        cors=cors_config(args) if hasattr(args, "allowed_origins") else None,
+    )
+
+
+def serve_app(
+    args: argparse.Namespace,
+    factory: Callable[[], object],
+    sock: object | None,
+    options: dict,
+    *,
+    api_server_index: int | None = None,
+    shutdown_timeout: float | None = None,
+) -> int:
+    """Run the app under uvicorn until SIGTERM (0) or a dead engine core (1); ValueError when the
+    models do not load. ``sock``: the listening socket (None: bind ``--host``/``--port`` here).
+    ``api_server_index``: one API server of several (only the first prints the ready line; the
+    parent says where it serves and reports a dead core)."""
+    import uvicorn
+
+    from qserve.server.app import create_app
+    from qserve.server.draining_server import DrainingServer
+
     failed: list[BaseException] = []
     core_died: list[str] = []
     server: uvicorn.Server | None = None
+    first = api_server_index in (None, 0)
 
     def on_load_failed(err: BaseException) -> None:
         failed.append(err)
@@ -612,22 +699,15 @@ def run(args: argparse.Namespace) -> int:
     def on_ready(host: object) -> None:
         if hasattr(host, "on_dead"):  # the engine core in its own process
             host.on_dead.append(on_core_died)
-        print(ready_line(f"http://{args.host}:{args.port}", host, args.block_size), flush=True)
+        if first:
+            print(ready_line(f"http://{args.host}:{args.port}", host, args.block_size), flush=True)
 
     app = create_app(
-        host_factory=factory,
-        api_key=api_key,
+        host_factory=factory,  # type: ignore[arg-type]
         on_load_failed=on_load_failed,
-        allowed_hosts=resolve_allowed_hosts(args),
-        max_request_bytes=args.max_request_bytes or None,
-        metrics_without_key=args.metrics_without_key,
         on_ready=on_ready,
-        log_requests=not args.disable_log_requests,
-        log_stats=not args.disable_log_stats,
-        ui=not getattr(args, "no_ui", False),
-        tool_call_parser=getattr(args, "tool_call_parser", None),
-        tenants=tenants,
-        cors=cors_config(args) if hasattr(args, "allowed_origins") else None,
+        api_server_index=api_server_index,
+        **options,
     )
     show_worker_logs(args)
     config = uvicorn.Config(
@@ -638,16 +718,19 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         root_path=getattr(args, "root_path", None) or "",
     )
-    server = DrainingServer(config, app, args.shutdown_timeout)
-    from qserve.server.listen import bind_socket
+    timeout = args.shutdown_timeout if shutdown_timeout is None else shutdown_timeout
+    server = DrainingServer(config, app, timeout)
+    if sock is None:
+        from qserve.server.listen import bind_socket
 
-    sock = bind_socket(args.host, args.port)  # a taken port: one line, and no "serving on" before it
-    print(f"qserve: serving on http://{args.host}:{args.port} (models load in the background; see /health)")
+        sock = bind_socket(args.host, args.port)  # a taken port: one line, and no "serving on" before it
+        print(f"qserve: serving on http://{args.host}:{args.port} (models load in the background; see /health)")
     server.run(sockets=[sock])
     if failed:
         raise ValueError(f"loading the models failed: {failed[0]}") from failed[0]  # --debug: its traceback
     if core_died:
-        print(f"qserve serve: error: {core_died[0]}", file=sys.stderr, flush=True)
+        if api_server_index is None:
+            print(f"qserve serve: error: {core_died[0]}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -13,6 +13,11 @@ requests become engine inputs (``serving``), how engines are stepped (``AsyncEng
 ``create_app(host)`` serves an ``AsyncEngine`` that already exists; ``create_app(
 host_factory=...)`` builds it in a worker thread after the server is up. ``drain_app`` is
 the graceful shutdown (SIGTERM).
+
+One API server of several (``api_server_index``; ``qserve serve --api-server-count N``): every
+answer names its process's index (``X-Qserve-Api-Server``), metrics are summed over the processes
+(``metrics_dir``), stored responses live in a file they share (``responses_db``), and only the
+first process logs the periodic stats line (from the summed token counts).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from qserve.server.drain import FLUSH_TIMEOUT_S, DrainMiddleware
 from qserve.server.embeddings import add_embedding_routes
 from qserve.server.guard import DEFAULT_MAX_REQUEST_BYTES, GuardConfig, RequestGuard
 from qserve.server.internal_errors import InternalErrors
+from qserve.server.metrics import AggregatedTokenCounts
 from qserve.server.playground import add_offline_docs, add_playground
 from qserve.server.protocol import ErrorInfo, ErrorResponse
 from qserve.server.request_context import RequestIdMiddleware
@@ -117,17 +123,28 @@ def create_app(
     tool_call_parser: str | None = None,
     tenants: Tenants | None = None,
     cors: CorsConfig | None = None,
+    api_server_index: int | None = None,
+    metrics_dir: str | None = None,
+    responses_db: str | None = None,
 ) -> FastAPI:
     """``allowed_hosts``: names the ``Host`` header may carry (None: any). ``max_request_bytes``:
     bodies above it get 413 before they are read (None: no limit). With ``api_key`` every route
     but ``/health`` and ``/ping`` needs it (``/metrics`` too unless ``metrics_without_key``).
     ``log_requests`` / ``log_stats``: the per-request log line and the periodic stats line
     (``qserve.server.request_log``). ``cors``: cross-origin settings (None: no CORS headers).
-    Shut down gracefully with ``drain_app``."""
+    ``api_server_index``, ``metrics_dir``, ``responses_db``: one API server process of several
+    (the module doc). Shut down gracefully with ``drain_app``."""
     if (host is None) == (host_factory is None):
         raise ValueError("create_app: give exactly one of host or host_factory")
-    state = AppState(api_key, tenants, log_requests=log_requests)
+    state = AppState(api_key, tenants, log_requests=log_requests, metrics_dir=metrics_dir)
     state.tool_call_parser = tool_call_parser
+    token_counts = AggregatedTokenCounts(state.metrics) if metrics_dir is not None else state.request_log
+    log_stats = log_stats and api_server_index in (None, 0)  # one stats line for all the processes
+    store = None
+    if responses_db is not None:
+        from qserve.server.shared_response_store import SharedResponseStore
+
+        store = SharedResponseStore(responses_db)
 
     async def load(loop: asyncio.AbstractEventLoop) -> None:
         assert host_factory is not None
@@ -157,7 +174,7 @@ def create_app(
             loading = asyncio.create_task(load(loop))
         stats_task = None
         if log_stats:
-            stats_task = asyncio.create_task(StatsLogger(lambda: state.host, state.request_log, stats_interval_s).run())
+            stats_task = asyncio.create_task(StatsLogger(lambda: state.host, token_counts, stats_interval_s).run())
         try:
             yield
         finally:
@@ -207,6 +224,8 @@ def create_app(
     app.add_middleware(DrainMiddleware, state=state.drain)
     app.add_middleware(SecurityHeaders)  # on every answer, refusals included
     app.add_middleware(RequestIdMiddleware)
+    if api_server_index is not None:  # which of the API server processes answered
+        app.add_middleware(ApiServerHeader, index=api_server_index)
     if cors is not None:  # outermost: a preflight carries no key, and errors need the CORS headers
         add_cors(app, cors)
 
@@ -264,9 +283,33 @@ def create_app(
     api = dict(require_api_key=require_api_key, serving=route_support.serving, respond=route_support.respond,
                tenant_of=route_support.tenant_of)  # fmt: skip
     add_embedding_routes(app, **api)
-    add_responses_routes(app, apply_defaults=state.apply_sampling_defaults, **api)
+    add_responses_routes(app, apply_defaults=state.apply_sampling_defaults, store=store, **api)  # type: ignore[arg-type]
 
     return app
+
+
+API_SERVER_HEADER = b"x-qserve-api-server"
+
+
+class ApiServerHeader:
+    """Pure ASGI middleware: ``X-Qserve-Api-Server: <index>`` on every answer of one API server
+    process of several (which one served a request; the index, never the pid)."""
+
+    def __init__(self, app: Any, index: int) -> None:
+        self.app = app
+        self._value = str(index).encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (API_SERVER_HEADER, self._value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 def _bearer_matches(header: str, api_key: str | None) -> bool:

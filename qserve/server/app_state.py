@@ -24,12 +24,19 @@ from qserve.tenants import Tenants
 class AppState:
     """What the routes need; filled in when the models are loaded."""
 
-    def __init__(self, api_key: str | None, tenants: Tenants | None = None, *, log_requests: bool = True) -> None:
+    def __init__(
+        self,
+        api_key: str | None,
+        tenants: Tenants | None = None,
+        *,
+        log_requests: bool = True,
+        metrics_dir: str | None = None,
+    ) -> None:
         self.api_key = api_key
         self.host: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
         self.load_error: str | None = None
-        self.metrics = ServerMetrics(lambda: self.host)
+        self.metrics = ServerMetrics(lambda: self.host, multiprocess_dir=metrics_dir)
         self.request_log = RequestLog(log_requests=log_requests)
         self.drain = DrainState()
         self.tool_call_parser: str | None = None  # None: from each model's chat template

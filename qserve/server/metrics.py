@@ -5,11 +5,18 @@ pool), their ``model_name`` label, histogram buckets, and how per-request events
 (``RequestListener``) and the host's live numbers (``AsyncEngine.stats``, read at scrape
 time by a custom collector) become samples. Everything lives in one ``CollectorRegistry``
 per app: no global state. Must not know: HTTP routing, engines' internals.
+
+Several API server processes (``--api-server-count N``): prometheus_client's multiprocess mode.
+Each process's counters and histograms live in files of one directory (``PROMETHEUS_MULTIPROC_DIR``,
+set in the process's environment before prometheus_client is imported); a scrape of any process
+sums them (``MultiProcessCollector``) and adds the live numbers of the engine core, which every
+process receives alike. So ``/metrics`` is one view whichever process answers.
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -163,10 +170,21 @@ class _HostCollector(Collector):
 
 
 class ServerMetrics:
-    """The app's registry plus the per-request event sink (a ``RequestListener``)."""
+    """The app's registry plus the per-request event sink (a ``RequestListener``).
+    ``multiprocess_dir``: one of several API server processes (see the module doc)."""
 
-    def __init__(self, host: Callable[[], AsyncEngine | None]) -> None:
+    def __init__(self, host: Callable[[], AsyncEngine | None], multiprocess_dir: str | None = None) -> None:
         disable_created_metrics()  # no *_created series, as vLLM (a process-wide prometheus_client switch)
+        self._aggregate: Collector | None = None
+        if multiprocess_dir is not None:
+            from prometheus_client import multiprocess, values
+
+            if values.ValueClass is values.MutexValue:
+                raise RuntimeError(
+                    "several API server processes share their metrics through files: PROMETHEUS_MULTIPROC_DIR "
+                    "must be set before prometheus_client is imported"
+                )
+            self._aggregate = multiprocess.MultiProcessCollector(None, path=multiprocess_dir)
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -250,9 +268,19 @@ class ServerMetrics:
             [*labels, "lora_name"],
             registry=r,
         )
-        self.registry.register(_HostCollector(host))
-        self.registry.register(SwapCollector(host))  # swap preemption's series
-        self.registry.register(SpecDecodeCollector(host))  # speculative decoding's (models that speculate)
+        host_collectors = (
+            _HostCollector(host),
+            SwapCollector(host),  # swap preemption's series
+            SpecDecodeCollector(host),  # speculative decoding's (models that speculate)
+        )
+        # What a scrape renders: this registry, or, with several processes, every process's counters
+        # and histograms summed (not this process's own: they are among them) and the live numbers.
+        self.scrape_registry = self.registry
+        if self._aggregate is not None:
+            self.scrape_registry = CollectorRegistry()
+            self.scrape_registry.register(self._aggregate)
+        for collector in host_collectors:
+            self.scrape_registry.register(collector)
 
     # RequestListener --------------------------------------------------------------
     def on_first_token(self, model: str, seconds: float, num_prompt_tokens: int) -> None:
@@ -294,4 +322,29 @@ class ServerMetrics:
 
     # -------------------------------------------------------------------------------
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.scrape_registry)
+
+    def totals(self, sample: str) -> dict[str, float]:
+        """A counter's samples per ``model_name``, summed over processes (e.g. ``vllm:generation_tokens_total``)."""
+        result: dict[str, float] = defaultdict(float)
+        for metric in (self._aggregate or self.registry).collect():
+            for s in metric.samples:
+                if s.name == sample and "model_name" in s.labels:
+                    result[s.labels["model_name"]] += s.value
+        return dict(result)
+
+
+class AggregatedTokenCounts:
+    """``RequestLog``'s token counts (what the stats line reads), from the metrics: with several
+    API server processes, every process's tokens, not only this one's."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    @property
+    def prompt_tokens(self) -> dict[str, float]:
+        return self._metrics.totals("vllm:prompt_tokens_total")
+
+    @property
+    def generation_tokens(self) -> dict[str, float]:
+        return self._metrics.totals("vllm:generation_tokens_total")

@@ -113,11 +113,11 @@ def add_playground(app: FastAPI, state: Any) -> None:
     @app.get("/ui/stats", include_in_schema=False)
     async def stats() -> JSONResponse:
         host = state.host
-        registry = state.metrics.registry
         models = []
         if host is not None:
+            generated = state.metrics.totals("vllm:generation_tokens_total")  # every API server process's
             for name, numbers in host.stats().items():
-                total = registry.get_sample_value("vllm:generation_tokens_total", {"model_name": name}) or 0.0
+                total = generated.get(name, 0.0)
                 models.append(
                     {
                         "name": name,

@@ -6,6 +6,7 @@ hands tenant weights to every scheduler."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -13,10 +14,11 @@ import pytest
 import zmq
 
 from qserve.engine.async_engine import ModelSpec, build_engines
-from qserve.engine.core.core import CoreConfig, EngineCore
+from qserve.engine.core.core import ClientAddresses, ClientChannel, CoreConfig, EngineCore
 from qserve.engine.core.core_engine import CoreEngine
 from qserve.engine.core.messages import (
     Abort,
+    Added,
     AddRequests,
     Codec,
     CoreRequest,
@@ -117,9 +119,10 @@ def test_the_core_loop_sets_tenants_refuses_bad_requests_and_compiles_grammars_o
     inbound, outbound, reader = context.socket(zmq.PULL), context.socket(zmq.PUSH), context.socket(zmq.PULL)
     reader.bind("inproc://out")
     outbound.connect("inproc://out")
-    config = CoreConfig([ModelSpec("llama", checkpoints["llama"])], host_config(), "inproc://in", "inproc://out")
+    addresses = ClientAddresses("inproc://in", "inproc://out")
+    config = CoreConfig([ModelSpec("llama", checkpoints["llama"])], host_config(), [addresses])
     try:
-        loop = EngineCore({"llama": core_engine}, config, inbound, outbound)
+        loop = EngineCore({"llama": core_engine}, config, [ClientChannel(0, inbound, outbound)])
         loop._handle(SetTenants({"a": 2.0, "b": 1.0}, {"a": 1, "b": None}))  # noqa: SLF001
         assert core_engine.scheduler.tenant_weights == {"a": 2.0, "b": 1.0}
         assert core_engine.scheduler.tenant_max_running == {"a": 1}
@@ -142,10 +145,11 @@ def test_the_core_loop_sets_tenants_refuses_bad_requests_and_compiles_grammars_o
             while reader.poll(10):
                 answers.append(Codec().decode_core(reader.recv()))
         assert sorted((a.submit_id, a.error) for a in answers) == [(6, None), (7, None)]
-        aborted = next(o for o in core_engine.step() if o.request_id == "aborted")
+        # the engines know a request under its front end's index (unique across front ends)
+        aborted = next(o for o in core_engine.step() if o.request_id == "0/aborted")
         assert aborted.finished and aborted.sequences[0].finish_reason == "abort" and not aborted.sequences[0].token_ids
-        assert list(core_engine._groups) == ["kept"]  # noqa: SLF001
-        core_engine.abort_request("kept")
+        assert list(core_engine._groups) == ["0/kept"]  # noqa: SLF001
+        core_engine.abort_request("0/kept")
         core_engine.step()
         assert not core_engine.has_unfinished_requests()
         # A front end that is gone (its process died: this one was re-parented) ends the loop at
@@ -164,9 +168,16 @@ def test_the_core_loop_sets_tenants_refuses_bad_requests_and_compiles_grammars_o
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
-        (["--api-server-count", "2"], "1", "one front-end process so far"),
+        (["--api-server-count", "2"], "0", "$QSERVE_ENABLE_MULTIPROCESSING=0 asks for one process"),
         (["--api-server-count", "0"], "0", "must be >= 1"),
         (["--tensor-parallel-size", "2"], "1", "--tensor-parallel-size 2 is not supported yet"),
+        (["--api-server-count", "2", "--tensor-parallel-size", "2"], "", "--tensor-parallel-size 2 is not supported"),
+        (
+            ["--api-server-count", "2", "--tenants", "t.json"],
+            "",
+            "--tenants is not supported with --api-server-count 2",
+        ),
+        (["--api-server-count", "2", "--enable-lora"], "", "--enable-lora is not supported yet with the engine core"),
         ([], "maybe", "QSERVE_ENABLE_MULTIPROCESSING='maybe'"),
     ],
 )
@@ -177,3 +188,88 @@ def test_serve_refuses_what_the_separate_core_does_not_support(checkpoints, monk
     monkeypatch.setenv("QSERVE_ENABLE_MULTIPROCESSING", env)
     with pytest.raises(ValueError, match=re.escape(message)):
         build_host_factory(serve_args(checkpoints["llama"], "--device", "cpu", *argv))
+
+
+def test_several_api_servers_imply_the_core_process(checkpoints, monkeypatch):
+    """As in vLLM, N > 1 API servers share one engine core: no switch needed (an unset one is fine)."""
+    from qserve.commands.serve import plan_host
+    from tests.server.test_serve_command import serve_args
+
+    monkeypatch.delenv("QSERVE_ENABLE_MULTIPROCESSING", raising=False)
+    plan = plan_host(serve_args(checkpoints["llama"], "--device", "cpu", "--api-server-count", "3"))
+    assert plan.separate_core and plan.api_server_count == 3
+    assert not plan_host(serve_args(checkpoints["llama"], "--device", "cpu")).separate_core  # the default: 1
+
+
+def test_the_core_serves_several_front_ends_and_drops_one_that_is_gone(engines, checkpoints):
+    """Two front ends send a request under the same id: two requests, each one's outputs (under the
+    id it sent) to its own front end, the step tokens to one only, the live numbers to both. A front
+    end whose liveness pipe closes loses its request (pages freed at once); the other's runs on; the
+    last one gone ends the loop."""
+    _, core_engine = engines
+    context = zmq.Context()
+    channels, senders, readers, pipes = [], [], [], []
+    for i in range(2):
+        inbound, sender, reader, outbound = (context.socket(t) for t in (zmq.PULL, zmq.PUSH, zmq.PULL, zmq.PUSH))
+        inbound.bind(f"inproc://in{i}")
+        sender.connect(f"inproc://in{i}")
+        reader.bind(f"inproc://out{i}")
+        outbound.connect(f"inproc://out{i}")
+        read_end, write_end = os.pipe()
+        channels.append(ClientChannel(i, inbound, outbound, read_end))
+        senders.append(sender)
+        readers.append(reader)
+        pipes.append(write_end)
+    addresses = [ClientAddresses(f"inproc://in{i}", f"inproc://out{i}") for i in range(2)]
+    config = CoreConfig([ModelSpec("llama", checkpoints["llama"])], host_config(), addresses)
+    codec = Codec()
+
+    def received(i: int) -> list:
+        messages = []
+        while readers[i].poll(20):
+            messages.append(codec.decode_core(readers[i].recv()))
+        return messages
+
+    def deltas(messages: list) -> list:
+        return [d for m in messages if isinstance(m, Outputs) for mo in m.models for d in mo.outputs]
+
+    try:
+        loop = EngineCore({"llama": core_engine}, config, channels)
+        params = params_fields(SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+        for i, sender in enumerate(senders):
+            sender.send(codec.encode(AddRequests(10 + i, "llama", [CoreRequest("same", list(PROMPT), params)])))
+        loop._receive(0.2)  # noqa: SLF001
+        loop._receive(0.0)  # noqa: SLF001
+        assert sorted(core_engine._groups) == ["0/same", "1/same"]  # noqa: SLF001
+        hosted = loop.models["llama"]
+        for _ in range(3):
+            loop._step(hosted)  # noqa: SLF001
+        first, second = received(0), received(1)
+        assert [m.submit_id for m in first if isinstance(m, Added)] == [10]
+        assert [m.submit_id for m in second if isinstance(m, Added)] == [11]
+        assert {d.request_id for d in deltas(first)} == {d.request_id for d in deltas(second)} == {"same"}
+        step_tokens = [
+            sum((mo.step_tokens for m in ms if isinstance(m, Outputs) for mo in m.models), []) for ms in (first, second)
+        ]
+        assert step_tokens[0] and not step_tokens[1]  # each step counted once
+        assert any(isinstance(m, Outputs) and m.stats for m in second)  # the numbers reach both
+        used = core_engine.block_pool.num_used_by(core_engine.owner)
+        os.close(pipes[0])  # front end 0 is gone
+        loop._receive(0.2)  # noqa: SLF001
+        assert channels[0].gone and hosted.active == {"1/same"}
+        assert core_engine.block_pool.num_used_by(core_engine.owner) < used  # its pages, at once
+        loop._step(hosted)  # noqa: SLF001
+        later = received(1)
+        assert {d.request_id for d in deltas(later)} == {"same"} and not any(d.finished for d in deltas(later))
+        step_tokens = sum((mo.step_tokens for m in later if isinstance(m, Outputs) for mo in m.models), [])
+        assert step_tokens  # now front end 1 counts the steps
+        os.close(pipes[1])
+        started = time.monotonic()
+        loop.run()  # the last front end is gone: the loop aborts what runs and ends
+        assert time.monotonic() - started < 2
+        assert not core_engine.has_unfinished_requests()
+        assert core_engine.block_pool.num_used_by(core_engine.owner) == 0
+    finally:
+        for sock in (*senders, *readers, *(c.inbound for c in channels), *(c.outbound for c in channels)):
+            sock.close(linger=0)
+        context.term()

@@ -4,13 +4,15 @@ the scheduler and the shared page pool, and talks to the front end over ZMQ in m
 batches of token ids.
 
 Modules, one idea each: ``messages`` (what crosses the socket), ``core_engine`` (the core's
-``Engine``: token ids and finish reasons out, no text), ``core`` (the core process's loop),
-``output_processor`` (the front end's half of a step: text, stop strings, ``RequestOutput``s),
-``client`` (the front end's ``AsyncEngine``-shaped handle on the core process).
+``Engine``: token ids and finish reasons out, no text), ``core`` (the core process's loop, for one
+front end or several), ``process`` (starting it), ``output_processor`` (the front end's half of a
+step: text, stop strings, ``RequestOutput``s), ``client`` (the front end's ``AsyncEngine``-shaped
+handle on the core process).
 
 Switch: ``QSERVE_ENABLE_MULTIPROCESSING=1`` (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``) makes
 ``qserve serve`` start the core process; without it the engine runs in the server's process, as
-before. Must not know: HTTP, FastAPI, Prometheus.
+before. ``qserve serve --api-server-count N`` with N > 1 implies it (N front ends, one core). Must
+not know: HTTP, FastAPI, Prometheus.
 """
 
 from __future__ import annotations

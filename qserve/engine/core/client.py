@@ -2,13 +2,17 @@
 code is the same for both (``models``, ``submit``, ``abort``, ``check_queue``, ``stats``,
 ``cache_info``, ``start``, ``shutdown``, ``is_running``, ``listener``).
 
-Knows: how the core process is started (``python -m qserve.engine.core.core``, its config pickled
-to its stdin, two ZMQ sockets over ``ipc://`` that this side binds) and stopped (``Shutdown``,
-then SIGKILL past the timeout); the threads: a receiver thread reads and decodes the core's
-messages and hands each to the event loop, where the ``OutputProcessor`` of each model turns
-token ids into ``RequestOutput``s for the streams (the same ``OutputStream`` and listener calls as
-``AsyncEngine``); what the front end keeps of each model (its own tokenizer, a grammar compiler
-for the compile gate, the core's last live numbers); and faults: a core that exits on its own
+Knows: how the core process is started (``qserve.engine.core.process``; two ZMQ sockets over
+``ipc://``: this side binds the one it reads, the core the one it reads) and stopped
+(``Shutdown``, then SIGKILL past the timeout); how one of several front ends attaches to a core
+that ``qserve serve`` started (``connect``: it never stops that core; its ``shutdown`` leaves it,
+ending its own streams with 'abort' and closing its liveness pipe, so the core aborts its
+requests; the core's own liveness pipe reaching EOF says the core is gone); the threads: a
+receiver thread reads and decodes the core's messages and hands each to the event loop, where
+the ``OutputProcessor`` of each model turns token ids into ``RequestOutput``s for the streams (the
+same ``OutputStream`` and listener calls as ``AsyncEngine``); what the front end keeps of each
+model (its own tokenizer, a grammar compiler for the compile gate, the core's last live numbers);
+and faults: a core that exits on its own
 fails every pending submission and stream with ``EngineDeadError``, turns ``is_running`` off (so
 ``/health`` answers 503) and calls ``on_dead`` (``qserve serve`` then exits non-zero). Must not
 know: HTTP, OpenAI shapes, Prometheus, how engines step.
@@ -21,10 +25,9 @@ import copy
 import itertools
 import logging
 import os
-import pickle
+import select
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -46,7 +49,7 @@ from qserve.engine.async_engine import (
     _Tracked,
     observe_output,
 )
-from qserve.engine.core.core import CoreConfig
+from qserve.engine.core.core import ClientAddresses, CoreConfig
 from qserve.engine.core.messages import (
     Abort,
     Added,
@@ -64,6 +67,7 @@ from qserve.engine.core.messages import (
     params_fields,
 )
 from qserve.engine.core.output_processor import OutputProcessor
+from qserve.engine.core.process import start_core_process
 from qserve.engine.kv_events import KVEventsConfig
 from qserve.outputs import RequestOutput
 from qserve.pooling_params import PoolingParams
@@ -123,21 +127,57 @@ class ModelView:
         self.scheduler = _SchedulerView(client, info.name)
 
 
+class _CoreWatch:
+    """Is the core process still there? Its ``Popen`` (the core is this process's child) or the
+    read end of the core's liveness pipe (the core is a sibling: the pipe reaches EOF when it exits)."""
+
+    def __init__(self, process: subprocess.Popen[bytes] | None = None, alive_fd: int | None = None) -> None:
+        if (process is None) == (alive_fd is None):
+            raise ValueError("watch the core through its process or its liveness pipe, one of them")
+        self.process = process
+        self.fd = alive_fd
+
+    def gone(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is not None
+        try:
+            readable, _, _ = select.select([self.fd], [], [], 0)
+            return bool(readable) and os.read(self.fd, 1) == b""  # type: ignore[arg-type]
+        except OSError:  # closed by shutdown meanwhile
+            return True
+
+    def describe(self, pid: int) -> str:
+        if self.process is not None:
+            return f"exit code {self.process.returncode}"
+        return f"pid {pid}"
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class EngineCoreClient:
-    """Hosts the models of an engine-core process (see the module doc). Build it with ``launch``."""
+    """Hosts the models of an engine-core process (see the module doc). Build it with ``launch``
+    (this front end starts and owns the core) or ``connect`` (one of several front ends)."""
 
     def __init__(
         self,
-        process: subprocess.Popen[bytes],
+        process: subprocess.Popen[bytes] | None,
         context: zmq.Context,
         sender: zmq.Socket,
         receiver: zmq.Socket,
         ready: Ready,
-        socket_dir: str,
+        socket_dir: str | None,
         *,
         retry_after_s: int = 1,
+        core_alive_fd: int | None = None,
+        alive_fd: int | None = None,
     ) -> None:
         self.process = process
+        self.core_pid = ready.pid
+        self._watch = _CoreWatch(process, core_alive_fd)
+        self._alive_fd = alive_fd  # the write end of this front end's liveness pipe (attached mode)
         self._context = context
         self._sender = sender
         self._receiver = receiver
@@ -183,39 +223,25 @@ class EngineCoreClient:
         A load error is raised here (ValueError for bad input, with the core's message).
         ``kv_events``: the core publishes KV-cache events (``port``: the topic's ``{port}``)."""
         socket_dir = tempfile.mkdtemp(prefix="qserve-core-")
-        input_address = f"ipc://{socket_dir}/input"
-        output_address = f"ipc://{socket_dir}/output"
-        context = zmq.Context()
-        sender = context.socket(zmq.PUSH)
-        receiver = context.socket(zmq.PULL)
-        for sock in (sender, receiver):
-            sock.setsockopt(zmq.SNDHWM, 0)  # never block nor drop: the peer reads everything
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-        sender.bind(input_address)
-        receiver.bind(output_address)
+        addresses = ClientAddresses(f"ipc://{socket_dir}/input", f"ipc://{socket_dir}/output")
+        context, sender, receiver = _open_sockets(addresses)
         core_config = CoreConfig(
             models=list(models),
             host=config,
-            input_address=input_address,
-            output_address=output_address,
+            clients=[addresses],
             max_queue=max_queue,
             retry_after_s=retry_after_s,
             log_level=logging.getLogger().getEffectiveLevel(),
             kv_events=kv_events,
             port=port,
         )
-        process = subprocess.Popen(
-            [sys.executable, "-m", "qserve.engine.core.core"], stdin=subprocess.PIPE, env=_core_environment(config)
-        )
+        process = None
         try:
-            assert process.stdin is not None
-            process.stdin.write(pickle.dumps(core_config))
-            process.stdin.close()
-            ready = cls._wait_ready(process, receiver)
+            process = start_core_process(core_config)
+            ready = cls._wait_ready(_CoreWatch(process), receiver)
             return cls(process, context, sender, receiver, ready, socket_dir, retry_after_s=retry_after_s)
         except BaseException:
-            if process.poll() is None:
+            if process is not None and process.poll() is None:
                 process.kill()
                 process.wait()
             sender.close()
@@ -224,8 +250,30 @@ class EngineCoreClient:
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise
 
+    @classmethod
+    def connect(
+        cls, addresses: ClientAddresses, *, core_alive_fd: int, alive_fd: int, retry_after_s: int = 1
+    ) -> EngineCoreClient:
+        """Attach to a core that ``qserve serve`` started for several front ends: wait until it has
+        loaded every model and return this front end's client. ``addresses``: this front end's
+        sockets; ``core_alive_fd``: the read end of the core's liveness pipe; ``alive_fd``: the
+        write end of this front end's own (closing it, or exiting, tells the core it is gone).
+        A load error is raised here, as by ``launch``."""
+        context, sender, receiver = _open_sockets(addresses)
+        try:
+            ready = cls._wait_ready(_CoreWatch(alive_fd=core_alive_fd), receiver)
+            return cls(
+                None, context, sender, receiver, ready, None, retry_after_s=retry_after_s,
+                core_alive_fd=core_alive_fd, alive_fd=alive_fd,
+            )  # fmt: skip
+        except BaseException:
+            sender.close()
+            receiver.close()
+            context.term()
+            raise
+
     @staticmethod
-    def _wait_ready(process: subprocess.Popen[bytes], receiver: zmq.Socket) -> Ready:
+    def _wait_ready(watch: _CoreWatch, receiver: zmq.Socket) -> Ready:
         codec = Codec()
         while True:
             if receiver.poll(STARTUP_POLL_MS):
@@ -240,8 +288,11 @@ class EngineCoreClient:
                         raise ValueError(message.message)
                     raise RuntimeError(f"the engine core could not load the models: {message.message}")
                 continue
-            if process.poll() is not None:
-                raise RuntimeError(f"the engine core process exited during start-up (exit code {process.returncode})")
+            if watch.gone():
+                if receiver.poll(STARTUP_POLL_MS):
+                    continue  # its last word (StartupFailed) may still be on the way
+                how = f" (exit code {watch.process.returncode})" if watch.process is not None else ""
+                raise RuntimeError(f"the engine core process exited during start-up{how}")
 
     # ------------------------------------------------------------------ lifecycle (AsyncEngine's)
     @property
@@ -252,7 +303,7 @@ class EngineCoreClient:
     def is_running(self) -> bool:
         return (
             self._thread is not None and self.dead_reason is None and not self._stopping.is_set()
-            and self.process.poll() is None
+            and not self._watch.gone()
         )  # fmt: skip
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -265,12 +316,17 @@ class EngineCoreClient:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core: it aborts what runs (those streams end with 'abort') and exits; killed
-        if it has not within ``timeout``. Idempotent; any thread."""
+        if it has not within ``timeout``. Attached (``connect``): leave the core, which serves the
+        other front ends on; this front end's streams end with 'abort' here and the core aborts
+        their requests. Idempotent; any thread."""
         with self._send_lock:
             if self._shut:
                 return
             self._shut = True
         self._stopping.set()
+        if self.process is None:
+            self._leave()
+            return
         if self.process.poll() is None:
             self._send(Shutdown())
         try:
@@ -352,13 +408,28 @@ class EngineCoreClient:
         if model in self.models:
             self._send(Abort(model, request_id))
 
+    def _leave(self) -> None:
+        """``shutdown`` of an attached front end."""
+        if self._alive_fd is not None:  # the core aborts this front end's requests (pages freed)
+            os.close(self._alive_fd)
+            self._alive_fd = None
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)  # it stops at its next poll
+        self._call_in_loop(self._end_all)  # this front end's streams end with 'abort'
+        with self._send_lock:
+            self._sender.close(linger=0)
+        if self._thread is None or not self._thread.is_alive():
+            self._receiver.close(linger=0)
+            self._context.term()
+            self._watch.close()
+
     def _send(self, message: object) -> None:
         with self._send_lock:
             if self._sender.closed:
                 return
             try:
-                # Never blocks: the queue towards a connected core is unbounded, and a PUSH socket
-                # without one (the core is gone) would wait forever; the message is moot then.
+                # Never blocks: the queue towards the core is unbounded (this side connects, so
+                # messages wait in it until the core is up); if the core is gone, they are moot.
                 self._sender.send(self._codec.encode(message), zmq.NOBLOCK)  # type: ignore[arg-type]
             except zmq.Again:
                 logger.debug("the engine core is not connected; %s dropped", type(message).__name__)
@@ -367,16 +438,23 @@ class EngineCoreClient:
     def _receive_loop(self) -> None:
         codec = Codec()  # this thread's own decoder
         receiver = self._receiver
+        poller = zmq.Poller()
+        poller.register(receiver, zmq.POLLIN)
+        if self._watch.fd is not None:  # its EOF wakes this thread at once
+            poller.register(self._watch.fd, zmq.POLLIN)
+        attached = self.process is None
         while True:
-            if receiver.poll(POLL_MS):
+            if attached and self._stopping.is_set():
+                return  # left the core: what it still sends is for nobody
+            events = dict(poller.poll(POLL_MS))
+            if receiver in events:
                 message = codec.decode_core(receiver.recv(copy=False).buffer)
                 self._call_in_loop(self._on_message, message)
                 continue
-            returncode = self.process.poll()
-            if returncode is not None:
+            if self._watch.gone():
                 while receiver.poll(0):  # what it sent before it exited
                     self._call_in_loop(self._on_message, codec.decode_core(receiver.recv()))
-                self._call_in_loop(self._on_core_exit, returncode)
+                self._call_in_loop(self._on_core_exit, self._watch.describe(self.core_pid))
                 return
 
     def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
@@ -453,10 +531,10 @@ class EngineCoreClient:
                 answer.set_exception(error)
         self._pending.clear()
 
-    def _on_core_exit(self, returncode: int) -> None:
+    def _on_core_exit(self, how: str) -> None:
         if self._stopping.is_set():
             return  # asked to stop
-        reason = f"the engine core process died (exit code {returncode}); no request can be served"
+        reason = f"the engine core process died ({how}); no request can be served"
         self.dead_reason = reason
         logger.error("%s", reason)
         error = EngineDeadError(reason)
@@ -480,17 +558,19 @@ class EngineCoreClient:
         return {name: dict(info) for name, info in self._cache_info.items()}
 
 
-def _core_environment(config: HostConfig) -> dict[str, str]:
-    """The core's environment: this one, plus, on CPU, OpenMP threads that sleep when idle
-    (``OMP_WAIT_POLICY=PASSIVE``, unless set). Why: the front end works between the core's
-    steps; with OpenMP's default spinning, a step's threads waited for a CPU the spinning took
-    (2-core machine, tiny model: 20-75 ms per token instead of 2-4 ms; passive: 4 ms, in-process 3)."""
-    from qserve.engine.engine import resolve_device
-
-    env = dict(os.environ)
-    if resolve_device(config.device).type == "cpu":
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
+def _open_sockets(addresses: ClientAddresses) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """(context, sender, receiver): this side binds what it reads and connects what it writes, so
+    nothing sent before the core is up is lost (it waits in the sender's queue)."""
+    context = zmq.Context()
+    sender = context.socket(zmq.PUSH)
+    receiver = context.socket(zmq.PULL)
+    for sock in (sender, receiver):
+        sock.setsockopt(zmq.SNDHWM, 0)  # never block nor drop: the peer reads everything
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+    receiver.bind(addresses.output_address)
+    sender.connect(addresses.input_address)
+    return context, sender, receiver
 
 
 def _raise_refusal(added: Added, model: str) -> None:

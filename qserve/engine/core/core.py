@@ -1,6 +1,7 @@
 """The engine-core process: loads every hosted model onto one page pool, then steps them and
-answers the front end over ZMQ (``python -m qserve.engine.core.core``, started by
-``qserve.engine.core.client``).
+answers its front ends over ZMQ (``python -m qserve.engine.core.core``, started by
+``qserve.engine.core.process``: for one front end by its ``EngineCoreClient``, for
+``--api-server-count N`` by ``qserve serve``'s parent process).
 
 Knows: the loop (inbound messages between steps; one step per busy model per round, round-robin,
 as ``AsyncEngine`` does; one ``Outputs`` message per step), per-model queue bounds (checked
@@ -10,12 +11,22 @@ requests (aborted, reported), KV-cache events (``--kv-events-config``: published
 every output that finishes a request, and once on going idle), and how it ends: on ``Shutdown``
 (abort all, send the last outputs, ``Bye``), or when its parent process is gone (nobody would
 read its outputs: it exits at once, so every page dies with it). SIGINT and SIGTERM are ignored:
-the front end drains first and then stops the core. Must not know: HTTP, text, tokenizing
+the front ends drain first and then stop the core. Must not know: HTTP, text, tokenizing
 prompts, Prometheus.
 
-Start-up: the parent writes a pickled ``CoreConfig`` to the child's stdin; the child connects
-its two sockets (PULL for requests, PUSH for outputs; the parent bound both), loads the models,
-and sends ``Ready`` (or ``StartupFailed``).
+Several front ends (``--api-server-count``): each is a ``ClientChannel`` of its own sockets, so a
+message's sender is the socket it came on. A request's engine id is ``"<client>/<request id>"``
+(unique across front ends whatever ids they pick); its outputs, ``Added`` answers and failures go
+back to that front end only, with the id it sent. The live numbers go to every front end; the
+tokens of each step to one (the first still there), so ``/metrics``, summed over the front ends'
+processes, counts each step once. A front end with a liveness pipe (``alive_fd``: the read end; it
+holds the write end) that reaches EOF is gone: its requests are aborted (pages freed at once),
+its grammar compiles dropped, its sockets closed; when every such front end is gone the core exits.
+
+Start-up: the parent writes a pickled ``CoreConfig`` to the child's stdin; the child binds each
+front end's request socket (PULL) and connects its output socket (PUSH; the front end binds it):
+each side binds what it reads, so a message sent before the other side is up waits in ZMQ's
+queue. Then it loads the models and sends ``Ready`` (or ``StartupFailed``) to every front end.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import pickle
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -74,18 +85,49 @@ COMPILE_POLL_S = 0.005  # while only grammar compiles are pending
 
 
 @dataclass(frozen=True, slots=True)
+class ClientAddresses:
+    """Where the core meets one front end (``ipc://`` paths in a private directory)."""
+
+    input_address: str  # its requests: the core binds a PULL here, the front end connects its PUSH
+    output_address: str  # its outputs: the front end binds a PULL here, the core connects its PUSH
+    alive_fd: int | None = None  # the core's end of the front end's liveness pipe (EOF: it is gone)
+
+
+@dataclass(frozen=True, slots=True)
 class CoreConfig:
     """Everything the core process needs (pickled to its stdin)."""
 
     models: Sequence[ModelSpec]
     host: HostConfig
-    input_address: str  # the front end's PUSH (bound by the front end)
-    output_address: str  # the front end's PULL (bound by the front end)
+    clients: Sequence[ClientAddresses]  # one per front end, in client-index order
     max_queue: int | None = None
     retry_after_s: int = 1
     log_level: int = logging.WARNING
     kv_events: KVEventsConfig | None = None  # --kv-events-config: the core publishes them
     port: int = 0  # the server's port ({port} of the KV-event topic)
+    alive_fd: int | None = None  # the write end of the core's own liveness pipe, held until it exits
+
+
+@dataclass(eq=False)
+class ClientChannel:
+    """One front end as the core sees it: its two sockets and, if it has one, its liveness pipe."""
+
+    index: int
+    inbound: zmq.Socket
+    outbound: zmq.Socket
+    alive_fd: int | None = None
+    gone: bool = False
+
+
+def engine_request_id(client: int, request_id: str) -> str:
+    """The id a front end's request has in the engines (unique across front ends)."""
+    return f"{client}/{request_id}"
+
+
+def split_request_id(engine_id: str) -> tuple[int, str]:
+    """``engine_request_id``'s inverse: (client index, the front end's own id)."""
+    client, _, request_id = engine_id.partition("/")
+    return int(client), request_id
 
 
 class EngineCore:
@@ -95,21 +137,29 @@ class EngineCore:
         self,
         engines: Mapping[str, CoreEngine],
         config: CoreConfig,
-        inbound: zmq.Socket,
-        outbound: zmq.Socket,
+        clients: Sequence[ClientChannel],
         kv_events: KVEventPublisher | None = None,
     ):
+        if not clients:
+            raise ValueError("the engine core needs at least one front end")
         self.models = {name: HostedModel(name, engine, config.max_queue) for name, engine in engines.items()}
         self.config = config
         self.codec = Codec()
-        self.inbound = inbound
-        self.outbound = outbound
+        self.clients = list(clients)
+        # Only front ends with a liveness pipe can leave; the last one to go ends the core.
+        self._watched = any(client.alive_fd is not None for client in self.clients)
+        self._poller = zmq.Poller()
+        for client in self.clients:
+            self._poller.register(client.inbound, zmq.POLLIN)
+            if client.alive_fd is not None:
+                self._poller.register(client.alive_fd, zmq.POLLIN)
         self.parent = os.getppid()
         self._compiles = concurrent.futures.ThreadPoolExecutor(
             COMPILE_THREADS, thread_name_prefix="qserve-core-grammar"
         )
-        self._compiling: list[tuple[concurrent.futures.Future[None], AddRequests]] = []
-        self._cancelled: set[tuple[str, str]] = set()  # aborted while their grammar compiled
+        # (its compile, the message, the front end that sent it)
+        self._compiling: list[tuple[concurrent.futures.Future[None], AddRequests, ClientChannel]] = []
+        self._cancelled: set[tuple[str, str]] = set()  # (model, engine id) aborted while their grammar compiled
         self._stopping = False
         self._stats_sent = 0.0
         self._was_busy = False
@@ -170,12 +220,15 @@ class EngineCore:
         try:
             while not self._stopping:
                 if os.getppid() != self.parent:
-                    logger.error("the front end (pid %d) is gone; the engine core exits", self.parent)
+                    logger.error("the parent process (pid %d) is gone; the engine core exits", self.parent)
                     return
+                if self._watched and all(client.gone for client in self.clients):
+                    logger.info("every front end is gone; the engine core exits")
+                    break
                 busy = [m for m in self.models.values() if m.engine.has_unfinished_requests()]
                 if not busy and self._was_busy:  # the numbers at the end of a busy spell, before idling
                     self._was_busy = False
-                    self._send(Outputs([], self.stats()))
+                    self._broadcast(Outputs([], self.stats()))
                 # Idle: wait for work; compiling only: look again soon; busy: do not wait.
                 self._receive(0.0 if busy else COMPILE_POLL_S if self._compiling else IDLE_WAIT_S)
                 self._admit_compiled()
@@ -191,53 +244,98 @@ class EngineCore:
                     self._step(hosted)
                     self._receive(0.0)  # aborts land between models' steps
             self._abort_all()
-            self._send(Bye())
+            self._broadcast(Bye())
         finally:
             self._compiles.shutdown(wait=False, cancel_futures=True)
 
     def _receive(self, wait_s: float) -> None:
-        """Handle every waiting message (waiting up to ``wait_s`` for the first)."""
+        """Handle every waiting message of every front end, and notice the ones that are gone
+        (waiting up to ``wait_s`` for the first event)."""
         timeout = int(wait_s * 1000)
-        while not self._stopping and self.inbound.poll(timeout):
+        while not self._stopping:
+            events = dict(self._poller.poll(timeout))
+            if not events:
+                return
             timeout = 0
-            message = self.codec.decode_frontend(self.inbound.recv(copy=False).buffer)
-            try:
-                self._handle(message)
-            except Exception:  # noqa: BLE001 - a bad message must not kill the core
-                logger.exception("engine core: handling %s failed", type(message).__name__)
+            for client in self.clients:
+                if client.gone:
+                    continue
+                if client.alive_fd is not None and client.alive_fd in events and _at_eof(client.alive_fd):
+                    self._drop_client(client)
+                    continue
+                if client.inbound in events:
+                    message = self.codec.decode_frontend(client.inbound.recv(copy=False).buffer)
+                    try:
+                        self._handle(message, client)
+                    except Exception:  # noqa: BLE001 - a bad message must not kill the core
+                        logger.exception("engine core: handling %s failed", type(message).__name__)
+                    if self._stopping:
+                        return
 
-    def _handle(self, message: object) -> None:
+    def _handle(self, message: object, client: ClientChannel | None = None) -> None:
+        client = client or self.clients[0]
         if isinstance(message, AddRequests):
-            self._add_or_compile(message)
+            self._add_or_compile(message, client)
         elif isinstance(message, Abort):
-            self._abort(message)
+            self._abort(message, client)
         elif isinstance(message, SetTenants):
             for hosted in self.models.values():
                 hosted.engine.scheduler.set_tenants(message.weights, message.max_running)
         elif isinstance(message, Shutdown):
             self._stopping = True
 
-    def _abort(self, message: Abort) -> None:
+    def _abort(self, message: Abort, client: ClientChannel) -> None:
         hosted = self.models.get(message.model)
         if hosted is None:
             return
-        if any(message.request_id in {r.request_id for r in add.requests} for _, add in self._compiling):
-            self._cancelled.add((message.model, message.request_id))
+        engine_id = engine_request_id(client.index, message.request_id)
+        for _, add, sender in self._compiling:
+            if sender is client and add.model == message.model:
+                if any(r.request_id == message.request_id for r in add.requests):
+                    self._cancelled.add((message.model, engine_id))
         if message.index is None:
-            hosted.engine.abort_request(message.request_id)
+            hosted.engine.abort_request(engine_id)
         else:
-            hosted.engine.finish_sequence(message.request_id, message.index)
+            hosted.engine.finish_sequence(engine_id, message.index)
+
+    def _drop_client(self, client: ClientChannel) -> None:
+        """A front end is gone (its process died or it shut down): abort its requests (their pages
+        come back now), drop its pending grammar compiles, close its sockets."""
+        client.gone = True
+        prefix = engine_request_id(client.index, "")
+        aborted = 0
+        for hosted in self.models.values():
+            for engine_id in [r for r in hosted.active if r.startswith(prefix)]:
+                hosted.engine.abort_request(engine_id)
+                hosted.active.discard(engine_id)
+                aborted += 1
+        self._compiling = [entry for entry in self._compiling if entry[2] is not client]
+        self._poller.unregister(client.inbound)
+        if client.alive_fd is not None:
+            self._poller.unregister(client.alive_fd)
+            os.close(client.alive_fd)
+            client.alive_fd = None
+        client.inbound.close(linger=0)
+        client.outbound.close(linger=0)  # what was queued for it has no reader
+        left = sum(not c.gone for c in self.clients)
+        logger.log(
+            logging.WARNING if aborted else logging.INFO,
+            "front end %d is gone: %d of its request(s) aborted; %d front end(s) left",
+            client.index,
+            aborted,
+            left,
+        )
 
     # ------------------------------------------------------------------ adding requests
-    def _add_or_compile(self, message: AddRequests) -> None:
+    def _add_or_compile(self, message: AddRequests, client: ClientChannel) -> None:
         hosted = self.models.get(message.model)
         if hosted is None:
-            self._send(Added(message.submit_id, "model", message.model))
+            self._send(client, Added(message.submit_id, "model", message.model))
             return
         try:
             params = [request_params(r) for r in message.requests]
         except ValueError as err:
-            self._send(Added(message.submit_id, "value", str(err)))
+            self._send(client, Added(message.submit_id, "value", str(err)))
             return
         constraints = [p.structured_outputs for p in params if getattr(p, "structured_outputs", None) is not None]
         compiler = hosted.engine.grammar_compiler
@@ -247,67 +345,69 @@ class EngineCore:
                 for constraint in constraints:
                     compiler.compile(constraint)
 
-            self._compiling.append((self._compiles.submit(compile_all), message))
+            self._compiling.append((self._compiles.submit(compile_all), message, client))
             return
-        self._add(hosted, message, params)
+        self._add(hosted, message, params, client)
 
     def _admit_compiled(self) -> None:
         if not self._compiling:
             return
         still = []
-        for future, message in self._compiling:
+        for future, message, client in self._compiling:
             if not future.done():
-                still.append((future, message))
+                still.append((future, message, client))
                 continue
             hosted = self.models[message.model]
             error = future.exception()
             if error is not None:
-                self._send(Added(message.submit_id, "value", str(error)))
+                self._send(client, Added(message.submit_id, "value", str(error)))
                 continue
-            self._add(hosted, message, [request_params(r) for r in message.requests])
+            self._add(hosted, message, [request_params(r) for r in message.requests], client)
             for request in message.requests:
-                if (message.model, request.request_id) in self._cancelled:
-                    self._cancelled.discard((message.model, request.request_id))
-                    hosted.engine.abort_request(request.request_id)
+                engine_id = engine_request_id(client.index, request.request_id)
+                if (message.model, engine_id) in self._cancelled:
+                    self._cancelled.discard((message.model, engine_id))
+                    hosted.engine.abort_request(engine_id)
         self._compiling = still
 
-    def _add(self, hosted: HostedModel, message: AddRequests, params: list) -> None:
+    def _add(self, hosted: HostedModel, message: AddRequests, params: list, client: ClientChannel) -> None:
         """All or none, as ``AsyncEngine.submit``; the answer says which error, if any."""
-        items = list(zip(message.requests, params))
+        items = [(engine_request_id(client.index, r.request_id), r, p) for r, p in zip(message.requests, params)]
         try:
             if self._stopping:
                 raise EngineDeadError("the engine is shutting down")
-            hosted.check_queue(sum(p.n for _, p in items), self.config.retry_after_s)
-            for request, p in items:  # validate all before queuing any
+            hosted.check_queue(sum(p.n for _, _, p in items), self.config.retry_after_s)
+            for _, request, p in items:  # validate all before queuing any
                 hosted.engine.validate_request(request.prompt_token_ids, p)
             added: list[str] = []
             try:
-                for request, p in items:
+                for engine_id, request, p in items:
                     extra = {"tenant": request.tenant} if request.tenant is not None else {}
-                    hosted.engine.add_request(request.request_id, request.prompt_token_ids, p, **extra)
-                    added.append(request.request_id)
+                    hosted.engine.add_request(engine_id, request.prompt_token_ids, p, **extra)
+                    added.append(engine_id)
             except BaseException:
-                for request_id in added:
-                    hosted.engine.abort_request(request_id)
+                for engine_id in added:
+                    hosted.engine.abort_request(engine_id)
                 raise
             hosted.active.update(added)
         except QueueFullError as err:
             self._send(
+                client,
                 Added(
                     message.submit_id,
                     "queue_full",
                     str(err),
                     err.retry_after_s,
                     err.max_queue,
-                    sum(p.n for _, p in items),
-                )
+                    sum(p.n for _, _, p in items),
+                ),
             )
         except EngineDeadError as err:
-            self._send(Added(message.submit_id, "dead", str(err)))
+            self._send(client, Added(message.submit_id, "dead", str(err)))
         except ValueError as err:
-            self._send(Added(message.submit_id, "value", str(err)))
+            self._send(client, Added(message.submit_id, "value", str(err)))
         else:
-            self._send(Added(message.submit_id))
+            self._send(client, Added(message.submit_id))
 
     # ------------------------------------------------------------------ steps
     def _step(self, hosted: HostedModel) -> None:
@@ -331,17 +431,44 @@ class EngineCore:
         if finished or now - self._stats_sent >= STATS_INTERVAL_S:
             self._stats_sent = now
             stats = self.stats()
-        if outputs or step_tokens or stats is not None:
-            self._send(Outputs([ModelOutputs(hosted.name, outputs, step_tokens)], stats))
+        self._send_outputs(hosted.name, outputs, step_tokens, stats)
+
+    def _send_outputs(
+        self,
+        model: str,
+        outputs: Iterable[RequestDelta],
+        step_tokens: list[int] | None = None,
+        stats: dict[str, dict[str, int]] | None = None,
+    ) -> None:
+        """Each front end gets its own requests' outputs (under the ids it sent) and the numbers;
+        the step tokens go to one front end only (each step is counted once)."""
+        by_client: dict[int, list[RequestDelta]] = {}
+        for output in outputs:
+            client, output.request_id = split_request_id(output.request_id)
+            by_client.setdefault(client, []).append(output)
+        tokens_to = next((c for c in self.clients if not c.gone), None)
+        for client in self.clients:
+            if client.gone:
+                continue
+            deltas = by_client.get(client.index, [])
+            tokens = list(step_tokens or []) if client is tokens_to else []
+            if deltas or tokens or stats is not None:
+                self._send(client, Outputs([ModelOutputs(model, deltas, tokens)], stats))
 
     def _fail_model(self, hosted: HostedModel, err: Exception) -> None:
-        request_ids = abort_model(hosted)
-        self._send(ModelFailed(hosted.name, request_ids, f"model {hosted.name!r} failed: {err}"))
+        by_client: dict[int, list[str]] = {}
+        for engine_id in abort_model(hosted):
+            client, request_id = split_request_id(engine_id)
+            by_client.setdefault(client, []).append(request_id)
+        for client in self.clients:
+            if not client.gone and client.index in by_client:
+                message = ModelFailed(hosted.name, by_client[client.index], f"model {hosted.name!r} failed: {err}")
+                self._send(client, message)
 
     def _abort_all(self) -> None:
         """On shutdown: abort everything, flush, and send the last outputs (every stream ends)."""
-        for _, message in self._compiling:
-            self._send(Added(message.submit_id, "dead", "the engine is shutting down"))
+        for _, message, client in self._compiling:
+            self._send(client, Added(message.submit_id, "dead", "the engine is shutting down"))
         self._compiling = []
         for hosted in self.models.values():
             for request_id in hosted.active:
@@ -353,30 +480,63 @@ class EngineCore:
                 logger.exception("flushing aborts of model %s failed", hosted.name)
                 continue
             if outputs:
-                self._send(Outputs([ModelOutputs(hosted.name, outputs)]))  # type: ignore[arg-type]
+                self._send_outputs(hosted.name, outputs)  # type: ignore[arg-type]
 
-    def _send(self, message: object) -> None:
-        self.outbound.send(self.codec.encode(message), copy=False)  # type: ignore[arg-type]
+    def _send(self, client: ClientChannel, message: object) -> None:
+        if not client.gone:
+            client.outbound.send(self.codec.encode(message), copy=False)  # type: ignore[arg-type]
+
+    def _broadcast(self, message: object) -> None:
+        data = self.codec.encode(message)  # type: ignore[arg-type]
+        for client in self.clients:
+            if not client.gone:
+                client.outbound.send(data, copy=False)
+
+
+def _at_eof(fd: int) -> bool:
+    """A liveness pipe is readable: EOF (nobody writes to it) unless a stray byte came."""
+    try:
+        return os.read(fd, 1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 # ---------------------------------------------------------------------- process entry
 def main() -> int:
-    # The front end drives shutdown (SIGTERM drains there first, then it sends Shutdown); a
-    # Ctrl-C in the terminal reaches this process too and must not kill it under the drain.
+    # The front ends drive shutdown (SIGTERM drains there first, then they stop or leave the
+    # core); a Ctrl-C in the terminal reaches this process too and must not kill it under the drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config: CoreConfig = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=config.log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
+    # Liveness pipes stay in this process only: a helper process that kept one open would hide
+    # this process's death from the front ends (or a front end's death from it).
+    for fd in (config.alive_fd, *(c.alive_fd for c in config.clients)):
+        if fd is not None:
+            os.set_inheritable(fd, False)
     context = zmq.Context()
-    inbound = context.socket(zmq.PULL)
-    inbound.setsockopt(zmq.RCVHWM, 0)
-    inbound.connect(config.input_address)
-    outbound = context.socket(zmq.PUSH)
-    # Unbounded: a send never blocks the loop (if the front end is gone, the parent check ends it).
-    outbound.setsockopt(zmq.SNDHWM, 0)
-    outbound.setsockopt(zmq.LINGER, SEND_LINGER_MS)
-    outbound.connect(config.output_address)
+    clients = []
+    for index, addresses in enumerate(config.clients):
+        inbound = context.socket(zmq.PULL)
+        inbound.setsockopt(zmq.RCVHWM, 0)
+        inbound.bind(addresses.input_address)
+        outbound = context.socket(zmq.PUSH)
+        # Unbounded: a send never blocks the loop (a front end that is gone is dropped, and if all
+        # are, or the parent is, the core exits).
+        outbound.setsockopt(zmq.SNDHWM, 0)
+        outbound.setsockopt(zmq.LINGER, SEND_LINGER_MS)
+        outbound.connect(addresses.output_address)
+        clients.append(ClientChannel(index, inbound, outbound, addresses.alive_fd))
     codec = Codec()
+
+    def broadcast(message: object) -> None:
+        data = codec.encode(message)  # type: ignore[arg-type]
+        for client in clients:
+            if not client.gone:
+                client.outbound.send(data)
+
     publisher = None
     try:
         try:
@@ -385,23 +545,37 @@ def main() -> int:
                 device = next(iter(engines.values())).device
                 medium = "GPU" if device.type == "cuda" else "CPU"
                 publisher = ZmqKVEventPublisher(config.kv_events, port=config.port, medium=medium)
-            core = EngineCore(engines, config, inbound, outbound, publisher)  # type: ignore[arg-type]
-        except Exception as err:  # noqa: BLE001 - reported to the front end, which decides
+            core = EngineCore(engines, config, clients, publisher)  # type: ignore[arg-type]
+        except Exception as err:  # noqa: BLE001 - reported to the front ends, which decide
             user_error = isinstance(err, (ValueError, FileNotFoundError))
             if not user_error:
                 logger.exception("loading the models failed")
-            outbound.send(codec.encode(StartupFailed(str(err), user_error)))
+            broadcast(StartupFailed(str(err), user_error))
             return 1
-        outbound.send(codec.encode(core.ready()))
+        broadcast(core.ready())
         core.run()
         return 0
     finally:
         if publisher is not None:
             publisher.close()
-        inbound.close(linger=0)
-        outbound.close()
+        for client in clients:
+            if not client.gone:
+                client.inbound.close(linger=0)
+                client.outbound.close()
         context.term()
 
 
+def _exit(code: int) -> None:
+    """Exit without the interpreter's teardown (torch's took seconds): every socket is closed and
+    every message sent by now; the parent or front end waits for this exit, within its deadline."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
