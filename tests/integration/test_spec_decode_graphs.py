@@ -143,7 +143,7 @@ def test_row_graph_logits_equal_eager_and_pad_rows_store_nothing(path, counts): 
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
 
     qsl = np.concatenate(([0], np.cumsum(counts_a)))
-    eager_logits, _, _ = runner._forward_eager(
+    eager_logits, _, _, _ = runner._forward_eager(
         ids, positions, slots, table_lens, flat, qsl, lens, int(counts_a.max()), sample_rows, []
     )
     after_eager = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
