@@ -10,12 +10,20 @@ reference path and CUDA graphs vs eager.
     python bench/e2e.py --out results.md            # on the H200 (about 5-8 minutes)
     python bench/e2e.py --small                     # a tiny shape, CPU or GPU, to check the script
     python bench/e2e.py --qwen14b-v1 --out v1.md    # only issue 15's capacity run (below), ~5 minutes
+    python bench/e2e.py --model qwen3-30b-a3b --skip small,fp8 --out moe.md   # the MoE model (below)
 
 ``--qwen14b-v1``: capacity under the budget of a Qwen-14B (v1)-shaped GPTQ-4bit checkpoint (40 layers,
 hidden 5120, 40 heads = 40 KV heads, MLP 13696, vocab 152064) with fp16 / fp8 / int8 / int4 KV:
 the most 448-token sequences running in one step, decode tok/s at that load, the plan and the
 peak allocator. The checkpoint is a *shape proxy*: Llama architecture (q/k/v biases as Qwen's
 c_attn has), the same tensor shapes, so weights, KV bytes and kernel work are Qwen-14B v1's.
+
+``--model qwen3-30b-a3b``: the same parts on a Qwen3-30B-A3B-shaped GPTQ-4bit g128 checkpoint (48 layers,
+hidden 2048, 32 q / 4 KV heads of 128 with q/k norms, 128 experts top-8 of intermediate 768,
+norm_topk_prob, vocab 151936; every linear quantized, routers 16-bit). Its decode floor counts the
+bytes a step must read at batch B: attention, routers and norms of every layer, lm_head, and the
+expected number of distinct experts a layer's B tokens hit, E·(1 − (1 − k/E)^B) (each token picks
+k of E; uniform routing, as the random router gives); the rows report those bytes.
 
 Numbers are printed as a table and written to ``--out``.
 """
@@ -45,6 +53,10 @@ SMALL = dict(hidden=256, layers=2, heads=4, kv_heads=2, inter=512, vocab=1024)
 QWEN14B_V1 = dict(hidden=5120, layers=40, heads=40, kv_heads=40, inter=13696, vocab=152064)
 SMALL_V1 = dict(hidden=256, layers=2, heads=2, kv_heads=2, inter=512, vocab=1024)
 V1_SEQ_LEN, V1_PROMPT_LEN = 448, 400  # issue 15: 128 sequences of ~448 tokens under 24 GiB
+# Qwen3-30B-A3B (families.md (d)) and a toy of the same structure for --small (CPU).
+QWEN3_30B_A3B = dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
+                     moe_inter=768, vocab=151936)  # fmt: skip
+SMALL_MOE = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, experts=8, top_k=2, moe_inter=128, vocab=1024)
 GIB = 2**30
 
 
@@ -61,13 +73,7 @@ def write_random_gptq(path: Path, shape: dict, group: int = 128, architecture: s
     dev = gen.device
 
     def linear(k: int, n: int) -> dict[str, torch.Tensor]:
-        qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), generator=gen, device=dev, dtype=torch.int64)
-        scales = torch.rand(k // group, n, generator=gen, device=dev) * 0.002 + 0.002
-        return {
-            "qweight": qweight.to(torch.int32).cpu(),
-            "qzeros": torch.full((k // group, n // 8), 0x77777777, dtype=torch.int32),
-            "scales": scales.half().cpu(),
-        }
+        return random_gptq_linear(gen, k, n, group)
 
     total = 0
     shard: dict[str, torch.Tensor] = {}
@@ -142,6 +148,126 @@ def write_random_gptq(path: Path, shape: dict, group: int = 128, architecture: s
     (path / "config.json").write_text(json.dumps(config))
     make_tokenizer(str(path))
     return total
+
+
+def random_gptq_linear(gen: torch.Generator, k: int, n: int, group: int) -> dict[str, torch.Tensor]:
+    """GPTQ v1 sym 4-bit tensors of one ``[K, N]`` linear: random codes, scales ~0.003, zeros 8."""
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), generator=gen, device=gen.device, dtype=torch.int64)
+    scales = torch.rand(k // group, n, generator=gen, device=gen.device) * 0.002 + 0.002
+    return {
+        "qweight": qweight.to(torch.int32).cpu(),  # [K/8, N]
+        "qzeros": torch.full((k // group, n // 8), 0x77777777, dtype=torch.int32),  # [K/g, N/8]
+        "scales": scales.half().cpu(),  # [K/g, N]
+    }
+
+
+def _moe_linears(shape: dict) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """(attention linears, one expert's linears) of a sparse layer: (name, K, N)."""
+    h, d, inter = shape["hidden"], shape["head_dim"], shape["moe_inter"]
+    q, kv = shape["heads"] * d, shape["kv_heads"] * d
+    attention = [("self_attn.q_proj", h, q), ("self_attn.k_proj", h, kv), ("self_attn.v_proj", h, kv),
+                 ("self_attn.o_proj", q, h)]  # fmt: skip
+    expert = [("gate_proj", h, inter), ("up_proj", h, inter), ("down_proj", inter, h)]
+    return attention, expert
+
+
+def write_random_moe_gptq(path: Path, shape: dict, group: int = 128) -> int:
+    """A Qwen3-MoE GPTQ v1 sym 4-bit checkpoint with random codes (every attention and expert
+    linear quantized, per-expert tensors; routers, norms, embeddings and lm_head fp16), one
+    shard per layer; returns its size in bytes."""
+    path.mkdir(parents=True, exist_ok=True)
+    h, vocab, d = shape["hidden"], shape["vocab"], shape["head_dim"]
+    gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
+    attention, expert = _moe_linears(shape)
+
+    def dense(*size: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen, device=gen.device) * std).half().cpu()
+
+    total, weight_map = 0, {}
+
+    def flush(shard: dict[str, torch.Tensor], index: int) -> int:
+        name = f"model-{index:05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        return sum(t.numel() * t.element_size() for t in shard.values())
+
+    total += flush(
+        {"model.embed_tokens.weight": dense(vocab, h), "lm_head.weight": dense(vocab, h),
+         "model.norm.weight": torch.ones(h, dtype=torch.float16)}, 0,
+    )  # fmt: skip
+    for i in range(shape["layers"]):
+        p = f"model.layers.{i}"
+        shard: dict[str, torch.Tensor] = {}
+        for name, k, n in attention:
+            shard.update({f"{p}.{name}.{suffix}": t for suffix, t in random_gptq_linear(gen, k, n, group).items()})
+        for e in range(shape["experts"]):
+            for name, k, n in expert:
+                tensors = random_gptq_linear(gen, k, n, group)
+                shard.update({f"{p}.mlp.experts.{e}.{name}.{suffix}": t for suffix, t in tensors.items()})
+        shard[f"{p}.mlp.gate.weight"] = dense(shape["experts"], h, std=0.05)  # the router [E, H], 16-bit
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shard[f"{p}.{norm}.weight"] = torch.ones(h, dtype=torch.float16)
+        for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+            shard[f"{p}.{norm}.weight"] = torch.ones(d, dtype=torch.float16)
+        total += flush(shard, i + 1)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(qwen3_moe_config(shape, group)))
+    make_tokenizer(str(path))
+    return total
+
+
+def qwen3_moe_config(shape: dict, group: int = 128) -> dict:
+    """The ``config.json`` of ``write_random_moe_gptq``'s checkpoint."""
+    h, d = shape["hidden"], shape["head_dim"]
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": h,
+        "intermediate_size": 3 * shape["moe_inter"],  # no dense layer uses it
+        "moe_intermediate_size": shape["moe_inter"],
+        "num_experts": shape["experts"],
+        "num_experts_per_tok": shape["top_k"],
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv_heads"],
+        "head_dim": d,
+        "vocab_size": shape["vocab"],
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "eos_token_id": 0,
+        "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                "sym": True, "checkpoint_format": "gptq"},
+    }  # fmt: skip
+
+
+def expected_experts_hit(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a layer's ``batch`` tokens hit, in expectation (each token: k of E, uniform)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def moe_step_bytes(shape: dict, batch: int, group: int = 128) -> dict[str, float]:
+    """Bytes one decode step of ``batch`` sequences must read from the weights (KV ignored: short
+    context), as qserve holds them: 4-bit codes + fp16 scales per linear (sym: no zeros), fp16
+    routers, norms, lm_head. Keys: ``dense`` (everything but the experts), ``experts`` (the hit
+    ones), ``hit`` (experts per layer), ``total``."""
+    h, layers, d = shape["hidden"], shape["layers"], shape["head_dim"]
+    attention, expert = _moe_linears(shape)
+
+    def linear(k: int, n: int) -> int:
+        return k * n // 2 + 2 * (k // group) * n
+
+    per_layer = sum(linear(k, n) for _, k, n in attention) + 2 * shape["experts"] * h + 2 * (2 * h + 2 * d)
+    dense = layers * per_layer + 2 * shape["vocab"] * h + 2 * h  # + lm_head, final norm
+    hit = expected_experts_hit(shape["experts"], shape["top_k"], batch)
+    experts = layers * hit * sum(linear(k, n) for _, k, n in expert)
+    return {"dense": dense, "experts": experts, "hit": hit, "total": dense + experts}
 
 
 def lognormal_lengths(count: int, mean: float, cap: int, gen: torch.Generator) -> list[int]:
@@ -443,7 +569,14 @@ def main() -> None:
     parser.add_argument("--tmp", default="/tmp/qserve-bench")
     parser.add_argument("--budget", default="24GiB")
     parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: small,decode,offline,capacity")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated parts to skip: small,decode,offline,capacity,fp8 (the fp8-KV engine)",
+    )
+    parser.add_argument(
+        "--model", default="qwen2.5-14b", choices=("qwen2.5-14b", "qwen3-30b-a3b"), help="the random checkpoint's shape"
+    )
     parser.add_argument(
         "--profile", default="", help="write per-kernel CUDA time tables of decode steps to this folder"
     )
@@ -458,7 +591,8 @@ def main() -> None:
         rows: list[tuple[str, str]] = []
         qwen14b_v1_capacity(rows, args, "cuda" if torch.cuda.is_available() else "cpu")
         return
-    shape = SMALL if args.small else QWEN14B
+    moe = args.model == "qwen3-30b-a3b"
+    shape = (SMALL_MOE if moe else SMALL) if args.small else (QWEN3_30B_A3B if moe else QWEN14B)
     tmp = Path(args.tmp)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows: list[tuple[str, str]] = []
@@ -476,8 +610,8 @@ def main() -> None:
         emit(rows, args.out)
 
     t0 = time.perf_counter()
-    ckpt = tmp / ("qwen14b-gptq" if not args.small else "small-gptq")
-    size = write_random_gptq(ckpt, shape)
+    ckpt = tmp / (f"{args.model}-gptq" if not args.small else f"small-{args.model}-gptq")
+    size = (write_random_moe_gptq if moe else write_random_gptq)(ckpt, shape)
     rows.append(("checkpoint", f"{size / GIB:.2f} GiB written in {time.perf_counter() - t0:.1f} s"))
     bandwidth = copy_bandwidth()
     rows.append(("copy bandwidth", f"{bandwidth / 1e12:.2f} TB/s"))
@@ -518,11 +652,19 @@ def main() -> None:
     if "decode" not in skip:
         for batch in (int(b) for b in args.decode_batches.split(",")):
             tps = timed_decode(llm, batch, 128, 32 if not args.small else 4, shape["vocab"])
+            read = ""
+            if moe:  # the experts a step reads grow with the batch
+                step = moe_step_bytes(shape, batch)
+                weight_bytes = step["total"]
+                read = (
+                    f"; reads {step['total'] / 1e9:.3g} GB/step: {step['dense'] / 1e9:.3g} GB attention, routers "
+                    f"and lm_head + {step['hit']:.1f} of {shape['experts']} experts/layer, {step['experts'] / 1e9:.3g} GB"
+                )
             floor = bandwidth / weight_bytes * batch if weight_bytes else float("nan")
             rows.append(
                 (
                     f"decode batch {batch}",
-                    f"{tps:.1f} tok/s ({100 * tps / floor:.0f}% of the weight-read floor {floor:.0f})",
+                    f"{tps:.1f} tok/s ({100 * tps / floor:.0f}% of the weight-read floor {floor:.0f}{read})",
                 )
             )
             emit(rows, args.out)
@@ -532,16 +674,17 @@ def main() -> None:
             rows.append(profile_decode(llm, batch, shape["vocab"], Path(args.profile)))
             emit(rows, args.out)
 
-    n_offline = args.num_requests if not args.small else 40
+    if "capacity" not in skip:  # before the offline workload: a run cut short by its time limit keeps it
+        rows.append(capacity(llm, "auto", shape, args.small))
+        emit(rows, args.out)
+    n_offline = args.num_requests if not args.small else min(args.num_requests, 40)
     if "offline" not in skip:
         offline(llm, shape, n_offline, rows, "model-dtype KV")
         emit(rows, args.out)
     if device == "cuda":
         rows.append(("peak allocator", f"{torch.cuda.max_memory_allocated() / GIB:.2f} GiB vs budget {budget}"))
 
-    if "capacity" not in skip:
-        rows.append(capacity(llm, "auto", shape, args.small))
-        emit(rows, args.out)
+    if "capacity" not in skip and "fp8" not in skip:
         del llm
         gc.collect()
         if device == "cuda":

@@ -22,6 +22,10 @@
 #   then in its own process (QSERVE_ENABLE_MULTIPROCESSING=1), concurrency 16 (CONCURRENCY=1,16 adds the
 #   slow batch-1 run) and Poisson 16 req/s, each run's folder packed into one .tgz
 #   (the device call returns at most 8 files).
+# moe_e2e (only when named): bench/e2e.py --model qwen3-30b-a3b on a random Qwen3-30B-A3B-shaped GPTQ-4bit
+#   checkpoint under the 24 GiB budget: decode at batch 1/8/32/128 against its floor (bytes of the
+#   experts a step is expected to hit + attention, routers, lm_head), capacity at 1k tokens, offline
+#   1,000 requests, peak allocator; 240 s, to $OUT/moe_e2e.md.
 set -u
 if [[ $# -ge 1 && ( -d "$1" || "$1" == */* ) ]]; then  # the older order: OUT_DIR first
     OUT=$1
@@ -145,5 +149,10 @@ if has core; then
         echo "exit code $?"; tail -14 "/tmp/http_mp$mp.txt"
         mv "/tmp/http_mp$mp.txt" "/tmp/http_mp$mp/"; tar -czf "$OUT/http_mp$mp.tgz" -C /tmp "http_mp$mp"
     done
+fi
+if has moe_e2e; then
+    stage "MoE end to end (Qwen3-30B-A3B-shaped GPTQ 4-bit): decode vs its floor, capacity at 1k, offline 1,000"
+    timeout 240 python3 bench/e2e.py --model qwen3-30b-a3b --skip small,fp8 --num-requests 1000 --tmp /tmp/qbm \
+        --out "$OUT/moe_e2e.md" 2>&1 | grep -v USDT | tail -12
 fi
 stage done

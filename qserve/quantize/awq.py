@@ -6,8 +6,9 @@ Knows: which Linears of a Llama-family decoder layer share an input and which op
 per-input-channel scale search ``s = mean|x|^α`` over a grid of α in [0, 1) that minimises the
 output error of the block with its weights quantized, folding ``1/s`` into the preceding norm
 weight or Linear rows (an exact re-parametrisation in full precision), and the final asymmetric
-group quantization with zero points. Must not know: checkpoint files or formats, tokenizers,
-the serving engine.
+group quantization with zero points. The attention half, the folds and the final quantization
+are shared with mixture-of-experts layers (``awq_moe``). Must not know: checkpoint files or
+formats, tokenizers, the serving engine.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from qserve.quantize.layer import DenseDecoderLayer
+from qserve.quantize.layer import DenseDecoderLayer, RMSNorm
 from qserve.quantize.quantizer import QuantizedLinear, pseudo_quantize, quantize_rtn
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -60,7 +62,7 @@ def search_scales(
     return best
 
 
-class _Swap:
+class Swap:
     """Temporarily replace some Linears' weights (for evaluating a block with trial weights)."""
 
     def __init__(self, layer: DenseDecoderLayer, names: tuple[str, ...]) -> None:
@@ -83,70 +85,64 @@ class _Swap:
         return block
 
 
-def _capture(layer: DenseDecoderLayer, name: str, hidden: torch.Tensor, batch_size: int) -> torch.Tensor:
+def capture(layer: DenseDecoderLayer, name: str, hidden: torch.Tensor, batch_size: int) -> torch.Tensor:
     parts: list[torch.Tensor] = []
     layer.feed_input_of(name, hidden, batch_size, lambda x: parts.append(x.detach().clone()))
     return torch.cat(parts)  # [S, T, K]
 
 
-@torch.no_grad()
-def quantize_layer_awq(
-    layer: DenseDecoderLayer, hidden: torch.Tensor, settings: AWQSettings, batch_size: int
-) -> tuple[dict[str, QuantizedLinear], dict[str, float]]:
-    """Scale-search, fold and quantize one decoder layer; returns (quantized linears, alphas)."""
-    alphas: dict[str, float] = {}
-    lin = layer.linear
+def fold_into_norm(norm: RMSNorm, s: torch.Tensor, consumers: list[torch.Tensor]) -> None:
+    """``norm``'s output divided by ``s [K]``, every consumer's input columns multiplied by it:
+    the function is unchanged (every reader of the norm must be among ``consumers``)."""
+    norm.weight.div_(s.to(norm.weight.dtype))
+    for weight in consumers:  # [N_i, K]
+        weight.mul_(s.to(weight.dtype))
 
+
+def fold_into_linear(prev: nn.Linear, s: torch.Tensor, nxt: nn.Linear) -> None:
+    """``prev``'s output rows (and bias) divided by ``s [K]``, ``nxt``'s input columns multiplied:
+    exact when ``nxt`` reads ``prev``'s outputs one to one (through an elementwise product)."""
+    prev.weight.div_(s.view(-1, 1).to(prev.weight.dtype))
+    if prev.bias is not None:
+        prev.bias.div_(s.to(prev.bias.dtype))
+    nxt.weight.mul_(s.to(nxt.weight.dtype))
+
+
+@torch.no_grad()
+def scale_attention(
+    layer: DenseDecoderLayer, hidden: torch.Tensor, settings: AWQSettings, batch_size: int, alphas: dict[str, float]
+) -> None:
+    """Search and fold the attention scales of one layer (q/k/v after ``input_layernorm``; o
+    after v without GQA); the chosen alphas go into ``alphas``."""
+    lin = layer.linear
     # q/k/v after input_layernorm, judged on the attention block's output.
-    x = _capture(layer, "q_proj", hidden, batch_size)
+    x = capture(layer, "q_proj", hidden, batch_size)
     names = ("q_proj", "k_proj", "v_proj")
     s, alphas["qkv"], _ = search_scales(
-        x, [lin(n).weight for n in names], _Swap(layer, names)(layer.attention), settings, batch_size
+        x, [lin(n).weight for n in names], Swap(layer, names)(layer.attention), settings, batch_size
     )
-    norm = layer.norm("input_layernorm")
-    norm.weight.div_(s.to(norm.weight.dtype))
-    for n in names:
-        lin(n).weight.mul_(s.to(lin(n).weight.dtype))
+    fold_into_norm(layer.norm("input_layernorm"), s, [lin(n).weight for n in names])
     del x
 
     # o after v, only when v's outputs are o's inputs one to one (no grouped-query attention).
     if lin("v_proj").out_features == lin("o_proj").in_features:
-        x = _capture(layer, "o_proj", hidden, batch_size)
+        x = capture(layer, "o_proj", hidden, batch_size)
         s, alphas["o"], _ = search_scales(
-            x, [lin("o_proj").weight], _Swap(layer, ("o_proj",))(lin("o_proj")), settings, batch_size
+            x, [lin("o_proj").weight], Swap(layer, ("o_proj",))(lin("o_proj")), settings, batch_size
         )
-        lin("v_proj").weight.div_(s.view(-1, 1).to(lin("v_proj").weight.dtype))
-        if lin("v_proj").bias is not None:
-            lin("v_proj").bias.div_(s.to(lin("v_proj").bias.dtype))
-        lin("o_proj").weight.mul_(s.to(lin("o_proj").weight.dtype))
+        fold_into_linear(lin("v_proj"), s, lin("o_proj"))
         del x
 
-    # gate/up after post_attention_layernorm, judged on the MLP's output.
-    x = _capture(layer, "gate_proj", hidden, batch_size)
-    names = ("gate_proj", "up_proj")
-    s, alphas["gate_up"], _ = search_scales(
-        x, [lin(n).weight for n in names], _Swap(layer, names)(layer.mlp), settings, batch_size
-    )
-    norm = layer.norm("post_attention_layernorm")
-    norm.weight.div_(s.to(norm.weight.dtype))
-    for n in names:
-        lin(n).weight.mul_(s.to(lin(n).weight.dtype))
-    del x
 
-    # down after up (scale folded into up_proj's rows).
-    x = _capture(layer, "down_proj", hidden, batch_size)
-    s, alphas["down"], _ = search_scales(
-        x, [lin("down_proj").weight], _Swap(layer, ("down_proj",))(lin("down_proj")), settings, batch_size
-    )
-    lin("up_proj").weight.div_(s.view(-1, 1).to(lin("up_proj").weight.dtype))
-    if lin("up_proj").bias is not None:
-        lin("up_proj").bias.div_(s.to(lin("up_proj").bias.dtype))
-    lin("down_proj").weight.mul_(s.to(lin("down_proj").weight.dtype))
-    del x
-
+@torch.no_grad()
+def quantize_folded(
+    layer: DenseDecoderLayer, names: list[str] | tuple[str, ...], settings: AWQSettings
+) -> dict[str, QuantizedLinear]:
+    """The final asymmetric (AutoAWQ min-max) group quantization of the scaled Linears ``names``;
+    each Linear then holds its dequantized weight, for the next layer's calibration inputs."""
     results: dict[str, QuantizedLinear] = {}
-    for name in QUANTIZED:
-        linear = lin(name)
+    for name in names:
+        linear = layer.linear(name)
         result = quantize_rtn(
             linear.weight,
             settings.bits,
@@ -157,4 +153,32 @@ def quantize_layer_awq(
         )
         linear.weight.copy_(result.weight().to(linear.weight.dtype))
         results[name] = result
-    return results, alphas
+    return results
+
+
+@torch.no_grad()
+def quantize_layer_awq(
+    layer: DenseDecoderLayer, hidden: torch.Tensor, settings: AWQSettings, batch_size: int
+) -> tuple[dict[str, QuantizedLinear], dict[str, float]]:
+    """Scale-search, fold and quantize one decoder layer; returns (quantized linears, alphas)."""
+    alphas: dict[str, float] = {}
+    lin = layer.linear
+    scale_attention(layer, hidden, settings, batch_size, alphas)
+
+    # gate/up after post_attention_layernorm, judged on the MLP's output.
+    x = capture(layer, "gate_proj", hidden, batch_size)
+    names = ("gate_proj", "up_proj")
+    s, alphas["gate_up"], _ = search_scales(
+        x, [lin(n).weight for n in names], Swap(layer, names)(layer.mlp), settings, batch_size
+    )
+    fold_into_norm(layer.norm("post_attention_layernorm"), s, [lin(n).weight for n in names])
+    del x
+
+    # down after up (scale folded into up_proj's rows).
+    x = capture(layer, "down_proj", hidden, batch_size)
+    s, alphas["down"], _ = search_scales(
+        x, [lin("down_proj").weight], Swap(layer, ("down_proj",))(lin("down_proj")), settings, batch_size
+    )
+    fold_into_linear(lin("up_proj"), s, lin("down_proj"))
+    del x
+    return quantize_folded(layer, QUANTIZED, settings), alphas

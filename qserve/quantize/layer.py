@@ -160,6 +160,27 @@ class DenseDecoderLayer(nn.Module):
         finally:
             handle.remove()
 
+    @torch.no_grad()
+    def capture_mlp_input(self, hidden: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The MLP's normed input (``post_attention_layernorm``'s output) of every window:
+        ``[S, T, hidden]``; each batch's forward stops there."""
+        parts: list[torch.Tensor] = []
+
+        def hook(_module: nn.Module, _args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            parts.append(output.detach().clone())
+            raise _StopForward
+
+        handle = self.norm("post_attention_layernorm").register_forward_hook(hook)
+        try:
+            for start in range(0, hidden.shape[0], batch_size):
+                try:
+                    self(hidden[start : start + batch_size])
+                except _StopForward:
+                    pass
+        finally:
+            handle.remove()
+        return torch.cat(parts)  # [S, T, hidden]
+
     def fp_tensors(self) -> dict[str, torch.Tensor]:
         """Unquantized tensors of the layer (norm weights), HF names relative to the layer."""
         norms = {f"{key.replace('__', '.')}.weight": norm.weight.detach() for key, norm in self.norms.items()}

@@ -1,9 +1,11 @@
 """Quantizing mixture-of-experts layers: the calibration view of a sparse layer, and GPTQ per expert.
 
-Knows: a sparse decoder layer of the Qwen MoE families (attention as ``DenseDecoderLayer``; the
+Knows: a sparse decoder layer of the MoE families (attention as ``DenseDecoderLayer``; the
 MLP = router ``mlp.gate`` [E, H] kept 16-bit, softmax top-k routing with optional
 renormalization, SwiGLU experts ``mlp.experts.N.{gate,up,down}_proj``, Qwen2-MoE's
-``shared_expert`` behind the sigmoid ``shared_expert_gate``), and how GPTQ reaches each expert:
+``shared_expert`` behind the sigmoid ``shared_expert_gate``; Mixtral's ``block_sparse_moe`` with
+experts ``w1``/``w3``/``w2`` = gate/up/down — inside, every expert linear has the short name
+``experts__N__{gate,up,down}_proj`` whatever the family calls it), and how GPTQ reaches each expert:
 one calibration pass collects every expert's Hessian from the tokens the router actually sends
 it (true-sequential: all gate/up first, then all down on inputs through the quantized gate/up).
 
@@ -31,16 +33,26 @@ from quant_kernels.moe_reference import select_experts
 
 logger = logging.getLogger(__name__)
 
-ROUTER = "mlp.gate.weight"
 SHARED_GATE = "mlp.shared_expert_gate.weight"
+ROLES = ("gate_proj", "up_proj", "down_proj")  # the short names' roles, in ModelConfig.moe_expert_names order
+
+
+def block_name(config: ModelConfig) -> str:
+    """The sparse MLP's module name in the checkpoint (relative to the layer)."""
+    return "block_sparse_moe" if config.family == "mixtral" else "mlp"
+
+
+def router_name(config: ModelConfig) -> str:
+    return f"{block_name(config)}.gate.weight"
 
 
 def sparse_linear_names(config: ModelConfig) -> dict[str, str]:
     """Short name -> HF name (relative to the layer) of a sparse layer's Linears, forward order."""
     names = {short: hf for short, hf in LINEARS.items() if hf.startswith("self_attn.")}
+    block = block_name(config)
     for e in range(config.num_experts):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names[f"experts__{e}__{proj}"] = f"mlp.experts.{e}.{proj}"
+        for role, proj in zip(ROLES, config.moe_expert_names):
+            names[f"experts__{e}__{role}"] = f"{block}.experts.{e}.{proj}"
     if config.shared_expert_intermediate_size:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             names[f"shared__{proj}"] = f"mlp.shared_expert.{proj}"
@@ -58,14 +70,22 @@ class SparseDecoderLayer(DenseDecoderLayer):
         device: torch.device | str,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        plain = (ROUTER, SHARED_GATE) if config.shared_expert_intermediate_size else (ROUTER,)
+        self.router = router_name(config)
+        plain = (self.router, SHARED_GATE) if config.shared_expert_intermediate_size else (self.router,)
         super().__init__(config, tensors, rotary, device, dtype, sparse_linear_names(config), plain)
+
+    def gate_readers(self) -> list[torch.Tensor]:
+        """The 16-bit tensors that read the MLP's normed input besides the experts: the router
+        (and Qwen2-MoE's shared-expert gate), each ``[rows, hidden]``."""
+        return [tensor for name, tensor in self.plain.items() if name in (self.router, SHARED_GATE)]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """Routed experts (+ shared expert) of normed ``x: [B, T, hidden]`` -> ``[B, T, hidden]``."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])  # [n, H]
-        weights, ids = select_experts(F.linear(flat, self.plain[ROUTER]), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        weights, ids = select_experts(
+            F.linear(flat, self.plain[self.router]), cfg.num_experts_per_tok, cfg.norm_topk_prob
+        )
         out = torch.zeros_like(flat)
         for e in range(cfg.num_experts):
             tokens, slots = (ids == e).nonzero(as_tuple=True)
@@ -85,7 +105,9 @@ class SparseDecoderLayer(DenseDecoderLayer):
 @dataclass
 class MoEQuantReport:
     experts: int = 0
-    rtn_fallback: list[str] = field(default_factory=list)  # HF names of expert linears quantized by RTN
+    # HF names (relative to the layer's prefix, made absolute by the pipeline) of the expert
+    # linears that took the starved-expert fallback: GPTQ's round-to-nearest, AWQ's unscaled down_proj
+    rtn_fallback: list[str] = field(default_factory=list)
 
 
 def _collect(

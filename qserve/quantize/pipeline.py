@@ -4,9 +4,11 @@ Knows: the layer-by-layer flow shared by every method — read one decoder layer
 the (sharded) safetensors source, put only that layer on the device, quantize it (GPTQ, AWQ or
 RTN), write its tensors, push the calibration activations through the quantized layer to become
 the next layer's inputs — plus the progress bar, timing and the choice of output layout (GPTQ v1
-for gptq/rtn, AWQ GEMM for awq). Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE) take the sparse
-calibration layer and GPTQ per expert (``moe``). Must not know: the algorithms' insides (``gptq``,
-``awq``, ``rtn``, ``moe``), the bit layouts (``writers``) or the serving engine.
+for gptq/rtn, AWQ GEMM for awq). Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral) take
+the sparse calibration layer and GPTQ (``moe``) or AWQ (``awq_moe``) per expert, and the experts
+that took the starved-expert fallback are logged and returned in the report. Must not know: the
+algorithms' insides (``gptq``, ``awq``, ``rtn``, ``moe``, ``awq_moe``), the bit layouts
+(``writers``) or the serving engine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from qserve.layers.rotary import RotaryEmbedding
 from qserve.model.registry import read_model_config
 from qserve.quantize import writers
 from qserve.quantize.awq import AWQSettings, quantize_layer_awq
+from qserve.quantize.awq_moe import quantize_layer_awq_moe
 from qserve.quantize.calibration import calibration_windows
 from qserve.quantize.gptq import GPTQSettings, quantize_layer_gptq
 from qserve.quantize.layer import DenseDecoderLayer
@@ -37,7 +40,7 @@ from qserve.quantize.rtn import RTNSettings, quantize_layer_rtn
 logger = logging.getLogger(__name__)
 
 METHODS = ("gptq", "awq", "rtn")
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")  # quantized per expert (gptq / rtn)
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")  # quantized per expert
 _ACTIVATION_BYTES = 512 * 1024**2  # transient activations per calibration batch
 
 
@@ -67,6 +70,8 @@ class QuantizeReport:
     seconds: float
     num_layers: int
     bytes_written: int
+    # mixture of experts: HF names of the expert linears that took the starved-expert fallback
+    fallback: tuple[str, ...] = ()
 
 
 def validate(options: QuantizeOptions) -> None:
@@ -100,11 +105,12 @@ def _check_source(src: Path) -> ModelConfig:
             f"{src} is already quantized ({spec.source} says quant_method={spec.method}); give an fp16/bf16 checkpoint"
         )
     config = read_model_config(src)
-    if config.family in MOE_FAMILIES:  # Llama names plus mlp.experts.N.*: written as they are read
+    if config.family in MOE_FAMILIES:  # Llama attention names plus the experts': written as they are read
         return config
     if config.family != "llama":  # the writers emit Llama tensor names; other families' layouts differ
         raise ValueError(
-            f"{src}: qserve quantize supports Llama-family checkpoints only; {config.architecture} "
+            f"{src}: qserve quantize supports Llama-family and MoE (Qwen3-MoE, Qwen2-MoE, Mixtral) checkpoints "
+            f"only; {config.architecture} "
             f"(family {config.family}) is served from its own GPTQ releases"
         )
     return config
@@ -124,10 +130,6 @@ def quantize_checkpoint(
     validate(options)
     src, dst = Path(src), Path(dst)
     config = _check_source(src)
-    if config.moe_layers and options.method == "awq":
-        raise ValueError(
-            f"--method awq is not available for mixture-of-experts models ({config.architecture}); use gptq or rtn"
-        )
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"output directory {dst} is not empty; choose a new path")
     method = options.method
@@ -173,6 +175,7 @@ def quantize_checkpoint(
                 if n.startswith(prefix) and not n.endswith("rotary_emb.inv_freq")
             }
             sparse = config.is_moe_layer(i)
+            starved_before = len(moe_report.rtn_fallback)
             layer = (SparseDecoderLayer if sparse else DenseDecoderLayer)(config, tensors, rotary, device)
             del tensors
             if method == "gptq" and sparse:
@@ -186,13 +189,16 @@ def quantize_checkpoint(
                 )
                 results = quantize_layer_gptq(layer, hidden, settings, batch_size)
             elif method == "awq":
-                results, alphas = quantize_layer_awq(
-                    layer, hidden, AWQSettings(options.bits, options.group_size, options.awq_grid), batch_size
-                )
+                awq_settings = AWQSettings(options.bits, options.group_size, options.awq_grid)
+                if sparse:
+                    results, alphas = quantize_layer_awq_moe(layer, hidden, awq_settings, batch_size, moe_report)
+                else:
+                    results, alphas = quantize_layer_awq(layer, hidden, awq_settings, batch_size)
                 bar.set_postfix({k: f"{v:.2f}" for k, v in alphas.items()})
                 logger.info("layer %d AWQ alphas %s", i, alphas)
             else:
                 results = quantize_layer_rtn(layer, RTNSettings(options.bits, options.group_size, sym))
+            moe_report.rtn_fallback[starved_before:] = [prefix + n for n in moe_report.rtn_fallback[starved_before:]]
             if hidden is not None and i + 1 < config.num_layers:
                 hidden = layer.run(hidden, batch_size)
             pack = writers.awq_tensors if method == "awq" else writers.gptq_tensors
@@ -213,7 +219,7 @@ def quantize_checkpoint(
         files.close()
 
     if method == "awq":
-        qconfig = writers.awq_quantization_config(options.bits, options.group_size)
+        qconfig = writers.awq_quantization_config(options.bits, options.group_size, _awq_not_converted(config))
     else:
         qconfig = writers.gptq_quantization_config(
             options.bits,
@@ -225,15 +231,37 @@ def quantize_checkpoint(
         )
     writers.write_configs(src, dst, qconfig)
     if moe_report.rtn_fallback:
+        starved = moe_report.rtn_fallback
         logger.warning(
-            "%d of %d experts' linears saw too few calibration tokens and were quantized round-to-nearest: %s",
-            len(moe_report.rtn_fallback),
-            3 * moe_report.experts,
-            ", ".join(moe_report.rtn_fallback[:8]) + (" ..." if len(moe_report.rtn_fallback) > 8 else ""),
+            "%d of %d experts saw too few calibration tokens; %s: %s",
+            len({n.rsplit(".", 1)[0] for n in starved}),
+            moe_report.experts,
+            "their down_proj got no AWQ scale (plain min-max)" if method == "awq" else "quantized round-to-nearest",
+            ", ".join(starved[:8]) + (f" ... ({len(starved)} linears)" if len(starved) > 8 else ""),
         )
     seconds = time.perf_counter() - start
     logger.info("quantized %s -> %s with %s in %.1f s", src, dst, method, seconds)
-    return QuantizeReport(dst, method, seconds, config.num_layers, out.total_bytes)
+    return QuantizeReport(dst, method, seconds, config.num_layers, out.total_bytes, tuple(moe_report.rtn_fallback))
+
+
+def _awq_not_converted(config: ModelConfig) -> list[str] | None:
+    """AutoAWQ's ``modules_to_not_convert`` (name substrings) for the 16-bit routers, so that
+    AutoAWQ (and vLLM) keep them unquantized: Mixtral's releases say ``["gate"]`` (its experts are
+    w1/w2/w3); Qwen MoE needs ``mlp.gate`` (+ ``mlp.shared_expert_gate``), which would also catch a
+    dense layer's ``mlp.gate_proj``: written only when every layer is sparse. qserve's loader never
+    quantizes a router either way."""
+    if not config.moe_layers:
+        return None
+    if config.family == "mixtral":
+        return ["gate"]
+    if len(config.moe_layers) < config.num_layers:
+        logger.info(
+            "%s has dense MLP layers: modules_to_not_convert cannot name the router without naming their "
+            "gate_proj, so it is left empty (qserve and vLLM keep routers 16-bit by name; AutoAWQ may not)",
+            config.architecture,
+        )
+        return None
+    return ["mlp.gate", "mlp.shared_expert_gate"] if config.shared_expert_intermediate_size else ["mlp.gate"]
 
 
 def _fp16(tensor: torch.Tensor) -> torch.Tensor:

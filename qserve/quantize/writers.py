@@ -147,14 +147,17 @@ def gptq_quantization_config(
     }
 
 
-def awq_quantization_config(bits: int, group_size: int) -> dict[str, Any]:
+def awq_quantization_config(
+    bits: int, group_size: int, modules_to_not_convert: list[str] | None = None
+) -> dict[str, Any]:
+    """AutoAWQ's keys; ``modules_to_not_convert``: substrings of module names kept 16-bit (MoE routers)."""
     return {
         "quant_method": "awq",
         "bits": bits,
         "group_size": group_size,
         "zero_point": True,
         "version": "gemm",
-        "modules_to_not_convert": None,
+        "modules_to_not_convert": modules_to_not_convert,
     }
 
 

@@ -6,7 +6,8 @@ Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2``), which transformers 5 fuses i
 (``experts.gate_up_proj`` [E, 2I, H] gate rows first, ``experts.down_proj`` [E, H, I]). Quantized
 checkpoints quantize every attention, dense-MLP, expert and shared-expert linear with
 ``tests.helpers.quant_packers`` and write the dequantized weights back into the oracle, keeping
-the router (``mlp.gate``) and ``shared_expert_gate`` 16-bit. Must not know: qserve internals.
+the router (``mlp.gate``) and ``shared_expert_gate`` 16-bit; ``load_into_oracle`` puts a
+checkpoint's float (or dequantized) tensors back into the oracle. Must not know: qserve internals.
 """
 
 from __future__ import annotations
@@ -174,3 +175,20 @@ def _write_back(model: transformers.PreTrainedModel, dequant: dict[str, torch.Te
             else:
                 rows = slice(0, inter) if proj == gate else slice(inter, 2 * inter)
                 state[f"{layer}.mlp.experts.gate_up_proj"][e, rows].copy_(weight)
+
+
+def load_into_oracle(model: transformers.PreTrainedModel, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy float tensors under their on-disk names (``checkpoint_tensors``'s, every linear's
+    ``.weight`` in torch orientation ``[N, K]``) into ``model``: the oracle of a checkpoint that
+    someone else quantized (dequantized linears plus its norms and routers as written)."""
+    block = expert_names(model.config.architectures[0])[0]
+    expected = checkpoint_tensors(model)
+    if set(tensors) != set(expected):
+        raise ValueError(f"tensor names differ from the model's: {sorted(set(tensors) ^ set(expected))[:6]}")
+    linears = {n.removesuffix(".weight"): t.float() for n, t in tensors.items() if _QUANTIZED.search(n)}
+    _write_back(model, linears)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in tensors.items():
+            if not _QUANTIZED.search(name):
+                state[name.replace(f".{block}.", ".mlp.")].copy_(value.float())

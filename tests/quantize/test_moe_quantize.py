@@ -1,5 +1,6 @@
-"""``qserve quantize`` of mixture-of-experts models: GPTQ per expert from the tokens the router sends
-it, the round-to-nearest fallback for experts that see too few, and the result served by ``LLM``."""
+"""``qserve quantize`` of mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): GPTQ per expert
+from the tokens the router sends it, the round-to-nearest fallback for experts that see too few, and
+the result (GPTQ, RTN or AWQ: tests/quantize/test_moe_awq.py has AWQ's own tests) served by ``LLM``."""
 
 from __future__ import annotations
 
@@ -22,21 +23,22 @@ from tests.quantize.conftest import run_command
         ("Qwen3MoeForCausalLM", "gptq", []),
         ("Qwen2MoeForCausalLM", "gptq", ["--desc-act"]),
         ("Qwen3MoeForCausalLM", "rtn", []),
+        ("MixtralForCausalLM", "gptq", []),
+        ("MixtralForCausalLM", "awq", []),
+        ("Qwen2MoeForCausalLM", "awq", []),
     ],
 )
 def test_quantize_moe_then_generate(tmp_path, calib_file, capsys, arch, method, extra) -> None:
     src = save_moe(moe_oracle(arch, seed=21), tmp_path / "src")
-    if method == "gptq":
-        with pytest.raises(ValueError, match="awq is not available for mixture-of-experts"):
-            run_command("quantize", [str(src), str(tmp_path / "awq"), "--method", "awq", "--calib", str(calib_file)])
     dst = tmp_path / method
     argv = [str(src), str(dst), "--method", method, "--group-size", "32", "--device", "cpu", *extra]
-    if method == "gptq":
+    if method != "rtn":
         argv += ["--calib", str(calib_file), "--num-samples", "4", "--seq-len", "64"]
     assert run_command("quantize", argv) == 0
     assert "wrote" in capsys.readouterr().out
     config = json.loads((dst / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "gptq" and config["architectures"] == [arch]
+    assert config["quantization_config"]["quant_method"] == ("awq" if method == "awq" else "gptq")
+    assert config["architectures"] == [arch]
 
     params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0)
     llm = LLM(str(dst), device="cpu", dtype="float32")
@@ -44,6 +46,7 @@ def test_quantize_moe_then_generate(tmp_path, calib_file, capsys, arch, method, 
     reference = LLM(str(src), device="cpu", dtype="float32").generate(["Hello world, the"], params)[0]
     blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks and all(isinstance(b.w_gate_up, StackedQuantWeight) for b in blocks)
+    assert all((b.w_gate_up.zeros is not None) == (method == "awq") for b in blocks)  # gptq/rtn: symmetric
     assert all(float(b.gate.weight.abs().sum()) > 0 for b in blocks)  # the router was kept (16-bit)
     ids = quantized.prompt_token_ids
     lp_q = torch.tensor([quantized.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
