@@ -92,7 +92,36 @@ def test_bucket_for_pads_up_and_refuses_past_the_largest(path):
 def test_piecewise_logits_equal_eager_and_pad_rows_store_nothing(path, counts):
     """A mixed step through the pieces (padded up to its bucket) gives the eager step's logits at
     the sampling rows and stores the same K/V for its real tokens and nothing anywhere else."""
-    llm = LLM(path, **{**ENGINE_ARGS, "num_kv_blocks": 64})
+    _compare_step(path, counts)
+
+
+@pytest.fixture(scope="module")
+def family_paths(tiny_checkpoints, tmp_path_factory) -> dict[str, str]:
+    """Checkpoints of the behaviours a piece carries: q/k norms, tied embeddings and qkv bias,
+    Qwen v1's per-token NTK tables and logn, ALiBi (no rotary), sandwich norms, a MoE MLP."""
+    from tests.helpers.family_models import glm_oracle, qwen2_oracle, save_baichuan, save_native, save_qwen_v1
+    from tests.helpers.moe_models import moe_oracle, save_moe
+
+    root = tmp_path_factory.mktemp("piecewise-families")
+    return {
+        "qwen3": tiny_checkpoints["Qwen3ForCausalLM"][1],
+        "qwen2-tied": tiny_checkpoints["Qwen2ForCausalLM"][1],
+        "qwen-v1-ntk": str(save_qwen_v1(qwen2_oracle(seed=1), root / "qwen-v1", seq_length=16)),
+        "baichuan-alibi": str(save_baichuan(qwen2_oracle(seed=4), root / "baichuan", "alibi")),
+        "glm4-sandwich": str(save_native(glm_oracle("Glm4ForCausalLM", seed=7), root / "glm4")),
+        "qwen3-moe": str(save_moe(moe_oracle("Qwen3MoeForCausalLM", seed=3), root / "moe")),
+    }
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen3", "qwen2-tied", "qwen-v1-ntk", "baichuan-alibi", "glm4-sandwich", "qwen3-moe"]
+)
+def test_piecewise_step_matches_eager_across_families(family_paths, family):
+    _compare_step(family_paths[family], [1, 4, 1, 6])
+
+
+def _compare_step(checkpoint: str, counts: list[int]) -> None:
+    llm = LLM(checkpoint, **{**ENGINE_ARGS, "num_kv_blocks": 64})
     runner = llm.engine.runner
     gen = torch.Generator().manual_seed(len(counts))
     for key, value in runner.kv_caches:  # a context of random K/V everywhere
@@ -103,10 +132,13 @@ def test_piecewise_logits_equal_eager_and_pad_rows_store_nothing(path, counts):
     ends = np.cumsum(counts_a)
     sample_rows = ends - 1  # [S] the last token of each sequence
     qsl = np.concatenate(([0], ends))
+    ntk = None
+    if runner.num_ntk_tables > 1:  # each sequence its own table, as the runner assigns them
+        per_seq = np.arange(len(counts), dtype=np.int64) % runner.num_ntk_tables
+        ntk = np.repeat(per_seq, counts_a)  # [T]
+    step = (ids, positions, slots, table_lens, flat, qsl, lens, int(counts_a.max()), sample_rows)
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    eager_logits, _, _, _ = runner._forward_eager(
-        ids, positions, slots, table_lens, flat, qsl, lens, int(counts_a.max()), sample_rows, []
-    )
+    eager_logits, _, _, _ = runner._forward_eager(*step, [], ntk)
     after_eager = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     for (key, value), (k0, v0) in zip(runner.kv_caches, before):
         key.copy_(k0)
@@ -118,9 +150,7 @@ def test_piecewise_logits_equal_eager_and_pad_rows_store_nothing(path, counts):
     assert all(isinstance(p, StaticReplay) for pieces in graphs.graphs.values() for p in pieces)
     assert all(len(p) == runner.config.num_layers + 1 for p in graphs.graphs.values())
     graphs.attn_out.fill_(1e4)  # stale rows from an earlier step must not reach this one
-    piece_logits = runner._forward_piecewise(
-        ids, positions, slots, table_lens, flat, qsl, lens, int(counts_a.max()), sample_rows
-    )
+    piece_logits = runner._forward_piecewise(*step, ntk)
     torch.testing.assert_close(piece_logits, eager_logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(piece_logits.argmax(-1), eager_logits.argmax(-1))
     assert graphs.bucket_for(len(ids)) > len(ids), "the step was padded"
