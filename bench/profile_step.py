@@ -10,6 +10,13 @@ beyond ``add_request`` / ``step`` / ``has_unfinished_requests``.
 
     PYTHONPATH=. python3 bench/profile_step.py --out $OUT --ckpt /tmp/qb        # on the GPU
     PYTHONPATH=. python3 bench/profile_step.py --small --out /tmp/prof          # CPU smoke
+    PYTHONPATH=. python3 bench/profile_step.py --out $OUT --piecewise both      # eager vs piecewise graphs
+
+``--piecewise`` (off | on | both; default: on when ``QSERVE_PIECEWISE_GRAPHS=1`` is set) sets that
+variable for the engine (both: one engine
+after the other, same shapes and seeds), so the mixed step's wall and GPU time can be compared with
+and without piecewise CUDA graphs; ``--piecewise-buckets`` sets ``QSERVE_PIECEWISE_BUCKETS`` (fewer
+buckets capture faster). The pure-decode rows replay the decode graphs either way.
 
 Writes ``profile_step.md`` (summary + one kernel table per step kind) to ``--out``.
 """
@@ -17,6 +24,8 @@ Writes ``profile_step.md`` (summary + one kernel table per step kind) to ``--out
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import sys
 import time
 from collections import defaultdict
@@ -28,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e import QWEN14B, SMALL, start_decoding, sync, write_random_gptq  # noqa: E402
 from qserve import LLM, SamplingParams  # noqa: E402
+from qserve.runner.piecewise_graphs import PIECEWISE_BUCKETS_ENV, PIECEWISE_GRAPHS_ENV  # noqa: E402
 
 FAMILIES = (  # first match wins; names as the profiler reports them
     ("w4a16 GEMM (MMA layout)", ("w4a16_mma",)),
@@ -145,6 +155,14 @@ def main() -> None:
     parser.add_argument("--prefills", type=int, default=4, help="new prompts per mixed step")
     parser.add_argument("--prefill-len", type=int, default=224, help="tokens per new prompt")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--piecewise",
+        choices=("off", "on", "both"),
+        default="on" if os.environ.get(PIECEWISE_GRAPHS_ENV) == "1" else "off",
+        help=f"mixed steps through piecewise CUDA graphs ({PIECEWISE_GRAPHS_ENV}=1): off, on, or both engines "
+        f"in turn (default: on when {PIECEWISE_GRAPHS_ENV}=1 is set, else off)",
+    )
+    parser.add_argument("--piecewise-buckets", default="", help=f"{PIECEWISE_BUCKETS_ENV}: e.g. 256,512,1024,2048")
     args = parser.parse_args()
 
     shape = SMALL if args.small else QWEN14B
@@ -152,6 +170,37 @@ def main() -> None:
     if not (ckpt / "config.json").is_file():
         write_random_gptq(ckpt, shape)
     cuda = torch.cuda.is_available()
+    if args.piecewise_buckets:
+        os.environ[PIECEWISE_BUCKETS_ENV] = args.piecewise_buckets
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.piecewise]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# Step profile: {'small' if args.small else 'Qwen2.5-14B-shaped GPTQ-4bit'}, "
+        f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}",
+        "",
+        f"mixed step = the running decodes + {args.prefills} new prompts of {args.prefill_len} tokens "
+        f"({args.prefills * args.prefill_len} prefill tokens, one chunk each); {args.steps} profiled steps per row; "
+        f"piecewise = {PIECEWISE_GRAPHS_ENV}=1 (mixed steps through piecewise CUDA graphs)",
+        "",
+    ]
+    summary = [
+        "| step | piecewise | running decodes | prefill tokens | wall ms | GPU ms | GPU / wall |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    details: list[str] = []
+    for piecewise in modes:
+        os.environ[PIECEWISE_GRAPHS_ENV] = "1" if piecewise else "0"
+        profile_engine(args, shape, ckpt, cuda, "on" if piecewise else "off", lines, summary, details, out)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    (out / "profile_step.md").write_text("\n".join(lines + summary + [""] + details) + "\n")
+
+
+def profile_engine(args, shape, ckpt, cuda, label, lines, summary, details, out) -> None:  # noqa: ANN001
+    """One engine (the current environment's piecewise setting): every ``--decode`` shape's pure
+    decode and mixed step, appended to ``summary`` / ``details`` and written as it goes."""
     budget = args.budget if cuda else None
     llm = LLM(  # synchronous order: each timed step() is that step's own work
         str(ckpt),
@@ -162,6 +211,13 @@ def main() -> None:
         async_scheduling=False,
     )
     engine = llm.engine
+    graphs = engine.runner.piecewise_graphs
+    if graphs is not None:
+        lines.append(
+            f"piecewise graphs: token buckets {list(graphs.buckets)}, static buffers "
+            f"{graphs.static_bytes / 2**20:.1f} MiB, pool growth at capture {graphs.capture_bytes / 2**20:.1f} MiB"
+        )
+        lines.append("")
     gen = torch.Generator().manual_seed(17)
     counter = iter(range(10**9))
     once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # finishes in its prefill step
@@ -171,21 +227,6 @@ def main() -> None:
             ids = torch.randint(3, shape["vocab"], (args.prefill_len,), generator=gen).tolist()
             engine.add_request(f"mix-{next(counter)}", {"prompt_token_ids": ids}, once)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = [
-        f"# Step profile: {'small' if args.small else 'Qwen2.5-14B-shaped GPTQ-4bit'}, "
-        f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}",
-        "",
-        f"mixed step = the running decodes + {args.prefills} new prompts of {args.prefill_len} tokens "
-        f"({args.prefills * args.prefill_len} prefill tokens, one chunk each); {args.steps} profiled steps per row",
-        "",
-    ]
-    summary = [
-        "| step | running decodes | prefill tokens | wall ms | GPU ms | GPU / wall |",
-        "|---|---|---|---|---|---|",
-    ]
-    details: list[str] = []
     for batch in (int(b) for b in args.decode.split(",")):
         start_decoding(llm, batch, 128, 4 * args.steps + 24, shape["vocab"], seed=batch, tag="prof")
         for kind, make in (("pure decode", lambda: None), ("mixed", add_prefills)):
@@ -193,13 +234,15 @@ def main() -> None:
             wall, kernels = result["wall_ms"], result["kernels"]
             busy = sum(k[1] for k in kernels) / 1e3
             tokens = 0 if kind == "pure decode" else args.prefills * args.prefill_len
-            summary.append(f"| {kind} | {batch} | {tokens} | {wall:.2f} | {busy:.2f} | {busy / max(wall, 1e-9):.2f} |")
-            details += table(f"{kind}, {batch} running decodes, {tokens} prefill tokens", wall, kernels, result)
+            summary.append(
+                f"| {kind} | {label} | {batch} | {tokens} | {wall:.2f} | {busy:.2f} | {busy / max(wall, 1e-9):.2f} |"
+            )
+            title = f"{kind}, piecewise {label}, {batch} running decodes, {tokens} prefill tokens"
+            details += table(title, wall, kernels, result)
             (out / "profile_step.md").write_text("\n".join(lines + summary + [""] + details) + "\n")
             print(summary[-1], flush=True)
         while engine.has_unfinished_requests():
             engine.step()
-    (out / "profile_step.md").write_text("\n".join(lines + summary + [""] + details) + "\n")
 
 
 if __name__ == "__main__":

@@ -251,6 +251,32 @@ def cuda_graph_bytes_estimate(config: ModelConfig, max_num_seqs: int, dtype: tor
     return logits + pool + (64 << 20)
 
 
+def piecewise_graph_bytes_estimate(config: ModelConfig, max_num_tokens: int, dtype: torch.dtype) -> int:
+    """Piecewise CUDA graphs (qserve.runner.piecewise_graphs, opt-in) for steps of up to
+    ``max_num_tokens`` tokens: their static buffers (ids, positions, query, key, value, residual,
+    attention output, hidden output) and a pool holding one piece's activations at that size (one
+    decoder layer's widest tensors, as ``activation_bytes_estimate`` counts them, without sampling)
+    plus the widest linear's weight in the model dtype (large steps may dequantize a 4-bit weight
+    whole for cuBLAS, and a captured piece keeps that buffer in its pool)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    d = config.head_dim
+    static = max_num_tokens * (
+        3 * 8 + elem * ((2 * config.num_heads + 2 * config.num_kv_heads) * d + 2 * config.hidden_size)
+    )
+    per_token = (
+        3 * config.hidden_size
+        + (config.num_heads + 2 * config.num_kv_heads) * d
+        + config.num_heads * d
+        + 3 * config.intermediate_size
+    )
+    if config.moe_layers:
+        k, moe_inter = config.num_experts_per_tok, config.moe_intermediate_size
+        per_token += k * (3 * moe_inter + config.hidden_size) + 3 * config.shared_expert_intermediate_size
+    q_width = (config.num_heads + 2 * config.num_kv_heads) * d
+    widest_weight = config.hidden_size * max(q_width, 2 * config.intermediate_size, config.num_heads * d) * elem
+    return static + max_num_tokens * per_token * elem + widest_weight
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
     budget_bytes: int
@@ -304,6 +330,7 @@ def make_plan(
     tensor_parallel_size: int = 1,
     lora_bytes: int = 0,
     enable_expert_parallel: bool = False,
+    piecewise_graph_tokens: int = 0,
 ) -> MemoryPlan:
     """KV pages = budget - weights - activation peak - overheads (- LoRA slots). Refuses a budget that cannot
     hold one request at ``max_model_len`` and names the largest context that fits.
@@ -322,6 +349,8 @@ def make_plan(
         activation_bytes = max(activation_bytes, sampling_bytes(config, rows, max_num_batched_tokens, dtype))
     if overhead_bytes is None:
         overhead_bytes = cuda_graph_bytes_estimate(config, max_num_seqs, dtype)
+    if piecewise_graph_tokens:  # opt-in piecewise graphs (QSERVE_PIECEWISE_GRAPHS=1) for steps up to this size
+        overhead_bytes += piecewise_graph_bytes_estimate(config, piecewise_graph_tokens, dtype)
     per_token = kv_bytes_per_token(config, kv_cache_dtype, dtype)
     kv_budget = budget_bytes - weights_bytes - activation_bytes - overhead_bytes - lora_bytes
     num_blocks = max(kv_budget, 0) // (per_token * block_size)

@@ -115,6 +115,21 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         lora: LoRAIndices | None = None,
     ) -> torch.Tensor:
+        query, key, value = self.project_qkv(positions, hidden, rotary, metadata.ntk_tables, lora)
+        out = self.attn(query, key, value, kv_cache, metadata)  # [num_tokens, H, D]
+        return self.project_out(out, lora)
+
+    def project_qkv(
+        self,
+        positions: torch.Tensor,  # int64 [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        rotary: RotaryEmbedding | None,
+        ntk_tables: torch.Tensor | None,  # int64 [num_tokens] or None (AttentionMetadata.ntk_tables)
+        lora: LoRAIndices | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before the paged attention: q/k/v projection, q/k norms, rotary. Returns query
+        ``[T, H, D]``, key and value ``[T, Hkv, D]``. Split from ``forward`` so piecewise CUDA graphs
+        (qserve.runner.piecewise_graphs) capture it apart from the attention, with the same math."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden, lora)  # [num_tokens, (H + 2 * Hkv) * D]
         q_size = self.num_heads * self.head_dim
@@ -126,9 +141,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         if rotary is not None:  # None: ALiBi models
-            query, key = rotary(positions, query, key, metadata.ntk_tables)
-        out = self.attn(query, key, value, kv_cache, metadata)  # [num_tokens, H, D]
-        return self.o_proj(out.reshape(num_tokens, q_size), lora)
+            query, key = rotary(positions, query, key, ntk_tables)
+        return query, key, value
+
+    def project_out(self, out: torch.Tensor, lora: LoRAIndices | None = None) -> torch.Tensor:
+        """``out`` ``[T, H, D]`` (the attention's output) -> ``[T, hidden]`` through o_proj."""
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim), lora)
 
 
 def _rotary(config: ModelConfig) -> RotaryEmbedding:
@@ -306,11 +324,38 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp_out, residual)``; the caller's next norm adds them. Carrying the residual
         this way lets each add ride inside the following norm's kernel."""
+        (query, key, value), residual = self.pre_attention(
+            positions, hidden, residual, rotary, metadata.ntk_tables, lora
+        )
+        out = self.self_attn.attn(query, key, value, kv_cache, metadata)  # [num_tokens, H, D]
+        return self.post_attention(out, residual, lora)
+
+    def pre_attention(
+        self,
+        positions: torch.Tensor,  # int64 [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor | None,  # [num_tokens, hidden] or None (the first layer)
+        rotary: RotaryEmbedding | None,
+        ntk_tables: torch.Tensor | None,  # int64 [num_tokens] or None
+        lora: LoRAIndices | None = None,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The layer up to the paged attention: ``((query, key, value), residual)``. ``forward`` is
+        ``pre_attention``, the attention, ``post_attention``; piecewise CUDA graphs run the two
+        halves in graphs and the attention between them eagerly (qserve.runner.piecewise_graphs)."""
         if residual is None:
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn_out = self.self_attn(positions, normed, rotary, kv_cache, metadata, lora)
+        return self.self_attn.project_qkv(positions, normed, rotary, ntk_tables, lora), residual
+
+    def post_attention(
+        self,
+        out: torch.Tensor,  # [num_tokens, H, D]: the attention's output
+        residual: torch.Tensor,  # [num_tokens, hidden]
+        lora: LoRAIndices | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after the paged attention: ``(mlp_out, residual)`` as ``forward`` returns."""
+        attn_out = self.self_attn.project_out(out, lora)
         if self.post_self_attn_layernorm is not None:
             attn_out = self.post_self_attn_layernorm(attn_out)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)

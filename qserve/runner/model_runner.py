@@ -39,6 +39,12 @@ EAGLE heads (``enable_spec_hidden_states``, off by default): a step whose
 all its tokens in ``RunnerOutput.spec_hidden_states`` (the final ones, or for EAGLE-3 the residual
 streams entering the tapped layers, concatenated); every other step is unchanged.
 
+Piecewise CUDA graphs (``capture_piecewise_graphs``, opt-in with ``QSERVE_PIECEWISE_GRAPHS=1``): a step
+that replays no decode or row graph (mixed and prefill steps) runs its layers' non-attention parts as
+graphs per token-count bucket with the attentions eager between them (``qserve.runner.piecewise_graphs``),
+unless it has prompt-logprob or pooled rows, an adapter row, EAGLE hidden states or draft tokens
+(``uses_piecewise_graph``), which run eagerly as before.
+
 Swap preemption: a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` are copied by the
 ``KVSwapper`` (``enable_swap``) at the start of ``launch``, before anything of the step's forward
 is enqueued (qserve.runner.kv_swap says why that order is enough, with or without a step in flight).
@@ -57,6 +63,7 @@ from qserve.layers.rotary import ntk_alpha_indices
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.cuda_graphs import DecodeGraphs
 from qserve.runner.kv_swap import KVSwapper
+from qserve.runner.piecewise_graphs import PiecewiseGraphs
 from qserve.runner.rejection_sampler import accepted_tokens, verify_rows
 from qserve.runner.sampler import (
     PROMPT_LOGPROBS_CHUNK_ROWS,
@@ -220,6 +227,24 @@ def uses_row_graph(
     return not has_prompt_logprobs and not has_pending and graphs.fits_rows(counts, seq_lens, num_sample_rows)
 
 
+def uses_piecewise_graph(
+    graphs: PiecewiseGraphs,
+    num_tokens: int,
+    has_prompt_logprobs: bool,
+    has_lora: bool,
+    has_spec_hidden: bool,
+    has_spec_tokens: bool,
+) -> bool:
+    """Whether a step that replays no decode or row graph runs through the piecewise graphs: no
+    prompt logprobs nor pooled hidden states (``has_prompt_logprobs`` covers both), no adapter row,
+    no EAGLE hidden states, no draft tokens (verify steps have their own graphs), and a bucket large
+    enough (qserve.runner.piecewise_graphs)."""
+    return (
+        not (has_prompt_logprobs or has_lora or has_spec_hidden or has_spec_tokens)
+        and graphs.bucket_for(num_tokens) is not None
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -243,6 +268,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Graphs of several rows per sequence (speculative verify / a draft's catch-up; opt-in).
         self.row_graphs: DecodeGraphs | None = None
+        # Steps carrying prefill, by token-count bucket (opt-in: QSERVE_PIECEWISE_GRAPHS=1).
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         self.kv_swapper: KVSwapper | None = None  # swap preemption's host pool (enable_swap)
         self.lora_manager = None  # qserve.lora.slots.LoRAManager (enable_lora)
         # Qwen v1 dynamic NTK: how many rotary tables the model holds (1: none to pick from).
@@ -312,6 +339,18 @@ class ModelRunner:
             share=share,
         )
         self.row_graphs.capture()
+
+    def capture_piecewise_graphs(
+        self, max_num_tokens: int, buckets: tuple[int, ...] | None = None, share: DecodeGraphs | None = None
+    ) -> None:
+        """Capture piecewise CUDA graphs (qserve.runner.piecewise_graphs) for steps of up to
+        ``max_num_tokens`` tokens that replay no decode graph; ``share``: graphs whose memory pool
+        they use (default: this runner's decode graphs)."""
+        extra = {} if buckets is None else {"buckets": buckets}
+        self.piecewise_graphs = PiecewiseGraphs(
+            self.model, self.kv_caches, max_num_tokens, self.device, share=share or self.decode_graphs, **extra
+        )
+        self.piecewise_graphs.capture()
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its output."""
@@ -433,6 +472,28 @@ class ModelRunner:
                 input_ids, counts, seq_lens, slots, block_tables, sample_rows, seq_tables
             )  # [N, vocab]
             prompt_hidden = pooled = None
+        elif self.piecewise_graphs is not None and uses_piecewise_graph(
+            self.piecewise_graphs,
+            num_tokens,
+            needs_hidden,
+            lora_slots is not None,
+            capture is not None,
+            bool(scheduler_output.num_spec_tokens),
+        ):
+            sample_logits = self._forward_piecewise(
+                input_ids,
+                positions,
+                slots,
+                table_lens,
+                flat_tables,
+                np.concatenate(([0], ends)),
+                seq_lens,
+                int(counts.max()),
+                sample_rows,
+                ntk_tables,
+                pending,
+            )
+            prompt_hidden = pooled = None
         else:
             if lora_slots is not None:
                 lora = build_lora_indices(lora_slots, self.device)
@@ -498,16 +559,7 @@ class ModelRunner:
         as float32, every token's hidden states for an EAGLE head when ``spec_taps`` is not None);
         each None when there are no such rows."""
         device = self.device
-        block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
-        metadata = AttentionMetadata(
-            slot_mapping=_to_device(slots, device),  # [T] int64
-            block_tables=_to_device(block_tables, device),  # [S, max_blocks] int32
-            seq_lens=_to_device(seq_lens, device),  # [S] int64
-            query_start_loc=_to_device(query_start_loc, device),  # [S + 1] int64
-            max_query_len=max_query_len,
-            max_seq_len=int(seq_lens.max()),
-            ntk_tables=None if ntk_tables is None else _to_device(ntk_tables, device),  # [T] int64
-        )
+        metadata = self._metadata(slots, table_lens, flat_tables, query_start_loc, seq_lens, max_query_len, ntk_tables)
         input_ids_t = _to_device(np.array(input_ids, dtype=np.int64), device)  # [T]
         if pending is not None:  # tokens sampled by the step in flight, straight from the device
             input_ids_t.index_copy_(0, *pending)
@@ -527,11 +579,8 @@ class ModelRunner:
             )  # [T, hidden]
             if spec_taps is not None:  # EAGLE: the final hidden states themselves
                 spec_hidden = hidden
-        sample_logits = prompt_hidden = None
-        if len(sample_rows) == len(input_ids):  # every token is sampled (pure decode): no gather
-            sample_logits = self.model.compute_logits(hidden)  # [R, vocab]
-        elif len(sample_rows):
-            sample_logits = self.model.compute_logits(hidden[_to_device(sample_rows, device)])  # [R, vocab]
+        sample_logits = self._sample_logits(hidden, sample_rows)
+        prompt_hidden = None
         if prompt_rows:
             # Hidden states only: their logits are computed in slices by _sample, so a long prompt
             # asking for prompt_logprobs never holds [P, vocab] float32 (the planner counts a slice).
@@ -540,6 +589,58 @@ class ModelRunner:
         if pool_rows:
             pooled = hidden[_to_device(np.array(pool_rows, dtype=np.int64), device)].float()  # [H, hidden]
         return sample_logits, prompt_hidden, pooled, spec_hidden
+
+    def _metadata(
+        self,
+        slots: np.ndarray,  # int64 [T]
+        table_lens: np.ndarray,  # int64 [S]
+        flat_tables: np.ndarray,  # int64 [sum(table_lens)]
+        query_start_loc: np.ndarray,  # int64 [S + 1]
+        seq_lens: np.ndarray,  # int64 [S]
+        max_query_len: int,
+        ntk_tables: np.ndarray | None,  # int64 [T] or None
+    ) -> AttentionMetadata:
+        """The step's attention metadata on the device (eager and piecewise steps)."""
+        device = self.device
+        block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
+        return AttentionMetadata(
+            slot_mapping=_to_device(slots, device),  # [T] int64
+            block_tables=_to_device(block_tables, device),  # [S, max_blocks] int32
+            seq_lens=_to_device(seq_lens, device),  # [S] int64
+            query_start_loc=_to_device(query_start_loc, device),  # [S + 1] int64
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()),
+            ntk_tables=None if ntk_tables is None else _to_device(ntk_tables, device),  # [T] int64
+        )
+
+    def _sample_logits(self, hidden: torch.Tensor, sample_rows: np.ndarray) -> torch.Tensor | None:
+        """float32 ``[R, vocab]`` of ``hidden``'s (``[T, hidden]``) rows ``sample_rows``; None when there are none."""
+        if len(sample_rows) == hidden.shape[0]:  # every token is sampled (pure decode): no gather
+            return self.model.compute_logits(hidden)  # [R, vocab]
+        if len(sample_rows):
+            return self.model.compute_logits(hidden[_to_device(sample_rows, self.device)])  # [R, vocab]
+        return None
+
+    def _forward_piecewise(
+        self,
+        input_ids: list[int],
+        positions: np.ndarray,
+        slots: np.ndarray,
+        table_lens: np.ndarray,
+        flat_tables: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        max_query_len: int,
+        sample_rows: np.ndarray,
+        ntk_tables: np.ndarray | None = None,
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
+        """The sampling rows' logits of a step through the piecewise graphs (``uses_piecewise_graph``):
+        the same step as ``_forward_eager`` with no prompt-logprob, pooled, EAGLE nor LoRA rows."""
+        assert self.piecewise_graphs is not None
+        metadata = self._metadata(slots, table_lens, flat_tables, query_start_loc, seq_lens, max_query_len, ntk_tables)
+        hidden = self.piecewise_graphs.run(input_ids, positions, metadata, ntk_tables, pending)  # [T, hidden]
+        return self._sample_logits(hidden, sample_rows)
 
     def _verify(
         self,

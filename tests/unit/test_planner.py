@@ -102,3 +102,23 @@ def test_plan_reports_only_contexts_the_model_can_run(qwen14b_dir):
     config = read_model_config(qwen14b_dir)
     plan = make_plan(config, weights_bytes=9 * GIB, budget_bytes=24 * GIB, dtype=torch.float16, max_model_len=2048)
     assert list(plan.concurrent_sequences_at) == [1024]
+
+
+def test_piecewise_graphs_are_counted_in_the_overheads_only_when_asked(qwen14b_dir):
+    """QSERVE_PIECEWISE_GRAPHS=1 reserves the pieces' static buffers and pool (14B, 2048 tokens:
+    a few hundred MiB) out of the KV pages; without it the plan is unchanged."""
+    import torch
+
+    from qserve.memory.planner import piecewise_graph_bytes_estimate
+
+    config = read_model_config(qwen14b_dir)
+    common = dict(weights_bytes=10 * GIB, budget_bytes=24 * GIB, dtype=torch.float16, max_num_batched_tokens=2048)
+    plain = make_plan(config, **common)
+    piecewise = make_plan(config, **common, piecewise_graph_tokens=2048)
+    extra = piecewise_graph_bytes_estimate(config, 2048, torch.float16)
+    # static: 2048 x (3 int64 + fp16 q, k, v, attention output, residual, hidden) ~ 0.09 GiB; pool: one
+    # layer's activations at 2048 tokens ~ 0.26 GiB plus gate_up's fp16 weight (5120 x 27648) ~ 0.26 GiB
+    assert 0.5 * GIB < extra < 0.7 * GIB
+    assert piecewise.overhead_bytes == plain.overhead_bytes + extra
+    assert piecewise.num_kv_blocks < plain.num_kv_blocks
+    assert piecewise_graph_bytes_estimate(config, 4096, torch.float16) > extra
