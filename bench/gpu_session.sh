@@ -18,6 +18,8 @@
 #   optin_moe    bench/moe.py (fused MoE vs per-expert loop vs cuBLAS grouped)
 #   optin_lora   bench/lora.py (kernels, then --e2e)
 #   optin_spec   bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128, eager and graphed verify)
+# piecewise (only when named): QSERVE_PIECEWISE_GRAPHS's GPU tests, then bench/profile_step.py eager vs piecewise
+#   graphs (buckets 256-2048) on the pure-decode and mixed steps (issue 25).
 # core (only when named; needs the server's wheels): bench/serving_http.sh with the engine core in-process,
 #   then in its own process (QSERVE_ENABLE_MULTIPROCESSING=1), concurrency 16 (CONCURRENCY=1,16 adds the
 #   slow batch-1 run) and Poisson 16 req/s, each run's folder packed into one .tgz
@@ -66,7 +68,7 @@ if has smoke; then
             --out "$OUT/smoke_e2e.md" 2>&1 | grep -v USDT | tail -6
     fi
 fi
-if [[ "$STAGES" =~ (http|overlap|profile|serving|preempt|core) ]]; then
+if [[ "$STAGES" =~ (http|overlap|profile|serving|preempt|core|piecewise) ]]; then
     # One Qwen2.5-14B-shaped random GPTQ-4bit checkpoint for the stages below (~10 s).
     python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_random_gptq; write_random_gptq(Path('/tmp/qb'), QWEN14B)"
 fi
@@ -140,6 +142,14 @@ fi
 if has optin_spec; then
     stage "speculative decoding: n-gram and a 12-layer self-draft, eager and graphed verify (QSERVE_SPEC_GRAPHS=1)"
     timeout 240 python3 bench/spec_decode.py --draft-layers 12 --out "$OUT/spec_decode.md" 2>&1 | grep -v USDT | tail -10
+fi
+if has piecewise; then
+    stage "piecewise CUDA graphs for steps that carry prefill: GPU tests, then eager vs piecewise step profile"
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/integration/test_piecewise_graphs.py \
+        > "$OUT/piecewise_tests.txt" 2>&1
+    tail -1 "$OUT/piecewise_tests.txt"
+    timeout 240 python3 bench/profile_step.py --ckpt /tmp/qb --out "$OUT" --decode 128 --piecewise both \
+        --piecewise-buckets 256,512,1024,2048 2>&1 | grep -v USDT | tail -8
 fi
 if has core; then
     for mp in 0 1; do
