@@ -150,15 +150,7 @@ class DenseDecoderLayer(nn.Module):
             callback(args[0])
             raise _StopForward
 
-        handle = self.linears[short].register_forward_pre_hook(hook)
-        try:
-            for start in range(0, hidden.shape[0], batch_size):
-                try:
-                    self(hidden[start : start + batch_size])
-                except _StopForward:
-                    pass
-        finally:
-            handle.remove()
+        self._run_until_stop(self.linears[short].register_forward_pre_hook(hook), hidden, batch_size)
 
     @torch.no_grad()
     def capture_mlp_input(self, hidden: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -170,7 +162,11 @@ class DenseDecoderLayer(nn.Module):
             parts.append(output.detach().clone())
             raise _StopForward
 
-        handle = self.norm("post_attention_layernorm").register_forward_hook(hook)
+        self._run_until_stop(self.norm("post_attention_layernorm").register_forward_hook(hook), hidden, batch_size)
+        return torch.cat(parts)  # [S, T, hidden]
+
+    def _run_until_stop(self, handle: torch.utils.hooks.RemovableHandle, hidden: torch.Tensor, batch_size: int) -> None:
+        """Forward each batch of windows until ``handle``'s hook raises ``_StopForward``; remove the hook."""
         try:
             for start in range(0, hidden.shape[0], batch_size):
                 try:
@@ -179,7 +175,6 @@ class DenseDecoderLayer(nn.Module):
                     pass
         finally:
             handle.remove()
-        return torch.cat(parts)  # [S, T, hidden]
 
     def fp_tensors(self) -> dict[str, torch.Tensor]:
         """Unquantized tensors of the layer (norm weights), HF names relative to the layer."""
