@@ -126,6 +126,18 @@ def shrink_config(
 
 
 @triton.jit
+def _tile_rows(ROWS, TILE_OFF, TILE_SLOT, tile, count, BLOCK_M: tl.constexpr):
+    """``(slot, rows [BLOCK_M] int64, row_mask [BLOCK_M])`` of a non-empty tile: its adapter slot and
+    the token rows it covers (``count`` of them; masked rows read row 0)."""
+    first = tl.load(TILE_OFF + tile)
+    slot = tl.load(TILE_SLOT + tile).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    row_mask = m < count
+    rows = tl.load(ROWS + first + m, mask=row_mask, other=0).to(tl.int64)
+    return slot, rows, row_mask
+
+
+@triton.jit
 def lora_shrink_kernel(
     X,  # [T, K]
     A,  # [L, S * R, K]
@@ -157,11 +169,7 @@ def lora_shrink_kernel(
     split = tl.program_id(2)
     count = tl.load(TILE_LEN + tile)
     if count > 0:  # an empty tile (a CUDA graph's padding) reads nothing and takes no counter
-        first = tl.load(TILE_OFF + tile)
-        slot = tl.load(TILE_SLOT + tile).to(tl.int64)
-        m = tl.arange(0, BLOCK_M)
-        row_mask = m < count
-        rows = tl.load(ROWS + first + m, mask=row_mask, other=0).to(tl.int64)
+        slot, rows, row_mask = _tile_rows(ROWS, TILE_OFF, TILE_SLOT, tile, count, BLOCK_M)
         r = tl.arange(0, BLOCK_R)
         r_mask = r < RANK
         a_rows = (s * RANK + r).to(tl.int64)
@@ -239,11 +247,7 @@ def lora_expand_kernel(
         block_lo = tl.where(s == 0, 0, tl.where(s == 1, first_block1, first_block2))
         n_lo = tl.where(s == 0, n_bound0, tl.where(s == 1, n_bound1, n_bound2))
         n_hi = tl.where(s == 0, n_bound1, tl.where(s == 1, n_bound2, n_bound3))
-        first = tl.load(TILE_OFF + tile)
-        slot = tl.load(TILE_SLOT + tile).to(tl.int64)
-        m = tl.arange(0, BLOCK_M)
-        row_mask = m < count
-        rows = tl.load(ROWS + first + m, mask=row_mask, other=0).to(tl.int64)
+        slot, rows, row_mask = _tile_rows(ROWS, TILE_OFF, TILE_SLOT, tile, count, BLOCK_M)
         r = tl.arange(0, BLOCK_R)
         r_mask = r < RANK
         n = (n_lo + (block - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
