@@ -23,6 +23,7 @@ from qserve.runner.piecewise_graphs import (
     buckets_from_env,
     token_buckets,
 )
+from tests.helpers.kv_writes import assert_step_wrote_only
 from tests.integration.test_async_scheduling import ENGINE_ARGS, _assert_logprobs_close, _workload
 from tests.integration.test_async_scheduling import _run as _run_workload
 from tests.integration.test_spec_decode_graphs import _step_inputs
@@ -155,12 +156,7 @@ def _compare_step(checkpoint: str, counts: list[int]) -> None:
     assert torch.equal(piece_logits.argmax(-1), eager_logits.argmax(-1))
     assert graphs.bucket_for(len(ids)) > len(ids), "the step was padded"
 
-    written = torch.zeros(before[0][0].shape[:2], dtype=torch.bool)  # [blocks, block_size]
-    written.view(-1)[torch.from_numpy(slots)] = True
-    for (key, value), (k0, v0), (ke, ve) in zip(runner.kv_caches, before, after_eager):
-        for now, old, eager in ((key, k0, ke), (value, v0, ve)):
-            assert torch.equal(now[~written], old[~written]), "a pad row stored K/V"
-            torch.testing.assert_close(now[written], eager[written], atol=1e-5, rtol=1e-5)
+    assert_step_wrote_only(runner.kv_caches, before, after_eager, slots)
 
 
 # ------------------------------------------------------------------------- whole workloads (CPU)

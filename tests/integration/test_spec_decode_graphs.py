@@ -19,6 +19,7 @@ from qserve.engine.engine import SPEC_GRAPHS_ENV, spec_graph_sizes
 from qserve.runner.cuda_graphs import DecodeGraphs, StaticReplay, static_positions, static_rows
 from qserve.runner.model_runner import ModelRunner, pad_block_tables
 from qserve.spec_decode import parse_speculative_config
+from tests.helpers.kv_writes import assert_step_wrote_only
 from tests.integration.test_spec_decode import (  # noqa: F401 - fixtures and the shared workload
     ARGS,
     LOOP,
@@ -165,12 +166,7 @@ def test_row_graph_logits_equal_eager_and_pad_rows_store_nothing(path, counts): 
     assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
 
     bs = runner.block_size
-    written = torch.zeros(before[0][0].shape[:2], dtype=torch.bool)  # [blocks, block_size]
-    written.view(-1)[torch.from_numpy(slots)] = True
-    for (key, value), (k0, v0), (ke, ve) in zip(runner.kv_caches, before, after_eager):
-        for now, old, eager in ((key, k0, ke), (value, v0, ve)):
-            assert torch.equal(now[~written], old[~written]), "a pad row stored K/V"
-            torch.testing.assert_close(now[written], eager[written], atol=1e-5, rtol=1e-5)
+    assert_step_wrote_only(runner.kv_caches, before, after_eager, slots)
     assert bs and graphs.bucket_for(len(counts)) >= len(counts)
 
 
