@@ -5,7 +5,7 @@ Knows: the flags' syntax (``--lora-modules name=path`` or vLLM's JSON form
 ``'{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}'``, several after one flag),
 their checks before anything loads (each adapter's ``adapter_config.json`` read and checked against
 ``--max-lora-rank``; names unique and not a model's; the base model named or the only one), and how
-the adapters are registered once the engines exist. Must not know: routes, how an adapter is applied.
+the adapters are registered once the engines exist (or handed to an engine core in its own process). Must not know: routes, how an adapter is applied.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qserve.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -103,11 +107,21 @@ def check_lora_flags(args: argparse.Namespace, model_names: list[str], tensor_pa
     return modules
 
 
-def register_lora_modules(host: object, modules: list[LoRAModule]) -> None:
-    """Register the adapters with their base models' engines (after the build, before serving)."""
+def lora_module_requests(modules: list[LoRAModule], model_names: list[str]) -> list[LoRARequest]:
+    """The adapters of ``--lora-modules`` as ``LoRARequest``s (ids 1, 2, ... in flag order), each
+    naming its base model (the one given, or the first served)."""
     from qserve.lora.request import LoRARequest
 
-    for i, module in enumerate(modules):
-        base = module.base_model_name or next(iter(host.models))  # type: ignore[attr-defined]
-        engine = host.models[base].engine  # type: ignore[attr-defined]
-        engine.add_lora(LoRARequest(module.name, i + 1, module.path, base))
+    return [
+        LoRARequest(module.name, i + 1, module.path, module.base_model_name or model_names[0])
+        for i, module in enumerate(modules)
+    ]
+
+
+def register_lora_modules(host: object, modules: list[LoRAModule]) -> None:
+    """Register the adapters with their base models' engines (after the build, before serving).
+    An engine core in its own process loaded them itself (``CoreConfig.lora_modules``)."""
+    if hasattr(host, "lora_adapters"):
+        return
+    for request in lora_module_requests(modules, list(host.models)):  # type: ignore[attr-defined]
+        host.models[request.base_model_name].engine.add_lora(request)  # type: ignore[attr-defined]

@@ -34,7 +34,7 @@ import time
 from types import FrameType
 
 from qserve.commands.api_server_worker import WorkerLaunch
-from qserve.commands.serve import GRACEFUL_SHUTDOWN_S, HostPlan
+from qserve.commands.serve import GRACEFUL_SHUTDOWN_S, HostPlan, plan_lora_requests
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ def run_api_servers(args: argparse.Namespace, plan: HostPlan, options: dict) -> 
                 kv_events=plan.kv_events_config,  # type: ignore[arg-type]
                 port=plan.port,
                 alive_fd=core_write,
+                lora_modules=plan_lora_requests(plan),
             ),
             pass_fds=[core_write, *(read for read, _ in pipes)],
         )

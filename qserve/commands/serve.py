@@ -26,7 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qserve.commands.lora_flags import check_lora_flags, register_lora_flags, register_lora_modules
+from qserve.commands.lora_flags import (
+    check_lora_flags,
+    lora_module_requests,
+    register_lora_flags,
+    register_lora_modules,
+)
 from qserve.commands.vllm_flags import (
     add_speculative_config_argument,
     check_quantization,
@@ -481,15 +486,8 @@ def plan_host(args: argparse.Namespace) -> HostPlan:
             raise type(err)(f"model {name!r}: {err}") from err
         check_quantization(getattr(args, "quantization", None), checked.spec.method, name)
     lora_modules = check_lora_flags(args, names, tensor_parallel_size)
-    if getattr(args, "enable_lora", False) and (separate_core or speculative_config is not None):
-        raise ValueError(
-            "--enable-lora is not supported yet with "
-            + (
-                "the engine core in its own process ($QSERVE_ENABLE_MULTIPROCESSING=1 or --api-server-count > 1)"
-                if separate_core
-                else "--speculative-config"
-            )
-        )
+    if getattr(args, "enable_lora", False) and speculative_config is not None:
+        raise ValueError("--enable-lora is not supported yet with --speculative-config")
     min_shares = parse_shares(args.min_share, "--min-share", names)
     max_shares = parse_shares(args.max_share, "--max-share", names)
     specs = [ModelSpec(name, path, min_shares.get(name), max_shares.get(name)) for name, path in pairs]
@@ -532,6 +530,11 @@ def plan_host(args: argparse.Namespace) -> HostPlan:
     )
 
 
+def plan_lora_requests(plan: HostPlan) -> list:
+    """``--lora-modules`` as the ``LoRARequest``s an engine core in its own process loads at start-up."""
+    return lora_module_requests(plan.lora_modules, [spec.name for spec in plan.specs])
+
+
 def host_factory(plan: HostPlan, connect: Callable[[], object] | None = None) -> Callable[[], object]:
     """The function that loads the models (slow; run after the server is up). ``connect``: an API
     server process of several attaches to the engine core ``qserve serve`` started instead."""
@@ -555,7 +558,12 @@ def host_factory(plan: HostPlan, connect: Callable[[], object] | None = None) ->
             from qserve.engine.core.client import EngineCoreClient
 
             return EngineCoreClient.launch(  # type: ignore[return-value]
-                specs, config, max_queue=plan.max_queue, kv_events=plan.kv_events_config, port=plan.port
+                specs,
+                config,
+                max_queue=plan.max_queue,
+                kv_events=plan.kv_events_config,
+                port=plan.port,
+                lora_modules=plan_lora_requests(plan),
             )
         if plan.tensor_parallel_size == 1:
             engines = build_engines(specs, config)  # type: ignore[arg-type]

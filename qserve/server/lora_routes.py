@@ -57,6 +57,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, s: OpenAIServing = Dep
     name = body.lora_name
     if not name:
         raise bad_request("lora_name is empty", "lora_name")
+    await s.refresh_lora_models()  # an engine core in its own process: its list, whoever changed it
     if name in s.models:
         raise bad_request(f"lora_name {name!r} is the name of a served base model", "lora_name")
     known = s.lora_models.get(name)
@@ -71,8 +72,10 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, s: OpenAIServing = Dep
         request = LoRARequest(name, lora_int_id, body.lora_path)
         await s.host.add_lora(base, request)
     except ValueError as err:
-        raise bad_request(str(err), "lora_path") from err
+        message = str(err)
+        raise bad_request(message, "lora_name" if message.startswith("lora_name") else "lora_path") from err
     s.add_lora_model(base, request)
+    s.sync_lora_models()  # an engine core in its own process numbered it: its list wins
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -82,8 +85,10 @@ async def unload_lora_adapter(
     s: OpenAIServing = Depends(serving),  # noqa: B008
 ) -> PlainTextResponse:
     name = body.lora_name
+    await s.refresh_lora_models()
     model = s.lora_models.pop(name, None)  # new requests naming it get 404 from here on
-    if model is None:
+    # False: another front end unloaded it meanwhile (an engine core in its own process)
+    if model is None or not await s.host.remove_lora(model.host_name, name):
         raise ServingError(404, f"The lora adapter '{name}' cannot be found.", type="NotFoundError", param="lora_name")
-    await s.host.remove_lora(model.host_name, name)  # requests already running with it finish with it
+    s.sync_lora_models()
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -20,11 +20,13 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(s: OpenAIServing = Depends(serving)) -> Any:  # noqa: B008
+    await s.refresh_lora_models()  # the engine core's adapters now, whichever front end loaded them
     return s.list_models()
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, s: OpenAIServing = Depends(serving)) -> ModelCard:  # noqa: B008
+    await s.refresh_lora_models(model_id)
     for card in s.list_models().data:
         if card.id == model_id:
             return card

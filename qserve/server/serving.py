@@ -257,6 +257,9 @@ class OpenAIServing:
             manager = getattr(hosted.engine, "lora_manager", None)
             for adapter in [] if manager is None else manager.names():
                 self.add_lora_model(name, manager.request_of(adapter))
+        # An engine core in its own process keeps the adapter list, which any front end may change:
+        # the host's lora_version says when to rebuild lora_models from it (None: an in-process host).
+        self._lora_version = getattr(host, "lora_version", None)
 
     def add_lora_model(self, base: str, lora_request: Any) -> None:
         """Serve an adapter of the hosted model ``base`` under its own name (the base's front end)."""
@@ -264,8 +267,35 @@ class OpenAIServing:
             self.models[base], name=lora_request.lora_name, base=base, lora_request=lora_request
         )
 
+    def sync_lora_models(self) -> None:
+        """Follow the engine core's adapter list (a host in its own process; in-process hosts are
+        changed only through this front end, which updates ``lora_models`` itself)."""
+        version = getattr(self.host, "lora_version", None)
+        if version is None or version == self._lora_version:
+            return
+        self.lora_models = {}
+        for request in self.host.lora_adapters():
+            if request.base_model_name in self.models:
+                self.add_lora_model(request.base_model_name, request)
+        self._lora_version = version
+
+    async def refresh_lora_models(self, name: str | None = None) -> None:
+        """Ask the engine core for its adapter list (another front end may have changed it) and
+        follow it; ``name``: only if that name is not served here as far as this front end knows."""
+        if not hasattr(self.host, "refresh_loras"):
+            return
+        self.sync_lora_models()
+        if name is not None and (name in self.models or name in self.lora_models):
+            return
+        try:
+            await self.host.refresh_loras()
+        except EngineDeadError:
+            return  # what this front end knows; a submission then answers 503
+        self.sync_lora_models()
+
     # ------------------------------------------------------------------ models
     def list_models(self) -> ModelList:
+        self.sync_lora_models()
         return ModelList(
             # root is the served name, never the checkpoint's filesystem path (it tells clients
             # nothing they can use and tells attackers about the host). An adapter's parent is its base.
@@ -277,6 +307,7 @@ class OpenAIServing:
         )
 
     def _model(self, name: str) -> ServedModel:
+        self.sync_lora_models()
         model = self.models.get(name) or self.lora_models.get(name)
         if model is None:
             served = ", ".join([*self.models, *self.lora_models])  # the names a client can use instead
@@ -514,6 +545,7 @@ class OpenAIServing:
         self, request: CompletionRequest, tenant: str | None = None
     ) -> CompletionResponse | AsyncIterator[str]:
         num_sequences = self._check_request(request)
+        await self.refresh_lora_models(request.model)  # an adapter loaded through another front end
         model = self._model(request.model)
         if request.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
@@ -733,6 +765,7 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, tenant: str | None = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         num_sequences = self._check_request(request)
+        await self.refresh_lora_models(request.model)  # an adapter loaded through another front end
         model = self._model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")

@@ -177,7 +177,6 @@ def test_the_core_loop_sets_tenants_refuses_bad_requests_and_compiles_grammars_o
             "",
             "--tenants is not supported with --api-server-count 2",
         ),
-        (["--api-server-count", "2", "--enable-lora"], "", "--enable-lora is not supported yet with the engine core"),
         ([], "maybe", "QSERVE_ENABLE_MULTIPROCESSING='maybe'"),
     ],
 )
@@ -199,6 +198,22 @@ def test_several_api_servers_imply_the_core_process(checkpoints, monkeypatch):
     plan = plan_host(serve_args(checkpoints["llama"], "--device", "cpu", "--api-server-count", "3"))
     assert plan.separate_core and plan.api_server_count == 3
     assert not plan_host(serve_args(checkpoints["llama"], "--device", "cpu")).separate_core  # the default: 1
+
+
+def test_lora_is_planned_for_the_core_process(checkpoints, monkeypatch, tmp_path):
+    """--enable-lora with the engine core in its own process (it was refused): the --lora-modules
+    adapters become the LoRARequests the core loads at start-up, each naming its base model."""
+    from qserve.commands.serve import plan_host, plan_lora_requests
+    from qserve.lora.request import LoRARequest
+    from tests.helpers.lora_adapters import projection_shapes, write_peft_adapter
+    from tests.server.test_serve_command import serve_args
+
+    write_peft_adapter(tmp_path / "sql", projection_shapes(64, 128, 4, 2, 16), 2, targets=("q_proj",), rank=4, alpha=8)
+    monkeypatch.setenv("QSERVE_ENABLE_MULTIPROCESSING", "1")
+    argv = ["--device", "cpu", "--enable-lora", "--lora-modules", f"sql={tmp_path / 'sql'}"]
+    plan = plan_host(serve_args(f"base={checkpoints['llama']}", *argv))
+    assert plan.separate_core
+    assert plan_lora_requests(plan) == [LoRARequest("sql", 1, str(tmp_path / "sql"), "base")]
 
 
 def test_the_core_serves_several_front_ends_and_drops_one_that_is_gone(engines, checkpoints):

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import zmq
 
-from qserve.engine.async_engine import ModelSpec
+from qserve.engine.async_engine import EngineDeadError, ModelSpec
 from qserve.engine.core.client import EngineCoreClient
 from qserve.engine.kv_events import KVEventsConfig
 from qserve.server.app import create_app, drain_app
@@ -177,7 +177,8 @@ def test_a_dead_core_means_503_and_a_failing_health(checkpoints):
     client = EngineCoreClient.launch([ModelSpec("llama", checkpoints["llama"])], host_config(max_model_len=LONG + 32))
     died: list[str] = []
     client.on_dead.append(died.append)
-    with serve(create_app(client, log_stats=False)) as url:
+    app = create_app(client, log_stats=False)
+    with serve(app) as url:
         (stream,) = start_streams(url, LONG)
         client.process.kill()
         stream.join(timeout=10)
@@ -192,6 +193,13 @@ def test_a_dead_core_means_503_and_a_failing_health(checkpoints):
             assert reply.status_code == 503, reply.text
             assert reply.json()["error"]["type"] == "ServiceUnavailableError"
             assert "engine core process died" in reply.json()["error"]["message"]
+        # asking the dead core for its LoRA adapters (an unknown model name) falls back to what this
+        # front end knows, instead of raising out of the request
+        serving = app.state.qserve.serving
+        with pytest.raises(EngineDeadError):
+            asyncio.run(client.refresh_loras())
+        asyncio.run(serving.refresh_lora_models("nope"))
+        assert list(serving.models) == ["llama"] and serving.lora_models == {}
 
 
 def test_qserve_serve_exits_non_zero_when_its_core_dies(checkpoints, monkeypatch):

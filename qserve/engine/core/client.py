@@ -1,6 +1,7 @@
 """The front end's handle on the engine-core process, shaped like ``AsyncEngine`` so the server's
 code is the same for both (``models``, ``submit``, ``abort``, ``check_queue``, ``stats``,
-``cache_info``, ``start``, ``shutdown``, ``is_running``, ``listener``).
+``cache_info``, ``start``, ``shutdown``, ``is_running``, ``listener``; with ``--enable-lora``,
+``add_lora``, ``remove_lora``, ``lora_info`` and ``lora_adapters``).
 
 Knows: how the core process is started (``qserve.engine.core.process``; two ZMQ sockets over
 ``ipc://``: this side binds the one it reads, the core the one it reads) and stopped
@@ -16,6 +17,11 @@ and faults: a core that exits on its own
 fails every pending submission and stream with ``EngineDeadError``, turns ``is_running`` off (so
 ``/health`` answers 503) and calls ``on_dead`` (``qserve serve`` then exits non-zero). Must not
 know: HTTP, OpenAI shapes, Prometheus, how engines step.
+
+LoRA adapters live in the core: this side keeps the core's last adapter list (from ``Ready``, the
+answer to each of its ``LoRAControl``s, and the news of other front ends' changes), bumps
+``lora_version`` whenever it changes (the server rebuilds its model list then), and sends each
+request's adapter with it as plain data.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ from qserve.engine.core.messages import (
     Bye,
     Codec,
     CoreRequest,
+    LoRAControl,
+    LoRASpec,
+    LoRAState,
     ModelFailed,
     ModelInfo,
     Outputs,
@@ -69,6 +78,7 @@ from qserve.engine.core.messages import (
 from qserve.engine.core.output_processor import OutputProcessor
 from qserve.engine.core.process import start_core_process
 from qserve.engine.kv_events import KVEventsConfig
+from qserve.lora.request import LoRARequest
 from qserve.outputs import RequestOutput
 from qserve.pooling_params import PoolingParams
 
@@ -125,6 +135,30 @@ class ModelView:
         self.grammar_compiler = GrammarCompiler(self.tokenizer, info.vocab_size, self.eos_token_ids)
         self.grammar_compiler.prepare()
         self.scheduler = _SchedulerView(client, info.name)
+        # None: the model serves no adapters (no --enable-lora), as Engine.lora_manager
+        self.lora_manager = LoRAView(client, info.name) if info.name in client._lora_info else None  # noqa: SLF001
+
+
+class LoRAView:
+    """What the server reads of a model's ``lora_manager``: the core's adapters of that model (the
+    client's copy of the core's list)."""
+
+    def __init__(self, client: EngineCoreClient, name: str) -> None:
+        self._client = client
+        self._name = name
+
+    def _mine(self) -> dict[str, LoRARequest]:
+        return {n: r for n, r in self._client._loras.items() if r.base_model_name == self._name}  # noqa: SLF001
+
+    def names(self) -> list[str]:
+        return list(self._mine())
+
+    def request_of(self, name: str) -> LoRARequest | None:
+        return self._mine().get(name)
+
+    def lookup(self, name: str) -> int | None:
+        request = self._mine().get(name)
+        return None if request is None else request.lora_int_id
 
 
 class _CoreWatch:
@@ -190,6 +224,12 @@ class EngineCoreClient:
         self.num_steps = 0
         self._stats: dict[str, dict[str, int]] = dict(ready.stats)
         self._cache_info = {info.name: dict(info.cache_info) for info in ready.models}
+        self._lora_info: dict[str, dict[str, Any]] = dict(ready.lora_info)
+        self._loras: dict[str, LoRARequest] = {}  # the core's adapters by name (base_model_name set)
+        self.lora_version = 0  # bumped whenever _loras changes
+        self._set_loras(ready.loras)
+        self._controls = itertools.count()
+        self._control_pending: dict[int, asyncio.Future[LoRAState]] = {}  # loop thread only
         self.models: dict[str, HostedModel] = {}
         self._processors: dict[str, OutputProcessor] = {}
         for info in ready.models:
@@ -218,10 +258,12 @@ class EngineCoreClient:
         retry_after_s: int = 1,
         kv_events: KVEventsConfig | None = None,
         port: int = 0,
+        lora_modules: Sequence[LoRARequest] = (),
     ) -> EngineCoreClient:
         """Start the core process, wait until it has loaded every model, and return its client.
         A load error is raised here (ValueError for bad input, with the core's message).
-        ``kv_events``: the core publishes KV-cache events (``port``: the topic's ``{port}``)."""
+        ``kv_events``: the core publishes KV-cache events (``port``: the topic's ``{port}``);
+        ``lora_modules``: adapters the core loads before it is ready (``--lora-modules``)."""
         socket_dir = tempfile.mkdtemp(prefix="qserve-core-")
         addresses = ClientAddresses(f"ipc://{socket_dir}/input", f"ipc://{socket_dir}/output")
         context, sender, receiver = _open_sockets(addresses)
@@ -234,6 +276,7 @@ class EngineCoreClient:
             log_level=logging.getLogger().getEffectiveLevel(),
             kv_events=kv_events,
             port=port,
+            lora_modules=list(lora_modules),
         )
         process = None
         try:
@@ -372,8 +415,11 @@ class EngineCoreClient:
             text, token_ids = _prompt_of(item.prompt, view.tokenizer)
             prompts.append((text, token_ids))
             key = "pooling" if isinstance(item.params, PoolingParams) else "sampling"
+            lora = None if item.lora_request is None else LoRASpec.of(item.lora_request)
             requests.append(
-                CoreRequest(item.request_id, token_ids, tenant=item.tenant, **{key: params_fields(item.params)})
+                CoreRequest(
+                    item.request_id, token_ids, tenant=item.tenant, lora=lora, **{key: params_fields(item.params)}
+                )
             )
         for item in items:
             if item.request_id in processor:
@@ -382,7 +428,7 @@ class EngineCoreClient:
         stream = OutputStream(self, model, [item.request_id for item in items])  # type: ignore[arg-type]
         now = time.monotonic()
         for item, (text, token_ids) in zip(items, prompts):
-            processor.add(item.request_id, text, token_ids, item.params)
+            processor.add(item.request_id, text, token_ids, item.params, item.lora_request)
             self._tracked[(model, item.request_id)] = _Tracked(
                 item.request_id, stream, now, max_tokens=item.params.max_tokens
             )
@@ -402,6 +448,56 @@ class EngineCoreClient:
                     self._send(Abort(model, item.request_id))
             raise
         return stream
+
+    # ------------------------------------------------------------------ LoRA adapters (loop thread)
+    def lora_adapters(self) -> list[LoRARequest]:
+        """The core's adapters as last heard (``base_model_name``: the model that runs each)."""
+        return list(self._loras.values())
+
+    async def add_lora(self, model: str, lora_request: LoRARequest) -> int:
+        """Load an adapter onto ``model`` in the core (once, whichever front end asks); returns the id
+        the core gave it. ValueError, with the core's message, if it cannot be served."""
+        self.get_model(model)
+        state = await self._control(LoRAControl(0, "load", model, LoRASpec.of(lora_request)))
+        _raise_lora_error(state)
+        return self._loras[lora_request.lora_name].lora_int_id
+
+    async def remove_lora(self, model: str, lora_name: str) -> bool:
+        """Unload an adapter in the core (False if the core does not have it); requests running
+        with it finish with it."""
+        self.get_model(model)
+        state = await self._control(LoRAControl(0, "unload", model, lora_name=lora_name))
+        if state.error == "not_found":
+            return False
+        _raise_lora_error(state)
+        return True
+
+    async def refresh_loras(self) -> list[LoRARequest]:
+        """Ask the core for its adapter list now (it may have changed through another front end)."""
+        await self._control(LoRAControl(0, "list"))
+        return self.lora_adapters()
+
+    def lora_info(self) -> dict[str, dict[str, Any]]:
+        """The core's last numbers per model with LoRA enabled (``AsyncEngine.lora_info``)."""
+        return {name: dict(info) for name, info in self._lora_info.items()}
+
+    async def _control(self, message: LoRAControl) -> LoRAState:
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        message.control_id = next(self._controls)
+        answer: asyncio.Future[LoRAState] = asyncio.get_running_loop().create_future()
+        self._control_pending[message.control_id] = answer
+        try:
+            self._send(message)
+            return await answer
+        finally:
+            self._control_pending.pop(message.control_id, None)
+
+    def _set_loras(self, adapters: Sequence[LoRASpec]) -> None:
+        loras = {a.name: a.request() for a in adapters}
+        if loras != self._loras:
+            self._loras = loras
+            self.lora_version += 1
 
     def abort(self, model: str, request_id: str) -> None:
         """Abort a request; its pages are freed in the core before its next step. Idempotent."""
@@ -483,12 +579,19 @@ class EngineCoreClient:
                 tracked = self._tracked.pop((message.model, request_id), None)
                 if tracked is not None:
                     tracked.stream._put(error)  # noqa: SLF001
+        elif isinstance(message, LoRAState):
+            self._set_loras(message.adapters)  # before the caller resumes: its next look sees the change
+            control = None if message.control_id is None else self._control_pending.pop(message.control_id, None)
+            if control is not None and not control.done():
+                control.set_result(message)
         elif isinstance(message, Bye):
             logger.info("engine core stopped")
 
     def _on_outputs(self, message: Outputs) -> None:
         if message.stats is not None:
             self._stats = message.stats
+        if message.lora_info is not None:
+            self._lora_info = message.lora_info
         now = time.monotonic()
         listener = self.listener
         for model_outputs in message.models:
@@ -530,6 +633,10 @@ class EngineCoreClient:
             if not answer.done():
                 answer.set_exception(error)
         self._pending.clear()
+        for control in self._control_pending.values():
+            if not control.done():
+                control.set_exception(error)
+        self._control_pending.clear()
 
     def _on_core_exit(self, how: str) -> None:
         if self._stopping.is_set():
@@ -583,6 +690,13 @@ def _raise_refusal(added: Added, model: str) -> None:
     if added.error == "model":
         raise KeyError(model)
     raise ValueError(added.message)
+
+
+def _raise_lora_error(state: LoRAState) -> None:
+    if state.error == "internal":
+        raise RuntimeError(state.message)
+    if state.error is not None:
+        raise ValueError(state.message)
 
 
 def _prompt_of(prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:

@@ -23,6 +23,13 @@ processes, counts each step once. A front end with a liveness pipe (``alive_fd``
 holds the write end) that reaches EOF is gone: its requests are aborted (pages freed at once),
 its grammar compiles dropped, its sockets closed; when every such front end is gone the core exits.
 
+LoRA adapters (``--enable-lora``): the core owns them. ``CoreConfig.lora_modules`` are registered
+before ``Ready`` (which lists them); a request's ``LoRASpec`` is checked against the adapters loaded
+(an unloaded one is refused, as in ``AsyncEngine``); a ``LoRAControl`` (runtime load / unload /
+list) runs once here, between steps, and is answered with the whole adapter list (``LoRAState``);
+after a change every other front end gets that list too, before the caller's answer. The adapters
+of running and waiting requests travel with the live numbers (``lora_requests_info``).
+
 Start-up: the parent writes a pickled ``CoreConfig`` to the child's stdin; the child binds each
 front end's request socket (PULL) and connects its output socket (PUSH; the front end binds it):
 each side binds what it reads, so a message sent before the other side is up waits in ZMQ's
@@ -40,6 +47,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -52,6 +60,7 @@ from qserve.engine.async_engine import (
     KVEventPublisher,
     ModelSpec,
     QueueFullError,
+    _check_registered,
     abort_model,
     build_engines,
 )
@@ -62,6 +71,9 @@ from qserve.engine.core.messages import (
     AddRequests,
     Bye,
     Codec,
+    LoRAControl,
+    LoRASpec,
+    LoRAState,
     ModelFailed,
     ModelInfo,
     ModelOutputs,
@@ -74,6 +86,7 @@ from qserve.engine.core.messages import (
     request_params,
 )
 from qserve.engine.kv_events import KVEventsConfig, ZmqKVEventPublisher
+from qserve.lora.request import LoRARequest
 from qserve.spec_decode.metrics import stats_entries
 
 logger = logging.getLogger(__name__)
@@ -106,6 +119,7 @@ class CoreConfig:
     kv_events: KVEventsConfig | None = None  # --kv-events-config: the core publishes them
     port: int = 0  # the server's port ({port} of the KV-event topic)
     alive_fd: int | None = None  # the write end of the core's own liveness pipe, held until it exits
+    lora_modules: Sequence[LoRARequest] = ()  # --lora-modules, base_model_name set: loaded before Ready
 
 
 @dataclass(eq=False)
@@ -190,7 +204,75 @@ class EngineCore:
                     },
                 )
             )
-        return Ready(infos, self.stats(), os.getpid())
+        return Ready(infos, self.stats(), os.getpid(), self.lora_adapters(), self.lora_info())
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def lora_adapters(self) -> list[LoRASpec]:
+        """Every model's adapters, in load order (``base_model_name``: the model)."""
+        adapters = []
+        for name, hosted in self.models.items():
+            manager = hosted.engine.lora_manager
+            for adapter in [] if manager is None else manager.names():
+                request = manager.request_of(adapter)
+                if request is not None:
+                    adapters.append(LoRASpec(request.lora_name, request.lora_int_id, request.lora_path, name))
+        return adapters
+
+    def lora_info(self) -> dict[str, dict[str, Any]]:
+        """``AsyncEngine.lora_info()``: per model with LoRA enabled, its slots and the adapters of
+        its running and waiting requests."""
+        result = {}
+        for name, hosted in self.models.items():
+            engine = hosted.engine
+            if engine.lora_manager is None:
+                continue
+            running, waiting = engine.lora_stats()
+            result[name] = {"max_lora": engine.config.max_loras, "running": running, "waiting": waiting}
+        return result
+
+    def _lora_control(self, message: LoRAControl, client: ClientChannel) -> None:
+        """Run one load / unload / list; answer the caller; tell the others of a change (first, so
+        that a front end the caller talks to next already knows)."""
+        error: str | None = None
+        text = ""
+        changed = False
+        try:
+            if message.op == "load":
+                changed = self._load_lora(message)
+            elif message.op == "unload":
+                changed = any(hosted.engine.remove_lora(message.lora_name) for hosted in self.models.values())
+                if not changed:
+                    error, text = "not_found", f"The lora adapter '{message.lora_name}' cannot be found."
+            elif message.op != "list":
+                raise ValueError(f"unknown LoRA control op {message.op!r}; use load, unload or list")
+        except ValueError as err:  # an adapter that cannot be served: its files, rank, modules
+            error, text = "value", str(err)
+        except Exception as err:  # noqa: BLE001 - the caller waits for an answer, whatever happened
+            logger.exception("engine core: LoRA %s failed", message.op)
+            error, text = "internal", f"LoRA {message.op} failed in the engine core: {err}"
+        adapters = self.lora_adapters()
+        if changed:
+            for other in self.clients:
+                if other is not client:
+                    self._send(other, LoRAState(adapters))
+        self._send(client, LoRAState(adapters, message.control_id, error, text))
+
+    def _load_lora(self, message: LoRAControl) -> bool:
+        hosted = self.models.get(message.model)
+        if hosted is None or hosted.engine.lora_manager is None:
+            raise ValueError(f"lora_name: model {message.model!r} does not serve LoRA adapters (--enable-lora)")
+        spec = message.lora
+        if spec is None:
+            raise ValueError("lora_path: a load names the adapter's directory")
+        loaded = {a.name: a for a in self.lora_adapters()}
+        if spec.name in loaded:
+            if loaded[spec.name].path == spec.path:
+                return False  # loaded already, from there: nothing changes (as Engine.add_lora)
+            raise ValueError(f"lora_name: The lora adapter '{spec.name}' has already been loaded.")
+        # The core numbers the adapters: front ends cannot agree on ids among themselves.
+        int_id = 1 + max((a.int_id for a in loaded.values()), default=0)
+        hosted.engine.add_lora(LoRARequest(spec.name, int_id, spec.path, message.model))
+        return True
 
     def stats(self) -> dict[str, dict[str, int]]:
         """``AsyncEngine.stats()``'s numbers."""
@@ -228,7 +310,7 @@ class EngineCore:
                 busy = [m for m in self.models.values() if m.engine.has_unfinished_requests()]
                 if not busy and self._was_busy:  # the numbers at the end of a busy spell, before idling
                     self._was_busy = False
-                    self._broadcast(Outputs([], self.stats()))
+                    self._broadcast(Outputs([], self.stats(), self._lora_numbers()))
                 # Idle: wait for work; compiling only: look again soon; busy: do not wait.
                 self._receive(0.0 if busy else COMPILE_POLL_S if self._compiling else IDLE_WAIT_S)
                 self._admit_compiled()
@@ -281,6 +363,8 @@ class EngineCore:
         elif isinstance(message, SetTenants):
             for hosted in self.models.values():
                 hosted.engine.scheduler.set_tenants(message.weights, message.max_running)
+        elif isinstance(message, LoRAControl):
+            self._lora_control(message, client)
         elif isinstance(message, Shutdown):
             self._stopping = True
 
@@ -377,12 +461,16 @@ class EngineCore:
             if self._stopping:
                 raise EngineDeadError("the engine is shutting down")
             hosted.check_queue(sum(p.n for _, _, p in items), self.config.retry_after_s)
-            for _, request, p in items:  # validate all before queuing any
-                hosted.engine.validate_request(request.prompt_token_ids, p)
+            loras = [None if r.lora is None else r.lora.request() for _, r, _ in items]
+            for (_, request, p), lora in zip(items, loras):  # validate all before queuing any
+                hosted.engine.validate_request(request.prompt_token_ids, p, lora)
+                _check_registered(hosted, lora)  # an adapter unloaded meanwhile is refused
             added: list[str] = []
             try:
-                for engine_id, request, p in items:
-                    extra = {"tenant": request.tenant} if request.tenant is not None else {}
+                for (engine_id, request, p), lora in zip(items, loras):
+                    extra: dict[str, Any] = {"tenant": request.tenant} if request.tenant is not None else {}
+                    if lora is not None:
+                        extra["lora_request"] = lora
                     hosted.engine.add_request(engine_id, request.prompt_token_ids, p, **extra)
                     added.append(engine_id)
             except BaseException:
@@ -426,12 +514,16 @@ class EngineCore:
         if self._kv_feed is not None:
             self._kv_feed.publish_pending()
         now = time.monotonic()
-        stats = None
+        stats = lora = None
         # With a finished request, the numbers that no longer count it travel with its last output.
         if finished or now - self._stats_sent >= STATS_INTERVAL_S:
             self._stats_sent = now
             stats = self.stats()
-        self._send_outputs(hosted.name, outputs, step_tokens, stats)
+            lora = self._lora_numbers()
+        self._send_outputs(hosted.name, outputs, step_tokens, stats, lora)
+
+    def _lora_numbers(self) -> dict[str, dict[str, Any]] | None:
+        return self.lora_info() or None  # None: no model serves adapters (nothing to send)
 
     def _send_outputs(
         self,
@@ -439,6 +531,7 @@ class EngineCore:
         outputs: Iterable[RequestDelta],
         step_tokens: list[int] | None = None,
         stats: dict[str, dict[str, int]] | None = None,
+        lora: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         """Each front end gets its own requests' outputs (under the ids it sent) and the numbers;
         the step tokens go to one front end only (each step is counted once)."""
@@ -453,7 +546,7 @@ class EngineCore:
             deltas = by_client.get(client.index, [])
             tokens = list(step_tokens or []) if client is tokens_to else []
             if deltas or tokens or stats is not None:
-                self._send(client, Outputs([ModelOutputs(model, deltas, tokens)], stats))
+                self._send(client, Outputs([ModelOutputs(model, deltas, tokens)], stats, lora))
 
     def _fail_model(self, hosted: HostedModel, err: Exception) -> None:
         by_client: dict[int, list[str]] = {}
@@ -541,6 +634,9 @@ def main() -> int:
     try:
         try:
             engines = build_engines(config.models, config.host, engine_cls=CoreEngine)
+            for lora_request in config.lora_modules:  # --lora-modules: read and checked now
+                base = lora_request.base_model_name or next(iter(engines))
+                engines[base].add_lora(lora_request)
             if config.kv_events is not None:
                 device = next(iter(engines.values())).device
                 medium = "GPU" if device.type == "cuda" else "CPU"

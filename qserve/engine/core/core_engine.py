@@ -21,6 +21,7 @@ from typing import Any
 from qserve.engine.core.messages import RawLogprobs, RequestDelta, SequenceDelta
 from qserve.engine.detokenizer import TokenIdsOnly
 from qserve.engine.engine import Engine, _Group
+from qserve.lora.request import LoRARequest
 from qserve.outputs import Logprob, PositionLogprobs
 from qserve.pooling_params import PoolingParams
 from qserve.request import RequestStatus
@@ -52,8 +53,9 @@ class CoreEngine(Engine):
         params: SamplingParams | PoolingParams,
         *,
         tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        super().add_request(request_id, prompt, params, tenant=tenant)
+        super().add_request(request_id, prompt, params, tenant=tenant, lora_request=lora_request)
         for sequence in self._groups[request_id].sequences:
             sequence.detokenizer = TokenIdsOnly()  # no text in the core: check_stop sees none
             self._sent[sequence.request.request_id] = [0, 0]

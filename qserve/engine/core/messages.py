@@ -10,6 +10,12 @@ the grammar spec); outputs come back once per engine step as ONE ``Outputs`` mes
 every request the step touched, its new token ids, finish reason and (if asked) raw logprobs
 ``(token ids, logprobs, ranks)`` per position. Text is never made in the core: the front end
 detokenizes, checks stop strings and decodes logprob tokens.
+
+LoRA adapters (``--enable-lora``): a request names its adapter as plain data (``LoRASpec``); the
+core owns the adapters (``--lora-modules`` are loaded there at start-up and listed in ``Ready``);
+runtime loads and unloads are ``LoRAControl`` messages, answered by ``LoRAState`` (the core's whole
+adapter list, with the error if refused), which the core also sends to every other front end after
+a change, so each front end's ``/v1/models`` follows the core's list.
 """
 
 from __future__ import annotations
@@ -19,12 +25,30 @@ from typing import Any
 
 import msgspec
 
+from qserve.lora.request import LoRARequest
 from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 from qserve.structured.params import StructuredOutputsParams
 
 # One position's logprobs as sent: (token ids, logprobs, ranks), entry 0 the chosen/actual token.
 RawLogprobs = tuple[list[int], list[float], list[int | None]]
+
+
+# ---------------------------------------------------------------------- LoRA adapters
+class LoRASpec(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A ``LoRARequest`` as plain data (its fields; the receiver builds it again, validated)."""
+
+    name: str
+    int_id: int
+    path: str
+    base_model_name: str | None = None
+
+    @classmethod
+    def of(cls, request: LoRARequest) -> LoRASpec:
+        return cls(request.lora_name, request.lora_int_id, request.lora_path, request.base_model_name)
+
+    def request(self) -> LoRARequest:
+        return LoRARequest(self.name, self.int_id, self.path, self.base_model_name)
 
 
 # ---------------------------------------------------------------------- front end -> core
@@ -36,6 +60,7 @@ class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling: dict[str, Any] | None = None  # SamplingParams' constructor fields
     pooling: dict[str, Any] | None = None  # PoolingParams' (an embedding request)
     tenant: str | None = None
+    lora: LoRASpec | None = None  # the adapter it runs with (None: the base model)
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
@@ -66,7 +91,19 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort everything, send the last outputs, answer ``Bye`` and exit."""
 
 
-FrontendMessage = AddRequests | Abort | SetTenants | Shutdown
+class LoRAControl(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """A runtime adapter change or query, executed once by the core, answered by ``LoRAState``
+    with this ``control_id``. ``op``: "load" (``lora`` onto ``model``; the core picks its
+    ``int_id``), "unload" (``lora_name``) or "list"."""
+
+    control_id: int
+    op: str
+    model: str = ""
+    lora: LoRASpec | None = None
+    lora_name: str = ""
+
+
+FrontendMessage = AddRequests | Abort | SetTenants | Shutdown | LoRAControl
 
 
 # ---------------------------------------------------------------------- core -> front end
@@ -87,6 +124,8 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     models: list[ModelInfo]
     stats: dict[str, dict[str, int]]
     pid: int
+    loras: list[LoRASpec] = []  # the adapters loaded (--lora-modules), base_model_name set
+    lora_info: dict[str, dict[str, Any]] = {}  # per model with LoRA enabled: AsyncEngine.lora_info()'s entry
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):
@@ -141,6 +180,7 @@ class Outputs(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 
     models: list[ModelOutputs]
     stats: dict[str, dict[str, int]] | None = None
+    lora_info: dict[str, dict[str, Any]] | None = None  # with ``stats``: AsyncEngine.lora_info()'s numbers
 
 
 class ModelFailed(msgspec.Struct, tag=True, array_like=True):
@@ -155,7 +195,20 @@ class Bye(msgspec.Struct, tag=True, array_like=True):
     """The core is exiting after a ``Shutdown`` (every output before it was sent)."""
 
 
-CoreMessage = Ready | StartupFailed | Added | Outputs | ModelFailed | Bye
+class LoRAState(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """The core's adapter list (every model's, ``base_model_name`` set): the answer to the
+    ``LoRAControl`` ``control_id`` (``error`` set if it was refused: "value" for an adapter that
+    cannot be served, "not_found" for unloading one that is not loaded, "internal" for a fault of
+    the core; ``message`` says why), or,
+    ``control_id`` None, the news of a change another front end asked for."""
+
+    adapters: list[LoRASpec]
+    control_id: int | None = None
+    error: str | None = None
+    message: str = ""
+
+
+CoreMessage = Ready | StartupFailed | Added | Outputs | ModelFailed | Bye | LoRAState
 
 
 # ---------------------------------------------------------------------- params

@@ -51,6 +51,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     embedding: list[float] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    lora_request: Any = None  # the adapter it runs with (qserve.lora.request.LoRARequest), on every output
 
     @property
     def finished(self) -> bool:
@@ -88,6 +89,7 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams | PoolingParams,
+        lora_request: Any = None,
     ) -> None:
         pooling = params if isinstance(params, PoolingParams) else None
         sampling = params if isinstance(params, SamplingParams) else SamplingParams(max_tokens=1, temperature=0.0)
@@ -113,6 +115,7 @@ class OutputProcessor:
                 )
             )
         state = _RequestState(request_id, prompt, list(prompt_token_ids), sampling, pooling, sequences)
+        state.lora_request = lora_request
         if sampling.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self._requests[request_id] = state
@@ -259,4 +262,5 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=metrics,
+            lora_request=state.lora_request,
         )
