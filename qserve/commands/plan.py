@@ -3,8 +3,8 @@
 Knows: the ``qserve plan`` arguments and how to print a ``MemoryPlan``. Reads only
 ``config.json`` and the checkpoint's quantization metadata (a directory holding just
 ``config.json`` works); with ``--speculative-config`` naming a draft model or an EAGLE head, its
-weights count too (an EAGLE head's from its safetensors headers, and its KV cache indexed by the
-target's blocks as a larger page); speculation's verify rows need no
+weights count too (an EAGLE head's from its safetensors headers), and its KV cache indexed by the
+target's blocks as a larger page; speculation's verify rows need no
 more: a step's drafts stay within the ``max_num_seqs`` logit rows and ``max_num_batched_tokens``
 tokens already planned.
 """
@@ -66,7 +66,14 @@ def run(args: argparse.Namespace) -> int:
     weights = weight_bytes(config, spec, dtype, args.tensor_parallel_size, args.enable_expert_parallel)
     draft_bytes = shadow_per_token = shadow_scratch = 0
     if speculative is not None and speculative.method == "draft_model":  # loaded beside the target
-        draft_bytes = weight_bytes(read_model_config(speculative.model), loaders.detect(speculative.model), dtype, 1)
+        from qserve.spec_decode.shadow_kv import num_scratch_blocks, shadow_kv_bytes_per_token
+
+        draft_config = read_model_config(speculative.model)
+        draft_bytes = weight_bytes(draft_config, loaders.detect(speculative.model), dtype, 1)
+        # its KV indexed by the target's blocks: every page grows by the draft's share
+        shadow_per_token = shadow_kv_bytes_per_token(draft_config, dtype)
+        k, block_size = speculative.num_speculative_tokens, args.block_size
+        shadow_scratch = num_scratch_blocks(args.max_num_seqs, k, block_size, draft=True)
     elif speculative is not None and speculative.is_eagle:  # an EAGLE head: dense, in the model dtype
         from qserve.spec_decode.eagle_config import read_eagle_config
         from qserve.spec_decode.eagle_head import eagle_head_bytes

@@ -109,7 +109,6 @@ from qserve.spec_decode.config import check_tensor_parallel_speculation
 from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
-from quant_kernels.reference_kv_int4 import cache_head_size
 
 logger = logging.getLogger(__name__)
 
@@ -494,7 +493,7 @@ class Engine:
         self.proposer = None
         if self.spec_config is not None:
             if self.spec_config.method == "draft_model":
-                self.proposer = self._draft_proposer(self.runner.kv_caches, kv_dtype)
+                self.proposer = self._draft_proposer(kv_dtype)
             elif self.spec_config.is_eagle:
                 self.proposer = self._eagle_proposer(kv_dtype)
             else:
@@ -527,10 +526,12 @@ class Engine:
             cache.block_size,
         )
 
-    def _draft_proposer(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_dtype: torch.dtype) -> Proposer:
+    def _draft_proposer(self, kv_dtype: torch.dtype) -> Proposer:
         """``speculative_config.model`` (loaded before the memory plan: its weights count there)
-        beside the target, its KV in the target's pages (``qserve.spec_decode.draft_model``)."""
-        from qserve.spec_decode.draft_model import DraftModelProposer, alias_kv_caches
+        beside the target, its KV in a cache of its own indexed by the target's block ids
+        (``qserve.spec_decode.draft_model``, ``qserve.spec_decode.shadow_kv``)."""
+        from qserve.spec_decode.draft_model import DraftModelProposer
+        from qserve.spec_decode.shadow_kv import ShadowKV, num_scratch_blocks
 
         assert self.spec_config is not None and self._draft is not None
         if kv_dtype != self.dtype:
@@ -546,18 +547,19 @@ class Engine:
                 f"speculative_config.model has a vocabulary of {config.vocab_size} ids, the target's tokenizer {vocab}: "
                 "the draft needs the same tokenizer"
             )
-        draft_kv = alias_kv_caches(
-            kv_caches, config.num_layers, config.num_kv_heads, cache_head_size(config.head_dim, kv_dtype)
+        scratch = num_scratch_blocks(
+            self.config.max_num_seqs, self.spec_config.num_speculative_tokens, self.kv_manager.block_size, draft=True
         )
-        runner = ModelRunner(model, config, draft_kv, self.kv_manager.block_size, self.device, self.config.seed)
+        shadow = ShadowKV(config, self.kv_manager, self.block_pool.num_blocks, scratch, kv_dtype, self.device)
+        runner = ModelRunner(model, config, shadow.kv_caches, self.kv_manager.block_size, self.device, self.config.seed)
         runner.set_valid_vocab_size(vocab)  # never a draft the target cannot score
-        kv = KVCacheManager(self.block_pool, self.kv_manager.block_size, False, owner=f"{self.owner}:draft")
         logger.info(
-            "speculative decoding: draft model %s (%d layers), KV in the target's pages",
+            "speculative decoding: draft model %s (%d layers), KV indexed by the target's blocks (%.1f MiB)",
             self.spec_config.model,
             config.num_layers,
+            shadow.nbytes / 2**20,
         )
-        return DraftModelProposer(runner, kv, max_catch_up=self.scheduler_config.max_num_batched_tokens)
+        return DraftModelProposer(runner, shadow, max_catch_up=self.scheduler_config.max_num_batched_tokens)
 
     def _load_eagle_head(self, target_config: ModelConfig):  # noqa: ANN202 - qserve.spec_decode.eagle_head.EagleHead
         """``speculative_config.model`` as an EAGLE / EAGLE-3 head of this target (loaded before the
@@ -743,16 +745,23 @@ class Engine:
         )
 
     def _shadow_kv_plan(self) -> tuple[int, int]:
-        """An EAGLE head's KV indexed by the target's blocks (``qserve.spec_decode.shadow_kv``): its
-        bytes per token of every page and its scratch blocks; (0, 0) without a head."""
+        """A draft model's or an EAGLE head's KV indexed by the target's blocks
+        (``qserve.spec_decode.shadow_kv``): its bytes per token of every page and its scratch blocks;
+        (0, 0) without one."""
         spec = self.config.speculative_config
-        if self._eagle_head is None or spec is None:
+        if spec is None or (self._eagle_head is None and self._draft is None):
             return 0, 0
         from qserve.spec_decode.shadow_kv import num_scratch_blocks, shadow_kv_bytes_per_token
 
+        config = self._draft[1] if self._draft is not None else self._eagle_head.config.model
         return (
-            shadow_kv_bytes_per_token(self._eagle_head.config.model, self.dtype),
-            num_scratch_blocks(self.config.max_num_seqs, spec.num_speculative_tokens, self.config.block_size),
+            shadow_kv_bytes_per_token(config, self.dtype),
+            num_scratch_blocks(
+                self.config.max_num_seqs,
+                spec.num_speculative_tokens,
+                self.config.block_size,
+                draft=self._draft is not None,
+            ),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -1121,7 +1130,7 @@ class Engine:
         self._drafts_out = bool(batch)
 
     def _forget_drafts(self, request_ids: list[str]) -> None:
-        """Drop the proposer's state (a draft model's pages) and the back-off of these sequences."""
+        """Drop the proposer's state (a draft model's scratch blocks) and the back-off of these sequences."""
         assert self.proposer is not None
         self.proposer.forget(request_ids)
         self._draft_backoff.forget(request_ids)
@@ -1161,7 +1170,7 @@ class Engine:
                 sequences[request_id][1].prompt_logprobs_received = 0
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
         if self.proposer is not None and scheduler_output.preempted_request_ids:
-            self._forget_drafts(scheduler_output.preempted_request_ids)  # a draft model's pages go back
+            self._forget_drafts(scheduler_output.preempted_request_ids)  # its KV is gone with the target's pages
         now = time.monotonic()
         for scheduled in scheduler_output.sequences:
             group = sequences[scheduled.request_id][0]

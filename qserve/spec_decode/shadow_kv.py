@@ -1,4 +1,5 @@
-"""An EAGLE head's KV cache of its own, indexed by the target's block ids (the "shadow cache").
+"""A draft model's or an EAGLE head's KV cache of its own, indexed by the target's block ids (the
+"shadow cache"). Below, "the head" is either.
 
 Knows: the head's per-layer K / V tensors ``[num_target_blocks + num_scratch_blocks, block_size,
 head_kv_heads, head_dim]``, how a sequence's positions map to them (the target's block table: the
@@ -19,7 +20,7 @@ Those positions' blocks come from the scratch blocks (indices ``num_target_block
 target block id), lent for one proposal; positions still inside the target's table (its last, partly
 filled block) are written in place: the target has computed none of them, so that block is the
 sequence's alone (only full, computed blocks are shared through the prefix cache) and the next catch-up
-rewrites them. ``max_num_seqs * cdiv(k - 1, block_size)`` scratch blocks cover every proposal.
+rewrites them. ``num_scratch_blocks`` scratch blocks cover every proposal.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ def shadow_kv_bytes_per_token(head: ModelConfig, kv_dtype: torch.dtype) -> int:
     return 2 * head.num_layers * head.num_kv_heads * head.head_dim * torch.empty((), dtype=kv_dtype).element_size()
 
 
-def num_scratch_blocks(max_num_seqs: int, num_speculative_tokens: int, block_size: int) -> int:
-    """Scratch blocks for one proposal: each proposing sequence drafts from at most k - 1 positions
-    past its last known token, of which at most ``cdiv(k - 1, block_size)`` blocks lie past the
-    target's table (that table covers every position before the last known token)."""
-    return max_num_seqs * cdiv(max(num_speculative_tokens - 1, 0), block_size)
+def num_scratch_blocks(max_num_seqs: int, num_speculative_tokens: int, block_size: int, draft: bool = False) -> int:
+    """Scratch blocks for one proposal. The target's table covers every position before the last
+    known token; past it an EAGLE head writes the KV of at most k - 1 positions (it drafts from the
+    last known token on), a draft model of k (the last known token itself, then k - 1 drafts): at
+    most ``cdiv(k - 1, block_size)`` (``cdiv(k, block_size)``) blocks per proposing sequence."""
+    positions = num_speculative_tokens if draft else num_speculative_tokens - 1
+    return max_num_seqs * cdiv(max(positions, 0), block_size)
 
 
 class ShadowKV:
@@ -87,9 +90,23 @@ class ShadowKV:
         return table
 
     def return_scratch(self) -> None:
-        """The proposal is over: its drafted positions' KV is never read again."""
+        """The proposal is over: its drafted positions' KV is never read again (every block lent)."""
         self._scratch += self._lent
         self._lent = []
+
+    def release(self, blocks: list[int]) -> None:
+        """Give back these lent blocks (a draft model keeps a sequence's until its next proposal)."""
+        gone = set(blocks)
+        self._lent = [b for b in self._lent if b not in gone]
+        self._scratch += blocks
+
+    def move_rows(self, src: int, dst: int, num_rows: int) -> None:
+        """Copy the first ``num_rows`` slots of block ``src`` to block ``dst`` in every layer (a
+        scratch block's valid KV into the target block that now holds those positions)."""
+        if num_rows > 0:
+            for key, value in self.kv_caches:
+                key[dst, :num_rows] = key[src, :num_rows]  # [num_rows, kv_heads, head_dim]
+                value[dst, :num_rows] = value[src, :num_rows]
 
     @property
     def nbytes(self) -> int:
