@@ -3,7 +3,8 @@
 Knows: the ``qserve plan`` arguments and how to print a ``MemoryPlan``. Reads only
 ``config.json`` and the checkpoint's quantization metadata (a directory holding just
 ``config.json`` works); with ``--speculative-config`` naming a draft model or an EAGLE head, its
-weights count too (an EAGLE head's from its safetensors headers); speculation's verify rows need no
+weights count too (an EAGLE head's from its safetensors headers), and its KV cache indexed by the
+target's blocks as a larger page; speculation's verify rows need no
 more: a step's drafts stay within the ``max_num_seqs`` logit rows and ``max_num_batched_tokens``
 tokens already planned.
 """
@@ -63,13 +64,26 @@ def run(args: argparse.Namespace) -> int:
     if total is None and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
     weights = weight_bytes(config, spec, dtype, args.tensor_parallel_size, args.enable_expert_parallel)
-    draft_bytes = 0
+    draft_bytes = shadow_per_token = shadow_scratch = 0
     if speculative is not None and speculative.method == "draft_model":  # loaded beside the target
-        draft_bytes = weight_bytes(read_model_config(speculative.model), loaders.detect(speculative.model), dtype, 1)
+        from qserve.spec_decode.shadow_kv import num_scratch_blocks, shadow_kv_bytes_per_token
+
+        draft_config = read_model_config(speculative.model)
+        draft_bytes = weight_bytes(draft_config, loaders.detect(speculative.model), dtype, 1)
+        # its KV indexed by the target's blocks: every page grows by the draft's share
+        shadow_per_token = shadow_kv_bytes_per_token(draft_config, dtype)
+        k, block_size = speculative.num_speculative_tokens, args.block_size
+        shadow_scratch = num_scratch_blocks(args.max_num_seqs, k, block_size, draft=True)
     elif speculative is not None and speculative.is_eagle:  # an EAGLE head: dense, in the model dtype
+        from qserve.spec_decode.eagle_config import read_eagle_config
         from qserve.spec_decode.eagle_head import eagle_head_bytes
+        from qserve.spec_decode.shadow_kv import num_scratch_blocks, shadow_kv_bytes_per_token
 
         draft_bytes = eagle_head_bytes(speculative.model, speculative.method, dtype)
+        # its KV indexed by the target's blocks: every page grows by the head's share
+        head = read_eagle_config(speculative.model, speculative.method, config).model
+        shadow_per_token = shadow_kv_bytes_per_token(head, dtype)
+        shadow_scratch = num_scratch_blocks(args.max_num_seqs, speculative.num_speculative_tokens, args.block_size)
     plan = make_plan(
         config,
         weights_bytes=weights + draft_bytes,
@@ -83,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         lora_bytes=lora_slot_bytes(config, args.max_loras, args.max_lora_rank, dtype) if args.enable_lora else 0,
+        shadow_kv_bytes_per_token=shadow_per_token,
+        shadow_scratch_blocks=shadow_scratch,
     )
     if args.json:
         extra = {"draft_weights_bytes": draft_bytes} if draft_bytes else {}

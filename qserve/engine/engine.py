@@ -115,7 +115,6 @@ from qserve.spec_decode.config import check_tensor_parallel_speculation
 from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
-from quant_kernels.reference_kv_int4 import cache_head_size
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +396,13 @@ class Engine:
                 logger.info("memory plan for %s:\n%s", config.model, self.memory_plan.describe())
             else:
                 num_blocks = plan_num_kv_blocks(
-                    rank_config, kv_dtype, cache.block_size, max_model_len, config.max_num_seqs, self.device
+                    rank_config,
+                    kv_dtype,
+                    cache.block_size,
+                    max_model_len,
+                    config.max_num_seqs,
+                    self.device,
+                    shadow_kv_bytes_per_token=self._shadow_kv_plan()[0],
                 )
             if tp is not None:
                 num_blocks = tp.min_int(num_blocks)  # every rank must hold the same pages
@@ -496,9 +501,9 @@ class Engine:
         self.proposer = None
         if self.spec_config is not None:
             if self.spec_config.method == "draft_model":
-                self.proposer = self._draft_proposer(self.runner.kv_caches, kv_dtype)
+                self.proposer = self._draft_proposer(kv_dtype)
             elif self.spec_config.is_eagle:
-                self.proposer = self._eagle_proposer(self.runner.kv_caches, kv_dtype)
+                self.proposer = self._eagle_proposer(kv_dtype)
             else:
                 self.proposer = make_proposer(self.spec_config)
         self.spec_stats = None if self.spec_config is None else SpecDecodeStats(self.spec_config.num_speculative_tokens)
@@ -529,10 +534,12 @@ class Engine:
             cache.block_size,
         )
 
-    def _draft_proposer(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_dtype: torch.dtype) -> Proposer:
+    def _draft_proposer(self, kv_dtype: torch.dtype) -> Proposer:
         """``speculative_config.model`` (loaded before the memory plan: its weights count there)
-        beside the target, its KV in the target's pages (``qserve.spec_decode.draft_model``)."""
-        from qserve.spec_decode.draft_model import DraftModelProposer, alias_kv_caches
+        beside the target, its KV in a cache of its own indexed by the target's block ids
+        (``qserve.spec_decode.draft_model``, ``qserve.spec_decode.shadow_kv``)."""
+        from qserve.spec_decode.draft_model import DraftModelProposer
+        from qserve.spec_decode.shadow_kv import ShadowKV, num_scratch_blocks
 
         assert self.spec_config is not None and self._draft is not None
         if kv_dtype != self.dtype:
@@ -548,18 +555,19 @@ class Engine:
                 f"speculative_config.model has a vocabulary of {config.vocab_size} ids, the target's tokenizer {vocab}: "
                 "the draft needs the same tokenizer"
             )
-        draft_kv = alias_kv_caches(
-            kv_caches, config.num_layers, config.num_kv_heads, cache_head_size(config.head_dim, kv_dtype)
+        scratch = num_scratch_blocks(
+            self.config.max_num_seqs, self.spec_config.num_speculative_tokens, self.kv_manager.block_size, draft=True
         )
-        runner = ModelRunner(model, config, draft_kv, self.kv_manager.block_size, self.device, self.config.seed)
+        shadow = ShadowKV(config, self.kv_manager, self.block_pool.num_blocks, scratch, kv_dtype, self.device)
+        runner = ModelRunner(model, config, shadow.kv_caches, self.kv_manager.block_size, self.device, self.config.seed)
         runner.set_valid_vocab_size(vocab)  # never a draft the target cannot score
-        kv = KVCacheManager(self.block_pool, self.kv_manager.block_size, False, owner=f"{self.owner}:draft")
         logger.info(
-            "speculative decoding: draft model %s (%d layers), KV in the target's pages",
+            "speculative decoding: draft model %s (%d layers), KV indexed by the target's blocks (%.1f MiB)",
             self.spec_config.model,
             config.num_layers,
+            shadow.nbytes / 2**20,
         )
-        return DraftModelProposer(runner, kv, max_catch_up=self.scheduler_config.max_num_batched_tokens)
+        return DraftModelProposer(runner, shadow, max_catch_up=self.scheduler_config.max_num_batched_tokens)
 
     def _load_eagle_head(self, target_config: ModelConfig):  # noqa: ANN202 - qserve.spec_decode.eagle_head.EagleHead
         """``speculative_config.model`` as an EAGLE / EAGLE-3 head of this target (loaded before the
@@ -573,11 +581,12 @@ class Engine:
             spec.model, head_config, self.model, self.dtype, self.device, target_config.max_position_embeddings
         )
 
-    def _eagle_proposer(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_dtype: torch.dtype) -> Proposer:
-        """The EAGLE head's proposer: its KV in the target's pages, the runner returning the target's
-        hidden states (final, or EAGLE-3's taps) of the steps that ask (``qserve.spec_decode.eagle``)."""
-        from qserve.spec_decode.draft_model import alias_kv_caches
+    def _eagle_proposer(self, kv_dtype: torch.dtype) -> Proposer:
+        """The EAGLE head's proposer: its KV in a cache of its own indexed by the target's block ids
+        (``qserve.spec_decode.shadow_kv``), the runner returning the target's hidden states (final,
+        or EAGLE-3's taps) of the steps that ask (``qserve.spec_decode.eagle``)."""
         from qserve.spec_decode.eagle import EagleProposer
+        from qserve.spec_decode.shadow_kv import ShadowKV, num_scratch_blocks
 
         head = self._eagle_head
         assert self.spec_config is not None and head is not None
@@ -587,23 +596,24 @@ class Engine:
                 f"{self.config.kv_cache_dtype!r}"
             )
         config = head.config.model
-        head_kv = alias_kv_caches(
-            kv_caches, config.num_layers, config.num_kv_heads, cache_head_size(config.head_dim, kv_dtype)
+        scratch = num_scratch_blocks(
+            self.config.max_num_seqs, self.spec_config.num_speculative_tokens, self.kv_manager.block_size
         )
+        shadow = ShadowKV(config, self.kv_manager, self.block_pool.num_blocks, scratch, kv_dtype, self.device)
         vocab = self.model_config.vocab_size
         if self.tokenizer is not None:
             vocab = min(vocab, num_token_ids(self.tokenizer))
         head.set_valid_vocab_size(vocab)  # never a draft the target cannot score
         self.runner.enable_spec_hidden_states(head.config.taps)
-        kv = KVCacheManager(self.block_pool, self.kv_manager.block_size, False, owner=f"{self.owner}:eagle")
         logger.info(
-            "speculative decoding: %s head %s (%d layer(s)%s), KV in the target's pages",
+            "speculative decoding: %s head %s (%d layer(s)%s), KV indexed by the target's blocks (%.1f MiB)",
             self.spec_config.method,
             self.spec_config.model,
             config.num_layers,
             "" if head.config.aux_layer_ids is None else f", target layers {list(head.config.aux_layer_ids)}",
+            shadow.nbytes / 2**20,
         )
-        return EagleProposer(head, head_kv, kv, self.device, self.scheduler_config.max_num_batched_tokens)
+        return EagleProposer(head, shadow, self.device, self.scheduler_config.max_num_batched_tokens)
 
     def _draft_cost(self) -> float:
         """The adaptive policy's cost of one draft forward relative to one of the target: the bytes
@@ -738,6 +748,7 @@ class Engine:
             if self._eagle_head is not None:
                 weights += _module_bytes(self._eagle_head)
         budget = parse_memory_budget(self.config.gpu_memory_budget or str(GPU_DEFAULT_FRACTION), total)
+        shadow_per_token, shadow_scratch = self._shadow_kv_plan()
         return make_plan(
             self.model_config,
             weights_bytes=weights,
@@ -752,10 +763,32 @@ class Engine:
             tensor_parallel_size=self._tensor_parallel_size,
             lora_bytes=lora_bytes,
             enable_expert_parallel=self.config.enable_expert_parallel,
+            shadow_kv_bytes_per_token=shadow_per_token,
+            shadow_scratch_blocks=shadow_scratch,
             piecewise_graph_tokens=(
                 self.scheduler_config.max_num_batched_tokens
                 if piecewise_enabled() and not self.config.enforce_eager
                 else 0
+            ),
+        )
+
+    def _shadow_kv_plan(self) -> tuple[int, int]:
+        """A draft model's or an EAGLE head's KV indexed by the target's blocks
+        (``qserve.spec_decode.shadow_kv``): its bytes per token of every page and its scratch blocks;
+        (0, 0) without one."""
+        spec = self.config.speculative_config
+        if spec is None or (self._eagle_head is None and self._draft is None):
+            return 0, 0
+        from qserve.spec_decode.shadow_kv import num_scratch_blocks, shadow_kv_bytes_per_token
+
+        config = self._draft[1] if self._draft is not None else self._eagle_head.config.model
+        return (
+            shadow_kv_bytes_per_token(config, self.dtype),
+            num_scratch_blocks(
+                self.config.max_num_seqs,
+                spec.num_speculative_tokens,
+                self.config.block_size,
+                draft=self._draft is not None,
             ),
         )
 
@@ -1125,7 +1158,7 @@ class Engine:
         self._drafts_out = bool(batch)
 
     def _forget_drafts(self, request_ids: list[str]) -> None:
-        """Drop the proposer's state (a draft model's pages) and the back-off of these sequences."""
+        """Drop the proposer's state (a draft model's scratch blocks) and the back-off of these sequences."""
         assert self.proposer is not None
         self.proposer.forget(request_ids)
         self._draft_backoff.forget(request_ids)
@@ -1165,7 +1198,7 @@ class Engine:
                 sequences[request_id][1].prompt_logprobs_received = 0
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
         if self.proposer is not None and scheduler_output.preempted_request_ids:
-            self._forget_drafts(scheduler_output.preempted_request_ids)  # a draft model's pages go back
+            self._forget_drafts(scheduler_output.preempted_request_ids)  # its KV is gone with the target's pages
         now = time.monotonic()
         for scheduled in scheduler_output.sequences:
             group = sequences[scheduled.request_id][0]

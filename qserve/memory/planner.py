@@ -293,6 +293,10 @@ class MemoryPlan:
     max_concurrent_sequences: int  # at max_model_len
     concurrent_sequences_at: dict[int, int] = field(default_factory=dict)
     lora_bytes: int = 0  # LoRA adapter slots on the device (--enable-lora: max_loras x every adapted layer)
+    # an EAGLE head's KV indexed by the target's blocks: bytes per token of every page (in
+    # kv_cache_bytes, not in kv_bytes_per_token), and its scratch blocks for drafted positions
+    shadow_kv_bytes_per_token: int = 0
+    shadow_scratch_bytes: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -306,7 +310,13 @@ class MemoryPlan:
             f"overheads         {self.overhead_bytes / gib:8.2f} GiB",
             *([f"LoRA slots        {self.lora_bytes / gib:8.2f} GiB"] if self.lora_bytes else []),
             f"KV cache          {self.kv_cache_bytes / gib:8.2f} GiB  ({self.kv_cache_dtype}, "
-            f"{self.kv_bytes_per_token / 1024:.1f} KiB/token)",
+            f"{self.kv_bytes_per_token / 1024:.1f} KiB/token"
+            + (
+                f" + {self.shadow_kv_bytes_per_token / 1024:.1f} KiB/token of the EAGLE head's KV, "
+                f"{self.shadow_scratch_bytes / 2**20:.1f} MiB of its scratch blocks)"
+                if self.shadow_kv_bytes_per_token
+                else ")"
+            ),
             f"KV pages          {self.num_kv_blocks} x {self.block_size} tokens = {self.kv_tokens} tokens",
             f"max concurrent sequences at max_model_len={self.max_model_len}: {self.max_concurrent_sequences}",
         ]
@@ -331,13 +341,20 @@ def make_plan(
     lora_bytes: int = 0,
     enable_expert_parallel: bool = False,
     piecewise_graph_tokens: int = 0,
+    shadow_kv_bytes_per_token: int = 0,
+    shadow_scratch_blocks: int = 0,
 ) -> MemoryPlan:
     """KV pages = budget - weights - activation peak - overheads (- LoRA slots). Refuses a budget that cannot
     hold one request at ``max_model_len`` and names the largest context that fits.
 
     With ``tensor_parallel_size > 1`` everything is per rank: the budget is one device's,
     ``weights_bytes`` one rank's shard (``weight_bytes(..., tensor_parallel_size)``), the KV pages
-    hold this rank's KV heads, so a page is the same number of tokens on every rank."""
+    hold this rank's KV heads, so a page is the same number of tokens on every rank.
+
+    An EAGLE head's KV cache indexed by the target's block ids (``qserve.spec_decode.shadow_kv``)
+    makes every page ``shadow_kv_bytes_per_token`` per token larger (the head's layers' share), plus
+    ``shadow_scratch_blocks`` head-only blocks: the pool has that fraction fewer pages, and a
+    speculating sequence holds no page more than without speculation."""
     max_model_len = max_model_len or config.max_position_embeddings
     config = per_rank_config(config, tensor_parallel_size, enable_expert_parallel)  # heads / widths per rank
     if activation_bytes is None:
@@ -351,8 +368,10 @@ def make_plan(
         overhead_bytes = cuda_graph_bytes_estimate(config, max_num_seqs, dtype)
     if piecewise_graph_tokens:  # opt-in piecewise graphs (QSERVE_PIECEWISE_GRAPHS=1) for steps up to this size
         overhead_bytes += piecewise_graph_bytes_estimate(config, piecewise_graph_tokens, dtype)
-    per_token = kv_bytes_per_token(config, kv_cache_dtype, dtype)
-    kv_budget = budget_bytes - weights_bytes - activation_bytes - overhead_bytes - lora_bytes
+    target_per_token = kv_bytes_per_token(config, kv_cache_dtype, dtype)
+    per_token = target_per_token + shadow_kv_bytes_per_token  # a page's bytes per token, the head's share too
+    scratch_bytes = shadow_scratch_blocks * block_size * shadow_kv_bytes_per_token
+    kv_budget = budget_bytes - weights_bytes - activation_bytes - overhead_bytes - lora_bytes - scratch_bytes
     num_blocks = max(kv_budget, 0) // (per_token * block_size)
     kv_tokens = num_blocks * block_size
     blocks_per_seq = math.ceil(max_model_len / block_size)
@@ -368,9 +387,9 @@ def make_plan(
         weights_bytes=weights_bytes,
         activation_bytes=activation_bytes,
         overhead_bytes=overhead_bytes,
-        kv_cache_bytes=num_blocks * block_size * per_token,
+        kv_cache_bytes=num_blocks * block_size * per_token + scratch_bytes,
         kv_cache_dtype=kv_cache_dtype,
-        kv_bytes_per_token=per_token,
+        kv_bytes_per_token=target_per_token,
         block_size=block_size,
         num_kv_blocks=num_blocks,
         kv_tokens=kv_tokens,
@@ -380,6 +399,8 @@ def make_plan(
             ctx: num_blocks // math.ceil(ctx / block_size) for ctx in REPORT_CONTEXTS if ctx <= max_model_len
         },
         lora_bytes=lora_bytes,
+        shadow_kv_bytes_per_token=shadow_kv_bytes_per_token,
+        shadow_scratch_bytes=scratch_bytes,
     )
 
 
@@ -390,15 +411,17 @@ def plan_num_kv_blocks(
     max_model_len: int,
     max_num_seqs: int,
     device: torch.device,
+    shadow_kv_bytes_per_token: int = 0,
 ) -> int:
     """Blocks for the KV pool when no budget was given: what is free (GPU) or 1 GiB (CPU),
-    never more than ``max_num_seqs`` full-length sequences need."""
+    never more than ``max_num_seqs`` full-length sequences need; an EAGLE head's KV indexed by the
+    target's blocks makes each block ``shadow_kv_bytes_per_token`` per token larger."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * GPU_DEFAULT_FRACTION)
     else:
         budget = CPU_KV_BUDGET_BYTES
-    block_bytes = kv_block_bytes(config, block_size, kv_dtype)
+    block_bytes = kv_block_bytes(config, block_size, kv_dtype) + shadow_kv_bytes_per_token * block_size
     blocks_per_seq = math.ceil(max_model_len / block_size)
     num_blocks = min(budget // block_bytes, blocks_per_seq * max_num_seqs)
     if num_blocks < blocks_per_seq:

@@ -6,7 +6,7 @@ the rejection sampler (``qserve.runner.rejection_sampler``) keeps or rejects the
 only knows how drafts are proposed (``ngram``: lookup in the sequence's own tokens; ``draft_model``: a
 small model driven through a ``ModelRunner`` of its own, its KV in the target's pages; ``eagle``: an
 EAGLE / EAGLE-3 head, ``eagle_head``, read from ``eagle_config``, fed the target's hidden states, its KV
-in the target's pages too) and how ``speculative_config`` is read, when a sequence stops getting
+in a cache of its own indexed by the target's block ids, ``shadow_kv``) and how ``speculative_config`` is read, when a sequence stops getting
 proposals (``backoff``) and how many drafts a step gets with adaptive verification (``adaptive``;
 docs/spec_decode.md).
 """

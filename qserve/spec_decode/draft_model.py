@@ -1,5 +1,5 @@
 """The draft-model proposer (vLLM's ``method: "draft_model"``): a small checkpoint of the same
-tokenizer proposes k tokens greedily, its KV cache in the target's own page pool.
+tokenizer proposes k tokens greedily, its KV cache indexed by the target's block ids.
 
 Knows: how to keep a draft-side copy of each sequence (``Request`` mirrors: the target's tokens,
 then the drafts of the last proposal), how far the draft's KV is valid (the prefix shared with
@@ -7,17 +7,22 @@ the target's tokens now: drafts the target rejected are recomputed), and how to 
 through a ``ModelRunner`` (a catch-up chunk with the sequence's new tokens, then one row per
 further draft). Must not know: the target's scheduler queues, sampling of the target, stops.
 
-Pages: the draft's blocks come from the target's ``BlockPool`` under the owner ``<target>:draft``
-(no second memory budget), and its per-layer KV caches are views of the target's: draft layer l
-lives in target layer l's K / V tensors (``alias_kv_caches``), in the blocks the draft owns, so a
-block holds either model's KV, never both. That needs a draft with no more layers than the target
-and a block per layer no larger than the target's (a 0.5B draft of a 7B target fits).
+KV: the draft's own caches indexed by the target's block ids (``shadow_kv.ShadowKV``, as an EAGLE
+head's): its KV of position p sits at the target's slot of p, so it takes no page of the pool. The
+positions past the target's table (the last known token, when the target has no slot for it yet,
+and the drafts: the scheduler gives the target their slots after the proposal) use scratch blocks.
+The sequence keeps them until its next proposal, which first moves the rows still valid (the
+accepted drafts' KV) into the target's blocks that now hold those positions, so a verify step that
+kept every draft needs a catch-up of 2 tokens, as before (a position whose block the target does
+not hold is recomputed). Those rows are the KV of tokens the target kept, a function of the tokens
+before them only, so writing them is harmless even in a block shared through the prefix cache.
+A draft of any depth and KV width fits.
 
 Drafts are the draft model's argmax tokens (after the request's penalties, logit_bias and
 min_tokens): a point mass q, so the rejection sampler's rule
 (accept with probability p(d)) keeps the target distribution exactly, as for n-gram drafts.
-A sequence gets drafts only when the draft caught up with it in this call and its pages are there
-(keeping ``reserve`` pages free for the target); otherwise none, and it decodes plainly. The
+A sequence gets drafts only when the draft caught up with it in this call and scratch blocks were
+left for its positions past the target's table; otherwise none, and it decodes plainly. The
 catch-up forward computes at most ``max_catch_up`` tokens in all (the engine's step budget, which
 its memory plan measured): after steps without proposals (the batch above
 ``disable_by_batch_size``) every sequence is far behind, and one forward over all of them would be
@@ -28,45 +33,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import torch
-
 from qserve.request import Request
 from qserve.runner.model_runner import ModelRunner
 from qserve.sampling_params import SamplingParams
-from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import ScheduledSequence, SchedulerOutput
 from qserve.spec_decode.proposer import ProposalInput, Proposer
+from qserve.spec_decode.shadow_kv import ShadowKV
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
-
-
-def alias_kv_caches(
-    target: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int, num_kv_heads: int, head_size: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The draft's per-layer (K, V) ``[num_blocks, block_size, num_kv_heads, head_size]`` as views
-    of the target's first ``num_layers`` layers (same blocks, same dtype); ValueError when the
-    draft's KV does not fit in the target's."""
-    if num_layers > len(target):
-        raise ValueError(
-            f"speculative_config.model has {num_layers} layers, more than the target's {len(target)}: its KV "
-            "cannot share the target's pages"
-        )
-    aliased = []
-    for key, value in target[:num_layers]:
-        num_blocks, block_size, target_heads, target_size = key.shape
-        if num_kv_heads * head_size > target_heads * target_size or key.stride(1) != target_heads * target_size:
-            raise ValueError(
-                f"speculative_config.model's KV per token ({num_kv_heads} heads x {head_size}) does not fit in the "
-                f"target's ({target_heads} x {target_size})"
-            )
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
-        aliased.append(
-            tuple(
-                torch.as_strided(t, shape, (t.stride(0), t.stride(1), head_size, 1), t.storage_offset())
-                for t in (key, value)
-            )
-        )
-    return aliased
 
 
 def draft_params(params: SamplingParams | None) -> SamplingParams:
@@ -80,12 +54,15 @@ def draft_params(params: SamplingParams | None) -> SamplingParams:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_catch_up: int) -> None:
-        self.runner = runner
-        self.kv = kv
+    def __init__(self, runner: ModelRunner, shadow: ShadowKV, max_catch_up: int) -> None:
+        self.runner = runner  # its KV caches are shadow.kv_caches
+        self.shadow = shadow
         self.max_catch_up = max_catch_up
         self._mirrors: dict[str, Request] = {}
         self._synced: dict[str, int] = {}  # outputs of the target known at the last proposal
+        # request id -> [(index in its block table, scratch block)] of its last proposal
+        self._held: dict[str, list[tuple[int, int]]] = {}
+        self._tables: dict[str, list[int]] = {}  # the block tables of the proposal under way
 
     def _sync(self, item: ProposalInput) -> Request:
         """The draft's copy of the sequence, its valid KV cut to the prefix shared with the target."""
@@ -102,9 +79,30 @@ class DraftModelProposer(Proposer):
         mirror.num_computed_tokens = min(mirror.num_computed_tokens, mirror.num_prompt_tokens + common)
         mirror.output_token_ids = list(target)
         self._synced[item.request_id] = len(target)
+        self._settle(mirror)
         return mirror
 
+    def _settle(self, mirror: Request) -> None:
+        """Move the valid rows of the sequence's scratch blocks into the target's blocks now at those
+        table indices, cut its valid KV where the target holds no block, give the scratch back."""
+        held = self._held.pop(mirror.request_id, None)
+        if not held:
+            return
+        table, size = self.shadow.target.block_table(mirror.request_id), self.shadow.block_size
+        for index, block in held:
+            if index >= len(table):  # the target has no block there: recompute from it
+                mirror.num_computed_tokens = min(mirror.num_computed_tokens, index * size)
+                continue
+            self.shadow.move_rows(block, table[index], min(mirror.num_computed_tokens - index * size, size))
+        self.shadow.release([block for _, block in held])
+
     def propose(self, batch: Sequence[ProposalInput]) -> list[list[int]]:
+        try:
+            return self._propose(batch)
+        finally:
+            self._tables = {}
+
+    def _propose(self, batch: Sequence[ProposalInput]) -> list[list[int]]:
         drafts: dict[str, list[int]] = {}
         first: list[ScheduledSequence] = []
         wants: dict[str, int] = {}
@@ -116,11 +114,15 @@ class DraftModelProposer(Proposer):
             if catch_up == 0:  # the budget is spent: no drafts for it this step
                 continue
             k = item.max_num_tokens if catch_up == behind else 0
-            # a page per sequence stays free for the target: its tokens come before the drafts'
-            if not self.kv.allocate_slots(mirror, catch_up + max(k - 1, 0), reserve=len(batch)):
+            end = mirror.num_computed_tokens + catch_up + max(k - 1, 0)  # positions whose KV it writes
+            num_target = len(self.shadow.target.block_table(item.request_id))
+            table = self.shadow.draft_table(item.request_id, end)
+            if table is None:  # the scratch blocks are spent
                 continue
+            self._tables[item.request_id] = table
+            if len(table) > num_target:  # held until its next proposal (_settle)
+                self._held[item.request_id] = list(enumerate(table))[num_target:]
             budget -= catch_up
-            self.kv.free_tail(mirror, mirror.num_computed_tokens + catch_up + max(k - 1, 0))
             first.append(self._scheduled(mirror, catch_up, sample=k > 0))
             if k > 0:
                 wants[item.request_id] = k
@@ -147,7 +149,7 @@ class DraftModelProposer(Proposer):
             request_id=mirror.request_id,
             start_position=mirror.num_computed_tokens,
             num_new_tokens=num_new,
-            block_ids=self.kv.block_table(mirror.request_id),
+            block_ids=self._tables[mirror.request_id],
             prompt_token_ids=mirror.prompt_token_ids,
             output_token_ids=mirror.output_token_ids,
             sampling_params=mirror.sampling_params,
@@ -156,7 +158,8 @@ class DraftModelProposer(Proposer):
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
-            mirror = self._mirrors.pop(request_id, None)
+            self._mirrors.pop(request_id, None)  # the draft holds no pages: the target's go back
             self._synced.pop(request_id, None)
-            if mirror is not None:
-                self.kv.free(mirror)
+            held = self._held.pop(request_id, None)
+            if held:
+                self.shadow.release([block for _, block in held])

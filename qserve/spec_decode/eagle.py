@@ -1,5 +1,5 @@
 """The EAGLE / EAGLE-3 proposer (vLLM's ``method: "eagle"`` / ``"eagle3"``): a head reads the target's
-hidden states and drafts k tokens autoregressively, its KV cache in the target's own page pool.
+hidden states and drafts k tokens autoregressively, its KV cache indexed by the target's blocks.
 
 Knows: which positions of each sequence the head's KV covers, how a step's captured target hidden
 states become the head's inputs, and how to run the head (``EagleHead``) over a batch with
@@ -17,16 +17,21 @@ previous draft and the head's own output feature; those positions' KV is rewritt
 catch-up (they held drafts, not target features).
 
 Steps whose hidden states were not captured (a busy engine decoding without speculation, with its
-CUDA graphs; a swapped-out sequence; pages the head could not get) leave positions the head never
+CUDA graphs; a swapped-out or preempted sequence; a prompt prefix from the prefix cache) leave positions the head never
 saw: at the next proposal it catches up over them with a zero feature (the tokens alone), so its
 attention has no holes, and the sequence skips that one proposal: the step that follows is a
 captured plain decode, after which the head drafts from a real feature of the newest position.
 Its attention over the filled positions is poorer than with the target's features; drafts may be
 worse for it, never wrong (the rejection sampler decides).
 
-Pages: the head's blocks come from the target's ``BlockPool`` under the owner ``<target>:eagle``,
-its per-layer caches are views of the target's first layers (``draft_model.alias_kv_caches``), and
-a page per catching-up sequence stays free for the target, as for the draft model.
+KV: the head's own caches indexed by the target's block ids (``shadow_kv.ShadowKV``): position p's
+KV sits at the target's slot of p, so the head takes no page of the pool; the positions it drafts
+from past the target's table use scratch blocks for the one proposal. Prefix caching: a sequence
+served from the prefix cache starts with a gap over the cached positions (the head KV of those
+blocks may have been written for another next token, from zero features, or never: it is not
+trusted), and its catch-up rewrites the head's KV of those shared blocks; a running sequence sharing
+them then attends over that rewrite (the same tokens; a zero feature where the newcomer had a gap):
+its drafts may be poorer, never wrong.
 
 Drafts are the head's argmax (a point mass q: the rejection rule p(d) keeps the target's
 distribution exactly).
@@ -44,9 +49,9 @@ from qserve.request import Request
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.model_runner import pad_block_tables
 from qserve.sampling_params import SamplingParams
-from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.spec_decode.eagle_head import EagleHead
 from qserve.spec_decode.proposer import ProposalInput, Proposer
+from qserve.spec_decode.shadow_kv import ShadowKV
 
 _MIRROR_PARAMS = SamplingParams(temperature=0.0, max_tokens=None)
 
@@ -85,14 +90,12 @@ class EagleProposer(Proposer):
     def __init__(
         self,
         head: EagleHead,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # the head's layers' views of the target's
-        kv: KVCacheManager,
+        shadow: ShadowKV,
         device: torch.device,
         max_tokens_per_forward: int,
     ) -> None:
         self.head = head
-        self.kv_caches = kv_caches
-        self.kv = kv
+        self.shadow = shadow
         self.device = device
         self.max_tokens_per_forward = max(1, max_tokens_per_forward)
         # num_computed_tokens: positions whose head KV holds target features (or a zero fill)
@@ -135,13 +138,10 @@ class EagleProposer(Proposer):
 
     def _catch_up(self, work: list[_Work]) -> None:
         """Run the head over each entry's positions (in chunks of at most ``max_tokens_per_forward``
-        rows), advancing its mirror and keeping the last position's outputs; an entry whose pages
-        cannot be had is dropped (its positions become a gap, filled later)."""
-        pending = []
-        for item in work:
-            if self.kv.allocate_slots(item.mirror, item.end - item.start, reserve=len(work)):
-                self.kv.free_tail(item.mirror, item.end)
-                pending.append(item)
+        rows), advancing its mirror and keeping the last position's outputs. Every position was
+        computed by the target, so its slot is in the target's table (an entry whose table does not
+        reach that far, which should not happen, is dropped: its positions become a gap)."""
+        pending = [item for item in work if self.shadow.covers(item.mirror.request_id, item.end)]
         while pending:
             batch, budget, rest = [], self.max_tokens_per_forward, []
             for item in pending:
@@ -151,7 +151,7 @@ class EagleProposer(Proposer):
                 take = min(budget, item.end - item.start)
                 budget -= take
                 batch.append((item, take))
-            chunk = [(item.mirror, item.start, take) for item, take in batch]
+            chunk = [(self.shadow.table(item.mirror.request_id), item.start, take) for item, take in batch]
             ids = [t for item, take in batch for t in item.input_ids[:take]]
             features = torch.cat([item.features[:take] for item, take in batch])  # [T, H]
             logits_in, feature = self._forward(chunk, torch.tensor(ids, dtype=torch.int64), features)
@@ -197,9 +197,10 @@ class EagleProposer(Proposer):
                 gaps.append(_Work(mirror, start, last, ids, zeros))
                 behind.add(item.request_id)
         self._catch_up(gaps)
-        # Sequences ready to draft: caught up to their last known token, with room for the drafts'
-        # KV (the first draft needs none: it comes from the last caught-up position).
-        ready = []
+        # Sequences ready to draft: caught up to their last known token, with blocks for the KV of
+        # the positions drafted from (the last known token onwards; the first draft needs none: it
+        # comes from the last caught-up position). Those past the target's table are scratch blocks.
+        ready, tables = [], {}
         for i, item in enumerate(batch):
             mirror = self._mirrors.get(item.request_id)
             last = len(item.prompt_token_ids) + len(item.output_token_ids) - 1
@@ -211,14 +212,28 @@ class EagleProposer(Proposer):
                 or item.request_id not in self._last
             ):
                 continue
-            extra = item.max_num_tokens - 1
-            if extra and not self.kv.allocate_slots(mirror, extra, reserve=len(batch)):
+            table = self.shadow.draft_table(item.request_id, last + item.max_num_tokens - 1)
+            if table is None:
                 continue
-            self.kv.free_tail(mirror, last + extra)
+            tables[item.request_id] = table
             ready.append(i)
         drafts: list[list[int]] = [[] for _ in batch]
         if not ready:
             return drafts
+        try:
+            self._draft(batch, ready, tables, drafts)
+        finally:
+            self.shadow.return_scratch()
+        return drafts
+
+    def _draft(
+        self,
+        batch: Sequence[ProposalInput],
+        ready: list[int],
+        tables: dict[str, list[int]],
+        drafts: list[list[int]],
+    ) -> None:
+        """k drafts for each of the ``ready`` batch entries into ``drafts``."""
         logits_in = torch.stack([self._last[batch[i].request_id][0] for i in ready])  # [R, H]
         feature = torch.stack([self._last[batch[i].request_id][1] for i in ready])  # [R, H]
         tokens = self.head.draft_tokens(logits_in)  # [R] int64 on the device: every first draft
@@ -231,8 +246,8 @@ class EagleProposer(Proposer):
                 tokens, feature = tokens.index_select(0, rows), feature.index_select(0, rows)
                 drafting = [drafting[a] for a in keep]
             # draft j reads draft j - 1 at the position after the last known token, plus j - 1
-            mirrors = [self._mirrors[batch[i].request_id] for i in drafting]
-            chunk = [(mirror, mirror.num_computed_tokens + j - 1, 1) for mirror in mirrors]
+            ids = [batch[i].request_id for i in drafting]
+            chunk = [(tables[r], self._mirrors[r].num_computed_tokens + j - 1, 1) for r in ids]
             logits_in, feature = self._forward(chunk, tokens, feature)
             tokens = self.head.draft_tokens(logits_in)  # [A]
             column = torch.full((len(batch),), -1, dtype=torch.int64, device=self.device)  # [B]
@@ -244,7 +259,6 @@ class EagleProposer(Proposer):
         table = torch.stack(columns, dim=1).tolist()  # [B, k_max]: the proposal's one sync with the host
         for i in ready:
             drafts[i] = table[i][: batch[i].max_num_tokens]
-        return drafts
 
     # ------------------------------------------------------------------------------------------
     # One forward of the head
@@ -256,16 +270,16 @@ class EagleProposer(Proposer):
 
     def _forward(
         self,
-        chunk: list[tuple[Request, int, int]],  # (mirror, first position, number of positions)
+        chunk: list[tuple[list[int], int, int]],  # (block table, first position, number of positions)
         input_ids: torch.Tensor,  # int64 [T] (host or device)
         features: torch.Tensor,  # [T, H]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over the positions of ``chunk`` (each sequence's KV before them is in its
-        blocks): (logits inputs ``[T, H]``, next features ``[T, H]``)."""
-        block_size = self.kv.block_size
+        blocks of the shadow cache): (logits inputs ``[T, H]``, next features ``[T, H]``)."""
+        block_size = self.shadow.block_size
         starts = np.array([start for _, start, _ in chunk], dtype=np.int64)  # [S]
         counts = np.array([count for _, _, count in chunk], dtype=np.int64)  # [S]
-        tables = [self.kv.block_table(mirror.request_id) for mirror, _, _ in chunk]
+        tables = [table for table, _, _ in chunk]
         table_lens = np.array([len(t) for t in tables], dtype=np.int64)  # [S]
         flat = np.array([b for t in tables for b in t], dtype=np.int64)  # [sum(lens)]
         ends = np.cumsum(counts)  # [S]
@@ -286,13 +300,11 @@ class EagleProposer(Proposer):
             input_ids.to(device),
             torch.from_numpy(positions).to(device),
             features.to(self._dtype),
-            self.kv_caches,
+            self.shadow.kv_caches,
             metadata,
         )
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
-            mirror = self._mirrors.pop(request_id, None)
+            self._mirrors.pop(request_id, None)  # the head holds no pages: the target's go back
             self._last.pop(request_id, None)
-            if mirror is not None:
-                self.kv.free(mirror)

@@ -86,7 +86,7 @@ def path(tiny_checkpoints) -> str:
 
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory) -> dict[str, str]:
-    """Draft checkpoints of the test tokenizer: one layer (fits the target's pages), three (does not)."""
+    """Draft checkpoints of the test tokenizer: one layer, and three (deeper than the 2-layer target)."""
     from tests.helpers.tiny_models import make_tiny_model, save_tiny_checkpoint
 
     return {
@@ -290,6 +290,12 @@ def test_the_draft_models_weights_count_in_the_memory_plan(path):
     with_draft = LLM(path, gpu_memory_budget="256MiB", speculative_config=spec, **ARGS).engine.memory_plan
     assert with_draft.weights_bytes == 2 * plain.weights_bytes  # the target is its own draft here
     assert with_draft.num_kv_blocks < plain.num_kv_blocks
+    # its KV indexed by the target's blocks: a page twice the bytes (the same model), and its scratch
+    assert with_draft.shadow_kv_bytes_per_token == plain.kv_bytes_per_token
+    assert with_draft.shadow_scratch_bytes == 256 * 1 * ARGS["block_size"] * plain.kv_bytes_per_token
+    left = with_draft.budget_bytes - with_draft.weights_bytes - with_draft.activation_bytes
+    left -= with_draft.overhead_bytes + with_draft.shadow_scratch_bytes
+    assert with_draft.num_kv_blocks == left // (2 * plain.kv_bytes_per_token * ARGS["block_size"])
 
 
 def test_plan_counts_the_draft_model(path, drafts, capsys):
@@ -308,17 +314,40 @@ def test_plan_counts_the_draft_model(path, drafts, capsys):
         results.append(json.loads(capsys.readouterr().out))
     assert results[1]["draft_weights_bytes"] > 0
     assert results[1]["weights_bytes"] == results[0]["weights_bytes"] + results[1]["draft_weights_bytes"]
+    # its KV indexed by the target's blocks: each page larger by the draft's KV per token (the
+    # target as its own draft: twice the bytes, so about half the pages), plus its scratch blocks
+    plain, spec = results
+    assert spec["shadow_kv_bytes_per_token"] == plain["kv_bytes_per_token"] and plain["shadow_kv_bytes_per_token"] == 0
+    assert spec["shadow_scratch_bytes"] == 256 * 16 * spec["shadow_kv_bytes_per_token"]  # cdiv(2, 16) a sequence
+    left = spec["budget_bytes"] - spec["weights_bytes"] - spec["activation_bytes"] - spec["overhead_bytes"]
+    per_page = 2 * plain["kv_bytes_per_token"] * 16
+    assert spec["num_kv_blocks"] == (left - spec["shadow_scratch_bytes"]) // per_page
+
+
+def test_a_draft_deeper_than_the_target_has_its_own_kv(path, drafts, reference):
+    """The draft's KV is a cache of its own indexed by the target's blocks: a 3-layer draft of the
+    2-layer target runs (its layers could not view the target's), the outputs are those of no
+    speculation, and every page in use is the target's at every step."""
+    requests, want, _ = reference
+    spec = {"method": "draft_model", "model": drafts["3-layer"], "num_speculative_tokens": 3}
+    engine = LLM(path, speculative_config=spec, **ARGS).engine
+    assert len(engine.proposer.shadow.kv_caches) == 3
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    got, pool = {}, engine.block_pool
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                got[output.request_id] = output
+        assert pool.num_used_blocks == len({b for t in engine.kv_manager._tables.values() for b in t})
+    _assert_same(got, want)
+    assert engine.spec_stats.num_draft_tokens > 0
+    assert pool.num_free_blocks == pool.num_blocks and not engine.proposer.shadow._lent
 
 
 def test_bad_config_is_refused_naming_the_field(path, drafts):
     with pytest.raises(ValueError, match=r"speculative_config\.model is required"):
         LLM(path, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}, **ARGS)
-    with pytest.raises(ValueError, match=r"speculative_config\.model has 3 layers"):
-        LLM(
-            path,
-            speculative_config={"method": "draft_model", "model": drafts["3-layer"], "num_speculative_tokens": 2},
-            **ARGS,
-        )
     with pytest.raises(ValueError, match=r"speculative_config\.num_speculative_tokens"):
         LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": -1}, **ARGS)
     with pytest.raises(ValueError, match="tensor parallelism"):

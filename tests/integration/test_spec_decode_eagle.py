@@ -168,11 +168,20 @@ def test_drafts_equal_a_dense_reading_of_the_head(tiny_checkpoints, path, heads,
     llm = LLM(path, speculative_config=_spec(heads, method), max_num_batched_tokens=8, **ARGS)
     engine = llm.engine
     engine._draft_backoff.max_wait = 1  # propose (nearly) every step although random drafts fail
-    seen = []
+    seen, lent, scratch_used = [], [], []  # scratch_used: (index of the batch's first in seen, lent any)
     propose = engine.proposer.propose
+    shadow = engine.proposer.shadow
+    draft_table = shadow.draft_table
+
+    def lend(request_id, end):  # noqa: ANN001, ANN202
+        table = draft_table(request_id, end)
+        lent.extend(b for b in table if b >= engine.block_pool.num_blocks)
+        return table
 
     def spy(batch):  # noqa: ANN001, ANN202
+        before = len(lent)
         result = propose(batch)
+        scratch_used.append((len(seen), len(lent) > before))
         seen.extend(
             ([*item.prompt_token_ids, *item.output_token_ids], item.max_num_tokens, drafts)
             for item, drafts in zip(batch, result)
@@ -180,9 +189,12 @@ def test_drafts_equal_a_dense_reading_of_the_head(tiny_checkpoints, path, heads,
         return result
 
     engine.proposer.propose = spy
+    shadow.draft_table = lend
     prompts = [{"prompt_token_ids": LOOP}, {"prompt_token_ids": list(range(40, 58))}, {"prompt_token_ids": [9, 8, 7]}]
     llm.generate(prompts, _greedy(max_tokens=12), use_tqdm=False)
     assert len(seen) >= 8 and all(len(drafts) == k for _, k, drafts in seen)
+    # the proposals checked below drafted over scratch blocks too (positions past the target's table)
+    assert any(used for first, used in scratch_used if first < 12)
     for tokens, k, drafts in seen[:12]:
         assert drafts == _reference_drafts(heads[method], method, target, tokens, k), tokens
 
@@ -219,6 +231,95 @@ def test_preemption_and_disable_by_batch_size_keep_the_outputs(path, heads, refe
     _assert_same(got, want)
     assert (False, 0) in captured, "busy plain decode steps carry no hidden states"
     assert any(spec for _, spec in captured), "speculation came back once the batch shrank"
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_the_heads_kv_lives_at_the_targets_slots(path, heads, reference, method):  # noqa: F811
+    """The head's KV cache is indexed by the target's blocks (qserve.spec_decode.shadow_kv): no page
+    of the pool is ever the head's, and a speculating sequence holds only the target's pages. The
+    positions it drafts from past the last known token are NOT yet in the target's table when the
+    proposal runs (the scheduler allocates the verify step's slots after ``propose`` returns): they
+    take scratch blocks (never a target block id, distinct between sequences); those inside the
+    target's table are in its last, partly computed block, which no other sequence holds."""
+    requests, want, _ = reference
+    engine = LLM(path, speculative_config=_spec(heads, method), **ARGS).engine
+    shadow, pool = engine.proposer.shadow, engine.block_pool
+    num_target = pool.num_blocks
+    assert num_target == engine.kv_manager.pool.num_blocks
+    for key, value in shadow.kv_caches:
+        assert key.shape[0] == value.shape[0] == num_target + engine.config.max_num_seqs  # k - 1 <= block_size
+        assert key.data_ptr() not in {k.data_ptr() for k, _ in engine.runner.kv_caches}
+    draft_table = shadow.draft_table
+    lent, past_target = [], []
+
+    def spy(request_id, end):  # noqa: ANN001, ANN202
+        target = list(engine.kv_manager.block_table(request_id))
+        table = draft_table(request_id, end)
+        assert table is not None and table[: len(target)] == target
+        extra = table[len(target) :]
+        assert all(b >= num_target for b in extra) and not set(extra) & set(lent)
+        lent.extend(extra)
+        past_target.append(end > len(target) * ARGS["block_size"])
+        last = end - (K - 1)  # the last known token: not computed by the target yet
+        if last // ARGS["block_size"] < len(target):
+            assert pool.ref_count(target[last // ARGS["block_size"]]) == 1, "its partly computed block is its own"
+        return table
+
+    shadow.draft_table = spy
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    got, steps, proposals = {}, 0, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 1000
+        lent.clear()
+        for output in engine.step():
+            if output.finished:
+                got[output.request_id] = output
+        # every page in use is the target's: the head holds none
+        assert pool.num_used_blocks == len({b for t in engine.kv_manager._tables.values() for b in t})
+        assert pool.num_used_by(f"{engine.owner}:eagle") == 0
+        for request in engine.scheduler.running:  # no page past the tokens (and the drafts) it needs
+            table = engine.kv_manager.block_table(request.request_id)
+            assert len(table) <= -(-(request.num_tokens + K) // ARGS["block_size"])
+        proposals += len(past_target)
+    _assert_same(got, want)
+    assert engine.spec_stats.num_draft_tokens > 0 and proposals > 0
+    assert any(past_target), "some drafted positions lay past the target's table: scratch blocks were needed"
+    assert sorted(shadow._scratch) == list(range(num_target, num_target + engine.config.max_num_seqs))
+    assert not shadow._lent, "every scratch block came back"
+
+
+def test_an_eagle_pool_holds_about_the_tokens_of_no_speculation(path, heads):  # noqa: F811
+    """Under one budget the EAGLE engine's pool has fewer pages only by the head's byte share (its
+    layers' KV per token over the target's plus the head's, and its scratch blocks); with the head's
+    pages in the pool, as before, a speculating sequence held about twice the pages."""
+    budget = dict(gpu_memory_budget="256MiB", **ARGS)
+    plain = LLM(path, **budget).engine.memory_plan
+    engine = LLM(path, speculative_config=_spec(heads, "eagle"), **budget).engine
+    plan, head = engine.memory_plan, engine._eagle_head.config.model
+    per_head = 2 * head.num_layers * head.num_kv_heads * head.head_dim * 4  # float32
+    assert plan.shadow_kv_bytes_per_token == per_head and plan.kv_bytes_per_token == plain.kv_bytes_per_token
+    scratch = engine.config.max_num_seqs * 1  # cdiv(K - 1, block_size) blocks per sequence
+    assert plan.shadow_scratch_bytes == scratch * ARGS["block_size"] * per_head
+    left = plan.budget_bytes - plan.weights_bytes - plan.activation_bytes - plan.overhead_bytes
+    left -= plan.shadow_scratch_bytes
+    assert plan.num_kv_blocks == left // ((plain.kv_bytes_per_token + per_head) * ARGS["block_size"])
+    assert engine.block_pool.num_blocks == plan.num_kv_blocks
+    share = plain.kv_bytes_per_token / (plain.kv_bytes_per_token + per_head)  # 2 layers of 3 here
+    head_weights = plan.weights_bytes - plain.weights_bytes
+    room = (head_weights + plan.shadow_scratch_bytes) / ((plain.kv_bytes_per_token + per_head) * ARGS["block_size"])
+    assert plain.num_kv_blocks * share - room - 2 <= plan.num_kv_blocks <= plain.num_kv_blocks * share
+    # a speculating sequence holds the pages of its tokens (and its drafts), no more
+    llm = LLM(path, speculative_config=_spec(heads, "eagle"), **ARGS)
+    llm.engine.add_request("loop", {"prompt_token_ids": LOOP}, _greedy(max_tokens=30))
+    used = []
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        for request in llm.engine.scheduler.running:
+            used.append((llm.engine.block_pool.num_used_blocks, request.num_tokens))
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert all(blocks <= -(-(tokens + K) // ARGS["block_size"]) for blocks, tokens in used)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,6 +486,18 @@ def test_the_heads_weights_count_and_serve_takes_one_model(path, heads, tmp_path
     assert plan.run(parser.parse_args([path, "--gpu-memory-budget", "256MiB", "--json", *extra])) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["draft_weights_bytes"] == eagle_head_bytes(heads["eagle3"], "eagle3", torch.float16) > 0
+    # the head's KV indexed by the target's blocks: each page larger by its share (float16 here)
+    config = head.config.model
+    assert result["shadow_kv_bytes_per_token"] == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+    assert result["shadow_scratch_bytes"] == 256 * 16 * result["shadow_kv_bytes_per_token"]  # the CLI's defaults
+    parser = argparse.ArgumentParser()
+    plan.register(parser)
+    assert plan.run(parser.parse_args([path, "--gpu-memory-budget", "256MiB", "--json"])) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert without["shadow_kv_bytes_per_token"] == 0
+    per_page = (without["kv_bytes_per_token"] + result["shadow_kv_bytes_per_token"]) * 16
+    left = result["budget_bytes"] - result["weights_bytes"] - result["activation_bytes"] - result["overhead_bytes"]
+    assert result["num_kv_blocks"] == (left - result["shadow_scratch_bytes"]) // per_page
     parser = argparse.ArgumentParser()
     serve.register(parser)
     args = parser.parse_args(

@@ -122,3 +122,35 @@ def test_piecewise_graphs_are_counted_in_the_overheads_only_when_asked(qwen14b_d
     assert piecewise.overhead_bytes == plain.overhead_bytes + extra
     assert piecewise.num_kv_blocks < plain.num_kv_blocks
     assert piecewise_graph_bytes_estimate(config, 4096, torch.float16) > extra
+
+
+def test_an_eagle_heads_kv_makes_pages_larger_by_its_share(qwen14b_dir):
+    """The head's KV indexed by the target's blocks (qserve.spec_decode.shadow_kv): each page grows by
+    the head's layers' share (1 layer of a 48-layer target: 1/49 fewer pages), plus its scratch
+    blocks, all inside kv_cache_bytes; not half the pages, as when the head owned pages of its own."""
+    import dataclasses
+
+    import torch
+
+    from qserve.spec_decode.shadow_kv import num_scratch_blocks, shadow_kv_bytes_per_token
+
+    config = read_model_config(qwen14b_dir)
+    head = dataclasses.replace(config, num_layers=1)  # a one-layer head with the target's KV heads
+    per_head = shadow_kv_bytes_per_token(head, torch.bfloat16)
+    assert per_head == 2 * 1 * 8 * 128 * 2
+    common = dict(weights_bytes=9 * GIB, budget_bytes=24 * GIB, dtype=torch.bfloat16, max_model_len=4096)
+    common.update(activation_bytes=GIB, overhead_bytes=GIB // 2)
+    plain = make_plan(config, **common)
+    scratch = num_scratch_blocks(256, 3, 16)
+    assert scratch == 256
+    plan = make_plan(config, **common, shadow_kv_bytes_per_token=per_head, shadow_scratch_blocks=scratch)
+    left = 24 * GIB - 9 * GIB - plan.activation_bytes - GIB // 2 - scratch * 16 * per_head
+    assert plan.num_kv_blocks == left // ((plain.kv_bytes_per_token + per_head) * 16)
+    assert plan.kv_bytes_per_token == plain.kv_bytes_per_token == 48 * per_head
+    assert plan.kv_cache_bytes == plan.num_kv_blocks * 16 * 49 * per_head + scratch * 16 * per_head
+    assert plan.kv_cache_bytes <= left + scratch * 16 * per_head
+    # 1/49 fewer, less the scratch blocks (1/49 of a page each)
+    assert plain.num_kv_blocks * 48 / 49 - scratch / 49 - 1 <= plan.num_kv_blocks < plain.num_kv_blocks
+    assert plan.shadow_scratch_bytes == scratch * 16 * per_head
+    assert "of the EAGLE head's KV" in plan.describe() and "EAGLE" not in plain.describe()
+    assert make_plan(config, **common, shadow_kv_bytes_per_token=0, shadow_scratch_blocks=scratch) == plain
