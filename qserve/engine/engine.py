@@ -347,9 +347,7 @@ class Engine:
             self.model_config, 1 if tp is None else tp.size, config.enable_expert_parallel
         )
         self.lora_manager = None
-        if config.enable_lora:
-            if tp is not None:
-                raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
+        if config.enable_lora:  # under tensor parallelism each rank's slots hold its shard (Linear.shard_lora)
             from qserve.lora.slots import LoRAManager
 
             self.lora_manager = LoRAManager(self.model, config.lora_config, self.dtype, self.device)

@@ -1,0 +1,210 @@
+"""Multi-LoRA under tensor parallelism on CPU (gloo, two ranks): TP=2 gives the same greedy tokens
+and prompt logprobs (<= 1e-4, float32) as TP=1, for a batch mixing two adapters and base rows, with
+adapters on q/k/v/o/gate/up/down, and again after an adapter is unloaded and its name loaded from
+another directory while the workers serve steps (rank 0's registry changes reach every rank).
+
+Models: the GPTQ act-order checkpoint (its row-parallel layers gather their input by a perm that
+LoRA must not see) and the one-KV-head model (k / v heads replicated on both ranks, so both ranks
+hold the whole k / v slices of B). Each rank's slots hold its shard only: column-parallel layers
+A whole and their rows of B, row-parallel layers their columns of A and B whole, which the test
+checks against the TP=1 engine's slots; the memory planner's per-rank bytes equal the slots'.
+The launcher path (``LLM(..., tensor_parallel_size=2, enable_lora=True)``) runs once as well.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from qserve import LLM, LoRARequest, SamplingParams
+from qserve.memory.planner import lora_slot_bytes
+from tests.distributed.test_tp_equality import assert_same
+from tests.helpers.lora_adapters import projection_shapes, write_peft_adapter
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODELS = {"gptq-act-order": 2, "kv1-tied-odd-vocab": 1}  # name -> KV heads (hidden 128, 4 heads of 32)
+MAX_LORAS, MAX_RANK = 2, 8
+PROMPTS = [
+    [5, 17, 99, 3, 250, 7, 42],
+    list(range(40, 75)),  # longer than a 16-token block
+    [300, 12],
+    [11, 12, 13, 14, 15],
+]
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+CONFIG = dict(
+    device="cpu", dtype="float32", max_num_seqs=4, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=MAX_RANK
+)
+
+
+def write_adapters(root: Path, kv_heads: int) -> dict[str, str]:
+    """Three adapters on every projection of both layers: name -> directory."""
+    shapes = projection_shapes(128, 256, 4, kv_heads, 32)
+    paths = {}
+    for seed, (name, rank) in enumerate((("a", 8), ("b", 4), ("c", 8))):
+        paths[name] = str(root / name)
+        write_peft_adapter(paths[name], shapes, 2, targets=ALL, rank=rank, alpha=2 * rank, seed=seed, std=0.1)
+    return paths
+
+
+def scenario(engine, adapters: dict[str, str]) -> list:  # noqa: ANN001
+    """Round 1: adapters a, b and the base mixed in one batch (read at request time, after the
+    workers started). Round 2: a unloaded, then the name a loaded from c's directory."""
+    rounds = []
+    first = [LoRARequest("a", 1, adapters["a"]), LoRARequest("b", 2, adapters["b"]), None]
+    second = [LoRARequest("a", 3, adapters["c"]), None, LoRARequest("b", 2, adapters["b"])]
+    for index, loras in enumerate((first, second)):
+        if index == 1:
+            assert engine.remove_lora("a")
+        for i, ids in enumerate(PROMPTS):
+            lora = loras[i % len(loras)]
+            engine.add_request(f"r{index}.{i}", {"prompt_token_ids": ids}, PARAMS, lora_request=lora)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        rounds.append([finished[f"r{index}.{i}"] for i in range(len(PROMPTS))])
+    return rounds
+
+
+def slot_snapshot(engine) -> dict:  # noqa: ANN001
+    """Every adapted layer's slot tensors, the adapters' slots and the slot bytes."""
+    manager = engine.lora_manager
+    return {
+        "layers": {name: (w.a.clone(), w.b.clone(), w.slice_starts) for name, w in manager.layers.items()},
+        "slots": {manager.name_of(i): slot for i, slot in manager._slot_of.items()},
+        "nbytes": manager.nbytes,
+    }
+
+
+def _rank_main(rank: int, size: int, init_method: str, jobs: list[tuple], out: str) -> None:
+    from qserve.distributed.parallel_state import destroy_tp_group, init_tp_group
+    from qserve.distributed.worker import BroadcastingRunner, serve_steps
+    from qserve.engine.engine import Engine, EngineConfig
+
+    tp = init_tp_group(rank, size, init_method, torch.device("cpu"), timeout_s=120)
+    results = {}
+    try:
+        for name, path, adapters in jobs:
+            engine = Engine(EngineConfig(path, enforce_eager=True, **CONFIG), tp=tp)
+            outputs = None
+            if rank == 0:
+                runner = BroadcastingRunner(engine.runner, tp)
+                engine.runner = runner
+                outputs = scenario(engine, adapters)
+                runner.stop_workers()
+            else:
+                serve_steps(engine.runner, tp)
+            results[name] = (outputs, slot_snapshot(engine))
+    finally:
+        destroy_tp_group(tp)
+    Path(f"{out}.{rank}").write_bytes(pickle.dumps(results))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip seconds of interpreter finalization
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tp_checkpoints, tmp_path_factory) -> tuple[dict, dict, list[dict]]:
+    """(adapter dirs per model, TP=1 results per model, per-rank TP=2 results)."""
+    from qserve.distributed.parallel_state import free_port
+
+    root = tmp_path_factory.mktemp("tp_lora")
+    adapters = {name: write_adapters(root / name, kv) for name, kv in MODELS.items()}
+    want = {}
+    for name in MODELS:
+        llm = LLM(tp_checkpoints[name], **CONFIG)
+        want[name] = (scenario(llm.engine, adapters[name]), slot_snapshot(llm.engine))
+    jobs = [(name, tp_checkpoints[name], adapters[name]) for name in MODELS]
+    out = root / "results"
+    mp.spawn(_rank_main, args=(2, f"tcp://127.0.0.1:{free_port()}", jobs, str(out)), nprocs=2, join=True)
+    ranks = [pickle.loads(Path(f"{out}.{rank}").read_bytes()) for rank in range(2)]
+    return adapters, want, ranks
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tp2_lora_matches_tp1(lora_setup, name) -> None:
+    _, want, ranks = lora_setup
+    want_rounds, got_rounds = want[name][0], ranks[0][name][0]
+    for want_outputs, got_outputs in zip(want_rounds, got_rounds, strict=True):
+        assert_same(want_outputs, got_outputs)
+    # The adapters do change the outputs (else the comparison above would test the base only):
+    # prompt 0 runs with a, then with the name a loaded from c; prompt 1 with b, then the base.
+    for prompt in (0, 1):
+        lp = [
+            out.prompt_logprobs[3][PROMPTS[prompt][3]].logprob
+            for out in (want_rounds[0][prompt], want_rounds[1][prompt])
+        ]
+        assert abs(lp[0] - lp[1]) > 1e-3, prompt
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_rank_holds_its_shard(lora_setup, name) -> None:
+    """Slots of rank r == the TP=1 slots cut as the base weights are, for the same adapters."""
+    _, want, ranks = lora_setup
+    full = want[name][1]
+    kv_heads, head_dim = MODELS[name], 32
+    for rank, result in enumerate(ranks):
+        got = result[name][1]
+        assert got["slots"] == full["slots"]  # the same adapters in the same slots on every rank
+        for layer, (a_full, b_full, _) in full["layers"].items():
+            a, b, starts = got["layers"][layer]
+            leaf = layer.rpartition(".")[2]
+            if leaf == "qkv_proj":
+                q = slice(rank * 64, rank * 64 + 64)  # 2 of 4 query heads
+                kv_start = (rank * kv_heads // 2) * head_dim  # 1 KV head each; with 1 KV head, head 0 on both
+                k = slice(128 + kv_start, 128 + kv_start + head_dim)
+                v = slice(128 + kv_heads * head_dim + kv_start, 128 + kv_heads * head_dim + kv_start + head_dim)
+                assert starts == (0, 64, 96, 128)
+                torch.testing.assert_close(a, a_full, rtol=0, atol=0)  # A whole: [L, 3R, 128]
+                torch.testing.assert_close(b, torch.cat([b_full[:, q], b_full[:, k], b_full[:, v]], 1), rtol=0, atol=0)
+            elif leaf == "gate_up_proj":
+                rows = torch.cat(
+                    [torch.arange(rank * 128, rank * 128 + 128), torch.arange(256 + rank * 128, 384 + rank * 128)]
+                )
+                assert starts == (0, 128, 256)
+                torch.testing.assert_close(a, a_full, rtol=0, atol=0)
+                torch.testing.assert_close(b, b_full[:, rows], rtol=0, atol=0)  # [L, 256, R] of 512 rows
+            else:  # o_proj (K 128), down_proj (K 256): A's columns of the rank, B whole
+                k_local = a_full.shape[-1] // 2
+                assert a.shape == (MAX_LORAS, MAX_RANK, k_local)
+                torch.testing.assert_close(a, a_full[..., rank * k_local : (rank + 1) * k_local], rtol=0, atol=0)
+                torch.testing.assert_close(b, b_full, rtol=0, atol=0)
+        assert bool(full["layers"]["model.layers.0.self_attn.qkv_proj"][1].abs().sum() > 0)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_planner_counts_slot_bytes_per_rank(tp_checkpoints, lora_setup, name) -> None:
+    from qserve.model.registry import read_model_config
+
+    _, want, ranks = lora_setup
+    config = read_model_config(tp_checkpoints[name])
+    assert want[name][1]["nbytes"] == lora_slot_bytes(config, MAX_LORAS, MAX_RANK, torch.float32)
+    per_rank = lora_slot_bytes(config, MAX_LORAS, MAX_RANK, torch.float32, tensor_parallel_size=2)
+    assert [r[name][1]["nbytes"] for r in ranks] == [per_rank, per_rank]
+    assert per_rank < want[name][1]["nbytes"]
+
+
+def test_llm_launcher_serves_adapters(tp_checkpoints, lora_setup) -> None:
+    """``LLM(..., tensor_parallel_size=2, enable_lora=True)``: per-prompt adapters as TP=1."""
+    adapters, want, _ = lora_setup
+    name = "gptq-act-order"
+    llm = LLM(tp_checkpoints[name], tensor_parallel_size=2, **CONFIG)
+    try:
+        loras = [LoRARequest("a", 1, adapters[name]["a"]), LoRARequest("b", 2, adapters[name]["b"]), None]
+        got = llm.generate(
+            [{"prompt_token_ids": ids} for ids in PROMPTS],
+            PARAMS,
+            use_tqdm=False,
+            lora_request=[loras[i % 3] for i in range(len(PROMPTS))],
+        )
+        assert_same(want[name][0][0], got)
+        assert sorted(llm.engine.list_loras()) == ["a", "b"]
+    finally:
+        llm.shutdown()
