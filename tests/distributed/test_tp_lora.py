@@ -208,3 +208,74 @@ def test_llm_launcher_serves_adapters(tp_checkpoints, lora_setup) -> None:
         assert sorted(llm.engine.list_loras()) == ["a", "b"]
     finally:
         llm.shutdown()
+
+
+def test_serve_passes_lora_flags_to_the_launcher(tp_checkpoints, monkeypatch, capsys) -> None:
+    """``qserve serve -tp 2 --enable-lora`` (refused before) reaches the launcher with the LoRA fields."""
+    from qserve.cli import main
+    from qserve.engine import tensor_parallel as launcher
+
+    seen = []
+
+    def no_launch(config, size):  # noqa: ANN001, ANN202
+        seen.append((config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras, size))
+        raise ValueError("stopped before spawning")
+
+    monkeypatch.setattr(launcher, "launch_engine", no_launch)
+    argv = ["serve", "--port", "0", tp_checkpoints["gptq-act-order"], "-tp", "2", "--device", "cpu"]
+    lora = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8", "--max-cpu-loras", "5"]
+    assert main([*argv, *lora]) == 2
+    assert seen == [(True, 3, 8, 5, 2)]
+    assert "stopped before spawning" in capsys.readouterr().err
+
+
+def test_plan_sets_aside_one_ranks_slots(tp_checkpoints, capsys) -> None:
+    """``qserve plan --tensor-parallel-size 2 --enable-lora``: the slot bytes of one rank."""
+    import json
+
+    from qserve.cli import main
+
+    def lora_bytes(size: int) -> int:
+        argv = ["plan", tp_checkpoints["gptq-act-order"], "--gpu-memory-budget", "1GiB", "--json"]
+        lora = ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "8"]
+        assert main([*argv, "--tensor-parallel-size", str(size), *lora]) == 0
+        return json.loads(capsys.readouterr().out)["lora_bytes"]
+
+    # Elements per layer and slot (R 8, hidden 128, q 128, k / v 64, intermediate 256): A + B of
+    # qkv, o, gate_up, down; TP=2: B of qkv and gate_up and A of o and down halved.
+    whole = (3 * 8 * 128 + 256 * 8) + (8 * 128 + 128 * 8) + (2 * 8 * 128 + 512 * 8) + (8 * 256 + 128 * 8)
+    rank = (3 * 8 * 128 + 128 * 8) + (8 * 64 + 128 * 8) + (2 * 8 * 128 + 256 * 8) + (8 * 128 + 128 * 8)
+    one, two = lora_bytes(1), lora_bytes(2)
+    assert one > 0 and one * rank == two * whole
+
+
+def test_replayed_journal_keeps_registry_and_slots_equal(tp_checkpoints, lora_setup) -> None:
+    """The worker side of the protocol in one process: a manager replaying rank 0's journal assigns
+    the same slots through a deferred removal (a request still runs with the adapter) and a name
+    loaded again from another directory."""
+    adapters = lora_setup[0]["gptq-act-order"]
+    path = tp_checkpoints["gptq-act-order"]
+    driver, worker = (LLM(path, **CONFIG).engine.lora_manager for _ in range(2))
+    driver.journal = []
+
+    def step(ids: list) -> list[int]:
+        worker.replay(driver.journal)
+        driver.journal.clear()
+        slots = driver.assign_slots(ids).tolist()
+        assert worker.assign_slots(ids).tolist() == slots
+        return slots
+
+    a = driver.add(LoRARequest("a", 1, adapters["a"]))
+    b = driver.add(LoRARequest("b", 2, adapters["b"]))
+    assert [op[:2] for op in driver.journal] == [("add", a), ("add", b)]
+    step([a, None, b])
+    driver.acquire(a)
+    assert driver.remove("a") and not driver.journal  # deferred: still in use
+    c = driver.add(LoRARequest("a", 3, adapters["c"]))  # the name a, another directory: a new id
+    step([a, c])  # b leaves its slot
+    driver.release(a)
+    assert driver.journal[-1] == ("forget", a)
+    step([b, c])
+    assert sorted(worker.names()) == sorted(driver.names()) == ["a", "b"]
+    assert worker.lookup("a") == driver.lookup("a") == c
+    assert sorted(worker._by_id) == sorted(driver._by_id) == sorted([b, c])
