@@ -83,16 +83,17 @@ def slot_snapshot(engine) -> dict:  # noqa: ANN001
     }
 
 
-def _rank_main(rank: int, size: int, init_method: str, jobs: list[tuple], out: str) -> None:
-    from qserve.distributed.parallel_state import destroy_tp_group, init_tp_group
+def _rank_main(rank: int, size: int, init_method: str, jobs: list[tuple], out: str, device: str) -> None:
+    from qserve.distributed.parallel_state import destroy_tp_group, init_tp_group, rank_device
     from qserve.distributed.worker import BroadcastingRunner, serve_steps
     from qserve.engine.engine import Engine, EngineConfig
 
-    tp = init_tp_group(rank, size, init_method, torch.device("cpu"), timeout_s=120)
+    rank_dev = rank_device(torch.device(device), rank)
+    tp = init_tp_group(rank, size, init_method, rank_dev, timeout_s=120)
     results = {}
     try:
         for name, path, adapters in jobs:
-            engine = Engine(EngineConfig(path, enforce_eager=True, **CONFIG), tp=tp)
+            engine = Engine(EngineConfig(path, enforce_eager=True, **{**CONFIG, "device": str(rank_dev)}), tp=tp)
             outputs = None
             if rank == 0:
                 runner = BroadcastingRunner(engine.runner, tp)
@@ -101,7 +102,7 @@ def _rank_main(rank: int, size: int, init_method: str, jobs: list[tuple], out: s
                 runner.stop_workers()
             else:
                 serve_steps(engine.runner, tp)
-            results[name] = (outputs, slot_snapshot(engine))
+            results[name] = (outputs, slot_snapshot(engine) if device == "cpu" else None)
     finally:
         destroy_tp_group(tp)
     Path(f"{out}.{rank}").write_bytes(pickle.dumps(results))
@@ -113,19 +114,23 @@ def _rank_main(rank: int, size: int, init_method: str, jobs: list[tuple], out: s
 @pytest.fixture(scope="module")
 def lora_setup(tp_checkpoints, tmp_path_factory) -> tuple[dict, dict, list[dict]]:
     """(adapter dirs per model, TP=1 results per model, per-rank TP=2 results)."""
-    from qserve.distributed.parallel_state import free_port
-
     root = tmp_path_factory.mktemp("tp_lora")
     adapters = {name: write_adapters(root / name, kv) for name, kv in MODELS.items()}
     want = {}
     for name in MODELS:
         llm = LLM(tp_checkpoints[name], **CONFIG)
         want[name] = (scenario(llm.engine, adapters[name]), slot_snapshot(llm.engine))
-    jobs = [(name, tp_checkpoints[name], adapters[name]) for name in MODELS]
-    out = root / "results"
-    mp.spawn(_rank_main, args=(2, f"tcp://127.0.0.1:{free_port()}", jobs, str(out)), nprocs=2, join=True)
-    ranks = [pickle.loads(Path(f"{out}.{rank}").read_bytes()) for rank in range(2)]
-    return adapters, want, ranks
+    return adapters, want, run_tp(tp_checkpoints, adapters, root / "results")
+
+
+def run_tp(checkpoints: dict[str, str], adapters: dict, out: Path, device: str = "cpu") -> list[dict]:
+    """Every model's scenario at TP=2 (one spawn of two ranks); per rank ``{model: (rounds, slots)}``."""
+    from qserve.distributed.parallel_state import free_port
+
+    jobs = [(name, checkpoints[name], adapters[name]) for name in MODELS]
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    mp.spawn(_rank_main, args=(2, init_method, jobs, str(out), device), nprocs=2, join=True)
+    return [pickle.loads(Path(f"{out}.{rank}").read_bytes()) for rank in range(2)]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -279,3 +284,14 @@ def test_replayed_journal_keeps_registry_and_slots_equal(tp_checkpoints, lora_se
     assert sorted(worker.names()) == sorted(driver.names()) == ["a", "b"]
     assert worker.lookup("a") == driver.lookup("a") == c
     assert sorted(worker._by_id) == sorted(driver._by_id) == sorted([b, c])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tp2_nccl_lora_matches_tp1(tp_checkpoints, lora_setup, tmp_path) -> None:
+    """The same scenario with NCCL, rank r on cuda:r (float32 activations, so the 1e-4 bound holds)."""
+    adapters, want, _ = lora_setup
+    got = run_tp(tp_checkpoints, adapters, tmp_path / "results", device="cuda")
+    for name in MODELS:
+        for want_outputs, got_outputs in zip(want[name][0], got[0][name][0], strict=True):
+            assert_same(want_outputs, got_outputs)
