@@ -157,12 +157,25 @@ def add_lora(
     block_k: int | None = None,  # (overrides for tuning, bench/lora.py; the reference ignores them)
 ) -> torch.Tensor:
     """``y[t] += B[slot t](A[slot t](x[t]))`` (the scale is folded into B) for rows with a slot."""
-    num_slices = len(slice_starts) - 1
+    h = lora_shrink(x, lora_a, len(slice_starts) - 1, indices, split_k=split_k, block_k=block_k)
+    return lora_expand(y, h, lora_b, slice_starts, indices)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, K]: the layer's input
+    lora_a: torch.Tensor,  # [L, S * R, K]
+    num_slices: int,
+    indices: LoRAIndices,
+    *,
+    split_k: int | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:  # [T, S * R]
+    """The first half of ``add_lora``: ``h[t] = A[slot t](x[t])`` (rows without a slot: never read).
+    Apart so that a row-parallel layer can all-reduce its partial ``h`` between the halves."""
     h = torch.empty((x.shape[0], lora_a.shape[1]), dtype=x.dtype, device=x.device)  # [T, S * R]
-    if _triton_usable(x, y, lora_a, lora_b):
+    if _triton_usable(x, lora_a):
         from quant_kernels import lora_triton
 
-        tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
         config = lora_triton.shrink_config(
             x.shape[1],
             x.shape[0],
@@ -177,7 +190,25 @@ def add_lora(
             if config.split_k > 1
             else kdevice.placeholder(x.device, torch.float32)  # never read with one split
         )
-        lora_triton.lora_shrink(x, lora_a, *tiles, num_slices, h, config, workspace, indices.tile_counters)
-        return lora_triton.lora_expand(y, h, lora_b, *tiles, slice_starts)
-    reference_lora.lora_shrink(x, lora_a, indices.token_slots, h)
+        lora_triton.lora_shrink(x, lora_a, *_tiles(indices), num_slices, h, config, workspace, indices.tile_counters)
+        return h
+    return reference_lora.lora_shrink(x, lora_a, indices.token_slots, h)
+
+
+def lora_expand(
+    y: torch.Tensor,  # [T, N]: updated in place
+    h: torch.Tensor,  # [T, S * R]: lora_shrink's output
+    lora_b: torch.Tensor,  # [L, N, R]
+    slice_starts: Sequence[int],  # S + 1 bounds of the output slices along N
+    indices: LoRAIndices,
+) -> torch.Tensor:
+    """The second half of ``add_lora``: ``y[t] += B[slot t](h[t])`` for rows with a slot."""
+    if _triton_usable(y, h, lora_b):
+        from quant_kernels import lora_triton
+
+        return lora_triton.lora_expand(y, h, lora_b, *_tiles(indices), slice_starts)
     return reference_lora.lora_expand(y, h, lora_b, indices.token_slots, slice_starts)
+
+
+def _tiles(indices: LoRAIndices) -> tuple[torch.Tensor, ...]:
+    return indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots

@@ -72,7 +72,7 @@ def parse_lora_modules(values: list[str]) -> list[LoRAModule]:
     return modules
 
 
-def check_lora_flags(args: argparse.Namespace, model_names: list[str], tensor_parallel_size: int) -> list[LoRAModule]:
+def check_lora_flags(args: argparse.Namespace, model_names: list[str]) -> list[LoRAModule]:
     """The adapters to register, checked (ValueError naming the flag and field)."""
     from qserve.lora.peft import check_adapter_config, read_adapter_config
     from qserve.lora.request import LoRAConfig
@@ -82,8 +82,6 @@ def check_lora_flags(args: argparse.Namespace, model_names: list[str], tensor_pa
         if modules:
             raise ValueError("--lora-modules needs --enable-lora")
         return []
-    if tensor_parallel_size > 1:
-        raise ValueError("--enable-lora: LoRA adapters are not supported with --tensor-parallel-size > 1")
     try:
         config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
     except ValueError as err:

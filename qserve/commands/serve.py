@@ -485,7 +485,7 @@ def plan_host(args: argparse.Namespace) -> HostPlan:
         except (ValueError, FileNotFoundError) as err:
             raise type(err)(f"model {name!r}: {err}") from err
         check_quantization(getattr(args, "quantization", None), checked.spec.method, name)
-    lora_modules = check_lora_flags(args, names, tensor_parallel_size)
+    lora_modules = check_lora_flags(args, names)
     if getattr(args, "enable_lora", False) and speculative_config is not None:
         raise ValueError("--enable-lora is not supported yet with --speculative-config")
     min_shares = parse_shares(args.min_share, "--min-share", names)

@@ -6,6 +6,11 @@ each layer needs — none after a column-parallel linear (its output stays split
 an all-reduce after a row-parallel one, an all-reduce after the masked embedding lookup and an
 all-gather of the logits. Must not know: checkpoint formats, the engine, how kernels compute.
 
+LoRA (vLLM's scheme): a column-parallel layer keeps an adapter's A whole and its rows of B, cut
+per output slice like the base weight (``shard_lora``), so ``Linear.forward`` adds it with no
+communication; a row-parallel layer keeps A's columns of its input slice and B whole, all-reduces
+the small partial ``h = x_r A_r^T`` and adds the expand once (``RowParallelLinear._add_lora``).
+
 The factories (``column_linear``, ``row_linear``, ``vocab_embedding``, ``lm_head_linear``) return
 the plain single-process module when ``tp`` is None, so a model built without a group is
 exactly what it was before tensor parallelism existed.
@@ -22,6 +27,7 @@ from torch import nn
 from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import column_shard, row_shard, split_evenly, vocab_shard
 from qserve.layers.linear import Linear, LinearMethod
+from quant_kernels import lora_ops
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.lora_ops import LoRAIndices
 
@@ -70,6 +76,20 @@ class ColumnParallelLinear(Linear):
             )
         super().load_bias(shard_id, bias[start : start + size])
 
+    def lora_full_sizes(self) -> tuple[int, list[int]]:
+        return self.in_features, list(self.full_output_sizes)
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A replicated (it reads the full input); B's rows cut per output slice exactly as the base
+        weight's columns (q / k / v by heads, a replicated KV head included; gate / up by rows)."""
+        rows, full_start = [], 0
+        for (start, size), full in zip(self.shard_slices, self.full_output_sizes):
+            rows.append(b[full_start + start : full_start + start + size])  # [N_s / tp, R]
+            full_start += full
+        if full_start != b.shape[0]:
+            raise ValueError(f"{self.prefix}: LoRA B has {b.shape[0]} rows, the layer {full_start} outputs")
+        return a, torch.cat(rows).contiguous()  # [S * R, K], [N / tp, R]
+
 
 class RowParallelLinear(Linear):
     """Input split along K: the rank multiplies its ``[num_tokens, K/tp]`` slice of the input by
@@ -114,18 +134,51 @@ class RowParallelLinear(Linear):
             shard = dataclasses.replace(shard, perm=None)
         super().load_weight(shard_id, shard)
 
+    def lora_full_sizes(self) -> tuple[int, list[int]]:
+        return self.full_in_features, list(self.output_sizes)
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A's columns cut along K like the base weight's rows (the rank's input slice, in the
+        input's own order: an act-order weight's perm applies to the base product only); B whole."""
+        k_local = split_evenly(self.full_in_features, self.tp.size, f"{self.prefix}: LoRA A input size K")
+        lo = self.tp.rank * k_local
+        return a[:, lo : lo + k_local].contiguous(), b  # [S * R, K / tp], [N, R]
+
     def forward(
         self, x: torch.Tensor, lora: LoRAIndices | None = None
     ) -> torch.Tensor:  # [num_tokens, K/tp] -> [num_tokens, N]
-        if lora is not None:  # the engine refuses enable_lora with tensor parallelism
-            raise NotImplementedError(f"{self.prefix}: LoRA adapters under tensor parallelism")
+        x_local = x  # [num_tokens, K/tp]: what LoRA's A (cut along K) multiplies
         if self.input_index is not None:
             x = x.index_select(-1, self.input_index)  # [num_tokens, K_pad]
         out = self.method.apply(self, x)  # [num_tokens, N]: this rank's partial product
+        if lora is not None and self.lora is not None:
+            out = self._add_lora(out, x_local, lora)
         if self.reduce_results:
             out = self.tp.all_reduce(out.contiguous())
         if self.bias is not None and (self.reduce_results or self.tp.is_driver):
             out = out + self.bias
+        return out
+
+    def _add_lora(self, out: torch.Tensor, x_local: torch.Tensor, lora: LoRAIndices) -> torch.Tensor:
+        """Row-parallel LoRA: each rank shrinks its input slice by its columns of A (a partial
+        ``h``), the partial ``h`` are all-reduced (``[T, S * R]``: a few KB, against the
+        ``[T, N]`` output), then B expands the full ``h``.
+
+        The delta is added on rank 0 only, into its partial product, BEFORE the output's
+        all-reduce: the sum then holds it exactly once, and it costs one expand in the group
+        instead of one per rank (adding it after the all-reduce would need every rank to expand,
+        or the ranks' outputs would differ). It also stays right with ``reduce_results=False``,
+        where the caller sums the partials later (as the bias, on rank 0 only).
+        Every rank takes the same branch (the step's indices are the same everywhere), so the
+        extra all-reduce lines up."""
+        w = self.lora
+        num_slices = len(w.slice_starts) - 1
+        # Rows without a slot are left unwritten by the shrink and never read by the expand;
+        # summing them is harmless.
+        h = lora_ops.lora_shrink(x_local, w.a, num_slices, lora)  # [T, S * R]: this rank's partial
+        h = self.tp.all_reduce(h.contiguous())
+        if self.tp.is_driver:
+            out = lora_ops.lora_expand(out, h, w.b, w.slice_starts, lora)
         return out
 
 

@@ -5,6 +5,12 @@ Knows: the step protocol — rank 0 broadcasts the ``SchedulerOutput`` (plain da
 ``broadcast_object_list``) or ``None`` to stop; every rank then runs the same forward, whose
 collectives (all-reduce after row-parallel layers, all-gather of the logits) line up because
 every rank runs the same layers on the same tokens. Only rank 0's sampled tokens are used.
+
+LoRA: rank 0's adapter registry changes between steps (an adapter added at run time, one
+forgotten when its last request finished). Before a step, rank 0 sends the changes since the
+last one (``LoRAChanges``, in order); every other rank replays them on its ``LoRAManager``, which
+reads its own shard of an added adapter, so every rank's registry, and thus the slots the step
+assigns, stay the same as rank 0's.
 Must not know: scheduling, text, HTTP; engines; how processes are started
 (``qserve.engine.tensor_parallel``, which builds each rank's engine and calls ``serve_steps``).
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from qserve.distributed.parallel_state import (
@@ -27,6 +34,13 @@ STOP = None  # broadcast instead of a SchedulerOutput: the workers leave their l
 KEEPALIVE_S = 60.0  # most seconds between two steps sent to the workers (``BroadcastingRunner.keepalive``)
 
 
+@dataclass(frozen=True, slots=True)
+class LoRAChanges:
+    """Rank 0's adapter registry changes since the previous step (``LoRAManager.journal``)."""
+
+    changes: list[tuple]
+
+
 class BroadcastingRunner:
     """Rank 0's runner: sends each step to the other ranks, then runs it like any runner.
 
@@ -37,8 +51,14 @@ class BroadcastingRunner:
         self.runner = runner
         self.tp = tp
         self._last_broadcast = time.monotonic()
+        self._lora = getattr(runner, "lora_manager", None)
+        if self._lora is not None:
+            self._lora.journal = []  # recorded from now on, sent before each step
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if self._lora is not None and self._lora.journal:
+            changes, self._lora.journal = self._lora.journal, []
+            self.tp.broadcast_object(LoRAChanges(changes), src=0)
         self.tp.broadcast_object(scheduler_output, src=0)
         self._last_broadcast = time.monotonic()
         return self.runner.execute(scheduler_output)
@@ -68,5 +88,8 @@ def serve_steps(runner: Any, tp: TPGroup) -> int:
         scheduler_output = tp.broadcast_object(None, src=0)
         if scheduler_output is STOP:
             return steps
+        if isinstance(scheduler_output, LoRAChanges):
+            runner.lora_manager.replay(scheduler_output.changes)
+            continue
         runner.execute(scheduler_output)
         steps += 1

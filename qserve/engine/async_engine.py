@@ -789,8 +789,6 @@ def build_tensor_parallel_engine(
     check_tensor_parallel_preemption(config.preemption_mode, tensor_parallel_size, "--preemption-mode")
     if model.min_share is not None or model.max_share is not None:
         raise ValueError(f"model {model.name!r}: pool shares need a shared pool; a tensor-parallel model has its own")
-    if config.enable_lora:
-        raise ValueError("--enable-lora: LoRA adapters are not supported with tensor parallelism")
     engine_config = EngineConfig(
         model=model.path,
         device=config.device,
@@ -806,6 +804,10 @@ def build_tensor_parallel_engine(
         kv_cache_dtype=config.kv_cache_dtype,
         enforce_eager=config.enforce_eager,
         enable_expert_parallel=config.enable_expert_parallel,
+        enable_lora=config.enable_lora,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
     )
     handle = launch_engine(engine_config, tensor_parallel_size)
     engine = handle.engine

@@ -57,7 +57,9 @@ before with ``add_lora``); each of its sequences holds a reference to the adapte
 so ``remove_lora`` never pulls an adapter from under a running request. The scheduler keeps the
 distinct adapters of the running requests within ``max_loras``. With LoRA on, decode runs eagerly
 unless ``QSERVE_LORA_GRAPHS=1`` (opt-in: graphs that take each row's adapter slot as an input), and the
-adapters' slots are set aside in the memory plan.
+adapters' slots are set aside in the memory plan. Under tensor parallelism every rank's manager holds
+its shard of each adapter, and rank 0's registry changes reach the others with the next step
+(qserve.distributed.worker).
 """
 
 from __future__ import annotations
@@ -346,9 +348,7 @@ class Engine:
             self.model_config, 1 if tp is None else tp.size, config.enable_expert_parallel
         )
         self.lora_manager = None
-        if config.enable_lora:
-            if tp is not None:
-                raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
+        if config.enable_lora:  # under tensor parallelism each rank's slots hold its shard (Linear.shard_lora)
             from qserve.lora.slots import LoRAManager
 
             self.lora_manager = LoRAManager(self.model, config.lora_config, self.dtype, self.device)

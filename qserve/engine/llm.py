@@ -85,8 +85,6 @@ class LLM:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         check_tensor_parallel_preemption(preemption_mode, tensor_parallel_size)  # before any worker starts
         check_tensor_parallel_speculation(config.speculative_config, tensor_parallel_size)
-        if enable_lora and tensor_parallel_size > 1:  # the engine refuses it too, but only once the workers run
-            raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
         if tensor_parallel_size > 1:
             from qserve.engine.tensor_parallel import launch_engine
 

@@ -118,6 +118,17 @@ class Linear(nn.Module):
     def process_after_loading(self) -> None:
         self.method.process_after_loading(self)
 
+    # LoRA under tensor parallelism: an adapter is read for the whole (unsplit) layer, then cut to the
+    # part this layer holds. A single-process layer is whole: both are identities here.
+    def lora_full_sizes(self) -> tuple[int, list[int]]:
+        """``(K, output sizes)`` of the whole layer: the shapes an adapter's matrices are checked against."""
+        return self.in_features, list(self.output_sizes)
+
+    def shard_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An adapter's slot matrices for the whole layer (``a`` ``[S * R, K]``, ``b`` ``[N, R]``) ->
+        the part this layer's slots hold."""
+        return a, b
+
     def forward(
         self, x: torch.Tensor, lora: lora_ops.LoRAIndices | None = None
     ) -> torch.Tensor:  # [num_tokens, K] -> [num_tokens, N]

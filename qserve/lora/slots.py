@@ -4,7 +4,10 @@
 Knows: which layers of the decoder take LoRA (q/k/v, o, gate/up, down: ``lora_targets``), the stacked
 slot tensors each of them holds (``LoRALayerWeights``, attached as ``layer.lora``), how a registered
 adapter gets into a slot (its host copy, read again from its directory when the host cache dropped
-it), and which adapters are pinned by unfinished requests. Must not know: scheduling policy, HTTP,
+it), and which adapters are pinned by unfinished requests. Under tensor parallelism an adapter is
+checked against the whole layers' sizes, then each layer keeps its rank's part
+(``Linear.shard_lora``): the slots, and ``nbytes``, are this rank's; rank 0's registry changes are
+replayed on the other ranks (``journal`` / ``replay``, sent by ``qserve.distributed.worker``). Must not know: scheduling policy, HTTP,
 kernels (``quant_kernels.lora_ops`` computes).
 
 Slots change only in ``prepare``, at the start of a step, for the adapters of that step; the copies are
@@ -59,20 +62,20 @@ def lora_targets(model: nn.Module) -> dict[str, tuple[Linear, TargetLayer]]:
         if isinstance(module, Linear) and leaf in _ADAPTED and name.rpartition(".")[0] in parents:
             parent = name.rpartition(".")[0]
             names = tuple(f"{parent}.{hf}" for hf in FUSED_SLICES.get(leaf, (leaf,)))
-            target = TargetLayer(name, module.in_features, names, tuple(module.output_sizes))
+            in_features, output_sizes = module.lora_full_sizes()  # the whole layer's, under tensor parallelism too
+            target = TargetLayer(name, in_features, names, tuple(output_sizes))
             result[name] = (module, target)
     return result
 
 
 def lora_slot_bytes(model: nn.Module, config: LoRAConfig, dtype: torch.dtype) -> int:
-    """Device bytes of every layer's slots (what the memory plan sets aside)."""
+    """Device bytes of every layer's slots on this rank (what the memory plan sets aside): the
+    layers' own sizes, so a tensor-parallel shard counts its part only."""
     size = torch.tensor([], dtype=dtype).element_size()
     total = 0
-    for _, target in lora_targets(model).values():
+    for layer, target in lora_targets(model).values():
         num_slices = len(target.slice_sizes)
-        per_slot = (
-            num_slices * config.max_lora_rank * target.in_features + sum(target.slice_sizes) * config.max_lora_rank
-        )
+        per_slot = num_slices * config.max_lora_rank * layer.in_features + layer.out_features * config.max_lora_rank
         total += config.max_loras * per_slot * size
     return total
 
@@ -90,24 +93,26 @@ class LoRAManager:
     """The adapters of one model (see the module doc)."""
 
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> None:
-        if getattr(model, "tp", None) is not None:
-            raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
         self.config = config
         self.dtype = dtype
         self.device = device
         rank = config.max_lora_rank
-        self.targets: dict[str, TargetLayer] = {}
+        self.targets: dict[str, TargetLayer] = {}  # the whole layers' sizes: what adapters are checked against
         self.layers: dict[str, LoRALayerWeights] = {}
+        self._modules: dict[str, Linear] = {}
         for name, (layer, target) in lora_targets(model).items():
             num_slices = len(target.slice_sizes)
+            # The slots hold this rank's part (Linear.shard_lora): a tensor-parallel layer's own sizes.
+            local_starts = tuple(itertools.accumulate(layer.output_sizes, initial=0))
             weights = LoRALayerWeights(
-                torch.zeros(config.max_loras, num_slices * rank, target.in_features, dtype=dtype, device=device),
-                torch.zeros(config.max_loras, target.slice_starts[-1], rank, dtype=dtype, device=device),
-                target.slice_starts,
+                torch.zeros(config.max_loras, num_slices * rank, layer.in_features, dtype=dtype, device=device),
+                torch.zeros(config.max_loras, layer.out_features, rank, dtype=dtype, device=device),
+                local_starts,
             )
             layer.lora = weights  # Linear.forward adds it when the step passes LoRA indices
             self.targets[name] = target
             self.layers[name] = weights
+            self._modules[name] = layer
         if not self.layers:
             raise ValueError("enable_lora: this model has no layer LoRA can adapt")
         self._b_row_order = _b_row_order(model)
@@ -117,6 +122,10 @@ class LoRAManager:
         self._host_lru: OrderedDict[int, None] = OrderedDict()  # ids with a host copy, oldest first
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # resident ids -> slot, oldest use first
         self._free_slots = list(range(config.max_loras - 1, -1, -1))
+        # Tensor parallelism: rank 0's manager records every change of its registry here (set to a
+        # list by the step broadcaster, qserve.distributed.worker), in order, so that the other
+        # ranks' managers replay them (``replay``) before the next step and assign the same slots.
+        self.journal: list[tuple] | None = None
 
     # ---------------------------------------------------------------- registry
     @property
@@ -135,15 +144,39 @@ class LoRAManager:
                 )
             return entry.lora_id
         adapter = self._read(request)
-        entry = _Entry(next(self._ids), request, adapter)
-        self._by_name[request.lora_name] = entry
-        self._by_id[entry.lora_id] = entry
-        self._touch_host(entry)
+        entry = self._register(next(self._ids), request, adapter)
+        if self.journal is not None:
+            self.journal.append(("add", entry.lora_id, request))
         logger.info(
             "LoRA adapter %s loaded from %s (rank %d, scale %g, %d layers, %.1f MiB)",
             request.lora_name, request.lora_path, adapter.rank, adapter.scale, len(adapter.layers), adapter.nbytes / 2**20,
         )  # fmt: skip
         return entry.lora_id
+
+    def _register(self, lora_id: int, request: LoRARequest, adapter: LoRAAdapter | None) -> _Entry:
+        entry = _Entry(lora_id, request, adapter)
+        self._by_name[request.lora_name] = entry
+        self._by_id[lora_id] = entry
+        if adapter is not None:
+            self._touch_host(entry)
+        return entry
+
+    def replay(self, changes: list[tuple]) -> None:
+        """Apply another rank's ``journal`` (tensor parallelism): ``("add", id, request)`` registers
+        the adapter under rank 0's id (reading this rank's shard of it), ``("forget", id)`` drops it
+        and frees its slot, as rank 0 did. References and removal are rank 0's business."""
+        for op, lora_id, *rest in changes:
+            if op == "add":
+                (request,) = rest
+                self._register(lora_id, request, self._read(request))
+            elif op == "forget":
+                entry = self._by_id.get(lora_id)
+                if entry is not None:
+                    if self._by_name.get(entry.request.lora_name) is entry:
+                        del self._by_name[entry.request.lora_name]
+                    self._forget(entry)
+            else:
+                raise ValueError(f"LoRA journal: unknown change {op!r}")
 
     def remove(self, name: str) -> bool:
         """Unregister ``name``; False if unknown. Requests already using it finish with it."""
@@ -234,6 +267,8 @@ class LoRAManager:
             self.dtype,
             b_row_order=self._b_row_order,
         )
+        # This rank's part of every layer (the whole of it without tensor parallelism).
+        adapter.layers = {k: self._modules[k].shard_lora(a, b) for k, (a, b) in adapter.layers.items()}
         if self.device.type == "cuda":  # pinned: slot copies run asynchronously
             adapter.layers = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in adapter.layers.items()}
         return adapter
@@ -255,6 +290,8 @@ class LoRAManager:
             self._by_id[victim].adapter = None  # read again from its directory when next needed
 
     def _forget(self, entry: _Entry) -> None:
+        if self.journal is not None:
+            self.journal.append(("forget", entry.lora_id))
         self._by_id.pop(entry.lora_id, None)
         self._host_lru.pop(entry.lora_id, None)
         slot = self._slot_of.pop(entry.lora_id, None)

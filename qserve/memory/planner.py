@@ -186,11 +186,17 @@ SAMPLER_BYTES_PER_LOGIT = 37 + 16 + 4
 PROMPT_LOGPROBS_BYTES_PER_LOGIT = 5 + 3 + 4
 
 
-def lora_slot_bytes(config: ModelConfig, max_loras: int, max_lora_rank: int, dtype: torch.dtype) -> int:
-    """Device bytes of the LoRA adapter slots (``--enable-lora``): per decoder layer and slot, each of
-    qkv / o / gate_up / down holds ``A`` ``[slices * R, K]`` and ``B`` ``[N, R]`` (qserve.lora.slots)."""
-    h, d, inter, r = config.hidden_size, config.head_dim, config.intermediate_size, max_lora_rank
-    q, kv = config.num_heads * d, config.num_kv_heads * d
+def lora_slot_bytes(
+    config: ModelConfig, max_loras: int, max_lora_rank: int, dtype: torch.dtype, tensor_parallel_size: int = 1
+) -> int:
+    """Device bytes of the LoRA adapter slots (``--enable-lora``) on one rank: per decoder layer and
+    slot, each of qkv / o / gate_up / down holds ``A`` ``[slices * R, K]`` and ``B`` ``[N, R]``
+    (qserve.lora.slots). Under tensor parallelism a column-parallel layer (qkv, gate_up) keeps A whole
+    and its rank's rows of B; a row-parallel one (o, down) its rank's columns of A and B whole."""
+    rank_config = per_rank_config(config, tensor_parallel_size)  # heads (KV heads replicated if few) and width
+    h, d, r = config.hidden_size, config.head_dim, max_lora_rank
+    inter = rank_config.intermediate_size
+    q, kv = rank_config.num_heads * d, rank_config.num_kv_heads * d
     attention = (3 * r * h + (q + 2 * kv) * r) + (r * q + h * r)
     mlp = (2 * r * h + 2 * inter * r) + (r * inter + h * r)  # a dense MLP's (MoE experts take no LoRA)
     num_dense = sum(1 for i in range(config.num_layers) if not config.is_moe_layer(i))

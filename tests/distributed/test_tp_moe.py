@@ -263,11 +263,9 @@ def test_indivisible_experts_refused_before_any_process_starts(tmp_path) -> None
         LLM(path, device="cpu", tensor_parallel_size=2, enable_expert_parallel=True)
 
 
-def test_lora_and_speculation_refused_with_expert_parallel(tmp_path) -> None:
+def test_speculation_refused_with_expert_parallel(tmp_path) -> None:
     path = _config_only(tmp_path)
     common = dict(device="cpu", tensor_parallel_size=2, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="LoRA adapters are not supported with tensor parallelism"):
-        LLM(path, enable_lora=True, **common)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     with pytest.raises(ValueError, match="speculative_config is not supported with tensor parallelism"):
         LLM(path, speculative_config=spec, **common)

@@ -109,7 +109,7 @@ def test_lora_module_flags(tmp_path) -> None:
     register_lora_flags(parser)
 
     def check(*argv: str) -> list:
-        return check_lora_flags(parser.parse_args(list(argv)), ["m"], 1)
+        return check_lora_flags(parser.parse_args(list(argv)), ["m"])
 
     assert len(check("--enable-lora", "--lora-modules", f"a={tmp_path / 'a'}", json_form)) == 2
     with pytest.raises(ValueError, match="needs --enable-lora"):
