@@ -461,7 +461,8 @@ class ModelRunner:
             )
             prompt_hidden = pooled = None
         elif (
-            row_graphs is not None
+            capture is None  # no graph returns the hidden states an EAGLE head reads
+            and row_graphs is not None
             and not is_decode
             and lora_slots is None
             and uses_row_graph(row_graphs, counts, seq_lens, len(sample_rows), needs_hidden, pending is not None)

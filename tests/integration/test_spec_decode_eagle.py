@@ -507,3 +507,29 @@ def test_the_heads_weights_count_and_serve_takes_one_model(path, heads, tmp_path
         serve.build_host_factory(args)
     with pytest.raises(ValueError, match=r"speculative_config\.model is required with method 'eagle'"):
         LLM(path, speculative_config={"method": "eagle", "num_speculative_tokens": 2}, **ARGS)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_graphed_verify_steps_still_hand_the_head_their_hidden_states(walk, method):
+    """QSERVE_SPEC_GRAPHS=1 with an EAGLE head: a verify step asks for the target's hidden states,
+    which no graph returns, so it runs eagerly; a verify step that replayed a row graph returned
+    none, the head missed every verified position (a zero-feature gap next time, no drafts for that
+    step) and the acceptance of the oracle head collapsed."""
+    from tests.integration.test_spec_decode_graphs import PathLog, install_graphs
+
+    target, heads, perm = walk
+    prompts = [{"prompt_token_ids": [PERM_FIRST + s for s in (3, 9, 17, 40)]}, {"prompt_token_ids": [PERM_FIRST + 5]}]
+    llm = LLM(target, speculative_config=_spec(heads, method), **ARGS)
+    install_graphs(llm)
+    engine = llm.engine
+    assert engine.runner.row_graphs is not None
+    log = PathLog(engine.runner)
+    outputs = llm.generate(prompts, _greedy(max_tokens=30), use_tqdm=False)
+    slot, expected = 40, []
+    for _ in range(30):
+        slot = perm[slot]
+        expected.append(PERM_FIRST + slot)
+    assert outputs[0].outputs[0].token_ids == expected
+    assert "rows" not in log.kinds(), "a step asking for hidden states replayed a row graph"
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
