@@ -1208,6 +1208,8 @@ class Engine:
             group, sequence = sequences[request_id]
             sequence.finish_reason = RequestStatus.FINISHED_LENGTH.finish_reason
             touched[group.request_id] = group
+        if self.proposer is not None and scheduler_output.capacity_finished_request_ids:
+            self._forget_drafts(scheduler_output.capacity_finished_request_ids)
 
     def _process_step(
         self,
@@ -1348,6 +1350,8 @@ class Engine:
         sequence.stop_reason = decision.stop_reason
         status = RequestStatus.FINISHED_STOPPED if decision.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
         self.scheduler.finish_request(request.request_id, status)
+        if self.proposer is not None:  # now, not with its group: a sibling of n may run on long after
+            self._forget_drafts([request.request_id])
         return True
 
     def _to_position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:

@@ -415,3 +415,36 @@ def test_serve_and_generate_take_the_flag(path, tmp_path, capsys):
         assert generate.run(args) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].strip()
+
+
+def test_a_finished_sample_of_n_gives_back_its_draft_state_at_once(path):  # noqa: F811
+    """n=2: one sample stops early while its sibling runs on. The draft model's scratch blocks and
+    mirror of the finished sample go back when it finishes, not when the whole group does: they were
+    held until then, so a finished sample's blocks were missing from the scratch pool, sized for the
+    running sequences only (later sequences found it spent and got no drafts)."""
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    params = SamplingParams(n=2, temperature=0.7, seed=3, max_tokens=20, ignore_eos=True)
+    prompt = {"prompt_token_ids": LOOP}
+    probe = LLM(path, async_scheduling=False, speculative_config=spec, **ARGS)
+    first, second = (o.token_ids for o in probe.generate([prompt], params, use_tqdm=False)[0].outputs)
+    # a token that ends the first sample after a few proposals and the second later (or never)
+    stop = next(t for i, t in enumerate(first) if i >= 4 and t not in first[:i] + second[: i + 4])
+    llm = LLM(path, async_scheduling=False, speculative_config=spec, **ARGS)
+    engine = llm.engine
+    engine.add_request("g", prompt, params.clone(stop_token_ids=[stop]))
+    shadow, proposer = engine.proposer.shadow, engine.proposer
+    total = len(shadow._scratch)
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        group = engine._groups.get("g")
+        finished = [] if group is None else [s.request.request_id for s in group.sequences if s.finish_reason]
+        if not finished:
+            continue
+        assert len(finished) == 1, "the samples should finish apart"
+        assert finished[0] not in proposer._mirrors and finished[0] not in proposer._held
+        held = sum(len(blocks) for blocks in proposer._held.values())
+        assert len(shadow._scratch) + held == total
+        checked += 1
+    assert checked > 0, "no step ran with one sample finished and the other running"
+    assert len(shadow._scratch) == total and not proposer._held and not proposer._mirrors
