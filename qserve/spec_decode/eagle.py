@@ -29,9 +29,10 @@ KV sits at the target's slot of p, so the head takes no page of the pool; the po
 from past the target's table use scratch blocks for the one proposal. Prefix caching: a sequence
 served from the prefix cache starts with a gap over the cached positions (the head KV of those
 blocks may have been written for another next token, from zero features, or never: it is not
-trusted), and its catch-up rewrites the head's KV of those shared blocks; a running sequence sharing
-them then attends over that rewrite (the same tokens; a zero feature where the newcomer had a gap):
-its drafts may be poorer, never wrong.
+trusted), but its catch-up stores no KV in a block another sequence holds (``ShadowKV.shared``: slot
+-1): the newcomer attends over what the other holder's head wrote there, and the other holder's
+head KV is never overwritten (from zero features, or for another next token at a block's last
+position). Drafts may be poorer for it, never wrong.
 
 Drafts are the head's argmax (a point mass q: the rejection rule p(d) keeps the target's
 distribution exactly).
@@ -285,7 +286,9 @@ class EagleProposer(Proposer):
         ends = np.cumsum(counts)  # [S]
         positions = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - counts - starts, counts)  # [T]
         table_start = np.repeat(np.cumsum(table_lens) - table_lens, counts)  # [T]
-        slots = flat[table_start + positions // block_size] * block_size + positions % block_size  # [T]
+        blocks = flat[table_start + positions // block_size]  # [T]
+        # no KV stored (slot -1) in a block another sequence holds: its head wrote it and reads it
+        slots = np.where(self.shadow.shared(blocks), -1, blocks * block_size + positions % block_size)  # [T]
         seq_lens = starts + counts  # [S]
         device = self.device
         metadata = AttentionMetadata(

@@ -25,6 +25,7 @@ rewrites them. ``num_scratch_blocks`` scratch blocks cover every proposal.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from qserve.config import ModelConfig
@@ -75,6 +76,15 @@ class ShadowKV:
     def table(self, request_id: str) -> list[int]:
         """The sequence's blocks for positions the target holds (a copy of the target's table)."""
         return list(self.target.block_table(request_id))
+
+    def shared(self, blocks: np.ndarray) -> np.ndarray:
+        """bool, ``blocks``' shape: which of these block ids another sequence holds too (a target block
+        with more than one reference, shared through the prefix cache; never a scratch block). The
+        head must store no KV there: the other holder's head reads it."""
+        pool = self.target.pool
+        return np.array([b < self.num_target_blocks and pool.ref_count(int(b)) > 1 for b in blocks.ravel()]).reshape(
+            blocks.shape
+        )
 
     def draft_table(self, request_id: str, end: int) -> list[int] | None:
         """The blocks for positions ``[0, end)``: the target's, then scratch blocks for what lies

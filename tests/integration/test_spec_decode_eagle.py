@@ -533,3 +533,62 @@ def test_graphed_verify_steps_still_hand_the_head_their_hidden_states(walk, meth
     assert "rows" not in log.kinds(), "a step asking for hidden states replayed a row graph"
     stats = engine.spec_stats
     assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_the_head_never_writes_a_block_another_sequence_holds(path, heads, method):  # noqa: F811
+    """A request served from the prefix cache shares full blocks with the running request that
+    computed them (reference count 2). The newcomer's head catches up over those positions (a gap:
+    zero features) but stores no KV in the shared blocks: it would overwrite what the running
+    sequence's head wrote there from the target's real features (and, at a block's last position,
+    for the running sequence's own next token). Outputs stay those of no speculation."""
+    prompt = list(range(40, 58))  # 4 full blocks of 4, and 2 tokens
+    newcomer = prompt + [3, 4]
+    params = _greedy(max_tokens=20)
+
+    def run(spec) -> tuple[dict, LLM]:  # noqa: ANN001
+        llm = LLM(path, async_scheduling=False, speculative_config=spec, **ARGS)
+        engine = llm.engine
+        engine.add_request("first", {"prompt_token_ids": prompt}, params)
+        for _ in range(3):
+            engine.step()
+        engine.add_request("second", {"prompt_token_ids": newcomer}, params)
+        final = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return final, llm
+
+    want, _ = run(None)
+    llm = LLM(path, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
+    engine = llm.engine
+    proposer, pool = engine.proposer, engine.block_pool
+    block_size, num_target = ARGS["block_size"], pool.num_blocks
+    head_forward = proposer.head.forward
+    written_shared, cached = [], []
+
+    def spy(input_ids, positions, features, kv_caches, metadata):  # noqa: ANN001, ANN202
+        slots = metadata.slot_mapping.tolist()
+        written_shared.extend(
+            s for s in slots if 0 <= s < num_target * block_size and pool.ref_count(s // block_size) > 1
+        )
+        return head_forward(input_ids, positions, features, kv_caches, metadata)
+
+    proposer.head.forward = spy
+    engine.add_request("first", {"prompt_token_ids": prompt}, params)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("second", {"prompt_token_ids": newcomer}, params)
+    got = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                got[output.request_id] = output
+        request = engine.scheduler.requests.get("second")
+        if request is not None:
+            cached.append(request.num_cached_tokens)
+    _assert_same(got, want)
+    assert max(cached) >= 3 * block_size, "the newcomer was served from the prefix cache"
+    assert engine.spec_stats.num_draft_tokens > 0
+    assert not written_shared, f"the head stored KV at slots of shared blocks: {sorted(set(written_shared))}"
