@@ -82,9 +82,9 @@ class ShadowKV:
         with more than one reference, shared through the prefix cache; never a scratch block). The
         head must store no KV there: the other holder's head reads it."""
         pool = self.target.pool
-        return np.array([b < self.num_target_blocks and pool.ref_count(int(b)) > 1 for b in blocks.ravel()]).reshape(
-            blocks.shape
-        )
+        unique, inverse = np.unique(blocks, return_inverse=True)  # one look-up per block, not per slot
+        flags = np.array([b < self.num_target_blocks and pool.ref_count(int(b)) > 1 for b in unique], dtype=bool)
+        return flags[inverse].reshape(blocks.shape)
 
     def draft_table(self, request_id: str, end: int) -> list[int] | None:
         """The blocks for positions ``[0, end)``: the target's, then scratch blocks for what lies
