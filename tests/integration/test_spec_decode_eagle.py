@@ -433,7 +433,7 @@ def test_adaptive_verification_with_an_eagle_head(walk):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_cuda_eagle_heads(path, heads, walk, async_scheduling):  # noqa: F811
-    """On the GPU (Triton attention over the head's pages aliased in the target's, captured steps
+    """On the GPU (Triton attention over the head's shadow cache at the target's block ids, captured steps
     run eagerly between graph-replayed plain decodes, the head's catch-up enqueued behind a step
     in flight): random heads keep the workload's greedy outputs, oracle heads get their drafts
     accepted, and every page comes back; float32 so argmax is not decided by rounding."""
