@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
-        lora_bytes=lora_slot_bytes(config, args.max_loras, args.max_lora_rank, dtype, args.tensor_parallel_size)
+        lora_bytes=lora_slot_bytes(
+            config, args.max_loras, args.max_lora_rank, dtype, args.tensor_parallel_size, args.enable_expert_parallel
+        )
         if args.enable_lora
         else 0,
         shadow_kv_bytes_per_token=shadow_per_token,

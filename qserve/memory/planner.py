@@ -187,13 +187,20 @@ PROMPT_LOGPROBS_BYTES_PER_LOGIT = 5 + 3 + 4
 
 
 def lora_slot_bytes(
-    config: ModelConfig, max_loras: int, max_lora_rank: int, dtype: torch.dtype, tensor_parallel_size: int = 1
+    config: ModelConfig,
+    max_loras: int,
+    max_lora_rank: int,
+    dtype: torch.dtype,
+    tensor_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
 ) -> int:
     """Device bytes of the LoRA adapter slots (``--enable-lora``) on one rank: per decoder layer and
     slot, each of qkv / o / gate_up / down holds ``A`` ``[slices * R, K]`` and ``B`` ``[N, R]``
     (qserve.lora.slots). Under tensor parallelism a column-parallel layer (qkv, gate_up) keeps A whole
     and its rank's rows of B; a row-parallel one (o, down) its rank's columns of A and B whole."""
-    rank_config = per_rank_config(config, tensor_parallel_size)  # heads (KV heads replicated if few) and width
+    # heads (KV heads replicated if few) and width; the experts' split (which LoRA never reads) as the
+    # model's own, so an expert width only expert parallelism can serve is not refused here
+    rank_config = per_rank_config(config, tensor_parallel_size, enable_expert_parallel)
     h, d, r = config.hidden_size, config.head_dim, max_lora_rank
     inter = rank_config.intermediate_size
     q, kv = rank_config.num_heads * d, rank_config.num_kv_heads * d

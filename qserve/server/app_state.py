@@ -55,6 +55,8 @@ class AppState:
 
     def apply_sampling_defaults(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         name = body.model
+        if self.serving is not None:
+            self.serving.sync_lora_models()  # an engine core's news of another front end's change
         if self.serving is not None and name in self.serving.lora_models:  # an adapter: its base's defaults
             name = self.serving.lora_models[name].host_name
         hosted = self.host.models.get(name) if self.host is not None else None

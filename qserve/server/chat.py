@@ -25,5 +25,6 @@ async def chat_completions(
     request: Request,
     s: OpenAIServing = Depends(serving),  # noqa: B008
 ) -> Any:
+    await s.refresh_lora_models(body.model)  # an adapter loaded elsewhere: its base's defaults below
     app_state(request).apply_sampling_defaults(body)
     return await respond(request, s.create_chat_completion(body, **tenant_of(request)))

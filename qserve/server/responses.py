@@ -635,6 +635,7 @@ async def create_response(
     if body.instructions:
         messages.insert(0, ChatMessage(role="system", content=body.instructions))
     chat = _chat_request(body, [m.model_copy(deep=True) for m in messages])
+    await serving.refresh_lora_models(chat.model)  # an adapter loaded elsewhere: its base's defaults
     apply_defaults(chat)
     context = _Context(body, chat, conversation, _new_id("resp"), int(time.time()))
     try:

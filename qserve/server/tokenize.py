@@ -70,6 +70,8 @@ async def tokenize(body: TokenizeRequest, s: OpenAIServing = Depends(serving)) -
         check_text(body)  # a lone surrogate is a 400 naming the field, as on the completion routes
     except RequestLimitError as err:
         raise bad_request(str(err), err.param) from err
+    if body.model is not None:  # an adapter loaded through another front end (no name: the only base)
+        await s.refresh_lora_models(body.model)
     model = _served_model(s, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
@@ -97,6 +99,8 @@ async def tokenize(body: TokenizeRequest, s: OpenAIServing = Depends(serving)) -
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, s: OpenAIServing = Depends(serving)) -> DetokenizeResponse:  # noqa: B008
+    if body.model is not None:  # an adapter loaded through another front end (no name: the only base)
+        await s.refresh_lora_models(body.model)
     model = _served_model(s, body.model)
     if body.tokens and max(body.tokens) >= model.vocab_size:  # max(): C speed on 262k ids
         bad = next(t for t in body.tokens if t >= model.vocab_size)

@@ -69,3 +69,23 @@ def test_plan_qwen3_30b_a3b_in_24gib(tmp_path, capsys):
         assert total <= 24 * GIB
     assert 40 <= fits["auto"] < fits["fp8"] < fits["int4"]  # fp16 KV: families.md's ~40 one-k sequences
     assert fits["fp8"] >= 2 * fits["auto"] - 1
+
+
+def test_lora_slot_bytes_under_expert_parallelism_ignore_the_expert_width(tmp_path, capsys):
+    """LoRA adapts attention and dense MLPs only, so its per-rank slot bytes do not depend on how the
+    routed experts split: with expert parallelism an expert width the ranks cannot split (whole
+    experts per rank) must not refuse the plan (it did: the LoRA count split the experts as if
+    expert parallelism were off)."""
+    from qserve.memory.planner import lora_slot_bytes
+
+    odd = {**QWEN3_30B_A3B, "moe_intermediate_size": 100}  # 100 % 8 != 0; 128 experts % 8 == 0
+    (tmp_path / "config.json").write_text(json.dumps(odd))
+    config = read_model_config(tmp_path)
+    per_rank = lora_slot_bytes(config, 4, 16, torch.bfloat16, 8, enable_expert_parallel=True)
+    # attention only (every layer is MoE): qkv A [3R, H] + B [(q + 2kv) / 8, R]; o A [R, q / 8] + B [H, R]
+    h, r, q, kv = 2048, 16, 32 * 128 // 8, max(4 // 8, 1) * 128
+    assert per_rank == 4 * 48 * (3 * r * h + (q + 2 * kv) * r + r * q + h * r) * 2
+    args = ["plan", str(tmp_path), "--gpu-memory-budget", "24GiB", "--json", "--enable-lora", "--max-loras", "4"]
+    args += ["--tensor-parallel-size", "8", "--enable-expert-parallel"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["lora_bytes"] == per_rank
