@@ -70,7 +70,10 @@ def _choices(reply: httpx.Response) -> list:
 
 
 def _cards(url: str) -> dict[str, dict]:
-    return {c["id"]: c for c in httpx.get(f"{url}/v1/models", headers={"Connection": "close"}).json()["data"]}
+    """``/v1/models``' cards by id, without ``created`` (the time of the request: two servers asked a
+    moment apart can differ by a second, which made the comparison flaky)."""
+    cards = httpx.get(f"{url}/v1/models", headers={"Connection": "close"}).json()["data"]
+    return {c["id"]: {k: v for k, v in c.items() if k != "created"} for c in cards}
 
 
 def _post(url: str, path: str, body: dict) -> httpx.Response:
