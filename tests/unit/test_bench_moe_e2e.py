@@ -70,6 +70,7 @@ def test_small_moe_checkpoint_loads_with_the_bytes_the_floor_counts(tmp_path) ->
     assert held == moe_step_bytes(SMALL_MOE, batch=10**6)["experts"]
 
 
+@pytest.mark.slow  # builds and serves a toy MoE checkpoint end to end (~10 s)
 def test_small_mode_runs_on_cpu(tmp_path, monkeypatch) -> None:
     out = tmp_path / "moe.md"
     argv = ["e2e.py", "--model", "qwen3-30b-a3b", "--small", "--num-requests", "4", "--decode-batches", "1,4",
