@@ -85,3 +85,24 @@ def test_an_adapter_another_front_end_loaded_gets_its_bases_sampling_defaults(co
     reply = _post(url, f"/v1/{route}", body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 3  # the base's max_tokens default, not the server's
+
+
+def test_add_lora_takes_the_id_from_the_cores_answer(monkeypatch):
+    """The core's answer to a load carries its whole adapter list; the id comes from it, not from the
+    client's copy, which news of a later unload by another front end may already have changed
+    before the loading coroutine resumes (it raised KeyError: a 500)."""
+    import asyncio
+
+    from qserve.engine.core.client import EngineCoreClient
+    from qserve.engine.core.messages import LoRASpec, LoRAState
+    from qserve.lora.request import LoRARequest
+
+    client = object.__new__(EngineCoreClient)
+    client._loras = {}  # the later unload's news, applied first
+
+    async def control(message):  # noqa: ANN001, ANN202
+        return LoRAState([LoRASpec("sql", 7, "/adapters/sql", "llama")], control_id=1)
+
+    monkeypatch.setattr(client, "get_model", lambda model: None, raising=False)
+    monkeypatch.setattr(client, "_control", control, raising=False)
+    assert asyncio.run(client.add_lora("llama", LoRARequest("sql", 1, "/adapters/sql"))) == 7

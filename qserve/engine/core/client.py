@@ -460,7 +460,12 @@ class EngineCoreClient:
         self.get_model(model)
         state = await self._control(LoRAControl(0, "load", model, LoRASpec.of(lora_request)))
         _raise_lora_error(state)
-        return self._loras[lora_request.lora_name].lora_int_id
+        # the id from the answer itself: news of a later change (another front end unloading it) can be
+        # applied to ``_loras`` between the answer's arrival and this coroutine resuming
+        for adapter in state.adapters:
+            if adapter.name == lora_request.lora_name:
+                return adapter.int_id
+        raise ValueError(f"lora_name: adapter {lora_request.lora_name!r} was not in the engine core's answer")
 
     async def remove_lora(self, model: str, lora_name: str) -> bool:
         """Unload an adapter in the core (False if the core does not have it); requests running
