@@ -239,6 +239,19 @@ def abort_model(hosted: HostedModel) -> list[str]:
     return request_ids
 
 
+def abort_for_shutdown(hosted: HostedModel) -> list[RequestOutput]:
+    """On shutdown: abort a model's active requests and flush the aborts; returns the flushed
+    outputs (each stream's last, finished with 'abort'), none if the flush failed."""
+    for request_id in hosted.active:
+        hosted.engine.abort_request(request_id)
+    hosted.active.clear()
+    try:
+        return hosted.engine.step() if hosted.engine.has_unfinished_requests() else []
+    except Exception:  # noqa: BLE001
+        logger.exception("flushing aborts of model %s failed", hosted.name)
+        return []
+
+
 class OutputStream:
     """The outputs of one submission (one or more engine requests), in arrival order.
 
@@ -543,14 +556,7 @@ class AsyncEngine:
         """On shutdown: abort everything, flush, and end every stream."""
         self._drain_commands()
         for hosted in self.models.values():
-            for request_id in hosted.active:
-                hosted.engine.abort_request(request_id)
-            hosted.active.clear()
-            try:
-                outputs = hosted.engine.step() if hosted.engine.has_unfinished_requests() else []
-            except Exception:  # noqa: BLE001
-                logger.exception("flushing aborts of model %s failed", hosted.name)
-                continue
+            outputs = abort_for_shutdown(hosted)
             if outputs:
                 self._publish(hosted.name, outputs)
 

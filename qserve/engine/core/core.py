@@ -61,6 +61,7 @@ from qserve.engine.async_engine import (
     ModelSpec,
     QueueFullError,
     _check_registered,
+    abort_for_shutdown,
     abort_model,
     build_engines,
 )
@@ -564,14 +565,7 @@ class EngineCore:
             self._send(client, Added(message.submit_id, "dead", "the engine is shutting down"))
         self._compiling = []
         for hosted in self.models.values():
-            for request_id in hosted.active:
-                hosted.engine.abort_request(request_id)
-            hosted.active.clear()
-            try:
-                outputs = hosted.engine.step() if hosted.engine.has_unfinished_requests() else []
-            except Exception:  # noqa: BLE001
-                logger.exception("flushing aborts of model %s failed", hosted.name)
-                continue
+            outputs = abort_for_shutdown(hosted)
             if outputs:
                 self._send_outputs(hosted.name, outputs)  # type: ignore[arg-type]
 
