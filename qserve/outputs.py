@@ -53,6 +53,37 @@ class RequestOutput:
     # The LoRA adapter it ran with (vLLM's field; a qserve.lora.request.LoRARequest), None: the base model.
     lora_request: Any = None
 
+    @classmethod
+    def pooling(
+        cls,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        embedding: list[float] | None,
+        finish_reason: str | None,
+        finished: bool,
+        num_cached_tokens: int,
+        metrics: dict[str, float],
+        lora_request: Any = None,
+    ) -> RequestOutput:
+        """An embedding request's output: its vector and no generated tokens (the one token its step
+        sampled is not part of the result). Finished without a vector: aborted, or the KV pool could
+        never hold it (``finish_reason`` says which); with one, the reason is "stop"."""
+        if finish_reason is not None and embedding is not None:
+            finish_reason = "stop"
+        return cls(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason=finish_reason)],
+            finished=finished,
+            num_cached_tokens=num_cached_tokens,
+            embedding=embedding,
+            metrics=metrics,
+            lora_request=lora_request,
+        )
+
 
 @dataclass(slots=True)
 class EmbeddingOutput:

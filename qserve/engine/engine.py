@@ -1402,20 +1402,16 @@ class Engine:
         """An embedding request's output: its vector and no generated tokens (the one token its
         step sampled is not part of the result). Finished without a vector: aborted, or the KV
         pool could never hold it (its finish reason says which)."""
-        reason = group.sequences[0].finish_reason
-        if reason is not None and group.embedding is not None:
-            reason = "stop"
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            prompt_logprobs=None,
-            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason=reason)],
-            finished=finished,
-            num_cached_tokens=group.sequences[0].request.num_cached_tokens,
-            metrics=self._timing(group) if finished else {},
-            lora_request=group.lora_request,
-            embedding=group.embedding,
+        return RequestOutput.pooling(
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            group.embedding,
+            group.sequences[0].finish_reason,
+            finished,
+            group.sequences[0].request.num_cached_tokens,
+            self._timing(group) if finished else {},
+            group.lora_request,
         )
 
     @staticmethod

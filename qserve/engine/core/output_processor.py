@@ -221,19 +221,16 @@ class OutputProcessor:
         """``Engine._make_output``: a cumulative output (copies, so later steps do not change it)."""
         metrics = dict(state.metrics) if finished else {}
         if state.pooling is not None:
-            reason = state.sequences[0].finish_reason
-            if reason is not None and state.embedding is not None:
-                reason = "stop"
-            return RequestOutput(
-                request_id=state.request_id,
-                prompt=state.prompt,
-                prompt_token_ids=state.prompt_token_ids,
-                prompt_logprobs=None,
-                outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason=reason)],
-                finished=finished,
-                num_cached_tokens=state.num_cached_tokens,
-                metrics=metrics,
-                embedding=state.embedding,
+            return RequestOutput.pooling(
+                state.request_id,
+                state.prompt,
+                state.prompt_token_ids,
+                state.embedding,
+                state.sequences[0].finish_reason,
+                finished,
+                state.num_cached_tokens,
+                metrics,
+                state.lora_request,
             )
         params = state.params
         completions = []
