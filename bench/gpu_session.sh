@@ -17,7 +17,8 @@
 #   optin_tiles  the Hopper prefill tiles (QSERVE_PREFILL_TILES=h200, the default since 2026-12-05): GPU attention tests, bench/attention_prefill.py
 #   optin_moe    bench/moe.py (fused MoE vs per-expert loop vs cuBLAS grouped)
 #   optin_lora   bench/lora.py (kernels, then --e2e)
-#   optin_spec   bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128, eager and graphed verify)
+#   optin_spec   bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128, eager and graphed verify;
+#                then batch 1 with a mismatched draft, fixed and adaptive k: the 0%-acceptance case)
 # piecewise (only when named): QSERVE_PIECEWISE_GRAPHS's GPU tests, then bench/profile_step.py eager vs piecewise
 #   graphs (buckets 256-2048) on the pure-decode and mixed steps (issue 25).
 # core (only when named; needs the server's wheels): bench/serving_http.sh with the engine core in-process,
@@ -142,6 +143,9 @@ fi
 if has optin_spec; then
     stage "speculative decoding: n-gram and a 12-layer self-draft, eager and graphed verify (QSERVE_SPEC_GRAPHS=1)"
     timeout 240 python3 bench/spec_decode.py --draft-layers 12 --out "$OUT/spec_decode.md" 2>&1 | grep -v USDT | tail -10
+    stage "speculative decoding at batch 1 near 0% acceptance (a draft whose head is rolled), fixed and adaptive k, graphed verify"
+    timeout 180 python3 bench/spec_decode.py --batches 1 --draft-layers 12 --mismatched-draft --adaptive --verify graphs \
+        --out "$OUT/spec_decode_0.md" 2>&1 | grep -v USDT | tail -8
 fi
 if has piecewise; then
     stage "piecewise CUDA graphs for steps that carry prefill: GPU tests, then eager vs piecewise step profile"

@@ -25,6 +25,8 @@ once finished sequences bring the batch under the threshold.
                                                                             # target's first 12 layers
     python bench/spec_decode.py --small --out /tmp/spec_decode.md           # tiny model, CPU or GPU
     python bench/spec_decode.py --verify eager --out spec_decode.md         # as before: no verify graphs
+    python bench/spec_decode.py --batches 1 --draft-layers 12 --mismatched-draft --adaptive \
+        --verify graphs --out spec_decode_0.md                              # the 0%-acceptance case
 
 The table goes to stdout and ``--out`` (markdown).
 """
@@ -50,9 +52,12 @@ from qserve import LLM, SamplingParams  # noqa: E402
 from qserve.engine.engine import SPEC_GRAPHS_ENV  # noqa: E402
 
 
-def write_draft(target: Path, path: Path, num_layers: int) -> None:
+def write_draft(target: Path, path: Path, num_layers: int, mismatched: bool = False) -> None:
     """A draft checkpoint that is the target's first ``num_layers`` layers plus its embeddings, final
-    norm and head (same tokenizer, same quantization): its acceptance is measured, not assumed."""
+    norm and head (same tokenizer, same quantization): its acceptance is measured, not assumed.
+    ``mismatched``: the head's rows rolled by half the vocabulary, so the draft proposes the token
+    half a vocabulary away from its own choice: the target accepts next to nothing (issue 29's
+    0%-acceptance case, measured with the same draft cost)."""
     from safetensors.torch import load_file, save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -64,6 +69,9 @@ def write_draft(target: Path, path: Path, num_layers: int) -> None:
             for name, t in tensors.items()
             if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
         }
+        if mismatched and "lm_head.weight" in kept:
+            head = kept["lm_head.weight"]  # [vocab, hidden]
+            kept["lm_head.weight"] = torch.roll(head, head.shape[0] // 2, dims=0).contiguous()
         save_file(kept, str(path / shard.name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(kept, shard.name))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -164,6 +172,12 @@ def main() -> None:
         help="also measure method draft_model with the target's first N layers as the draft (0: n-gram only)",
     )
     parser.add_argument(
+        "--mismatched-draft",
+        action="store_true",
+        help="with --draft-layers: the draft's head rolled by half the vocabulary (acceptance near 0%%), "
+        "the case where speculation must cost (almost) nothing",
+    )
+    parser.add_argument(
         "--adaptive",
         action="store_true",
         help="also measure each method with enable_adaptive_verification (k per step from acceptance and "
@@ -185,11 +199,13 @@ def main() -> None:
     }
     modes: list[tuple[str, dict | None]] = [("off", None), ("ngram", spec)]
     if args.draft_layers:
-        draft_path = Path(f"{path}-draft{args.draft_layers}")
+        suffix = "-mismatched" if args.mismatched_draft else ""
+        draft_path = Path(f"{path}-draft{args.draft_layers}{suffix}")
         if not (draft_path / "config.json").is_file():
-            write_draft(path, draft_path, args.draft_layers)
+            write_draft(path, draft_path, args.draft_layers, mismatched=args.mismatched_draft)
         draft = {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": args.k}
-        modes.append((f"draft{args.draft_layers}", {**draft, "disable_by_batch_size": args.disable_by_batch_size}))
+        name = f"draft{args.draft_layers}{suffix}"
+        modes.append((name, {**draft, "disable_by_batch_size": args.disable_by_batch_size}))
     if args.adaptive:
         adaptive = {"enable_adaptive_verification": True}
         if args.adaptive_row_cost is not None:
