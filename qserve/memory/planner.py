@@ -239,6 +239,13 @@ def activation_bytes_estimate(config: ModelConfig, num_batched_tokens: int, num_
     prompt logprobs (``sampling_bytes``: a step samples at most ``num_seqs`` rows and holds at
     most ``num_batched_tokens`` prompt positions).
     """
+    layer_peak = layer_activation_bytes(config, num_batched_tokens, dtype)
+    return layer_peak + sampling_bytes(config, min(num_seqs, num_batched_tokens), num_batched_tokens, dtype)
+
+
+def layer_activation_bytes(config: ModelConfig, num_tokens: int, dtype: torch.dtype) -> int:
+    """The widest tensors of one decoder layer over ``num_tokens`` tokens (hidden, qkv, attention
+    output, gate_up and its activation; a MoE layer's per-pair rows), without logits or sampling."""
     elem = torch.empty((), dtype=dtype).element_size()
     d = config.head_dim
     per_token = (
@@ -250,17 +257,20 @@ def activation_bytes_estimate(config: ModelConfig, num_batched_tokens: int, num_
     if config.moe_layers:  # per (token, expert) pair: gate_up, its activation and the weighted output
         k, moe_inter = config.num_experts_per_tok, config.moe_intermediate_size
         per_token += k * (3 * moe_inter + config.hidden_size) + 3 * config.shared_expert_intermediate_size
-    layer_peak = num_batched_tokens * per_token * elem
-    return layer_peak + sampling_bytes(config, min(num_seqs, num_batched_tokens), num_batched_tokens, dtype)
+    return num_tokens * per_token * elem
 
 
 def cuda_graph_bytes_estimate(config: ModelConfig, max_num_seqs: int, dtype: torch.dtype) -> int:
     """Decode CUDA graphs: the shared float32 logits buffer of the largest batch, and the graph
-    pool holding that batch's activations (LM-head output in the model dtype and as float32),
-    plus slack for the kernels' split-K workspaces and static inputs."""
+    pool holding that batch's activations (one layer's widest tensors; the LM-head output in the
+    model dtype and as float32), plus slack for the kernels' split-K workspaces and static inputs.
+    The sampler runs after the replay, outside the pool (its peak is ``activation_bytes``), and a
+    decode step has no prompt logprobs: the pool holds neither. (It counted a prompt-logprob slice
+    until 2026-12-05: 0.58 GiB at 256 sequences of a 152k vocabulary, most of the 0.8 GiB that
+    bench/e2e.py found planned but never allocated.)"""
     batch = max_num_seqs
     logits = batch * config.vocab_size * 4
-    pool = activation_bytes_estimate(config, batch, 0, dtype) + batch * config.vocab_size * (2 + 4)
+    pool = layer_activation_bytes(config, batch, dtype) + batch * config.vocab_size * (2 + 4)
     return logits + pool + (64 << 20)
 
 
@@ -276,18 +286,9 @@ def piecewise_graph_bytes_estimate(config: ModelConfig, max_num_tokens: int, dty
     static = max_num_tokens * (
         3 * 8 + elem * ((2 * config.num_heads + 2 * config.num_kv_heads) * d + 2 * config.hidden_size)
     )
-    per_token = (
-        3 * config.hidden_size
-        + (config.num_heads + 2 * config.num_kv_heads) * d
-        + config.num_heads * d
-        + 3 * config.intermediate_size
-    )
-    if config.moe_layers:
-        k, moe_inter = config.num_experts_per_tok, config.moe_intermediate_size
-        per_token += k * (3 * moe_inter + config.hidden_size) + 3 * config.shared_expert_intermediate_size
     q_width = (config.num_heads + 2 * config.num_kv_heads) * d
     widest_weight = config.hidden_size * max(q_width, 2 * config.intermediate_size, config.num_heads * d) * elem
-    return static + max_num_tokens * per_token * elem + widest_weight
+    return static + layer_activation_bytes(config, max_num_tokens, dtype) + widest_weight
 
 
 @dataclass(frozen=True, slots=True)

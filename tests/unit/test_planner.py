@@ -154,3 +154,24 @@ def test_an_eagle_heads_kv_makes_pages_larger_by_its_share(qwen14b_dir):
     assert plan.shadow_scratch_bytes == scratch * 16 * per_head
     assert "of the EAGLE head's KV" in plan.describe() and "EAGLE" not in plain.describe()
     assert make_plan(config, **common, shadow_kv_bytes_per_token=0, shadow_scratch_blocks=scratch) == plain
+
+
+def test_decode_graph_pool_holds_no_prompt_logprobs(qwen14b_dir, monkeypatch):
+    """The decode graphs' pool is one batch's layer activations and LM-head output: a decode step
+    computes no prompt logprobs and samples outside the graph. Until 2026-12-05 the estimate added
+    a prompt-logprob slice (0.58 GiB at 256 sequences of a 152k vocabulary), which bench/e2e.py saw
+    as 0.8 GiB planned and never allocated; the estimate must not move with that slice's size."""
+    import torch
+
+    from qserve.memory import planner
+    from qserve.runner import sampler
+
+    config = read_model_config(qwen14b_dir)
+    batch, vocab = 256, config.vocab_size
+    before = planner.cuda_graph_bytes_estimate(config, batch, torch.float16)
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROBS_CHUNK_ROWS", sampler.PROMPT_LOGPROBS_CHUNK_ROWS // 4)
+    assert planner.cuda_graph_bytes_estimate(config, batch, torch.float16) == before
+    # what it is: the shared float32 logits, the LM head's fp16 output and float32 copy, one
+    # layer's widest tensors (~35 MiB here) and 64 MiB of slack
+    logits_and_head = batch * vocab * (4 + 2 + 4)
+    assert logits_and_head + (64 << 20) < before < logits_and_head + (64 << 20) + 64 * 2**20
