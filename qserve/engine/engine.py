@@ -437,7 +437,8 @@ class Engine:
         graphs_ok = getattr(self.model, "supports_cuda_graphs", True)  # False: MoE experts that sync with the host
         if self.device.type == "cuda" and not config.enforce_eager and not graphs_ok:
             logger.info(
-                "%s: mixture-of-experts layers run eagerly (the per-expert loop: QSERVE_FUSED_MOE=0 or act-order experts)", self.owner
+                "%s: mixture-of-experts layers run eagerly (the per-expert loop: QSERVE_FUSED_MOE=0 or act-order experts)",
+                self.owner,
             )
         if self.device.type == "cuda" and not config.enforce_eager and graphs_ok and config.enable_lora:
             if os.environ.get(LORA_GRAPHS_ENV) == "1":  # opt-in until pytest -m gpu has run with it
