@@ -25,6 +25,8 @@
 #   then in its own process (QSERVE_ENABLE_MULTIPROCESSING=1), concurrency 16 (CONCURRENCY=1,16 adds the
 #   slow batch-1 run) and Poisson 16 req/s, each run's folder packed into one .tgz
 #   (the device call returns at most 8 files).
+# ampere_proxy (only when named): bench/kernels.py --ampere-proxy --sweep: the sm86/sm89 W4A16 code (mma.sync,
+#   Ampere operand layout, 99 KB shared) timed on this card, issue 26's proxy for the users' dispatch table; 420 s.
 # moe_e2e (only when named): bench/e2e.py --model qwen3-30b-a3b on a random Qwen3-30B-A3B-shaped GPTQ-4bit
 #   checkpoint under the 24 GiB budget: decode at batch 1/8/32/128 against its floor (bytes of the
 #   experts a step is expected to hit + attention, routers, lm_head), capacity at 1k tokens, offline
@@ -163,6 +165,11 @@ if has core; then
         echo "exit code $?"; tail -14 "/tmp/http_mp$mp.txt"
         mv "/tmp/http_mp$mp.txt" "/tmp/http_mp$mp/"; tar -czf "$OUT/http_mp$mp.tgz" -C /tmp "http_mp$mp"
     done
+fi
+if has ampere_proxy; then
+    stage "W4A16 on the users' code path: sm86 mma.sync kernels on this card (DISABLE_MMA_V3=1; a proxy), swept"
+    timeout 420 python3 bench/kernels.py --ampere-proxy --sweep --sweep-ms 1,16,64,128,256 --ms 1,16,64,128,256,512 \
+        --peers "" --jobs 12 --budget-s 300 --out "$OUT/kernels_ampere_proxy.md" 2>&1 | grep -v USDT | tail -30
 fi
 if has moe_e2e; then
     stage "MoE end to end (Qwen3-30B-A3B-shaped GPTQ 4-bit): decode vs its floor, capacity at 1k, offline 1,000"

@@ -16,6 +16,15 @@ dispatch, if still present), GemLite (``gemlite``, its H100 config, if installed
 tinygemm (M <= 256). ``--ptx`` also compiles the kernel for sm90 and sm86 on this machine's Triton
 and counts shared-memory stores in the PTX. ``--jobs N`` compiles every kernel variant the run will
 time in N processes first (Triton's on-disk cache), so a whole sweep fits one device call.
+
+``--ampere-proxy`` times the code the users' cards run (3090 / A10G: sm86; 4090: sm89) on this
+Hopper card: Triton's ``DISABLE_MMA_V3=1`` makes an sm90 compile emit ``mma.sync`` instead of
+wgmma, the weights take the Ampere/Ada MMA-operand layout (``mma_kwidth((8, 6))``) and every
+launch is fitted to sm86's 99 KB of shared memory per block (``fit_shared``). The PTX is then the
+sm86 compile's line for line (tests/kernels/test_w4a16_ptx.py checks it), so the sweep ranks tile
+configs of that code path; the card is not an Ampere card (132 SMs, 4.8 TB/s, wgmma cuBLAS as the
+baseline): a proxy for the dispatch table, not for the users' speeds. It runs in a Triton cache
+of its own (the variable is not part of Triton's cache key).
 """
 
 from __future__ import annotations
@@ -34,9 +43,37 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from quant_kernels import device as kdevice  # noqa: E402
 from quant_kernels import reference  # noqa: E402
 from quant_kernels import w4a16_mma_triton as mma  # noqa: E402
 from quant_kernels.layout import PackedQuantWeight, pack_codes  # noqa: E402
+from quant_kernels.repack import mma_kwidth  # noqa: E402
+
+AMPERE_PROXY_ENV = "QSERVE_BENCH_AMPERE_PROXY"  # set by --ampere-proxy for this process and its compile workers
+SM86_MAX_SHARED = 99 * 1024  # shared memory one block may use on sm86 / sm89
+
+
+def ampere_proxy() -> bool:
+    return os.environ.get(AMPERE_PROXY_ENV) == "1"
+
+
+def enter_ampere_proxy() -> None:
+    """mma.sync code, the Ampere operand layout and sm86's shared-memory limit from here on (call
+    before the first compile; the compile workers inherit the environment and call it again)."""
+    import tempfile
+
+    os.environ[AMPERE_PROXY_ENV] = "1"
+    os.environ["DISABLE_MMA_V3"] = "1"  # read by Triton's AccelerateMatmul pass at each compile
+    if "QSERVE_BENCH_PROXY_CACHE" not in os.environ:  # not in Triton's cache key: a cache of its own
+        os.environ["QSERVE_BENCH_PROXY_CACHE"] = tempfile.mkdtemp(prefix="triton-ampere-proxy-")
+    os.environ["TRITON_CACHE_DIR"] = os.environ["QSERVE_BENCH_PROXY_CACHE"]
+    kdevice.max_shared = lambda device: SM86_MAX_SHARED  # w4a16_gemm fits every launch to it
+
+
+def prepare_weight(weight: PackedQuantWeight) -> mma.MmaQuantWeight:
+    """The load-time shuffle into this card's MMA-operand order (the Ampere one under the proxy)."""
+    return mma.prepare(weight, kwidth=mma_kwidth((8, 6)) if ampere_proxy() else None)
+
 
 SHAPES = {  # name: (K, N) of Qwen2.5-14B
     "qkv": (5120, 7168),
@@ -177,7 +214,7 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
         old_counters = [
             torch.zeros(old.num_split_counters(n), dtype=torch.int32, device="cuda") for _ in range(GRAPH_LAYERS)
         ]
-    new_w = mma.prepare(weight)  # load-time shuffle into the MMA-operand order
+    new_w = prepare_weight(weight)  # load-time shuffle into the MMA-operand order
     copies = [new_w] + [
         dataclasses.replace(new_w, qweight=new_w.qweight.clone(), scales=new_w.scales.clone())
         for _ in range(GRAPH_LAYERS - 1)
@@ -310,6 +347,8 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
 
 def _compile_worker(tasks: list[tuple[int, int, int, mma.MmaConfig]]) -> int:
     """Run each (K, N, M, config) once on random data so Triton compiles it into its on-disk cache."""
+    if ampere_proxy():
+        enter_ampere_proxy()
     torch.cuda.init()
     done = 0
     made: dict[tuple[int, int], tuple] = {}
@@ -317,7 +356,7 @@ def _compile_worker(tasks: list[tuple[int, int, int, mma.MmaConfig]]) -> int:
         if (k, n) not in made:
             weight, _ = make_weight(k, n, GROUP)
             made[(k, n)] = (
-                mma.prepare(weight),
+                prepare_weight(weight),
                 torch.zeros(mma.num_split_counters(n), dtype=torch.int32, device="cuda"),
             )
         w, counters = made[(k, n)]
@@ -428,8 +467,15 @@ def main() -> None:
     ap.add_argument(
         "--pdl", action="store_true", help="also time the default with PDL launches (sm90; quant_kernels.pdl)"
     )
+    ap.add_argument(
+        "--ampere-proxy",
+        action="store_true",
+        help="the sm86/sm89 code path on this Hopper card (DISABLE_MMA_V3=1, Ampere layout, 99 KB shared)",
+    )
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.md"))
     args = ap.parse_args()
+    if args.ampere_proxy:
+        enter_ampere_proxy()
     torch.manual_seed(0)
     ms = [int(v) for v in args.ms.split(",")]
     peers = set(args.peers.split(",")) if args.peers else set()
@@ -443,6 +489,11 @@ def main() -> None:
         f"# W4A16 kernels: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"triton {__import__('triton').__version__}, copy bandwidth {bw / 1e12:.2f} TB/s; {gem}"
     )
+    if args.ampere_proxy:
+        header += (
+            "; AMPERE PROXY: the sm86 code path (mma.sync, Ampere operand layout, 99 KB shared per block) on "
+            "this card; xcuBLAS is against this card's cuBLAS (wgmma), not an Ampere card's"
+        )
     print(header, flush=True)
     ptx = ptx_counts() if args.ptx else []
     if args.jobs > 0:

@@ -148,3 +148,39 @@ def test_weight_tiles_are_multi_buffered(case, ptx_stats) -> None:
         f"sm{arch} {name}: {r['shared']} B of shared memory against {r['unbuffered']} B with one stage: "
         f"not one buffered weight tile ({tile_bytes} B) more; the weight loads are no longer pipelined"
     )
+
+
+_PROXY_SCRIPT = r"""
+import json
+from quant_kernels import w4a16_mma_triton as mma
+from quant_kernels.repack import mma_kwidth
+
+def body(ptx):  # the code, without the target and PTX version lines
+    return [ln for ln in ptx.splitlines() if not ln.startswith((".target", ".version"))]
+
+cfg = mma.MmaConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+kw = dict(kwidth=mma_kwidth((8, 6)), group_tile=1, asym=True, act_order=False, dtype="fp16", bits=4)
+sm90 = mma.compile_for(90, cfg, **kw).asm["ptx"]
+sm86 = mma.compile_for(86, cfg, **kw).asm["ptx"]
+print("RESULT" + json.dumps(dict(same=body(sm90) == body(sm86), wgmma="wgmma.mma_async" in sm90,
+                                 mma_sync="mma.sync" in sm90, lines=len(body(sm90)))))
+"""
+
+
+def test_ampere_proxy_compiles_the_sm86_code_for_sm90() -> None:
+    """``bench/kernels.py --ampere-proxy`` times the users' (sm86 / sm89) code path on the H200: with
+    Triton's ``DISABLE_MMA_V3=1`` an sm90 compile of the kernel, given the Ampere operand layout,
+    must be the sm86 compile's PTX line for line (mma.sync, no wgmma). Seen with Triton 3.6 and 3.8;
+    if a Triton upgrade drops the variable or changes the code, the proxy no longer says anything."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["DISABLE_MMA_V3"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _PROXY_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower():
+            pytest.skip("this triton has no NVIDIA backend")
+        raise AssertionError(f"PTX compile failed:\n{proc.stderr[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    r = json.loads(line[len("RESULT") :])
+    assert r["mma_sync"] and not r["wgmma"], f"the proxy's sm90 compile is not the mma.sync code: {r}"
+    assert r["same"], f"the proxy's sm90 PTX differs from the sm86 compile's ({r['lines']} lines)"
