@@ -1,5 +1,6 @@
 """The tensor-parallel group: which rank this process is, how many there are, and the few
-collectives the model and the engine need (all-reduce, all-gather, object broadcast, min).
+collectives the model and the engine need (all-reduce, all-gather, object broadcast and
+gather, min).
 
 Knows: ``torch.distributed`` (gloo on CPU, NCCL on CUDA) and how to start / tear down a process
 group from an ``init_method`` URL. Must not know: models, weights, engines. A ``TPGroup`` is an
@@ -64,6 +65,14 @@ class TPGroup:
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, group=self.group, device=self._object_device())
         return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, on every rank (a reply to rank 0)."""
+        if self.size == 1:
+            return [obj]
+        box: list[Any] = [None] * self.size
+        dist.all_gather_object(box, obj, group=self.group)
+        return box
 
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over ranks (e.g. KV blocks every rank can hold)."""

@@ -7,10 +7,12 @@ collectives (all-reduce after row-parallel layers, all-gather of the logits) lin
 every rank runs the same layers on the same tokens. Only rank 0's sampled tokens are used.
 
 LoRA: rank 0's adapter registry changes between steps (an adapter added at run time, one
-forgotten when its last request finished). Before a step, rank 0 sends the changes since the
-last one (``LoRAChanges``, in order); every other rank replays them on its ``LoRAManager``, which
-reads its own shard of an added adapter, so every rank's registry, and thus the slots the step
-assigns, stay the same as rank 0's.
+forgotten when its last request finished). Rank 0 sends the changes (``LoRAChanges``, in order)
+when it adds an adapter, and else before the next step; every other rank replays them on its
+``LoRAManager``, which reads its own shard of an added adapter, and answers with the adds it could
+not read (every rank's answer is gathered on rank 0: ``LoRAManager.publish``). Rank 0 then undoes
+such an add everywhere and reports it, so every rank's registry, and thus the slots a step assigns,
+stay the same as rank 0's, and a worker that cannot read an adapter never leaves its loop.
 Must not know: scheduling, text, HTTP; engines; how processes are started
 (``qserve.engine.tensor_parallel``, which builds each rank's engine and calls ``serve_steps``).
 """
@@ -53,12 +55,26 @@ class BroadcastingRunner:
         self._last_broadcast = time.monotonic()
         self._lora = getattr(runner, "lora_manager", None)
         if self._lora is not None:
-            self._lora.journal = []  # recorded from now on, sent before each step
+            self._lora.journal = []  # recorded from now on, sent on each add and before each step
+            self._lora.publish = self.send_lora_changes
+
+    def send_lora_changes(self) -> list[tuple[int, int, str]]:
+        """Send rank 0's registry changes now; returns the adds another rank could not read,
+        ``(rank, lora_id, reason)`` (their registries lack them; rank 0 undoes them)."""
+        changes, self._lora.journal = self._lora.journal, []
+        if not changes:
+            return []
+        self.tp.broadcast_object(LoRAChanges(changes), src=0)
+        replies = self.tp.gather_objects([])  # rank 0 replayed nothing
+        return [(rank, lora_id, reason) for rank, failed in enumerate(replies) for lora_id, reason in failed]
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if self._lora is not None and self._lora.journal:
-            changes, self._lora.journal = self._lora.journal, []
-            self.tp.broadcast_object(LoRAChanges(changes), src=0)
+            failures = self.send_lora_changes()  # forgets only: every add was sent when made
+            if failures:
+                raise RuntimeError(
+                    f"LoRA: adds rank 0 did not publish failed on other ranks (rank, id, reason): {failures}"
+                )
         self.tp.broadcast_object(scheduler_output, src=0)
         self._last_broadcast = time.monotonic()
         return self.runner.execute(scheduler_output)
@@ -89,7 +105,7 @@ def serve_steps(runner: Any, tp: TPGroup) -> int:
         if scheduler_output is STOP:
             return steps
         if isinstance(scheduler_output, LoRAChanges):
-            runner.lora_manager.replay(scheduler_output.changes)
+            tp.gather_objects(runner.lora_manager.replay(scheduler_output.changes))
             continue
         runner.execute(scheduler_output)
         steps += 1

@@ -7,7 +7,9 @@ adapter gets into a slot (its host copy, read again from its directory when the 
 it), and which adapters are pinned by unfinished requests. Under tensor parallelism an adapter is
 checked against the whole layers' sizes, then each layer keeps its rank's part
 (``Linear.shard_lora``): the slots, and ``nbytes``, are this rank's; rank 0's registry changes are
-replayed on the other ranks (``journal`` / ``replay``, sent by ``qserve.distributed.worker``). Must not know: scheduling policy, HTTP,
+replayed on the other ranks (``journal`` / ``replay``, sent by ``qserve.distributed.worker``). An
+adapter is added on every rank or on none: rank 0's ``add`` waits for the other ranks' reads
+(``publish``) and undoes its own if one of them failed. Must not know: scheduling policy, HTTP,
 kernels (``quant_kernels.lora_ops`` computes).
 
 Slots change only in ``prepare``, at the start of a step, for the adapters of that step; the copies are
@@ -21,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +129,9 @@ class LoRAManager:
         # list by the step broadcaster, qserve.distributed.worker), in order, so that the other
         # ranks' managers replay them (``replay``) before the next step and assign the same slots.
         self.journal: list[tuple] | None = None
+        # Set with ``journal``: sends it to the other ranks now and returns their failed adds,
+        # ``(rank, lora_id, reason)``; ``add`` calls it so that a load fails on every rank or on none.
+        self.publish: Callable[[], list[tuple[int, int, str]]] | None = None
 
     # ---------------------------------------------------------------- registry
     @property
@@ -147,6 +153,8 @@ class LoRAManager:
         entry = self._register(next(self._ids), request, adapter)
         if self.journal is not None:
             self.journal.append(("add", entry.lora_id, request))
+            if self.publish is not None:
+                self._publish_add(entry)
         logger.info(
             "LoRA adapter %s loaded from %s (rank %d, scale %g, %d layers, %.1f MiB)",
             request.lora_name, request.lora_path, adapter.rank, adapter.scale, len(adapter.layers), adapter.nbytes / 2**20,
@@ -161,22 +169,55 @@ class LoRAManager:
             self._touch_host(entry)
         return entry
 
-    def replay(self, changes: list[tuple]) -> None:
+    def _publish_add(self, entry: _Entry) -> None:
+        """Tensor parallelism: have every other rank read ``entry``'s adapter now. If one could not,
+        drop it here and on the ranks that did read it, and raise naming the rank and its reason
+        (the ranks stay in step: running requests go on)."""
+        assert self.publish is not None
+        failures = self.publish()
+        if not failures:
+            return
+        self._drop(entry)  # journals the forget, which the next publish sends
+        self.publish()
+        rank, _, reason = failures[0]
+        request = entry.request
+        raise ValueError(
+            f"lora_path: adapter {request.lora_name!r} ({request.lora_path}) could not be loaded on tensor-parallel "
+            f"rank {rank}: {reason}; it is loaded on no rank"
+        )
+
+    def replay(self, changes: list[tuple]) -> list[tuple[int, str]]:
         """Apply another rank's ``journal`` (tensor parallelism): ``("add", id, request)`` registers
         the adapter under rank 0's id (reading this rank's shard of it), ``("forget", id)`` drops it
-        and frees its slot, as rank 0 did. References and removal are rank 0's business."""
+        and frees its slot, as rank 0 did. References and removal are rank 0's business.
+
+        An add whose files this rank cannot read is skipped; returns those, ``(lora_id, reason)``,
+        for rank 0 to undo it everywhere (``publish``)."""
+        failures = []
         for op, lora_id, *rest in changes:
             if op == "add":
                 (request,) = rest
-                self._register(lora_id, request, self._read(request))
+                try:
+                    adapter = self._read(request)
+                except Exception as err:  # noqa: BLE001 - whatever it is, rank 0 reports it and undoes the add
+                    reason = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+                    logger.warning("LoRA adapter %s from %s: %s", request.lora_name, request.lora_path, reason)
+                    failures.append((lora_id, reason))
+                    continue
+                self._register(lora_id, request, adapter)
             elif op == "forget":
                 entry = self._by_id.get(lora_id)
                 if entry is not None:
-                    if self._by_name.get(entry.request.lora_name) is entry:
-                        del self._by_name[entry.request.lora_name]
-                    self._forget(entry)
+                    self._drop(entry)
             else:
                 raise ValueError(f"LoRA journal: unknown change {op!r}")
+        return failures
+
+    def _drop(self, entry: _Entry) -> None:
+        """Unregister an adapter no request holds (its name too, unless loaded again since)."""
+        if self._by_name.get(entry.request.lora_name) is entry:
+            del self._by_name[entry.request.lora_name]
+        self._forget(entry)
 
     def remove(self, name: str) -> bool:
         """Unregister ``name``; False if unknown. Requests already using it finish with it."""

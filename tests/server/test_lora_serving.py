@@ -166,3 +166,30 @@ def test_serve_flags_register_the_adapters(checkpoints, served) -> None:
     engine = host.models["llama"].engine
     assert engine.list_loras() == ["sql", "x"] and engine.config.max_loras == 2
     assert engine.lora_manager.request_of("x").base_model_name == "llama"
+
+
+def test_runtime_load_that_another_rank_cannot_read(served, monkeypatch) -> None:
+    """Under tensor parallelism (``LoRAManager.publish``, here a stand-in for rank 1 that reads no
+    adapter): the load is undone on rank 0 and on the ranks that read it, and the route answers
+    400 naming the adapter, the rank and its reason; the adapter is not served."""
+    client, root = served
+    manager = client.app.state.qserve.host.models["llama"].engine.lora_manager
+    sent = []
+
+    def rank_1_reads_nothing() -> list[tuple[int, int, str]]:
+        changes, manager.journal = manager.journal, []
+        sent.append(changes)
+        return [(1, change[1], "LoRA adapter: not a directory") for change in changes if change[0] == "add"]
+
+    monkeypatch.setattr(manager, "journal", [])
+    monkeypatch.setattr(manager, "publish", rank_1_reads_nothing, raising=False)
+    load = client.post("/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": str(root / "extra")})
+    assert load.status_code == 400
+    error = load.json()["error"]
+    assert error["param"] == "lora_path"
+    assert "'extra'" in error["message"] and "rank 1: LoRA adapter: not a directory" in error["message"]
+    (added,), (forgotten,) = sent  # the add, then its undoing (for the ranks that did read it)
+    assert added[0] == "add" and forgotten == ("forget", added[1])
+    assert "extra" not in manager.names() and added[1] not in manager._by_id
+    assert "extra" not in {c["id"] for c in client.get("/v1/models").json()["data"]}
+    assert _completion(client, "extra").status_code == 404
