@@ -2,12 +2,13 @@
 answers as the in-process engine (completions, chat, streamed or not, logprobs, n, stop strings,
 two models on one pool), one ``/metrics`` view, a client that leaves aborts its request in the
 core (pages freed), a drain ends the core's streams with 'abort', and a core that dies turns
-into 503s, a failing ``/health``, an error event in open streams and a non-zero exit of
-``qserve serve``. Each test module-shares one core process; spawning one costs seconds."""
+into 503s (for requests in flight too), a failing ``/health``, an error event in open streams and
+a non-zero exit of ``qserve serve``. Each test module-shares one core process; spawning one costs seconds."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -178,10 +179,18 @@ def test_a_dead_core_means_503_and_a_failing_health(checkpoints):
     died: list[str] = []
     client.on_dead.append(died.append)
     app = create_app(client, log_stats=False)
-    with serve(app) as url:
+    with serve(app) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
         (stream,) = start_streams(url, LONG)
+        whole = {"model": "llama", "prompt": "a", "max_tokens": LONG, "ignore_eos": True}  # not streamed
+        waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=whole, timeout=30)
+        assert wait_for(lambda: client.stats()["llama"]["num_running"] == 2, timeout=10), client.stats()
         client.process.kill()
         stream.join(timeout=10)
+        # the request in flight that was not streamed: a 503 answer, in OpenAI's shape
+        reply = waiting.result(timeout=10)
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["type"] == "ServiceUnavailableError"
+        assert "engine core process died" in reply.json()["error"]["message"]
         error = json.loads(stream.events[-2])["error"]  # then [DONE]
         assert stream.events[-1] == "[DONE]"
         assert error["code"] == 503 and "engine core process died" in error["message"], error
