@@ -246,7 +246,7 @@ def test_qserve_serve_exits_non_zero_when_its_core_dies(checkpoints, monkeypatch
     assert done == "[DONE]" and json.loads(error_event)["error"]["code"] == 503
 
 
-def test_the_core_exits_with_its_killed_server_process(checkpoints):
+def test_the_core_exits_with_its_killed_server_process(checkpoints, tmp_path):
     """One front end (``QSERVE_ENABLE_MULTIPROCESSING=1``): a server process killed mid-stream (no
     drain, no message to the core) takes the core, and with it every page, along within seconds."""
     import subprocess
@@ -258,7 +258,7 @@ def test_the_core_exits_with_its_killed_server_process(checkpoints):
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "qserve.cli", "serve", f"tiny={checkpoints['llama']}", "--port", str(port)]
     cmd += ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(LONG + 32), "--num-kv-blocks", "96"]
-    env = {**os.environ, "QSERVE_ENABLE_MULTIPROCESSING": "1"}
+    env = {**os.environ, "QSERVE_ENABLE_MULTIPROCESSING": "1", "TMPDIR": str(tmp_path)}  # the sockets' directory
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cores: list[psutil.Process] = []
     try:
