@@ -13,8 +13,10 @@ pipe open); and how the run ends. SIGTERM or SIGINT here is passed on, once, to 
 (started in sessions of their own, so a terminal's Ctrl-C reaches them only this way), which drains
 as one server does, within ``--shutdown-timeout`` less a reserve; each leaves the core as it exits,
 and the core exits when the last has left; whatever still runs at the deadline is killed; exit 0.
-An API server that dies alone is logged: the core has aborted its requests (pages freed) and the
-others serve on. The core dying makes every API server answer 503 and exit; the run exits 1. Models
+An API server that exits unasked (killed, crashed) stops the run, as vLLM's launcher does: the core
+has aborted its requests (pages freed), the others get SIGTERM and drain as above, and the run
+exits 1, so the supervisor restarts every process rather than a pod serving on with fewer front
+ends unnoticed. The core dying makes every API server answer 503 and exit; the run exits 1. Models
 that do not load: API server 0 says why; exit 2. Must not know: routes, engines, how an API server
 serves.
 """
@@ -173,35 +175,49 @@ def _supervise(core: subprocess.Popen[bytes], servers: list[subprocess.Popen[byt
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _wait(core, servers, deadline)
+        return _wait(core, servers, deadline, shutdown_timeout)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _wait(core: subprocess.Popen[bytes], servers: list[subprocess.Popen[bytes]], deadline: list[float]) -> int:
+def _wait(
+    core: subprocess.Popen[bytes],
+    servers: list[subprocess.Popen[bytes]],
+    deadline: list[float],
+    shutdown_timeout: float,
+) -> int:
     reported: set[int] = set()
     core_died_at: float | None = None
+    lost: str | None = None  # an API server that exited unasked: the run stops (vLLM's rule)
     while True:
         now = time.monotonic()
+        # The core first: API servers that exit because it died are not lost on their own.
+        # (It exits 0 only once every API server has left it; they may still be exiting.)
+        if core_died_at is None and core.poll() is not None and core.returncode != 0:
+            core_died_at = now  # every API server notices it and exits
         live = [s for s in servers if s.poll() is None]
         for i, server in enumerate(servers):
             if server.returncode is not None and i not in reported:
                 reported.add(i)
-                if not deadline and core_died_at is None and live:
-                    logger.error(
-                        "API server %d (pid %d) exited with status %s; the engine core aborted its requests; "
-                        "%d API server(s) serve on",
-                        i,
-                        server.pid,
-                        server.returncode,
-                        len(live),
-                    )
+                if deadline or core_died_at is not None or server.returncode == LOAD_FAILED:
+                    continue  # asked to stop, the core's death, or a load error every API server has
+                lost = f"API server {i} (pid {server.pid}) exited with status {server.returncode}"
+                # Serving on with fewer front ends would hide the fault from the supervisor (and
+                # shrink the pod's capacity for good): stop every process, as vLLM's launcher does,
+                # draining the others as SIGTERM would, and exit 1 so the whole run is restarted.
+                logger.error(
+                    "%s; the engine core aborted its requests; stopping the %d other API server(s) within "
+                    "--shutdown-timeout (%.0f s) so that the run exits 1 and its supervisor restarts it",
+                    lost,
+                    len(live),
+                    shutdown_timeout,
+                )
+                deadline.append(now + shutdown_timeout)
+                for other in live:
+                    other.send_signal(signal.SIGTERM)
         if not live:
             break
-        # The core exits 0 only once every API server has left it (they may still be exiting).
-        if core_died_at is None and core.poll() is not None and core.returncode != 0:
-            core_died_at = now  # every API server notices it and exits
         limit = deadline[0] if deadline else None
         if core_died_at is not None:
             limit = min(limit or float("inf"), core_died_at + GRACEFUL_SHUTDOWN_S + 5.0)
@@ -231,8 +247,11 @@ def _wait(core: subprocess.Popen[bytes], servers: list[subprocess.Popen[bytes]],
             flush=True,
         )
         return 1
+    if lost is not None:
+        print(f"qserve serve: error: {lost}; every process stopped", file=sys.stderr, flush=True)
+        return 1
     if deadline:
-        return 0  # drained (an API server that died before was logged then)
+        return 0  # drained
     if all(code == LOAD_FAILED for code in codes):
         return LOAD_FAILED
     print(f"qserve serve: error: every API server process exited (statuses {codes})", file=sys.stderr, flush=True)

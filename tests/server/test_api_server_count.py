@@ -1,10 +1,10 @@
 """``qserve serve --api-server-count 2`` (issue 27): two API server processes share one listening
 socket and one engine-core process. Both serve (``X-Qserve-Api-Server`` names which), greedy
 answers equal one process's, ``/metrics`` sums both processes' counters (and counts each engine
-step once), a stored response is found through either process, a killed API server loses only its
-own requests (the core aborts them and frees their pages; the other serves on), SIGTERM drains
-both and the core and exits 0 without leaving the run's directory, and a dead core turns into 503s
-everywhere and exit status 1. Real processes: each server costs seconds to start."""
+step once), a stored response is found through either process, a killed API server's requests are
+aborted in the core (their pages freed) and, as in vLLM, the run then stops (the other drains; exit
+1) without leaving the run's directory, SIGINT drains both and the core (exit 0), and a dead core
+turns into 503s everywhere and exit status 1. Real processes: each server costs seconds to start."""
 
 from __future__ import annotations
 
@@ -253,8 +253,11 @@ def test_a_stored_response_is_found_through_either_api_server(two):
 
 
 # ---------------------------------------------------------------------- failures and shutdown
-def test_a_killed_api_server_loses_only_its_requests_then_sigterm_drains_all(checkpoint, tmp_path):
-    with api_servers(checkpoint, tmp_path, "--shutdown-timeout", "6") as (proc, url):
+def test_a_killed_api_server_frees_its_pages_then_the_run_stops_with_exit_1(checkpoint, tmp_path):
+    """As vLLM's launcher: one API server's death stops the run (exit 1, for the supervisor to
+    restart every process) instead of serving on with fewer; its requests' pages come back in the
+    core at once, and the other API server drains as on SIGTERM."""
+    with api_servers(checkpoint, tmp_path, "--shutdown-timeout", "8") as (proc, url):
         streams = streams_on_each_server(url, CONTEXT - 100)
         running = 'vllm:num_requests_running{model_name="tiny"}'
         total = sum(len(s) for s in streams.values())
@@ -264,31 +267,29 @@ def test_a_killed_api_server_loses_only_its_requests_then_sigterm_drains_all(che
         assert names >= {"histogram", "counter"}  # prometheus_client's multiprocess files, in the run's directory
         assert wait_for(lambda: min(s.num_tokens() for s in streams["0"]) >= 160, timeout=60)  # 10+ pages each
         processes(proc)["api0"].kill()
-        # The core aborted its requests; API server 1 serves on.
-        assert wait_for(lambda: samples(url)[running] == len(streams["1"]), timeout=10), samples(url)
+        killed = time.monotonic()
+        # The core aborted its requests (API server 1, draining now, still answers the probes).
+        assert wait_for(lambda: samples(url)[running] == len(streams["1"]), timeout=5), samples(url)
         # Their pages came back: what is held is what API server 1's streams need (a prompt page,
         # a page per 16 tokens, one ahead), far less than the killed streams' 10 or more each.
         used = samples(url)['qserve:pool_pages_used{model_name="tiny"}']
         assert used <= sum((s.num_tokens() + 2) // 16 + 2 for s in streams["1"]), used
-        assert all(s.is_alive() and s.error is None for s in streams["1"])
+        # API server 1 drains: no new work, /health fails (the balancer stops sending it any).
+        assert httpx.get(f"{url}/health").status_code == 503
+        short = {"model": "tiny", "prompt": "a b", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=short).status_code == 503
         for stream in streams["0"]:
             stream.join(timeout=10)
             assert stream.error is not None  # its connection died with its process
-        short = {"model": "tiny", "prompt": "a b", "max_tokens": 4, "temperature": 0}
-        for _ in range(4):
-            assert _completion(url, short)[0] == "1"
-        assert proc.poll() is None
-        # SIGTERM: API server 1 drains (its long stream ends with 'abort' at the deadline), the
-        # core exits after it, the parent exits 0 within --shutdown-timeout and removes its files.
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        assert proc.wait(timeout=20) == 0, proc.stdout.read()
-        assert time.monotonic() - signalled <= 6 + 1.0
+        # The run stops within --shutdown-timeout, exit 1; API server 1's streams ended cleanly
+        # (cut with 'abort' at its drain deadline, unless they finished first).
+        assert proc.wait(timeout=20) == 1, proc.stdout.read()
+        assert time.monotonic() - killed <= 8 + 1.0
         for stream in streams["1"]:
             stream.join(timeout=10)
-            assert stream.finish_reason() == "abort"
+            assert stream.finish_reason() in ("abort", "length")
         output = proc.stdout.read()
-        assert "API server 0" in output and "exited" in output, output  # the loss was logged
+        assert "API server 0" in output and "every process stopped" in output, output
         assert "Traceback" not in output, output
         assert not list(tmp_path.glob("qserve-run-*"))  # sockets, metrics files, store: gone
 
@@ -309,6 +310,26 @@ def test_a_dead_core_means_503_from_every_api_server_and_exit_1(checkpoint, tmp_
         assert proc.wait(timeout=30) == 1
         output = proc.stdout.read()
         assert "engine core process died" in output, output
+        assert not list(tmp_path.glob("qserve-run-*"))
+
+
+def test_sigterm_drains_every_api_server_within_the_timeout_and_exits_0(checkpoint, tmp_path):
+    """SIGTERM to the parent (what Kubernetes sends) reaches every API server; each drains (503 to
+    new work, its streams end with 'abort' at the deadline), the core exits after them, and the
+    parent exits 0 within --shutdown-timeout, leaving no files."""
+    with api_servers(checkpoint, tmp_path, "--shutdown-timeout", "6") as (proc, url):
+        streams = streams_on_each_server(url, CONTEXT - 100)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        short = {"model": "tiny", "prompt": "a b", "max_tokens": 4, "temperature": 0}
+        assert wait_for(lambda: httpx.post(f"{url}/v1/completions", json=short).status_code == 503, timeout=5)
+        assert proc.wait(timeout=20) == 0, proc.stdout.read()
+        assert 6 * 0.5 <= time.monotonic() - signalled <= 6 + 1.0  # the streams had their wait
+        for stream in (s for group in streams.values() for s in group):
+            stream.join(timeout=10)
+            assert stream.finish_reason() == "abort"
+        output = proc.stdout.read()
+        assert "Traceback" not in output, output
         assert not list(tmp_path.glob("qserve-run-*"))
 
 

@@ -2,12 +2,13 @@
 answers as the in-process engine (completions, chat, streamed or not, logprobs, n, stop strings,
 two models on one pool), one ``/metrics`` view, a client that leaves aborts its request in the
 core (pages freed), a drain ends the core's streams with 'abort', and a core that dies turns
-into 503s, a failing ``/health``, an error event in open streams and a non-zero exit of
-``qserve serve``. Each test module-shares one core process; spawning one costs seconds."""
+into 503s (for requests in flight too), a failing ``/health``, an error event in open streams and
+a non-zero exit of ``qserve serve``; a server process killed outright takes its core along. Each test module-shares one core process; spawning one costs seconds."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -178,10 +179,18 @@ def test_a_dead_core_means_503_and_a_failing_health(checkpoints):
     died: list[str] = []
     client.on_dead.append(died.append)
     app = create_app(client, log_stats=False)
-    with serve(app) as url:
+    with serve(app) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
         (stream,) = start_streams(url, LONG)
+        whole = {"model": "llama", "prompt": "a", "max_tokens": LONG, "ignore_eos": True}  # not streamed
+        waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=whole, timeout=30)
+        assert wait_for(lambda: client.stats()["llama"]["num_running"] == 2, timeout=10), client.stats()
         client.process.kill()
         stream.join(timeout=10)
+        # the request in flight that was not streamed: a 503 answer, in OpenAI's shape
+        reply = waiting.result(timeout=10)
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["type"] == "ServiceUnavailableError"
+        assert "engine core process died" in reply.json()["error"]["message"]
         error = json.loads(stream.events[-2])["error"]  # then [DONE]
         assert stream.events[-1] == "[DONE]"
         assert error["code"] == 503 and "engine core process died" in error["message"], error
@@ -235,6 +244,41 @@ def test_qserve_serve_exits_non_zero_when_its_core_dies(checkpoints, monkeypatch
     assert "error" not in seen, seen.get("error")
     error_event, done = seen["last_events"]  # the stream in flight was answered before the exit
     assert done == "[DONE]" and json.loads(error_event)["error"]["code"] == 503
+
+
+def test_the_core_exits_with_its_killed_server_process(checkpoints, tmp_path):
+    """One front end (``QSERVE_ENABLE_MULTIPROCESSING=1``): a server process killed mid-stream (no
+    drain, no message to the core) takes the core, and with it every page, along within seconds."""
+    import subprocess
+    import sys
+
+    from tests.server.test_serve_command import REPO, wait_until_healthy
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "qserve.cli", "serve", f"tiny={checkpoints['llama']}", "--port", str(port)]
+    cmd += ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(LONG + 32), "--num-kv-blocks", "96"]
+    env = {**os.environ, "QSERVE_ENABLE_MULTIPROCESSING": "1", "TMPDIR": str(tmp_path)}  # the sockets' directory
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cores: list[psutil.Process] = []
+    try:
+        wait_until_healthy(proc, url, timeout_s=60)
+        cores = psutil.Process(proc.pid).children()
+        assert len(cores) == 1, cores
+        (stream,) = start_streams(url, LONG, model="tiny")
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(cores, timeout=5)
+        assert not alive, alive
+        stream.join(timeout=10)
+        assert stream.error is not None  # its connection died with the server
+    finally:
+        for core in cores:
+            if core.is_running():
+                core.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _healthy(url: str) -> bool:
