@@ -41,7 +41,9 @@ decode) and hands each sequence's kept positions to the proposer after the step.
 Verify steps (and a draft model's steps) run eagerly unless ``QSERVE_SPEC_GRAPHS=1`` (opt-in until
 ``pytest -m gpu`` has run with it): then the target captures graphs of k + 1 rows per sequence for
 its verify steps and a draft model decode and 2-row catch-up graphs, all in the target's graph pool
-(``_capture_spec_graphs``). Steps that propose nothing run exactly as without speculation.
+(``_capture_spec_graphs``); with an EAGLE head the verify graphs also write the hidden states the head
+reads, so its verify steps replay them too. Steps that propose nothing run exactly as without
+speculation.
 
 Swap preemption (``EngineConfig.preemption_mode`` "swap" | "auto", ``swap_space`` GiB of host
 memory; vLLM V0's names): the engine gives the runner a host KV pool and the scheduler its slots
@@ -644,8 +646,10 @@ class Engine:
     def _capture_spec_graphs(self) -> None:
         """CUDA graphs of speculative steps (``SPEC_GRAPHS_ENV``), after the target's decode graphs,
         sharing their pool and logits buffer (``spec_graph_sizes`` says how large): the target's
-        verify steps (k + 1 rows per sequence), and a draft model's decode steps and catch-up steps
-        (``DRAFT_CATCH_UP_ROWS``). Off CUDA the same static-shaped steps run eagerly (tests)."""
+        verify steps (k + 1 rows per sequence; with an EAGLE head, whose proposer has already asked
+        the runner for hidden states, they return those too), and a draft model's decode steps and
+        catch-up steps (``DRAFT_CATCH_UP_ROWS``). Off CUDA the same static-shaped steps run eagerly
+        (tests)."""
         from qserve.spec_decode.draft_model import DraftModelProposer
 
         spec = self.spec_config

@@ -28,6 +28,14 @@ block 0. Logits are computed in the graph for the sampling rows only: ``sample_i
 padded with row 0) gathers them, at most ``max_sample_rows`` per graph, so the logits buffer can be
 the decode graphs' own (``share``).
 
+EAGLE heads (``hidden_taps``, the runner's when it returns hidden states for one): a multi-row graph
+also writes every row's hidden states for the head into a static buffer ``spec_hidden``
+(``[max rows, width]``, the model dtype): the final hidden states when ``hidden_taps`` is empty
+(EAGLE, width = hidden), else the residual streams entering the layers ``hidden_taps``, concatenated
+(EAGLE-3, width = len(taps) * hidden), as the eager forward computes them. ``spec_hidden_of`` gathers
+a replayed step's real rows, in token order, into a new tensor, so the next replay cannot overwrite
+what the head has not read yet. Without ``hidden_taps`` nothing of this exists.
+
 Sharing (``share``): graphs of another ``DecodeGraphs`` (the target's decode graphs) lend their
 memory pool and, where it is large enough, their logits buffer. Safe because every graph of the
 process replays on one stream, never two at once, and nothing reads a graph's logits after the
@@ -98,14 +106,19 @@ class DecodeGraphs:
         query_len: int = 1,
         max_sample_rows: int | None = None,
         share: DecodeGraphs | None = None,
+        hidden_taps: tuple[int, ...] | None = None,
     ) -> None:
         """``max_num_seqs``: the largest bucket (sequences per graph). ``query_len``: rows per
         sequence (module doc); ``max_sample_rows``: with ``query_len > 1``, the most logit rows a
-        graph computes (default: every row); ``share``: graphs whose pool and logits buffer these use."""
+        graph computes (default: every row); ``share``: graphs whose pool and logits buffer these use;
+        ``hidden_taps``: with ``query_len > 1``, the graphs also write the hidden states an EAGLE
+        head reads (module doc; None: they do not)."""
         if query_len < 1:
             raise ValueError(f"query_len must be >= 1, got {query_len}")
         if query_len > 1 and max_loras is not None:
             raise ValueError("graphs of several rows per sequence take no LoRA slots")
+        if query_len == 1 and hidden_taps is not None:
+            raise ValueError("only graphs of several rows per sequence return an EAGLE head's hidden states")
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
@@ -136,6 +149,12 @@ class DecodeGraphs:
         # One output buffer for every graph: per-bucket outputs would each stay alive in the
         # pool (on a 152k vocabulary, 15 buckets held 0.75 GiB of logits).
         self.logits = _logits_buffer(self.max_sample_rows, vocab, device, share)  # [max_sample_rows, vocab]
+        # EAGLE (module doc): every row's hidden states for the head, written by each replay.
+        self.hidden_taps = None if hidden_taps is None else tuple(hidden_taps)
+        self.spec_hidden: torch.Tensor | None = None
+        if hidden_taps is not None:
+            width = model.config.hidden_size * max(1, len(hidden_taps))
+            self.spec_hidden = torch.empty(max_rows, width, dtype=model.dtype, device=device)  # [max_rows, width]
         self.graphs: dict[int, torch.cuda.CUDAGraph | StaticReplay] = {}
         self.pool = None if share is None else share.pool
         # LoRA (see the module doc): every row's slot and the tiles, sized for the largest bucket.
@@ -169,9 +188,14 @@ class DecodeGraphs:
     def _run(self, batch: int) -> torch.Tensor:
         extra = {} if self.lora_buffer is None else {"lora": self._lora(batch)}
         rows = batch * self.query_len
-        hidden = self.model(
-            self.input_ids[:rows], self.positions[:rows], self.kv_caches, self._metadata(batch), **extra
-        )  # [rows, hidden]
+        inputs = (self.input_ids[:rows], self.positions[:rows], self.kv_caches, self._metadata(batch))
+        if self.hidden_taps:  # EAGLE-3: the residual streams entering the tapped layers
+            hidden, tapped = self.model.forward_with_taps(*inputs, self.hidden_taps)  # [rows, hidden], [rows, width]
+            self.spec_hidden[:rows].copy_(tapped)
+        else:
+            hidden = self.model(*inputs, **extra)  # [rows, hidden]
+            if self.spec_hidden is not None:  # EAGLE: the final hidden states themselves
+                self.spec_hidden[:rows].copy_(hidden)
         if self.sample_index is not None:  # the sampling rows only
             hidden = hidden.index_select(0, self.sample_index[: self.sample_rows_of(batch)])  # [R, hidden]
         return self.model.compute_logits(hidden)
@@ -326,6 +350,16 @@ class DecodeGraphs:
         self.block_tables[num_seqs:bucket, : self.pad_blocks] = 0
         self.graphs[bucket].replay()
         return self.logits[:num_sample]
+
+    def spec_hidden_of(self, counts: np.ndarray) -> torch.Tensor:
+        """``[T, width]``: the EAGLE head's hidden states of the real rows of the step just replayed
+        by ``replay_rows`` with these ``counts``, in token order (the eager forward's order), copied
+        out of the static buffer (module doc)."""
+        assert self.spec_hidden is not None, "these graphs write no hidden states (hidden_taps)"
+        rows = torch.from_numpy(static_rows(counts, self.query_len))  # [T]
+        if self.spec_hidden.is_cuda:  # an asynchronous copy, as replay_rows' inputs
+            rows = rows.pin_memory().to(self.spec_hidden.device, non_blocking=True)
+        return self.spec_hidden.index_select(0, rows)  # [T, width]
 
     def _stage_lora(self, bucket: int, lora_slots: np.ndarray | None, pinned: bool) -> None:
         """Each row's slot (pad and base rows -1), the tiles padded with empty ones, zero counters: one

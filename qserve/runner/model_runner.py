@@ -35,9 +35,12 @@ model's runner uses them for its catch-up steps. Steps without drafts take exact
 take without speculation (a pure decode never takes a multi-row graph).
 
 EAGLE heads (``enable_spec_hidden_states``, off by default): a step whose
-``SchedulerOutput.spec_hidden_states`` is set runs eagerly and returns the target's hidden states of
-all its tokens in ``RunnerOutput.spec_hidden_states`` (the final ones, or for EAGLE-3 the residual
-streams entering the tapped layers, concatenated); every other step is unchanged.
+``SchedulerOutput.spec_hidden_states`` is set returns the target's hidden states of all its tokens in
+``RunnerOutput.spec_hidden_states`` (the final ones, or for EAGLE-3 the residual streams entering the
+tapped layers, concatenated); every other step is unchanged. Such a step runs eagerly, except a
+verify step that fits the multi-row graphs when they were captured after ``enable_spec_hidden_states``
+(``QSERVE_SPEC_GRAPHS=1``): those graphs write the same hidden states into a static buffer
+(``DecodeGraphs.hidden_taps``), and the step replays one and returns them.
 
 Piecewise CUDA graphs (``capture_piecewise_graphs``, opt-in with ``QSERVE_PIECEWISE_GRAPHS=1``): a step
 that replays no decode or row graph (mixed and prefill steps) runs its layers' non-attention parts as
@@ -321,7 +324,9 @@ class ModelRunner:
         """Capture CUDA graphs for steps of up to ``query_len`` new tokens per sequence and up to
         ``max_num_seqs`` sequences (speculative verify: k + 1; cuda_graphs' module doc), computing at
         most ``max_sample_rows`` logit rows; ``share``: graphs whose pool and logits buffer they use
-        (default: this runner's decode graphs)."""
+        (default: this runner's decode graphs). After ``enable_spec_hidden_states`` the graphs also
+        write the hidden states an EAGLE head reads (``DecodeGraphs.hidden_taps``), so verify steps
+        asking for them replay too."""
         if query_len < 2:
             raise ValueError(f"row graphs need query_len >= 2 (a decode graph serves 1), got {query_len}")
         share = share or self.decode_graphs
@@ -337,6 +342,7 @@ class ModelRunner:
             query_len=query_len,
             max_sample_rows=max_sample_rows,
             share=share,
+            hidden_taps=self.spec_hidden_layers,
         )
         self.row_graphs.capture()
 
@@ -449,7 +455,7 @@ class ModelRunner:
         capture = None if not scheduler_output.spec_hidden_states else self.spec_hidden_layers
         spec_hidden = None
         if (
-            capture is None
+            capture is None  # decode graphs write no hidden states for an EAGLE head
             and graphs is not None
             and (lora_slots is None or graphs.max_loras is not None)
             and uses_decode_graph(graphs, is_decode, len(sample_rows), num_seqs, needs_hidden)
@@ -461,8 +467,8 @@ class ModelRunner:
             )
             prompt_hidden = pooled = None
         elif (
-            capture is None  # no graph returns the hidden states an EAGLE head reads
-            and row_graphs is not None
+            row_graphs is not None
+            and (capture is None or row_graphs.hidden_taps == capture)  # EAGLE: graphs holding its hidden states
             and not is_decode
             and lora_slots is None
             and uses_row_graph(row_graphs, counts, seq_lens, len(sample_rows), needs_hidden, pending is not None)
@@ -472,6 +478,8 @@ class ModelRunner:
             sample_logits = row_graphs.replay_rows(
                 input_ids, counts, seq_lens, slots, block_tables, sample_rows, seq_tables
             )  # [N, vocab]
+            if capture is not None:
+                spec_hidden = row_graphs.spec_hidden_of(counts)  # [T, width]
             prompt_hidden = pooled = None
         elif self.piecewise_graphs is not None and uses_piecewise_graph(
             self.piecewise_graphs,

@@ -8,6 +8,9 @@ head over the target's hidden states from transformers (so the hidden-state plum
 one, EAGLE-3's taps, d2t and the head's KV are checked, not only the rejection sampler). Oracle
 heads on a permutation target: nearly every draft accepted, and almost none once the hidden states
 reach the head one position off. Adaptive verification: outputs unchanged, k chosen by the policy.
+With ``QSERVE_SPEC_GRAPHS=1`` (StaticReplay stand-ins on CPU, captured graphs under ``-m gpu``) verify
+steps replay the row graphs, which return the heads' hidden states: the same outputs, the same hidden
+states step by step as the eager engine, the oracle heads' acceptance kept.
 """
 
 from __future__ import annotations
@@ -468,6 +471,60 @@ def test_cuda_eagle_heads(path, heads, walk, async_scheduling):  # noqa: F811
         torch.cuda.empty_cache()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_cuda_graphed_eagle_verify_matches_eager_and_no_speculation(path, heads, walk, async_scheduling, monkeypatch):  # noqa: F811
+    """QSERVE_SPEC_GRAPHS=1 with EAGLE / EAGLE-3 heads on the GPU: verify steps replay captured row
+    graphs that return the hidden states the heads read; random heads keep the greedy outputs of the
+    eager verify and of no speculation (float32), oracle heads keep > 95% of their drafts (which
+    collapses when the heads get no or misplaced hidden states)."""
+    from tests.integration.test_spec_decode_graphs import PathLog, _cuda_engine
+
+    finals = {}
+    for name, spec, graphs in (
+        ("none", None, False),
+        ("eagle-eager", _spec(heads, "eagle"), False),
+        ("eagle-graphs", _spec(heads, "eagle"), True),
+        ("eagle3-graphs", _spec(heads, "eagle3"), True),
+    ):
+        llm = _cuda_engine(path, spec, graphs, monkeypatch, async_scheduling=async_scheduling)
+        engine = llm.engine
+        probe = llm.generate([{"prompt_token_ids": LOOP}], _greedy(), use_tqdm=False)[0].outputs[0]
+        requests = [r for r in _workload(probe.token_ids[9], "\n\n") if r[0] != "stop_str"]
+        log = PathLog(engine.runner)
+        finals[name] = _run(engine, requests)[0]
+        if graphs:
+            row_graphs = engine.runner.row_graphs
+            assert isinstance(next(iter(row_graphs.graphs.values())), torch.cuda.CUDAGraph)
+            assert row_graphs.hidden_taps == engine.runner.spec_hidden_layers
+            assert "rows" in log.kinds(), "verify steps replayed the row graphs"
+        if spec is not None:
+            assert engine.spec_stats.num_draft_tokens > 0
+            assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+        del llm, engine
+        torch.cuda.empty_cache()
+    for name in ("eagle-eager", "eagle-graphs", "eagle3-graphs"):
+        _assert_same(finals[name], finals["none"])
+    target, oracle, perm = walk
+    for method in ("eagle", "eagle3"):
+        llm = _cuda_engine(target, _spec(oracle, method), True, monkeypatch, async_scheduling=async_scheduling)
+        log = PathLog(llm.engine.runner)
+        prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
+        outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
+        for s, output in zip((3, 9, 17), outputs):
+            slot, expected = s, []
+            for _ in range(40):
+                slot = perm[slot]
+                expected.append(PERM_FIRST + slot)
+            assert output.outputs[0].token_ids == expected
+        assert "rows" in log.kinds(), "verify steps replayed the row graphs"
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+        del llm
+        torch.cuda.empty_cache()
+
+
 def test_the_heads_weights_count_and_serve_takes_one_model(path, heads, tmp_path, capsys):  # noqa: F811
     import argparse
 
@@ -510,11 +567,11 @@ def test_the_heads_weights_count_and_serve_takes_one_model(path, heads, tmp_path
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_graphed_verify_steps_still_hand_the_head_their_hidden_states(walk, method):
-    """QSERVE_SPEC_GRAPHS=1 with an EAGLE head: a verify step asks for the target's hidden states,
-    which no graph returns, so it runs eagerly; a verify step that replayed a row graph returned
-    none, the head missed every verified position (a zero-feature gap next time, no drafts for that
-    step) and the acceptance of the oracle head collapsed."""
+def test_graphed_verify_steps_hand_the_head_their_hidden_states(walk, method):
+    """QSERVE_SPEC_GRAPHS=1 with an EAGLE head: verify steps replay the row graphs (before, a step
+    asking for hidden states always ran eagerly, so the graphs were captured for nothing) and hand
+    the head the hidden states those graphs wrote. Were they missing or rows off, the head would see
+    zero features or features of the wrong position and the oracle head's acceptance would collapse."""
     from tests.integration.test_spec_decode_graphs import PathLog, install_graphs
 
     target, heads, perm = walk
@@ -523,6 +580,7 @@ def test_graphed_verify_steps_still_hand_the_head_their_hidden_states(walk, meth
     install_graphs(llm)
     engine = llm.engine
     assert engine.runner.row_graphs is not None
+    assert engine.runner.row_graphs.hidden_taps == engine.runner.spec_hidden_layers
     log = PathLog(engine.runner)
     outputs = llm.generate(prompts, _greedy(max_tokens=30), use_tqdm=False)
     slot, expected = 40, []
@@ -530,9 +588,49 @@ def test_graphed_verify_steps_still_hand_the_head_their_hidden_states(walk, meth
         slot = perm[slot]
         expected.append(PERM_FIRST + slot)
     assert outputs[0].outputs[0].token_ids == expected
-    assert "rows" not in log.kinds(), "a step asking for hidden states replayed a row graph"
+    rows = [entry for entry in log.entries if entry[0] == "rows"]
+    assert len(rows) >= 5, f"verify steps replayed the row graphs: {log.kinds()}"
     stats = engine.spec_stats
     assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_graphed_eagle_verify_is_token_identical_with_the_eager_hidden_states(path, heads, reference, method):  # noqa: F811
+    """The workload with random heads, QSERVE_SPEC_GRAPHS=1 (StaticReplay stand-ins) against the
+    same engine without graphs: outputs token-identical to no speculation, the same steps, and every
+    step's hidden states for the head equal to the eager ones, verify steps replaying row graphs."""
+    from tests.integration.test_spec_decode_graphs import PathLog, install_graphs
+
+    requests, want, _ = reference
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(path, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
+        engine = llm.engine
+        if graphs:
+            install_graphs(llm)
+        log = PathLog(engine.runner)
+        hidden = []
+        launch = engine.runner.launch
+
+        def spy(scheduler_output, previous=None, f=launch, seen=hidden):  # noqa: ANN001, ANN202
+            step = f(scheduler_output, previous)
+            states = step.spec_hidden_states
+            seen.append(None if states is None else states.clone())
+            return step
+
+        engine.runner.launch = spy
+        got, _ = _run(engine, requests)
+        _assert_same(got, want)
+        assert engine.spec_stats.num_draft_tokens > 0
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+        runs.append((log.kinds(), hidden))
+    (eager_kinds, eager_hidden), (graph_kinds, graph_hidden) = runs
+    assert "rows" not in eager_kinds and graph_kinds.count("rows") >= 5, graph_kinds
+    assert len(graph_hidden) == len(eager_hidden)
+    for got, want_states in zip(graph_hidden, eager_hidden):
+        assert (got is None) == (want_states is None)
+        if got is not None:
+            torch.testing.assert_close(got, want_states, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])

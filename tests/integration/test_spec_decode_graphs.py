@@ -2,7 +2,8 @@
 (k + 1 rows per sequence, pad rows where a sequence has fewer drafts) and a draft model's decode
 and catch-up steps, checked on CPU through the same static-shaped inputs (``DecodeGraphs.capture``
 off CUDA reruns the static-buffer forward eagerly, so all but the capture runs): the row layout,
-pad rows that never store KV nor change a real row, greedy outputs token-identical to decoding
+pad rows that never store KV nor change a real row, the hidden states an EAGLE / EAGLE-3 head reads
+returned by a replayed step as the eager step returns them, greedy outputs token-identical to decoding
 without speculation, and a step with speculation disabled by batch size that takes exactly the
 runner path of no speculation. The attention kernels run the padded layout under the Triton
 interpreter. ``-m gpu`` captures for real and compares against the eager verify and no speculation.
@@ -168,6 +169,49 @@ def test_row_graph_logits_equal_eager_and_pad_rows_store_nothing(path, counts): 
     bs = runner.block_size
     assert_step_wrote_only(runner.kv_caches, before, after_eager, slots)
     assert bs and graphs.bucket_for(len(counts)) >= len(counts)
+
+
+@pytest.mark.parametrize("taps", [(), (1, 0, 1)], ids=["eagle", "eagle3"])
+def test_row_graph_returns_the_eager_hidden_states_for_an_eagle_head(path, taps):  # noqa: F811
+    """Graphs captured with an EAGLE head's taps write every row's hidden states (the final ones, or
+    the residual streams entering the tapped layers, concatenated) into their static buffer, and a
+    padded verify step gets back its real tokens' rows, in token order: the eager forward's hidden
+    states. What it gets is a copy: the next replay rewrites the buffer, not the step's result."""
+    llm = LLM(path, **ARGS)
+    runner = llm.engine.runner
+    gen = torch.Generator().manual_seed(7)
+    for key, value in runner.kv_caches:
+        key.normal_(generator=gen)
+        value.normal_(generator=gen)
+    counts, seq_lens = [1, 3, 4], [9, 12, 15]
+    ids, positions, slots, table_lens, flat, counts_a, lens, sample_rows = _step_inputs(runner, counts, seq_lens, gen)
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    qsl = np.concatenate(([0], np.cumsum(counts_a)))
+    eager_logits, _, _, eager_hidden = runner._forward_eager(
+        ids, positions, slots, table_lens, flat, qsl, lens, int(counts_a.max()), sample_rows, [], spec_taps=taps
+    )
+    for (key, value), (k0, v0) in zip(runner.kv_caches, before):
+        key.copy_(k0)
+        value.copy_(v0)
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, 8, llm.engine.max_model_len, runner.block_size, runner.device,
+        buckets=(1, 2, 8), query_len=K + 1, hidden_taps=taps,
+    )  # fmt: skip
+    graphs.capture()
+    width = runner.config.hidden_size * max(1, len(taps))
+    assert graphs.spec_hidden is not None and graphs.spec_hidden.shape == (8 * (K + 1), width)
+    tables = pad_block_tables(table_lens, flat).astype(np.int32)
+    graph_logits = graphs.replay_rows(ids, counts_a, lens, slots, tables, sample_rows)
+    hidden = graphs.spec_hidden_of(counts_a)
+    assert hidden.shape == eager_hidden.shape == (sum(counts), width)
+    torch.testing.assert_close(hidden, eager_hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(graph_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    kept = hidden.clone()
+    graphs.replay_rows(list(reversed(ids)), counts_a, lens, slots, tables, sample_rows)
+    assert not torch.equal(graphs.spec_hidden_of(counts_a), kept), "the second step's hidden states differ"
+    assert torch.equal(hidden, kept), "a replay rewrote the hidden states an earlier step returned"
+    with pytest.raises(ValueError, match="several rows"):
+        DecodeGraphs(runner.model, runner.kv_caches, 2, 64, runner.block_size, runner.device, hidden_taps=())
 
 
 def test_row_graphs_refuse_what_they_cannot_hold(path):  # noqa: F811
