@@ -11,10 +11,13 @@ first checked against the reference on fresh random data in the same run.
 
 Per layer and case: the shrink's K split (``split x columns``, ``lora_triton.shrink_config``'s
 heuristic unless ``--split-k`` / ``--block-k`` override it: comma lists, every combination timed),
-``triton`` µs (shrink + expand, one call of ``lora_ops.add_lora`` with ``QSERVE_LORA_TRITON=1``),
-``reference`` µs (the gather-based torch path qserve runs without the opt-in), ``floor`` µs = bytes the
-kernels must move (each distinct adapter's A and B once, x read, y read and written) / the measured
-copy bandwidth, and ``floor / triton``. ``--tiny`` is a CPU smoke run under ``TRITON_INTERPRET=1`` at
+``triton`` µs (shrink + expand, one call of ``lora_ops.add_lora``, the Triton kernels) replayed from a
+CUDA graph of ``GRAPH_CALLS`` calls (the kernels' own time, as a decode graph runs them), ``eager`` µs
+(the same call launched from Python each time: the wrappers' host work included, which is what an
+eager step pays; the H200 run of 2026-12-05 timed only this, ~140 µs in every case), ``reference`` µs
+(the gather-based torch path, ``QSERVE_LORA_TRITON=0``), ``floor`` µs = bytes the kernels must move
+(each distinct adapter's A and B once, x read, y read and written) / the measured copy bandwidth,
+and ``floor / triton``. ``--tiny`` is a CPU smoke run under ``TRITON_INTERPRET=1`` at
 toy sizes (wall-clock times, meaningless as performance). Rows are written to ``--out`` as they come.
 
 ``--e2e`` (issue 30's targets): a Qwen2.5-14B-shaped random GPTQ checkpoint (``bench/e2e.py``'s) under
@@ -78,6 +81,27 @@ def bench_us(fn, warmup: int = 10, rep: int = 50) -> float:
         fn()
         return (time.perf_counter() - t0) * 1e6
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
+GRAPH_CALLS = 20  # add_lora calls per captured graph: the replay's launch cost spread over them
+
+
+def graph_us(fn) -> float:
+    """µs per call of ``fn`` replayed from a CUDA graph of ``GRAPH_CALLS`` calls (no host work in
+    the timing); ``bench_us`` off CUDA."""
+    if DEVICE != "cuda":
+        return bench_us(fn)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile, allocator) off the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    return bench_us(graph.replay) / GRAPH_CALLS
 
 
 def copy_bandwidth() -> float:
@@ -160,7 +184,8 @@ def run_case(
         got = lora_triton.lora_expand(y.clone(), h, lora_b, *tiles, starts)
     error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert error < 3e-2, f"kernel differs from the reference by {error:.2e} (relative)"
-    triton_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, **knobs))
+    eager_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, **knobs))
+    triton_us = graph_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, **knobs))
     os.environ[lora_ops.TRITON_ENV] = "0"
     reference_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices))
     elem = x.element_size()
@@ -168,6 +193,7 @@ def run_case(
     floor_us = moved / bandwidth * 1e6
     return {
         "triton_us": triton_us,
+        "eager_us": eager_us,
         "reference_us": reference_us,
         "floor_us": floor_us,
         "error": error,
@@ -262,8 +288,10 @@ def e2e(args: argparse.Namespace) -> Table:
         table.note(f"- {label} built in {time.perf_counter() - started:.0f} s{described}")
         return llm
 
-    def release(llm: LLM) -> None:
-        del llm
+    def release() -> None:
+        """Free the engine the caller has just dropped (``del llm`` there: a ``del`` of a parameter
+        here left the caller's reference, and the next engine planned around 23 GiB of a dead
+        one's memory: "weights 32.46 GiB" on the H200, 2026-12-05)."""
         gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -271,7 +299,8 @@ def e2e(args: argparse.Namespace) -> Table:
     llm = build("base, CUDA graphs")
     for batch in (mid, big, 1):
         measure("base, CUDA graphs", llm, batch, 0)
-    release(llm)
+    del llm
+    release()
     os.environ[lora_ops.TRITON_ENV] = "1"
     os.environ["QSERVE_LORA_GRAPHS"] = "1"
     label = "LoRA, triton + graphs"
@@ -282,7 +311,8 @@ def e2e(args: argparse.Namespace) -> Table:
     graphs, runner.decode_graphs = runner.decode_graphs, None  # the same engine, decoding eagerly
     measure("LoRA, triton eager", llm, mid, min(8, mid))
     runner.decode_graphs = graphs
-    release(llm)
+    del llm
+    release()
     table.note(f"- total {time.perf_counter() - t0:.0f} s")
     return table
 
@@ -315,8 +345,8 @@ def main() -> None:
         [
             f"# LoRA shrink + expand, rank {RANK}, {args.dtype}, {device}; copy bandwidth {bandwidth / 1e9:.0f} GB/s",
             "",
-            "| layer | case | split x columns | triton µs | reference µs | floor µs | floor / triton |",
-            "|---|---|---|---:|---:|---:|---:|",
+            "| layer | case | split x columns | triton µs (graph) | triton µs (eager) | reference µs | floor µs | floor / triton |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
         ],
     )
     raw = []
@@ -331,7 +361,7 @@ def main() -> None:
                     raw.append({"layer": name, "case": label} | result)
                     table.add(
                         f"| {name} | {label} | {result['split_k']} x {result['k_per_split']} | "
-                        f"{result['triton_us']:.1f} | {result['reference_us']:.1f} | "
+                        f"{result['triton_us']:.1f} | {result['eager_us']:.1f} | {result['reference_us']:.1f} | "
                         f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
                     )
     print(table.text())

@@ -2,7 +2,8 @@
 own adapter slot) and ``build_lora_indices`` (a step's per-row slots and their Punica-style tiles).
 
 Knows: which implementation serves which device (the PyTorch reference everywhere; the Triton
-kernels on CUDA only when ``QSERVE_LORA_TRITON=1``, until ``pytest -m gpu`` has run with them), and
+kernels on CUDA unless ``QSERVE_LORA_TRITON=0``: faster than the reference in every case
+bench/lora.py timed on the H200, and the default since ``pytest -m gpu`` ran with them), and
 how rows are grouped into tiles of one slot, and what the kernels need besides the tiles (the split-K
 shrink's arrival counters, its workspace). Must not know: models, layers, PEFT, engines. Triton stays
 a lazy import. Layout and numerics: ``quant_kernels.reference_lora``.
@@ -132,8 +133,8 @@ def build_lora_indices(token_slots: np.ndarray, device: torch.device) -> LoRAInd
 
 
 def triton_enabled() -> bool:
-    """``QSERVE_LORA_TRITON=1``: the opt-in for the Triton kernels on CUDA."""
-    return os.environ.get(TRITON_ENV, "") == "1"
+    """The Triton kernels on CUDA unless ``QSERVE_LORA_TRITON=0`` (the PyTorch reference path)."""
+    return os.environ.get(TRITON_ENV, "1") != "0"
 
 
 def _triton_usable(*tensors: torch.Tensor) -> bool:

@@ -38,8 +38,9 @@ them (``SchedulerOutput.spec_hidden_states``: while speculating, and every step 
 decode) and hands each sequence's kept positions to the proposer after the step. With
 ``enable_adaptive_verification`` the number of drafts per step comes from
 ``qserve.spec_decode.adaptive`` (measured acceptance, batch size, a cost model); 0 is a plain step.
-Verify steps (and a draft model's steps) run eagerly unless ``QSERVE_SPEC_GRAPHS=1`` (opt-in until
-``pytest -m gpu`` has run with it): then the target captures graphs of k + 1 rows per sequence for
+Verify steps (and a draft model's steps) run under CUDA graphs unless ``QSERVE_SPEC_GRAPHS=0`` (the
+default since ``pytest -m gpu`` ran with them, 2026-12-05; 2-3x the eager verify at batch 1 on the H200,
+bench/RESULTS.md): the target captures graphs of k + 1 rows per sequence for
 its verify steps and a draft model decode and 2-row catch-up graphs, all in the target's graph pool
 (``_capture_spec_graphs``); with an EAGLE head the verify graphs also write the hidden states the head
 reads, so its verify steps replay them too. Steps that propose nothing run exactly as without
@@ -511,12 +512,10 @@ class Engine:
                 self.proposer = make_proposer(self.spec_config)
         self.spec_stats = None if self.spec_config is None else SpecDecodeStats(self.spec_config.num_speculative_tokens)
         if self.spec_config is not None and self.runner.decode_graphs is not None:
-            if os.environ.get(SPEC_GRAPHS_ENV) == "1":  # opt-in until pytest -m gpu has run with it
+            if os.environ.get(SPEC_GRAPHS_ENV, "1") != "0":
                 self._capture_spec_graphs()
             else:
-                logger.info(
-                    "speculative decoding: verify steps run eagerly (%s=1 captures CUDA graphs)", SPEC_GRAPHS_ENV
-                )
+                logger.info("speculative decoding: verify steps run eagerly (%s=0)", SPEC_GRAPHS_ENV)
         self._draft_backoff = DraftBackoff()  # sequences whose proposals keep failing skip steps
         self._drafts_out = False  # some running request may still carry drafts
         self._speculating = False  # the last proposal call gave drafts a chance (EAGLE: capture the step)
