@@ -222,7 +222,14 @@ def test_cuda_piecewise_graphs_match_eager(path, async_scheduling, monkeypatch):
         if log is not None:
             graphs = engine.runner.piecewise_graphs
             assert all(isinstance(p, torch.cuda.CUDAGraph) for pieces in graphs.graphs.values() for p in pieces)
-            assert any(e[0] == "piecewise" and e[1] < e[2] for e in log.entries)
+            pieces = [e for e in log.entries if e[0] == "piecewise"]
+            assert pieces, f"no step replayed the pieces: {log.entries}"
+            if not async_scheduling:
+                # Which mixed steps fall short of a bucket depends on when sampled stop tokens end
+                # sequences (GPU numerics): on the H200 (2026-12-05) the async run had none, every
+                # piecewise step filled its bucket. A padded step is replayed on purpose in
+                # test_cuda_piecewise_step_logits_match_eager below.
+                assert any(e[1] < e[2] for e in pieces), f"no step was padded: {pieces}"
             assert graphs.capture_bytes >= 0
         del llm, engine
         torch.cuda.empty_cache()
