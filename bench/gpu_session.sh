@@ -14,7 +14,7 @@
 # decode_pdl (decode-only e2e twice: QSERVE_ENABLE_PDL off, then on; quant_kernels.pdl) also only when named.
 # optin (only when named): what landed opt-in without a GPU run, measured, as four stages that can also be
 #   named alone (with them all the set passes 10 minutes: split it over two calls):
-#   optin_tiles  the Hopper prefill tiles (QSERVE_PREFILL_TILES=h200, the default since 2026-12-05): GPU attention tests, bench/attention_prefill.py
+#   optin_tiles  the Hopper prefill tiles (QSERVE_PREFILL_TILES=h200): GPU attention tests, bench/attention_prefill.py
 #   optin_moe    bench/moe.py (fused MoE vs per-expert loop vs cuBLAS grouped)
 #   optin_lora   bench/lora.py (kernels, then --e2e)
 #   optin_spec   bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128, eager and graphed verify;

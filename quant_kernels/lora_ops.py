@@ -2,8 +2,9 @@
 own adapter slot) and ``build_lora_indices`` (a step's per-row slots and their Punica-style tiles).
 
 Knows: which implementation serves which device (the PyTorch reference everywhere; the Triton
-kernels on CUDA unless ``QSERVE_LORA_TRITON=0``: faster than the reference in every case
-bench/lora.py timed on the H200, and the default since ``pytest -m gpu`` ran with them), and
+kernels on CUDA only when ``QSERVE_LORA_TRITON=1``: faster than the reference in every case
+bench/lora.py timed on the H200, opt-in until a whole ``pytest -m gpu`` passes at the commit that
+turns them on), and
 how rows are grouped into tiles of one slot, and what the kernels need besides the tiles (the split-K
 shrink's arrival counters, its workspace). Must not know: models, layers, PEFT, engines. Triton stays
 a lazy import. Layout and numerics: ``quant_kernels.reference_lora``.
@@ -133,8 +134,8 @@ def build_lora_indices(token_slots: np.ndarray, device: torch.device) -> LoRAInd
 
 
 def triton_enabled() -> bool:
-    """The Triton kernels on CUDA unless ``QSERVE_LORA_TRITON=0`` (the PyTorch reference path)."""
-    return os.environ.get(TRITON_ENV, "1") != "0"
+    """``QSERVE_LORA_TRITON=1``: the opt-in for the Triton kernels on CUDA."""
+    return os.environ.get(TRITON_ENV, "") == "1"
 
 
 def _triton_usable(*tensors: torch.Tensor) -> bool:

@@ -3,13 +3,13 @@
 Knows: the three ways the experts of one layer run and when each applies —
 
 * off CUDA: the PyTorch reference (``moe_reference``), the CPU path and the oracle;
-* on CUDA by default: the fused grouped kernel (``moe_triton``), no host sync, CUDA-graph safe
-  (the default since ``pytest -m gpu`` passed with it on, bench/RESULTS.md's ledger);
-* on CUDA with ``QSERVE_FUSED_MOE=0``, or for weights the fused kernel does not serve (act-order):
-  the reference's loop over the experts a step hits, each expert's two matmuls through the dense
-  W4A16 kernels (``ops.w4a16_linear``, weights repacked per expert once here) and
-  ``elementwise_ops.silu_and_mul``. Learning which experts are hit costs one host sync per layer,
-  so such a model runs without CUDA graphs (``PreparedExperts.graph_safe``).
+* on CUDA by default: the reference's loop over the experts a step hits, each expert's two
+  matmuls through the already-measured dense W4A16 kernels (``ops.w4a16_linear``, weights
+  repacked per expert once here) and ``elementwise_ops.silu_and_mul``. Learning which experts
+  are hit costs one host sync per layer, so such a model runs without CUDA graphs
+  (``PreparedExperts.graph_safe``);
+* on CUDA with ``QSERVE_FUSED_MOE=1`` (opt-in until ``pytest -m gpu`` has run it): the fused
+  grouped kernel (``moe_triton``), no host sync, CUDA-graph safe.
 
 Must not know: models, checkpoint formats. Triton stays a lazy import.
 """
@@ -30,8 +30,7 @@ FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
 
 
 def fused_moe_requested() -> bool:
-    """The fused kernel unless ``QSERVE_FUSED_MOE=0`` (the per-expert loop, as before it was measured)."""
-    return os.environ.get(FUSED_MOE_ENV, "1") != "0"
+    return os.environ.get(FUSED_MOE_ENV, "0") == "1"
 
 
 @dataclass

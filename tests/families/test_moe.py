@@ -74,8 +74,8 @@ def test_quantized_moe_checkpoint(tmp_path, arch, fmt, sym, act_order):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
 def test_quantized_moe_on_gpu_matches_cpu(tmp_path, monkeypatch, fused):
-    """The GPU paths (default: the fused kernel under CUDA graphs; QSERVE_FUSED_MOE=0: per-expert
-    W4A16 kernels, eager) give the CPU reference's greedy tokens."""
+    """The GPU paths (default: per-expert W4A16 kernels, eager; QSERVE_FUSED_MOE=1: the fused
+    kernel under CUDA graphs) give the CPU reference's greedy tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     monkeypatch.setenv("QSERVE_FUSED_MOE", "1" if fused else "0")

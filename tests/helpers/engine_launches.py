@@ -342,7 +342,7 @@ MOE_TOKENS = [1, 32, 512]
 
 
 def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
-    """The fused MoE kernel (the default on CUDA) through ``moe_ops``' dispatch."""
+    """The opt-in fused MoE kernel (QSERVE_FUSED_MOE=1) through ``moe_ops``' dispatch."""
     from quant_kernels import moe_ops
     from quant_kernels.moe_layout import StackedQuantWeight
 

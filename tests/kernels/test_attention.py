@@ -493,9 +493,8 @@ def test_prefill_tiles_follow_the_device_and_the_chunk(monkeypatch: pytest.Monke
 
     cfg, cuda = AttentionConfig(), torch.device("cuda", 0)
     monkeypatch.setattr(kdevice, "max_shared", lambda device: 227 * 1024)
-    monkeypatch.setenv("QSERVE_PREFILL_TILES", "earlier")
-    assert attention_triton._prefill_launch(cfg, 5, 128, 4096, cuda) == (64, 12, 64, 8, 2)
-    monkeypatch.delenv("QSERVE_PREFILL_TILES")  # the default: the measured tiles
+    assert attention_triton._prefill_launch(cfg, 5, 128, 4096, cuda) == (64, 12, 64, 8, 2)  # opt-in only
+    monkeypatch.setenv("QSERVE_PREFILL_TILES", "h200")
     assert attention_triton._prefill_launch(cfg, 5, 128, 4096, cuda) == (128, 25, 128, 8, 3)
     assert attention_triton._prefill_launch(cfg, 5, 128, 224, cuda) == (128, 25, 32, 4, 2)
     assert attention_triton._prefill_launch(cfg, 5, 256, 4096, cuda) == (64, 12, 32, 8, 2)
