@@ -13,7 +13,10 @@ PyTorch reference (``moe_reference.fused_moe_w4a16``, float32 dequant) on the sa
     PYTHONPATH=. python bench/moe.py --out $OUT/moe.md
 
 Columns: µs per MoE layer call of each path, ratios in the same run (loop / fused and
-cuBLAS grouped / fused: > 1 means the fused kernel is faster), and the fused kernel's share of the floor.
+cuBLAS grouped / fused: > 1 means the fused kernel is faster), the fused kernel's share of the floor,
+and the token sort by expert alone, graph-timed: the reference's torch ops
+(``moe_reference.moe_align_block_size``) vs the one-launch Triton kernel the fused path runs
+(``moe_triton.moe_align_block_size``), at the fused path's block_m, after checking they agree.
 """
 
 from __future__ import annotations
@@ -161,6 +164,14 @@ def main() -> None:
             except RuntimeError as err:  # one path's failure (e.g. refused by graph capture) leaves the others' rows
                 print(f"T={t} {name}: not timed: {str(err).splitlines()[0]}", file=sys.stderr)
                 row[name] = None
+        block_m = moe_triton.default_config(t, TOP_K, NUM_EXPERTS).block_m
+        aligns = {"align torch": moe_reference.moe_align_block_size, "align triton": moe_triton.moe_align_block_size}
+        sorts = {name: fn(ids, NUM_EXPERTS, block_m) for name, fn in aligns.items()}
+        agree = all(torch.equal(a, b) for a, b in zip(*sorts.values()))
+        for name, fn in aligns.items():
+            row[name] = graph_us(lambda fn=fn, ids=ids, bm=block_m: fn(ids, NUM_EXPERTS, bm)) if agree else None
+        if not agree:
+            print(f"T={t}: the Triton token sort differs from the reference's; not timed", file=sys.stderr)
         fused = row["fused"]
         row["loop/fused"] = row["w4a16 loop"] / fused if fused and row["w4a16 loop"] else None
         row["cublas/fused"] = row["cuBLAS fp16 grouped"] / fused if fused and row["cuBLAS fp16 grouped"] else None
@@ -172,8 +183,9 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s"
     )
     lines = [header, "", "| tokens | experts hit | fused µs | w4a16 loop µs | torch grouped bf16 µs | "
-             "cuBLAS fp16 loop µs | loop/fused | grouped/fused | floor µs | fused % of floor |",
-             "|" + "---|" * 10]  # fmt: skip
+             "cuBLAS fp16 loop µs | loop/fused | grouped/fused | floor µs | fused % of floor | "
+             "sort: torch µs | sort: Triton µs |",
+             "|" + "---|" * 12]  # fmt: skip
 
     def fmt(v: float | None, spec: str = ".1f") -> str:
         return "—" if v is None else format(v, spec)
@@ -183,7 +195,8 @@ def main() -> None:
             f"| {r['tokens']} | {r['experts_hit']} | {fmt(r['fused'])} | {fmt(r['w4a16 loop'])} | "
             f"{fmt(r['cuBLAS fp16 grouped'])} | {fmt(r['cuBLAS fp16 loop'])} | {fmt(r['loop/fused'], '.2f')} | "
             f"{fmt(r['cublas/fused'], '.2f')} | "
-            f"{fmt(r['floor_us'])} | {fmt(r['fused % of floor'], '.0f')} |"
+            f"{fmt(r['floor_us'])} | {fmt(r['fused % of floor'], '.0f')} | {fmt(r['align torch'])} | "
+            f"{fmt(r['align triton'])} |"
         )
     print("\n".join(lines))
     if args.out:

@@ -3,8 +3,9 @@
 Knows: top-k softmax routing (optionally renormalized), the SwiGLU expert MLP
 (``down(silu(gate(x)) * up(x))``) over stacked expert weights (``quant_kernels.moe_layout``, or
 dense ``[E, N, K]`` tensors), and the sort of (token, slot) pairs by expert into ``BLOCK_M``-padded
-groups that a grouped GEMM tiles (``moe_align_block_size``). Must not know: models, checkpoint
-formats, engines.
+groups that a grouped GEMM tiles (``moe_align_block_size``, the oracle of the one-launch Triton
+sort that the fused path runs, ``moe_triton.moe_align_block_size``). Must not know: models,
+checkpoint formats, engines.
 
 ``fused_moe_w4a16`` and ``fused_moe_dense`` are the CPU path of the engine and the oracle of the
 Triton kernel (``quant_kernels.moe_triton``, same signature). They loop over the experts that
@@ -52,6 +53,14 @@ def local_expert_ids(
     return torch.where(foreign, num_local_experts, local)
 
 
+def max_padded_rows(num_pairs: int, num_groups: int, block_m: int) -> int:
+    """The rows ``moe_align_block_size`` returns: every pair plus, in each of at most
+    ``min(num_pairs, num_groups)`` non-empty groups, up to ``block_m - 1`` rows of padding, rounded
+    up to whole blocks. From the shapes alone, so it needs no host sync."""
+    rows = num_pairs + min(num_pairs, num_groups) * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor,  # int [T, k]
     num_experts: int,
@@ -66,7 +75,9 @@ def moe_align_block_size(
     past the end repeat the last one and are never computed); ``num_padded`` int32 ``[1]``: the
     rows in use. ``max_padded = T*k + min(T*k, E) * (block_m - 1)`` rounded up to ``block_m``:
     known from the shapes alone, so the whole sort is torch ops on the device with no host sync
-    (CUDA-graph safe: bincount would sync, so counts come from ``scatter_add``).
+    (CUDA-graph safe: bincount would sync, so counts come from ``scatter_add``). About 20 launches
+    on a GPU: the fused kernel's path runs ``moe_triton.moe_align_block_size`` instead (one launch,
+    the same three tensors element for element; tested against this one).
 
     ``skip_foreign`` (expert parallelism): ids may also be the sentinel ``num_experts`` of
     ``local_expert_ids``; those pairs sort into one more group placed after every expert's, past
@@ -76,8 +87,7 @@ def moe_align_block_size(
     flat = topk_ids.reshape(-1).to(torch.int64)  # [n]
     num_pairs = flat.numel()
     num_groups = num_experts + 1 if skip_foreign else num_experts  # the sentinel's group last
-    max_padded = num_pairs + min(num_pairs, num_groups) * (block_m - 1)
-    max_padded = -(-max_padded // block_m) * block_m
+    max_padded = max_padded_rows(num_pairs, num_groups, block_m)
     counts = torch.zeros(num_groups, dtype=torch.int64, device=device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )  # [E (+1)]

@@ -1,9 +1,18 @@
-"""Triton fused MoE W4A16: a grouped dequant-GEMM over the experts a step hits.
+"""Triton fused MoE W4A16: the token sort by expert and a grouped dequant-GEMM over the experts a
+step hits.
 
 Knows: the stacked canonical expert layout (``quant_kernels.moe_layout``: int32 ``[E, K/8, N]``
-words packed along K, scales ``[E, ng, N]``, optional uint8 zeros), the token sort of
-``moe_reference.moe_align_block_size`` and how to tile them. Must not know: models, checkpoint
-formats, engines. Imported lazily (CUDA, or the CPU tests under TRITON_INTERPRET=1).
+words packed along K, scales ``[E, ng, N]``, optional uint8 zeros), the contract of the token sort
+(``moe_reference.moe_align_block_size``, the oracle) and how to tile it. Must not know: models,
+checkpoint formats, engines. Imported lazily (CUDA, or the CPU tests under TRITON_INTERPRET=1).
+
+``moe_align_block_size_kernel`` (launcher ``moe_align_block_size``): the reference's sort — about
+20 torch ops, so 20 launches per MoE layer — in one launch of one program, looping over chunks of
+``ALIGN_CHUNK`` pairs: a histogram per group, the padded layout by cumsum, each block's expert, the
+sentinel padding, then each pair at its group's cursor plus its rank in the chunk (from a sort of
+the chunk by group and lane). Pair order within a group is kept, so its three outputs equal the
+reference's element for element (the GEMM would not need that: each row of a block is computed on
+its own). Outputs are sized from the shapes: no host sync, CUDA-graph safe.
 
 ``moe_w4a16_kernel``: program ``(m, n)`` owns ``BLOCK_M`` rows of the expert-sorted (token,
 slot) pairs, all of one expert (``expert_ids[m]``), and ``BLOCK_N`` output columns. Per K-tile
@@ -36,11 +45,14 @@ import triton
 import triton.language as tl
 
 from quant_kernels import device as kdevice
+from quant_kernels import moe_reference
 from quant_kernels.moe_layout import StackedQuantWeight
-from quant_kernels.moe_reference import moe_align_block_size
 
 # Under TRITON_INTERPRET=1 (CPU tests) the dots run in float32 (the interpreter's bf16 dot is wrong).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Pairs per step of the token sort's loops: Qwen3-30B-A3B's decode (8 pairs) and mid-size batches
+# sort in one step; a 2048-token prefill chunk (16384 pairs) in 16.
+ALIGN_CHUNK = 1024
 
 
 @triton.jit
@@ -138,6 +150,89 @@ def moe_w4a16_kernel(
     )
 
 
+@triton.jit
+def moe_align_block_size_kernel(
+    topk_ids_ptr,  # int [T*k] (int32 from select_experts / local_expert_ids)
+    sorted_ids_ptr,  # int32 [max_padded]
+    expert_ids_ptr,  # int32 [max_padded / BLOCK_M]
+    num_padded_ptr,  # int32 [1]
+    num_pairs, num_experts, max_padded,
+    BLOCK_M: tl.constexpr,
+    NUM_BINS: tl.constexpr,  # a power of two >= the groups (experts, plus the sentinel's with skip_foreign)
+    CHUNK: tl.constexpr,  # pairs per loop step (a power of two)
+    BLOCKS_CHUNK: tl.constexpr,  # blocks per step of the expert_ids loop
+):  # fmt: skip
+    """``moe_reference.moe_align_block_size`` in one program: count the pairs of each group, lay the
+    padded groups out (a cumsum), write each block's expert, fill ``sorted_ids`` with the sentinel,
+    then place every pair. A pair's place is its group's cursor (pairs of that group in earlier
+    chunks) plus its rank among its group's pairs in this chunk, read off a sort of the chunk by
+    (group, lane): so each group keeps pair order and the result equals the reference exactly."""
+    bins = tl.arange(0, NUM_BINS)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        valid = start + lanes < num_pairs
+        ids = tl.load(topk_ids_ptr + start + lanes, mask=valid, other=0).to(tl.int32)
+        counts += tl.histogram(ids, NUM_BINS, mask=valid)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [NUM_BINS]
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    is_expert = bins < num_experts  # the sentinel's group (bin num_experts) lies past num_padded
+    tl.store(num_padded_ptr, tl.sum(tl.where(is_expert, padded, 0), 0))
+    # A block's expert: how many experts end at or before its first row (the reference's
+    # searchsorted), at most the last expert (blocks past num_padded are never computed).
+    expert_ends = tl.where(is_expert, ends, max_padded)  # no block starts at max_padded
+    num_blocks = max_padded // BLOCK_M
+    for b0 in range(0, num_blocks, BLOCKS_CHUNK):
+        blocks = b0 + tl.arange(0, BLOCKS_CHUNK)
+        ended = (expert_ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32)  # [BLOCKS_CHUNK, NUM_BINS]
+        expert = tl.minimum(tl.sum(ended, 1), num_experts - 1)
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
+    for r0 in range(0, max_padded, CHUNK):
+        rows = r0 + lanes
+        tl.store(sorted_ids_ptr + rows, tl.full((CHUNK,), 0, tl.int32) + num_pairs, mask=rows < max_padded)
+    tl.debug_barrier()  # the padding lands before the pairs that overwrite some of it
+    cursor = starts  # [NUM_BINS]: where each group's next pair goes
+    for start in range(0, num_pairs, CHUNK):
+        valid = start + lanes < num_pairs
+        ids = tl.load(topk_ids_ptr + start + lanes, mask=valid, other=0).to(tl.int32)
+        keys = tl.sort(tl.where(valid, ids, NUM_BINS) * CHUNK + lanes)  # by group, then lane; dead lanes last
+        group = keys // CHUNK
+        pair = start + keys % CHUNK
+        in_chunk = tl.histogram(ids, NUM_BINS, mask=valid)
+        # sorted lane p of group g holds g's (p - first lane of g) pair of this chunk
+        base = cursor - (tl.cumsum(in_chunk, 0) - in_chunk)  # [NUM_BINS]
+        row = tl.gather(base, tl.minimum(group, NUM_BINS - 1), 0) + lanes
+        tl.store(sorted_ids_ptr + row, pair, mask=group < NUM_BINS)
+        cursor += in_chunk
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,  # int [T, k]
+    num_experts: int,
+    block_m: int,
+    skip_foreign: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_reference.moe_align_block_size`` (same signature, same result, bit for bit) in one
+    single-program launch instead of ~20 torch ops: outputs sized from the shapes, no host sync."""
+    num_pairs = topk_ids.numel()
+    num_groups = num_experts + 1 if skip_foreign else num_experts
+    max_padded = moe_reference.max_padded_rows(num_pairs, num_groups, block_m)
+    device = topk_ids.device
+    sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)  # [max_padded]
+    expert_ids = torch.empty((max_padded // block_m,), dtype=torch.int32, device=device)  # [num_blocks]
+    num_padded = torch.empty((1,), dtype=torch.int32, device=device)  # [1]
+    num_bins = triton.next_power_of_2(num_groups)
+    moe_align_block_size_kernel[(1,)](
+        topk_ids.reshape(-1).contiguous(), sorted_ids, expert_ids, num_padded,
+        num_pairs, num_experts, max_padded,
+        BLOCK_M=block_m, NUM_BINS=num_bins, CHUNK=min(max(triton.next_power_of_2(num_pairs), 16), ALIGN_CHUNK),
+        BLOCKS_CHUNK=min(128, max(16, 8192 // num_bins)),  # a [BLOCKS_CHUNK, NUM_BINS] compare per step
+        num_warps=4,
+    )  # fmt: skip
+    return sorted_ids, expert_ids, num_padded
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     block_m: int
@@ -217,8 +312,8 @@ def fused_moe_w4a16(
     config: MoEConfig | None = None,
     skip_foreign: bool = False,
 ) -> torch.Tensor:  # [T, H]
-    """Same signature and result as ``moe_reference.fused_moe_w4a16``; two launches plus the
-    torch-op token sort and the k-way sum, with no host sync. ``skip_foreign`` (expert
+    """Same signature and result as ``moe_reference.fused_moe_w4a16``; three launches (the token
+    sort, gate_up, down) plus the k-way sum, with no host sync. ``skip_foreign`` (expert
     parallelism): ids equal to ``num_experts`` (another rank's experts) are sorted past the
     computed blocks and their output rows stay zero."""
     num_tokens, top_k = topk_ids.shape

@@ -336,31 +336,44 @@ def drive_formats(capture: Capture, dtype: torch.dtype, dtype_name: str, labels:
 
 
 # Qwen3-30B-A3B's experts (hidden 2048, 128 experts top-8, expert MLP 768, GPTQ g128); token
-# counts that reach both of moe_triton.default_config's tiles (decode and prefill).
+# counts that reach both of moe_triton.default_config's tiles (decode and prefill) and, at 512
+# tokens (4096 pairs), the token sort's loops over several chunks.
 MOE_SHAPE = (2048, 128, 8, 768)
 MOE_TOKENS = [1, 32, 512]
+MOE_EP_RANKS = 4  # expert parallelism: one rank's 32 experts, other ranks' pairs as the sentinel id
 
 
 def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
-    """The opt-in fused MoE kernel (QSERVE_FUSED_MOE=1) through ``moe_ops``' dispatch."""
-    from quant_kernels import moe_ops
+    """The opt-in fused MoE kernels (QSERVE_FUSED_MOE=1: the token sort, gate_up, down) through
+    ``moe_ops``' dispatch, with the ids the MoE block passes (int32 from ``select_experts``), for all
+    the experts and for one expert-parallel rank's share (``skip_foreign``: one more sort group)."""
+    from quant_kernels import moe_ops, moe_reference
     from quant_kernels.moe_layout import StackedQuantWeight
 
     hidden, num_experts, top_k, inter = MOE_SHAPE
 
-    def stacked(k: int, n: int) -> StackedQuantWeight:
-        qweight = torch.zeros((num_experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
-        return StackedQuantWeight(4, 128, qweight, torch.ones((num_experts, k // 128, n), dtype=torch.float16))
+    def stacked(experts: int, k: int, n: int) -> StackedQuantWeight:
+        qweight = torch.zeros((experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
+        return StackedQuantWeight(4, 128, qweight, torch.ones((experts, k // 128, n), dtype=torch.float16))
 
+    local_experts = num_experts // MOE_EP_RANKS
     with mock.patch.dict(os.environ, {moe_ops.FUSED_MOE_ENV: "1"}):
-        prepared = moe_ops.prepare_experts(stacked(hidden, 2 * inter), stacked(inter, hidden))
-    assert prepared.fused, "the fused MoE kernel was not selected"
-    for m in MOE_TOKENS:
-        x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
-        ids = (torch.arange(m * top_k, dtype=torch.int32) % num_experts).view(m, top_k)  # [T, k]
-        weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
-        with where(capture, f"fused MoE {dtype_name} T={m}"), torch.inference_mode():
-            moe_ops.moe_experts(x, prepared, weights, ids)
+        layouts = {
+            "": moe_ops.prepare_experts(stacked(num_experts, hidden, 2 * inter), stacked(num_experts, inter, hidden)),
+            f" EP rank 1 of {MOE_EP_RANKS}": moe_ops.prepare_experts(
+                stacked(local_experts, hidden, 2 * inter), stacked(local_experts, inter, hidden), skip_foreign=True
+            ),
+        }
+    for label, prepared in layouts.items():
+        assert prepared.fused, "the fused MoE kernel was not selected"
+        for m in MOE_TOKENS:
+            x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
+            ids = (torch.arange(m * top_k, dtype=torch.int32) % num_experts).view(m, top_k)  # [T, k]
+            if prepared.skip_foreign:
+                ids = moe_reference.local_expert_ids(ids, local_experts, local_experts)
+            weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
+            with where(capture, f"fused MoE{label} {dtype_name} T={m}"), torch.inference_mode():
+                moe_ops.moe_experts(x, prepared, weights, ids)
 
 
 def drive_pdl(capture: Capture, model, config: ModelConfig, label: str) -> None:

@@ -208,3 +208,44 @@ def test_lora_launches_compile(tmp_path) -> None:
         splits = {x["constexprs"]["SPLIT_PAD"] for x in launches if x["kernel"] == "lora_shrink_kernel"}
         assert 1 in splits and max(splits) == 32, (gpu, splits)  # one split, and the heuristic's decode split
         assert any(x["kernel"] == "lora_expand_kernel" for x in launches), gpu
+
+
+_MOE = r"""
+import json, torch
+from tests.helpers.engine_launches import drive_moe
+from tests.helpers.kernel_launches import GPUS, simulated_gpu
+result = {}
+for name in ("sm90", "sm89", "sm86"):
+    with simulated_gpu(GPUS[name]) as capture:
+        drive_moe(capture, torch.float16, "fp16")
+    result[name] = [
+        {"kernel": l.kernel, "signature": l.signature, "constexprs": dict(l.constexprs), "error": l.error,
+         "where": l.where, "grid": l.grid}
+        for l in capture.launches.values()
+    ]
+print("RESULT" + json.dumps(result, default=str))
+"""
+
+
+def test_moe_launches_compile(tmp_path) -> None:
+    """The fused MoE launches as ``moe_ops.moe_experts`` makes them (QSERVE_FUSED_MOE=1) at
+    Qwen3-30B-A3B's shapes compile for sm90, sm89 and sm86 (the engine units above check sm90 and one
+    consumer card): the one-program token sort (int32 ids, all experts and an expert-parallel rank's
+    share with the sentinel group, one chunk and several) and the grouped GEMMs. Selectable alone
+    (``-k moe``)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _MOE], cwd=ROOT, env=_env(tmp_path, "moe"), capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower() and proc.returncode != 0:
+        pytest.skip("this triton has no NVIDIA backend")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT") :])
+    for gpu, launches in result.items():
+        failures = [f"{x['kernel']} [{x['where']}]: {x['error']}" for x in launches if x["error"]]
+        assert not failures, f"{gpu}:\n" + "\n".join(failures)
+        aligns = [x for x in launches if x["kernel"] == "moe_align_block_size_kernel"]
+        assert all(x["signature"][0] == "*int32" and x["grid"] == [1] for x in aligns), (gpu, aligns)
+        assert {x["constexprs"]["NUM_BINS"] for x in aligns} == {128, 64}, gpu  # 128 experts; 32 + the sentinel
+        assert max(x["constexprs"]["CHUNK"] for x in aligns) < 512 * 8, gpu  # 4096 pairs: several chunks
+        assert {x["kernel"] for x in launches} == {"moe_align_block_size_kernel", "moe_w4a16_kernel"}, gpu

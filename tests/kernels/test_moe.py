@@ -55,6 +55,100 @@ def test_align_block_size(num_tokens, block_m):
         assert bool((flat[rows] == expert_ids[block]).all())
 
 
+def _poison_empty(monkeypatch, module) -> None:
+    """``module``'s ``torch.empty`` returns NaN (floats) or -7 (integers): an element a kernel
+    should write and does not shows."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+
+    monkeypatch.setattr(module.torch, "empty", poisoned, raising=True)
+
+
+def _align_case(num_tokens: int, top_k: int, num_experts: int, routing_kind: str, seed: int) -> torch.Tensor:
+    """int32 [T, k] expert ids: ``spread`` (uniform, most experts hit), ``half`` (experts of the upper
+    half never hit), ``one`` (expert 1 takes every pair), ``foreign`` (a third of the pairs on the
+    sentinel ``num_experts``, as ``local_expert_ids`` marks other ranks' experts)."""
+    gen = torch.Generator().manual_seed(seed)
+    if routing_kind == "one":
+        return torch.ones((num_tokens, top_k), dtype=torch.int32)
+    high = max(num_experts // 2, 1) if routing_kind == "half" else num_experts
+    ids = torch.randint(0, high, (num_tokens, top_k), generator=gen, dtype=torch.int32)
+    if routing_kind == "foreign":
+        ids[torch.rand(num_tokens, top_k, generator=gen) < 1 / 3] = num_experts
+    return ids
+
+
+ALIGN_CASES = [  # (T, k, E, block_m, routing, skip_foreign)
+    (0, 8, 16, 16, "spread", False),  # no pairs: num_padded 0, empty outputs
+    (1, 8, 128, 16, "spread", False),  # Qwen3-30B-A3B decode: T*k far below E
+    (1, 2, 8, 16, "spread", False),
+    (3, 2, 64, 32, "half", False),
+    (7, 4, 8, 64, "one", False),  # one expert takes every pair
+    (64, 2, 8, 16, "half", False),  # empty experts, full groups
+    (33, 3, 16, 32, "spread", False),
+    (17, 8, 128, 64, "half", False),
+    (9, 2, 4, 16, "foreign", True),  # the sentinel group sorts past num_padded
+    (40, 4, 32, 32, "foreign", True),
+    (5, 8, 8, 64, "foreign", True),
+    (6, 2, 4, 16, "one", True),  # skip_foreign without a foreign pair
+]
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "block_m", "routing_kind", "skip_foreign"), ALIGN_CASES)
+@pytest.mark.parametrize("chunk", [16, 1024])
+def test_triton_align_equals_reference(monkeypatch, num_tokens, top_k, num_experts, block_m, routing_kind, skip_foreign,
+                                       chunk):  # fmt: skip
+    """The one-launch token sort returns exactly the reference's three tensors, padding and sentinel
+    group included (pair order kept within each expert); its outputs start poisoned. ``chunk`` 16
+    runs the pair loops over several chunks (cursors carried from one chunk to the next)."""
+    from quant_kernels import moe_triton
+
+    _poison_empty(monkeypatch, moe_triton)
+    monkeypatch.setattr(moe_triton, "ALIGN_CHUNK", chunk)
+    ids = _align_case(num_tokens, top_k, num_experts, routing_kind, seed=num_tokens * top_k + block_m)
+    want = moe_reference.moe_align_block_size(ids, num_experts, block_m, skip_foreign)
+    got = moe_triton.moe_align_block_size(ids, num_experts, block_m, skip_foreign)
+    for name, g, w in zip(("sorted_ids", "expert_ids", "num_padded"), got, want):
+        assert g.dtype == torch.int32 and g.shape == w.shape, name
+        assert torch.equal(g, w), f"{name}: {g.tolist()} != {w.tolist()}"
+
+
+def test_triton_align_over_many_chunks_at_the_real_chunk():
+    """More pairs than one chunk of the real chunk size (2400 > 1024): a prefill of 300 tokens."""
+    from quant_kernels import moe_triton
+
+    ids = _align_case(300, 8, 128, "foreign", seed=1)
+    assert ids.numel() > moe_triton.ALIGN_CHUNK
+    for block_m, skip_foreign in ((64, True), (16, False)):
+        if not skip_foreign:
+            ids = ids.clamp(max=127)
+        want = moe_reference.moe_align_block_size(ids, 128, block_m, skip_foreign)
+        got = moe_triton.moe_align_block_size(ids, 128, block_m, skip_foreign)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+def test_fused_moe_uses_the_triton_align(monkeypatch):
+    """The fused layer sorts with the Triton kernel, and its output is bit for bit the one it gives
+    with the reference's sort (each block's rows are computed independently of the sort's op)."""
+    from quant_kernels import moe_triton
+
+    w13 = random_stacked(8, 64, 64, 32, False, torch.float16, seed=61)
+    w2 = random_stacked(8, 32, 64, 32, False, torch.float16, seed=62)
+    x, weights, ids = routing(10, 8, 2, 64, torch.float16, seed=63)
+    config = moe_triton.MoEConfig(16, 32, 4, 1)
+    calls = []
+    triton_align = moe_triton.moe_align_block_size
+    monkeypatch.setattr(moe_triton, "moe_align_block_size", lambda *a: calls.append(a) or triton_align(*a))
+    out = moe_triton.fused_moe_w4a16(x, w13, w2, weights, ids, config)
+    assert len(calls) == 1 and calls[0][1:] == (8, 16, False)
+    monkeypatch.setattr(moe_triton, "moe_align_block_size", moe_reference.moe_align_block_size)
+    assert torch.equal(out, moe_triton.fused_moe_w4a16(x, w13, w2, weights, ids, config))
+
+
 @pytest.mark.parametrize(
     ("group_size", "num_tokens", "sym"),
     [(32, 1, True), (32, 64, False), (64, 3, False), (64, 17, True), (128, 1, False), (128, 40, True)],
@@ -79,10 +173,7 @@ def test_fused_moe_poisoned_outputs(monkeypatch):
     """Padding rows are never written: intermediate and output buffers start as NaN."""
     from quant_kernels import moe_triton
 
-    real_empty = torch.empty
-    monkeypatch.setattr(
-        moe_triton.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")), raising=True
-    )
+    _poison_empty(monkeypatch, moe_triton)
     w13 = random_stacked(4, 64, 64, 32, True, torch.float16, seed=3)
     w2 = random_stacked(4, 32, 64, 32, True, torch.float16, seed=4)
     x, weights, ids = routing(6, 4, 2, 64, torch.float16, seed=5)
@@ -203,10 +294,7 @@ def test_fused_moe_skips_foreign_pairs(monkeypatch):
     reference; its buffers start as NaN, so a skipped pair's row must be written as zero."""
     from quant_kernels import moe_triton
 
-    real_empty = torch.empty
-    monkeypatch.setattr(
-        moe_triton.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")), raising=True
-    )
+    _poison_empty(monkeypatch, moe_triton)
     w13 = random_stacked(8, 64, 64, 32, True, torch.float16, seed=31)
     w2 = random_stacked(8, 32, 64, 32, True, torch.float16, seed=32)
     x, weights, ids = routing(7, 8, 2, 64, torch.float16, seed=33)
