@@ -13,10 +13,11 @@ PyTorch reference (``moe_reference.fused_moe_w4a16``, float32 dequant) on the sa
     PYTHONPATH=. python bench/moe.py --out $OUT/moe.md
 
 Columns: µs per MoE layer call of each path, ratios in the same run (loop / fused and
-cuBLAS grouped / fused: > 1 means the fused kernel is faster), the fused kernel's share of the floor,
-and the token sort by expert alone, graph-timed: the reference's torch ops
-(``moe_reference.moe_align_block_size``) vs the one-launch Triton kernel the fused path runs
-(``moe_triton.moe_align_block_size``), at the fused path's block_m, after checking they agree.
+cuBLAS grouped / fused: > 1 means the fused kernel is faster), the fused kernel's share of the floor;
+``mma``: the opt-in MMA-operand kernel (``moe_mma_triton``, QSERVE_MOE_KERNEL=mma), graph-timed on the
+same inputs, with its share of the floor; and the token sort by expert alone, graph-timed: the
+reference's torch ops (``moe_reference.moe_align_block_size``) vs the one-launch Triton kernel the fused
+paths run (``moe_triton.moe_align_block_size``), at the fused path's block_m, after checking they agree.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from quant_kernels import moe_ops, moe_reference, moe_triton, ops  # noqa: E402
+from quant_kernels import moe_mma_triton, moe_ops, moe_reference, moe_triton, ops  # noqa: E402
 from quant_kernels.layout import pack_codes  # noqa: E402
 from quant_kernels.moe_layout import StackedQuantWeight  # noqa: E402
 
@@ -118,6 +119,7 @@ def main() -> None:
         down_list=[ops.prepare_w4a16(w2.expert(e)) for e in range(NUM_EXPERTS)],
     )
     dense13_bf16, dense2_bf16 = dense13.bfloat16(), dense2.bfloat16()
+    mma13, mma2 = moe_mma_triton.prepare_stacked(w13), moe_mma_triton.prepare_stacked(w2)  # QSERVE_MOE_KERNEL=mma
     expert_bytes = (w13.nbytes() + w2.nbytes()) / NUM_EXPERTS
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
@@ -130,6 +132,10 @@ def main() -> None:
         floor_us = floor_bytes / bw * 1e6
         paths = {
             "fused": (lambda x=x, weights=weights, ids=ids: moe_triton.fused_moe_w4a16(x, w13, w2, weights, ids), True),
+            "mma": (
+                lambda x=x, weights=weights, ids=ids: moe_mma_triton.fused_moe_w4a16_mma(x, mma13, mma2, weights, ids),
+                True,
+            ),
             "w4a16 loop": (lambda x=x, weights=weights, ids=ids: moe_ops.moe_experts(x, loop, weights, ids), False),
             # torch's grouped GEMM has a graph-safe (CUTLASS) path on Hopper for bf16 only: its fp16 fallback
             # copies the offsets to the host, which CUDA graph capture refuses (seen on the H200); bf16 runs
@@ -176,27 +182,28 @@ def main() -> None:
         row["loop/fused"] = row["w4a16 loop"] / fused if fused and row["w4a16 loop"] else None
         row["cublas/fused"] = row["cuBLAS fp16 grouped"] / fused if fused and row["cuBLAS fp16 grouped"] else None
         row["fused % of floor"] = 100 * floor_us / fused if fused else None
+        row["mma % of floor"] = 100 * floor_us / row["mma"] if row["mma"] else None
         rows.append(row)
         print(json.dumps(row), flush=True)
     header = (
         f"Fused MoE W4A16, Qwen3-30B-A3B experts (H {HIDDEN}, E {NUM_EXPERTS}, top-{TOP_K}, I {INTER}, g{GROUP}), "
         f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s"
     )
-    lines = [header, "", "| tokens | experts hit | fused µs | w4a16 loop µs | torch grouped bf16 µs | "
-             "cuBLAS fp16 loop µs | loop/fused | grouped/fused | floor µs | fused % of floor | "
+    lines = [header, "", "| tokens | experts hit | fused µs | mma µs | w4a16 loop µs | torch grouped bf16 µs | "
+             "cuBLAS fp16 loop µs | loop/fused | grouped/fused | floor µs | fused % of floor | mma % of floor | "
              "sort: torch µs | sort: Triton µs |",
-             "|" + "---|" * 12]  # fmt: skip
+             "|" + "---|" * 15]  # fmt: skip
 
     def fmt(v: float | None, spec: str = ".1f") -> str:
         return "—" if v is None else format(v, spec)
 
     for r in rows:
         lines.append(
-            f"| {r['tokens']} | {r['experts_hit']} | {fmt(r['fused'])} | {fmt(r['w4a16 loop'])} | "
+            f"| {r['tokens']} | {r['experts_hit']} | {fmt(r['fused'])} | {fmt(r['mma'])} | {fmt(r['w4a16 loop'])} | "
             f"{fmt(r['cuBLAS fp16 grouped'])} | {fmt(r['cuBLAS fp16 loop'])} | {fmt(r['loop/fused'], '.2f')} | "
             f"{fmt(r['cublas/fused'], '.2f')} | "
-            f"{fmt(r['floor_us'])} | {fmt(r['fused % of floor'], '.0f')} | {fmt(r['align torch'])} | "
-            f"{fmt(r['align triton'])} |"
+            f"{fmt(r['floor_us'])} | {fmt(r['fused % of floor'], '.0f')} | {fmt(r['mma % of floor'], '.0f')} | "
+            f"{fmt(r['align torch'])} | {fmt(r['align triton'])} |"
         )
     print("\n".join(lines))
     if args.out:

@@ -9,7 +9,11 @@ Knows: the three ways the experts of one layer run and when each applies —
   are hit costs one host sync per layer, so such a model runs without CUDA graphs
   (``PreparedExperts.graph_safe``);
 * on CUDA with ``QSERVE_FUSED_MOE=1`` (opt-in until ``pytest -m gpu`` has run it): the fused
-  grouped kernel (``moe_triton``), no host sync, CUDA-graph safe.
+  grouped kernel (``moe_triton``), no host sync, CUDA-graph safe;
+* on CUDA with ``QSERVE_MOE_KERNEL=mma`` (opt-in, not yet run on a GPU; it wins over
+  ``QSERVE_FUSED_MOE``): the grouped kernel on experts pre-shuffled once here to the MMA-operand
+  order of the dense W4A16 kernel (``moe_mma_triton``: swap-AB, the dequantized weights stay in
+  registers), likewise sync-free; the canonical stack is not kept (``PreparedExperts.kind == "mma"``).
 
 Must not know: models, checkpoint formats. Triton stays a lazy import.
 """
@@ -27,10 +31,15 @@ from quant_kernels import elementwise_ops, moe_reference, ops
 from quant_kernels.moe_layout import StackedQuantWeight
 
 FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
+MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma": the MMA-operand grouped kernel (moe_mma_triton)
 
 
 def fused_moe_requested() -> bool:
     return os.environ.get(FUSED_MOE_ENV, "0") == "1"
+
+
+def mma_moe_requested() -> bool:
+    return os.environ.get(MOE_KERNEL_ENV, "") == "mma"
 
 
 @dataclass
@@ -38,7 +47,8 @@ class PreparedExperts:
     """One layer's experts as their implementation consumes them (``kind``):
 
     ``"dense"``: ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] tensors; ``"stacked"``: canonical
-    ``StackedQuantWeight``s (reference, or the fused kernel when ``fused``); ``"per_expert"``: one
+    ``StackedQuantWeight``s (reference, or the fused kernel when ``fused``); ``"mma"``:
+    ``moe_mma_triton.StackedMmaWeight``s (always fused); ``"per_expert"``: one
     ``ops.prepare_w4a16`` result per expert in ``gate_up_list`` / ``down_list``."""
 
     kind: str
@@ -90,6 +100,19 @@ def prepare_experts(
     device = gate_up.qweight.device
     if not kdevice.triton_serves(device):
         return PreparedExperts("stacked", num_experts, inter, gate_up=gate_up, down=down, skip_foreign=skip_foreign)
+    if mma_moe_requested():
+        from quant_kernels import moe_mma_triton  # noqa: PLC0415
+
+        if moe_mma_triton.supports(gate_up, down):
+            return PreparedExperts(
+                "mma",
+                num_experts,
+                inter,
+                gate_up=moe_mma_triton.prepare_stacked(gate_up),
+                down=moe_mma_triton.prepare_stacked(down),
+                fused=True,
+                skip_foreign=skip_foreign,
+            )
     if fused_moe_requested():
         from quant_kernels import moe_triton  # noqa: PLC0415
 
@@ -117,6 +140,12 @@ def moe_experts(
     pairs whose id is ``prepared.num_experts`` (another rank's expert) add nothing."""
     if prepared.kind == "dense":
         return moe_reference.fused_moe_dense(x, prepared.gate_up, prepared.down, topk_weights, topk_ids)
+    if prepared.kind == "mma":  # prepared on a device Triton serves (prepare_experts)
+        from quant_kernels import moe_mma_triton  # noqa: PLC0415
+
+        return moe_mma_triton.fused_moe_w4a16_mma(
+            x, prepared.gate_up, prepared.down, topk_weights, topk_ids, skip_foreign=prepared.skip_foreign
+        )
     if prepared.kind == "stacked" and prepared.fused and kdevice.triton_serves(x.device):
         from quant_kernels import moe_triton  # noqa: PLC0415
 

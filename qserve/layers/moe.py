@@ -142,7 +142,7 @@ class SparseMoeBlock(nn.Module):
 
     def process_after_loading(self) -> None:
         self.prepared = moe_ops.prepare_experts(self.w_gate_up, self.w_down, skip_foreign=not self.holds_all_experts)
-        if self.prepared.kind == "per_expert":  # the kernels' per-expert copies replace the canonical stack
+        if self.prepared.kind in ("per_expert", "mma"):  # the kernels' copies replace the canonical stack
             self.w_gate_up = self.w_down = None
 
     @property

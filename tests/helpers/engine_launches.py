@@ -374,6 +374,36 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
             weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
             with where(capture, f"fused MoE{label} {dtype_name} T={m}"), torch.inference_mode():
                 moe_ops.moe_experts(x, prepared, weights, ids)
+    drive_moe_mma(capture, dtype, dtype_name)
+
+
+def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+    """The opt-in MMA-operand MoE kernel (QSERVE_MOE_KERNEL=mma) through ``moe_ops``' dispatch, at the
+    same shapes and token counts, symmetric and with AWQ-style zeros (the experts shuffled to the
+    simulated GPU's k-width at load, as a device would; the words themselves are left unwritten,
+    see ``layout_without_shuffling``)."""
+    from quant_kernels import moe_ops
+    from quant_kernels.moe_layout import StackedQuantWeight
+
+    hidden, num_experts, top_k, inter = MOE_SHAPE
+
+    def stacked(k: int, n: int, sym: bool) -> StackedQuantWeight:
+        qweight = torch.zeros((num_experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
+        scales = torch.ones((num_experts, k // 128, n), dtype=torch.float16)  # [E, ng, N]
+        zeros = None if sym else torch.full((num_experts, k // 128, n), 8, dtype=torch.uint8)
+        return StackedQuantWeight(4, 128, qweight, scales, zeros)
+
+    for sym in (True, False):
+        with mock.patch.dict(os.environ, {moe_ops.MOE_KERNEL_ENV: "mma"}):
+            prepared = moe_ops.prepare_experts(stacked(hidden, 2 * inter, sym), stacked(inter, hidden, sym))
+        assert prepared.kind == "mma" and prepared.fused, "the MMA-operand MoE kernel was not selected"
+        for m in MOE_TOKENS:
+            x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
+            ids = (torch.arange(m * top_k, dtype=torch.int32) % num_experts).view(m, top_k)  # [T, k]
+            weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
+            label = f"MoE MMA kernel {dtype_name} {'sym' if sym else 'asym'} T={m}"
+            with where(capture, label), torch.inference_mode():
+                moe_ops.moe_experts(x, prepared, weights, ids)
 
 
 def drive_pdl(capture: Capture, model, config: ModelConfig, label: str) -> None:

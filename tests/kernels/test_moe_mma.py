@@ -1,0 +1,193 @@
+"""The MMA-operand fused MoE kernel (``quant_kernels.moe_mma_triton``, QSERVE_MOE_KERNEL=mma)
+against the PyTorch reference: the interpreter on CPU (small shapes), real sizes on a GPU.
+
+Outputs and the intermediate start as NaN (every row a pair owns must be written), and the
+tolerances are the dense MMA kernel tests' (tests/kernels/test_w4a16_mma.py) per dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+
+from quant_kernels import moe_reference
+from quant_kernels.moe_layout import StackedQuantWeight
+from tests.kernels.test_moe import _as_f32, _rank_share, random_stacked, routing
+
+triton = pytest.importorskip("triton")
+
+from quant_kernels import moe_mma_triton as moe_mma  # noqa: E402
+from quant_kernels.repack import mma_unshuffle  # noqa: E402
+
+# Relative Frobenius error bound and (atol relative to max|ref|, rtol) per activation dtype.
+TOL = {torch.float16: (3e-3, 4e-3, 1e-2), torch.bfloat16: (2e-2, 3e-2, 5e-2)}
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    rel_bound, atol_rel, rtol = TOL[dtype]
+    rel = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    assert rel < rel_bound, f"relative error {rel:.2e} >= {rel_bound:.0e}"
+    torch.testing.assert_close(out.float(), ref, atol=atol_rel * ref.abs().max().item(), rtol=rtol)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Float buffers start as NaN (``torch.zeros`` stays zeros: skipped pairs' rows). ``torch.empty``
+    is patched process-wide (``moe_mma.torch`` is torch), so integer tensors (the shuffled words)
+    are left alone."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(moe_mma.torch, "empty", empty)
+
+
+def layer(num_experts, hidden, inter, group, sym, dtype, seed):
+    """gate_up (K=H, N=2I) and down (K=I, N=H); group -1: per channel."""
+    g13, g2 = (hidden, inter) if group == -1 else (group, min(group, inter))
+    w13 = random_stacked(num_experts, hidden, 2 * inter, g13, sym, dtype, seed=seed)
+    w2 = random_stacked(num_experts, inter, hidden, g2, sym, dtype, seed=seed + 1)
+    return w13, w2
+
+
+def run_mma(x, w13, w2, weights, ids, config=None, skip_foreign=False):
+    return moe_mma.fused_moe_w4a16_mma(
+        x, moe_mma.prepare_stacked(w13), moe_mma.prepare_stacked(w2), weights, ids, config, skip_foreign=skip_foreign
+    )
+
+
+# (tokens, experts, top_k, hidden, inter, group, sym, dtype, config (block_m, block_n) or None: the default)
+CASES = [
+    (1, 8, 2, 128, 64, 128, True, torch.float16, None),
+    (5, 8, 2, 128, 64, 64, False, torch.float16, (16, 64)),
+    (17, 8, 2, 128, 64, 32, False, torch.bfloat16, (16, 64)),  # 4 groups per K-tile: scales on the weights
+    (9, 4, 3, 256, 128, 128, False, torch.bfloat16, (16, 128)),  # two K-tiles, 64 gate + 64 up columns a tile
+    (5, 4, 2, 256, 128, -1, True, torch.float16, (16, 64)),  # per-channel scales
+    (40, 4, 2, 192, 64, 64, True, torch.float16, None),  # K not a multiple of 128 (masked x), 64-row blocks
+    (3, 6, 2, 96, 192, 32, True, torch.float16, (16, 128)),  # I = 3 tiles of 64 gate columns; H = 96: masked N
+]
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=[f"T{c[0]}-E{c[1]}-k{c[2]}-H{c[3]}-I{c[4]}-g{c[5]}-{'sym' if c[6] else 'asym'}" for c in CASES]
+)
+def test_matches_reference(case, poisoned) -> None:
+    num_tokens, num_experts, top_k, hidden, inter, group, sym, dtype, cfg = case
+    seed = num_tokens + hidden + inter
+    w13, w2 = layer(num_experts, hidden, inter, group, sym, dtype, seed)
+    x, weights, ids = routing(num_tokens, num_experts, top_k, hidden, dtype, seed)
+    ref = moe_reference.fused_moe_w4a16(x.float(), _as_f32(w13), _as_f32(w2), weights, ids)
+    config = moe_mma.MoEMmaConfig(*cfg) if cfg else None
+    assert_matches(run_mma(x, w13, w2, weights, ids, config), ref, dtype)
+
+
+def test_default_config_reaches_both_tiles() -> None:
+    assert moe_mma.default_config(1, 8, 128).block_m == 16
+    assert moe_mma.default_config(512, 8, 128).block_m == 64
+    # the (40, 4, 2) case above: 20 pairs per expert take the 64-row blocks
+    assert moe_mma.default_config(40, 2, 4).block_m == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_skips_foreign_pairs(dtype, poisoned) -> None:
+    """One rank's experts (expert parallelism) with the sentinel ids: skipped pairs add nothing."""
+    w13, w2 = layer(8, 128, 64, 64, False, dtype, seed=31)
+    x, weights, ids = routing(7, 8, 2, 128, dtype, seed=33)
+    ids = torch.randint(0, 8, ids.shape, generator=torch.Generator().manual_seed(34), dtype=torch.int32)
+    local = moe_reference.local_expert_ids(ids, 4, 4)  # rank 1 of 2
+    assert bool((local == 4).any()) and bool((local < 4).any())
+    mine13, mine2 = _rank_share(w13, 1, 2), _rank_share(w2, 1, 2)
+    ref = moe_reference.fused_moe_w4a16(x.float(), _as_f32(mine13), _as_f32(mine2), weights, local)
+    out = run_mma(x, mine13, mine2, weights, local, moe_mma.MoEMmaConfig(16, 64), skip_foreign=True)
+    assert_matches(out, ref, dtype)
+
+
+def test_one_expert_gets_every_pair(poisoned) -> None:
+    """Every pair on one expert (the others idle): several full blocks of it, padding in the last."""
+    w13, w2 = layer(8, 128, 64, 64, False, torch.float16, seed=41)
+    x, weights, _ = routing(37, 8, 1, 128, torch.float16, seed=42)
+    ids = torch.full((37, 1), 5, dtype=torch.int32)
+    weights = torch.rand(37, 1, generator=torch.Generator().manual_seed(43))
+    ref = moe_reference.fused_moe_w4a16(x.float(), _as_f32(w13), _as_f32(w2), weights, ids)
+    assert_matches(run_mma(x, w13, w2, weights, ids, moe_mma.MoEMmaConfig(16, 64)), ref, torch.float16)
+
+
+def test_stacked_layout_is_each_experts_shuffle() -> None:
+    """``prepare_stacked`` holds expert e's own shuffle in slot e, zeros as fp16 z - 8."""
+    w13, _ = layer(3, 128, 64, 64, False, torch.float16, seed=51)
+    stacked = moe_mma.prepare_stacked(w13, kwidth=4)
+    assert stacked.qweight.shape[0] == 3 and stacked.zeros.dtype == torch.float16
+    for e in range(3):
+        back = mma_unshuffle(stacked.expert(e))
+        assert torch.equal(back.qweight, w13.qweight[e]) and torch.equal(back.zeros, w13.zeros[e])
+    assert stacked.nbytes() == sum(
+        t.numel() * t.element_size() for t in (stacked.qweight, stacked.scales, stacked.zeros)
+    )
+
+
+def test_supports() -> None:
+    w13, w2 = layer(2, 128, 64, 64, True, torch.float16, seed=61)
+    assert moe_mma.supports(w13, w2)
+    w13_odd, w2_odd = layer(2, 128, 48, 16, True, torch.float16, seed=62)  # I not a multiple of 64
+    assert not moe_mma.supports(w13_odd, w2_odd)
+    act_order = StackedQuantWeight(4, 64, w13.qweight, w13.scales, None, torch.arange(128).repeat(2, 1))
+    assert not moe_mma.supports(act_order, w2)
+
+
+def test_dispatch_selects_the_mma_kernel(monkeypatch) -> None:
+    """``QSERVE_MOE_KERNEL=mma`` on a device Triton serves (the CPU stands in, the interpreter runs
+    the kernel): the experts are shuffled once, the canonical stack is not held, and ``moe_experts``
+    runs the kernel; without the variable the default stays."""
+    from quant_kernels import device as kdevice
+    from quant_kernels import moe_ops
+
+    w13, w2 = layer(4, 128, 64, 64, False, torch.float16, seed=71)
+    x, weights, ids = routing(6, 4, 2, 128, torch.float16, seed=72)
+    with mock.patch.object(kdevice, "triton_serves", lambda device: True):
+        with mock.patch.object(kdevice, "capability", lambda device: (9, 0)):
+            monkeypatch.setenv(moe_ops.MOE_KERNEL_ENV, "mma")
+            prepared = moe_ops.prepare_experts(w13, w2)
+            monkeypatch.delenv(moe_ops.MOE_KERNEL_ENV)
+            default = moe_ops.prepare_experts(w13, w2)
+    assert (prepared.kind, prepared.fused, prepared.graph_safe) == ("mma", True, True)
+    assert isinstance(prepared.gate_up, moe_mma.StackedMmaWeight) and prepared.gate_up.kwidth == 2
+    assert prepared.nbytes() == prepared.gate_up.nbytes() + prepared.down.nbytes() > 0
+    assert default.kind == "per_expert"
+    ref = moe_reference.fused_moe_w4a16(x.float(), _as_f32(w13), _as_f32(w2), weights, ids)
+    assert_matches(moe_ops.moe_experts(x, prepared, weights, ids), ref, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 32, 128, 512])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sym", [True, False])
+def test_qwen3_30b_shapes_on_gpu(num_tokens, dtype, sym):
+    """Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts top-8, expert MLP 768, g128), as
+    test_moe.py's fused-kernel GPU test, on the MMA-operand kernel; and one rank of 4."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    num_experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13 = random_stacked(num_experts, hidden, 2 * inter, 128, sym, dtype, device="cuda", seed=1)
+    w2 = random_stacked(num_experts, inter, hidden, 128, sym, dtype, device="cuda", seed=2)
+    x, weights, ids = routing(num_tokens, num_experts, top_k, hidden, dtype, seed=num_tokens, device="cuda")
+    p13, p2 = moe_mma.prepare_stacked(w13), moe_mma.prepare_stacked(w2)
+    rank1 = moe_reference.local_expert_ids(ids, 32, 32)  # experts 32..63 held, the rest foreign
+    for held, local, skip in ((slice(None), ids, False), (slice(32, 64), rank1, True)):
+        r13, r2 = (_rank_share(w, 1, 4) for w in (w13, w2)) if skip else (w13, w2)
+        expected = moe_reference.fused_moe_w4a16(x.float(), _as_f32(r13), _as_f32(r2), weights, local)
+        q13, q2 = (dataclasses.replace(p, qweight=p.qweight[held], scales=p.scales[held],
+                                       zeros=None if p.zeros is None else p.zeros[held]) for p in (p13, p2))  # fmt: skip
+        out = moe_mma.fused_moe_w4a16_mma(x, q13, q2, weights, local, skip_foreign=skip)
+        if dtype == torch.float16:
+            assert_matches(out, expected, dtype)
+        else:  # bf16 roundings of the intermediate and each pair's row: the bound of test_moe.py's GPU test
+            error = out.float() - expected
+            assert float(error.norm() / expected.norm()) < 1.5e-2
+            assert float(error.abs().max()) < 2e-2 * float(expected.abs().max())

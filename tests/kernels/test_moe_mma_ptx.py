@@ -1,0 +1,109 @@
+"""The MMA-operand MoE kernel keeps the dequantized weight tile out of shared memory (no GPU needed).
+
+As tests/kernels/test_w4a16_ptx.py does for the dense kernel: ``moe_mma_kernel`` (gate_up with its
+SiLU-and-mul epilogue, down with the routing weight) is compiled for sm90 (wgmma) and a consumer
+card (mma.sync, with the k-width ``repack.mma_kwidth`` picks for it under the installed Triton), and
+the bytes each thread stores to shared memory are counted (``st.shared`` and ``stmatrix``). The
+gathered activation tile (the B operand) and the epilogue may go through shared memory; a
+``[BLOCK_N, BLOCK_K]`` dequantized weight tile on its way into the A operand would add
+``BLOCK_N * BLOCK_K * 2 / threads`` bytes, over that budget. The dense test's control (a wrong
+k-width layout that the sm86 compiler round-trips), built here for the gate_up kernel too, shows that
+the count catches it.
+
+The compiles run in a subprocess without TRITON_INTERPRET (the conftest sets it on CPU machines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (arch, name, (block_m, block_n, block_k, warps, stages), silu_mul, asym, dtype, group_size)
+CASES = [
+    (arch, name, cfg, silu, asym, dtype, group)
+    for arch in (90, 86)
+    for name, cfg, silu, asym, dtype, group in [
+        ("decode-gate-up", (16, 64, 128, 4, 3), True, False, "fp16", 128),
+        ("decode-down-asym-bf16", (16, 64, 128, 4, 3), False, True, "bf16", 128),
+        ("prefill-gate-up-asym", (64, 128, 128, 4, 3), True, True, "fp16", 128),
+        ("prefill-down-g32-bf16", (64, 128, 128, 4, 3), False, False, "bf16", 32),
+    ]
+]
+
+_SCRIPT = r"""
+import json, re, sys
+from quant_kernels import moe_mma_triton as moe_mma
+from quant_kernels.repack import mma_kwidth
+
+def shared_store_bytes(ptx):
+    st = sum(int(m.group(1) or 1) * int(m.group(2)) // 8
+             for m in re.finditer(r"\bst\.shared(?:::cta)?(?:\.v(\d))?\.b(\d+)", ptx))
+    return st + sum(4 * int(m.group(1)) for m in re.finditer(r"\bstmatrix\.sync\.aligned\.m8n8\.x(\d)", ptx))
+
+out = []
+for arch, name, (bm, bn, bk, w, st), silu, asym, dtype, group in json.loads(sys.argv[1]):
+    cfg = moe_mma.MoEMmaConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+    kwidth = mma_kwidth((arch // 10, arch % 10))
+    ptx = moe_mma.compile_for(arch, cfg, silu, dtype, asym, kwidth, group).asm["ptx"]
+    # control: the layout of the other k-width, which the sm86 compiler round-trips through shared memory
+    control = moe_mma.compile_for(arch, cfg, silu, dtype, asym, 6 - kwidth, group).asm["ptx"] if (arch, name) == (86, "decode-gate-up") else ""
+    out.append(dict(arch=arch, name=name, ours=shared_store_bytes(ptx), control=shared_store_bytes(control),
+                    st_shared=len(re.findall(r"\bst\.shared", ptx)),
+                    tensor_core=("wgmma.mma_async" in ptx) if arch == 90 else ("mma.sync" in ptx)))
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def ptx_stats() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode != 0:
+        if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower():
+            pytest.skip("this triton has no NVIDIA backend")
+        raise AssertionError(f"PTX compile failed:\n{proc.stderr[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    return {(r["arch"], r["name"]): r for r in json.loads(line[len("RESULT") :])}
+
+
+def allowed_bytes(bm: int, bn: int, bk: int, warps: int) -> int:
+    """The activation tile (B operand), the epilogue tile and a few scalars, per thread."""
+    return (bm * bk * 2 + bm * bn * 2) // (32 * warps) + 32
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"sm{c[0]}-{c[1]}" for c in CASES])
+def test_dequantized_tile_not_in_shared_memory(case, ptx_stats) -> None:
+    arch, name, (bm, bn, bk, warps, _), *_ = case
+    r = ptx_stats[(arch, name)]
+    assert r["tensor_core"], f"sm{arch} {name}: no {'wgmma' if arch == 90 else 'mma.sync'} in the PTX"
+    tile_bytes = bn * bk * 2 // (32 * warps)
+    allowed = allowed_bytes(bm, bn, bk, warps)
+    print(
+        f"sm{arch} {name}: {r['st_shared']} st.shared, {r['ours']} B/thread (allowed {allowed}, one tile {tile_bytes})"
+    )
+    assert r["ours"] <= allowed, (
+        f"sm{arch} {name}: {r['ours']} B/thread stored to shared memory, more than the activation tile and the "
+        f"epilogue ({allowed}): the dequantized weight tile ({tile_bytes} B/thread) goes through shared memory"
+    )
+
+
+def test_the_check_sees_a_round_trip(ptx_stats) -> None:
+    """The decode gate_up kernel built for a layout of the wrong k-width makes sm86's compiler move the
+    weight tile through shared memory, and the count above catches it (so that check can fail)."""
+    r = ptx_stats[(86, "decode-gate-up")]
+    assert r["control"] > allowed_bytes(16, 64, 128, 4), (
+        f"the wrong-layout control stored only {r['control']} B/thread: this Triton no longer round-trips it "
+        "through shared memory, so re-check what the test above can detect"
+    )
