@@ -231,7 +231,8 @@ def test_moe_launches_compile(tmp_path) -> None:
     """The fused MoE launches as ``moe_ops.moe_experts`` makes them (QSERVE_FUSED_MOE=1) at
     Qwen3-30B-A3B's shapes compile for sm90, sm89 and sm86 (the engine units above check sm90 and one
     consumer card): the one-program token sort (int32 ids, all experts and an expert-parallel rank's
-    share with the sentinel group, one chunk and several) and the grouped GEMMs. Selectable alone
+    share with the sentinel group, one chunk and several) and the grouped GEMMs, and the opt-in
+    MMA-operand kernel's (QSERVE_MOE_KERNEL=mma, symmetric and with zeros). Selectable alone
     (``-k moe``)."""
     proc = subprocess.run(
         [sys.executable, "-c", _MOE], cwd=ROOT, env=_env(tmp_path, "moe"), capture_output=True, text=True,
@@ -248,4 +249,5 @@ def test_moe_launches_compile(tmp_path) -> None:
         assert all(x["signature"][0] == "*int32" and x["grid"] == [1] for x in aligns), (gpu, aligns)
         assert {x["constexprs"]["NUM_BINS"] for x in aligns} == {128, 64}, gpu  # 128 experts; 32 + the sentinel
         assert max(x["constexprs"]["CHUNK"] for x in aligns) < 512 * 8, gpu  # 4096 pairs: several chunks
-        assert {x["kernel"] for x in launches} == {"moe_align_block_size_kernel", "moe_w4a16_kernel"}, gpu
+        kernels = {x["kernel"] for x in launches}
+        assert kernels == {"moe_align_block_size_kernel", "moe_w4a16_kernel", "moe_mma_kernel"}, gpu
