@@ -911,6 +911,34 @@ def default_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
     return _fix(dataclasses.replace(cfg, split_k=split), m, k, n, group_size)
 
 
+AMPERE_TABLE_ENV = "QSERVE_W4A16_AMPERE_TABLE"
+
+
+def ampere_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
+    """The sm80-89 (mma.sync) table, opt-in with ``QSERVE_W4A16_AMPERE_TABLE=1``: rules from the
+    Ampere proxy sweep (``bench/kernels.py --ampere-proxy --sweep``: the sm86 PTX timed on the H200,
+    2026-12-05, bench/RESULTS.md), so its ranking of tile configs, not its speeds. Up to 32 rows the
+    H200 rules were best or within 3-4%; at 33-64 rows the stream-K grid of 64 x 128 tiles (2
+    programs per SM) won for o, gate_up and down (down 1.33x; qkv 7% slower); at 65-128, stream-K
+    with 128 x 128 tiles and 8 warps (1 per SM) for qkv, gate_up and down (o 4% behind split-K 3);
+    past 128 rows, dequantize + cuBLAS for all four (down 1.69x the H200 rule's MMA launch). Opt-in:
+    measured on a proxy, and no whole ``pytest -m gpu`` can run it on the H200."""
+    if m <= 32:
+        return default_config(m, k, n, group_size)
+    if m <= 64:
+        cfg = MmaConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3, stream_k=2)
+    elif m <= 128:
+        cfg = MmaConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, stream_k=1)
+    else:
+        return DEQUANT
+    return _fix(cfg, m, k, n, group_size)
+
+
+def _uses_ampere_table(device: torch.device) -> bool:
+    """``QSERVE_W4A16_AMPERE_TABLE=1`` on an sm80-89 device (a dict lookup and a cached query)."""
+    return os.environ.get(AMPERE_TABLE_ENV) == "1" and device.type == "cuda" and kdevice.capability(device)[0] == 8
+
+
 def _key(weight: MmaQuantWeight, dtype: torch.dtype, m: int) -> tuple:
     device = weight.qweight.device
     index = device.index if device.type == "cuda" else -1
@@ -927,7 +955,8 @@ def select_config(weight: MmaQuantWeight, dtype: torch.dtype, m: int) -> MmaConf
     k, n, g = weight.in_features, weight.out_features, weight.group_size
     cfg = _TUNED.get(_key(weight, dtype, m))
     if cfg is None:
-        cfg = default_config(m, k, n, g)
+        table = ampere_config if _uses_ampere_table(weight.qweight.device) else default_config
+        cfg = table(m, k, n, g)
         if cfg.max_regs and (weight.zeros is not None or weight.perm is not None):
             cfg = dataclasses.replace(cfg, max_regs=0)  # zeros + act-order spill under the cap (sm90 ptxas)
     return _fix(cfg, m, k, n, g)

@@ -243,8 +243,46 @@ def test_dequant_slabs_reject_misaligned_ranges() -> None:
     assert mma._fix(MmaConfig(kind="dequant", chunk_n=200), 1, 128, 136, 64).chunk_n == 0  # >= N: one slab
 
 
-def test_select_config_is_valid_for_every_m() -> None:
-    """Dispatch is pure arithmetic on M; every bucket yields a config the launcher accepts."""
+def test_ampere_table_is_opt_in_and_only_on_sm80_to_89(monkeypatch) -> None:
+    """QSERVE_W4A16_AMPERE_TABLE=1 picks the Ampere proxy's table on an sm8x device only."""
+    from quant_kernels import device as kdevice
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(kdevice, "capability", lambda device: (8, 6))
+    assert not mma._uses_ampere_table(cuda)  # not asked for
+    monkeypatch.setenv(mma.AMPERE_TABLE_ENV, "1")
+    assert mma._uses_ampere_table(cuda)
+    assert not mma._uses_ampere_table(torch.device("cpu"))
+    monkeypatch.setattr(kdevice, "capability", lambda device: (9, 0))
+    assert not mma._uses_ampere_table(cuda)  # Hopper keeps the H200 rules
+
+
+@pytest.mark.skipif(CUDA, reason="CPU interpreter subset; the GPU runs real sizes")
+@pytest.mark.parametrize(
+    "m,expected",
+    [(16, None), (40, "m64 n128 k128 sk2 w4 st3"), (100, "m128 n128 k128 sk1 w8 st3"), (200, "dequant+mm")],
+)
+def test_ampere_table_dispatch(m, expected, monkeypatch) -> None:
+    """The table's rules through ``select_config`` (the device check stubbed: CPU weights), and its
+    stream-K launches compute what the reference computes (the interpreter's grid: one SM)."""
+    k, n, group_size = 384, 128, 64
+    w = mma.prepare(make_weight(k, n, group_size, device="cpu"))
+    plain = mma.select_config(w, torch.float16, m).short()
+    monkeypatch.setattr(mma, "_uses_ampere_table", lambda device: True)
+    got = mma.select_config(w, torch.float16, m).short()
+    assert got == (plain if expected is None else expected)
+    run_case(m, k, n, group_size, 4, True, False, torch.float16, None, seed=m + 5)
+
+
+def test_select_config_is_valid_for_every_m(monkeypatch) -> None:
+    """Dispatch is pure arithmetic on M; every bucket yields a config the launcher accepts (the H200
+    rules, then the opt-in Ampere table)."""
+    _check_every_m()
+    monkeypatch.setattr(mma, "_uses_ampere_table", lambda device: True)
+    _check_every_m()
+
+
+def _check_every_m() -> None:
     for k, n in [(5120, 7168), (13824, 5120), (128, 40), (5120, 1088), (2048, 5184)]:
         for g in (32, 128, k):
             qweight = torch.zeros(-(-n // 64) * 16, -(-k // 128) * 64, dtype=torch.int32)  # contents unused

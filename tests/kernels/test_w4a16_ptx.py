@@ -184,3 +184,37 @@ def test_ampere_proxy_compiles_the_sm86_code_for_sm90() -> None:
     r = json.loads(line[len("RESULT") :])
     assert r["mma_sync"] and not r["wgmma"], f"the proxy's sm90 compile is not the mma.sync code: {r}"
     assert r["same"], f"the proxy's sm90 PTX differs from the sm86 compile's ({r['lines']} lines)"
+
+
+_AMPERE_TABLE_SCRIPT = r"""
+import json
+from quant_kernels import w4a16_mma_triton as mma
+from quant_kernels.repack import mma_kwidth
+
+out = []
+for m in (40, 100):  # the table's two MMA rules (33-64 and 65-128 rows)
+    for arch, asym, dtype in ((86, False, "fp16"), (86, True, "fp16"), (89, True, "bf16")):
+        cfg = mma.fit_shared(mma.ampere_config(m, 5120, 7168, 128), 99 * 1024, asym)
+        compiled = mma.compile_for(arch, cfg, kwidth=mma_kwidth((8, arch % 10)), asym=asym, dtype=dtype)
+        out.append(dict(m=m, arch=arch, asym=asym, cfg=cfg.short(), shared=compiled.metadata.shared,
+                        mma_sync="mma.sync" in compiled.asm["ptx"]))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_ampere_table_launches_compile_within_sm86_shared_memory() -> None:
+    """The opt-in Ampere table's stream-K launches (QSERVE_W4A16_AMPERE_TABLE=1), fitted as the
+    launcher fits them, compile for sm86 and sm89 with mma.sync inside a block's 99 KB."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _AMPERE_TABLE_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower():
+            pytest.skip("this triton has no NVIDIA backend")
+        raise AssertionError(f"compile failed:\n{proc.stderr[-3000:]}")
+    rows = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT") :])
+    assert {r["cfg"].split()[3] for r in rows} == {"sk2", "sk1"}, rows  # the stream-K grids were compiled
+    for r in rows:
+        assert r["mma_sync"] and r["shared"] <= 99 * 1024, r
