@@ -12,11 +12,27 @@ a lazy import. Layout and numerics: ``quant_kernels.reference_lora``.
 A step's indices reach the device in ONE host-to-device copy: every array is a view of one int32
 buffer (each segment starting 16-byte aligned, so the kernels' pointer specialisation never varies
 between steps and forces a recompile mid-serving).
+
+Host work per call (issue 30: an eager step makes ~4 LoRA calls per layer, ~190 on a 48-layer model,
+and each call's Python, not its kernels, set its time). The Triton branch of ``add_lora`` checks its
+four tensors once for both halves and takes a launch plan per shape (device, dtype, rows, K, S * R,
+tiles, slices, split overrides): the K split, the split-K workspace and ``h``, made on the first call
+and reused by every later one of that shape on the same thread (each LoRA layer of a step, and the
+next steps). Reuse is safe because a thread's launches run in order on its stream: the workspace is
+scratch that each shrink writes before it reads, and ``add_lora``'s ``h`` is dead once its expand has
+read it (``lora_shrink`` still returns a fresh ``h``: its caller holds it). The plans are per thread
+(two engines stepping from two threads would otherwise interleave on one ``h``), at most
+``MAX_CACHED_PLANS`` of them (all dropped when full: a prefill's row count changes every step), and
+never used inside a CUDA-graph capture: there every call allocates from the graph's pool as before,
+so no plan buffer is ever replayed into and dropping one can never free a graph's memory. What is
+launched is unchanged (same kernels, grids, constexprs; still behind ``QSERVE_LORA_TRITON=1``).
+``PYTHONPATH=. python bench/lora_host.py`` measures the per-call host cost on a CPU.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,12 +155,77 @@ def triton_enabled() -> bool:
 
 
 def _triton_usable(*tensors: torch.Tensor) -> bool:
-    return (
-        triton_enabled()
-        and all(kdevice.triton_serves(t.device) for t in tensors)
-        and tensors[0].dtype in _KERNEL_DTYPES
-        and all(t.stride(-1) == 1 for t in tensors)
+    """The opt-in is on, every tensor is on a device Triton serves with its last dim contiguous,
+    and the first has a kernel dtype. (A plain loop: this runs for every LoRA layer of a step.)"""
+    if not triton_enabled() or tensors[0].dtype not in _KERNEL_DTYPES:
+        return False
+    for t in tensors:
+        if t.stride(-1) != 1 or not kdevice.triton_serves(t.device):
+            return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class _LaunchPlan:
+    """What one shape of Triton shrink + expand needs besides its inputs: the K split, the
+    split-K workspace (a placeholder with one split) and ``h`` (``add_lora``'s private one)."""
+
+    config: object  # lora_triton.ShrinkConfig
+    workspace: torch.Tensor  # fp32 [split_k, T, S * R], or the placeholder
+    h: torch.Tensor  # [T, S * R], x's dtype
+
+
+_triton_module = None
+
+
+def _lora_triton():  # noqa: ANN202 - the module, imported on first use (triton stays lazy)
+    global _triton_module
+    if _triton_module is None:  # later calls skip the import machinery (~1 µs)
+        from quant_kernels import lora_triton
+
+        _triton_module = lora_triton
+    return _triton_module
+
+
+MAX_CACHED_PLANS = 16  # per thread; a step uses one per distinct layer shape (qkv, o, gate_up, down)
+_plans = threading.local()
+
+
+def _launch_plan(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    num_slices: int,
+    indices: LoRAIndices,
+    split_k: int | None,
+    block_k: int | None,
+) -> _LaunchPlan:
+    """The plan for this shape: reused from earlier calls of this thread outside a CUDA-graph
+    capture (see the module doc: why reusing the buffers is safe), made fresh inside one."""
+    num_rows, k = x.shape
+    num_tiles = indices.tile_offsets.shape[0]
+    key = (x.device, x.dtype, num_rows, k, lora_a.shape[1], num_tiles, num_slices, split_k, block_k)
+    capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    cache = None if capturing else getattr(_plans, "by_shape", None)
+    if cache is None and not capturing:
+        cache = _plans.by_shape = {}
+    plan = None if cache is None else cache.get(key)
+    if plan is not None:
+        return plan
+    config = _lora_triton().shrink_config(
+        k, num_rows, num_tiles, num_slices, kdevice.sm_count(x.device, default=132), split_k, block_k
     )
+    h = torch.empty((num_rows, lora_a.shape[1]), dtype=x.dtype, device=x.device)  # [T, S * R]
+    workspace = (
+        torch.empty((config.split_k, *h.shape), dtype=torch.float32, device=x.device)  # [split_k, T, S * R]
+        if config.split_k > 1
+        else kdevice.placeholder(x.device, torch.float32)  # never read with one split
+    )
+    plan = _LaunchPlan(config, workspace, h)
+    if cache is not None:
+        if len(cache) >= MAX_CACHED_PLANS:
+            cache.clear()  # eager buffers only: no CUDA graph holds any of them
+        cache[key] = plan
+    return plan
 
 
 def add_lora(
@@ -159,6 +240,15 @@ def add_lora(
     block_k: int | None = None,  # (overrides for tuning, bench/lora.py; the reference ignores them)
 ) -> torch.Tensor:
     """``y[t] += B[slot t](A[slot t](x[t]))`` (the scale is folded into B) for rows with a slot."""
+    num_slices = len(slice_starts) - 1
+    if _triton_usable(x, lora_a, y, lora_b) and y.dtype in _KERNEL_DTYPES:  # both halves' checks at once
+        lora_triton = _lora_triton()
+        plan = _launch_plan(x, lora_a, num_slices, indices, split_k, block_k)
+        tiles = _tiles(indices)
+        lora_triton.lora_shrink(
+            x, lora_a, *tiles, num_slices, plan.h, plan.config, plan.workspace, indices.tile_counters
+        )
+        return lora_triton.lora_expand(y, plan.h, lora_b, *tiles, slice_starts)
     h = lora_shrink(x, lora_a, len(slice_starts) - 1, indices, split_k=split_k, block_k=block_k)
     return lora_expand(y, h, lora_b, slice_starts, indices)
 
@@ -174,25 +264,14 @@ def lora_shrink(
 ) -> torch.Tensor:  # [T, S * R]
     """The first half of ``add_lora``: ``h[t] = A[slot t](x[t])`` (rows without a slot: never read).
     Apart so that a row-parallel layer can all-reduce its partial ``h`` between the halves."""
-    h = torch.empty((x.shape[0], lora_a.shape[1]), dtype=x.dtype, device=x.device)  # [T, S * R]
+    h = torch.empty((x.shape[0], lora_a.shape[1]), dtype=x.dtype, device=x.device)  # [T, S * R]: the caller's
     if _triton_usable(x, lora_a):
         from quant_kernels import lora_triton
 
-        config = lora_triton.shrink_config(
-            x.shape[1],
-            x.shape[0],
-            indices.tile_offsets.shape[0],
-            num_slices,
-            kdevice.sm_count(x.device, default=132),
-            split_k,
-            block_k,
+        plan = _launch_plan(x, lora_a, num_slices, indices, split_k, block_k)  # its config and workspace
+        lora_triton.lora_shrink(
+            x, lora_a, *_tiles(indices), num_slices, h, plan.config, plan.workspace, indices.tile_counters
         )
-        workspace = (
-            torch.empty((config.split_k, *h.shape), dtype=torch.float32, device=x.device)  # [split_k, T, S * R]
-            if config.split_k > 1
-            else kdevice.placeholder(x.device, torch.float32)  # never read with one split
-        )
-        lora_triton.lora_shrink(x, lora_a, *_tiles(indices), num_slices, h, config, workspace, indices.tile_counters)
         return h
     return reference_lora.lora_shrink(x, lora_a, indices.token_slots, h)
 

@@ -272,8 +272,33 @@ def lora_expand_kernel(
         tl.store(y_ptr, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=mask)
 
 
+# The per-launch host arithmetic below is plain Python, cached per shape: ``triton.cdiv`` and
+# ``triton.next_power_of_2`` are constexpr functions, ~2-3 µs a call from host code (issue 30: an
+# eager step makes ~190 LoRA calls).
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.lru_cache(maxsize=64)
 def _block_r(rank: int) -> int:
-    return max(16, triton.next_power_of_2(rank))
+    return max(16, _next_power_of_2(rank))
+
+
+@functools.lru_cache(maxsize=256)
+def expand_geometry(slice_starts: tuple[int, ...]) -> tuple[tuple[int, ...], int, int, int]:
+    """``(bounds, total, first1, first2)`` of an expand over the output slices ``slice_starts``:
+    the 4 slice bounds the kernel takes (missing slices empty at the end), the N blocks of all
+    slices together (the grid's second axis), and where slices 1 and 2 start among them (past the
+    grid for a slice that does not exist)."""
+    num_slices = len(slice_starts) - 1
+    if not 1 <= num_slices <= MAX_SLICES:
+        raise ValueError(f"lora_expand: 1 to {MAX_SLICES} output slices, got {num_slices}")
+    bounds = tuple(slice_starts) + (slice_starts[-1],) * (4 - len(slice_starts))
+    blocks = [-(-(slice_starts[i + 1] - slice_starts[i]) // EXPAND_BLOCK_N) for i in range(num_slices)]
+    total = sum(blocks)
+    first1 = blocks[0] if num_slices > 1 else total
+    first2 = blocks[0] + blocks[1] if num_slices > 2 else total
+    return bounds, total, first1, first2
 
 
 def lora_shrink(
@@ -333,7 +358,7 @@ def lora_shrink(
         BLOCK_M=TILE_ROWS,
         BLOCK_R=_block_r(rank),
         BLOCK_K=config.block_k,
-        SPLIT_PAD=triton.next_power_of_2(config.split_k),
+        SPLIT_PAD=_next_power_of_2(config.split_k),
         DOT_F32=_INTERPRET,
         num_warps=4,
     )
@@ -352,16 +377,9 @@ def lora_expand(
 ) -> torch.Tensor:
     """``y[row, slice s] += h[row, s*R:(s+1)*R] @ B[slot, slice s]^T`` for the rows of every tile."""
     num_tiles = tile_offsets.shape[0]
-    num_slices = len(slice_starts) - 1
     if num_tiles == 0:
         return y
-    if not 1 <= num_slices <= MAX_SLICES:
-        raise ValueError(f"lora_expand: 1 to {MAX_SLICES} output slices, got {num_slices}")
-    bounds = list(slice_starts) + [slice_starts[-1]] * (4 - len(slice_starts))
-    blocks = [triton.cdiv(slice_starts[i + 1] - slice_starts[i], EXPAND_BLOCK_N) for i in range(num_slices)]
-    total = sum(blocks)
-    first1 = blocks[0] if num_slices > 1 else total  # a slice that does not exist starts past the grid
-    first2 = blocks[0] + blocks[1] if num_slices > 2 else total
+    bounds, total, first1, first2 = expand_geometry(tuple(slice_starts))
     rank = lora_b.shape[2]
     lora_expand_kernel[(num_tiles, total)](
         y,

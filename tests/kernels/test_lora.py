@@ -18,6 +18,8 @@ activation dtype.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -345,3 +347,104 @@ def test_gpu_add_lora_in_a_cuda_graph(monkeypatch) -> None:
             h = reference_lora.lora_shrink(x, lora_a, indices.token_slots, h)
             want = reference_lora.lora_expand(y0.clone(), h, lora_b, indices.token_slots, starts)
             torch.testing.assert_close(y.float(), want.float(), atol=2e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host work per call (issue 30): the launch plans add_lora reuses, and the plain-Python geometry
+# ----------------------------------------------------------------------------------------------
+
+
+def _cpu_triton_branch(monkeypatch) -> None:
+    """lora_ops' Triton branch on CPU tensors (the kernels run in the interpreter)."""
+    monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
+    monkeypatch.setattr(lora_ops.kdevice, "triton_serves", lambda device: True)
+    monkeypatch.setattr(lora_ops._plans, "by_shape", {}, raising=False)
+
+
+def test_add_lora_reuses_its_plan_per_shape_and_matches_reference(monkeypatch) -> None:
+    """A second call at the same shape reuses the plan (config, workspace, h) and still gives the
+    reference's output on new inputs; another row count, tile count or layer width gets its own."""
+    _cpu_triton_branch(monkeypatch)
+    cases = [make_case(t, 256, sizes, 3, 8, torch.float16, seed=seed) for t, sizes, seed in
+             ((7, [32, 16, 16], 0), (7, [32, 16, 16], 1), (9, [32, 16, 16], 0), (7, [48], 0))]  # fmt: skip
+    plans = []
+    first_indices = lora_ops.build_lora_indices(cases[0][3], torch.device("cpu"))
+    for i, (x, lora_a, lora_b, slots, y, starts) in enumerate(cases):
+        # the second: new inputs, the first's rows and tiles (the same step, the next layer)
+        indices = first_indices if i < 2 else lora_ops.build_lora_indices(slots, torch.device("cpu"))
+        got = lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, indices, split_k=2)
+        h = reference_lora.lora_shrink(x, lora_a, indices.token_slots, torch.zeros(len(slots), lora_a.shape[1]))
+        want = reference_lora.lora_expand(y.clone(), h.to(x.dtype), lora_b, indices.token_slots, starts)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=4e-3)
+        plans.append(lora_ops._launch_plan(x, lora_a, len(starts) - 1, indices, 2, None))
+    assert plans[0].config.split_k == 2, "the case meant to use the workspace does not"
+    assert plans[0] is plans[1], "the same shape did not reuse its plan"
+    assert plans[2] is not plans[0] and plans[2].h.shape[0] == 9, "another row count shared a plan"
+    assert plans[3] is not plans[0] and plans[3].h.shape[1] == 8, "another layer width shared a plan"
+    for a, b in ((0, 2), (0, 3), (2, 3)):
+        assert plans[a].h.data_ptr() != plans[b].h.data_ptr(), "two live plans share an h buffer"
+        assert plans[a].workspace.data_ptr() != plans[b].workspace.data_ptr(), "two live plans share a workspace"
+
+
+def test_lora_shrink_returns_its_own_h_and_plans_are_per_thread(monkeypatch) -> None:
+    """``lora_shrink``'s ``h`` belongs to its caller (a row-parallel layer holds it across an
+    all-reduce): two calls never return the same buffer, nor add_lora's. Another thread (another
+    engine's step thread) gets its own plans."""
+    import threading
+
+    _cpu_triton_branch(monkeypatch)
+    x, lora_a, lora_b, slots, y, starts = make_case(7, 64, [32, 16, 16], 3, 8, torch.float16, seed=1)
+    indices = lora_ops.build_lora_indices(slots, torch.device("cpu"))
+    first = lora_ops.lora_shrink(x, lora_a, 3, indices)
+    second = lora_ops.lora_shrink(x, lora_a, 3, indices)
+    lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, indices)
+    plan = lora_ops._launch_plan(x, lora_a, 3, indices, None, None)
+    assert len({first.data_ptr(), second.data_ptr(), plan.h.data_ptr()}) == 3
+    rows = indices.token_slots >= 0
+    torch.testing.assert_close(first[rows], second[rows], atol=0, rtol=0)
+    other = []
+    thread = threading.Thread(target=lambda: other.append(lora_ops._launch_plan(x, lora_a, 3, indices, None, None)))
+    thread.start()
+    thread.join()
+    assert other[0] is not plan and other[0].h.data_ptr() != plan.h.data_ptr()
+
+
+def test_plan_cache_is_bounded_and_skipped_in_graph_capture(monkeypatch) -> None:
+    """At most ``MAX_CACHED_PLANS`` shapes are held (a prefill's row count changes every step);
+    inside a CUDA-graph capture every call gets fresh buffers (the graph's pool keeps them, and no
+    later eviction can free memory a graph replays into)."""
+    _cpu_triton_branch(monkeypatch)
+    lora_a = torch.zeros(2, 16, 32, dtype=torch.float16)
+    for rows in range(1, lora_ops.MAX_CACHED_PLANS + 5):
+        indices = lora_ops.build_lora_indices(np.zeros(rows, dtype=np.int32), torch.device("cpu"))
+        lora_ops._launch_plan(torch.zeros(rows, 32, dtype=torch.float16), lora_a, 1, indices, None, None)
+        assert len(lora_ops._plans.by_shape) <= lora_ops.MAX_CACHED_PLANS
+    x = torch.zeros(3, 32, dtype=torch.float16)
+    indices = lora_ops.build_lora_indices(np.zeros(3, dtype=np.int32), torch.device("cpu"))
+    cached = lora_ops._launch_plan(x, lora_a, 1, indices, None, None)
+    assert lora_ops._launch_plan(x, lora_a, 1, indices, None, None) is cached
+    fake_cuda = mock.Mock(wraps=x)
+    fake_cuda.device = torch.device("cuda", 0)
+    fake_cuda.shape, fake_cuda.dtype = x.shape, x.dtype
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(lora_ops.kdevice, "sm_count", lambda device, default: 132)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(*a, **{**k, "device": "cpu"}))
+    monkeypatch.setattr(lora_ops.kdevice, "placeholder", lambda device, dtype: torch.zeros(1, dtype=dtype))
+    captured = [lora_ops._launch_plan(fake_cuda, lora_a, 1, indices, None, None) for _ in range(2)]
+    assert captured[0] is not captured[1] and captured[0].h.data_ptr() != captured[1].h.data_ptr()
+    assert all(p.config == cached.config for p in captured)
+
+
+def test_host_geometry_matches_triton_helpers() -> None:
+    """The plain-Python powers of two and expand geometry equal what ``triton.cdiv`` /
+    ``triton.next_power_of_2`` gave (the launch's constexprs and grid must not change)."""
+    for n in range(1, 300):
+        assert lora_triton._next_power_of_2(n) == triton.next_power_of_2(n)
+    for starts in ([0, 5120, 6144, 7168], [0, 13824, 27648], [0, 5120], [0, 70], [0, 1, 2]):
+        blocks = [triton.cdiv(b - a, lora_triton.EXPAND_BLOCK_N) for a, b in zip(starts, starts[1:])]
+        bounds, total, first1, first2 = lora_triton.expand_geometry(tuple(starts))
+        assert bounds == tuple(starts) + (starts[-1],) * (4 - len(starts)) and total == sum(blocks)
+        assert first1 == (blocks[0] if len(blocks) > 1 else total)
+        assert first2 == (sum(blocks[:2]) if len(blocks) > 2 else total)
+    with pytest.raises(ValueError, match="output slices"):
+        lora_triton.expand_geometry((0, 1, 2, 3, 4))
