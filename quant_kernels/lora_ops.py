@@ -15,16 +15,14 @@ between steps and forces a recompile mid-serving).
 
 Host work per call (issue 30: an eager step makes ~4 LoRA calls per layer, ~190 on a 48-layer model,
 and each call's Python, not its kernels, set its time). The Triton branch of ``add_lora`` checks its
-four tensors once for both halves and takes a launch plan per shape (device, dtype, rows, K, S * R,
-tiles, slices, split overrides): the K split, the split-K workspace and ``h``, made on the first call
-and reused by every later one of that shape on the same thread (each LoRA layer of a step, and the
-next steps). Reuse is safe because a thread's launches run in order on its stream: the workspace is
-scratch that each shrink writes before it reads, and ``add_lora``'s ``h`` is dead once its expand has
-read it (``lora_shrink`` still returns a fresh ``h``: its caller holds it). The plans are per thread
-(two engines stepping from two threads would otherwise interleave on one ``h``), at most
-``MAX_CACHED_PLANS`` of them (all dropped when full: a prefill's row count changes every step), and
-never used inside a CUDA-graph capture: there every call allocates from the graph's pool as before,
-so no plan buffer is ever replayed into and dropping one can never free a graph's memory. What is
+four tensors once for both halves and takes a launch plan per layer shape (dtype, K, S * R, slices,
+split overrides): the K split, the split-K workspace and ``h``, made by the step's first call of that
+shape and kept in the step's ``LoRAIndices.plans`` (every LoRA layer of a step shares its indices, so
+a 48-layer step makes about four plans, not ~190), dropped with the indices when the step ends. Reuse
+is safe because a step's launches run in order on one stream: the workspace is scratch that each
+shrink writes before it reads, and ``add_lora``'s ``h`` is dead once its expand has read it
+(``lora_shrink`` still returns a fresh ``h``: its caller holds it). Inside a CUDA-graph capture no plan
+is kept: every call allocates from the graph's pool as before, so no plan buffer is replayed into. What is
 launched is unchanged (same kernels, grids, constexprs; still behind ``QSERVE_LORA_TRITON=1``).
 ``PYTHONPATH=. python bench/lora_host.py`` measures the per-call host cost on a CPU.
 """
@@ -32,9 +30,8 @@ launched is unchanged (same kernels, grids, constexprs; still behind ``QSERVE_LO
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -66,6 +63,9 @@ class LoRAIndices:
     # int32 [G * MAX_SLICES], zero: the split-K shrink's arrival counters, one per tile and slice.
     # Each launch leaves them zero again, so every LoRA layer of the step shares them.
     tile_counters: torch.Tensor
+    # The Triton branch's launch plans of this step, by layer shape (see the module doc): host-side
+    # reuse only, filled by ``add_lora`` outside CUDA-graph capture.
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def index_layout(num_rows: int, num_tiles: int, num_sorted: int | None = None) -> tuple[int, list[tuple[int, int]]]:
@@ -187,10 +187,6 @@ def _lora_triton():  # noqa: ANN202 - the module, imported on first use (triton 
     return _triton_module
 
 
-MAX_CACHED_PLANS = 16  # per thread; a step uses one per distinct layer shape (qkv, o, gate_up, down)
-_plans = threading.local()
-
-
 def _launch_plan(
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -199,15 +195,13 @@ def _launch_plan(
     split_k: int | None,
     block_k: int | None,
 ) -> _LaunchPlan:
-    """The plan for this shape: reused from earlier calls of this thread outside a CUDA-graph
-    capture (see the module doc: why reusing the buffers is safe), made fresh inside one."""
+    """The plan for this shape: reused from this step's earlier calls (``indices.plans``) outside a
+    CUDA-graph capture (see the module doc: why reusing the buffers is safe), made fresh inside one."""
     num_rows, k = x.shape
     num_tiles = indices.tile_offsets.shape[0]
     key = (x.device, x.dtype, num_rows, k, lora_a.shape[1], num_tiles, num_slices, split_k, block_k)
     capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    cache = None if capturing else getattr(_plans, "by_shape", None)
-    if cache is None and not capturing:
-        cache = _plans.by_shape = {}
+    cache = None if capturing else indices.plans
     plan = None if cache is None else cache.get(key)
     if plan is not None:
         return plan
@@ -222,8 +216,6 @@ def _launch_plan(
     )
     plan = _LaunchPlan(config, workspace, h)
     if cache is not None:
-        if len(cache) >= MAX_CACHED_PLANS:
-            cache.clear()  # eager buffers only: no CUDA graph holds any of them
         cache[key] = plan
     return plan
 

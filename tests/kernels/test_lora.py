@@ -211,7 +211,7 @@ def test_indices_are_aligned_views_of_one_buffer() -> None:
     for n in (1, 3, 7, 25):
         slots = np.arange(n, dtype=np.int32) % 3 - 1
         ind = lora_ops.build_lora_indices(slots, torch.device("cpu"))
-        tensors = [getattr(ind, f) for f in ind.__dataclass_fields__]
+        tensors = [getattr(ind, f) for f in ind.__dataclass_fields__ if f != "plans"]  # plans: host-side
         base = ind.token_slots.untyped_storage().data_ptr()
         assert all(t.untyped_storage().data_ptr() == base for t in tensors)
         assert all(t.storage_offset() % 4 == 0 for t in tensors)
@@ -358,7 +358,6 @@ def _cpu_triton_branch(monkeypatch) -> None:
     """lora_ops' Triton branch on CPU tensors (the kernels run in the interpreter)."""
     monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
     monkeypatch.setattr(lora_ops.kdevice, "triton_serves", lambda device: True)
-    monkeypatch.setattr(lora_ops._plans, "by_shape", {}, raising=False)
 
 
 def test_add_lora_reuses_its_plan_per_shape_and_matches_reference(monkeypatch) -> None:
@@ -386,12 +385,10 @@ def test_add_lora_reuses_its_plan_per_shape_and_matches_reference(monkeypatch) -
         assert plans[a].workspace.data_ptr() != plans[b].workspace.data_ptr(), "two live plans share a workspace"
 
 
-def test_lora_shrink_returns_its_own_h_and_plans_are_per_thread(monkeypatch) -> None:
+def test_lora_shrink_returns_its_own_h_and_plans_are_per_step(monkeypatch) -> None:
     """``lora_shrink``'s ``h`` belongs to its caller (a row-parallel layer holds it across an
-    all-reduce): two calls never return the same buffer, nor add_lora's. Another thread (another
-    engine's step thread) gets its own plans."""
-    import threading
-
+    all-reduce): two calls never return the same buffer, nor add_lora's. Another step's indices
+    (the next step, or another engine's) get their own plans."""
     _cpu_triton_branch(monkeypatch)
     x, lora_a, lora_b, slots, y, starts = make_case(7, 64, [32, 16, 16], 3, 8, torch.float16, seed=1)
     indices = lora_ops.build_lora_indices(slots, torch.device("cpu"))
@@ -402,23 +399,18 @@ def test_lora_shrink_returns_its_own_h_and_plans_are_per_thread(monkeypatch) -> 
     assert len({first.data_ptr(), second.data_ptr(), plan.h.data_ptr()}) == 3
     rows = indices.token_slots >= 0
     torch.testing.assert_close(first[rows], second[rows], atol=0, rtol=0)
-    other = []
-    thread = threading.Thread(target=lambda: other.append(lora_ops._launch_plan(x, lora_a, 3, indices, None, None)))
-    thread.start()
-    thread.join()
-    assert other[0] is not plan and other[0].h.data_ptr() != plan.h.data_ptr()
+    next_step = lora_ops.build_lora_indices(slots, torch.device("cpu"))
+    other = lora_ops._launch_plan(x, lora_a, 3, next_step, None, None)
+    assert other is not plan and other.h.data_ptr() != plan.h.data_ptr()
+    assert list(indices.plans.values()) == [plan] and list(next_step.plans.values()) == [other]
 
 
-def test_plan_cache_is_bounded_and_skipped_in_graph_capture(monkeypatch) -> None:
-    """At most ``MAX_CACHED_PLANS`` shapes are held (a prefill's row count changes every step);
-    inside a CUDA-graph capture every call gets fresh buffers (the graph's pool keeps them, and no
-    later eviction can free memory a graph replays into)."""
+def test_plans_are_skipped_in_graph_capture(monkeypatch) -> None:
+    """Inside a CUDA-graph capture every call gets fresh buffers (the graph's pool keeps them) and
+    the indices keep no plan: a graph's indices outlive the capture, and nothing eager may ever
+    write into memory a graph replays into."""
     _cpu_triton_branch(monkeypatch)
     lora_a = torch.zeros(2, 16, 32, dtype=torch.float16)
-    for rows in range(1, lora_ops.MAX_CACHED_PLANS + 5):
-        indices = lora_ops.build_lora_indices(np.zeros(rows, dtype=np.int32), torch.device("cpu"))
-        lora_ops._launch_plan(torch.zeros(rows, 32, dtype=torch.float16), lora_a, 1, indices, None, None)
-        assert len(lora_ops._plans.by_shape) <= lora_ops.MAX_CACHED_PLANS
     x = torch.zeros(3, 32, dtype=torch.float16)
     indices = lora_ops.build_lora_indices(np.zeros(3, dtype=np.int32), torch.device("cpu"))
     cached = lora_ops._launch_plan(x, lora_a, 1, indices, None, None)
@@ -430,8 +422,10 @@ def test_plan_cache_is_bounded_and_skipped_in_graph_capture(monkeypatch) -> None
     monkeypatch.setattr(lora_ops.kdevice, "sm_count", lambda device, default: 132)
     monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(*a, **{**k, "device": "cpu"}))
     monkeypatch.setattr(lora_ops.kdevice, "placeholder", lambda device, dtype: torch.zeros(1, dtype=dtype))
-    captured = [lora_ops._launch_plan(fake_cuda, lora_a, 1, indices, None, None) for _ in range(2)]
+    graph_indices = lora_ops.build_lora_indices(np.zeros(3, dtype=np.int32), torch.device("cpu"))
+    captured = [lora_ops._launch_plan(fake_cuda, lora_a, 1, graph_indices, None, None) for _ in range(2)]
     assert captured[0] is not captured[1] and captured[0].h.data_ptr() != captured[1].h.data_ptr()
+    assert not graph_indices.plans
     assert all(p.config == cached.config for p in captured)
 
 
