@@ -227,6 +227,7 @@ print("RESULT" + json.dumps(result, default=str))
 """
 
 
+@pytest.mark.slow  # ~70 s; the engine units above compile the same MoE launches for sm90 and one consumer card
 def test_moe_launches_compile(tmp_path) -> None:
     """The fused MoE launches as ``moe_ops.moe_experts`` makes them (QSERVE_FUSED_MOE=1) at
     Qwen3-30B-A3B's shapes compile for sm90, sm89 and sm86 (the engine units above check sm90 and one
