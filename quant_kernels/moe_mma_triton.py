@@ -46,7 +46,7 @@ import triton.language as tl
 from quant_kernels import device as kdevice
 from quant_kernels import w4a16_mma_triton as mma
 from quant_kernels.moe_layout import StackedQuantWeight
-from quant_kernels.moe_triton import moe_align_block_size  # the one-launch sort (moe_reference's contract)
+from quant_kernels.moe_triton import grouped_moe  # the sort, the two launches' buffers, the k-way sum
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_zeros
 from quant_kernels.w4a16_mma_triton import _accumulate, _block_k_ok
 
@@ -325,20 +325,15 @@ def fused_moe_w4a16_mma(
     (expert parallelism): ids equal to ``num_experts`` sort past the computed blocks and their
     output rows stay zero."""
     num_tokens, top_k = topk_ids.shape
-    hidden, inter = x.shape[1], w_down.in_features
     config = config or default_config(num_tokens, top_k, w_gate_up.num_experts)
-    sorted_ids, expert_ids, num_padded = moe_align_block_size(
-        topk_ids, w_gate_up.num_experts, config.block_m, skip_foreign
+
+    def launch(a, out, gate_up, weights, sorted_ids, expert_ids, num_padded, num_pairs, a_row_div):  # noqa: ANN001, ANN202
+        weight, n = (w_gate_up, w_down.in_features) if gate_up else (w_down, x.shape[1])
+        _launch(a, weight, out, n, weights, sorted_ids, expert_ids, num_padded, num_pairs, a_row_div, gate_up, config)
+
+    return grouped_moe(
+        x, topk_weights, topk_ids, w_gate_up.num_experts, w_down.in_features, config.block_m, skip_foreign, launch
     )
-    num_pairs = num_tokens * top_k
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
-    x = x.contiguous()
-    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # [T*k, I]
-    _launch(x, w_gate_up, act, inter, weights, sorted_ids, expert_ids, num_padded, num_pairs, top_k, True, config)
-    alloc = torch.zeros if skip_foreign else torch.empty  # a skipped pair's row is never written
-    out = alloc((num_pairs, hidden), dtype=x.dtype, device=x.device)  # [T*k, H]
-    _launch(act, w_down, out, hidden, weights, sorted_ids, expert_ids, num_padded, num_pairs, 1, False, config)
-    return out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def compile_for(

@@ -317,19 +317,42 @@ def fused_moe_w4a16(
     parallelism): ids equal to ``num_experts`` (another rank's experts) are sorted past the
     computed blocks and their output rows stay zero."""
     num_tokens, top_k = topk_ids.shape
-    hidden, inter = x.shape[1], w_down.in_features
     config = config or default_config(num_tokens, top_k, w_gate_up.num_experts)
-    sorted_ids, expert_ids, num_padded = moe_align_block_size(
-        topk_ids, w_gate_up.num_experts, config.block_m, skip_foreign
+
+    def launch(a, out, gate_up, weights, sorted_ids, expert_ids, num_padded, num_pairs, a_row_div):  # noqa: ANN001, ANN202
+        weight, n = (w_gate_up, w_down.in_features) if gate_up else (w_down, x.shape[1])
+        _launch(a, weight, out, n, n if gate_up else 0, weights, sorted_ids, expert_ids, num_padded, num_pairs,
+                a_row_div, gate_up, not gate_up, config)  # fmt: skip
+
+    return grouped_moe(
+        x, topk_weights, topk_ids, w_gate_up.num_experts, w_down.in_features, config.block_m, skip_foreign, launch
     )
+
+
+def grouped_moe(
+    x: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # float [T, k]
+    topk_ids: torch.Tensor,  # int [T, k]
+    num_experts: int,
+    inter: int,  # the experts' intermediate width I
+    block_m: int,
+    skip_foreign: bool,
+    launch,  # noqa: ANN001 - (a, out, gate_up, weights, sorted_ids, expert_ids, num_padded, num_pairs, a_row_div)
+) -> torch.Tensor:  # [T, H]
+    """What every fused MoE kernel's layer does around its two launches (this module's and the
+    MMA-operand one, ``moe_mma_triton``): the one-launch token sort, the gate_up launch writing
+    ``silu(gate) * up`` per pair ``[T*k, I]`` (activation row = pair // k), the down launch writing
+    each pair's weighted row ``[T*k, H]``, and the k-way sum. ``launch(gate_up=True)`` /
+    ``(gate_up=False)`` runs one of the two with the sort's outputs."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = x.shape[1]
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m, skip_foreign)
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     x = x.contiguous()
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # [T*k, I]
-    _launch(x, w_gate_up, act, inter, inter, weights, sorted_ids, expert_ids, num_padded, num_pairs, top_k,
-            True, False, config)  # fmt: skip
+    launch(x, act, True, weights, sorted_ids, expert_ids, num_padded, num_pairs, top_k)
     alloc = torch.zeros if skip_foreign else torch.empty  # a skipped pair's row is never written
     out = alloc((num_pairs, hidden), dtype=x.dtype, device=x.device)  # [T*k, H]
-    _launch(act, w_down, out, hidden, 0, weights, sorted_ids, expert_ids, num_padded, num_pairs, 1,
-            False, True, config)  # fmt: skip
+    launch(act, out, False, weights, sorted_ids, expert_ids, num_padded, num_pairs, 1)
     return out.view(num_tokens, top_k, hidden).sum(dim=1)
