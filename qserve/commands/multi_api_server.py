@@ -99,7 +99,11 @@ def run_api_servers(args: argparse.Namespace, plan: HostPlan, options: dict) -> 
             pass_fds=[core_write, *(read for read, _ in pipes)],
         )
         children.append(core)
-        options = {**options, "metrics_dir": metrics_dir, "responses_db": os.path.join(run_dir, "responses.sqlite3")}
+        from qserve.server.shared_response_store import SharedResponseStore  # noqa: PLC0415 - the server's deps
+
+        responses_db = os.path.join(run_dir, "responses.sqlite3")
+        SharedResponseStore.prepare(responses_db)  # the API servers open it at once: the WAL switch made here
+        options = {**options, "metrics_dir": metrics_dir, "responses_db": responses_db}
         env = {**os.environ, PROMETHEUS_MULTIPROC_ENV: metrics_dir}
         reserve = min(CORE_STOP_RESERVE_S, 0.1 * args.shutdown_timeout)
         servers = []

@@ -8,6 +8,11 @@ and removed with it), the ``ResponseStore`` interface it fills (``get``, ``put``
 Response object as JSON; the conversation as its messages' set fields). Nothing here needs to
 outlive the run, so writes are not synced to disk. Must not know: routes, engines, how a
 response is made.
+
+Opening: the file is put in WAL mode once (it stays so). Switching a new file to WAL takes an
+exclusive lock that SQLite's busy timeout does not wait for, so API servers opening a new store at
+the same moment got "database is locked" at once; the parent opens it first (``prepare``), and an
+open that still finds the switch under way waits for it (``BUSY_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 
 from qserve.server.protocol import ChatMessage
 from qserve.server.responses import MAX_STORED_RESPONSES, StoredResponse
@@ -31,13 +37,31 @@ class SharedResponseStore:
         self.capacity = capacity
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._use_wal()
         self._db.execute("PRAGMA synchronous=OFF")
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS responses "
             "(id TEXT PRIMARY KEY, response TEXT NOT NULL, conversation TEXT NOT NULL, used INTEGER NOT NULL)"
         )
         self._db.execute("CREATE INDEX IF NOT EXISTS responses_used ON responses (used)")
+
+    @classmethod
+    def prepare(cls, path: str) -> None:
+        """Create the file, its table and its WAL mode before any API server opens it (the parent)."""
+        cls(path).close()
+
+    def _use_wal(self) -> None:
+        """WAL mode, waiting while another connection switches the file (module doc)."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                if self._db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    self._db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:

@@ -46,3 +46,30 @@ def test_the_least_recently_used_goes_first_as_in_memory(tmp_path):
         assert len(store) == 3
         assert store.get("resp_1") is None  # the least recently used went
         assert all(store.get(f"resp_{i}") is not None for i in (0, 2, 3))
+
+
+def test_api_servers_opening_a_new_store_at_once_all_succeed(tmp_path) -> None:
+    """Every API server of ``--api-server-count N`` opens the store as it starts, at the same moment.
+    Switching a new file to WAL takes an exclusive lock that SQLite's busy timeout does not wait for:
+    one of them got "database is locked" at once and died, which stopped the run (the parent now
+    opens the store first, and an open waits for the switch)."""
+    import threading
+
+    failures = []
+    for attempt in range(12):
+        path = str(tmp_path / f"responses-{attempt}.sqlite3")
+        start = threading.Barrier(4)
+
+        def open_store(path: str = path, start: threading.Barrier = start) -> None:
+            start.wait()
+            try:
+                SharedResponseStore(path).close()
+            except Exception as err:  # noqa: BLE001 - collected: the assertion below names it
+                failures.append(repr(err))
+
+        threads = [threading.Thread(target=open_store) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not failures, failures[:3]
