@@ -254,7 +254,7 @@ def test_a_stored_response_is_found_through_either_api_server(two):
         assert reply.status_code == 200, reply.text
 
 
-SPREAD_CONNECTIONS = 400
+SPREAD_CONNECTIONS = 300
 
 
 def connection_spread(url: str, concurrency: int, completion: bool) -> collections.Counter[str]:
@@ -274,17 +274,15 @@ def connection_spread(url: str, concurrency: int, completion: bool) -> collectio
         return collections.Counter(pool.map(one, range(SPREAD_CONNECTIONS)))
 
 
-@pytest.mark.parametrize(
-    ("concurrency", "completion"), [(1, True), (16, False)], ids=["sequential-completions", "concurrent-health"]
-)
-def test_new_connections_spread_evenly_over_both_api_servers(two, concurrency, completion):
+def test_new_connections_spread_evenly_over_both_api_servers(two):
     """With one listening socket shared by both processes, whichever wakes first accepts: one took
-    65-83% of 200 sequential one-token completions (336 of 400 here). Each API server's own SO_REUSEPORT socket lets
-    the kernel hash connections over them (measured 48-52%). Each must take 35% of 400 here: the
-    hash does not depend on the machine's load, and a fair coin falls below 35% of 400 about once
-    in 10^9 runs."""
+    65-83% of 200 sequential one-token completions (336 of 400 in this test). Each API server's own
+    SO_REUSEPORT socket lets the kernel hash connections over them (measured 48-52%). Each must take
+    35% of 300 here: the hash does not depend on the machine's load, and a fair coin falls below 35%
+    of 300 about once in 10^7 runs. (16 concurrent /health probes spread evenly with the shared
+    socket too: no case of its own.)"""
     _, url, _ = two
-    spread = connection_spread(url, concurrency, completion)
+    spread = connection_spread(url, 1, completion=True)
     assert min(spread.get("0", 0), spread.get("1", 0)) >= 0.35 * SPREAD_CONNECTIONS, spread
 
 

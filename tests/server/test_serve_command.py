@@ -125,6 +125,7 @@ def test_serve_process_answers_and_stops_on_sigterm(checkpoints):
             proc.wait()
 
 
+@pytest.mark.slow  # a real server process that quantizes the demo model first: ~25 s
 def test_serve_without_a_model_serves_the_demo(tmp_path):
     """The README's main job: `qserve serve` quantizes the demo model (cached) and answers."""
     port = _free_port()
