@@ -39,7 +39,12 @@ def fused_moe_requested() -> bool:
 
 
 def mma_moe_requested() -> bool:
-    return os.environ.get(MOE_KERNEL_ENV, "") == "mma"
+    """``QSERVE_MOE_KERNEL=mma``; unset or empty keeps the other paths; anything else is refused at
+    load (a misspelt opt-in must not silently measure the wrong kernel)."""
+    value = os.environ.get(MOE_KERNEL_ENV, "")
+    if value not in ("", "mma"):
+        raise ValueError(f"{MOE_KERNEL_ENV}={value!r}: the only MoE kernel to choose is 'mma' (or leave it unset)")
+    return value == "mma"
 
 
 @dataclass

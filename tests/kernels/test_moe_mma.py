@@ -191,3 +191,16 @@ def test_qwen3_30b_shapes_on_gpu(num_tokens, dtype, sym):
             error = out.float() - expected
             assert float(error.norm() / expected.norm()) < 1.5e-2
             assert float(error.abs().max()) < 2e-2 * float(expected.abs().max())
+
+
+def test_a_misspelt_kernel_choice_is_refused(monkeypatch) -> None:
+    """``QSERVE_MOE_KERNEL`` other than ``mma`` (or unset) stops the load with the variable's name:
+    a typo must not quietly run (and get measured as) another kernel."""
+    from quant_kernels import device as kdevice
+    from quant_kernels import moe_ops
+
+    w13, w2 = layer(4, 128, 64, 64, False, torch.float16, seed=73)
+    monkeypatch.setenv(moe_ops.MOE_KERNEL_ENV, "mmma")
+    with mock.patch.object(kdevice, "triton_serves", lambda device: True):
+        with pytest.raises(ValueError, match="QSERVE_MOE_KERNEL='mmma'"):
+            moe_ops.prepare_experts(w13, w2)
