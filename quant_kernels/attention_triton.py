@@ -890,14 +890,13 @@ def _prefill_launch(
 ) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_Q, BLOCK_N, num_warps, num_stages)`` of a prefill launch: ``BLOCK_M`` rows are
     ``BLOCK_Q`` tokens times the ``group`` query heads of one KV head. Head dims up to 128 on a card
-    with Hopper's shared memory take the measured tiles (given ``max_query_len``) under
-    ``QSERVE_PREFILL_TILES=h200`` (opt-in: the GPU attention tests passed with them, a whole
-    ``pytest -m gpu`` run with them on by default has not yet); elsewhere (Ampere,
+    with Hopper's shared memory take the measured tiles (given ``max_query_len``) unless
+    ``QSERVE_PREFILL_TILES=earlier`` asks for the earlier ones; elsewhere (Ampere,
     Ada, the int4 kernel, CPU) the earlier tiles: 64 rows, 64 keys (32 past head dim 128), 8 warps
     past head dim 64 (no spills on sm80), 2 stages. Fields of ``cfg`` that are set win."""
     tuned = None
     shared = kdevice.max_shared(device) if device is not None else None
-    measured = os.environ.get("QSERVE_PREFILL_TILES") == "h200"  # opt-in until pytest -m gpu passes with them
+    measured = os.environ.get("QSERVE_PREFILL_TILES", "h200") != "earlier"
     if measured and max_query_len is not None and head_dim <= 128 and shared is not None and shared >= HOPPER_SHARED:
         tuned = HOPPER_LONG_PREFILL if max_query_len >= LONG_PREFILL else HOPPER_SHORT_PREFILL
     m, n, w, st = tuned or (64, 32 if head_dim > 128 else 64, 8 if head_dim > 64 else 4, 2)

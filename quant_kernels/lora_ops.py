@@ -1,10 +1,9 @@
 """Device dispatch for multi-LoRA: ``add_lora`` (``y += scale * B(A(x))`` per row, each row with its
 own adapter slot) and ``build_lora_indices`` (a step's per-row slots and their Punica-style tiles).
 
-Knows: which implementation serves which device (the PyTorch reference everywhere; the Triton
-kernels on CUDA only when ``QSERVE_LORA_TRITON=1``: faster than the reference in every case
-bench/lora.py timed on the H200, opt-in until a whole ``pytest -m gpu`` passes at the commit that
-turns them on), and
+Knows: which implementation serves which device (the Triton kernels on CUDA unless
+``QSERVE_LORA_TRITON=0``: faster than the reference in every case bench/lora.py timed on the H200;
+the PyTorch reference everywhere else), and
 how rows are grouped into tiles of one slot, and what the kernels need besides the tiles (the split-K
 shrink's arrival counters, its workspace). Must not know: models, layers, PEFT, engines. Triton stays
 a lazy import. Layout and numerics: ``quant_kernels.reference_lora``.
@@ -23,7 +22,7 @@ is safe because a step's launches run in order on one stream: the workspace is s
 shrink writes before it reads, and ``add_lora``'s ``h`` is dead once its expand has read it
 (``lora_shrink`` still returns a fresh ``h``: its caller holds it). Inside a CUDA-graph capture no plan
 is kept: every call allocates from the graph's pool as before, so no plan buffer is replayed into. What is
-launched is unchanged (same kernels, grids, constexprs; still behind ``QSERVE_LORA_TRITON=1``).
+launched is unchanged (same kernels, grids, constexprs).
 ``PYTHONPATH=. python bench/lora_host.py`` measures the per-call host cost on a CPU.
 """
 
@@ -150,8 +149,8 @@ def build_lora_indices(token_slots: np.ndarray, device: torch.device) -> LoRAInd
 
 
 def triton_enabled() -> bool:
-    """``QSERVE_LORA_TRITON=1``: the opt-in for the Triton kernels on CUDA."""
-    return os.environ.get(TRITON_ENV, "") == "1"
+    """The Triton kernels on CUDA unless ``QSERVE_LORA_TRITON=0`` (the PyTorch reference path)."""
+    return os.environ.get(TRITON_ENV, "1") != "0"
 
 
 def _triton_usable(*tensors: torch.Tensor) -> bool:

@@ -4,7 +4,7 @@ expand (``y += h @ B^T``) over the token rows of a step, each row with its own a
 Knows: the layout and numerics of ``quant_kernels.reference_lora``, the row grouping of
 ``quant_kernels.lora_ops.LoRAIndices`` and how to split the shrink's K over enough programs to fill a
 GPU (``shrink_config``). Must not know: models, layers, PEFT files, engines. Imported lazily (by
-``quant_kernels.lora_ops`` on CUDA when ``QSERVE_LORA_TRITON=1``, or by tests under
+``quant_kernels.lora_ops`` on CUDA unless ``QSERVE_LORA_TRITON=0``, or by tests under
 ``TRITON_INTERPRET=1``).
 
 Grouping: the rows of a step that use an adapter are sorted by slot (``sorted_rows``) and cut into

@@ -3,13 +3,13 @@
 Knows: the three ways the experts of one layer run and when each applies —
 
 * off CUDA: the PyTorch reference (``moe_reference``), the CPU path and the oracle;
-* on CUDA by default: the reference's loop over the experts a step hits, each expert's two
-  matmuls through the already-measured dense W4A16 kernels (``ops.w4a16_linear``, weights
-  repacked per expert once here) and ``elementwise_ops.silu_and_mul``. Learning which experts
-  are hit costs one host sync per layer, so such a model runs without CUDA graphs
+* on CUDA by default: the fused grouped kernel (``moe_triton``), no host sync, CUDA-graph safe
+  (44-259x the loop below on the H200, bench/RESULTS.md);
+* on CUDA with ``QSERVE_FUSED_MOE=0``: the reference's loop over the experts a step hits, each
+  expert's two matmuls through the dense W4A16 kernels (``ops.w4a16_linear``, weights repacked
+  per expert once here) and ``elementwise_ops.silu_and_mul``. Learning which experts are hit
+  costs one host sync per layer, so such a model runs without CUDA graphs
   (``PreparedExperts.graph_safe``);
-* on CUDA with ``QSERVE_FUSED_MOE=1`` (opt-in until ``pytest -m gpu`` has run it): the fused
-  grouped kernel (``moe_triton``), no host sync, CUDA-graph safe;
 * on CUDA with ``QSERVE_MOE_KERNEL=mma`` (opt-in, not yet run on a GPU; it wins over
   ``QSERVE_FUSED_MOE``): the grouped kernel on experts pre-shuffled once here to the MMA-operand
   order of the dense W4A16 kernel (``moe_mma_triton``: swap-AB, the dequantized weights stay in
@@ -35,7 +35,8 @@ MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma": the MMA-operand grouped kernel (m
 
 
 def fused_moe_requested() -> bool:
-    return os.environ.get(FUSED_MOE_ENV, "0") == "1"
+    """On unless ``QSERVE_FUSED_MOE=0`` (the per-expert loop, kept as the measured baseline)."""
+    return os.environ.get(FUSED_MOE_ENV, "1") != "0"
 
 
 def mma_moe_requested() -> bool:

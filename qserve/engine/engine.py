@@ -38,9 +38,9 @@ them (``SchedulerOutput.spec_hidden_states``: while speculating, and every step 
 decode) and hands each sequence's kept positions to the proposer after the step. With
 ``enable_adaptive_verification`` the number of drafts per step comes from
 ``qserve.spec_decode.adaptive`` (measured acceptance, batch size, a cost model); 0 is a plain step.
-Verify steps (and a draft model's steps) run eagerly unless ``QSERVE_SPEC_GRAPHS=1`` (opt-in: their GPU
-tests passed and they made n-gram speculation 2.1-3.0x at batch 1 on the H200, bench/RESULTS.md, but
-no whole ``pytest -m gpu`` has passed at a commit that turns them on): then the target captures graphs of k + 1 rows per sequence for
+Verify steps (and a draft model's steps) run under CUDA graphs unless ``QSERVE_SPEC_GRAPHS=0`` (they made
+n-gram speculation 2.1-3.0x at batch 1 on the H200 where eager verify lost, bench/RESULTS.md): the
+target captures graphs of k + 1 rows per sequence for
 its verify steps and a draft model decode and 2-row catch-up graphs, all in the target's graph pool
 (``_capture_spec_graphs``); with an EAGLE head the verify graphs also write the hidden states the head
 reads, so its verify steps replay them too. Steps that propose nothing run exactly as without
@@ -440,7 +440,7 @@ class Engine:
         graphs_ok = getattr(self.model, "supports_cuda_graphs", True)  # False: MoE experts that sync with the host
         if self.device.type == "cuda" and not config.enforce_eager and not graphs_ok:
             logger.info(
-                "%s: mixture-of-experts layers run eagerly (set QSERVE_FUSED_MOE=1 for CUDA graphs)", self.owner
+                "%s: mixture-of-experts layers run eagerly (QSERVE_FUSED_MOE=0 chose the per-expert loop)", self.owner
             )
         if self.device.type == "cuda" and not config.enforce_eager and graphs_ok and config.enable_lora:
             if os.environ.get(LORA_GRAPHS_ENV) == "1":  # opt-in until pytest -m gpu has run with it
@@ -511,12 +511,10 @@ class Engine:
                 self.proposer = make_proposer(self.spec_config)
         self.spec_stats = None if self.spec_config is None else SpecDecodeStats(self.spec_config.num_speculative_tokens)
         if self.spec_config is not None and self.runner.decode_graphs is not None:
-            if os.environ.get(SPEC_GRAPHS_ENV) == "1":  # opt-in until pytest -m gpu passes at the commit that flips it
+            if os.environ.get(SPEC_GRAPHS_ENV, "1") != "0":
                 self._capture_spec_graphs()
             else:
-                logger.info(
-                    "speculative decoding: verify steps run eagerly (%s=1 captures CUDA graphs)", SPEC_GRAPHS_ENV
-                )
+                logger.info("speculative decoding: verify steps run eagerly (%s=0)", SPEC_GRAPHS_ENV)
         self._draft_backoff = DraftBackoff()  # sequences whose proposals keep failing skip steps
         self._drafts_out = False  # some running request may still carry drafts
         self._speculating = False  # the last proposal call gave drafts a chance (EAGLE: capture the step)

@@ -13,7 +13,7 @@ They are views of one int32 buffer, laid out per bucket (``lora_ops.index_layout
 refills with one host-to-device copy (the split-K arrival counters included, copied as zeros).
 Without ``max_loras`` nothing of this exists and the graphs are exactly the base model's.
 
-Several rows per sequence (``query_len`` Q > 1, opt-in with ``QSERVE_SPEC_GRAPHS=1``): speculative
+Several rows per sequence (``query_len`` Q > 1; ``QSERVE_SPEC_GRAPHS=0`` turns them off): speculative
 decoding's verify steps (each sequence's last known token and up to k drafts: Q = k + 1) and a draft
 model's catch-up steps (Q = 2). A graph of B sequences has B * Q rows, sequence i owning rows
 ``[i * Q, (i + 1) * Q)`` (``query_start_loc`` fixed), ``max_query_len`` Q: attention takes the

@@ -488,17 +488,19 @@ def test_reference_store_kv_refuses_quantized_caches_and_skips_pad_rows():
 def test_prefill_tiles_follow_the_device_and_the_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hopper-sized shared memory takes the tiles measured on the H200 (long chunks: 128 x 128 keys, 8
     warps, 3 stages); smaller cards, head dims past 128 and callers without a chunk length keep the
-    earlier tiles; set fields of the config win."""
+    earlier tiles, as does ``QSERVE_PREFILL_TILES=earlier``; set fields of the config win."""
     from quant_kernels import device as kdevice
 
     cfg, cuda = AttentionConfig(), torch.device("cuda", 0)
     monkeypatch.setattr(kdevice, "max_shared", lambda device: 227 * 1024)
-    assert attention_triton._prefill_launch(cfg, 5, 128, 4096, cuda) == (64, 12, 64, 8, 2)  # opt-in only
-    monkeypatch.setenv("QSERVE_PREFILL_TILES", "h200")
+    monkeypatch.delenv("QSERVE_PREFILL_TILES", raising=False)
     assert attention_triton._prefill_launch(cfg, 5, 128, 4096, cuda) == (128, 25, 128, 8, 3)
     assert attention_triton._prefill_launch(cfg, 5, 128, 224, cuda) == (128, 25, 32, 4, 2)
     assert attention_triton._prefill_launch(cfg, 5, 256, 4096, cuda) == (64, 12, 32, 8, 2)
     assert attention_triton._prefill_launch(cfg, 5, 128) == (64, 12, 64, 8, 2)  # the int4 kernel's
     assert attention_triton._prefill_launch(AttentionConfig(prefill_block_n=16), 1, 64, 4096, cuda)[2] == 16
     monkeypatch.setattr(kdevice, "max_shared", lambda device: 99 * 1024)  # sm86 / sm89
+    assert attention_triton._prefill_launch(cfg, 5, 128, 4096, cuda) == (64, 12, 64, 8, 2)
+    monkeypatch.setattr(kdevice, "max_shared", lambda device: 227 * 1024)
+    monkeypatch.setenv("QSERVE_PREFILL_TILES", "earlier")  # the opt-out
     assert attention_triton._prefill_launch(cfg, 5, 128, 4096, cuda) == (64, 12, 64, 8, 2)
