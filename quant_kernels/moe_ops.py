@@ -3,17 +3,19 @@
 Knows: the three ways the experts of one layer run and when each applies —
 
 * off CUDA: the PyTorch reference (``moe_reference``), the CPU path and the oracle;
-* on CUDA by default: the fused grouped kernel (``moe_triton``), no host sync, CUDA-graph safe
-  (44-259x the loop below on the H200, bench/RESULTS.md);
+* on CUDA by default: the grouped kernel on experts pre-shuffled once here to the MMA-operand
+  order of the dense W4A16 kernel (``moe_mma_triton``: swap-AB, the dequantized weights stay in
+  registers), no host sync, CUDA-graph safe; the canonical stack is not kept
+  (``PreparedExperts.kind == "mma"``). On the H200 1.5-2.1x the kernel below at 1-4,096 tokens,
+  1.33-1.67x its Qwen3-30B-A3B decode (bench/RESULTS.md);
+* on CUDA with ``QSERVE_MOE_KERNEL=fused``, or where the MMA kernel does not serve a layer: the
+  fused grouped kernel on the canonical stack (``moe_triton``, per-element dequantize), likewise
+  sync-free;
 * on CUDA with ``QSERVE_FUSED_MOE=0``: the reference's loop over the experts a step hits, each
   expert's two matmuls through the dense W4A16 kernels (``ops.w4a16_linear``, weights repacked
   per expert once here) and ``elementwise_ops.silu_and_mul``. Learning which experts are hit
   costs one host sync per layer, so such a model runs without CUDA graphs
   (``PreparedExperts.graph_safe``);
-* on CUDA with ``QSERVE_MOE_KERNEL=mma`` (opt-in, not yet run on a GPU; it wins over
-  ``QSERVE_FUSED_MOE``): the grouped kernel on experts pre-shuffled once here to the MMA-operand
-  order of the dense W4A16 kernel (``moe_mma_triton``: swap-AB, the dequantized weights stay in
-  registers), likewise sync-free; the canonical stack is not kept (``PreparedExperts.kind == "mma"``).
 
 Must not know: models, checkpoint formats. Triton stays a lazy import.
 """
@@ -31,7 +33,8 @@ from quant_kernels import elementwise_ops, moe_reference, ops
 from quant_kernels.moe_layout import StackedQuantWeight
 
 FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
-MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma": the MMA-operand grouped kernel (moe_mma_triton)
+MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma" (default): moe_mma_triton; "fused": moe_triton
+MOE_KERNELS = ("mma", "fused")
 
 
 def fused_moe_requested() -> bool:
@@ -40,11 +43,11 @@ def fused_moe_requested() -> bool:
 
 
 def mma_moe_requested() -> bool:
-    """``QSERVE_MOE_KERNEL=mma``; unset or empty keeps the other paths; anything else is refused at
-    load (a misspelt opt-in must not silently measure the wrong kernel)."""
-    value = os.environ.get(MOE_KERNEL_ENV, "")
-    if value not in ("", "mma"):
-        raise ValueError(f"{MOE_KERNEL_ENV}={value!r}: the only MoE kernel to choose is 'mma' (or leave it unset)")
+    """The MMA-operand kernel unless ``QSERVE_MOE_KERNEL=fused`` (unset or empty: ``mma``); anything
+    else is refused at load (a misspelt choice must not silently measure the wrong kernel)."""
+    value = os.environ.get(MOE_KERNEL_ENV, "") or "mma"
+    if value not in MOE_KERNELS:
+        raise ValueError(f"{MOE_KERNEL_ENV}={value!r}: the MoE kernels to choose are 'mma' (the default) and 'fused'")
     return value == "mma"
 
 
