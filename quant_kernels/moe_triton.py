@@ -10,7 +10,7 @@ checkpoint formats, engines. Imported lazily (CUDA, or the CPU tests under TRITO
 20 torch ops, so 20 launches per MoE layer — in one launch of one program, looping over chunks of
 ``ALIGN_CHUNK`` pairs: a histogram per group, the padded layout by cumsum, each block's expert, the
 sentinel padding, then each pair at its group's cursor plus its rank in the chunk (from a sort of
-the chunk by group and lane). Pair order within a group is kept, so its three outputs equal the
+the chunk by group and lane); past ``ALIGN_MAX_PAIRS`` pairs the launcher runs the torch ops instead. Pair order within a group is kept, so its three outputs equal the
 reference's element for element (the GEMM would not need that: each row of a block is computed on
 its own). Outputs are sized from the shapes: no host sync, CUDA-graph safe.
 
@@ -53,6 +53,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Pairs per step of the token sort's loops: Qwen3-30B-A3B's decode (8 pairs) and mid-size batches
 # sort in one step; a 2048-token prefill chunk (16384 pairs) in 16.
 ALIGN_CHUNK = 1024
+# Past this many (token, slot) pairs the sort runs the reference's torch ops: one program walks every
+# pair, and on the H200 it lost to them at 4,096 tokens x top-8 (289.5 vs 137.1 µs) while winning at
+# 512 x 8 (42.5 vs 97.5; bench/moe.py, 2026-12-05). Linear between the two, they cross near 11k pairs.
+ALIGN_MAX_PAIRS = 8192
 
 
 @triton.jit
@@ -214,8 +218,11 @@ def moe_align_block_size(
     skip_foreign: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``moe_reference.moe_align_block_size`` (same signature, same result, bit for bit) in one
-    single-program launch instead of ~20 torch ops: outputs sized from the shapes, no host sync."""
+    single-program launch instead of ~20 torch ops: outputs sized from the shapes, no host sync. Past
+    ``ALIGN_MAX_PAIRS`` pairs (long prefills) the torch ops themselves, which are faster there."""
     num_pairs = topk_ids.numel()
+    if num_pairs > ALIGN_MAX_PAIRS:
+        return moe_reference.moe_align_block_size(topk_ids, num_experts, block_m, skip_foreign)
     num_groups = num_experts + 1 if skip_foreign else num_experts
     max_padded = moe_reference.max_padded_rows(num_pairs, num_groups, block_m)
     device = topk_ids.device

@@ -131,6 +131,22 @@ def test_triton_align_over_many_chunks_at_the_real_chunk():
             assert torch.equal(g, w)
 
 
+def test_long_prefills_sort_with_the_reference(monkeypatch):
+    """Past ``ALIGN_MAX_PAIRS`` pairs the launcher runs the reference's torch ops (one program lost to
+    them at 4,096 tokens on the H200) and launches no kernel; at the limit it still launches it."""
+    from quant_kernels import moe_triton
+
+    ids = _align_case(40, 8, 16, "spread", seed=5)  # 320 pairs
+    monkeypatch.setattr(moe_triton, "ALIGN_MAX_PAIRS", ids.numel() - 1)
+    monkeypatch.setattr(moe_triton, "moe_align_block_size_kernel", None)  # a launch would raise
+    want = moe_reference.moe_align_block_size(ids, 16, 16)
+    for g, w in zip(moe_triton.moe_align_block_size(ids, 16, 16), want):
+        assert g.dtype == torch.int32 and torch.equal(g, w)
+    monkeypatch.setattr(moe_triton, "ALIGN_MAX_PAIRS", ids.numel())
+    with pytest.raises(TypeError):
+        moe_triton.moe_align_block_size(ids, 16, 16)
+
+
 def test_fused_moe_uses_the_triton_align(monkeypatch):
     """The fused layer sorts with the Triton kernel, and its output is bit for bit the one it gives
     with the reference's sort (each block's rows are computed independently of the sort's op)."""
