@@ -31,8 +31,8 @@ schedule the proposer (``qserve.spec_decode``) gives running requests in plain d
 tokens; the scheduler and runner verify them in the step; the tokens a step emits for a sequence
 go one by one through the stop checks here (those after a stop are dropped). A step with drafts is
 processed before the next is scheduled (the next drafts follow its tokens), so speculation runs
-in the synchronous order while it proposes; above ``disable_by_batch_size`` running sequences it
-proposes nothing and the asynchronous order comes back. Grammars get no drafts (docs/spec_decode.md).
+in the synchronous order while it proposes; above ``disable_by_batch_size`` enqueued requests
+(running and waiting) it proposes nothing and the asynchronous order comes back. Grammars get no drafts (docs/spec_decode.md).
 With an EAGLE head the engine asks the runner for the target's hidden states of the steps that carry
 them (``SchedulerOutput.spec_hidden_states``: while speculating, and every step that is not a plain
 decode) and hands each sequence's kept positions to the proposer after the step. With
@@ -1093,10 +1093,13 @@ class Engine:
         return bool(in_flight.num_spec_tokens) or self._num_spec_tokens(self.scheduler.num_running) > 0
 
     def _num_spec_tokens(self, num_running: int) -> int:
-        """Drafts per sequence for a step of ``num_running`` sequences: none above
-        ``disable_by_batch_size``; with adaptive verification the policy's choice, else k."""
+        """Drafts per sequence for a step of ``num_running`` sequences: none while the running and
+        waiting requests exceed ``disable_by_batch_size`` (vLLM counts the enqueued requests: a
+        burst admitted over several steps under the token budget would otherwise speculate, eagerly
+        beside its prefills, until the last of it is in); with adaptive verification the policy's
+        choice, else k."""
         assert self.spec_config is not None
-        if not self.spec_config.proposes_at(num_running):
+        if not self.spec_config.proposes_at(num_running + self.scheduler.num_waiting):
             return 0
         if self.adaptive_speculation is not None:
             return self.adaptive_speculation.num_tokens(num_running)
@@ -1116,7 +1119,7 @@ class Engine:
         ``max_tokens`` or ``max_model_len``, and in all no more than ``max_num_seqs`` minus the
         running sequences (a step computes logits for one row per draft plus one per sequence;
         the memory plan reserved ``max_num_seqs`` rows), handed out oldest request first. None
-        while the running batch is larger than ``disable_by_batch_size``, for requests with a
+        while more requests than ``disable_by_batch_size`` run or wait, for requests with a
         token in flight, for structured outputs (a draft would have to be checked against the
         grammar first: speculation is off for them) and for embedding requests; a sequence whose
         proposals keep failing skips a growing number of steps (``qserve.spec_decode.backoff``)."""

@@ -8,8 +8,9 @@ Keys (vLLM's): ``method`` ("ngram", "draft_model", "eagle" or "eagle3"; MTP, Med
 others are refused, naming what is supported), ``model`` (the checkpoint of "draft_model" (a
 model of the same tokenizer) or of an EAGLE / EAGLE-3 head), ``num_speculative_tokens`` (k >= 1,
 required), ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram sizes; one given sets the other,
-neither gives vLLM's 5 and 5), ``disable_by_batch_size`` (no proposals while more sequences than
-this are running, so a busy engine decodes exactly as without speculation),
+neither gives vLLM's 5 and 5), ``disable_by_batch_size`` (no proposals while more requests than
+this are enqueued, running or waiting, as vLLM counts: a busy engine decodes exactly as without
+speculation, and a burst being admitted over several steps is busy from its first step),
 ``enable_adaptive_verification`` (vLLM's name; off by default: k chosen per step from the measured
 acceptance and the batch size, ``qserve.spec_decode.adaptive``) and qserve's own
 ``adaptive_verification_row_cost`` (that policy's cost of one verified row relative to the fixed
@@ -61,9 +62,10 @@ class SpeculativeConfig:
     def is_eagle(self) -> bool:
         return self.method in EAGLE_METHODS
 
-    def proposes_at(self, num_running: int) -> bool:
-        """Whether this step gets proposals: off while the running batch exceeds the threshold."""
-        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
+    def proposes_at(self, num_enqueued: int) -> bool:
+        """Whether this step gets proposals: off while the enqueued requests (running and waiting,
+        vLLM's count) exceed the threshold."""
+        return self.disable_by_batch_size is None or num_enqueued <= self.disable_by_batch_size
 
 
 def _positive_int(key: str, value: Any, minimum: int = 1) -> int:

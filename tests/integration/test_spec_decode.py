@@ -206,6 +206,37 @@ def test_no_drafts_above_disable_by_batch_size_nor_for_grammars(path, reference)
     assert out.text == "ab ab ab ab" and not any(spec for _, spec in seen)
 
 
+def test_no_drafts_while_a_burst_is_still_being_admitted(path):
+    """``disable_by_batch_size`` counts the waiting requests too (vLLM's enqueued requests): a burst
+    that the token budget admits over several steps gets no drafts while the running and waiting
+    together exceed 2, even in steps where 2 or fewer run (before: those speculated, so a busy
+    engine's first steps carried eager verify and draft work); once they are few, it does."""
+    prompts = [(LOOP * 2)[i:] + (LOOP * 2)[:i] for i in range(4)]  # 20 tokens each, 8 a step: in turn
+    params = [_greedy(max_tokens=n) for n in (6, 8, 30, 30)]  # the last two run on alone
+    # the target as its own draft: it proposes at every chance it gets (n-gram needs a match first)
+    self_draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    want = LLM(path, **ARGS).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = LLM(
+        path, speculative_config=self_draft, max_num_batched_tokens=8, max_num_seqs=8, **ARGS
+    )  # fmt: skip
+    engine = llm.engine
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def spy():  # noqa: ANN202
+        enqueued = (engine.scheduler.num_running, engine.scheduler.num_waiting)
+        out = schedule()
+        seen.append((*enqueued, out.num_spec_tokens))
+        return out
+
+    engine.scheduler.schedule = spy
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert any(running <= 2 < running + waiting for running, waiting, _ in seen), seen
+    assert all(spec == 0 for running, waiting, spec in seen if running + waiting > 2), seen
+    assert any(spec for *_, spec in seen), "speculation came back once the burst was down to 2"
+
+
 def test_seeded_sampling_is_reproducible_and_metrics_are_exported(path):
     from qserve.engine.async_engine import AsyncEngine
     from qserve.server.metrics import ServerMetrics
