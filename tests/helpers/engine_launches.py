@@ -344,7 +344,7 @@ MOE_EP_RANKS = 4  # expert parallelism: one rank's 32 experts, other ranks' pair
 
 
 def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
-    """The opt-in fused MoE kernels (QSERVE_FUSED_MOE=1: the token sort, gate_up, down) through
+    """The fused MoE kernels (``QSERVE_MOE_KERNEL=fused``: the token sort, gate_up, down) through
     ``moe_ops``' dispatch, with the ids the MoE block passes (int32 from ``select_experts``), for all
     the experts and for one expert-parallel rank's share (``skip_foreign``: one more sort group)."""
     from quant_kernels import moe_ops, moe_reference
@@ -357,7 +357,7 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
         return StackedQuantWeight(4, 128, qweight, torch.ones((experts, k // 128, n), dtype=torch.float16))
 
     local_experts = num_experts // MOE_EP_RANKS
-    with mock.patch.dict(os.environ, {moe_ops.FUSED_MOE_ENV: "1"}):
+    with mock.patch.dict(os.environ, {moe_ops.FUSED_MOE_ENV: "1", moe_ops.MOE_KERNEL_ENV: "fused"}):
         layouts = {
             "": moe_ops.prepare_experts(stacked(num_experts, hidden, 2 * inter), stacked(num_experts, inter, hidden)),
             f" EP rank 1 of {MOE_EP_RANKS}": moe_ops.prepare_experts(
@@ -365,7 +365,7 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
             ),
         }
     for label, prepared in layouts.items():
-        assert prepared.fused, "the fused MoE kernel was not selected"
+        assert prepared.kind == "stacked" and prepared.fused, "the fused MoE kernel was not selected"
         for m in MOE_TOKENS:
             x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
             ids = (torch.arange(m * top_k, dtype=torch.int32) % num_experts).view(m, top_k)  # [T, k]
@@ -378,30 +378,37 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
 
 
 def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
-    """The opt-in MMA-operand MoE kernel (QSERVE_MOE_KERNEL=mma) through ``moe_ops``' dispatch, at the
-    same shapes and token counts, symmetric and with AWQ-style zeros (the experts shuffled to the
-    simulated GPU's k-width at load, as a device would; the words themselves are left unwritten,
-    see ``layout_without_shuffling``)."""
-    from quant_kernels import moe_ops
+    """The MMA-operand MoE kernel (the default; ``QSERVE_MOE_KERNEL`` unset) through ``moe_ops``'
+    dispatch, at the same shapes and token counts, symmetric and with AWQ-style zeros, and one
+    expert-parallel rank's share (the experts shuffled to the simulated GPU's k-width at load, as a
+    device would; the words themselves are left unwritten, see ``layout_without_shuffling``)."""
+    from quant_kernels import moe_ops, moe_reference
     from quant_kernels.moe_layout import StackedQuantWeight
 
     hidden, num_experts, top_k, inter = MOE_SHAPE
 
-    def stacked(k: int, n: int, sym: bool) -> StackedQuantWeight:
-        qweight = torch.zeros((num_experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
-        scales = torch.ones((num_experts, k // 128, n), dtype=torch.float16)  # [E, ng, N]
-        zeros = None if sym else torch.full((num_experts, k // 128, n), 8, dtype=torch.uint8)
+    def stacked(k: int, n: int, sym: bool, experts: int = num_experts) -> StackedQuantWeight:
+        qweight = torch.zeros((experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
+        scales = torch.ones((experts, k // 128, n), dtype=torch.float16)  # [E, ng, N]
+        zeros = None if sym else torch.full((experts, k // 128, n), 8, dtype=torch.uint8)
         return StackedQuantWeight(4, 128, qweight, scales, zeros)
 
-    for sym in (True, False):
-        with mock.patch.dict(os.environ, {moe_ops.MOE_KERNEL_ENV: "mma"}):
-            prepared = moe_ops.prepare_experts(stacked(hidden, 2 * inter, sym), stacked(inter, hidden, sym))
+    local_experts = num_experts // MOE_EP_RANKS
+    for sym, ep in ((True, False), (False, False), (True, True)):
+        with mock.patch.dict(os.environ, {moe_ops.MOE_KERNEL_ENV: ""}):
+            experts = local_experts if ep else num_experts
+            prepared = moe_ops.prepare_experts(
+                stacked(hidden, 2 * inter, sym, experts), stacked(inter, hidden, sym, experts), skip_foreign=ep
+            )
         assert prepared.kind == "mma" and prepared.fused, "the MMA-operand MoE kernel was not selected"
         for m in MOE_TOKENS:
             x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
             ids = (torch.arange(m * top_k, dtype=torch.int32) % num_experts).view(m, top_k)  # [T, k]
+            if ep:
+                ids = moe_reference.local_expert_ids(ids, local_experts, local_experts)
             weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
-            label = f"MoE MMA kernel {dtype_name} {'sym' if sym else 'asym'} T={m}"
+            rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
+            label = f"MoE MMA kernel{rank} {dtype_name} {'sym' if sym else 'asym'} T={m}"
             with where(capture, label), torch.inference_mode():
                 moe_ops.moe_experts(x, prepared, weights, ids)
 
