@@ -18,7 +18,9 @@ cuBLAS grouped / fused: > 1 means the fused kernel is faster), the fused kernel'
 same inputs, with its share of the floor; and the token sort by expert alone, graph-timed: the
 reference's torch ops (``moe_reference.moe_align_block_size``) vs the one-launch Triton kernel the fused
 paths run (``moe_triton.moe_align_block_size``, its kernel timed past the launcher's ``ALIGN_MAX_PAIRS``
-too, where the launcher runs the torch ops), at the fused path's block_m, after checking they agree.
+too, where the launcher runs the torch ops), at the fused path's block_m, after checking they agree;
+and the router's softmax + top-k alone, graph-timed: ``moe_reference.select_experts`` (about six torch
+ops) vs ``moe_router_triton.router_topk`` (one launch, opt-in ``QSERVE_FUSED_ROUTER=1``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from quant_kernels import moe_mma_triton, moe_ops, moe_reference, moe_triton, ops  # noqa: E402
+from quant_kernels import moe_mma_triton, moe_ops, moe_reference, moe_router_triton, moe_triton, ops  # noqa: E402
 from quant_kernels.layout import pack_codes  # noqa: E402
 from quant_kernels.moe_layout import StackedQuantWeight  # noqa: E402
 
@@ -182,6 +184,16 @@ def main() -> None:
         moe_triton.ALIGN_MAX_PAIRS = limit
         if not agree:
             print(f"T={t}: the Triton token sort differs from the reference's; not timed", file=sys.stderr)
+        # the router's softmax + top-k on the model-dtype logits the MoE block has: torch ops vs one launch
+        # (QSERVE_FUSED_ROUTER=1), after checking they pick the same experts
+        router_in = logits.half()
+        routers = {"router torch": moe_reference.select_experts, "router triton": moe_router_triton.router_topk}
+        picks = [fn(router_in, TOP_K, True)[1] for fn in routers.values()]
+        if torch.equal(*picks):
+            for name, fn in routers.items():
+                row[name] = graph_us(lambda fn=fn, lg=router_in: fn(lg, TOP_K, True))
+        else:
+            print(f"T={t}: the Triton router picks other experts than the reference; not timed", file=sys.stderr)
         fused = row["fused"]
         row["loop/fused"] = row["w4a16 loop"] / fused if fused and row["w4a16 loop"] else None
         row["cublas/fused"] = row["cuBLAS fp16 grouped"] / fused if fused and row["cuBLAS fp16 grouped"] else None
@@ -195,8 +207,8 @@ def main() -> None:
     )
     lines = [header, "", "| tokens | experts hit | fused µs | mma µs | w4a16 loop µs | torch grouped bf16 µs | "
              "cuBLAS fp16 loop µs | loop/fused | grouped/fused | floor µs | fused % of floor | mma % of floor | "
-             "sort: torch µs | sort: Triton µs |",
-             "|" + "---|" * 15]  # fmt: skip
+             "sort: torch µs | sort: Triton µs | router: torch µs | router: Triton µs |",
+             "|" + "---|" * 16]  # fmt: skip
 
     def fmt(v: float | None, spec: str = ".1f") -> str:
         return "—" if v is None else format(v, spec)
@@ -207,7 +219,8 @@ def main() -> None:
             f"{fmt(r['cuBLAS fp16 grouped'])} | {fmt(r['cuBLAS fp16 loop'])} | {fmt(r['loop/fused'], '.2f')} | "
             f"{fmt(r['cublas/fused'], '.2f')} | "
             f"{fmt(r['floor_us'])} | {fmt(r['fused % of floor'], '.0f')} | {fmt(r['mma % of floor'], '.0f')} | "
-            f"{fmt(r['align torch'])} | {fmt(r['align triton'])} |"
+            f"{fmt(r['align torch'])} | {fmt(r['align triton'])} | {fmt(r.get('router torch'))} | "
+            f"{fmt(r.get('router triton'))} |"
         )
     print("\n".join(lines))
     if args.out:

@@ -17,6 +17,9 @@ Knows: the three ways the experts of one layer run and when each applies —
   costs one host sync per layer, so such a model runs without CUDA graphs
   (``PreparedExperts.graph_safe``);
 
+The router's softmax + top-k (``select_experts``): the reference's torch ops, or with
+``QSERVE_FUSED_ROUTER=1`` on CUDA one Triton launch (``moe_router_triton``).
+
 Must not know: models, checkpoint formats. Triton stays a lazy import.
 """
 
@@ -35,6 +38,7 @@ from quant_kernels.moe_layout import StackedQuantWeight
 FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
 MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma" (default): moe_mma_triton; "fused": moe_triton
 MOE_KERNELS = ("mma", "fused")
+FUSED_ROUTER_ENV = "QSERVE_FUSED_ROUTER"  # "1": the router's softmax + top-k in one launch (moe_router_triton)
 
 
 def fused_moe_requested() -> bool:
@@ -137,6 +141,21 @@ def prepare_experts(
         down_list=[ops.prepare_w4a16(down.expert(e)) for e in range(num_experts)],
         skip_foreign=skip_foreign,
     )
+
+
+def select_experts(
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # float32 [T, k], int32 [T, k]
+    """The router's choice (``moe_reference.select_experts``' contract): on a device Triton serves
+    with ``QSERVE_FUSED_ROUTER=1`` one launch (``moe_router_triton``; opt-in: not yet run on a GPU),
+    else the reference's torch ops (about six launches)."""
+    if os.environ.get(FUSED_ROUTER_ENV) == "1" and kdevice.triton_serves(router_logits.device):
+        from quant_kernels import moe_router_triton  # noqa: PLC0415
+
+        return moe_router_triton.router_topk(router_logits, top_k, renormalize)
+    return moe_reference.select_experts(router_logits, top_k, renormalize)
 
 
 def moe_experts(

@@ -160,7 +160,7 @@ class SparseMoeBlock(nn.Module):
         """``lora``: the step's adapter rows, taken as every MLP takes them; routed and shared experts
         hold no LoRA slots (``qserve.lora.slots.lora_targets``), so the block's output is the base one."""
         router_logits = F.linear(hidden, self.gate.weight)  # [T, E], in the model dtype as in transformers
-        topk_weights, topk_ids = moe_reference.select_experts(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize)
         if not self.holds_all_experts:  # ids into this block's stack; another block's experts -> sentinel
             topk_ids = moe_reference.local_expert_ids(topk_ids, self.expert_start, self.num_local_experts)
         if self.prepared is None:

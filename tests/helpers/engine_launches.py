@@ -374,6 +374,10 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
             weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
             with where(capture, f"fused MoE{label} {dtype_name} T={m}"), torch.inference_mode():
                 moe_ops.moe_experts(x, prepared, weights, ids)
+    for m in MOE_TOKENS:  # the router as the MoE block calls it (QSERVE_FUSED_ROUTER=1): [T, E] logits
+        with mock.patch.dict(os.environ, {moe_ops.FUSED_ROUTER_ENV: "1"}):
+            with where(capture, f"MoE router {dtype_name} T={m}"), torch.inference_mode():
+                moe_ops.select_experts(torch.zeros((m, num_experts), dtype=dtype), top_k, True)
     drive_moe_mma(capture, dtype, dtype_name)
 
 

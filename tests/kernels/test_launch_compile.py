@@ -229,11 +229,11 @@ print("RESULT" + json.dumps(result, default=str))
 
 @pytest.mark.slow  # ~25 s (the newest CI job runs it)
 def test_moe_launches_compile(tmp_path) -> None:
-    """The fused MoE launches as ``moe_ops.moe_experts`` makes them (QSERVE_FUSED_MOE=1) at
-    Qwen3-30B-A3B's shapes, and what they must look like: the one-program token sort (int32 ids, all
-    experts and an expert-parallel rank's share with the sentinel group, one chunk and several), the
-    grouped GEMMs, and the opt-in MMA-operand kernel's (QSERVE_MOE_KERNEL=mma, symmetric and with
-    zeros). The engine units above compile the same launches for sm90 and the job's consumer card;
+    """The MoE launches as ``moe_ops`` makes them at Qwen3-30B-A3B's shapes, and what they must look
+    like: the one-program token sort (int32 ids, all experts and an expert-parallel rank's share with
+    the sentinel group, one chunk and several), the fused kernel's grouped GEMMs
+    (QSERVE_MOE_KERNEL=fused), the default MMA-operand kernel's (symmetric, with zeros, one rank's
+    share) and the opt-in router top-k (QSERVE_FUSED_ROUTER=1). The engine units above compile the same launches for sm90 and the job's consumer card;
     this checks the other consumer card (sm86 where the job's is sm89, and the reverse), which no
     unit of the job builds. Selectable alone (``-k moe``)."""
     other = "sm89" if UNITS["consumer"][0] == "sm86" else "sm86"
@@ -253,4 +253,6 @@ def test_moe_launches_compile(tmp_path) -> None:
         assert {x["constexprs"]["NUM_BINS"] for x in aligns} == {128, 64}, gpu  # 128 experts; 32 + the sentinel
         assert max(x["constexprs"]["CHUNK"] for x in aligns) < 512 * 8, gpu  # 4096 pairs: several chunks
         kernels = {x["kernel"] for x in launches}
-        assert kernels == {"moe_align_block_size_kernel", "moe_w4a16_kernel", "moe_mma_kernel"}, gpu
+        assert kernels == {
+            "moe_align_block_size_kernel", "moe_w4a16_kernel", "moe_mma_kernel", "router_topk_kernel"
+        }, gpu  # fmt: skip
