@@ -14,11 +14,11 @@ PyTorch reference (``moe_reference.fused_moe_w4a16``, float32 dequant) on the sa
 
 Columns: µs per MoE layer call of each path, ratios in the same run (loop / fused and
 cuBLAS grouped / fused: > 1 means the fused kernel is faster), the fused kernel's share of the floor;
-``mma``: the MMA-operand kernel (``moe_mma_triton``, the default since 2026-12-05), graph-timed on the
+``mma``: the opt-in MMA-operand kernel (``moe_mma_triton``, ``QSERVE_MOE_KERNEL=mma``), graph-timed on the
 same inputs, with its share of the floor; and the token sort by expert alone, graph-timed: the
 reference's torch ops (``moe_reference.moe_align_block_size``) vs the one-launch Triton kernel the fused
-paths run (``moe_triton.moe_align_block_size``, its kernel timed past the launcher's ``ALIGN_MAX_PAIRS``
-too, where the launcher runs the torch ops), at the fused path's block_m, after checking they agree;
+paths run (``moe_triton.moe_align_block_size``, its kernel timed at every size, past
+``QSERVE_MOE_ALIGN_MAX_PAIRS`` too, where the launcher would run the torch ops), at the fused path's block_m, after checking they agree;
 and the router's softmax + top-k alone, graph-timed: ``moe_reference.select_experts`` (about six torch
 ops) vs ``moe_router_triton.router_topk`` (one launch, opt-in ``QSERVE_FUSED_ROUTER=1``).
 """
@@ -175,13 +175,14 @@ def main() -> None:
                 row[name] = None
         block_m = moe_triton.default_config(t, TOP_K, NUM_EXPERTS).block_m
         aligns = {"align torch": moe_reference.moe_align_block_size, "align triton": moe_triton.moe_align_block_size}
-        # the kernel itself at every size, past the launcher's ALIGN_MAX_PAIRS too: the crossover is read here
-        limit, moe_triton.ALIGN_MAX_PAIRS = moe_triton.ALIGN_MAX_PAIRS, 1 << 62
+        # the kernel itself at every size (whatever QSERVE_MOE_ALIGN_MAX_PAIRS says): the crossover is read here
+        limit = os.environ.pop(moe_triton.ALIGN_MAX_PAIRS_ENV, None)
         sorts = {name: fn(ids, NUM_EXPERTS, block_m) for name, fn in aligns.items()}
         agree = all(torch.equal(a, b) for a, b in zip(*sorts.values()))
         for name, fn in aligns.items():
             row[name] = graph_us(lambda fn=fn, ids=ids, bm=block_m: fn(ids, NUM_EXPERTS, bm)) if agree else None
-        moe_triton.ALIGN_MAX_PAIRS = limit
+        if limit is not None:
+            os.environ[moe_triton.ALIGN_MAX_PAIRS_ENV] = limit
         if not agree:
             print(f"T={t}: the Triton token sort differs from the reference's; not timed", file=sys.stderr)
         # the router's softmax + top-k on the model-dtype logits the MoE block has: torch ops vs one launch

@@ -1,21 +1,21 @@
 """Device dispatch for a mixture-of-experts layer's experts: which implementation runs them.
 
-Knows: the three ways the experts of one layer run and when each applies —
+Knows: the four ways the experts of one layer run and when each applies —
 
 * off CUDA: the PyTorch reference (``moe_reference``), the CPU path and the oracle;
-* on CUDA by default: the grouped kernel on experts pre-shuffled once here to the MMA-operand
-  order of the dense W4A16 kernel (``moe_mma_triton``: swap-AB, the dequantized weights stay in
-  registers), no host sync, CUDA-graph safe; the canonical stack is not kept
-  (``PreparedExperts.kind == "mma"``). On the H200 1.5-2.1x the kernel below at 1-4,096 tokens,
-  1.33-1.67x its Qwen3-30B-A3B decode (bench/RESULTS.md);
-* on CUDA with ``QSERVE_MOE_KERNEL=fused``, or where the MMA kernel does not serve a layer: the
-  fused grouped kernel on the canonical stack (``moe_triton``, per-element dequantize), likewise
-  sync-free;
-* on CUDA with ``QSERVE_FUSED_MOE=0``: the reference's loop over the experts a step hits, each
-  expert's two matmuls through the dense W4A16 kernels (``ops.w4a16_linear``, weights repacked
-  per expert once here) and ``elementwise_ops.silu_and_mul``. Learning which experts are hit
-  costs one host sync per layer, so such a model runs without CUDA graphs
-  (``PreparedExperts.graph_safe``);
+* on CUDA by default: the fused grouped kernel on the canonical stack (``moe_triton``,
+  per-element dequantize), no host sync, CUDA-graph safe (44-259x the loop below on the H200);
+* on CUDA with ``QSERVE_MOE_KERNEL=mma`` (opt-in: 1.5-2.3x the fused kernel and 1.33-1.67x its
+  Qwen3-30B-A3B decode on the H200, bench/RESULTS.md, but the one ``pytest -m gpu`` run with it
+  as the default, on an H100, did not pass): the grouped kernel on experts pre-shuffled once here
+  to the MMA-operand order of the dense W4A16 kernel (``moe_mma_triton``: swap-AB, the dequantized
+  weights stay in registers), likewise sync-free; the canonical stack is not kept
+  (``PreparedExperts.kind == "mma"``);
+* on CUDA with ``QSERVE_FUSED_MOE=0`` (whatever ``QSERVE_MOE_KERNEL`` says): the reference's
+  loop over the experts a step hits, each expert's two matmuls through the dense W4A16 kernels
+  (``ops.w4a16_linear``, weights repacked per expert once here) and
+  ``elementwise_ops.silu_and_mul``. Learning which experts are hit costs one host sync per layer,
+  so such a model runs without CUDA graphs (``PreparedExperts.graph_safe``).
 
 The router's softmax + top-k (``select_experts``): the reference's torch ops, or with
 ``QSERVE_FUSED_ROUTER=1`` on CUDA one Triton launch (``moe_router_triton``).
@@ -36,7 +36,7 @@ from quant_kernels import elementwise_ops, moe_reference, ops
 from quant_kernels.moe_layout import StackedQuantWeight
 
 FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
-MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma" (default): moe_mma_triton; "fused": moe_triton
+MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "fused" (default): moe_triton; "mma": moe_mma_triton
 MOE_KERNELS = ("mma", "fused")
 FUSED_ROUTER_ENV = "QSERVE_FUSED_ROUTER"  # "1": the router's softmax + top-k in one launch (moe_router_triton)
 
@@ -47,11 +47,11 @@ def fused_moe_requested() -> bool:
 
 
 def mma_moe_requested() -> bool:
-    """The MMA-operand kernel unless ``QSERVE_MOE_KERNEL=fused`` (unset or empty: ``mma``); anything
-    else is refused at load (a misspelt choice must not silently measure the wrong kernel)."""
-    value = os.environ.get(MOE_KERNEL_ENV, "") or "mma"
+    """``QSERVE_MOE_KERNEL=mma`` (unset, empty or ``fused``: the fused kernel); anything else is
+    refused at load (a misspelt choice must not silently measure the wrong kernel)."""
+    value = os.environ.get(MOE_KERNEL_ENV, "") or "fused"
     if value not in MOE_KERNELS:
-        raise ValueError(f"{MOE_KERNEL_ENV}={value!r}: the MoE kernels to choose are 'mma' (the default) and 'fused'")
+        raise ValueError(f"{MOE_KERNEL_ENV}={value!r}: the MoE kernels to choose are 'fused' (the default) and 'mma'")
     return value == "mma"
 
 
@@ -113,7 +113,8 @@ def prepare_experts(
     device = gate_up.qweight.device
     if not kdevice.triton_serves(device):
         return PreparedExperts("stacked", num_experts, inter, gate_up=gate_up, down=down, skip_foreign=skip_foreign)
-    if mma_moe_requested():
+    grouped = fused_moe_requested()  # QSERVE_FUSED_MOE=0: the per-expert loop, whichever kernel is named
+    if mma_moe_requested() and grouped:
         from quant_kernels import moe_mma_triton  # noqa: PLC0415
 
         if moe_mma_triton.supports(gate_up, down):
@@ -126,7 +127,7 @@ def prepare_experts(
                 fused=True,
                 skip_foreign=skip_foreign,
             )
-    if fused_moe_requested():
+    if grouped:
         from quant_kernels import moe_triton  # noqa: PLC0415
 
         if moe_triton.supports(gate_up) and moe_triton.supports(down):

@@ -58,8 +58,9 @@ engine holds a ``LoRAManager`` (qserve.lora.slots) whose slots the runner fills 
 names its adapter with a ``LoRARequest`` (read from its directory the first time, or registered
 before with ``add_lora``); each of its sequences holds a reference to the adapter until it finishes,
 so ``remove_lora`` never pulls an adapter from under a running request. The scheduler keeps the
-distinct adapters of the running requests within ``max_loras``. With LoRA on, decode replays CUDA
-graphs that take each row's adapter slot as an input (``QSERVE_LORA_GRAPHS=0``: eagerly), and the
+distinct adapters of the running requests within ``max_loras``. With LoRA on, decode runs eagerly
+unless ``QSERVE_LORA_GRAPHS=1`` (opt-in: graphs that take each row's adapter slot as an input, 10x
+eager at batch 32 on the H200), and the
 adapters' slots are set aside in the memory plan. Under tensor parallelism every rank's manager holds
 its shard of each adapter, and rank 0's registry changes reach the others with the next step
 (qserve.distributed.worker).
@@ -443,10 +444,10 @@ class Engine:
                 "%s: mixture-of-experts layers run eagerly (QSERVE_FUSED_MOE=0 chose the per-expert loop)", self.owner
             )
         if self.device.type == "cuda" and not config.enforce_eager and graphs_ok and config.enable_lora:
-            if os.environ.get(LORA_GRAPHS_ENV, "1") != "0":
+            if os.environ.get(LORA_GRAPHS_ENV) == "1":  # opt-in until a whole pytest -m gpu passes with it
                 self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len, max_loras=config.max_loras)
             else:
-                logger.info("enable_lora: decode runs eagerly (%s=0)", LORA_GRAPHS_ENV)
+                logger.info("enable_lora: decode runs eagerly (%s=1 captures CUDA graphs with LoRA)", LORA_GRAPHS_ENV)
         elif self.device.type == "cuda" and not config.enforce_eager and graphs_ok:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         if piecewise_enabled() and not config.enforce_eager:

@@ -382,7 +382,7 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
 
 
 def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
-    """The MMA-operand MoE kernel (the default; ``QSERVE_MOE_KERNEL`` unset) through ``moe_ops``'
+    """The opt-in MMA-operand MoE kernel (``QSERVE_MOE_KERNEL=mma``) through ``moe_ops``'
     dispatch, at the same shapes and token counts, symmetric and with AWQ-style zeros, and one
     expert-parallel rank's share (the experts shuffled to the simulated GPU's k-width at load, as a
     device would; the words themselves are left unwritten, see ``layout_without_shuffling``)."""
@@ -399,7 +399,7 @@ def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None
 
     local_experts = num_experts // MOE_EP_RANKS
     for sym, ep in ((True, False), (False, False), (True, True)):
-        with mock.patch.dict(os.environ, {moe_ops.MOE_KERNEL_ENV: ""}):
+        with mock.patch.dict(os.environ, {moe_ops.MOE_KERNEL_ENV: "mma"}):
             experts = local_experts if ep else num_experts
             prepared = moe_ops.prepare_experts(
                 stacked(hidden, 2 * inter, sym, experts), stacked(inter, hidden, sym, experts), skip_foreign=ep

@@ -132,18 +132,23 @@ def test_triton_align_over_many_chunks_at_the_real_chunk():
 
 
 def test_long_prefills_sort_with_the_reference(monkeypatch):
-    """Past ``ALIGN_MAX_PAIRS`` pairs the launcher runs the reference's torch ops (one program lost to
-    them at 4,096 tokens on the H200) and launches no kernel; at the limit it still launches it."""
+    """With ``QSERVE_MOE_ALIGN_MAX_PAIRS`` set, past that many pairs the launcher runs the reference's
+    torch ops (one program lost to them at 4,096 tokens on the H200) and launches no kernel; at the
+    limit, and with the variable unset, it launches the kernel; a bad value is refused by name."""
     from quant_kernels import moe_triton
 
     ids = _align_case(40, 8, 16, "spread", seed=5)  # 320 pairs
-    monkeypatch.setattr(moe_triton, "ALIGN_MAX_PAIRS", ids.numel() - 1)
+    monkeypatch.setenv(moe_triton.ALIGN_MAX_PAIRS_ENV, str(ids.numel() - 1))
     monkeypatch.setattr(moe_triton, "moe_align_block_size_kernel", None)  # a launch would raise
     want = moe_reference.moe_align_block_size(ids, 16, 16)
     for g, w in zip(moe_triton.moe_align_block_size(ids, 16, 16), want):
         assert g.dtype == torch.int32 and torch.equal(g, w)
-    monkeypatch.setattr(moe_triton, "ALIGN_MAX_PAIRS", ids.numel())
-    with pytest.raises(TypeError):
+    for limit in (str(ids.numel()), ""):
+        monkeypatch.setenv(moe_triton.ALIGN_MAX_PAIRS_ENV, limit)
+        with pytest.raises(TypeError):
+            moe_triton.moe_align_block_size(ids, 16, 16)
+    monkeypatch.setenv(moe_triton.ALIGN_MAX_PAIRS_ENV, "16k")
+    with pytest.raises(ValueError, match="QSERVE_MOE_ALIGN_MAX_PAIRS='16k'"):
         moe_triton.moe_align_block_size(ids, 16, 16)
 
 
