@@ -186,8 +186,11 @@ def main() -> None:
         if not agree:
             print(f"T={t}: the Triton token sort differs from the reference's; not timed", file=sys.stderr)
         # the router's softmax + top-k on the model-dtype logits the MoE block has: torch ops vs one launch
-        # (QSERVE_FUSED_ROUTER=1), after checking they pick the same experts
-        router_in = logits.half()
+        # (QSERVE_FUSED_ROUTER=1), after checking they pick the same experts. The logits are a permutation of
+        # an evenly spaced spread per row: random fp16 logits tie from ~128 tokens on, and a tie's pick is
+        # each implementation's own
+        spread = torch.argsort(torch.rand(t, NUM_EXPERTS, device="cuda"), dim=1)  # [T, E]
+        router_in = (spread.float() * (8.0 / NUM_EXPERTS) - 4.0).half()
         routers = {"router torch": moe_reference.select_experts, "router triton": moe_router_triton.router_topk}
         picks = [fn(router_in, TOP_K, True)[1] for fn in routers.values()]
         if torch.equal(*picks):
