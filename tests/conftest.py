@@ -12,12 +12,18 @@ Triton 3.6's interpreter turns a scalar into a Python int with ``int(array_of_sh
 which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted"), so every loop with
 a run-time bound fails there. ``_fix_interpreter_index`` re-registers ``__index__`` to read the
 single element instead; it touches nothing outside interpreter runs.
+
+``QSERVE_CI_SLOW_COUNT=<file>`` (set by ``.ci/run``'s lowest job): the run writes to that file how many
+CPU tests it collected marked ``slow``, before ``-m`` deselects them. The lowest job runs the others and
+checks the newest job will have some to run, without a second collection of the whole suite (~14 s).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -41,3 +47,11 @@ def _fix_interpreter_index() -> None:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     _fix_interpreter_index()
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects the slow tests
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    target = os.environ.get("QSERVE_CI_SLOW_COUNT")
+    if target:
+        cpu = [item for item in items if not item.get_closest_marker("gpu") and not item.get_closest_marker("peer")]
+        Path(target).write_text(str(sum(1 for item in cpu if item.get_closest_marker("slow"))))

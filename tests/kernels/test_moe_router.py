@@ -31,11 +31,16 @@ def assert_same_choice(got, want) -> None:
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "num_experts", "top_k"),
-    [(1, 8, 2), (3, 60, 4), (5, 128, 8), (2, 64, 1), (4, 160, 6)],  # Mixtral, Qwen2-MoE, Qwen3; E not a power of 2
+    ("num_tokens", "num_experts", "top_k", "renormalize", "dtype"),
+    [
+        (1, 8, 2, True, torch.float16),  # Mixtral
+        (3, 60, 4, False, torch.bfloat16),  # Qwen2-MoE: E not a power of two, no renormalization
+        (5, 128, 8, True, torch.bfloat16),  # Qwen3-MoE
+        (5, 128, 8, False, torch.float16),
+        (2, 64, 1, True, torch.float32),  # k = 1: the one weight renormalizes to 1
+        (4, 160, 6, False, torch.float32),
+    ],
 )
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_router_topk_matches_reference(num_tokens, num_experts, top_k, renormalize, dtype):
     from quant_kernels import moe_router_triton
 
