@@ -23,7 +23,7 @@
 #   graphs (buckets 256-2048) on the pure-decode and mixed steps (issue 25).
 # core (only when named; needs the server's wheels): bench/serving_http.sh with the engine core in-process,
 #   then in its own process (QSERVE_ENABLE_MULTIPROCESSING=1), concurrency 16 (CONCURRENCY=1,16 adds the
-#   slow batch-1 run) and Poisson 16 req/s, each run's folder packed into one .tgz
+#   slow batch-1 run), Poisson 16 req/s and 300 at once with /health probed, each run's folder packed into one .tgz
 #   (the device call returns at most 8 files).
 # ampere_proxy (only when named): bench/kernels.py --ampere-proxy --sweep: the sm86/sm89 W4A16 code (mma.sync,
 #   Ampere operand layout, 99 KB shared) timed on this card, issue 26's proxy for the users' dispatch table; 420 s.

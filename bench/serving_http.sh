@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `qserve bench` against `qserve serve` (issue 17): the random Qwen2.5-14B GPTQ-4bit checkpoint under
 # --gpu-memory-budget 24GiB, as users run it. First-request TTFT (the warm-up request on a fresh
-# server), concurrency 1 and 16, then Poisson 16 req/s; JSON + PNG per run in OUT_DIR.
+# server), concurrency 1 and 16, Poisson 16 req/s, then 300 requests all at once; JSON + PNG per run in
+# OUT_DIR. /health is probed every 100 ms through the last two (bench/health_probe.py: health_*.json).
 #   PYTHONPATH=. bash bench/serving_http.sh "$OUT" [/tmp/qb]
 # CONCURRENCY (default 1,16): the --max-concurrency list of the first run.
 # QSERVE_ENABLE_MULTIPROCESSING=1: the engine core in its own process (issue 27). PROFILE_S=30: py-spy
@@ -45,8 +46,18 @@ if [ -n "${PROFILE_S:-}" ]; then
         > "$OUT/pyspy.log" 2>&1 &
     PROFILER=$!
 fi
-python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 400 --request-rate 16 --num-warmups 0 --result-filename poisson16.json
+probe() {  # /health every 100 ms while "$@" loads the server (issue 27: p99 <= 50 ms throughout)
+    local name=$1; shift
+    python3 bench/health_probe.py --port "$PORT" --out "$OUT/health_$name.json" &
+    local prober=$!
+    "$@"
+    kill -TERM "$prober"; wait "$prober" || true
+}
+probe poisson16 python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 400 --request-rate 16 --num-warmups 0 \
+    --result-filename poisson16.json
 if [ -n "$PROFILER" ]; then
     wait "$PROFILER" && python3 bench/pyspy_summary.py "$OUT/pyspy.txt" > "$OUT/pyspy_summary.txt"
 fi
+probe all_at_once python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 300 --num-warmups 0 \
+    --result-filename all_at_once.json
 grep -E "allocated after start-up|warm start|memory plan" -A0 "$OUT/serve.log" || true

@@ -1,0 +1,51 @@
+"""bench/health_probe.py: latencies of /health under load, failures counted by what failed."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+from bench import health_probe
+
+
+def _serve(status: int) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(status if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_probes_report_percentiles_and_count_a_503_as_a_failure(tmp_path, capsys):
+    ok = _serve(200)
+    try:
+        out = tmp_path / "health.json"
+        argv = ["--port", str(ok.server_address[1]), "--interval", "0.02", "--duration", "0.3", "--out", str(out)]
+        assert health_probe.main(argv) == 0
+        result = json.loads(out.read_text())
+        assert result["failures"] == 0 and result["probes"] >= 5
+        assert 0 < result["p50_ms"] <= result["p99_ms"] <= result["max_ms"] < 5000
+    finally:
+        ok.shutdown()
+    down = _serve(503)
+    try:
+        assert (
+            health_probe.main(["--port", str(down.server_address[1]), "--interval", "0.02", "--duration", "0.1"]) == 0
+        )
+        printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1].split(": ", 1)[1])
+        assert printed["probes"] == printed["failures"] >= 1 and printed["failure_examples"][0] == "HTTP 503"
+    finally:
+        down.shutdown()
+
+
+def test_percentile_is_the_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert health_probe.percentile(values, 99) == 99.0 and health_probe.percentile(values, 50) == 50.0
+    assert health_probe.percentile([7.0], 99) == 7.0
