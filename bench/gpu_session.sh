@@ -55,14 +55,22 @@ if has smoke; then
     # (the longest first: the 14B-layer quantize tests take ~90 s each, async scheduling ~50 s)
     mapfile -t GPU_FILES < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include='test_*.py' \
         | awk '{ print (/quantize\/test_gpu/ ? 0 : /test_async_scheduling|test_w4a16/ ? 1 : 2), $0 }' | sort | cut -d' ' -f2)
-    # ~800 tests, most of their time in Triton compiles (CPU): spread over the machine's cores, work-stealing
-    WORKERS=$(python3 -c "import os, xdist; print(min(16, os.cpu_count()))" 2>/dev/null || echo 0)
+    # ~800 tests, most of their time in Triton compiles (CPU): spread over the machine's cores, work-stealing,
+    # one worker per 6 GiB of the card (16 on an H200; 13 on an H100, where 16 workers' models, pools and
+    # graphs may have filled the card: a decode-graph capture failed there on 2026-12-05, bench/RESULTS.md)
+    WORKERS=$(python3 -c "import os, torch, xdist; print(min(16, os.cpu_count(), torch.cuda.get_device_properties(0).total_memory // (6 << 30)))" 2>/dev/null || echo 0)
+    # the card's memory in use through the run, every 500 ms: the peak says whether the workers crowd it
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -lms 500 > "$OUT/smoke_gpu_memory.csv" 2>/dev/null &
+    MEMLOG=$!
     DIST=$(python3 -c "import xdist; print('worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else 'load')" 2>/dev/null)
     PARALLEL=(); [[ $WORKERS -gt 1 ]] && PARALLEL=(-n "$WORKERS" --dist "$DIST")
     # one OpenMP/MKL thread pool of 2 per worker: 16 workers x 16 threads oversubscribed the 16 cores
     OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout=240 "${PARALLEL[@]}" \
         --durations=10 "${GPU_FILES[@]}" > "$OUT/smoke_gputests.txt" 2>&1
     echo "pytest -m gpu exit code $? (${WORKERS} workers)"
+    kill "$MEMLOG" 2>/dev/null
+    awk -F', ' '$1 > peak { peak = $1; total = $2 } END { if (total) print "card memory in use, peak: " peak " of " total " MiB" }' \
+        "$OUT/smoke_gpu_memory.csv"
     grep -E "^(FAILED|ERROR)" "$OUT/smoke_gputests.txt" | head -20
     tail -1 "$OUT/smoke_gputests.txt"
     if [[ ${SMOKE_E2E:-1} != 0 ]]; then  # SMOKE_E2E=0: the tests alone (decode already measured at these kernels)
