@@ -69,17 +69,20 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     latencies, failures = [], []
     deadline = time.monotonic() + args.duration if args.duration > 0 else None
-    while not stopping and (deadline is None or time.monotonic() < deadline):
-        elapsed, failure = probe(args.host, args.port, args.timeout)
-        if failure is None:
-            latencies.append(elapsed)
-        else:
-            failures.append(failure)
-        time.sleep(max(0.0, args.interval - elapsed / 1e3))
+    try:
+        while not stopping and (deadline is None or time.monotonic() < deadline):
+            elapsed, failure = probe(args.host, args.port, args.timeout)
+            if failure is None:
+                latencies.append(elapsed)
+            else:
+                failures.append(failure)
+            time.sleep(max(0.0, args.interval - elapsed / 1e3))
+    finally:  # a caller's handlers back (the tests call main in pytest's process)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     result = summary(latencies, failures)
     text = json.dumps(result)
     print(f"/health under load: {text}")

@@ -94,7 +94,10 @@ def test_chat_streams_and_pool_panel_moves(demo_server, tmp_path):
         driver.find_element(By.ID, "temperature").clear()
         driver.find_element(By.ID, "temperature").send_keys("0")
         driver.find_element(By.ID, "max_tokens").clear()
-        driver.find_element(By.ID, "max_tokens").send_keys("60")
+        # 240 tokens keep the request running ~1.8 s after its first text: several of the panel's 500 ms
+        # polls. With 60 (~0.4 s) a run could fall between two polls and never see it running (a full
+        # suite run on 2026-12-05 did).
+        driver.find_element(By.ID, "max_tokens").send_keys("240")
         driver.find_element(By.ID, "prompt").send_keys("def parse_args(")
         driver.find_element(By.ID, "send").click()
 

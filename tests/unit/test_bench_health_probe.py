@@ -45,6 +45,14 @@ def test_probes_report_percentiles_and_count_a_503_as_a_failure(tmp_path, capsys
         down.shutdown()
 
 
+def test_main_gives_back_the_callers_signal_handlers():
+    import signal
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    health_probe.main(["--port", "9", "--interval", "0.01", "--duration", "0.05", "--timeout", "0.2"])
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
 def test_percentile_is_the_nearest_rank():
     values = [float(v) for v in range(1, 101)]
     assert health_probe.percentile(values, 99) == 99.0 and health_probe.percentile(values, 50) == 50.0
