@@ -31,6 +31,8 @@
 #   checkpoint under the 24 GiB budget: decode at batch 1/8/32/128 against its floor (bytes of the
 #   experts a step is expected to hit + attention, routers, lm_head), capacity at 1k tokens, offline
 #   1,000 requests, peak allocator; 240 s, to $OUT/moe_e2e.md.
+# moe_profile (only when named): bench/profile_step.py --model qwen3-30b-a3b: where a batch-1 and a batch-32
+#   MoE decode step's time goes, per kernel family (issue 32's batch-1 target); to $OUT/profile_step.md.
 set -u
 if [[ $# -ge 1 && ( -d "$1" || "$1" == */* ) ]]; then  # the older order: OUT_DIR first
     OUT=$1
@@ -183,5 +185,10 @@ if has moe_e2e; then
     stage "MoE end to end (Qwen3-30B-A3B-shaped GPTQ 4-bit): decode vs its floor, capacity at 1k, offline 1,000"
     timeout 240 python3 bench/e2e.py --model qwen3-30b-a3b --skip small,fp8 --num-requests 1000 --tmp /tmp/qbm \
         --out "$OUT/moe_e2e.md" 2>&1 | grep -v USDT | tail -12
+fi
+if has moe_profile; then
+    stage "MoE step profile (Qwen3-30B-A3B-shaped GPTQ 4-bit): pure decode at 1 and 32, mixed, per kernel family"
+    timeout 200 python3 bench/profile_step.py --model qwen3-30b-a3b --ckpt /tmp/qbm-prof --decode 1,32 \
+        --piecewise off --out "$OUT" 2>&1 | grep -v USDT | tail -6
 fi
 stage done

@@ -11,6 +11,11 @@ beyond ``add_request`` / ``step`` / ``has_unfinished_requests``.
     PYTHONPATH=. python3 bench/profile_step.py --out $OUT --ckpt /tmp/qb        # on the GPU
     PYTHONPATH=. python3 bench/profile_step.py --small --out /tmp/prof          # CPU smoke
     PYTHONPATH=. python3 bench/profile_step.py --out $OUT --piecewise both      # eager vs piecewise graphs
+    PYTHONPATH=. python3 bench/profile_step.py --model qwen3-30b-a3b --ckpt /tmp/qbm --decode 1,32 --out $OUT
+
+``--model qwen3-30b-a3b``: the Qwen3-30B-A3B-shaped random GPTQ-4bit checkpoint of ``bench/e2e.py`` (issue
+32: where a batch-1 MoE step's 3.9 ms go); the MoE kernels get families of their own (router, token sort,
+grouped GEMMs), and ``QSERVE_MOE_KERNEL`` / ``QSERVE_FUSED_ROUTER`` choose what the engine runs as usual.
 
 ``--piecewise`` (off | on | both; default: on when ``QSERVE_PIECEWISE_GRAPHS=1`` is set) sets that
 variable for the engine (both: one engine
@@ -35,11 +40,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.e2e import QWEN14B, SMALL, start_decoding, sync, write_random_gptq  # noqa: E402
+from bench.e2e import (  # noqa: E402
+    QWEN3_30B_A3B,
+    QWEN14B,
+    SMALL,
+    SMALL_MOE,
+    start_decoding,
+    sync,
+    write_random_gptq,
+    write_random_moe_gptq,
+)
 from qserve import LLM, SamplingParams  # noqa: E402
 from qserve.runner.piecewise_graphs import PIECEWISE_BUCKETS_ENV, PIECEWISE_GRAPHS_ENV  # noqa: E402
 
 FAMILIES = (  # first match wins; names as the profiler reports them
+    ("MoE grouped GEMM", ("moe_mma", "moe_w4a16")),
+    ("MoE token sort", ("moe_align",)),
+    ("MoE router top-k", ("router_topk",)),
     ("w4a16 GEMM (MMA layout)", ("w4a16_mma",)),
     ("w4a16 GEMM (other)", ("w4a16", "_w4a16")),
     ("dequantize (for cuBLAS)", ("dequant",)),
@@ -148,6 +165,7 @@ def table(title: str, wall_ms: float, kernels: list[tuple[str, float, int]], res
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="tiny model (CPU smoke; numbers mean nothing)")
+    parser.add_argument("--model", default="qwen2.5-14b", choices=("qwen2.5-14b", "qwen3-30b-a3b"))
     parser.add_argument("--ckpt", default="/tmp/qb", help="checkpoint folder (written first if missing)")
     parser.add_argument("--out", default="profile_step_out")
     parser.add_argument("--budget", default="24GiB")
@@ -165,10 +183,11 @@ def main() -> None:
     parser.add_argument("--piecewise-buckets", default="", help=f"{PIECEWISE_BUCKETS_ENV}: e.g. 256,512,1024,2048")
     args = parser.parse_args()
 
-    shape = SMALL if args.small else QWEN14B
+    moe = args.model == "qwen3-30b-a3b"
+    shape = (SMALL_MOE if moe else SMALL) if args.small else (QWEN3_30B_A3B if moe else QWEN14B)
     ckpt = Path(args.ckpt)
     if not (ckpt / "config.json").is_file():
-        write_random_gptq(ckpt, shape)
+        (write_random_moe_gptq if moe else write_random_gptq)(ckpt, shape)
     cuda = torch.cuda.is_available()
     if args.piecewise_buckets:
         os.environ[PIECEWISE_BUCKETS_ENV] = args.piecewise_buckets
@@ -176,7 +195,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [
-        f"# Step profile: {'small' if args.small else 'Qwen2.5-14B-shaped GPTQ-4bit'}, "
+        f"# Step profile: {'small' if args.small else ('Qwen3-30B-A3B' if moe else 'Qwen2.5-14B') + '-shaped GPTQ-4bit'}"
+        f"{' (MoE)' if moe and args.small else ''}, "
         f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}",
         "",
         f"mixed step = the running decodes + {args.prefills} new prompts of {args.prefill_len} tokens "
