@@ -20,9 +20,9 @@ shape and kept in the step's ``LoRAIndices.plans`` (every LoRA layer of a step s
 a 48-layer step makes about four plans, not ~190), dropped with the indices when the step ends. Reuse
 is safe because a step's launches run in order on one stream: the workspace is scratch that each
 shrink writes before it reads, and ``add_lora``'s ``h`` is dead once its expand has read it
-(``lora_shrink`` still returns a fresh ``h``: its caller holds it). Inside a CUDA-graph capture no plan
-is kept: every call allocates from the graph's pool as before, so no plan buffer is replayed into. What is
-launched is unchanged (same kernels, grids, constexprs).
+(``lora_shrink`` still returns a fresh ``h``: its caller holds it). Inside a CUDA-graph capture no
+plan is kept: every call allocates from the graph's pool as before, so no plan buffer is replayed
+into. What is launched is unchanged (same kernels, grids, constexprs).
 ``PYTHONPATH=. python bench/lora_host.py`` measures the per-call host cost on a CPU.
 """
 
@@ -154,8 +154,9 @@ def triton_enabled() -> bool:
 
 
 def _triton_usable(*tensors: torch.Tensor) -> bool:
-    """The opt-in is on, every tensor is on a device Triton serves with its last dim contiguous,
-    and the first has a kernel dtype. (A plain loop: this runs for every LoRA layer of a step.)"""
+    """The kernels are on (``triton_enabled``), every tensor is on a device Triton serves with its
+    last dim contiguous, and the first has a kernel dtype. (A plain loop: this runs for every LoRA
+    layer of a step.)"""
     if not triton_enabled() or tensors[0].dtype not in _KERNEL_DTYPES:
         return False
     for t in tensors:
@@ -240,7 +241,7 @@ def add_lora(
             x, lora_a, *tiles, num_slices, plan.h, plan.config, plan.workspace, indices.tile_counters
         )
         return lora_triton.lora_expand(y, plan.h, lora_b, *tiles, slice_starts)
-    h = lora_shrink(x, lora_a, len(slice_starts) - 1, indices, split_k=split_k, block_k=block_k)
+    h = lora_shrink(x, lora_a, num_slices, indices, split_k=split_k, block_k=block_k)
     return lora_expand(y, h, lora_b, slice_starts, indices)
 
 

@@ -29,8 +29,9 @@ Blocks past ``num_padded`` return at once and padding pairs (sentinel ``T*k``) a
 grid depends on shapes only: CUDA-graph safe, no host sync.
 
 Opt-in (``QSERVE_MOE_KERNEL=mma``, read in ``quant_kernels.moe_ops``): it won every row of
-bench/moe.py on the H200, and the one ``pytest -m gpu`` with it as the default did not pass. Untuned: one starting config per M bucket (``default_config``), no split-K (a decode step
-of Qwen3-30B-A3B launches ~8 pair blocks x 24 column tiles for gate_up), no stream-K, no PDL.
+bench/moe.py on the H200, and the one ``pytest -m gpu`` with it as the default did not pass.
+Untuned: one starting config per M bucket (``default_config``), no split-K (a decode step of
+Qwen3-30B-A3B launches ~8 pair blocks x 24 column tiles for gate_up), no stream-K, no PDL.
 4-bit, no act-order; other layers keep the other paths.
 """
 
@@ -321,9 +322,8 @@ def fused_moe_w4a16_mma(
 ) -> torch.Tensor:  # [T, H]
     """Same result contract as ``moe_triton.fused_moe_w4a16`` (and ``moe_reference``'s): the
     one-launch token sort (``moe_triton.moe_align_block_size``), two launches and the k-way sum, no
-    host sync. ``skip_foreign``
-    (expert parallelism): ids equal to ``num_experts`` sort past the computed blocks and their
-    output rows stay zero."""
+    host sync. ``skip_foreign`` (expert parallelism): ids equal to ``num_experts`` sort past the
+    computed blocks and their output rows stay zero."""
     num_tokens, top_k = topk_ids.shape
     config = config or default_config(num_tokens, top_k, w_gate_up.num_experts)
 

@@ -30,9 +30,9 @@ multiplies the gathered activation rows. Two uses, one kernel:
 Blocks past ``num_padded`` return at once, padding rows (sentinel ``T*k``) are masked: the grid
 depends on shapes only, so launches are CUDA-graph safe with no host sync.
 
-Not tuned yet (the default on CUDA; ``QSERVE_FUSED_MOE=0`` opts out, see ``quant_kernels.moe_ops``): codes are
-dequantized to the activation dtype per element (no lop3 / MMA-operand layout), one config per
-M bucket. Act-order (a per-expert permutation) is not served here; such layers take the
+Not tuned yet (the default on CUDA; ``QSERVE_FUSED_MOE=0`` opts out, see ``quant_kernels.moe_ops``):
+codes are dequantized to the activation dtype per element (no lop3 / MMA-operand layout), one config
+per M bucket. Act-order (a per-expert permutation) is not served here; such layers take the
 reference-style path.
 """
 

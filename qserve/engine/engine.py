@@ -32,16 +32,17 @@ tokens; the scheduler and runner verify them in the step; the tokens a step emit
 go one by one through the stop checks here (those after a stop are dropped). A step with drafts is
 processed before the next is scheduled (the next drafts follow its tokens), so speculation runs
 in the synchronous order while it proposes; above ``disable_by_batch_size`` enqueued requests
-(running and waiting) it proposes nothing and the asynchronous order comes back. Grammars get no drafts (docs/spec_decode.md).
+(running and waiting) it proposes nothing and the asynchronous order comes back. Grammars get no
+drafts (docs/spec_decode.md).
 With an EAGLE head the engine asks the runner for the target's hidden states of the steps that carry
 them (``SchedulerOutput.spec_hidden_states``: while speculating, and every step that is not a plain
 decode) and hands each sequence's kept positions to the proposer after the step. With
 ``enable_adaptive_verification`` the number of drafts per step comes from
 ``qserve.spec_decode.adaptive`` (measured acceptance, batch size, a cost model); 0 is a plain step.
-Verify steps (and a draft model's steps) run under CUDA graphs unless ``QSERVE_SPEC_GRAPHS=0`` (they made
-n-gram speculation 2.1-3.0x at batch 1 on the H200 where eager verify lost, bench/RESULTS.md): the
-target captures graphs of k + 1 rows per sequence for
-its verify steps and a draft model decode and 2-row catch-up graphs, all in the target's graph pool
+Verify steps (and a draft model's steps) run under CUDA graphs unless ``QSERVE_SPEC_GRAPHS=0`` (they
+made n-gram speculation 2.1-3.0x at batch 1 on the H200 where eager verify lost, bench/RESULTS.md):
+the target captures graphs of k + 1 rows per sequence for its verify steps and a draft model decode
+and 2-row catch-up graphs, all in the target's graph pool
 (``_capture_spec_graphs``); with an EAGLE head the verify graphs also write the hidden states the head
 reads, so its verify steps replay them too. Steps that propose nothing run exactly as without
 speculation.
@@ -60,8 +61,7 @@ before with ``add_lora``); each of its sequences holds a reference to the adapte
 so ``remove_lora`` never pulls an adapter from under a running request. The scheduler keeps the
 distinct adapters of the running requests within ``max_loras``. With LoRA on, decode runs eagerly
 unless ``QSERVE_LORA_GRAPHS=1`` (opt-in: graphs that take each row's adapter slot as an input, 10x
-eager at batch 32 on the H200), and the
-adapters' slots are set aside in the memory plan. Under tensor parallelism every rank's manager holds
+eager at batch 32 on the H200), and the adapters' slots are set aside in the memory plan. Under tensor parallelism every rank's manager holds
 its shard of each adapter, and rank 0's registry changes reach the others with the next step
 (qserve.distributed.worker).
 """
@@ -441,7 +441,8 @@ class Engine:
         graphs_ok = getattr(self.model, "supports_cuda_graphs", True)  # False: MoE experts that sync with the host
         if self.device.type == "cuda" and not config.enforce_eager and not graphs_ok:
             logger.info(
-                "%s: mixture-of-experts layers run eagerly (QSERVE_FUSED_MOE=0 chose the per-expert loop)", self.owner
+                "%s: mixture-of-experts layers run eagerly (the per-expert loop: QSERVE_FUSED_MOE=0 or act-order experts)",
+                self.owner,
             )
         if self.device.type == "cuda" and not config.enforce_eager and graphs_ok and config.enable_lora:
             if os.environ.get(LORA_GRAPHS_ENV) == "1":  # opt-in until a whole pytest -m gpu passes with it

@@ -28,8 +28,8 @@ a manager, runs exactly as before.
 Speculative decoding (``SchedulerOutput.num_spec_tokens > 0``): a sequence with k draft tokens
 gets logits at its last k + 1 rows and ``_verify`` runs the rejection sampler
 (``qserve.runner.rejection_sampler``) over them; its emitted tokens reach the host inside the
-launch. Such a step runs eagerly, or, with multi-row graphs captured (``capture_row_graphs``,
-captured unless ``QSERVE_SPEC_GRAPHS=0``: up to ``query_len`` new tokens per sequence, pad rows where a sequence has
+launch. Such a step runs eagerly, or, with multi-row graphs captured (``capture_row_graphs``, unless
+``QSERVE_SPEC_GRAPHS=0``: up to ``query_len`` new tokens per sequence, pad rows where a sequence has
 fewer, see ``qserve.runner.cuda_graphs``), replays one when it fits (``uses_row_graph``); a draft
 model's runner uses them for its catch-up steps. Steps without drafts take exactly the path they
 take without speculation (a pure decode never takes a multi-row graph).
@@ -39,8 +39,8 @@ EAGLE heads (``enable_spec_hidden_states``, off by default): a step whose
 ``RunnerOutput.spec_hidden_states`` (the final ones, or for EAGLE-3 the residual streams entering the
 tapped layers, concatenated); every other step is unchanged. Such a step runs eagerly, except a
 verify step that fits the multi-row graphs when they were captured after ``enable_spec_hidden_states``
-(the default; ``QSERVE_SPEC_GRAPHS=0`` turns them off): those graphs write the same hidden states into a static buffer
-(``DecodeGraphs.hidden_taps``), and the step replays one and returns them.
+(the default; ``QSERVE_SPEC_GRAPHS=0`` turns them off): those graphs write the same hidden states
+into a static buffer (``DecodeGraphs.hidden_taps``), and the step replays one and returns them.
 
 Piecewise CUDA graphs (``capture_piecewise_graphs``, opt-in with ``QSERVE_PIECEWISE_GRAPHS=1``): a step
 that replays no decode or row graph (mixed and prefill steps) runs its layers' non-attention parts as

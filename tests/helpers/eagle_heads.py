@@ -125,6 +125,15 @@ def permutation(num: int = PERM_SLOTS, seed: int = 3) -> list[int]:
     return perm
 
 
+def walk_tokens(perm: list[int], slot: int, num: int) -> list[int]:
+    """The ``num`` tokens the permutation target generates greedily after token ``PERM_FIRST + slot``."""
+    tokens = []
+    for _ in range(num):
+        slot = perm[slot]
+        tokens.append(PERM_FIRST + slot)
+    return tokens
+
+
 def permutation_target(path: str | Path, perm: list[int], num_layers: int = 4) -> tuple[Path, dict]:
     """A Llama target whose layers add nothing (o_proj and down_proj are zero): its stream is the
     token's embedding, one-hot in slot s for token PERM_FIRST + s, and its lm_head sends slot s to

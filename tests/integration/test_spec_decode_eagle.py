@@ -23,7 +23,14 @@ import torch
 from safetensors.torch import load_file
 
 from qserve import LLM
-from tests.helpers.eagle_heads import PERM_FIRST, oracle_head, permutation, permutation_target, random_head
+from tests.helpers.eagle_heads import (
+    PERM_FIRST,
+    oracle_head,
+    permutation,
+    permutation_target,
+    random_head,
+    walk_tokens,
+)
 from tests.integration.test_spec_decode import (  # noqa: F401 - path, reference: fixtures
     ARGS,
     LOOP,
@@ -347,11 +354,7 @@ def test_an_oracle_head_gets_its_drafts_accepted(walk, method):
     target, heads, perm = walk
     prompts = [{"prompt_token_ids": [PERM_FIRST + s for s in (3, 9, 17, 40)]}, {"prompt_token_ids": [PERM_FIRST + 5]}]
     params = _greedy(max_tokens=30)
-    slot = 40
-    expected = []
-    for _ in range(30):
-        slot = perm[slot]
-        expected.append(PERM_FIRST + slot)
+    expected = walk_tokens(perm, 40, 30)
 
     def acceptance(shift: bool) -> float:
         llm = LLM(target, speculative_config=_spec(heads, method), **ARGS)
@@ -421,11 +424,7 @@ def test_adaptive_verification_with_an_eagle_head(walk):
     prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in starts]
     outputs = llm.generate(prompts, [_greedy(max_tokens=n) for n in lengths], use_tqdm=False)
     for start, n, output in zip(starts, lengths, outputs):
-        slot, expected = start, []
-        for _ in range(n):
-            slot = perm[slot]
-            expected.append(PERM_FIRST + slot)
-        assert output.outputs[0].token_ids == expected
+        assert output.outputs[0].token_ids == walk_tokens(perm, start, n)
     assert all(k == 0 for running, k, _ in chosen if running >= 4)
     assert any(k == K for running, k, _ in chosen if running == 1), "full k once acceptance is measured"
     stats = engine.spec_stats
@@ -460,11 +459,7 @@ def test_cuda_eagle_heads(path, heads, walk, async_scheduling):  # noqa: F811
         prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
         outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
         for s, output in zip((3, 9, 17), outputs):
-            slot, expected = s, []
-            for _ in range(40):
-                slot = perm[slot]
-                expected.append(PERM_FIRST + slot)
-            assert output.outputs[0].token_ids == expected
+            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
         stats = llm.engine.spec_stats
         assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
         del llm
@@ -513,11 +508,7 @@ def test_cuda_graphed_eagle_verify_matches_eager_and_no_speculation(path, heads,
         prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
         outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
         for s, output in zip((3, 9, 17), outputs):
-            slot, expected = s, []
-            for _ in range(40):
-                slot = perm[slot]
-                expected.append(PERM_FIRST + slot)
-            assert output.outputs[0].token_ids == expected
+            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
         assert "rows" in log.kinds(), "verify steps replayed the row graphs"
         stats = llm.engine.spec_stats
         assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
@@ -583,11 +574,7 @@ def test_graphed_verify_steps_hand_the_head_their_hidden_states(walk, method):
     assert engine.runner.row_graphs.hidden_taps == engine.runner.spec_hidden_layers
     log = PathLog(engine.runner)
     outputs = llm.generate(prompts, _greedy(max_tokens=30), use_tqdm=False)
-    slot, expected = 40, []
-    for _ in range(30):
-        slot = perm[slot]
-        expected.append(PERM_FIRST + slot)
-    assert outputs[0].outputs[0].token_ids == expected
+    assert outputs[0].outputs[0].token_ids == walk_tokens(perm, 40, 30)
     rows = [entry for entry in log.entries if entry[0] == "rows"]
     assert len(rows) >= 5, f"verify steps replayed the row graphs: {log.kinds()}"
     stats = engine.spec_stats

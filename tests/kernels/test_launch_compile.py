@@ -18,12 +18,13 @@ turns on for this machine, cannot be compiled), all at once.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.result_scripts import run_result_script, script_env
 
 pytest.importorskip("triton")
 
@@ -53,8 +54,7 @@ UNITS = {
 
 
 def _env(tmp: Path, name: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = script_env()
     env["TRITON_CACHE_DIR"] = str(tmp / f"triton-cache-{name}")  # cold: every launch really compiles
     env["TRITON_DISABLE_LINE_INFO"] = "1"  # ~15% less compile time; no effect on what a launch needs
     return env
@@ -158,12 +158,7 @@ def test_the_check_catches_what_broke_main(tmp_path) -> None:
     """Controls: b0d3937's branch pattern with the fp16 output as the counters fails to compile
     (on every GPU), a kernel needing more shared memory than an sm86 block has fails there (and
     only there), and a grid past CUDA's limits fails even when the kernel compiled for a smaller one."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _CONTROL], cwd=ROOT, env=_env(tmp_path, "control"), capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT") :])
+    result = run_result_script(_CONTROL, env=_env(tmp_path, "control"))
     for gpu in ("sm90", "sm86"):
         assert "atomic_xchg does not support fp16" in (result[gpu]["split_or_direct_kernel"] or ""), result[gpu]
     assert result["sm90"]["big_tile_kernel"] is None, result["sm90"]
@@ -189,22 +184,21 @@ print("RESULT" + json.dumps(result, default=str))
 """
 
 
+def _compiled_launches(script: str, tmp_path: Path, name: str, *args: str) -> dict[str, list[dict]]:
+    """A launch script's captured launches by GPU, after checking that every one compiled."""
+    result = run_result_script(script, *args, env=_env(tmp_path, name), timeout=900)
+    for gpu, launches in result.items():
+        failures = [f"{x['kernel']} [{x['where']}]: {x['error']}" for x in launches if x["error"]]
+        assert not failures, f"{gpu}:\n" + "\n".join(failures)
+    return result
+
+
 def test_lora_launches_compile(tmp_path) -> None:
     """The multi-LoRA kernels as ``lora_ops.add_lora`` launches them (QSERVE_LORA_TRITON=1) at
     Qwen2.5-14B's qkv and down shapes, fp16 and bf16, compile for sm90, sm89 and sm86: the split-K
     shrink (workspace, arrival counters, the last program's reduction) and the one-split shrink, and
     the expand. Selectable alone (``-k lora``): no engine drive, about a minute."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _LORA], cwd=ROOT, env=_env(tmp_path, "lora"), capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
-    if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower() and proc.returncode != 0:
-        pytest.skip("this triton has no NVIDIA backend")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT") :])
-    for gpu, launches in result.items():
-        failures = [f"{x['kernel']} [{x['where']}]: {x['error']}" for x in launches if x["error"]]
-        assert not failures, f"{gpu}:\n" + "\n".join(failures)
+    for gpu, launches in _compiled_launches(_LORA, tmp_path, "lora").items():
         splits = {x["constexprs"]["SPLIT_PAD"] for x in launches if x["kernel"] == "lora_shrink_kernel"}
         assert 1 in splits and max(splits) == 32, (gpu, splits)  # one split, and the heuristic's decode split
         assert any(x["kernel"] == "lora_expand_kernel" for x in launches), gpu
@@ -233,21 +227,12 @@ def test_moe_launches_compile(tmp_path) -> None:
     like: the one-program token sort (int32 ids, all experts and an expert-parallel rank's share with
     the sentinel group, one chunk and several), the default fused kernel's grouped
     GEMMs, the opt-in MMA-operand kernel's (QSERVE_MOE_KERNEL=mma: symmetric, with zeros, one rank's
-    share) and the opt-in router top-k (QSERVE_FUSED_ROUTER=1). The engine units above compile the same launches for sm90 and the job's consumer card;
-    this checks the other consumer card (sm86 where the job's is sm89, and the reverse), which no
-    unit of the job builds. Selectable alone (``-k moe``)."""
+    share) and the opt-in router top-k (QSERVE_FUSED_ROUTER=1). The engine units above compile the
+    same launches for sm90 and the job's consumer card; this checks the other consumer card (sm86
+    where the job's is sm89, and the reverse), which no unit of the job builds. Selectable alone
+    (``-k moe``)."""
     other = "sm89" if UNITS["consumer"][0] == "sm86" else "sm86"
-    proc = subprocess.run(
-        [sys.executable, "-c", _MOE, other], cwd=ROOT, env=_env(tmp_path, "moe"), capture_output=True,
-        text=True, timeout=900,
-    )  # fmt: skip
-    if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower() and proc.returncode != 0:
-        pytest.skip("this triton has no NVIDIA backend")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT") :])
-    for gpu, launches in result.items():
-        failures = [f"{x['kernel']} [{x['where']}]: {x['error']}" for x in launches if x["error"]]
-        assert not failures, f"{gpu}:\n" + "\n".join(failures)
+    for gpu, launches in _compiled_launches(_MOE, tmp_path, "moe", other).items():
         aligns = [x for x in launches if x["kernel"] == "moe_align_block_size_kernel"]
         assert all(x["signature"][0] == "*int32" and x["grid"] == [1] for x in aligns), (gpu, aligns)
         assert {x["constexprs"]["NUM_BINS"] for x in aligns} == {128, 64}, gpu  # 128 experts; 32 + the sentinel

@@ -16,16 +16,13 @@ The compiles run in a subprocess without TRITON_INTERPRET (the conftest sets it 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.result_scripts import run_result_script
+
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # (arch, name, (block_m, block_n, block_k, warps, stages), silu_mul, asym, dtype, group_size)
 CASES = [
@@ -43,11 +40,7 @@ _SCRIPT = r"""
 import json, re, sys
 from quant_kernels import moe_mma_triton as moe_mma
 from quant_kernels.repack import mma_kwidth
-
-def shared_store_bytes(ptx):
-    st = sum(int(m.group(1) or 1) * int(m.group(2)) // 8
-             for m in re.finditer(r"\bst\.shared(?:::cta)?(?:\.v(\d))?\.b(\d+)", ptx))
-    return st + sum(4 * int(m.group(1)) for m in re.finditer(r"\bstmatrix\.sync\.aligned\.m8n8\.x(\d)", ptx))
+from tests.helpers.result_scripts import shared_store_bytes
 
 out = []
 for arch, name, (bm, bn, bk, w, st), silu, asym, dtype, group in json.loads(sys.argv[1]):
@@ -65,17 +58,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def ptx_stats() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=900
-    )
-    if proc.returncode != 0:
-        if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower():
-            pytest.skip("this triton has no NVIDIA backend")
-        raise AssertionError(f"PTX compile failed:\n{proc.stderr[-3000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    return {(r["arch"], r["name"]): r for r in json.loads(line[len("RESULT") :])}
+    return {(r["arch"], r["name"]): r for r in run_result_script(_SCRIPT, json.dumps(CASES), timeout=900)}
 
 
 def allowed_bytes(bm: int, bn: int, bk: int, warps: int) -> int:

@@ -20,16 +20,13 @@ on CPU machines, and interpreted functions cannot be compiled).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.result_scripts import run_result_script, script_env
+
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # (arch, id, (block_m, block_n, block_k, warps, stages[, scale_w[, stream_k]]), group_tile, asym, act_order, dtype, bits)
 CASES = [
@@ -50,12 +47,7 @@ _SCRIPT = r"""
 import dataclasses, json, re, sys
 from quant_kernels import w4a16_mma_triton as mma
 from quant_kernels.repack import mma_kwidth
-
-def shared_store_bytes(ptx):
-    # bytes per thread stored to shared memory: st.shared[.vN].bW plus stmatrix (4 B per matrix)
-    st = sum(int(m.group(1) or 1) * int(m.group(2)) // 8
-             for m in re.finditer(r"\bst\.shared(?:::cta)?(?:\.v(\d))?\.b(\d+)", ptx))
-    return st + sum(4 * int(m.group(1)) for m in re.finditer(r"\bstmatrix\.sync\.aligned\.m8n8\.x(\d)", ptx))
+from tests.helpers.result_scripts import shared_store_bytes
 
 out = []
 for arch, name, (bm, bn, bk, w, st, *opt), ng, asym, perm, dtype, bits in json.loads(sys.argv[1]):
@@ -80,21 +72,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def ptx_stats() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(CASES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower():
-            pytest.skip("this triton has no NVIDIA backend")
-        raise AssertionError(f"PTX compile failed:\n{proc.stderr[-3000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    return {(r["arch"], r["name"]): r for r in json.loads(line[len("RESULT") :])}
+    return {(r["arch"], r["name"]): r for r in run_result_script(_SCRIPT, json.dumps(CASES))}
 
 
 def allowed_bytes(bm: int, bn: int, bk: int, warps: int, epilogues: int = 1) -> int:
@@ -172,16 +150,7 @@ def test_ampere_proxy_compiles_the_sm86_code_for_sm90() -> None:
     Triton's ``DISABLE_MMA_V3=1`` an sm90 compile of the kernel, given the Ampere operand layout,
     must be the sm86 compile's PTX line for line (mma.sync, no wgmma). Seen with Triton 3.6 and 3.8;
     if a Triton upgrade drops the variable or changes the code, the proxy no longer says anything."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["DISABLE_MMA_V3"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _PROXY_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower():
-            pytest.skip("this triton has no NVIDIA backend")
-        raise AssertionError(f"PTX compile failed:\n{proc.stderr[-3000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    r = json.loads(line[len("RESULT") :])
+    r = run_result_script(_PROXY_SCRIPT, env=script_env() | {"DISABLE_MMA_V3": "1"})
     assert r["mma_sync"] and not r["wgmma"], f"the proxy's sm90 compile is not the mma.sync code: {r}"
     assert r["same"], f"the proxy's sm90 PTX differs from the sm86 compile's ({r['lines']} lines)"
 
@@ -205,16 +174,7 @@ print("RESULT" + json.dumps(out))
 def test_ampere_table_launches_compile_within_sm86_shared_memory() -> None:
     """The opt-in Ampere table's stream-K launches (QSERVE_W4A16_AMPERE_TABLE=1), fitted as the
     launcher fits them, compile for sm86 and sm89 with mma.sync inside a block's 99 KB."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _AMPERE_TABLE_SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
-    if proc.returncode != 0:
-        if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower():
-            pytest.skip("this triton has no NVIDIA backend")
-        raise AssertionError(f"compile failed:\n{proc.stderr[-3000:]}")
-    rows = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT") :])
+    rows = run_result_script(_AMPERE_TABLE_SCRIPT)
     assert {r["cfg"].split()[3] for r in rows} == {"sk2", "sk1"}, rows  # the stream-K grids were compiled
     for r in rows:
         assert r["mma_sync"] and r["shared"] <= 99 * 1024, r
