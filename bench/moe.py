@@ -14,7 +14,7 @@ PyTorch reference (``moe_reference.fused_moe_w4a16``, float32 dequant) on the sa
 
 Columns: µs per MoE layer call of each path, ratios in the same run (loop / fused and
 cuBLAS grouped / fused: > 1 means the fused kernel is faster), the fused kernel's share of the floor;
-``mma``: the opt-in MMA-operand kernel (``moe_mma_triton``, ``QSERVE_MOE_KERNEL=mma``), graph-timed on the
+``mma``: the MMA-operand kernel (``moe_mma_triton``, the default; ``QSERVE_MOE_KERNEL=fused`` leaves it), graph-timed on the
 same inputs, with its share of the floor; and the token sort by expert alone, graph-timed: the
 reference's torch ops (``moe_reference.moe_align_block_size``) vs the one-launch Triton kernel the fused
 paths run (``moe_triton.moe_align_block_size``, its kernel timed at every size, past
@@ -176,12 +176,15 @@ def main() -> None:
         block_m = moe_triton.default_config(t, TOP_K, NUM_EXPERTS).block_m
         aligns = {"align torch": moe_reference.moe_align_block_size, "align triton": moe_triton.moe_align_block_size}
         # the kernel itself at every size (whatever QSERVE_MOE_ALIGN_MAX_PAIRS says): the crossover is read here
-        limit = os.environ.pop(moe_triton.ALIGN_MAX_PAIRS_ENV, None)
+        limit = os.environ.get(moe_triton.ALIGN_MAX_PAIRS_ENV)
+        os.environ[moe_triton.ALIGN_MAX_PAIRS_ENV] = str(1 << 62)
         sorts = {name: fn(ids, NUM_EXPERTS, block_m) for name, fn in aligns.items()}
         agree = all(torch.equal(a, b) for a, b in zip(*sorts.values()))
         for name, fn in aligns.items():
             row[name] = graph_us(lambda fn=fn, ids=ids, bm=block_m: fn(ids, NUM_EXPERTS, bm)) if agree else None
-        if limit is not None:
+        if limit is None:
+            del os.environ[moe_triton.ALIGN_MAX_PAIRS_ENV]
+        else:
             os.environ[moe_triton.ALIGN_MAX_PAIRS_ENV] = limit
         if not agree:
             print(f"T={t}: the Triton token sort differs from the reference's; not timed", file=sys.stderr)

@@ -28,8 +28,8 @@ in the dense kernel (lop3 dequant, scales on the fp32 partial when a K-tile lies
 Blocks past ``num_padded`` return at once and padding pairs (sentinel ``T*k``) are masked, so the
 grid depends on shapes only: CUDA-graph safe, no host sync.
 
-Opt-in (``QSERVE_MOE_KERNEL=mma``, read in ``quant_kernels.moe_ops``): it won every row of
-bench/moe.py on the H200, and the one ``pytest -m gpu`` with it as the default did not pass.
+The default MoE kernel on CUDA (``QSERVE_MOE_KERNEL=fused`` leaves it; read in ``quant_kernels.moe_ops``):
+it won every row of bench/moe.py on the H200 and the H100.
 Untuned: one starting config per M bucket (``default_config``), no split-K (a decode step of
 Qwen3-30B-A3B launches ~8 pair blocks x 24 column tiles for gate_up), no stream-K, no PDL.
 4-bit, no act-order; other layers keep the other paths.

@@ -3,14 +3,14 @@
 Knows: the four ways the experts of one layer run and when each applies —
 
 * off CUDA: the PyTorch reference (``moe_reference``), the CPU path and the oracle;
-* on CUDA by default: the fused grouped kernel on the canonical stack (``moe_triton``,
-  per-element dequantize), no host sync, CUDA-graph safe (44-259x the loop below on the H200);
-* on CUDA with ``QSERVE_MOE_KERNEL=mma`` (opt-in: 1.5-2.3x the fused kernel and 1.33-1.67x its
-  Qwen3-30B-A3B decode on the H200, bench/RESULTS.md, but the one ``pytest -m gpu`` run with it
-  as the default, on an H100, did not pass): the grouped kernel on experts pre-shuffled once here
-  to the MMA-operand order of the dense W4A16 kernel (``moe_mma_triton``: swap-AB, the dequantized
-  weights stay in registers), likewise sync-free; the canonical stack is not kept
-  (``PreparedExperts.kind == "mma"``);
+* on CUDA by default: the grouped kernel on experts pre-shuffled once here to the MMA-operand
+  order of the dense W4A16 kernel (``moe_mma_triton``: swap-AB, the dequantized weights stay in
+  registers), no host sync, CUDA-graph safe; the canonical stack is not kept
+  (``PreparedExperts.kind == "mma"``). 1.5-2.3x the kernel below per layer and 1.33-1.67x its
+  Qwen3-30B-A3B decode on the H200 (bench/RESULTS.md);
+* on CUDA with ``QSERVE_MOE_KERNEL=fused``, or where the MMA kernel does not serve a layer: the
+  fused grouped kernel on the canonical stack (``moe_triton``, per-element dequantize), likewise
+  sync-free (44-259x the loop below on the H200);
 * on CUDA with ``QSERVE_FUSED_MOE=0`` (whatever ``QSERVE_MOE_KERNEL`` says): the reference's
   loop over the experts a step hits, each expert's two matmuls through the dense W4A16 kernels
   (``ops.w4a16_linear``, weights repacked per expert once here) and
@@ -36,7 +36,7 @@ from quant_kernels import elementwise_ops, moe_reference, ops
 from quant_kernels.moe_layout import StackedQuantWeight
 
 FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
-MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "fused" (default): moe_triton; "mma": moe_mma_triton
+MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma" (default): moe_mma_triton; "fused": moe_triton
 MOE_KERNELS = ("mma", "fused")
 FUSED_ROUTER_ENV = "QSERVE_FUSED_ROUTER"  # "1": the router's softmax + top-k in one launch (moe_router_triton)
 
@@ -47,11 +47,11 @@ def fused_moe_requested() -> bool:
 
 
 def mma_moe_requested() -> bool:
-    """``QSERVE_MOE_KERNEL=mma`` (unset, empty or ``fused``: the fused kernel); anything else is
-    refused at load (a misspelt choice must not silently measure the wrong kernel)."""
-    value = os.environ.get(MOE_KERNEL_ENV, "") or "fused"
+    """The MMA-operand kernel unless ``QSERVE_MOE_KERNEL=fused`` (unset or empty: ``mma``); anything
+    else is refused at load (a misspelt choice must not silently measure the wrong kernel)."""
+    value = os.environ.get(MOE_KERNEL_ENV, "") or "mma"
     if value not in MOE_KERNELS:
-        raise ValueError(f"{MOE_KERNEL_ENV}={value!r}: the MoE kernels to choose are 'fused' (the default) and 'mma'")
+        raise ValueError(f"{MOE_KERNEL_ENV}={value!r}: the MoE kernels to choose are 'mma' (the default) and 'fused'")
     return value == "mma"
 
 

@@ -10,8 +10,8 @@ checkpoint formats, engines. Imported lazily (CUDA, or the CPU tests under TRITO
 20 torch ops, so 20 launches per MoE layer — in one launch of one program, looping over chunks of
 ``ALIGN_CHUNK`` pairs: a histogram per group, the padded layout by cumsum, each block's expert, the
 sentinel padding, then each pair at its group's cursor plus its rank in the chunk (from a sort of
-the chunk by group and lane); with ``QSERVE_MOE_ALIGN_MAX_PAIRS=N`` (opt-in) the launcher runs the
-torch ops past N pairs instead. Pair order within a group is kept, so its three outputs equal the
+the chunk by group and lane); past ``QSERVE_MOE_ALIGN_MAX_PAIRS`` pairs (default 16384) the launcher
+runs the torch ops instead. Pair order within a group is kept, so its three outputs equal the
 reference's element for element (the GEMM would not need that: each row of a block is computed on
 its own). Outputs are sized from the shapes: no host sync, CUDA-graph safe.
 
@@ -57,16 +57,17 @@ ALIGN_CHUNK = 1024
 # QSERVE_MOE_ALIGN_MAX_PAIRS=N: past N (token, slot) pairs the sort runs the reference's torch ops. One
 # program walks every pair: on the H200 it lost to them at 4,096 tokens x top-8 (289.5 vs 137.1 µs) and
 # won at 512 x 8 (42.5 vs 97.5); on the H100 it won at 1,024 x 8 (76.1 vs 144.4) and tied at 2,048 x 8
-# (146.1 vs 149.1; bench/moe.py, 2026-12-05): N = 16384. Opt-in until a whole pytest -m gpu passes with it.
+# (146.1 vs 149.1; bench/moe.py, 2026-12-05): N = 16384 by default.
 ALIGN_MAX_PAIRS_ENV = "QSERVE_MOE_ALIGN_MAX_PAIRS"
+ALIGN_MAX_PAIRS_DEFAULT = 16384
 
 
-def align_max_pairs() -> int | None:
-    """``QSERVE_MOE_ALIGN_MAX_PAIRS`` as a pair count (unset or empty: None, the kernel at every size);
+def align_max_pairs() -> int:
+    """``QSERVE_MOE_ALIGN_MAX_PAIRS`` as a pair count (unset or empty: ``ALIGN_MAX_PAIRS_DEFAULT``);
     anything but a positive integer is refused, naming the variable."""
     value = os.environ.get(ALIGN_MAX_PAIRS_ENV, "")
     if not value:
-        return None
+        return ALIGN_MAX_PAIRS_DEFAULT
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{ALIGN_MAX_PAIRS_ENV}={value!r}: a positive number of (token, slot) pairs, e.g. 16384")
     return int(value)
@@ -232,10 +233,9 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``moe_reference.moe_align_block_size`` (same signature, same result, bit for bit) in one
     single-program launch instead of ~20 torch ops: outputs sized from the shapes, no host sync. Past
-    ``align_max_pairs()`` pairs, when set (long prefills), the torch ops themselves, faster there."""
+    ``align_max_pairs()`` pairs (long prefills) the torch ops themselves, faster there."""
     num_pairs = topk_ids.numel()
-    limit = align_max_pairs()
-    if limit is not None and num_pairs > limit:
+    if num_pairs > align_max_pairs():
         return moe_reference.moe_align_block_size(topk_ids, num_experts, block_m, skip_foreign)
     num_groups = num_experts + 1 if skip_foreign else num_experts
     max_padded = moe_reference.max_padded_rows(num_pairs, num_groups, block_m)

@@ -857,8 +857,8 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
         activation_bytes_estimate(s.config, tokens, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes)
     )
     overhead = 64 << 20
-    # LoRA decodes eagerly unless its graphs are opted into (qserve.engine.engine.LORA_GRAPHS_ENV)
-    graphs = not config.enforce_eager and (not config.enable_lora or os.environ.get(LORA_GRAPHS_ENV) == "1")
+    # LoRA decodes under graphs unless they are turned off (qserve.engine.engine.LORA_GRAPHS_ENV)
+    graphs = not config.enforce_eager and (not config.enable_lora or os.environ.get(LORA_GRAPHS_ENV, "1") != "0")
     if graphs:  # decode CUDA graphs: their pool and logits buffer, per model
         overhead = sum(cuda_graph_bytes_estimate(s.config, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes))
     if config.enable_lora:  # every model's adapter slots

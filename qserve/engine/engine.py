@@ -59,9 +59,9 @@ engine holds a ``LoRAManager`` (qserve.lora.slots) whose slots the runner fills 
 names its adapter with a ``LoRARequest`` (read from its directory the first time, or registered
 before with ``add_lora``); each of its sequences holds a reference to the adapter until it finishes,
 so ``remove_lora`` never pulls an adapter from under a running request. The scheduler keeps the
-distinct adapters of the running requests within ``max_loras``. With LoRA on, decode runs eagerly
-unless ``QSERVE_LORA_GRAPHS=1`` (opt-in: graphs that take each row's adapter slot as an input, 10x
-eager at batch 32 on the H200), and the adapters' slots are set aside in the memory plan. Under tensor parallelism every rank's manager holds
+distinct adapters of the running requests within ``max_loras``. With LoRA on, decode replays CUDA
+graphs that take each row's adapter slot as an input (10x eager at batch 32 on the H200;
+``QSERVE_LORA_GRAPHS=0``: eagerly), and the adapters' slots are set aside in the memory plan. Under tensor parallelism every rank's manager holds
 its shard of each adapter, and rank 0's registry changes reach the others with the next step
 (qserve.distributed.worker).
 """
@@ -138,7 +138,7 @@ POOLING_STEP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 # (smaller ones are dominated by the step's fixed cost); each measurement moves the estimate by
 # this share of the difference.
 RECOMPUTE_COST_MIN_TOKENS = 64
-# LoRA: decode CUDA graphs that take each row's adapter slot (opt-in; without it LoRA decodes eagerly).
+# LoRA: decode CUDA graphs that take each row's adapter slot (the default; "0": LoRA decodes eagerly).
 LORA_GRAPHS_ENV = "QSERVE_LORA_GRAPHS"
 # Speculative decoding: CUDA graphs for verify steps and the draft model's steps (opt-in; without it
 # they run eagerly).
@@ -445,10 +445,10 @@ class Engine:
                 self.owner,
             )
         if self.device.type == "cuda" and not config.enforce_eager and graphs_ok and config.enable_lora:
-            if os.environ.get(LORA_GRAPHS_ENV) == "1":  # opt-in until a whole pytest -m gpu passes with it
+            if os.environ.get(LORA_GRAPHS_ENV, "1") != "0":
                 self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len, max_loras=config.max_loras)
             else:
-                logger.info("enable_lora: decode runs eagerly (%s=1 captures CUDA graphs with LoRA)", LORA_GRAPHS_ENV)
+                logger.info("enable_lora: decode runs eagerly (%s=0)", LORA_GRAPHS_ENV)
         elif self.device.type == "cuda" and not config.enforce_eager and graphs_ok:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         if piecewise_enabled() and not config.enforce_eager:

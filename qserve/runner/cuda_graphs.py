@@ -6,7 +6,7 @@ static buffers. Must not know: scheduling, sampling or the kernels' internals â€
 relies on the kernels being capture-safe (no host sync, grids fixed by the arguments) and on
 the KV-store kernel skipping negative slots, which pad rows use.
 
-LoRA (``max_loras``, opt-in with ``QSERVE_LORA_GRAPHS=1``): the graphs also take each row's adapter
+LoRA (``max_loras``; ``QSERVE_LORA_GRAPHS=0`` turns them off): the graphs also take each row's adapter
 slot and the rows' tiles as static inputs (``LoRAIndices`` views of fixed size: pad rows and base rows
 have slot -1, unused tiles length 0), so steps mixing adapters and the base replay the same graph.
 They are views of one int32 buffer, laid out per bucket (``lora_ops.index_layout``), which a replay

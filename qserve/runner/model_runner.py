@@ -21,7 +21,7 @@ sequence's last prompt token returns that token's final hidden state (float32) i
 
 LoRA (``enable_lora``): with a ``LoRAManager`` set, a step whose sequences use adapters puts them in
 device slots and passes each row's slot to the model (``LoRAIndices``, the forward's explicit
-argument); such a step runs eagerly, or, with decode graphs captured for LoRA (``QSERVE_LORA_GRAPHS=1``),
+argument); such a step runs eagerly, or, with decode graphs captured for LoRA (the default; ``QSERVE_LORA_GRAPHS=0`` turns them off),
 replays them with each row's slot as a graph input. A step with no adapter row, and every step without
 a manager, runs exactly as before.
 

@@ -382,7 +382,7 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
 
 
 def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
-    """The opt-in MMA-operand MoE kernel (``QSERVE_MOE_KERNEL=mma``) through ``moe_ops``'
+    """The MMA-operand MoE kernel (the default; ``QSERVE_MOE_KERNEL`` unset) through ``moe_ops``'
     dispatch, at the same shapes and token counts, symmetric and with AWQ-style zeros, and one
     expert-parallel rank's share (the experts shuffled to the simulated GPU's k-width at load, as a
     device would; the words themselves are left unwritten, see ``layout_without_shuffling``)."""
@@ -399,7 +399,7 @@ def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None
 
     local_experts = num_experts // MOE_EP_RANKS
     for sym, ep in ((True, False), (False, False), (True, True)):
-        with mock.patch.dict(os.environ, {moe_ops.MOE_KERNEL_ENV: "mma"}):
+        with mock.patch.dict(os.environ, {moe_ops.MOE_KERNEL_ENV: ""}):
             experts = local_experts if ep else num_experts
             prepared = moe_ops.prepare_experts(
                 stacked(hidden, 2 * inter, sym, experts), stacked(inter, hidden, sym, experts), skip_foreign=ep
@@ -461,7 +461,7 @@ def drive_lora(capture: Capture, case: ModelCase, model, config: ModelConfig, dt
             )
             with where(capture, f"{label} {step_label}"):
                 runner.execute(step)
-        # QSERVE_LORA_GRAPHS=1: the decode graphs' forward with every row's slot as a static input
+        # LoRA decode graphs (the default): the decode graphs' forward with every row's slot as a static input
         graphs = DecodeGraphs(model, kv_caches, MAX_NUM_SEQS, max_len, BLOCK_SIZE, torch.device("cpu"), max_loras=4)
         for batch in (1, 64, 256):
             graphs._stage_lora(batch, np.arange(batch, dtype=np.int32) % 5 - 1, pinned=False)

@@ -225,8 +225,8 @@ print("RESULT" + json.dumps(result, default=str))
 def test_moe_launches_compile(tmp_path) -> None:
     """The MoE launches as ``moe_ops`` makes them at Qwen3-30B-A3B's shapes, and what they must look
     like: the one-program token sort (int32 ids, all experts and an expert-parallel rank's share with
-    the sentinel group, one chunk and several), the default fused kernel's grouped
-    GEMMs, the opt-in MMA-operand kernel's (QSERVE_MOE_KERNEL=mma: symmetric, with zeros, one rank's
+    the sentinel group, one chunk and several), the fused kernel's grouped GEMMs
+    (QSERVE_MOE_KERNEL=fused), the default MMA-operand kernel's (symmetric, with zeros, one rank's
     share) and the opt-in router top-k (QSERVE_FUSED_ROUTER=1). The engine units above compile the
     same launches for sm90 and the job's consumer card; this checks the other consumer card (sm86
     where the job's is sm89, and the reverse), which no unit of the job builds. Selectable alone

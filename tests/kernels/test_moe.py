@@ -133,9 +133,9 @@ def test_triton_align_over_many_chunks_at_the_real_chunk():
 
 
 def test_long_prefills_sort_with_the_reference(monkeypatch):
-    """With ``QSERVE_MOE_ALIGN_MAX_PAIRS`` set, past that many pairs the launcher runs the reference's
-    torch ops (one program lost to them at 4,096 tokens on the H200) and launches no kernel; at the
-    limit, and with the variable unset, it launches the kernel; a bad value is refused by name."""
+    """Past ``QSERVE_MOE_ALIGN_MAX_PAIRS`` pairs (default 16384) the launcher runs the reference's torch
+    ops (one program lost to them at 4,096 tokens on the H200) and launches no kernel; at the limit,
+    and under the default, it launches the kernel; a bad value is refused by name."""
     from quant_kernels import moe_triton
 
     ids = _align_case(40, 8, 16, "spread", seed=5)  # 320 pairs
@@ -144,10 +144,17 @@ def test_long_prefills_sort_with_the_reference(monkeypatch):
     want = moe_reference.moe_align_block_size(ids, 16, 16)
     for g, w in zip(moe_triton.moe_align_block_size(ids, 16, 16), want):
         assert g.dtype == torch.int32 and torch.equal(g, w)
+    assert moe_triton.align_max_pairs() == ids.numel() - 1
     for limit in (str(ids.numel()), ""):
         monkeypatch.setenv(moe_triton.ALIGN_MAX_PAIRS_ENV, limit)
         with pytest.raises(TypeError):
             moe_triton.moe_align_block_size(ids, 16, 16)
+    monkeypatch.delenv(moe_triton.ALIGN_MAX_PAIRS_ENV)  # the default: a 2,049-token prefill x top-8 sorts in torch
+    long_ids = torch.randint(0, 16, (moe_triton.ALIGN_MAX_PAIRS_DEFAULT // 8 + 1, 8), dtype=torch.int32)
+    for g, w in zip(
+        moe_triton.moe_align_block_size(long_ids, 16, 16), moe_reference.moe_align_block_size(long_ids, 16, 16)
+    ):
+        assert torch.equal(g, w)
     monkeypatch.setenv(moe_triton.ALIGN_MAX_PAIRS_ENV, "16k")
     with pytest.raises(ValueError, match="QSERVE_MOE_ALIGN_MAX_PAIRS='16k'"):
         moe_triton.moe_align_block_size(ids, 16, 16)

@@ -142,10 +142,10 @@ def test_supports() -> None:
 
 
 def test_dispatch_selects_the_mma_kernel(monkeypatch) -> None:
-    """``QSERVE_MOE_KERNEL=mma`` on a device Triton serves (the CPU stands in, the interpreter runs
-    the kernel): the experts are shuffled once, the canonical stack is not held, and ``moe_experts``
-    runs the MMA kernel; unset (the default) or ``fused`` keeps the canonical stack for the fused
-    kernel; ``QSERVE_FUSED_MOE=0`` takes the per-expert loop whichever kernel is named (the H100
+    """By default (``QSERVE_MOE_KERNEL`` unset) on a device Triton serves (the CPU stands in, the
+    interpreter runs the kernel): the experts are shuffled once, the canonical stack is not held, and
+    ``moe_experts`` runs the MMA kernel; ``QSERVE_MOE_KERNEL=fused`` keeps the canonical stack for the
+    fused kernel; ``QSERVE_FUSED_MOE=0`` takes the per-expert loop whichever kernel is named (the H100
     smoke of 2026-12-05 caught the MMA kernel taken there)."""
     from quant_kernels import device as kdevice
     from quant_kernels import moe_ops
@@ -154,12 +154,12 @@ def test_dispatch_selects_the_mma_kernel(monkeypatch) -> None:
     x, weights, ids = routing(6, 4, 2, 128, torch.float16, seed=72)
     with mock.patch.object(kdevice, "triton_serves", lambda device: True):
         with mock.patch.object(kdevice, "capability", lambda device: (9, 0)):
-            monkeypatch.setenv(moe_ops.MOE_KERNEL_ENV, "mma")
+            monkeypatch.delenv(moe_ops.MOE_KERNEL_ENV, raising=False)
             prepared = moe_ops.prepare_experts(w13, w2)
             monkeypatch.setenv(moe_ops.FUSED_MOE_ENV, "0")
             loop = moe_ops.prepare_experts(w13, w2)
             monkeypatch.delenv(moe_ops.FUSED_MOE_ENV)
-            monkeypatch.delenv(moe_ops.MOE_KERNEL_ENV)
+            monkeypatch.setenv(moe_ops.MOE_KERNEL_ENV, "fused")
             fused = moe_ops.prepare_experts(w13, w2)
     assert (prepared.kind, prepared.fused, prepared.graph_safe) == ("mma", True, True)
     assert isinstance(prepared.gate_up, moe_mma.StackedMmaWeight) and prepared.gate_up.kwidth == 2
@@ -200,7 +200,7 @@ def test_qwen3_30b_shapes_on_gpu(num_tokens, dtype, sym):
 
 
 def test_a_misspelt_kernel_choice_is_refused(monkeypatch) -> None:
-    """``QSERVE_MOE_KERNEL`` other than ``fused`` or ``mma`` (or unset) stops the load with the variable's name:
+    """``QSERVE_MOE_KERNEL`` other than ``mma`` or ``fused`` (or unset) stops the load with the variable's name:
     a typo must not quietly run (and get measured as) another kernel."""
     from quant_kernels import device as kdevice
     from quant_kernels import moe_ops
