@@ -77,7 +77,7 @@ def _assert_logprobs_close(a, b) -> None:
             continue
         assert set(position_a) == set(position_b)
         for token, entry in position_a.items():
-            # 1e-3: the same tokens, but a step whose batch differs between the two orders (async keeps
+            # 1e-3: the same tokens, but (likely) a step whose batch differs between the two orders (async keeps
             # a finished request one step longer) replays another graph bucket, whose kernels sum in
             # another order; in float32 that moved a logprob by 1.1e-4 on the H200 (2026-12-05)
             assert entry.logprob == pytest.approx(position_b[token].logprob, abs=1e-3)
