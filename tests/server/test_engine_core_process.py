@@ -38,6 +38,7 @@ def servers(checkpoints, two_model_server):
     pool each, the same settings (the in-process one is the session's ``two_model_server``)."""
     specs = [ModelSpec("llama", checkpoints["llama"]), ModelSpec("qwen", checkpoints["qwen"])]
     client = EngineCoreClient.launch(specs, host_config())
+    client.output_chunk_size = 1  # every output its own chunk: the answers below come through the loop's yields
     with serve(create_app(client, log_stats=False)) as split_url:
         yield split_url, two_model_server.url, client
     assert client.process.returncode == 0  # the app's shutdown stopped the core cleanly

@@ -9,9 +9,12 @@ Knows: how the core process is started (``qserve.engine.core.process``; two ZMQ 
 that ``qserve serve`` started (``connect``: it never stops that core; its ``shutdown`` leaves it,
 ending its own streams with 'abort' and closing its liveness pipe, so the core aborts its
 requests; the core's own liveness pipe reaching EOF says the core is gone); the threads: a
-receiver thread reads and decodes the core's messages and hands each to the event loop, where
-the ``OutputProcessor`` of each model turns token ids into ``RequestOutput``s for the streams (the
-same ``OutputStream`` and listener calls as ``AsyncEngine``); what the front end keeps of each
+receiver thread reads and decodes the core's messages and hands each to the event loop, in
+order, through one inbox task, where the ``OutputProcessor`` of each model turns token ids into
+``RequestOutput``s for the streams (the same ``OutputStream`` and listener calls as
+``AsyncEngine``) ``output_chunk_size`` at a time, yielding to the loop between chunks (vLLM's
+output handler does the same: a step of 300 streams must not hold ``/health`` and the other
+requests' handlers until all 300 are turned into text); what the front end keeps of each
 model (its own tokenizer, a grammar compiler for the compile gate, the core's last live numbers);
 and faults: a core that exits on its own
 fails every pending submission and stream with ``EngineDeadError``, turns ``is_running`` off (so
@@ -27,6 +30,7 @@ request's adapter with it as plain data.
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import itertools
 import logging
@@ -37,7 +41,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +89,8 @@ from qserve.pooling_params import PoolingParams
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100  # the receiver thread looks at the core process at least this often
+# Outputs turned into text between two yields to the event loop (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE)
+OUTPUT_CHUNK_SIZE = 128
 STARTUP_POLL_MS = 500
 
 
@@ -246,6 +252,10 @@ class EngineCoreClient:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._shut = False
+        # the receiver's calls, in arrival order, run by one task at a time (loop thread only)
+        self._inbox: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
+        self._inbox_task: asyncio.Task[None] | None = None
+        self.output_chunk_size = OUTPUT_CHUNK_SIZE
 
     # ------------------------------------------------------------------ start-up
     @classmethod
@@ -559,13 +569,30 @@ class EngineCoreClient:
                 return
 
     def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop after every call handed over before it (any thread)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         try:
-            loop.call_soon_threadsafe(fn, *args)
+            loop.call_soon_threadsafe(self._post, fn, args)
         except RuntimeError:  # loop closed meanwhile
             pass
+
+    def _post(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self._inbox.append((fn, args))
+        if self._inbox_task is None or self._inbox_task.done():
+            self._inbox_task = asyncio.get_running_loop().create_task(self._drain_inbox())
+
+    async def _drain_inbox(self) -> None:
+        while self._inbox:
+            fn, args = self._inbox.popleft()
+            try:
+                if fn == self._on_message and isinstance(args[0], Outputs):
+                    await self._on_outputs_in_chunks(args[0])
+                else:
+                    fn(*args)
+            except Exception:  # one message's failure must not stop the delivery of the next
+                logger.exception("engine core client: handling %s failed", getattr(fn, "__name__", fn))
 
     # ------------------------------------------------------------------ loop thread: delivery
     def _on_message(self, message: object) -> None:
@@ -592,7 +619,16 @@ class EngineCoreClient:
         elif isinstance(message, Bye):
             logger.info("engine core stopped")
 
-    def _on_outputs(self, message: Outputs) -> None:
+    async def _on_outputs_in_chunks(self, message: Outputs) -> None:
+        """``_on_outputs``, yielding to the loop after every ``output_chunk_size`` sequences' outputs."""
+        for done in self._on_outputs(message):
+            if done:
+                await asyncio.sleep(0)
+
+    def _on_outputs(self, message: Outputs) -> Iterator[bool]:
+        """Deliver one step's outputs; yields True after each ``output_chunk_size`` outputs (a point
+        where the caller may let the loop run other work) and False at the end."""
+        count = 0
         if message.stats is not None:
             self._stats = message.stats
         if message.lora_info is not None:
@@ -612,6 +648,10 @@ class EngineCoreClient:
                     self._send(Abort(model, request_id, index))
                 if processed.output is not None:
                     self._deliver(model, processed.output, now)
+                count += 1
+                if count % self.output_chunk_size == 0:
+                    yield True
+        yield False
 
     def _deliver(self, model: str, output: RequestOutput, now: float) -> None:
         tracked = self._tracked.get((model, output.request_id))
