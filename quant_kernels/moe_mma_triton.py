@@ -29,8 +29,11 @@ Blocks past ``num_padded`` return at once and padding pairs (sentinel ``T*k``) a
 grid depends on shapes only: CUDA-graph safe, no host sync.
 
 Split-K (``MoEMmaConfig.split_k`` > 1; opt-in with ``QSERVE_MOE_SPLIT_K``, not yet run on a GPU):
-a third grid axis; program ``z`` sums K-tiles ``[z*per, (z+1)*per)``, ``per = cdiv(K-tiles, split_k)``
-(a range may be empty). A decode step of Qwen3-30B-A3B launches only ~8 pair blocks x 24 (gate_up)
+a kernel of its own, ``moe_mma_split_kernel``, so that the default launch above stays the GPU-tested
+one (its signature, 2-D grid and PTX are unchanged since 890e2ef); the two share the tile set-up,
+the K loop and the SiLU epilogue through ``@triton.jit`` helpers, which Triton inlines. A third grid
+axis; program ``z`` sums K-tiles ``[z*per, (z+1)*per)``, ``per = cdiv(K-tiles, split_k)`` (a range
+may be empty). A decode step of Qwen3-30B-A3B launches only ~8 pair blocks x 24 (gate_up)
 / 32 (down) column tiles, each walking all of K: about 4x the weight-bytes floor on the H100.
 
 * down: each program multiplies its fp32 partial by the pair's routing weight and atomically adds
@@ -154,21 +157,16 @@ def moe_mma_kernel(
     qw_ptr,  # int32 [E, N_pad / 4, K_pad * 4 / vpw], MMA-operand order per expert
     scales_ptr,  # [E, num_groups, N_total]
     zeros_ptr,  # fp16 [E, num_groups, N_total]: z - 2**(bits-1) (a placeholder when not HAS_ZEROS)
-    c_ptr,  # [T*k, N_out]; split-K down: fp32 [T, H], zeroed by the gate_up launch, atomically added
+    c_ptr,  # [T*k, N_out]
     topk_w_ptr,  # float32 [T*k]
     sorted_ids_ptr,  # int32 [max_padded]
     expert_ids_ptr,  # int32 [max_padded / BLOCK_M]
     num_padded_ptr,  # int32 [1]
-    ws_ptr,  # split-K gate_up: fp32 [split_k, T*k, 2I] partials (a never-read placeholder otherwise)
-    cnt_ptr,  # split-K gate_up: int32 [>= tiles] arrival counters, zero between launches (likewise)
-    zero_ptr,  # ZERO_OUT: the split-K down launch's fp32 [T, H] output, zeroed here (likewise)
     N_total,  # weight columns (gate_up: 2I)
     N_out,  # output columns (gate_up: I)
     K,
     num_pairs,
     up_offset,  # gate_up: I, the first up column
-    zero_numel,  # ZERO_OUT: elements of zero_ptr
-    split_k,  # programs along K per output tile (grid axis 2)
     group_size: tl.constexpr,
     stride_am,
     stride_qe,
@@ -178,8 +176,6 @@ def moe_mma_kernel(
     stride_ze,
     stride_zg,
     stride_cm,
-    stride_wsk,
-    stride_wsm,
     A_ROW_DIV: tl.constexpr,  # top_k for gate_up (activation row = pair // top_k), 1 for down
     SILU_MUL: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
@@ -194,25 +190,58 @@ def moe_mma_kernel(
     FAST: tl.constexpr,
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
-    USE_SPLIT: tl.constexpr = False,  # program z of split_k sums K-tiles [z*per, (z+1)*per)
-    OUT_ROW_DIV: tl.constexpr = 1,  # split-K down: top_k (output row = pair // top_k, the k-way sum)
-    ZERO_OUT: tl.constexpr = False,  # gate_up zeroes the split-K down launch's output first
-    ZERO_BLOCK: tl.constexpr = 256,
 ):
+    """The default launch (grid ``(pair blocks, column tiles)``, all of K per program): signature,
+    grid and arguments as at 890e2ef, the GPU-tested launch, and its PTX byte for byte (compared for
+    sm90 / sm89 / sm86 when split-K moved to ``moe_mma_split_kernel``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    if ZERO_OUT:
-        # Before the early return below: every program of the grid takes a share (grid-stride), so
-        # the down launch that follows in the stream finds its accumulator zero without a memset launch.
-        num_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        program = pid_m + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_k)
-        for start in range(program * ZERO_BLOCK, zero_numel, num_programs * ZERO_BLOCK):
-            offs_z = start + tl.arange(0, ZERO_BLOCK)  # [ZERO_BLOCK]
-            tl.store(zero_ptr + offs_z, tl.zeros((ZERO_BLOCK,), dtype=tl.float32), mask=offs_z < zero_numel)
     num_padded = tl.load(num_padded_ptr)
     if pid_m * BLOCK_M >= num_padded:
         return
+    pairs, valid, a_rows, expert, offs_out, offs_n, mask_n, rows = _tile_rows_cols(
+        sorted_ids_ptr, expert_ids_ptr, pid_m, pid_n, N_total, num_pairs, up_offset, A_ROW_DIV, SILU_MUL,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    acc, _, _ = _expert_tile_sum(
+        a_ptr, qw_ptr, scales_ptr, zeros_ptr, expert, a_rows, offs_n, rows, valid, mask_n, 0, 1, K, num_pairs,
+        group_size, stride_am, stride_qe, stride_qr, stride_se, stride_sg, stride_ze, stride_zg, BITS, KW,
+        HAS_ZEROS, NG, SCALE_W, BLOCK_M, BLOCK_N, BLOCK_K, FAST, DOT_F32, EVEN_K, False,
+    )  # fmt: skip
+    if SILU_MUL:
+        _silu_mul_store(acc, c_ptr, pairs, valid, offs_out, N_out, stride_cm, BLOCK_N, BLOCK_M)
+    else:
+        dtype = c_ptr.dtype.element_ty
+        res = acc
+        if MUL_WEIGHT:
+            weight = tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)  # [BM]
+            res = res.to(dtype).to(tl.float32) * weight[None, :]
+        tl.store(
+            c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_out[None, :],
+            tl.trans(res).to(dtype),
+            mask=valid[:, None] & (offs_out < N_out)[None, :],
+        )
+
+
+@triton.jit
+def _tile_rows_cols(
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    pid_m,
+    pid_n,
+    N_total,
+    num_pairs,
+    up_offset,
+    A_ROW_DIV: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program ``(pid_m, pid_n)``'s set-up, both kernels: its ``BLOCK_M`` pairs (sentinel ``T*k`` for
+    padding) and which are ``valid``, their activation rows ``a_rows``, the block's ``expert``
+    (int64), the output columns ``offs_out`` (gate_up: ``[BN / 2]`` intermediate columns; down:
+    ``[BN]``), the weight columns ``offs_n`` ``[BN]`` (gate_up: the gate half, then the up half),
+    their ``mask_n`` and storage ``rows`` ``[BN / 4]``."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     valid = pairs < num_pairs
     a_rows = pairs // A_ROW_DIV  # [BM] gathered activation rows (masked where not valid)
@@ -231,8 +260,55 @@ def moe_mma_kernel(
         offs_n = offs_out
         rows = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)  # [BN / 4]
     mask_n = offs_n < N_total
+    return pairs, valid, a_rows, expert, offs_out, offs_n, mask_n, rows
+
+
+@triton.jit
+def _expert_tile_sum(
+    a_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    expert,
+    a_rows,
+    offs_n,
+    rows,
+    valid,
+    mask_n,
+    pid_k,
+    split_k,
+    K,
+    num_pairs,
+    group_size: tl.constexpr,
+    stride_am,
+    stride_qe,
+    stride_qr,
+    stride_se,
+    stride_sg,
+    stride_ze,
+    stride_zg,
+    BITS: tl.constexpr,
+    KW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    NG: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """``(acc, kt_start, kt_end)``: the tile's fp32 ``[BN, BM]`` sum over K-tiles ``[kt_start,
+    kt_end)`` of ``expert``'s weight (``_accumulate`` with the expert's weight, scale and zero
+    pointers): all of K, or with ``SPLIT`` program ``pid_k``'s share of ``split_k`` (``per =
+    cdiv(K-tiles, split_k)`` tiles from ``pid_k * per``; a range may be empty: zeros)."""
+    expert_qw = qw_ptr + expert * stride_qe
+    expert_scales = scales_ptr + expert * stride_se
+    expert_zeros = zeros_ptr + expert * stride_ze
     num_k_tiles = tl.cdiv(K, BLOCK_K)
-    if USE_SPLIT:
+    if SPLIT:
         per = tl.cdiv(num_k_tiles, split_k)
         kt_start = pid_k * per
         kt_end = tl.minimum(kt_start + per, num_k_tiles)  # may be <= kt_start: an empty range, zeros
@@ -241,9 +317,9 @@ def moe_mma_kernel(
         kt_end = num_k_tiles
     acc = _accumulate(
         a_ptr,
-        qw_ptr + expert * stride_qe,
-        scales_ptr + expert * stride_se,
-        zeros_ptr + expert * stride_ze,
+        expert_qw,
+        expert_scales,
+        expert_zeros,
         qw_ptr,  # the permutation: never read (HAS_PERM=False)
         a_rows,
         offs_n,
@@ -273,7 +349,111 @@ def moe_mma_kernel(
         True,
         EVEN_K,
     )  # fp32 [BN, BM]
-    if SILU_MUL and USE_SPLIT:
+    return acc, kt_start, kt_end
+
+
+@triton.jit
+def _silu_mul_store(
+    acc,  # fp32 [BLOCK_N, BLOCK_M]: the gate columns, then the up columns
+    c_ptr,  # [T*k, I]
+    pairs,  # [BLOCK_M]
+    valid,  # [BLOCK_M]
+    offs_out,  # [BLOCK_N / 2] intermediate columns
+    N_out,
+    stride_cm,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """gate_up's epilogue, both kernels: ``silu(gate) * up`` of a whole-K tile, written to the pairs' rows."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    dtype = c_ptr.dtype.element_ty
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))  # [HALF, BM] each
+    # rounded to the activation dtype first, as the unfused gate_up output would be
+    gate = gate.to(dtype).to(tl.float32)
+    res = gate / (1.0 + tl.exp(-gate)) * up.to(dtype).to(tl.float32)
+    tl.store(
+        c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_out[None, :],
+        tl.trans(res).to(dtype),
+        mask=valid[:, None] & (offs_out < N_out)[None, :],
+    )
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_mma_split_kernel(
+    a_ptr,  # as moe_mma_kernel's, up to stride_cm (the launcher passes both kernels those arguments)
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    c_ptr,  # gate_up: [T*k, I]; down: fp32 [T, H], zeroed by the gate_up launch, atomically added
+    topk_w_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    N_total,
+    N_out,
+    K,
+    num_pairs,
+    up_offset,
+    group_size: tl.constexpr,
+    stride_am,
+    stride_qe,
+    stride_qr,
+    stride_se,
+    stride_sg,
+    stride_ze,
+    stride_zg,
+    stride_cm,
+    ws_ptr,  # gate_up: fp32 [split_k, T*k, 2I] partials (down: a never-read placeholder)
+    cnt_ptr,  # gate_up: int32 [>= tiles] arrival counters, zero between launches (likewise)
+    zero_ptr,  # ZERO_OUT: the down launch's fp32 [T, H] output, zeroed here (likewise)
+    zero_numel,  # ZERO_OUT: elements of zero_ptr
+    split_k,  # programs along K per output tile (grid axis 2)
+    stride_wsk,
+    stride_wsm,
+    A_ROW_DIV: tl.constexpr,  # top_k for gate_up, 1 for down
+    SILU_MUL: tl.constexpr,  # gate_up; else down (always weighted by the routing weight)
+    BITS: tl.constexpr,
+    KW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    NG: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    OUT_ROW_DIV: tl.constexpr,  # down: top_k (output row = pair // top_k, the k-way sum)
+    ZERO_OUT: tl.constexpr,  # gate_up zeroes the down launch's output first
+    ZERO_BLOCK: tl.constexpr = 256,
+):
+    """The opt-in split-K launch (grid ``(pair blocks, column tiles, split_k)``): program ``z`` sums
+    its share of the K-tiles; gate_up reduces the shares in each tile's last program, down adds them
+    into the token rows (the module docstring's "Split-K")."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if ZERO_OUT:
+        # Before the early return below: every program of the grid takes a share (grid-stride), so
+        # the down launch that follows in the stream finds its accumulator zero without a memset launch.
+        num_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        program = pid_m + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_k)
+        for start in range(program * ZERO_BLOCK, zero_numel, num_programs * ZERO_BLOCK):
+            offs_z = start + tl.arange(0, ZERO_BLOCK)  # [ZERO_BLOCK]
+            tl.store(zero_ptr + offs_z, tl.zeros((ZERO_BLOCK,), dtype=tl.float32), mask=offs_z < zero_numel)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return
+    pairs, valid, a_rows, expert, offs_out, offs_n, mask_n, rows = _tile_rows_cols(
+        sorted_ids_ptr, expert_ids_ptr, pid_m, pid_n, N_total, num_pairs, up_offset, A_ROW_DIV, SILU_MUL,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    acc, kt_start, kt_end = _expert_tile_sum(
+        a_ptr, qw_ptr, scales_ptr, zeros_ptr, expert, a_rows, offs_n, rows, valid, mask_n, pid_k, split_k, K,
+        num_pairs, group_size, stride_am, stride_qe, stride_qr, stride_se, stride_sg, stride_ze, stride_zg, BITS,
+        KW, HAS_ZEROS, NG, SCALE_W, BLOCK_M, BLOCK_N, BLOCK_K, FAST, DOT_F32, EVEN_K, True,
+    )  # fmt: skip
+    if SILU_MUL:
         # The SiLU needs the whole K sum: each program leaves its partial in its own workspace slot;
         # the last of the tile's split_k programs to arrive (empty K ranges included: they store zeros
         # and count) sums the slots in slot order (deterministic) and runs the epilogue. Plain stores
@@ -296,7 +476,7 @@ def moe_mma_kernel(
             # Reset for the next launch (and graph replay): every other program of the tile has
             # arrived, so nothing adds to it again in this launch.
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-    elif MUL_WEIGHT and USE_SPLIT:
+    else:
         # A weighted fp32 partial added straight into the token's row of the [T, H] result: the k-way
         # sum over the token's experts happens here too. Not rounded to the activation dtype per pair
         # (the full sum is not known here): one rounding, at the final cast.
@@ -310,45 +490,6 @@ def moe_mma_kernel(
                 mask=valid[:, None] & (offs_out < N_out)[None, :],
                 sem="relaxed",  # the kernel's end orders the adds before the cast that reads them
             )
-    elif SILU_MUL:
-        _silu_mul_store(acc, c_ptr, pairs, valid, offs_out, N_out, stride_cm, BLOCK_N, BLOCK_M)
-    else:
-        dtype = c_ptr.dtype.element_ty
-        res = acc
-        if MUL_WEIGHT:
-            weight = tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)  # [BM]
-            res = res.to(dtype).to(tl.float32) * weight[None, :]
-        tl.store(
-            c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_out[None, :],
-            tl.trans(res).to(dtype),
-            mask=valid[:, None] & (offs_out < N_out)[None, :],
-        )
-
-
-@triton.jit
-def _silu_mul_store(
-    acc,  # fp32 [BLOCK_N, BLOCK_M]: the gate columns, then the up columns
-    c_ptr,  # [T*k, I]
-    pairs,  # [BLOCK_M]
-    valid,  # [BLOCK_M]
-    offs_out,  # [BLOCK_N / 2] intermediate columns
-    N_out,
-    stride_cm,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """gate_up's epilogue: ``silu(gate) * up`` of a whole-K tile, written to the pairs' rows."""
-    HALF: tl.constexpr = BLOCK_N // 2
-    dtype = c_ptr.dtype.element_ty
-    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))  # [HALF, BM] each
-    # rounded to the activation dtype first, as the unfused gate_up output would be
-    gate = gate.to(dtype).to(tl.float32)
-    res = gate / (1.0 + tl.exp(-gate)) * up.to(dtype).to(tl.float32)
-    tl.store(
-        c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_out[None, :],
-        tl.trans(res).to(dtype),
-        mask=valid[:, None] & (offs_out < N_out)[None, :],
-    )
 
 
 @dataclass(frozen=True)
@@ -470,6 +611,8 @@ def _launch(
     out_row_div: int = 1,  # split-K down: top_k (the k-way sum into ``out``'s token rows)
     zero_out: torch.Tensor | None = None,  # split-K gate_up: the down launch's fp32 [T, H] output, zeroed here
 ) -> None:
+    """``moe_mma_kernel`` (``config.split_k == 1``: the launch of 890e2ef, unchanged) or
+    ``moe_mma_split_kernel``, which takes the same arguments first, then its own."""
     block_n, block_k = _launch_shape(config, weight, out_cols, silu_mul)
     g, k = weight.group_size, weight.in_features
     ng = 1 if (g % block_k == 0 or g >= k) else block_k // g
@@ -477,30 +620,35 @@ def _launch(
     zeros = weight.zeros if has_zeros else kdevice.placeholder(a.device, torch.float16)
     stride_ze, stride_zg = (zeros.stride(0), zeros.stride(1)) if has_zeros else (0, 0)
     tile_cols = block_n // 2 if silu_mul else block_n
+    grid = (sorted_ids.shape[0] // config.block_m, triton.cdiv(out_cols, tile_cols))
+    args = (
+        a, weight.qweight, weight.scales, zeros, out, topk_weights, sorted_ids, expert_ids, num_padded,
+        weight.out_features, out_cols, k, num_pairs, out_cols if silu_mul else 0, g,
+        a.stride(0), weight.qweight.stride(0), weight.qweight.stride(1), weight.scales.stride(0),
+        weight.scales.stride(1), stride_ze, stride_zg, out.stride(0),
+    )  # fmt: skip
+    meta = dict(
+        A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, BITS=weight.bits, KW=weight.kwidth, HAS_ZEROS=has_zeros, NG=ng,
+        SCALE_W=ng > 1, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, FAST=not _INTERPRET,
+        DOT_F32=_INTERPRET, EVEN_K=k % block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
     split = config.split_k
-    grid = (sorted_ids.shape[0] // config.block_m, triton.cdiv(out_cols, tile_cols), split)
+    if split == 1:
+        moe_mma_kernel[grid](*args, MUL_WEIGHT=not silu_mul, **meta)
+        return
     # Every pointer argument has one dtype whatever the launch: the unused ones get typed placeholders.
     ws, cnt = kdevice.placeholder(a.device, torch.float32), kdevice.placeholder(a.device, torch.int32)
     stride_wsk = stride_wsm = 0
-    if split > 1 and silu_mul:
+    if silu_mul:
         ws = torch.empty((split, num_pairs, weight.out_features), dtype=torch.float32, device=a.device)  # [S, T*k, 2I]
         stride_wsk, stride_wsm = ws.stride(0), ws.stride(1)
         cnt = split_counters(a.device, grid[0] * grid[1])
-    elif split > 1 and (out.dtype != torch.float32 or out_row_div < 1):
+    elif out.dtype != torch.float32 or out_row_div < 1:
         raise ValueError("split-K down launch: out must be the zeroed float32 [T, H] accumulator")
     zero = zero_out if zero_out is not None else kdevice.placeholder(a.device, torch.float32)
-    moe_mma_kernel[grid](
-        a, weight.qweight, weight.scales, zeros, out, topk_weights, sorted_ids, expert_ids, num_padded,
-        ws, cnt, zero,
-        weight.out_features, out_cols, k, num_pairs, out_cols if silu_mul else 0,
-        0 if zero_out is None else zero_out.numel(), split, g,
-        a.stride(0), weight.qweight.stride(0), weight.qweight.stride(1), weight.scales.stride(0),
-        weight.scales.stride(1), stride_ze, stride_zg, out.stride(0), stride_wsk, stride_wsm,
-        A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=not silu_mul, BITS=weight.bits, KW=weight.kwidth,
-        HAS_ZEROS=has_zeros, NG=ng, SCALE_W=ng > 1, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        FAST=not _INTERPRET, DOT_F32=_INTERPRET, EVEN_K=k % block_k == 0,
-        USE_SPLIT=split > 1, OUT_ROW_DIV=out_row_div, ZERO_OUT=zero_out is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    moe_mma_split_kernel[(*grid, split)](
+        *args, ws, cnt, zero, 0 if zero_out is None else zero_out.numel(), split, stride_wsk, stride_wsm,
+        OUT_ROW_DIV=out_row_div, ZERO_OUT=zero_out is not None, **meta,
     )  # fmt: skip
 
 
@@ -588,25 +736,23 @@ def compile_for(
     """``moe_mma_kernel`` compiled for ``sm_<arch>`` without a GPU (``triton.compile`` with a
     ``GPUTarget``), with the argument types the launcher passes and the JIT's 16-byte
     specialization: ``.asm["ptx"]`` is what tests/kernels/test_moe_mma_ptx.py reads. ``cfg.split_k``
-    > 1: the split-K launch (gate_up zeroing the down launch's accumulator; down into fp32)."""
+    > 1: ``moe_mma_split_kernel``'s launch (gate_up zeroing the down launch's accumulator; down into
+    fp32)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = moe_mma_kernel
     split = cfg.split_k > 1
+    fn = moe_mma_split_kernel if split else moe_mma_kernel
     pointers = {
         "a_ptr": f"*{dtype}",
         "qw_ptr": "*i32",
         "scales_ptr": f"*{dtype}",
         "zeros_ptr": "*fp16",
-        "c_ptr": "*fp32" if split and not silu_mul else f"*{dtype}",
+        "c_ptr": f"*{dtype}",
         "topk_w_ptr": "*fp32",
         "sorted_ids_ptr": "*i32",
         "expert_ids_ptr": "*i32",
         "num_padded_ptr": "*i32",
-        "ws_ptr": "*fp32",
-        "cnt_ptr": "*i32",
-        "zero_ptr": "*fp32",
     }
     ng = 1 if group_size % cfg.block_k == 0 else cfg.block_k // group_size
     constants = dict(
@@ -625,13 +771,11 @@ def compile_for(
         FAST=True,
         DOT_F32=False,
         EVEN_K=True,
-        USE_SPLIT=split,
-        OUT_ROW_DIV=top_k if split and not silu_mul else 1,
-        ZERO_OUT=split and silu_mul,
-        ZERO_BLOCK=256,
     )
-    if not split:
-        constants["split_k"] = 1  # the JIT specializes an integer argument of 1 as a constant
+    if split:  # down always weights its partials: no MUL_WEIGHT
+        pointers.update(c_ptr=f"*{dtype}" if silu_mul else "*fp32", ws_ptr="*fp32", cnt_ptr="*i32", zero_ptr="*fp32")
+        del constants["MUL_WEIGHT"]
+        constants.update(OUT_ROW_DIV=1 if silu_mul else top_k, ZERO_OUT=silu_mul, ZERO_BLOCK=256)
     signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in fn.arg_names}
     aligned = [
         (i,)

@@ -1,14 +1,14 @@
 """The MMA-operand MoE kernel keeps the dequantized weight tile out of shared memory (no GPU needed).
 
 As tests/kernels/test_w4a16_ptx.py does for the dense kernel: ``moe_mma_kernel`` (gate_up with its
-SiLU-and-mul epilogue, down with the routing weight) is compiled for sm90 (wgmma) and a consumer
-card (mma.sync, with the k-width ``repack.mma_kwidth`` picks for it under the installed Triton), and
-the bytes each thread stores to shared memory are counted (``st.shared`` and ``stmatrix``). The
-gathered activation tile (the B operand) and the epilogue may go through shared memory; a
-``[BLOCK_N, BLOCK_K]`` dequantized weight tile on its way into the A operand would add
-``BLOCK_N * BLOCK_K * 2 / threads`` bytes, over that budget. The dense test's control (a wrong
-k-width layout that the sm86 compiler round-trips), built here for the gate_up kernel too, shows that
-the count catches it.
+SiLU-and-mul epilogue, down with the routing weight; the split-K cases: ``moe_mma_split_kernel``) is
+compiled for sm90 (wgmma) and a consumer card (mma.sync, with the k-width ``repack.mma_kwidth`` picks
+for it under the installed Triton), and the bytes each thread stores to shared memory are counted
+(``st.shared`` and ``stmatrix``). The gathered activation tile (the B operand) and the epilogue may
+go through shared memory; a ``[BLOCK_N, BLOCK_K]`` dequantized weight tile on its way into the A
+operand would add ``BLOCK_N * BLOCK_K * 2 / threads`` bytes, over that budget. The dense test's
+control (a wrong k-width layout that the sm86 compiler round-trips), built here for the gate_up
+kernel too, shows that the count catches it.
 
 The compiles run in a subprocess without TRITON_INTERPRET (the conftest sets it on CPU machines).
 """
