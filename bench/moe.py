@@ -15,7 +15,8 @@ PyTorch reference (``moe_reference.fused_moe_w4a16``, float32 dequant) on the sa
 Columns: µs per MoE layer call of each path, ratios in the same run (loop / fused and
 cuBLAS grouped / fused: > 1 means the fused kernel is faster), the fused kernel's share of the floor;
 ``mma``: the MMA-operand kernel (``moe_mma_triton``, the default; ``QSERVE_MOE_KERNEL=fused`` leaves it), graph-timed on the
-same inputs, with its share of the floor; and the token sort by expert alone, graph-timed: the
+same inputs, with its share of the floor; ``mma split``: the same with ``QSERVE_MOE_SPLIT_K=auto``'s config
+(split-K, opt-in; its split in brackets, "—" where auto does not split); and the token sort by expert alone, graph-timed: the
 reference's torch ops (``moe_reference.moe_align_block_size``) vs the one-launch Triton kernel the fused
 paths run (``moe_triton.moe_align_block_size``, its kernel timed at every size, past
 ``QSERVE_MOE_ALIGN_MAX_PAIRS`` too, where the launcher would run the torch ops), at the fused path's block_m, after checking they agree;
@@ -133,10 +134,19 @@ def main() -> None:
         hit = int(torch.unique(ids).numel())
         floor_bytes = hit * expert_bytes + t * HIDDEN * 2 * 2 + t * TOP_K * (2 * INTER + HIDDEN) * 2
         floor_us = floor_bytes / bw * 1e6
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        split_cfg = moe_mma_triton.default_config(t, TOP_K, NUM_EXPERTS, "auto", HIDDEN, INTER, sms)
         paths = {
             "fused": (lambda x=x, weights=weights, ids=ids: moe_triton.fused_moe_w4a16(x, w13, w2, weights, ids), True),
             "mma": (
                 lambda x=x, weights=weights, ids=ids: moe_mma_triton.fused_moe_w4a16_mma(x, mma13, mma2, weights, ids),
+                True,
+            ),
+            # QSERVE_MOE_SPLIT_K=auto's config (opt-in split-K); where auto does not split, not run again
+            "mma split": (
+                lambda x=x, weights=weights, ids=ids, cfg=split_cfg: moe_mma_triton.fused_moe_w4a16_mma(
+                    x, mma13, mma2, weights, ids, cfg
+                ),
                 True,
             ),
             "w4a16 loop": (lambda x=x, weights=weights, ids=ids: moe_ops.moe_experts(x, loop, weights, ids), False),
@@ -154,7 +164,10 @@ def main() -> None:
                 False,
             ),
         }
-        row = {"tokens": t, "experts_hit": hit, "floor_us": floor_us}
+        row = {"tokens": t, "experts_hit": hit, "floor_us": floor_us, "split_k": split_cfg.split_k}
+        if split_cfg.split_k == 1:
+            del paths["mma split"]
+            row["mma split"] = None
         for name, (fn, graphed) in paths.items():
             try:
                 out = fn()
@@ -212,17 +225,18 @@ def main() -> None:
         f"Fused MoE W4A16, Qwen3-30B-A3B experts (H {HIDDEN}, E {NUM_EXPERTS}, top-{TOP_K}, I {INTER}, g{GROUP}), "
         f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s"
     )
-    lines = [header, "", "| tokens | experts hit | fused µs | mma µs | w4a16 loop µs | torch grouped bf16 µs | "
-             "cuBLAS fp16 loop µs | loop/fused | grouped/fused | floor µs | fused % of floor | mma % of floor | "
-             "sort: torch µs | sort: Triton µs | router: torch µs | router: Triton µs |",
-             "|" + "---|" * 16]  # fmt: skip
+    lines = [header, "", "| tokens | experts hit | fused µs | mma µs | mma split µs (split) | w4a16 loop µs | "
+             "torch grouped bf16 µs | cuBLAS fp16 loop µs | loop/fused | grouped/fused | floor µs | fused % of floor | "
+             "mma % of floor | sort: torch µs | sort: Triton µs | router: torch µs | router: Triton µs |",
+             "|" + "---|" * 17]  # fmt: skip
 
     def fmt(v: float | None, spec: str = ".1f") -> str:
         return "—" if v is None else format(v, spec)
 
     for r in rows:
         lines.append(
-            f"| {r['tokens']} | {r['experts_hit']} | {fmt(r['fused'])} | {fmt(r['mma'])} | {fmt(r['w4a16 loop'])} | "
+            f"| {r['tokens']} | {r['experts_hit']} | {fmt(r['fused'])} | {fmt(r['mma'])} | "
+            f"{fmt(r['mma split'])} ({r['split_k']}) | {fmt(r['w4a16 loop'])} | "
             f"{fmt(r['cuBLAS fp16 grouped'])} | {fmt(r['cuBLAS fp16 loop'])} | {fmt(r['loop/fused'], '.2f')} | "
             f"{fmt(r['cublas/fused'], '.2f')} | "
             f"{fmt(r['floor_us'])} | {fmt(r['fused % of floor'], '.0f')} | {fmt(r['mma % of floor'], '.0f')} | "

@@ -28,15 +28,40 @@ in the dense kernel (lop3 dequant, scales on the fp32 partial when a K-tile lies
 Blocks past ``num_padded`` return at once and padding pairs (sentinel ``T*k``) are masked, so the
 grid depends on shapes only: CUDA-graph safe, no host sync.
 
+Split-K (``MoEMmaConfig.split_k`` > 1; opt-in with ``QSERVE_MOE_SPLIT_K``, not yet run on a GPU):
+a kernel of its own, ``moe_mma_split_kernel``, so that the default launch above stays the GPU-tested
+one (its signature, 2-D grid and PTX are unchanged since 890e2ef); the two share the tile set-up,
+the K loop and the SiLU epilogue through ``@triton.jit`` helpers, which Triton inlines. A third grid
+axis; program ``z`` sums K-tiles ``[z*per, (z+1)*per)``, ``per = cdiv(K-tiles, split_k)`` (a range
+may be empty). A decode step of Qwen3-30B-A3B launches only ~8 pair blocks x 24 (gate_up)
+/ 32 (down) column tiles, each walking all of K: about 4x the weight-bytes floor on the H100.
+
+* down: each program multiplies its fp32 partial by the pair's routing weight and atomically adds
+  it to row ``pair // top_k`` of an fp32 ``[T, H]`` accumulator (the k-way sum, fused); the layer's
+  result is that accumulator cast to the activation dtype (``.to``, in place of the torch sum). The
+  gate_up launch zeroes the accumulator (every program a grid-stride share, before its early
+  return): no memset launch, stream-ordered before the down launch, repeated by graph replays.
+  Foreign pairs (``skip_foreign``) are never computed, so they add nothing. No per-pair rounding of
+  the down product (the non-split path rounds each pair's row): one rounding at the cast.
+* gate_up: the SiLU needs the whole K sum. Each program stores its fp32 partial into its slot of a
+  per-call workspace ``[split_k, T*k, 2I]``; a per-tile arrival counter (int32, ``split_counters``:
+  zeroed once per device, reset by each tile's last program, so the next launch and graph replays
+  find it zero) elects the last program, which sums the slots (``.cg`` loads after the counter's
+  acquire) and runs the usual epilogue. One launch; same launch count per layer as without split.
+
+``QSERVE_MOE_SPLIT_K`` (``split_k_setting``, read where ``default_config`` is chosen): unset,
+empty, "0" or "1": off, exactly the launches without split-K; "auto": ``default_config`` picks a
+split while an expert gets <= 2 pairs (decode); N >= 2: that split; anything else: ValueError.
+
 The default MoE kernel on CUDA (``QSERVE_MOE_KERNEL=fused`` leaves it; read in ``quant_kernels.moe_ops``):
 it won every row of bench/moe.py on the H200 and the H100.
-Untuned: one starting config per M bucket (``default_config``), no split-K (a decode step of
-Qwen3-30B-A3B launches ~8 pair blocks x 24 column tiles for gate_up), no stream-K, no PDL.
-4-bit, no act-order; other layers keep the other paths.
+Untuned: one starting config per M bucket (``default_config``), split-K opt-in and unmeasured, no
+stream-K, no PDL. 4-bit, no act-order; other layers keep the other paths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -47,7 +72,7 @@ import triton.language as tl
 from quant_kernels import device as kdevice
 from quant_kernels import w4a16_mma_triton as mma
 from quant_kernels.moe_layout import StackedQuantWeight
-from quant_kernels.moe_triton import grouped_moe  # the sort, the two launches' buffers, the k-way sum
+from quant_kernels.moe_triton import grouped_moe, moe_align_block_size  # the sort, the launches' buffers, the sum
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_zeros
 from quant_kernels.w4a16_mma_triton import _accumulate, _block_k_ok
 
@@ -166,11 +191,57 @@ def moe_mma_kernel(
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
+    """The default launch (grid ``(pair blocks, column tiles)``, all of K per program): signature,
+    grid and arguments as at 890e2ef, the GPU-tested launch, and its PTX byte for byte (compared for
+    sm90 / sm89 / sm86 when split-K moved to ``moe_mma_split_kernel``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     num_padded = tl.load(num_padded_ptr)
     if pid_m * BLOCK_M >= num_padded:
         return
+    pairs, valid, a_rows, expert, offs_out, offs_n, mask_n, rows = _tile_rows_cols(
+        sorted_ids_ptr, expert_ids_ptr, pid_m, pid_n, N_total, num_pairs, up_offset, A_ROW_DIV, SILU_MUL,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    acc, _, _ = _expert_tile_sum(
+        a_ptr, qw_ptr, scales_ptr, zeros_ptr, expert, a_rows, offs_n, rows, valid, mask_n, 0, 1, K, num_pairs,
+        group_size, stride_am, stride_qe, stride_qr, stride_se, stride_sg, stride_ze, stride_zg, BITS, KW,
+        HAS_ZEROS, NG, SCALE_W, BLOCK_M, BLOCK_N, BLOCK_K, FAST, DOT_F32, EVEN_K, False,
+    )  # fmt: skip
+    if SILU_MUL:
+        _silu_mul_store(acc, c_ptr, pairs, valid, offs_out, N_out, stride_cm, BLOCK_N, BLOCK_M)
+    else:
+        dtype = c_ptr.dtype.element_ty
+        res = acc
+        if MUL_WEIGHT:
+            weight = tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)  # [BM]
+            res = res.to(dtype).to(tl.float32) * weight[None, :]
+        tl.store(
+            c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_out[None, :],
+            tl.trans(res).to(dtype),
+            mask=valid[:, None] & (offs_out < N_out)[None, :],
+        )
+
+
+@triton.jit
+def _tile_rows_cols(
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    pid_m,
+    pid_n,
+    N_total,
+    num_pairs,
+    up_offset,
+    A_ROW_DIV: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program ``(pid_m, pid_n)``'s set-up, both kernels: its ``BLOCK_M`` pairs (sentinel ``T*k`` for
+    padding) and which are ``valid``, their activation rows ``a_rows``, the block's ``expert``
+    (int64), the output columns ``offs_out`` (gate_up: ``[BN / 2]`` intermediate columns; down:
+    ``[BN]``), the weight columns ``offs_n`` ``[BN]`` (gate_up: the gate half, then the up half),
+    their ``mask_n`` and storage ``rows`` ``[BN / 4]``."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     valid = pairs < num_pairs
     a_rows = pairs // A_ROW_DIV  # [BM] gathered activation rows (masked where not valid)
@@ -189,19 +260,74 @@ def moe_mma_kernel(
         offs_n = offs_out
         rows = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)  # [BN / 4]
     mask_n = offs_n < N_total
+    return pairs, valid, a_rows, expert, offs_out, offs_n, mask_n, rows
+
+
+@triton.jit
+def _expert_tile_sum(
+    a_ptr,
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    expert,
+    a_rows,
+    offs_n,
+    rows,
+    valid,
+    mask_n,
+    pid_k,
+    split_k,
+    K,
+    num_pairs,
+    group_size: tl.constexpr,
+    stride_am,
+    stride_qe,
+    stride_qr,
+    stride_se,
+    stride_sg,
+    stride_ze,
+    stride_zg,
+    BITS: tl.constexpr,
+    KW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    NG: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """``(acc, kt_start, kt_end)``: the tile's fp32 ``[BN, BM]`` sum over K-tiles ``[kt_start,
+    kt_end)`` of ``expert``'s weight (``_accumulate`` with the expert's weight, scale and zero
+    pointers): all of K, or with ``SPLIT`` program ``pid_k``'s share of ``split_k`` (``per =
+    cdiv(K-tiles, split_k)`` tiles from ``pid_k * per``; a range may be empty: zeros)."""
+    expert_qw = qw_ptr + expert * stride_qe
+    expert_scales = scales_ptr + expert * stride_se
+    expert_zeros = zeros_ptr + expert * stride_ze
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    if SPLIT:
+        per = tl.cdiv(num_k_tiles, split_k)
+        kt_start = pid_k * per
+        kt_end = tl.minimum(kt_start + per, num_k_tiles)  # may be <= kt_start: an empty range, zeros
+    else:
+        kt_start = 0
+        kt_end = num_k_tiles
     acc = _accumulate(
         a_ptr,
-        qw_ptr + expert * stride_qe,
-        scales_ptr + expert * stride_se,
-        zeros_ptr + expert * stride_ze,
+        expert_qw,
+        expert_scales,
+        expert_zeros,
         qw_ptr,  # the permutation: never read (HAS_PERM=False)
         a_rows,
         offs_n,
         rows,
         valid,
         mask_n,
-        0,
-        tl.cdiv(K, BLOCK_K),
+        kt_start,
+        kt_end,
         num_pairs,
         K,
         group_size,
@@ -223,22 +349,147 @@ def moe_mma_kernel(
         True,
         EVEN_K,
     )  # fp32 [BN, BM]
+    return acc, kt_start, kt_end
+
+
+@triton.jit
+def _silu_mul_store(
+    acc,  # fp32 [BLOCK_N, BLOCK_M]: the gate columns, then the up columns
+    c_ptr,  # [T*k, I]
+    pairs,  # [BLOCK_M]
+    valid,  # [BLOCK_M]
+    offs_out,  # [BLOCK_N / 2] intermediate columns
+    N_out,
+    stride_cm,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """gate_up's epilogue, both kernels: ``silu(gate) * up`` of a whole-K tile, written to the pairs' rows."""
+    HALF: tl.constexpr = BLOCK_N // 2
     dtype = c_ptr.dtype.element_ty
-    if SILU_MUL:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))  # [HALF, BM] each
-        # rounded to the activation dtype first, as the unfused gate_up output would be
-        gate = gate.to(dtype).to(tl.float32)
-        res = gate / (1.0 + tl.exp(-gate)) * up.to(dtype).to(tl.float32)
-    else:
-        res = acc
-        if MUL_WEIGHT:
-            weight = tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)  # [BM]
-            res = res.to(dtype).to(tl.float32) * weight[None, :]
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))  # [HALF, BM] each
+    # rounded to the activation dtype first, as the unfused gate_up output would be
+    gate = gate.to(dtype).to(tl.float32)
+    res = gate / (1.0 + tl.exp(-gate)) * up.to(dtype).to(tl.float32)
     tl.store(
         c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_out[None, :],
         tl.trans(res).to(dtype),
         mask=valid[:, None] & (offs_out < N_out)[None, :],
     )
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_mma_split_kernel(
+    a_ptr,  # as moe_mma_kernel's, up to stride_cm (the launcher passes both kernels those arguments)
+    qw_ptr,
+    scales_ptr,
+    zeros_ptr,
+    c_ptr,  # gate_up: [T*k, I]; down: fp32 [T, H], zeroed by the gate_up launch, atomically added
+    topk_w_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    N_total,
+    N_out,
+    K,
+    num_pairs,
+    up_offset,
+    group_size: tl.constexpr,
+    stride_am,
+    stride_qe,
+    stride_qr,
+    stride_se,
+    stride_sg,
+    stride_ze,
+    stride_zg,
+    stride_cm,
+    ws_ptr,  # gate_up: fp32 [split_k, T*k, 2I] partials (down: a never-read placeholder)
+    cnt_ptr,  # gate_up: int32 [>= tiles] arrival counters, zero between launches (likewise)
+    zero_ptr,  # ZERO_OUT: the down launch's fp32 [T, H] output, zeroed here (likewise)
+    zero_numel,  # ZERO_OUT: elements of zero_ptr
+    split_k,  # programs along K per output tile (grid axis 2)
+    stride_wsk,
+    stride_wsm,
+    A_ROW_DIV: tl.constexpr,  # top_k for gate_up, 1 for down
+    SILU_MUL: tl.constexpr,  # gate_up; else down (always weighted by the routing weight)
+    BITS: tl.constexpr,
+    KW: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    NG: tl.constexpr,
+    SCALE_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    OUT_ROW_DIV: tl.constexpr,  # down: top_k (output row = pair // top_k, the k-way sum)
+    ZERO_OUT: tl.constexpr,  # gate_up zeroes the down launch's output first
+    ZERO_BLOCK: tl.constexpr = 256,
+):
+    """The opt-in split-K launch (grid ``(pair blocks, column tiles, split_k)``): program ``z`` sums
+    its share of the K-tiles; gate_up reduces the shares in each tile's last program, down adds them
+    into the token rows (the module docstring's "Split-K")."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if ZERO_OUT:
+        # Before the early return below: every program of the grid takes a share (grid-stride), so
+        # the down launch that follows in the stream finds its accumulator zero without a memset launch.
+        num_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        program = pid_m + tl.num_programs(0) * (pid_n + tl.num_programs(1) * pid_k)
+        for start in range(program * ZERO_BLOCK, zero_numel, num_programs * ZERO_BLOCK):
+            offs_z = start + tl.arange(0, ZERO_BLOCK)  # [ZERO_BLOCK]
+            tl.store(zero_ptr + offs_z, tl.zeros((ZERO_BLOCK,), dtype=tl.float32), mask=offs_z < zero_numel)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return
+    pairs, valid, a_rows, expert, offs_out, offs_n, mask_n, rows = _tile_rows_cols(
+        sorted_ids_ptr, expert_ids_ptr, pid_m, pid_n, N_total, num_pairs, up_offset, A_ROW_DIV, SILU_MUL,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    acc, kt_start, kt_end = _expert_tile_sum(
+        a_ptr, qw_ptr, scales_ptr, zeros_ptr, expert, a_rows, offs_n, rows, valid, mask_n, pid_k, split_k, K,
+        num_pairs, group_size, stride_am, stride_qe, stride_qr, stride_se, stride_sg, stride_ze, stride_zg, BITS,
+        KW, HAS_ZEROS, NG, SCALE_W, BLOCK_M, BLOCK_N, BLOCK_K, FAST, DOT_F32, EVEN_K, True,
+    )  # fmt: skip
+    if SILU_MUL:
+        # The SiLU needs the whole K sum: each program leaves its partial in its own workspace slot;
+        # the last of the tile's split_k programs to arrive (empty K ranges included: they store zeros
+        # and count) sums the slots in slot order (deterministic) and runs the epilogue. Plain stores
+        # into slots, not atomic adds into one zeroed tile: the workspace needs no zeroing (a per-call
+        # torch.empty) and the sum's order does not depend on arrival order.
+        ws_tile = ws_ptr + pairs.to(tl.int64)[None, :] * stride_wsm + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
+        mask_ws = valid[None, :]  # [1, BM]: n_tiles * BLOCK_N == 2I columns, all in range
+        tl.store(ws_tile + pid_k * stride_wsk, acc, mask=mask_ws)
+        # Ordering (as w4a16_mma_triton._share_tile): the barrier orders every thread's partial
+        # stores before the counter's gpu-scope release; the last program's acquire (same atomic)
+        # then sees all split_k slots, and its .cg loads read them from L2, never a stale L1 line.
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for sk in range(0, split_k):
+                total += tl.load(ws_tile + sk * stride_wsk, mask=mask_ws, other=0.0, cache_modifier=".cg")
+            _silu_mul_store(total, c_ptr, pairs, valid, offs_out, N_out, stride_cm, BLOCK_N, BLOCK_M)
+            # Reset for the next launch (and graph replay): every other program of the tile has
+            # arrived, so nothing adds to it again in this launch.
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        # A weighted fp32 partial added straight into the token's row of the [T, H] result: the k-way
+        # sum over the token's experts happens here too. Not rounded to the activation dtype per pair
+        # (the full sum is not known here): one rounding, at the final cast.
+        if kt_end > kt_start:  # an empty K range adds nothing
+            weight = tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)  # [BM]
+            res = acc * weight[None, :]  # [BN, BM]
+            out_rows = (pairs // OUT_ROW_DIV).to(tl.int64)  # [BM]
+            tl.atomic_add(
+                c_ptr + out_rows[:, None] * stride_cm + offs_out[None, :],
+                tl.trans(res),
+                mask=valid[:, None] & (offs_out < N_out)[None, :],
+                sem="relaxed",  # the kernel's end orders the adds before the cast that reads them
+            )
 
 
 @dataclass(frozen=True)
@@ -248,16 +499,61 @@ class MoEMmaConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # programs along K per output tile, both GEMMs (> 1: the split-K launches)
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEMmaConfig:
+SPLIT_K_ENV = "QSERVE_MOE_SPLIT_K"  # unset / "" / "0" / "1": off; "auto": default_config's; N: N
+MAX_AUTO_SPLIT = 8
+# Programs per SM the automatic split aims for at decode (the measured H100 decode grid, ~192 / ~256
+# programs on 132 SMs, reads its weights at ~1/4 of the bandwidth floor: each program walks all of K).
+AUTO_PROGRAMS_PER_SM = 4
+
+
+def split_k_setting() -> int | str:
+    """``QSERVE_MOE_SPLIT_K``: 1 (off: unset, empty, "0" or "1"), "auto", or an integer >= 2.
+    Anything else is refused (a typo must not quietly run, and get measured as, another launch)."""
+    value = os.environ.get(SPLIT_K_ENV, "").strip()
+    if value in ("", "0", "1"):
+        return 1
+    if value == "auto":
+        return "auto"
+    if value.isdigit() and int(value) >= 2:
+        return int(value)
+    raise ValueError(f"{SPLIT_K_ENV}={value!r}: expected unset, 0 or 1 (off), 'auto', or an integer split >= 2")
+
+
+def default_config(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    split_k: int | str = 1,
+    hidden: int = 0,
+    inter: int = 0,
+    num_sms: int = 132,
+) -> MoEMmaConfig:
     """Untuned starting table: 16-row pair blocks and 64-column tiles while few pairs land on each
     expert (decode: more programs for a weight-bound step), 64 x 128 for prefill. bench/moe.py's
-    ``mma`` column is where a measured table per architecture comes from."""
+    ``mma`` column is where a measured table per architecture comes from.
+
+    ``split_k`` (``split_k_setting()``): an integer is taken as is; ``"auto"`` splits only while an
+    expert gets <= 2 pairs (then each hit expert is one 16-row block: ``min(T*k, E)`` blocks) into
+    the smallest power of two that gives ``AUTO_PROGRAMS_PER_SM`` programs per SM on the GEMM with
+    fewer column tiles (``hidden`` / ``inter`` the layer's H and I), at most ``MAX_AUTO_SPLIT`` and
+    at most the down GEMM's K-tiles (I / 128). Unmeasured (bench/moe_sweep.py's split column decides)."""
     pairs_per_expert = num_tokens * top_k / max(num_experts, 1)
     if pairs_per_expert <= 16:
-        return MoEMmaConfig(block_m=16, block_n=64)
-    return MoEMmaConfig(block_m=64, block_n=128)
+        cfg = MoEMmaConfig(block_m=16, block_n=64)
+    else:
+        cfg = MoEMmaConfig(block_m=64, block_n=128)
+    if split_k == "auto":
+        split_k = 1
+        if pairs_per_expert <= 2 and hidden > 0 and inter > 0:
+            blocks = min(num_tokens * top_k, num_experts)
+            programs = blocks * min(inter // (cfg.block_n // 2), triton.cdiv(hidden, cfg.block_n))  # gate_up, down
+            cap = min(MAX_AUTO_SPLIT, max(1, inter // cfg.block_k))
+            while split_k * 2 <= cap and programs * split_k < AUTO_PROGRAMS_PER_SM * num_sms:
+                split_k *= 2
+    return dataclasses.replace(cfg, split_k=int(split_k))
 
 
 def _launch_shape(cfg: MoEMmaConfig, weight: StackedMmaWeight, out_cols: int, silu_mul: bool) -> tuple[int, int]:
@@ -277,10 +573,32 @@ def _launch_shape(cfg: MoEMmaConfig, weight: StackedMmaWeight, out_cols: int, si
     return block_n, block_k
 
 
+# Split-K gate_up arrival counters, one int32 per (pair block, column tile), per device: shared by
+# every layer (their launches run one after another in the stream, and each leaves its counters zero).
+# Grown, never shrunk or freed: a CUDA graph captured earlier keeps the address it was captured with.
+MIN_SPLIT_COUNTERS = 1 << 16  # 256 KB: a 2,048-token prefill at Qwen3-30B-A3B's shapes needs ~4.6K
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """int32 ``[>= count]`` arrival counters on ``device``, zero between launches: allocated (zeroed)
+    once, then every launch's last program per tile resets its own, so no per-call memset."""
+    key = (device.type, device.index)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+        size = max(count, MIN_SPLIT_COUNTERS, 2 * (0 if counters is None else counters.numel()))
+        counters = torch.zeros(size, dtype=torch.int32, device=device)  # [size]
+        _COUNTERS[key] = counters
+    return counters
+
+
 def _launch(
     a: torch.Tensor,  # [rows, K]
     weight: StackedMmaWeight,
-    out: torch.Tensor,  # [T*k, N_out]
+    out: torch.Tensor,  # [T*k, N_out]; split-K down: fp32 [T, N_out], zero (``zero_out`` of the gate_up launch)
     out_cols: int,
     topk_weights: torch.Tensor,  # float32 [T*k]
     sorted_ids: torch.Tensor,
@@ -290,7 +608,11 @@ def _launch(
     a_row_div: int,
     silu_mul: bool,
     config: MoEMmaConfig,
+    out_row_div: int = 1,  # split-K down: top_k (the k-way sum into ``out``'s token rows)
+    zero_out: torch.Tensor | None = None,  # split-K gate_up: the down launch's fp32 [T, H] output, zeroed here
 ) -> None:
+    """``moe_mma_kernel`` (``config.split_k == 1``: the launch of 890e2ef, unchanged) or
+    ``moe_mma_split_kernel``, which takes the same arguments first, then its own."""
     block_n, block_k = _launch_shape(config, weight, out_cols, silu_mul)
     g, k = weight.group_size, weight.in_features
     ng = 1 if (g % block_k == 0 or g >= k) else block_k // g
@@ -299,15 +621,34 @@ def _launch(
     stride_ze, stride_zg = (zeros.stride(0), zeros.stride(1)) if has_zeros else (0, 0)
     tile_cols = block_n // 2 if silu_mul else block_n
     grid = (sorted_ids.shape[0] // config.block_m, triton.cdiv(out_cols, tile_cols))
-    moe_mma_kernel[grid](
+    args = (
         a, weight.qweight, weight.scales, zeros, out, topk_weights, sorted_ids, expert_ids, num_padded,
         weight.out_features, out_cols, k, num_pairs, out_cols if silu_mul else 0, g,
         a.stride(0), weight.qweight.stride(0), weight.qweight.stride(1), weight.scales.stride(0),
         weight.scales.stride(1), stride_ze, stride_zg, out.stride(0),
-        A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=not silu_mul, BITS=weight.bits, KW=weight.kwidth,
-        HAS_ZEROS=has_zeros, NG=ng, SCALE_W=ng > 1, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        FAST=not _INTERPRET, DOT_F32=_INTERPRET, EVEN_K=k % block_k == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    meta = dict(
+        A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, BITS=weight.bits, KW=weight.kwidth, HAS_ZEROS=has_zeros, NG=ng,
+        SCALE_W=ng > 1, BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, FAST=not _INTERPRET,
+        DOT_F32=_INTERPRET, EVEN_K=k % block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    split = config.split_k
+    if split == 1:
+        moe_mma_kernel[grid](*args, MUL_WEIGHT=not silu_mul, **meta)
+        return
+    # Every pointer argument has one dtype whatever the launch: the unused ones get typed placeholders.
+    ws, cnt = kdevice.placeholder(a.device, torch.float32), kdevice.placeholder(a.device, torch.int32)
+    stride_wsk = stride_wsm = 0
+    if silu_mul:
+        ws = torch.empty((split, num_pairs, weight.out_features), dtype=torch.float32, device=a.device)  # [S, T*k, 2I]
+        stride_wsk, stride_wsm = ws.stride(0), ws.stride(1)
+        cnt = split_counters(a.device, grid[0] * grid[1])
+    elif out.dtype != torch.float32 or out_row_div < 1:
+        raise ValueError("split-K down launch: out must be the zeroed float32 [T, H] accumulator")
+    zero = zero_out if zero_out is not None else kdevice.placeholder(a.device, torch.float32)
+    moe_mma_split_kernel[(*grid, split)](
+        *args, ws, cnt, zero, 0 if zero_out is None else zero_out.numel(), split, stride_wsk, stride_wsm,
+        OUT_ROW_DIV=out_row_div, ZERO_OUT=zero_out is not None, **meta,
     )  # fmt: skip
 
 
@@ -323,9 +664,19 @@ def fused_moe_w4a16_mma(
     """Same result contract as ``moe_triton.fused_moe_w4a16`` (and ``moe_reference``'s): the
     one-launch token sort (``moe_triton.moe_align_block_size``), two launches and the k-way sum, no
     host sync. ``skip_foreign`` (expert parallelism): ids equal to ``num_experts`` sort past the
-    computed blocks and their output rows stay zero."""
+    computed blocks and their output rows stay zero. Without a ``config``, ``default_config`` with
+    ``QSERVE_MOE_SPLIT_K`` (``split_k_setting``); with ``config.split_k > 1``, ``_split_k_moe``."""
     num_tokens, top_k = topk_ids.shape
-    config = config or default_config(num_tokens, top_k, w_gate_up.num_experts)
+    if config is None:
+        split = split_k_setting()
+        if split == 1:  # exactly the launches without split-K
+            config = default_config(num_tokens, top_k, w_gate_up.num_experts)
+        else:
+            sms = kdevice.sm_count(x.device, default=132)
+            hidden, inter = x.shape[1], w_down.in_features
+            config = default_config(num_tokens, top_k, w_gate_up.num_experts, split, hidden, inter, sms)
+    if config.split_k > 1:
+        return _split_k_moe(x, w_gate_up, w_down, topk_weights, topk_ids, config, skip_foreign)
 
     def launch(a, out, gate_up, weights, sorted_ids, expert_ids, num_padded, num_pairs, a_row_div):  # noqa: ANN001, ANN202
         weight, n = (w_gate_up, w_down.in_features) if gate_up else (w_down, x.shape[1])
@@ -334,6 +685,42 @@ def fused_moe_w4a16_mma(
     return grouped_moe(
         x, topk_weights, topk_ids, w_gate_up.num_experts, w_down.in_features, config.block_m, skip_foreign, launch
     )
+
+
+def _split_k_moe(
+    x: torch.Tensor,  # [T, H] fp16 / bf16
+    w_gate_up: StackedMmaWeight,
+    w_down: StackedMmaWeight,
+    topk_weights: torch.Tensor,  # float [T, k]
+    topk_ids: torch.Tensor,  # int [T, k]
+    config: MoEMmaConfig,
+    skip_foreign: bool,
+) -> torch.Tensor:  # [T, H]
+    """``moe_triton.grouped_moe``'s sequence with both GEMMs split along K: the sort, gate_up (which
+    also zeroes the down launch's fp32 accumulator: no memset launch; stream order puts it before
+    the down launch, and CUDA-graph replays repeat it), down adding each pair's weighted partials into
+    its token's row (the k-way sum), and the cast to the activation dtype in place of the torch sum.
+    Foreign pairs (``skip_foreign``) sort past the computed blocks: their tokens' rows get nothing
+    from them. Same launch count as without split-K, no host sync."""
+    num_tokens, top_k = topk_ids.shape
+    hidden, inter = x.shape[1], w_down.in_features
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(
+        topk_ids, w_gate_up.num_experts, config.block_m, skip_foreign
+    )
+    num_pairs = num_tokens * top_k
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
+    x = x.contiguous()
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # [T*k, I]
+    acc = torch.empty((num_tokens, hidden), dtype=torch.float32, device=x.device)  # [T, H], zeroed by gate_up
+    _launch(
+        x, w_gate_up, act, inter, weights, sorted_ids, expert_ids, num_padded, num_pairs, top_k, True, config,
+        zero_out=acc,
+    )  # fmt: skip
+    _launch(
+        act, w_down, acc, hidden, weights, sorted_ids, expert_ids, num_padded, num_pairs, 1, False, config,
+        out_row_div=top_k,
+    )  # fmt: skip
+    return acc.to(x.dtype)
 
 
 def compile_for(
@@ -348,11 +735,14 @@ def compile_for(
 ):
     """``moe_mma_kernel`` compiled for ``sm_<arch>`` without a GPU (``triton.compile`` with a
     ``GPUTarget``), with the argument types the launcher passes and the JIT's 16-byte
-    specialization: ``.asm["ptx"]`` is what tests/kernels/test_moe_mma_ptx.py reads."""
+    specialization: ``.asm["ptx"]`` is what tests/kernels/test_moe_mma_ptx.py reads. ``cfg.split_k``
+    > 1: ``moe_mma_split_kernel``'s launch (gate_up zeroing the down launch's accumulator; down into
+    fp32)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = moe_mma_kernel
+    split = cfg.split_k > 1
+    fn = moe_mma_split_kernel if split else moe_mma_kernel
     pointers = {
         "a_ptr": f"*{dtype}",
         "qw_ptr": "*i32",
@@ -382,8 +772,16 @@ def compile_for(
         DOT_F32=False,
         EVEN_K=True,
     )
+    if split:  # down always weights its partials: no MUL_WEIGHT
+        pointers.update(c_ptr=f"*{dtype}" if silu_mul else "*fp32", ws_ptr="*fp32", cnt_ptr="*i32", zero_ptr="*fp32")
+        del constants["MUL_WEIGHT"]
+        constants.update(OUT_ROW_DIV=1 if silu_mul else top_k, ZERO_OUT=silu_mul, ZERO_BLOCK=256)
     signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in fn.arg_names}
-    aligned = [(i,) for i, name in enumerate(fn.arg_names) if signature[name] != "constexpr" and name != "num_pairs"]
+    aligned = [
+        (i,)
+        for i, name in enumerate(fn.arg_names)
+        if signature[name] != "constexpr" and name not in ("num_pairs", "split_k")
+    ]
     return triton.compile(
         ASTSource(fn, signature, constants, {path: [["tt.divisibility", 16]] for path in aligned}),
         target=GPUTarget("cuda", arch, 32),

@@ -7,7 +7,12 @@ Knows: the four ways the experts of one layer run and when each applies —
   order of the dense W4A16 kernel (``moe_mma_triton``: swap-AB, the dequantized weights stay in
   registers), no host sync, CUDA-graph safe; the canonical stack is not kept
   (``PreparedExperts.kind == "mma"``). 1.5-2.3x the kernel below per layer and 1.33-1.67x its
-  Qwen3-30B-A3B decode on the H200 (bench/RESULTS.md);
+  Qwen3-30B-A3B decode on the H200 (bench/RESULTS.md). Opt-in, not yet run on a GPU:
+  ``QSERVE_MOE_SPLIT_K=auto`` (or an integer N >= 2) splits both GEMMs along K
+  (``moe_mma_triton.split_k_setting``; "auto" only at decode, a few pairs per expert): the down
+  launch adds weighted fp32 partials into the token rows, gate_up reduces its partials in the last
+  program of a tile before the SiLU; unset, empty, "0" or "1" leave today's launches; anything
+  else is refused at load;
 * on CUDA with ``QSERVE_MOE_KERNEL=fused``, or where the MMA kernel does not serve a layer: the
   fused grouped kernel on the canonical stack (``moe_triton``, per-element dequantize), likewise
   sync-free (44-259x the loop below on the H200);
@@ -117,6 +122,7 @@ def prepare_experts(
     if mma_moe_requested() and grouped:
         from quant_kernels import moe_mma_triton  # noqa: PLC0415
 
+        moe_mma_triton.split_k_setting()  # a misspelt QSERVE_MOE_SPLIT_K stops the load, not the first step
         if moe_mma_triton.supports(gate_up, down):
             return PreparedExperts(
                 "mma",

@@ -415,6 +415,47 @@ def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None
             label = f"MoE MMA kernel{rank} {dtype_name} {'sym' if sym else 'asym'} T={m}"
             with where(capture, label), torch.inference_mode():
                 moe_ops.moe_experts(x, prepared, weights, ids)
+    drive_moe_mma_split(capture, dtype, dtype_name)
+
+
+# (QSERVE_MOE_SPLIT_K, symmetric, one expert-parallel rank's share, tokens): "auto" at one token is
+# split 4 at these shapes (128 SMs and more); kept to two launches of each GEMM per dtype.
+MOE_SPLIT_CASES = [("auto", True, False, 1), ("2", False, True, 32)]
+
+
+def drive_moe_mma_split(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+    """The MMA-operand MoE kernel's opt-in split-K launches (``QSERVE_MOE_SPLIT_K``) through
+    ``moe_ops``' dispatch: gate_up with its workspace, arrival counters and the zeroing of the down
+    launch's float32 accumulator; down adding into that accumulator."""
+    from quant_kernels import moe_mma_triton, moe_ops, moe_reference
+    from quant_kernels.moe_layout import StackedQuantWeight
+
+    hidden, num_experts, top_k, inter = MOE_SHAPE
+    local_experts = num_experts // MOE_EP_RANKS
+
+    def stacked(k: int, n: int, sym: bool, experts: int) -> StackedQuantWeight:
+        qweight = torch.zeros((experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
+        scales = torch.ones((experts, k // 128, n), dtype=torch.float16)  # [E, ng, N]
+        zeros = None if sym else torch.full((experts, k // 128, n), 8, dtype=torch.uint8)
+        return StackedQuantWeight(4, 128, qweight, scales, zeros)
+
+    for split, sym, ep, m in MOE_SPLIT_CASES:
+        experts = local_experts if ep else num_experts
+        env = {moe_ops.MOE_KERNEL_ENV: "", moe_mma_triton.SPLIT_K_ENV: split}
+        with mock.patch.dict(os.environ, env):
+            prepared = moe_ops.prepare_experts(
+                stacked(hidden, 2 * inter, sym, experts), stacked(inter, hidden, sym, experts), skip_foreign=ep
+            )
+            assert prepared.kind == "mma", "the MMA-operand MoE kernel was not selected"
+            x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
+            ids = (torch.arange(m * top_k, dtype=torch.int32) % num_experts).view(m, top_k)  # [T, k]
+            if ep:
+                ids = moe_reference.local_expert_ids(ids, local_experts, local_experts)
+            weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
+            rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
+            label = f"MoE MMA kernel split-K {split}{rank} {dtype_name} {'sym' if sym else 'asym'} T={m}"
+            with where(capture, label), torch.inference_mode():
+                moe_ops.moe_experts(x, prepared, weights, ids)
 
 
 def drive_pdl(capture: Capture, model, config: ModelConfig, label: str) -> None:

@@ -227,7 +227,8 @@ def test_moe_launches_compile(tmp_path) -> None:
     like: the one-program token sort (int32 ids, all experts and an expert-parallel rank's share with
     the sentinel group, one chunk and several), the fused kernel's grouped GEMMs
     (QSERVE_MOE_KERNEL=fused), the default MMA-operand kernel's (symmetric, with zeros, one rank's
-    share) and the opt-in router top-k (QSERVE_FUSED_ROUTER=1). The engine units above compile the
+    share), its opt-in split-K kernel's (QSERVE_MOE_SPLIT_K) and the opt-in router top-k
+    (QSERVE_FUSED_ROUTER=1). The engine units above compile the
     same launches for sm90 and the job's consumer card; this checks the other consumer card (sm86
     where the job's is sm89, and the reverse), which no unit of the job builds. Selectable alone
     (``-k moe``)."""
@@ -239,5 +240,43 @@ def test_moe_launches_compile(tmp_path) -> None:
         assert max(x["constexprs"]["CHUNK"] for x in aligns) < 512 * 8, gpu  # 4096 pairs: several chunks
         kernels = {x["kernel"] for x in launches}
         assert kernels == {
-            "moe_align_block_size_kernel", "moe_w4a16_kernel", "moe_mma_kernel", "router_topk_kernel"
+            "moe_align_block_size_kernel", "moe_w4a16_kernel", "moe_mma_kernel", "moe_mma_split_kernel",
+            "router_topk_kernel",
         }, gpu  # fmt: skip
+
+
+_MOE_SPLIT = r"""
+import json, sys, torch
+from tests.helpers.engine_launches import drive_moe_mma_split
+from tests.helpers.kernel_launches import GPUS, simulated_gpu
+result = {}
+for name, dtype, dtype_name in (("sm90", torch.float16, "fp16"), ("sm89", torch.bfloat16, "bf16")):
+    with simulated_gpu(GPUS[name]) as capture:
+        drive_moe_mma_split(capture, dtype, dtype_name)
+    result[name] = [
+        {"kernel": l.kernel, "signature": l.signature, "constexprs": dict(l.constexprs), "error": l.error,
+         "where": l.where, "grid": l.grid}
+        for l in capture.launches.values()
+    ]
+print("RESULT" + json.dumps(result, default=str))
+"""
+
+
+@pytest.mark.slow  # ~30 s: eight compiles (the engine units compile the same launches too)
+def test_moe_split_k_launches_compile(tmp_path) -> None:
+    """The MMA-operand MoE kernel's opt-in split-K launches, all of ``moe_mma_split_kernel`` (none of
+    the default ``moe_mma_kernel``), with QSERVE_MOE_SPLIT_K "auto" at one token and 2 at 32 tokens
+    for one expert-parallel rank with zeros, as ``moe_ops`` makes them at Qwen3-30B-A3B's
+    shapes compile for sm90 (fp16) and sm89 (bf16): gate_up with the workspace, the int32 arrival
+    counters (their atomics type-checked: issue 24's failure) and the zeroing of down's accumulator;
+    down adding into that float32 accumulator. Selectable alone (``-k split``)."""
+    for gpu, launches in _compiled_launches(_MOE_SPLIT, tmp_path, "moe-split").items():
+        assert not [x for x in launches if x["kernel"] == "moe_mma_kernel"], gpu  # the default kernel: no split
+        mma = [x for x in launches if x["kernel"] == "moe_mma_split_kernel"]
+        gate_up = [x for x in mma if x["constexprs"]["SILU_MUL"]]
+        down = [x for x in mma if not x["constexprs"]["SILU_MUL"]]
+        assert gate_up and all(x["constexprs"]["ZERO_OUT"] for x in gate_up), gpu
+        # positional arguments: moe_mma_kernel's 23 (a, qw, scales, zeros, c, ...), then ws, cnt, zero, ...
+        assert all(x["signature"][23:26] == ["*float32", "*int32", "*float32"] for x in gate_up), gpu
+        assert down and all(x["signature"][4] == "*float32" and x["constexprs"]["OUT_ROW_DIV"] == 8 for x in down), gpu
+        assert {x["grid"][2] for x in mma} == {4, 2}, (gpu, [x["grid"] for x in mma])  # "auto" at 1 token: 4

@@ -170,6 +170,99 @@ def test_dispatch_selects_the_mma_kernel(monkeypatch) -> None:
     assert_matches(moe_ops.moe_experts(x, prepared, weights, ids), ref, torch.float16)
 
 
+# Split-K: H = 320 is 3 K-tiles of 128 (the last masked), I = 192 is 2 (NG = 2 groups of 64 each):
+# split 2 leaves ranges of 2 + 1 tiles, 3 one tile each (down: one empty), 4 an empty range on both.
+SPLIT_CASES = [
+    (split, sym, dtype) for split in (2, 3, 4) for sym, dtype in ((True, torch.float16), (False, torch.bfloat16))
+]
+
+
+@pytest.mark.parametrize(
+    "split,sym,dtype", SPLIT_CASES, ids=[f"s{c[0]}-{'sym' if c[1] else 'asym'}-{str(c[2])[6:]}" for c in SPLIT_CASES]
+)
+def test_split_k_matches_reference(split, sym, dtype, poisoned) -> None:
+    """Both GEMMs split along K: down's weighted partials added into the token rows (its fp32
+    accumulator starts NaN: the gate_up launch must zero it), gate_up's reduced by each tile's last
+    program; a second call gives the same bits (the counters were reset, the workspace is per call)."""
+    w13, w2 = layer(8, 320, 192, 64, sym, dtype, seed=81 + split)
+    x, weights, ids = routing(5, 8, 2, 320, dtype, seed=82 + split)
+    ref = moe_reference.fused_moe_w4a16(x.float(), _as_f32(w13), _as_f32(w2), weights, ids)
+    p13, p2 = moe_mma.prepare_stacked(w13), moe_mma.prepare_stacked(w2)
+    config = moe_mma.MoEMmaConfig(16, 64, split_k=split)
+    first = moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, ids, config)
+    assert_matches(first, ref, dtype)
+    assert torch.equal(moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, ids, config), first)
+    assert not moe_mma.split_counters(x.device, 1).any(), "a tile's arrival counter was left set"
+
+
+def test_split_k_skips_foreign_pairs(poisoned) -> None:
+    """Expert parallelism with split-K: foreign pairs add nothing to their tokens' rows (a token whose
+    every pair is foreign gets a zero row), local pairs their weighted sum."""
+    w13, w2 = layer(8, 320, 64, 64, False, torch.float16, seed=91)
+    x, weights, ids = routing(7, 8, 2, 320, torch.float16, seed=92)
+    ids = torch.randint(0, 8, ids.shape, generator=torch.Generator().manual_seed(93), dtype=torch.int32)
+    ids[0] = torch.tensor([0, 1])  # token 0: both pairs on rank 0's experts
+    local = moe_reference.local_expert_ids(ids, 4, 4)  # rank 1 of 2
+    mine13, mine2 = _rank_share(w13, 1, 2), _rank_share(w2, 1, 2)
+    ref = moe_reference.fused_moe_w4a16(x.float(), _as_f32(mine13), _as_f32(mine2), weights, local)
+    p13, p2 = moe_mma.prepare_stacked(mine13), moe_mma.prepare_stacked(mine2)
+    out = moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, local, moe_mma.MoEMmaConfig(16, 64, split_k=3), True)
+    assert_matches(out, ref, torch.float16)
+    assert not out[0].any()
+
+
+def test_split_k_setting(monkeypatch) -> None:
+    """``QSERVE_MOE_SPLIT_K``: off for unset / empty / 0 / 1, "auto", an integer >= 2; the rest refused
+    with the variable's name, also at load (``moe_ops.prepare_experts``)."""
+    from quant_kernels import device as kdevice
+    from quant_kernels import moe_ops
+
+    env = moe_mma.SPLIT_K_ENV
+    monkeypatch.delenv(env, raising=False)
+    assert moe_mma.split_k_setting() == 1
+    for value, want in (("", 1), ("0", 1), ("1", 1), ("auto", "auto"), ("2", 2), (" 8 ", 8)):
+        monkeypatch.setenv(env, value)
+        assert moe_mma.split_k_setting() == want, value
+    for value in ("yes", "-2", "2.5", "Auto", "4x"):
+        monkeypatch.setenv(env, value)
+        with pytest.raises(ValueError, match=f"QSERVE_MOE_SPLIT_K={value!r}"):
+            moe_mma.split_k_setting()
+    w13, w2 = layer(4, 128, 64, 64, True, torch.float16, seed=95)
+    with mock.patch.object(kdevice, "triton_serves", lambda device: True):
+        with mock.patch.object(kdevice, "capability", lambda device: (9, 0)):
+            monkeypatch.delenv(moe_ops.MOE_KERNEL_ENV, raising=False)
+            monkeypatch.delenv(moe_ops.FUSED_MOE_ENV, raising=False)
+            monkeypatch.setenv(env, "4 ")
+            assert moe_ops.prepare_experts(w13, w2).kind == "mma"
+            monkeypatch.setenv(env, "on")
+            with pytest.raises(ValueError, match="QSERVE_MOE_SPLIT_K='on'"):
+                moe_ops.prepare_experts(w13, w2)
+
+
+def test_split_k_selection(monkeypatch) -> None:
+    """Off (unset, "0", "1"): the launches without split-K, whatever the batch; "auto": Qwen3-30B-A3B's
+    decode at 1 and 2 tokens splits (192 / 384 gate_up programs on 132 SMs: 4 and 2), 4+ tokens not
+    (>= 768 programs), and never past the down GEMM's 6 K-tiles; N: that split, prefill too."""
+    assert moe_mma.default_config(1, 8, 128).split_k == 1
+    auto = [moe_mma.default_config(t, 8, 128, "auto", 2048, 768).split_k for t in (1, 2, 4, 8, 32, 512)]
+    assert auto == [4, 2, 1, 1, 1, 1]
+    assert moe_mma.default_config(1, 8, 128, "auto", 2048, 256).split_k == 2  # down: 2 K-tiles
+    assert moe_mma.default_config(512, 8, 128, 8).split_k == 8
+    w13, w2 = layer(8, 128, 64, 64, True, torch.float16, seed=97)
+    x, weights, ids = routing(1, 8, 2, 128, torch.float16, seed=98)
+    p13, p2 = moe_mma.prepare_stacked(w13), moe_mma.prepare_stacked(w2)
+    seen = []
+    real = moe_mma._split_k_moe
+    monkeypatch.setattr(moe_mma, "_split_k_moe", lambda *a: seen.append(a[5].split_k) or real(*a))
+    for value in (None, "0", "1", "", "auto", "3"):
+        if value is None:
+            monkeypatch.delenv(moe_mma.SPLIT_K_ENV, raising=False)
+        else:
+            monkeypatch.setenv(moe_mma.SPLIT_K_ENV, value)
+        moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, ids)
+    assert seen == [3]  # "auto" at this toy layer (I = 64: one K-tile) does not split
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 8, 32, 128, 512])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -197,6 +290,39 @@ def test_qwen3_30b_shapes_on_gpu(num_tokens, dtype, sym):
             error = out.float() - expected
             assert float(error.norm() / expected.norm()) < 1.5e-2
             assert float(error.abs().max()) < 2e-2 * float(expected.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8])
+@pytest.mark.parametrize("split_k", [2, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sym", [True, False])
+def test_split_k_qwen3_30b_shapes_on_gpu(num_tokens, split_k, dtype, sym):
+    """The split-K launches at Qwen3-30B-A3B's shapes on a GPU (really concurrent programs: the
+    arrival counters and the atomic adds, which the interpreter runs one program at a time), against
+    the unsplit kernel (same inputs, so the bound is the two roundings' difference), twice in a row,
+    and for one rank of 4."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    num_experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13 = random_stacked(num_experts, hidden, 2 * inter, 128, sym, dtype, device="cuda", seed=3)
+    w2 = random_stacked(num_experts, inter, hidden, 128, sym, dtype, device="cuda", seed=4)
+    x, weights, ids = routing(num_tokens, num_experts, top_k, hidden, dtype, seed=num_tokens, device="cuda")
+    p13, p2 = moe_mma.prepare_stacked(w13), moe_mma.prepare_stacked(w2)
+    rank1 = moe_reference.local_expert_ids(ids, 32, 32)
+    for held, local, skip in ((slice(None), ids, False), (slice(32, 64), rank1, True)):
+        q13, q2 = (dataclasses.replace(p, qweight=p.qweight[held], scales=p.scales[held],
+                                       zeros=None if p.zeros is None else p.zeros[held]) for p in (p13, p2))  # fmt: skip
+        plain = moe_mma.fused_moe_w4a16_mma(x, q13, q2, weights, local, moe_mma.MoEMmaConfig(16, 64), skip)
+        config = moe_mma.MoEMmaConfig(16, 64, split_k=split_k)
+        split = moe_mma.fused_moe_w4a16_mma(x, q13, q2, weights, local, config, skip)
+        again = moe_mma.fused_moe_w4a16_mma(x, q13, q2, weights, local, config, skip)
+        assert torch.isfinite(split).all()
+        error = (split.float() - plain.float()).norm() / plain.float().norm()
+        assert float(error) < (1e-2 if dtype == torch.bfloat16 else 2e-3), float(error)
+        # the down adds land in any order: equal up to fp32 reassociation, then one rounding
+        torch.testing.assert_close(again, split, atol=1e-2 * float(split.abs().max()), rtol=1e-2)
+    assert not moe_mma.split_counters(x.device, 1).any()
 
 
 def test_a_misspelt_kernel_choice_is_refused(monkeypatch) -> None:
