@@ -22,6 +22,13 @@ paths run (``moe_triton.moe_align_block_size``, its kernel timed at every size, 
 ``QSERVE_MOE_ALIGN_MAX_PAIRS`` too, where the launcher would run the torch ops), at the fused path's block_m, after checking they agree;
 and the router's softmax + top-k alone, graph-timed: ``moe_reference.select_experts`` (about six torch
 ops) vs ``moe_router_triton.router_topk`` (one launch, opt-in ``QSERVE_FUSED_ROUTER=1``).
+
+A second table, at the token counts where ``QSERVE_MOE_DIRECT_BLOCKS=32`` applies (T * top-8 <= 32: 1-4
+tokens): the sort-free layout (one pair per block, written by the router's launch) against the sort, both
+through ``moe_ops.route`` + ``moe_experts`` with the MMA kernel and ``QSERVE_FUSED_ROUTER=1``, graph-timed on
+the same logits: the experts alone given each path's routing (direct: no sort launch, but an expert hit by
+two tokens is read twice) and the whole routed step from the logits (router, sort or not, two GEMMs, sum),
+after checking the two outputs (expected equal bit for bit: each row of a block is computed on its own).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import math
 import os
 import statistics
 import sys
+from unittest import mock
 
 import torch
 from triton.testing import do_bench
@@ -44,6 +52,8 @@ from quant_kernels.moe_layout import StackedQuantWeight  # noqa: E402
 
 HIDDEN, NUM_EXPERTS, TOP_K, INTER, GROUP = 2048, 128, 8, 768, 128
 TOKENS = [1, 8, 32, 128, 512, 1024, 2048, 4096]
+DIRECT_PAIRS = 32  # QSERVE_MOE_DIRECT_BLOCKS for the second table: 1-4 tokens at top-8 (the rows --tokens adds)
+DIRECT_TOKENS = [1, 2, 4]
 
 
 def bench_us(fn, rep: int = 50) -> float:
@@ -106,10 +116,50 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def direct_blocks(
+    x: torch.Tensor,  # [T, H] fp16
+    logits: torch.Tensor,  # [T, E] fp16, no ties in a row
+    experts: moe_ops.PreparedExperts,  # kind "mma"
+) -> dict[str, float | bool | None]:
+    """The sort-free step (``QSERVE_MOE_DIRECT_BLOCKS``) against the sorted one through ``moe_ops``, both
+    with ``QSERVE_FUSED_ROUTER=1``: µs of the experts alone given each path's routing, and of the whole
+    routed step; ``direct equal``: whether the two outputs are equal bit for bit."""
+    paths: dict[str, dict[str, str]] = {
+        "sorted": {moe_ops.FUSED_ROUTER_ENV: "1", moe_ops.DIRECT_BLOCKS_ENV: "0"},
+        "direct": {moe_ops.FUSED_ROUTER_ENV: "1", moe_ops.DIRECT_BLOCKS_ENV: str(DIRECT_PAIRS)},
+    }
+    row: dict[str, float | bool | None] = {}
+    outs = {}
+    for name, env in paths.items():
+        with mock.patch.dict(os.environ, env):
+            routing = moe_ops.route(logits, TOP_K, True, experts)
+            assert (routing.layout is not None) == (name == "direct"), f"the {name} path did not run as asked"
+
+            def step(routing=routing) -> torch.Tensor:
+                return moe_ops.moe_experts(x, experts, routing.weights, routing.ids, routing.layout)
+
+            def routed() -> torch.Tensor:
+                r = moe_ops.route(logits, TOP_K, True, experts)
+                return moe_ops.moe_experts(x, experts, r.weights, r.ids, r.layout)
+
+            outs[name] = routed()
+            row[f"experts {name}"] = graph_us(step)
+            row[f"routed {name}"] = graph_us(routed)  # captured with this path's environment
+    row["direct equal"] = torch.equal(outs["sorted"], outs["direct"])
+    if not row["direct equal"]:
+        err = rel_err(outs["direct"], outs["sorted"])
+        print(
+            f"T={x.shape[0]}: the direct layout's output differs from the sorted one's (rel {err:.2e})", file=sys.stderr
+        )
+        if err > 2e-2:
+            row.update({key: None for key in row if key != "direct equal"})
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="markdown table (a .json beside it)")
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--tokens", default=",".join(map(str, sorted(set(TOKENS + DIRECT_TOKENS)))))
     args = parser.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -124,6 +174,7 @@ def main() -> None:
     )
     dense13_bf16, dense2_bf16 = dense13.bfloat16(), dense2.bfloat16()
     mma13, mma2 = moe_mma_triton.prepare_stacked(w13), moe_mma_triton.prepare_stacked(w2)  # QSERVE_MOE_KERNEL=mma
+    direct_experts = moe_ops.PreparedExperts("mma", NUM_EXPERTS, INTER, gate_up=mma13, down=mma2, fused=True)
     expert_bytes = (w13.nbytes() + w2.nbytes()) / NUM_EXPERTS
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
@@ -214,6 +265,8 @@ def main() -> None:
                 row[name] = graph_us(lambda fn=fn, lg=router_in: fn(lg, TOP_K, True))
         else:
             print(f"T={t}: the Triton router picks other experts than the reference; not timed", file=sys.stderr)
+        if t * TOP_K <= DIRECT_PAIRS:  # the sort-free layout against the sort, on the router's own logits
+            row.update(direct_blocks(x, router_in, direct_experts))
         fused = row["fused"]
         row["loop/fused"] = row["w4a16 loop"] / fused if fused and row["w4a16 loop"] else None
         row["cublas/fused"] = row["cuBLAS fp16 grouped"] / fused if fused and row["cuBLAS fp16 grouped"] else None
@@ -242,6 +295,17 @@ def main() -> None:
             f"{fmt(r['floor_us'])} | {fmt(r['fused % of floor'], '.0f')} | {fmt(r['mma % of floor'], '.0f')} | "
             f"{fmt(r['align torch'])} | {fmt(r['align triton'])} | {fmt(r.get('router torch'))} | "
             f"{fmt(r.get('router triton'))} |"
+        )
+    direct_rows = [r for r in rows if "direct equal" in r]
+    if direct_rows:
+        lines += ["", f"Sort-free MoE steps (QSERVE_MOE_DIRECT_BLOCKS={DIRECT_PAIRS}, QSERVE_FUSED_ROUTER=1, MMA kernel)",
+                  "", "| tokens | experts: sorted µs | experts: direct µs | router + experts: sorted µs | "
+                  "router + experts: direct µs | sorted / direct | outputs equal |", "|" + "---|" * 7]  # fmt: skip
+    for r in direct_rows:
+        speedup = r["routed sorted"] / r["routed direct"] if r["routed sorted"] and r["routed direct"] else None
+        lines.append(
+            f"| {r['tokens']} | {fmt(r['experts sorted'])} | {fmt(r['experts direct'])} | {fmt(r['routed sorted'])} | "
+            f"{fmt(r['routed direct'])} | {fmt(speedup, '.2f')} | {'yes' if r['direct equal'] else 'NO'} |"
         )
     print("\n".join(lines))
     if args.out:

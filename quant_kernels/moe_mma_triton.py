@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 from quant_kernels import device as kdevice
+from quant_kernels import moe_reference
 from quant_kernels import w4a16_mma_triton as mma
 from quant_kernels.moe_layout import StackedQuantWeight
 from quant_kernels.moe_triton import grouped_moe, moe_align_block_size  # the sort, the launches' buffers, the sum
@@ -660,6 +661,7 @@ def fused_moe_w4a16_mma(
     topk_ids: torch.Tensor,  # int [T, k]
     config: MoEMmaConfig | None = None,
     skip_foreign: bool = False,
+    layout: moe_reference.BlockLayout | None = None,  # blocks made already (moe_triton.block_layout): no sort
 ) -> torch.Tensor:  # [T, H]
     """Same result contract as ``moe_triton.fused_moe_w4a16`` (and ``moe_reference``'s): the
     one-launch token sort (``moe_triton.moe_align_block_size``), two launches and the k-way sum, no
@@ -683,8 +685,9 @@ def fused_moe_w4a16_mma(
         _launch(a, weight, out, n, weights, sorted_ids, expert_ids, num_padded, num_pairs, a_row_div, gate_up, config)
 
     return grouped_moe(
-        x, topk_weights, topk_ids, w_gate_up.num_experts, w_down.in_features, config.block_m, skip_foreign, launch
-    )
+        x, topk_weights, topk_ids, w_gate_up.num_experts, w_down.in_features, config.block_m, skip_foreign, launch,
+        layout,
+    )  # fmt: skip
 
 
 def _split_k_moe(

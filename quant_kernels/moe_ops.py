@@ -23,7 +23,14 @@ Knows: the four ways the experts of one layer run and when each applies —
   so such a model runs without CUDA graphs (``PreparedExperts.graph_safe``).
 
 The router's softmax + top-k (``select_experts``): the reference's torch ops, or with
-``QSERVE_FUSED_ROUTER=1`` on CUDA one Triton launch (``moe_router_triton``).
+``QSERVE_FUSED_ROUTER=1`` on CUDA one Triton launch (``moe_router_triton``). ``route`` is what a
+MoE block calls: that choice, the ids as one expert-parallel rank's (``local_expert_ids``), and
+with ``QSERVE_MOE_DIRECT_BLOCKS=N`` (opt-in, not yet run on a GPU) for steps of at most N (token,
+expert) pairs the grouped kernels' block layout with one pair per block, written by the router's
+launch (``moe_router_triton.router_topk_blocks``), so ``moe_experts`` launches no token sort
+(``Routing.layout``). It needs ``QSERVE_FUSED_ROUTER=1`` and grouped experts (``mma`` or the fused
+kernel) on CUDA; elsewhere it does not apply (building the layout with torch ops would cost more
+launches than the one sort it saves).
 
 Must not know: models, checkpoint formats. Triton stays a lazy import.
 """
@@ -44,6 +51,8 @@ FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
 MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma" (default): moe_mma_triton; "fused": moe_triton
 MOE_KERNELS = ("mma", "fused")
 FUSED_ROUTER_ENV = "QSERVE_FUSED_ROUTER"  # "1": the router's softmax + top-k in one launch (moe_router_triton)
+# N > 0: steps of at most N (token, expert) pairs take the router's one-pair-per-block layout (route)
+DIRECT_BLOCKS_ENV = "QSERVE_MOE_DIRECT_BLOCKS"
 
 
 def fused_moe_requested() -> bool:
@@ -58,6 +67,20 @@ def mma_moe_requested() -> bool:
     if value not in MOE_KERNELS:
         raise ValueError(f"{MOE_KERNEL_ENV}={value!r}: the MoE kernels to choose are 'mma' (the default) and 'fused'")
     return value == "mma"
+
+
+def direct_blocks_limit() -> int:
+    """``QSERVE_MOE_DIRECT_BLOCKS`` as the most (token, expert) pairs a step may have to skip the
+    token sort (``route``): unset, empty or "0": 0, off; a positive integer (e.g. 32: Qwen3-30B-A3B's
+    top-8 up to 4 tokens) as is. Anything else is refused, naming the variable (a typo must not
+    silently measure the sorted path). Meant for a handful of tokens: the router's one program then
+    holds every token's logits, and an expert hit by several pairs is read once per pair."""
+    value = os.environ.get(DIRECT_BLOCKS_ENV, "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"{DIRECT_BLOCKS_ENV}={value!r}: 0 (off) or a positive number of (token, expert) pairs")
+    return int(value)
 
 
 @dataclass
@@ -110,6 +133,7 @@ def prepare_experts(
 ) -> PreparedExperts:
     """Turn one layer's loaded experts (on their device) into what ``moe_experts`` consumes;
     ``skip_foreign``: they are one rank's share of the layer's experts (expert parallelism)."""
+    direct_blocks_limit()  # a misspelt QSERVE_MOE_DIRECT_BLOCKS stops the load, not the first step
     if isinstance(gate_up, torch.Tensor):
         return PreparedExperts(
             "dense", gate_up.shape[0], down.shape[-1], gate_up=gate_up, down=down, skip_foreign=skip_foreign
@@ -165,28 +189,95 @@ def select_experts(
     return moe_reference.select_experts(router_logits, top_k, renormalize)
 
 
+@dataclass(frozen=True)
+class Routing:
+    """The router's choice as ``moe_experts`` takes it (plain tensors): ``ids`` index the block's own
+    experts (another rank's expert: the sentinel ``num_experts`` of the stack); ``layout``, when
+    ``route`` made one, the grouped kernels' blocks for these pairs (no token sort then)."""
+
+    weights: torch.Tensor  # float32 [T, k]
+    ids: torch.Tensor  # int32 [T, k]
+    layout: moe_reference.BlockLayout | None = None
+
+
+def _grouped_block_m(prepared: PreparedExperts, num_tokens: int, top_k: int) -> int | None:
+    """The ``block_m`` the grouped kernel ``moe_experts`` will run ``prepared`` with at this step
+    (its launcher's own ``default_config``), or None when the experts take no grouped kernel."""
+    if prepared.kind == "mma":
+        from quant_kernels import moe_mma_triton  # noqa: PLC0415
+
+        return moe_mma_triton.default_config(num_tokens, top_k, prepared.num_experts).block_m
+    if prepared.kind == "stacked" and prepared.fused:
+        from quant_kernels import moe_triton  # noqa: PLC0415
+
+        return moe_triton.default_config(num_tokens, top_k, prepared.num_experts).block_m
+    return None
+
+
+def route(
+    router_logits: torch.Tensor,  # [T, E], E the layer's experts (all ranks')
+    top_k: int,
+    renormalize: bool,
+    prepared: PreparedExperts,
+    expert_start: int = 0,  # the first expert ``prepared`` holds (expert parallelism)
+) -> Routing:
+    """``select_experts``, with the ids turned into ``prepared``'s own when it holds a share of the
+    experts (``skip_foreign``: ``moe_reference.local_expert_ids``). With ``QSERVE_MOE_DIRECT_BLOCKS=N``,
+    ``QSERVE_FUSED_ROUTER=1``, ``T * k <= N`` and a grouped kernel on a device Triton serves, the
+    router's one launch also lays the pairs out one per block for that kernel's ``block_m``
+    (``moe_reference.direct_block_layout``' contract): ``Routing.layout``. Host-side decisions from
+    the shapes and the environment only: no host sync, CUDA-graph safe (a graph bucket's T fixes it)."""
+    num_tokens, num_experts = router_logits.shape
+    limit = direct_blocks_limit()
+    block_m = None
+    if (
+        0 < num_tokens * top_k <= limit
+        and os.environ.get(FUSED_ROUTER_ENV) == "1"
+        and kdevice.triton_serves(router_logits.device)
+    ):
+        block_m = _grouped_block_m(prepared, num_tokens, top_k)
+    if block_m is not None:
+        from quant_kernels import moe_router_triton  # noqa: PLC0415
+
+        num_local = prepared.num_experts if prepared.skip_foreign else num_experts
+        start = expert_start if prepared.skip_foreign else 0
+        weights, ids, sorted_ids, expert_ids, num_padded = moe_router_triton.router_topk_blocks(
+            router_logits, top_k, renormalize, block_m, start, num_local
+        )
+        return Routing(weights, ids, moe_reference.BlockLayout(sorted_ids, expert_ids, num_padded, block_m))
+    weights, ids = select_experts(router_logits, top_k, renormalize)
+    if prepared.skip_foreign:
+        ids = moe_reference.local_expert_ids(ids, expert_start, prepared.num_experts)
+    return Routing(weights, ids)
+
+
 def moe_experts(
     x: torch.Tensor,  # [T, H]
     prepared: PreparedExperts,
     topk_weights: torch.Tensor,  # float32 [T, k]
     topk_ids: torch.Tensor,  # int32 [T, k]
+    layout: moe_reference.BlockLayout | None = None,
 ) -> torch.Tensor:  # [T, H]
     """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` with the implementation ``prepared`` chose;
-    pairs whose id is ``prepared.num_experts`` (another rank's expert) add nothing."""
+    pairs whose id is ``prepared.num_experts`` (another rank's expert) add nothing. ``layout``
+    (``Routing.layout``): the grouped kernels' blocks for these pairs, used instead of sorting them;
+    the other implementations have no blocks and ignore it."""
     if prepared.kind == "dense":
         return moe_reference.fused_moe_dense(x, prepared.gate_up, prepared.down, topk_weights, topk_ids)
     if prepared.kind == "mma":  # prepared on a device Triton serves (prepare_experts)
         from quant_kernels import moe_mma_triton  # noqa: PLC0415
 
         return moe_mma_triton.fused_moe_w4a16_mma(
-            x, prepared.gate_up, prepared.down, topk_weights, topk_ids, skip_foreign=prepared.skip_foreign
-        )
+            x, prepared.gate_up, prepared.down, topk_weights, topk_ids, skip_foreign=prepared.skip_foreign,
+            layout=layout,
+        )  # fmt: skip
     if prepared.kind == "stacked" and prepared.fused and kdevice.triton_serves(x.device):
         from quant_kernels import moe_triton  # noqa: PLC0415
 
         return moe_triton.fused_moe_w4a16(
-            x, prepared.gate_up, prepared.down, topk_weights, topk_ids, skip_foreign=prepared.skip_foreign
-        )
+            x, prepared.gate_up, prepared.down, topk_weights, topk_ids, skip_foreign=prepared.skip_foreign,
+            layout=layout,
+        )  # fmt: skip
     if prepared.kind == "stacked":
         return moe_reference.fused_moe_w4a16(x, prepared.gate_up, prepared.down, topk_weights, topk_ids)
 

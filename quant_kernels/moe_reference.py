@@ -4,7 +4,9 @@ Knows: top-k softmax routing (optionally renormalized), the SwiGLU expert MLP
 (``down(silu(gate(x)) * up(x))``) over stacked expert weights (``quant_kernels.moe_layout``, or
 dense ``[E, N, K]`` tensors), and the sort of (token, slot) pairs by expert into ``BLOCK_M``-padded
 groups that a grouped GEMM tiles (``moe_align_block_size``, the oracle of the one-launch Triton
-sort that the fused path runs, ``moe_triton.moe_align_block_size``). Must not know: models,
+sort that the fused path runs, ``moe_triton.moe_align_block_size``), and the sort-free layout of the
+same contract that gives each pair a block of its own (``direct_block_layout``, the oracle of the
+router's opt-in layout, ``moe_router_triton.router_topk_blocks``). Must not know: models,
 checkpoint formats, engines.
 
 ``fused_moe_w4a16`` and ``fused_moe_dense`` are the CPU path of the engine and the oracle of the
@@ -17,6 +19,7 @@ run reproduces them bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +106,52 @@ def moe_align_block_size(
     block_starts = torch.arange(0, max_padded, block_m, device=device)  # [num_blocks]
     expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp(max=num_experts - 1).to(torch.int32)
     num_padded = ends[num_experts - 1 : num_experts].to(torch.int32)  # [1]: the sentinel's group lies past it
+    return sorted_ids, expert_ids, num_padded
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The pairs laid out in ``block_m``-row blocks of one expert each, as a grouped GEMM tiles them:
+    ``moe_align_block_size``'s three tensors (its docstring is the contract) and the ``block_m`` they
+    were built for (a GEMM tiling other blocks must not read them). Plain tensors and an int."""
+
+    sorted_ids: torch.Tensor  # int32 [num_blocks * block_m]: flat pair indices, sentinel T*k = padding
+    expert_ids: torch.Tensor  # int32 [num_blocks]: each block's expert (blocks past num_padded: never computed)
+    num_padded: torch.Tensor  # int32 [1]: the rows in use
+    block_m: int
+
+
+def direct_block_layout(
+    topk_ids: torch.Tensor,  # int [T, k]
+    num_experts: int,
+    block_m: int,
+    skip_foreign: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_align_block_size``'s contract without the sort: every pair gets a ``block_m`` block of its
+    own (vLLM's naive block assignment), its index in the block's first row, the sentinel ``T * k`` in
+    the rest, the block's expert its id. Valid for the grouped GEMMs because each row of a block is
+    computed on its own and a token routes to an expert at most once; it costs one read of an expert's
+    weights per pair instead of per hit expert, so it only pays while the sort's launch costs more
+    than those reads (a handful of tokens).
+
+    Blocks go in pair order, so with every expert local block ``i`` is pair ``i``; with
+    ``skip_foreign`` (ids may be ``local_expert_ids``' sentinel ``num_experts``) the local pairs'
+    blocks come first, in pair order, and ``num_padded`` ends after them, so no block computes a
+    foreign pair (the others' blocks hold only the sentinel and expert ``num_experts - 1``, unread).
+    Returns ``sorted_ids`` int32 ``[T*k*block_m]``, ``expert_ids`` int32 ``[T*k]``, ``num_padded``
+    int32 ``[1]``: shapes from T and k only, torch ops with no host sync."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [n]
+    num_pairs = flat.numel()
+    local = flat < num_experts if skip_foreign else torch.ones_like(flat, dtype=torch.bool)  # [n]
+    block_of = torch.empty_like(flat)  # [n]: each pair's block
+    block_of[torch.argsort((~local).to(torch.int8), stable=True)] = torch.arange(num_pairs, device=device)
+    pairs = torch.arange(num_pairs, dtype=torch.int32, device=device)  # [n]
+    sorted_ids = torch.full((num_pairs * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[block_of * block_m] = torch.where(local, pairs, num_pairs)
+    expert_ids = torch.empty(num_pairs, dtype=torch.int32, device=device)  # [n]
+    expert_ids[block_of] = flat.clamp(max=num_experts - 1).to(torch.int32)
+    num_padded = (local.sum(dtype=torch.int32) * block_m).reshape(1)  # [1]
     return sorted_ids, expert_ids, num_padded
 
 

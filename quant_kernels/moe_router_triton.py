@@ -3,8 +3,10 @@ experts, their weights renormalized when the family asks, in one launch.
 
 Knows: the contract of ``moe_reference.select_experts`` (float32 weights ``[T, k]`` in descending
 order, int32 ids ``[T, k]``; softmax in float32; ``renormalize`` scales the k weights to sum to
-one). Must not know: models, layers, the expert kernels that consume the ids. Imported lazily (CUDA,
-or the CPU tests under TRITON_INTERPRET=1).
+one), ``moe_reference.local_expert_ids``' sentinel, and the block layout contract of
+``moe_reference.direct_block_layout`` (the token sort's three tensors, one pair per block). Must not
+know: models, layers, the expert kernels that consume the ids and blocks (their ``block_m`` is an
+argument). Imported lazily (CUDA, or the CPU tests under TRITON_INTERPRET=1).
 
 Why: the reference is about six launches per MoE layer (the float cast, softmax, topk, sum, divide,
 the int32 cast). A decode step of one sequence replays each as a graph node of a few µs and does
@@ -15,6 +17,16 @@ power of two, masked), takes the float32 softmax, then picks the k largest by k 
 (ties go to the lower expert id), masking each pick; the picks and their weights stay in registers
 (``[K_PAD]`` vectors), are renormalized if asked and stored once. The grid is ``(T,)``: no host sync,
 CUDA-graph safe.
+
+``router_topk_blocks_kernel`` (opt-in ``QSERVE_MOE_DIRECT_BLOCKS``, read in ``quant_kernels.moe_ops``;
+not yet run on a GPU): the same choice for a handful of tokens, plus what the token sort would
+otherwise compute in a launch of its own (~3.5 µs at decode on the H200): the ids as one expert-parallel
+rank's (``local_expert_ids``) and the grouped GEMM's blocks with one pair each
+(``direct_block_layout``). One program holds all ``[T_PAD, BLOCK_E]`` logits: a pair's block is its
+rank among the local pairs of every token, which a per-token program could not know. Local pairs'
+blocks first in pair order, then the foreign ones' (all sentinel); every row of ``sorted_ids`` is
+written by one store (the first rows of blocks and their padding at distinct addresses), so no
+barrier orders two stores. Grid ``(1,)``, outputs sized from T, k and ``block_m``: no host sync.
 """
 
 from __future__ import annotations
@@ -59,6 +71,74 @@ def router_topk_kernel(
     tl.store(ids_ptr + t * TOP_K + slots, picked_id, mask=keep)
 
 
+@triton.jit
+def router_topk_blocks_kernel(
+    logits_ptr,  # [T, E] fp16 / bf16 / fp32
+    weights_ptr,  # float32 [T, k]
+    ids_ptr,  # int32 [T, k]: ids into the rank's experts, foreign ones the sentinel num_local
+    sorted_ids_ptr,  # int32 [T*k*BLOCK_M]
+    expert_ids_ptr,  # int32 [T*k]
+    num_padded_ptr,  # int32 [1]
+    num_tokens, num_experts, stride_t, expert_start, num_local,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,  # next power of two >= TOP_K
+    T_PAD: tl.constexpr,  # next power of two >= num_tokens
+    BLOCK_E: tl.constexpr,  # next power of two >= num_experts
+    BLOCK_M: tl.constexpr,  # the grouped GEMM's rows per block
+    RENORMALIZE: tl.constexpr,
+):  # fmt: skip
+    rows = tl.arange(0, T_PAD)
+    experts = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens  # [T_PAD]
+    col_ok = experts < num_experts  # [BLOCK_E]
+    x = tl.load(
+        logits_ptr + rows[:, None] * stride_t + experts[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
+    ).to(tl.float32)  # [T_PAD, BLOCK_E]; padded rows read zeros: a finite softmax, never stored
+    x = tl.where(col_ok[None, :], x, float("-inf"))
+    x = x - tl.max(x, 1)[:, None]
+    e = tl.where(col_ok[None, :], tl.exp(x), 0.0)
+    probs = e / tl.sum(e, 1)[:, None]  # [T_PAD, BLOCK_E]
+    left = tl.where(col_ok[None, :], probs, -1.0)  # -1 marks a padded or picked expert, as router_topk_kernel
+    slots = tl.arange(0, K_PAD)
+    picked_w = tl.zeros((T_PAD, K_PAD), dtype=tl.float32)
+    picked_id = tl.zeros((T_PAD, K_PAD), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(left, 1)  # [T_PAD]
+        best_id = tl.min(tl.where(left == best[:, None], experts[None, :], BLOCK_E), 1)  # the lowest id among ties
+        picked_w = tl.where(slots[None, :] == j, best[:, None], picked_w)
+        picked_id = tl.where(slots[None, :] == j, best_id[:, None], picked_id)
+        left = tl.where(experts[None, :] == best_id[:, None], -1.0, left)
+    if RENORMALIZE:
+        picked_w = picked_w / tl.sum(tl.where(slots[None, :] < TOP_K, picked_w, 0.0), 1)[:, None]
+    pair_ok = row_ok[:, None] & (slots < TOP_K)[None, :]  # [T_PAD, K_PAD]
+    pairs = rows[:, None] * TOP_K + slots[None, :]  # [T_PAD, K_PAD] flat pair indices
+    local = picked_id - expert_start
+    foreign = (local < 0) | (local >= num_local)
+    local = tl.where(foreign, num_local, local)  # local_expert_ids (identity when one rank holds all)
+    tl.store(weights_ptr + pairs, picked_w, mask=pair_ok)
+    tl.store(ids_ptr + pairs, local, mask=pair_ok)
+    # A pair's block: local pairs first, in pair order (an exclusive count of the local pairs before it:
+    # the earlier tokens' by a cumsum over rows, then its own row's), the foreign pairs after them.
+    num_pairs = num_tokens * TOP_K
+    is_local = (pair_ok & ~foreign).to(tl.int32)  # [T_PAD, K_PAD]
+    is_foreign = (pair_ok & foreign).to(tl.int32)
+    local_per_row = tl.sum(is_local, 1)  # [T_PAD]
+    foreign_per_row = tl.sum(is_foreign, 1)
+    num_local_pairs = tl.sum(local_per_row, 0)
+    local_rank = (tl.cumsum(local_per_row, 0) - local_per_row)[:, None] + tl.cumsum(is_local, 1) - is_local
+    foreign_rank = (tl.cumsum(foreign_per_row, 0) - foreign_per_row)[:, None] + tl.cumsum(is_foreign, 1) - is_foreign
+    block = tl.where(foreign, num_local_pairs + foreign_rank, local_rank)  # [T_PAD, K_PAD]: a permutation of the pairs
+    tl.store(expert_ids_ptr + block, tl.minimum(local, num_local - 1), mask=pair_ok)  # foreign: valid, never read
+    offs_m = tl.arange(0, BLOCK_M)
+    first = (offs_m == 0)[None, None, :] & (~foreign)[:, :, None]  # [T_PAD, K_PAD, BLOCK_M]
+    tl.store(
+        sorted_ids_ptr + block[:, :, None] * BLOCK_M + offs_m[None, None, :],
+        tl.where(first, pairs[:, :, None], num_pairs),
+        mask=pair_ok[:, :, None],
+    )
+    tl.store(num_padded_ptr, num_local_pairs * BLOCK_M)
+
+
 def router_topk(
     router_logits: torch.Tensor,  # [T, E]
     top_k: int,
@@ -81,3 +161,45 @@ def router_topk(
         num_warps=1 if block_e <= 128 else 4,
     )  # fmt: skip
     return weights, ids
+
+
+def router_topk_blocks(
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+    block_m: int,
+    expert_start: int = 0,
+    num_local_experts: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``router_topk`` plus the grouped GEMM's block layout, in one launch (one program: meant for a
+    handful of tokens, see the module docstring). Returns float32 weights ``[T, k]``, int32 ids
+    ``[T, k]`` as ``moe_reference.local_expert_ids(ids, expert_start, num_local_experts)`` gives them
+    (unchanged when the rank holds every expert, the default), and
+    ``moe_reference.direct_block_layout(ids, num_local_experts, block_m, skip_foreign=True)``'s
+    ``sorted_ids`` int32 ``[T*k*block_m]``, ``expert_ids`` int32 ``[T*k]``, ``num_padded`` int32 ``[1]``."""
+    num_tokens, num_experts = router_logits.shape
+    num_local = num_experts if num_local_experts is None else num_local_experts
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k}: must be between 1 and the {num_experts} experts")
+    if not (0 <= expert_start and 1 <= num_local and expert_start + num_local <= num_experts):
+        raise ValueError(f"experts [{expert_start}, +{num_local}): not a part of the {num_experts} experts")
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    device = logits.device
+    num_pairs = num_tokens * top_k
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)  # [T, k]
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)  # [T, k]
+    sorted_ids = torch.empty((num_pairs * block_m,), dtype=torch.int32, device=device)  # [T*k*block_m]
+    expert_ids = torch.empty((num_pairs,), dtype=torch.int32, device=device)  # [T*k]
+    num_padded = torch.empty((1,), dtype=torch.int32, device=device)  # [1]
+    if num_tokens == 0:
+        num_padded.zero_()
+        return weights, ids, sorted_ids, expert_ids, num_padded
+    t_pad, block_e = triton.next_power_of_2(num_tokens), triton.next_power_of_2(num_experts)
+    router_topk_blocks_kernel[(1,)](
+        logits, weights, ids, sorted_ids, expert_ids, num_padded,
+        num_tokens, num_experts, logits.stride(0), expert_start, num_local,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), T_PAD=t_pad, BLOCK_E=block_e, BLOCK_M=block_m,
+        RENORMALIZE=renormalize,
+        num_warps=1 if t_pad * block_e <= 512 else 4,  # untuned: one warp for decode's [1..4, 128] tiles
+    )  # fmt: skip
+    return weights, ids, sorted_ids, expert_ids, num_padded

@@ -30,6 +30,10 @@ multiplies the gathered activation rows. Two uses, one kernel:
 Blocks past ``num_padded`` return at once, padding rows (sentinel ``T*k``) are masked: the grid
 depends on shapes only, so launches are CUDA-graph safe with no host sync.
 
+``grouped_moe`` (this kernel's layer and the MMA-operand one's) takes an optional
+``moe_reference.BlockLayout`` made before it (the router's one-pair-per-block layout,
+``QSERVE_MOE_DIRECT_BLOCKS`` in ``quant_kernels.moe_ops``) and then launches no sort.
+
 Not tuned yet (the default on CUDA; ``QSERVE_FUSED_MOE=0`` opts out, see ``quant_kernels.moe_ops``):
 codes are dequantized to the activation dtype per element (no lop3 / MMA-operand layout), one config
 per M bucket. Act-order (a per-expert permutation) is not served here; such layers take the
@@ -332,11 +336,13 @@ def fused_moe_w4a16(
     topk_ids: torch.Tensor,  # int [T, k]
     config: MoEConfig | None = None,
     skip_foreign: bool = False,
+    layout: moe_reference.BlockLayout | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Same signature and result as ``moe_reference.fused_moe_w4a16``; three launches (the token
     sort, gate_up, down) plus the k-way sum, with no host sync. ``skip_foreign`` (expert
     parallelism): ids equal to ``num_experts`` (another rank's experts) are sorted past the
-    computed blocks and their output rows stay zero."""
+    computed blocks and their output rows stay zero. ``layout``: the pairs' blocks made already
+    (``grouped_moe``): no sort launch."""
     num_tokens, top_k = topk_ids.shape
     config = config or default_config(num_tokens, top_k, w_gate_up.num_experts)
 
@@ -346,8 +352,26 @@ def fused_moe_w4a16(
                 a_row_div, gate_up, not gate_up, config)  # fmt: skip
 
     return grouped_moe(
-        x, topk_weights, topk_ids, w_gate_up.num_experts, w_down.in_features, config.block_m, skip_foreign, launch
-    )
+        x, topk_weights, topk_ids, w_gate_up.num_experts, w_down.in_features, config.block_m, skip_foreign, launch,
+        layout,
+    )  # fmt: skip
+
+
+def block_layout(
+    topk_ids: torch.Tensor,  # int [T, k]
+    num_experts: int,
+    block_m: int,
+    skip_foreign: bool,
+    layout: moe_reference.BlockLayout | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped GEMMs' ``sorted_ids`` / ``expert_ids`` / ``num_padded``: ``layout``'s when the
+    caller has them (no launch), else the one-launch sort. A layout for another ``block_m`` is refused:
+    its blocks would be read with the wrong stride (a host-side int check, no sync)."""
+    if layout is None:
+        return moe_align_block_size(topk_ids, num_experts, block_m, skip_foreign)
+    if layout.block_m != block_m or layout.expert_ids.shape[0] * block_m != layout.sorted_ids.shape[0]:
+        raise ValueError(f"a block layout of block_m={layout.block_m} for a grouped GEMM of block_m={block_m}")
+    return layout.sorted_ids, layout.expert_ids, layout.num_padded
 
 
 def grouped_moe(
@@ -359,15 +383,17 @@ def grouped_moe(
     block_m: int,
     skip_foreign: bool,
     launch,  # noqa: ANN001 - (a, out, gate_up, weights, sorted_ids, expert_ids, num_padded, num_pairs, a_row_div)
+    layout: moe_reference.BlockLayout | None = None,
 ) -> torch.Tensor:  # [T, H]
     """What every fused MoE kernel's layer does around its two launches (this module's and the
-    MMA-operand one, ``moe_mma_triton``): the one-launch token sort, the gate_up launch writing
-    ``silu(gate) * up`` per pair ``[T*k, I]`` (activation row = pair // k), the down launch writing
-    each pair's weighted row ``[T*k, H]``, and the k-way sum. ``launch(gate_up=True)`` /
-    ``(gate_up=False)`` runs one of the two with the sort's outputs."""
+    MMA-operand one, ``moe_mma_triton``): the one-launch token sort (or ``layout``, blocks made
+    already: ``block_layout``), the gate_up launch writing ``silu(gate) * up`` per pair ``[T*k, I]``
+    (activation row = pair // k), the down launch writing each pair's weighted row ``[T*k, H]``, and
+    the k-way sum. ``launch(gate_up=True)`` / ``(gate_up=False)`` runs one of the two with the
+    sort's outputs."""
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[1]
-    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m, skip_foreign)
+    sorted_ids, expert_ids, num_padded = block_layout(topk_ids, num_experts, block_m, skip_foreign, layout)
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     x = x.contiguous()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quant_kernels import moe_ops, moe_reference
+from quant_kernels import moe_ops
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.lora_ops import LoRAIndices
 from quant_kernels.moe_layout import StackedQuantWeight
@@ -160,12 +160,12 @@ class SparseMoeBlock(nn.Module):
         """``lora``: the step's adapter rows, taken as every MLP takes them; routed and shared experts
         hold no LoRA slots (``qserve.lora.slots.lora_targets``), so the block's output is the base one."""
         router_logits = F.linear(hidden, self.gate.weight)  # [T, E], in the model dtype as in transformers
-        topk_weights, topk_ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize)
-        if not self.holds_all_experts:  # ids into this block's stack; another block's experts -> sentinel
-            topk_ids = moe_reference.local_expert_ids(topk_ids, self.expert_start, self.num_local_experts)
         if self.prepared is None:
             raise RuntimeError(f"{self.prefix}: experts used before process_after_loading")
-        out = moe_ops.moe_experts(hidden, self.prepared, topk_weights, topk_ids)  # [T, H]
+        # ids into this block's stack (another block's experts -> the sentinel), plus whatever the
+        # dispatch hands from the router to the experts (Routing.layout)
+        routing = moe_ops.route(router_logits, self.top_k, self.renormalize, self.prepared, self.expert_start)
+        out = moe_ops.moe_experts(hidden, self.prepared, routing.weights, routing.ids, routing.layout)  # [T, H]
         if self.shared_expert is not None:
             shared_gate = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight))  # [T, 1]
             out = out + shared_gate * self.shared_expert(hidden)

@@ -381,6 +381,44 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
     drive_moe_mma(capture, dtype, dtype_name)
 
 
+# (tokens, one expert-parallel rank's share): QSERVE_MOE_DIRECT_BLOCKS=32 at Qwen3-30B-A3B's top-8 serves 1-4
+# tokens; the router's one program at its smallest and largest tile, for all experts and one rank's share.
+MOE_DIRECT_CASES = [(1, False), (4, True)]
+
+
+def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+    """The router's one-pair-per-block layout (``QSERVE_MOE_DIRECT_BLOCKS=32`` with
+    ``QSERVE_FUSED_ROUTER=1``) as the MoE block runs it: ``moe_ops.route`` (the router kernel that also
+    writes the blocks, ids made local for a rank's share) and ``moe_experts`` with that layout (the
+    default MMA-operand kernel over T*k blocks, no sort launch). The grouped GEMMs' own specializations
+    are those without the layout (``drive_moe_mma``): the new launch is the router's."""
+    from quant_kernels import moe_ops
+    from quant_kernels.moe_layout import StackedQuantWeight
+
+    hidden, num_experts, top_k, inter = MOE_SHAPE
+    local_experts = num_experts // MOE_EP_RANKS
+
+    def stacked(k: int, n: int, experts: int) -> StackedQuantWeight:
+        qweight = torch.zeros((experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
+        return StackedQuantWeight(4, 128, qweight, torch.ones((experts, k // 128, n), dtype=torch.float16))
+
+    env = {moe_ops.MOE_KERNEL_ENV: "", moe_ops.FUSED_ROUTER_ENV: "1", moe_ops.DIRECT_BLOCKS_ENV: "32"}
+    with mock.patch.dict(os.environ, env), layout_without_shuffling():
+        for m, ep in MOE_DIRECT_CASES:
+            experts = local_experts if ep else num_experts
+            prepared = moe_ops.prepare_experts(
+                stacked(hidden, 2 * inter, experts), stacked(inter, hidden, experts), skip_foreign=ep
+            )
+            assert prepared.kind == "mma", "the MMA-operand MoE kernel was not selected"
+            x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
+            logits = torch.zeros((m, num_experts), dtype=dtype)  # [T, E]: the router scores every rank's experts
+            rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
+            with where(capture, f"MoE direct blocks{rank} {dtype_name} T={m}"), torch.inference_mode():
+                routing = moe_ops.route(logits, top_k, True, prepared, local_experts if ep else 0)
+                assert routing.layout is not None, "the router's block layout was not taken"
+                moe_ops.moe_experts(x, prepared, routing.weights, routing.ids, routing.layout)
+
+
 def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
     """The MMA-operand MoE kernel (the default; ``QSERVE_MOE_KERNEL`` unset) through ``moe_ops``'
     dispatch, at the same shapes and token counts, symmetric and with AWQ-style zeros, and one
@@ -576,6 +614,7 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
             if gpu.arch >= 90 or plan["consumer_models"] is None:
                 drive_formats(capture, dtype, dtype_name, plan["formats"])
             drive_moe(capture, dtype, dtype_name)
+            drive_moe_direct_blocks(capture, dtype, dtype_name)
     return capture
 
 

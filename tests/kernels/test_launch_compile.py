@@ -204,6 +204,40 @@ def test_lora_launches_compile(tmp_path) -> None:
         assert any(x["kernel"] == "lora_expand_kernel" for x in launches), gpu
 
 
+_MOE_DIRECT = r"""
+import json, torch
+from tests.helpers.engine_launches import drive_moe_direct_blocks
+from tests.helpers.kernel_launches import GPUS, simulated_gpu
+result = {}
+for name, dtype, dtype_name in (("sm90", torch.float16, "fp16"), ("sm89", torch.bfloat16, "bf16")):
+    with simulated_gpu(GPUS[name]) as capture:
+        drive_moe_direct_blocks(capture, dtype, dtype_name)
+    result[name] = [
+        {"kernel": l.kernel, "constexprs": dict(l.constexprs), "error": l.error, "where": l.where, "grid": l.grid,
+         "count": l.count}
+        for l in capture.launches.values()
+    ]
+print("RESULT" + json.dumps(result, default=str))
+"""
+
+
+@pytest.mark.slow  # ~15 s on 2 cores: two router compiles and the gate_up + down launches per GPU
+def test_moe_direct_blocks_launches_compile(tmp_path) -> None:
+    """The opt-in sort-free MoE step (QSERVE_MOE_DIRECT_BLOCKS=32, QSERVE_FUSED_ROUTER=1) as ``moe_ops``
+    runs it at Qwen3-30B-A3B's shapes compiles for sm90 (fp16) and sm89 (bf16): the router's one
+    program writing the block layout (one token, and four for an expert-parallel rank), then the MMA
+    kernel's two GEMMs over T*k blocks of 16 rows, and no token sort. Selectable alone (``-k direct``)."""
+    for gpu, launches in _compiled_launches(_MOE_DIRECT, tmp_path, "moe-direct").items():
+        kernels = {x["kernel"] for x in launches}
+        assert kernels == {"router_topk_blocks_kernel", "moe_mma_kernel"}, (gpu, kernels)  # no sort
+        routers = [x for x in launches if x["kernel"] == "router_topk_blocks_kernel"]
+        assert {x["constexprs"]["T_PAD"] for x in routers} == {1, 4}, gpu
+        assert all(x["grid"] == [1] and x["constexprs"]["BLOCK_M"] == 16 for x in routers), gpu
+        mma = [x for x in launches if x["kernel"] == "moe_mma_kernel"]
+        assert sum(x["count"] for x in mma) == 4, gpu  # gate_up and down, at both token counts
+        assert {x["grid"][0] for x in mma} == {8, 32}, gpu  # T*k blocks: 1 x top-8 and 4 x top-8
+
+
 _MOE = r"""
 import json, sys, torch
 from tests.helpers.engine_launches import drive_moe

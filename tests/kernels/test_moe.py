@@ -374,3 +374,136 @@ def test_fused_moe_skips_foreign_pairs_on_gpu(num_tokens):
     expected = moe_reference.fused_moe_w4a16(x.float(), _as_f32(w13), _as_f32(w2), weights, local)
     out = moe_triton.fused_moe_w4a16(x, w13, w2, weights, local, skip_foreign=True)
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sort-free layout (one pair per block, QSERVE_MOE_DIRECT_BLOCKS): its contract, and the grouped
+# kernels' output with it equal, bit for bit, to theirs with the sort (each row of a block is
+# computed on its own, and the blocks have the same block_m: the same tile shapes)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "block_m", "skip_foreign"), [
+    (1, 2, 8, 16, False), (3, 4, 12, 4, False), (4, 8, 16, 16, True), (3, 3, 6, 4, True),
+])  # fmt: skip
+def test_direct_block_layout_contract(num_tokens, top_k, num_experts, block_m, skip_foreign):
+    """One local pair per block, in pair order, first row; the rest of every block the sentinel;
+    ``num_padded`` ends after the local pairs' blocks (foreign pairs are never computed)."""
+    gen = torch.Generator().manual_seed(num_tokens * 100 + top_k)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).int()
+    if skip_foreign:
+        ids = moe_reference.local_expert_ids(ids, num_experts // 2, num_experts // 2)
+        num_experts //= 2
+        assert bool((ids == num_experts).any()) and bool((ids < num_experts).any())
+    sorted_ids, expert_ids, num_padded = moe_reference.direct_block_layout(ids, num_experts, block_m, skip_foreign)
+    num_pairs = ids.numel()
+    flat = ids.reshape(-1)
+    mine = (flat < num_experts).nonzero().flatten()  # [local pairs], in pair order
+    assert sorted_ids.shape == (num_pairs * block_m,) and expert_ids.shape == (num_pairs,)
+    assert sorted_ids.dtype == expert_ids.dtype == num_padded.dtype == torch.int32
+    assert int(num_padded) == mine.numel() * block_m
+    blocks = sorted_ids.view(num_pairs, block_m)
+    assert bool((blocks[:, 1:] == num_pairs).all())
+    assert blocks[: mine.numel(), 0].tolist() == mine.tolist()
+    assert bool((blocks[mine.numel() :, 0] == num_pairs).all())
+    assert expert_ids[: mine.numel()].tolist() == flat[mine].tolist()
+    assert bool((expert_ids < num_experts).all())  # every block's expert indexes the stack, computed or not
+
+
+# (tokens, experts, top_k, group, sym, dtype, expert-parallel ranks: 1 = all experts held)
+DIRECT_CASES = [
+    (1, 8, 2, 64, True, torch.float16, 1),
+    (2, 16, 8, 32, False, torch.bfloat16, 1),
+    (3, 12, 4, 64, False, torch.float16, 1),
+    (4, 16, 8, 64, True, torch.bfloat16, 1),
+    (3, 16, 4, 64, False, torch.bfloat16, 2),  # rank 1 of 2: sentinel ids, blocks past num_padded
+    (4, 8, 2, 32, True, torch.float16, 2),
+]
+
+
+def _direct_case(case):
+    num_tokens, num_experts, top_k, group, sym, dtype, ranks = case
+    seed = num_tokens * 10 + top_k
+    w13 = random_stacked(num_experts, 128, 2 * 64, group, sym, dtype, seed=seed)
+    w2 = random_stacked(num_experts, 64, 128, group, sym, dtype, seed=seed + 1)
+    x, weights, _ = routing(num_tokens, num_experts, top_k, 128, dtype, seed=seed + 2)
+    gen = torch.Generator().manual_seed(seed + 3)  # k distinct experts per token, spread over every rank's
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).int()
+    if ranks > 1:  # the last rank's share, the others' pairs as the sentinel
+        held = num_experts // ranks
+        ids = moe_reference.local_expert_ids(ids, num_experts - held, held)
+        w13, w2 = _rank_share(w13, ranks - 1, ranks), _rank_share(w2, ranks - 1, ranks)
+        assert bool((ids == held).any()) and bool((ids < held).any())
+    return x, w13, w2, weights, ids, ranks > 1
+
+
+def _layout(ids: torch.Tensor, num_experts: int, block_m: int, skip_foreign: bool) -> moe_reference.BlockLayout:
+    return moe_reference.BlockLayout(
+        *moe_reference.direct_block_layout(ids, num_experts, block_m, skip_foreign), block_m
+    )
+
+
+def _no_sort(monkeypatch, module) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the token sort ran although a block layout was given")
+
+    monkeypatch.setattr(module, "moe_align_block_size", refuse)
+
+
+@pytest.mark.parametrize("case", DIRECT_CASES, ids=[
+    f"T{c[0]}-E{c[1]}-k{c[2]}-g{c[3]}-{'sym' if c[4] else 'asym'}-{str(c[5])[6:]}-ranks{c[6]}" for c in DIRECT_CASES
+])  # fmt: skip
+def test_mma_kernel_direct_layout_equals_sorted(monkeypatch, case):
+    from quant_kernels import moe_mma_triton, moe_triton
+
+    x, w13, w2, weights, ids, skip_foreign = _direct_case(case)
+    m13, m2 = moe_mma_triton.prepare_stacked(w13), moe_mma_triton.prepare_stacked(w2)
+    sorted_out = moe_mma_triton.fused_moe_w4a16_mma(x, m13, m2, weights, ids, skip_foreign=skip_foreign)
+    block_m = moe_mma_triton.default_config(*ids.shape, w13.num_experts).block_m
+    layout = _layout(ids, w13.num_experts, block_m, skip_foreign)
+    _no_sort(monkeypatch, moe_triton)
+    direct = moe_mma_triton.fused_moe_w4a16_mma(x, m13, m2, weights, ids, skip_foreign=skip_foreign, layout=layout)
+    assert torch.isfinite(direct).all()
+    assert torch.equal(direct, sorted_out)
+
+
+@pytest.mark.parametrize("case", [DIRECT_CASES[1], DIRECT_CASES[4]], ids=["all-experts", "rank-of-2"])
+def test_fused_kernel_direct_layout_equals_sorted(monkeypatch, case):
+    from quant_kernels import moe_triton
+
+    x, w13, w2, weights, ids, skip_foreign = _direct_case(case)
+    sorted_out = moe_triton.fused_moe_w4a16(x, w13, w2, weights, ids, skip_foreign=skip_foreign)
+    block_m = moe_triton.default_config(*ids.shape, w13.num_experts).block_m
+    layout = _layout(ids, w13.num_experts, block_m, skip_foreign)
+    _no_sort(monkeypatch, moe_triton)
+    direct = moe_triton.fused_moe_w4a16(x, w13, w2, weights, ids, skip_foreign=skip_foreign, layout=layout)
+    assert torch.equal(direct, sorted_out)
+    with pytest.raises(ValueError, match="block_m=4"):  # a layout for another tiling is refused
+        moe_triton.fused_moe_w4a16(x, w13, w2, weights, ids, skip_foreign=skip_foreign,
+                                   layout=_layout(ids, w13.num_experts, 4, skip_foreign))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2, 4])
+@pytest.mark.parametrize("ep", [False, True], ids=["all-experts", "rank-1-of-4"])
+def test_direct_layout_equals_sorted_on_gpu(num_tokens, ep):
+    """Qwen3-30B-A3B's experts through the MMA kernel: the router's one-pair-per-block layout gives the
+    sorted path's output bit for bit (each block row is its own MMA column)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from quant_kernels import moe_mma_triton, moe_router_triton
+
+    held = 32 if ep else 128
+    w13 = random_stacked(held, 2048, 2 * 768, 128, False, torch.bfloat16, device="cuda", seed=61)
+    w2 = random_stacked(held, 768, 2048, 128, False, torch.bfloat16, device="cuda", seed=62)
+    m13, m2 = moe_mma_triton.prepare_stacked(w13), moe_mma_triton.prepare_stacked(w2)
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 2048, generator=gen).to(torch.bfloat16).cuda()
+    logits = torch.randn(num_tokens, 128, generator=gen).to(torch.bfloat16).cuda()
+    block_m = moe_mma_triton.default_config(num_tokens, 8, held).block_m
+    start = 32 if ep else 0
+    weights, ids, *blocks = moe_router_triton.router_topk_blocks(logits, 8, True, block_m, start, held)
+    layout = moe_reference.BlockLayout(*blocks, block_m)
+    sorted_out = moe_mma_triton.fused_moe_w4a16_mma(x, m13, m2, weights, ids, skip_foreign=ep)
+    direct = moe_mma_triton.fused_moe_w4a16_mma(x, m13, m2, weights, ids, skip_foreign=ep, layout=layout)
+    assert torch.equal(direct, sorted_out)
