@@ -73,7 +73,7 @@ from quant_kernels import device as kdevice
 from quant_kernels import moe_reference
 from quant_kernels import w4a16_mma_triton as mma
 from quant_kernels.moe_layout import StackedQuantWeight
-from quant_kernels.moe_triton import grouped_moe, moe_align_block_size  # the sort, the launches' buffers, the sum
+from quant_kernels.moe_triton import block_layout, grouped_moe  # the sort or given blocks, buffers, the sum
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_zeros
 from quant_kernels.w4a16_mma_triton import _accumulate, _block_k_ok
 
@@ -678,7 +678,7 @@ def fused_moe_w4a16_mma(
             hidden, inter = x.shape[1], w_down.in_features
             config = default_config(num_tokens, top_k, w_gate_up.num_experts, split, hidden, inter, sms)
     if config.split_k > 1:
-        return _split_k_moe(x, w_gate_up, w_down, topk_weights, topk_ids, config, skip_foreign)
+        return _split_k_moe(x, w_gate_up, w_down, topk_weights, topk_ids, config, skip_foreign, layout)
 
     def launch(a, out, gate_up, weights, sorted_ids, expert_ids, num_padded, num_pairs, a_row_div):  # noqa: ANN001, ANN202
         weight, n = (w_gate_up, w_down.in_features) if gate_up else (w_down, x.shape[1])
@@ -698,8 +698,9 @@ def _split_k_moe(
     topk_ids: torch.Tensor,  # int [T, k]
     config: MoEMmaConfig,
     skip_foreign: bool,
+    layout: moe_reference.BlockLayout | None = None,  # blocks made already (the router's): no sort
 ) -> torch.Tensor:  # [T, H]
-    """``moe_triton.grouped_moe``'s sequence with both GEMMs split along K: the sort, gate_up (which
+    """``moe_triton.grouped_moe``'s sequence with both GEMMs split along K: the sort (or ``layout``), gate_up (which
     also zeroes the down launch's fp32 accumulator: no memset launch; stream order puts it before
     the down launch, and CUDA-graph replays repeat it), down adding each pair's weighted partials into
     its token's row (the k-way sum), and the cast to the activation dtype in place of the torch sum.
@@ -707,8 +708,8 @@ def _split_k_moe(
     from them. Same launch count as without split-K, no host sync."""
     num_tokens, top_k = topk_ids.shape
     hidden, inter = x.shape[1], w_down.in_features
-    sorted_ids, expert_ids, num_padded = moe_align_block_size(
-        topk_ids, w_gate_up.num_experts, config.block_m, skip_foreign
+    sorted_ids, expert_ids, num_padded = block_layout(
+        topk_ids, w_gate_up.num_experts, config.block_m, skip_foreign, layout
     )
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]

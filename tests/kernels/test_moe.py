@@ -468,6 +468,24 @@ def test_mma_kernel_direct_layout_equals_sorted(monkeypatch, case):
 
 
 @pytest.mark.parametrize("case", [DIRECT_CASES[1], DIRECT_CASES[4]], ids=["all-experts", "rank-of-2"])
+def test_split_k_takes_the_direct_layout(monkeypatch, case):
+    """Split-K (``QSERVE_MOE_SPLIT_K``) with the router's layout: no sort, the sorted path's result
+    (to fp32 summation order: the blocks, hence the down launch's atomic adds, come in another order)."""
+    import dataclasses
+
+    from quant_kernels import moe_mma_triton, moe_triton
+
+    x, w13, w2, weights, ids, skip_foreign = _direct_case(case)
+    m13, m2 = moe_mma_triton.prepare_stacked(w13), moe_mma_triton.prepare_stacked(w2)
+    config = dataclasses.replace(moe_mma_triton.default_config(*ids.shape, w13.num_experts), split_k=2)
+    sorted_out = moe_mma_triton.fused_moe_w4a16_mma(x, m13, m2, weights, ids, config, skip_foreign)
+    layout = _layout(ids, w13.num_experts, config.block_m, skip_foreign)
+    _no_sort(monkeypatch, moe_triton)
+    direct = moe_mma_triton.fused_moe_w4a16_mma(x, m13, m2, weights, ids, config, skip_foreign, layout)
+    torch.testing.assert_close(direct, sorted_out, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("case", [DIRECT_CASES[1], DIRECT_CASES[4]], ids=["all-experts", "rank-of-2"])
 def test_fused_kernel_direct_layout_equals_sorted(monkeypatch, case):
     from quant_kernels import moe_triton
 
