@@ -115,7 +115,8 @@ def test_sigterm_exits_within_the_one_budget_even_with_a_stuck_request(checkpoin
         signalled = time.monotonic()
         server.handle_exit(signal.SIGTERM, None)
         assert wait_for(lambda: exits, timeout=20)
-        assert exits[0] - signalled <= 2.0 + 0.3, exits[0] - signalled
+        # the 2 s deadline, not uvicorn's 10 s graceful timeout; 1 s of slack for a loaded CI machine
+        assert exits[0] - signalled <= 2.0 + 1.0, exits[0] - signalled
     finally:
         release.set()
         thread.join(timeout=30)
