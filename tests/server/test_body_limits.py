@@ -52,8 +52,8 @@ def test_health_stays_fast_while_a_body_of_400k_messages_is_refused(two_model_se
     thread.join()
     assert_error(result["r"], 400, None)
     assert "JSON values" in result["r"].json()["error"]["message"]
-    # 20-60 ms when measured alone; before the body gate, 1.6-11 s. 1.0 s leaves room for CI, whose two
-    # jobs' test runs share the machine's two cores (.ci/run): 0.85 s was seen with helpers loading it too
+    # 20-60 ms when measured alone; before the body gate, 1.6-11 s. 1.0 s leaves room for a loaded
+    # machine: 0.85 s was seen with two test suites and more sharing its two cores
     assert worst < 1.0, f"/health took {worst:.2f} s while a large body was handled"
 
 
