@@ -33,8 +33,8 @@
 #   1,000 requests, peak allocator; 240 s, to $OUT/moe_e2e.md.
 # moe_profile (only when named): bench/profile_step.py --model qwen3-30b-a3b: where a batch-1 and a batch-32
 #   MoE decode step's time goes, per kernel family (issue 32's batch-1 target); to $OUT/profile_step.md.
-# moe_sweep (only when named): bench/moe_sweep.py: the MMA MoE kernel's configs, each GEMM alone, at 1/8/32/128
-#   tokens (compiles spread over 12 processes first); to $OUT/moe_sweep.md.
+# moe_sweep (only when named): bench/moe_sweep.py: the MMA MoE kernel's configs with split-K 1/2/4/8, each GEMM
+#   alone, at 1/8/32 tokens (compiles spread over 12 processes first; ~1,100 timings); to $OUT/moe_sweep.md.
 # moe_fp8 (only when named): bench/e2e.py --model qwen3-30b-a3b, capacity at 1k tokens with fp8 KV (issue 32).
 set -u
 if [[ $# -ge 1 && ( -d "$1" || "$1" == */* ) ]]; then  # the older order: OUT_DIR first
@@ -196,7 +196,7 @@ if has moe_profile; then
 fi
 if has moe_sweep; then
     stage "MoE MMA kernel config sweep (each GEMM alone)"
-    timeout 300 python3 bench/moe_sweep.py --tokens 1,8,32,128 --jobs 12 --out "$OUT/moe_sweep.md" \
+    timeout 420 python3 bench/moe_sweep.py --tokens 1,8,32 --jobs 12 --out "$OUT/moe_sweep.md" \
         > "$OUT/moe_sweep.log" 2>&1
     echo "exit code $?"; grep "^|" "$OUT/moe_sweep.log" | tail -10
 fi
