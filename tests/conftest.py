@@ -16,11 +16,16 @@ single element instead; it touches nothing outside interpreter runs.
 ``QSERVE_CI_SLOW_COUNT=<file>`` (set by ``.ci/run``'s lowest job): the run writes to that file how many
 CPU tests it collected marked ``slow``, before ``-m`` deselects them. The lowest job runs the others and
 checks the newest job will have some to run, without a second collection of the whole suite (~14 s).
+
+When the session runs the launch-compile check (``test_every_launch_compiles``), its drives start at the end
+of collection, niced, and compile while the other tests run (``pytest_collection_finish``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,3 +60,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if target:
         cpu = [item for item in items if not item.get_closest_marker("gpu") and not item.get_closest_marker("peer")]
         Path(target).write_text(str(sum(1 for item in cpu if item.get_closest_marker("slow"))))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the session runs the launch-compile check (tests/kernels/test_launch_compile.py), start its
+    drives now, niced, so that they compile while the other tests run; its fixture collects them."""
+    module = next((item.module for item in session.items if item.name.startswith("test_every_launch_compiles")), None)
+    if module is None:
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="qserve-launches-"))
+    procs = module.start_units(module.selected_units(session.items), tmp)
+    session.config.stash[module.EARLY_UNITS] = procs
+
+    def stop() -> None:  # an interrupted session leaves no drive behind
+        for proc, _, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    session.config.add_cleanup(stop)
