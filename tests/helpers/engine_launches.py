@@ -343,6 +343,33 @@ MOE_TOKENS = [1, 32, 512]
 MOE_EP_RANKS = 4  # expert parallelism: one rank's 32 experts, other ranks' pairs as the sentinel id
 
 
+def _zero_experts(k: int, n: int, experts: int, sym: bool = True):  # noqa: ANN202 - a StackedQuantWeight
+    """``experts`` stacked 4-bit g128 weights of K x N, all codes zero (compiling needs no values);
+    ``sym=False`` adds AWQ-style zeros."""
+    from quant_kernels.moe_layout import StackedQuantWeight
+
+    qweight = torch.zeros((experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
+    scales = torch.ones((experts, k // 128, n), dtype=torch.float16)  # [E, ng, N]
+    zeros = None if sym else torch.full((experts, k // 128, n), 8, dtype=torch.uint8)
+    return StackedQuantWeight(4, 128, qweight, scales, zeros)
+
+
+def _run_mma_experts(capture: Capture, prepared, m: int, ep: bool, dtype: torch.dtype, label: str) -> None:  # noqa: ANN001
+    """One MoE layer's experts at ``m`` tokens through ``moe_ops.moe_experts`` (ids spread over every
+    expert; with ``ep``, one expert-parallel rank's share, the others' pairs as the sentinel)."""
+    from quant_kernels import moe_ops, moe_reference
+
+    hidden, num_experts, top_k, _ = MOE_SHAPE
+    local_experts = num_experts // MOE_EP_RANKS
+    x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
+    ids = (torch.arange(m * top_k, dtype=torch.int32) % num_experts).view(m, top_k)  # [T, k]
+    if ep:
+        ids = moe_reference.local_expert_ids(ids, local_experts, local_experts)
+    weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
+    with where(capture, label), torch.inference_mode():
+        moe_ops.moe_experts(x, prepared, weights, ids)
+
+
 def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
     """The fused MoE kernels (``QSERVE_MOE_KERNEL=fused``: the token sort, gate_up, down) through
     ``moe_ops``' dispatch, with the ids the MoE block passes (int32 from ``select_experts``), for all
@@ -393,21 +420,16 @@ def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: st
     default MMA-operand kernel over T*k blocks, no sort launch). The grouped GEMMs' own specializations
     are those without the layout (``drive_moe_mma``): the new launch is the router's."""
     from quant_kernels import moe_ops
-    from quant_kernels.moe_layout import StackedQuantWeight
 
     hidden, num_experts, top_k, inter = MOE_SHAPE
     local_experts = num_experts // MOE_EP_RANKS
-
-    def stacked(k: int, n: int, experts: int) -> StackedQuantWeight:
-        qweight = torch.zeros((experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
-        return StackedQuantWeight(4, 128, qweight, torch.ones((experts, k // 128, n), dtype=torch.float16))
 
     env = {moe_ops.MOE_KERNEL_ENV: "", moe_ops.FUSED_ROUTER_ENV: "1", moe_ops.DIRECT_BLOCKS_ENV: "32"}
     with mock.patch.dict(os.environ, env), layout_without_shuffling():
         for m, ep in MOE_DIRECT_CASES:
             experts = local_experts if ep else num_experts
             prepared = moe_ops.prepare_experts(
-                stacked(hidden, 2 * inter, experts), stacked(inter, hidden, experts), skip_foreign=ep
+                _zero_experts(hidden, 2 * inter, experts), _zero_experts(inter, hidden, experts), skip_foreign=ep
             )
             assert prepared.kind == "mma", "the MMA-operand MoE kernel was not selected"
             x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
@@ -424,35 +446,24 @@ def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None
     dispatch, at the same shapes and token counts, symmetric and with AWQ-style zeros, and one
     expert-parallel rank's share (the experts shuffled to the simulated GPU's k-width at load, as a
     device would; the words themselves are left unwritten, see ``layout_without_shuffling``)."""
-    from quant_kernels import moe_ops, moe_reference
-    from quant_kernels.moe_layout import StackedQuantWeight
+    from quant_kernels import moe_ops
 
     hidden, num_experts, top_k, inter = MOE_SHAPE
-
-    def stacked(k: int, n: int, sym: bool, experts: int = num_experts) -> StackedQuantWeight:
-        qweight = torch.zeros((experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
-        scales = torch.ones((experts, k // 128, n), dtype=torch.float16)  # [E, ng, N]
-        zeros = None if sym else torch.full((experts, k // 128, n), 8, dtype=torch.uint8)
-        return StackedQuantWeight(4, 128, qweight, scales, zeros)
 
     local_experts = num_experts // MOE_EP_RANKS
     for sym, ep in ((True, False), (False, False), (True, True)):
         with mock.patch.dict(os.environ, {moe_ops.MOE_KERNEL_ENV: ""}):
             experts = local_experts if ep else num_experts
             prepared = moe_ops.prepare_experts(
-                stacked(hidden, 2 * inter, sym, experts), stacked(inter, hidden, sym, experts), skip_foreign=ep
+                _zero_experts(hidden, 2 * inter, experts, sym),
+                _zero_experts(inter, hidden, experts, sym),
+                skip_foreign=ep,
             )
         assert prepared.kind == "mma" and prepared.fused, "the MMA-operand MoE kernel was not selected"
         for m in MOE_TOKENS:
-            x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
-            ids = (torch.arange(m * top_k, dtype=torch.int32) % num_experts).view(m, top_k)  # [T, k]
-            if ep:
-                ids = moe_reference.local_expert_ids(ids, local_experts, local_experts)
-            weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
             rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
             label = f"MoE MMA kernel{rank} {dtype_name} {'sym' if sym else 'asym'} T={m}"
-            with where(capture, label), torch.inference_mode():
-                moe_ops.moe_experts(x, prepared, weights, ids)
+            _run_mma_experts(capture, prepared, m, ep, dtype, label)
     drive_moe_mma_split(capture, dtype, dtype_name)
 
 
@@ -465,35 +476,24 @@ def drive_moe_mma_split(capture: Capture, dtype: torch.dtype, dtype_name: str) -
     """The MMA-operand MoE kernel's opt-in split-K launches (``QSERVE_MOE_SPLIT_K``) through
     ``moe_ops``' dispatch: gate_up with its workspace, arrival counters and the zeroing of the down
     launch's float32 accumulator; down adding into that accumulator."""
-    from quant_kernels import moe_mma_triton, moe_ops, moe_reference
-    from quant_kernels.moe_layout import StackedQuantWeight
+    from quant_kernels import moe_mma_triton, moe_ops
 
     hidden, num_experts, top_k, inter = MOE_SHAPE
     local_experts = num_experts // MOE_EP_RANKS
-
-    def stacked(k: int, n: int, sym: bool, experts: int) -> StackedQuantWeight:
-        qweight = torch.zeros((experts, k // 8, n), dtype=torch.int32)  # [E, K/8, N]
-        scales = torch.ones((experts, k // 128, n), dtype=torch.float16)  # [E, ng, N]
-        zeros = None if sym else torch.full((experts, k // 128, n), 8, dtype=torch.uint8)
-        return StackedQuantWeight(4, 128, qweight, scales, zeros)
 
     for split, sym, ep, m in MOE_SPLIT_CASES:
         experts = local_experts if ep else num_experts
         env = {moe_ops.MOE_KERNEL_ENV: "", moe_mma_triton.SPLIT_K_ENV: split}
         with mock.patch.dict(os.environ, env):
             prepared = moe_ops.prepare_experts(
-                stacked(hidden, 2 * inter, sym, experts), stacked(inter, hidden, sym, experts), skip_foreign=ep
+                _zero_experts(hidden, 2 * inter, experts, sym),
+                _zero_experts(inter, hidden, experts, sym),
+                skip_foreign=ep,
             )
             assert prepared.kind == "mma", "the MMA-operand MoE kernel was not selected"
-            x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
-            ids = (torch.arange(m * top_k, dtype=torch.int32) % num_experts).view(m, top_k)  # [T, k]
-            if ep:
-                ids = moe_reference.local_expert_ids(ids, local_experts, local_experts)
-            weights = torch.full((m, top_k), 1.0 / top_k)  # [T, k]
             rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
             label = f"MoE MMA kernel split-K {split}{rank} {dtype_name} {'sym' if sym else 'asym'} T={m}"
-            with where(capture, label), torch.inference_mode():
-                moe_ops.moe_experts(x, prepared, weights, ids)
+            _run_mma_experts(capture, prepared, m, ep, dtype, label)
 
 
 def drive_pdl(capture: Capture, model, config: ModelConfig, label: str) -> None:
