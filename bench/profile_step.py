@@ -176,9 +176,9 @@ def main() -> None:
     parser.add_argument(
         "--piecewise",
         choices=("off", "on", "both"),
-        default="on" if os.environ.get(PIECEWISE_GRAPHS_ENV) == "1" else "off",
+        default="off" if os.environ.get(PIECEWISE_GRAPHS_ENV) == "0" else "on",
         help=f"mixed steps through piecewise CUDA graphs ({PIECEWISE_GRAPHS_ENV}=1): off, on, or both engines "
-        f"in turn (default: on when {PIECEWISE_GRAPHS_ENV}=1 is set, else off)",
+        f"in turn (default: on, as the engine on CUDA, unless {PIECEWISE_GRAPHS_ENV}=0 is set)",
     )
     parser.add_argument("--piecewise-buckets", default="", help=f"{PIECEWISE_BUCKETS_ENV}: e.g. 256,512,1024,2048")
     args = parser.parse_args()

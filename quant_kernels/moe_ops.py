@@ -22,13 +22,13 @@ Knows: the four ways the experts of one layer run and when each applies —
   ``elementwise_ops.silu_and_mul``. Learning which experts are hit costs one host sync per layer,
   so such a model runs without CUDA graphs (``PreparedExperts.graph_safe``).
 
-The router's softmax + top-k (``select_experts``): the reference's torch ops, or with
-``QSERVE_FUSED_ROUTER=1`` on CUDA one Triton launch (``moe_router_triton``). ``route`` is what a
+The router's softmax + top-k (``select_experts``): on CUDA one Triton launch (``moe_router_triton``;
+``QSERVE_FUSED_ROUTER=0`` opts out), else the reference's torch ops. ``route`` is what a
 MoE block calls: that choice, the ids as one expert-parallel rank's (``local_expert_ids``), and
 with ``QSERVE_MOE_DIRECT_BLOCKS=N`` (opt-in, not yet run on a GPU) for steps of at most N (token,
 expert) pairs the grouped kernels' block layout with one pair per block, written by the router's
 launch (``moe_router_triton.router_topk_blocks``), so ``moe_experts`` launches no token sort
-(``Routing.layout``). It needs ``QSERVE_FUSED_ROUTER=1`` and grouped experts (``mma`` or the fused
+(``Routing.layout``). It needs the fused router and grouped experts (``mma`` or the fused
 kernel) on CUDA; elsewhere it does not apply (building the layout with torch ops would cost more
 launches than the one sort it saves).
 
@@ -50,9 +50,14 @@ from quant_kernels.moe_layout import StackedQuantWeight
 FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
 MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma" (default): moe_mma_triton; "fused": moe_triton
 MOE_KERNELS = ("mma", "fused")
-FUSED_ROUTER_ENV = "QSERVE_FUSED_ROUTER"  # "1": the router's softmax + top-k in one launch (moe_router_triton)
+FUSED_ROUTER_ENV = "QSERVE_FUSED_ROUTER"  # "0": the router's torch ops instead of its one launch (moe_router_triton)
 # N > 0: steps of at most N (token, expert) pairs take the router's one-pair-per-block layout (route)
 DIRECT_BLOCKS_ENV = "QSERVE_MOE_DIRECT_BLOCKS"
+
+
+def fused_router_requested() -> bool:
+    """On unless ``QSERVE_FUSED_ROUTER=0`` (the reference's torch ops, kept as the measured baseline)."""
+    return os.environ.get(FUSED_ROUTER_ENV, "1") != "0"
 
 
 def fused_moe_requested() -> bool:
@@ -180,9 +185,9 @@ def select_experts(
     renormalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # float32 [T, k], int32 [T, k]
     """The router's choice (``moe_reference.select_experts``' contract): on a device Triton serves
-    with ``QSERVE_FUSED_ROUTER=1`` one launch (``moe_router_triton``; opt-in: not yet run on a GPU),
-    else the reference's torch ops (about six launches)."""
-    if os.environ.get(FUSED_ROUTER_ENV) == "1" and kdevice.triton_serves(router_logits.device):
+    one launch (``moe_router_triton``; ``QSERVE_FUSED_ROUTER=0`` opts out), else the reference's torch
+    ops (about six launches)."""
+    if fused_router_requested() and kdevice.triton_serves(router_logits.device):
         from quant_kernels import moe_router_triton  # noqa: PLC0415
 
         return moe_router_triton.router_topk(router_logits, top_k, renormalize)
@@ -223,18 +228,14 @@ def route(
 ) -> Routing:
     """``select_experts``, with the ids turned into ``prepared``'s own when it holds a share of the
     experts (``skip_foreign``: ``moe_reference.local_expert_ids``). With ``QSERVE_MOE_DIRECT_BLOCKS=N``,
-    ``QSERVE_FUSED_ROUTER=1``, ``T * k <= N`` and a grouped kernel on a device Triton serves, the
+    the fused router (not ``QSERVE_FUSED_ROUTER=0``), ``T * k <= N`` and a grouped kernel on a device Triton serves, the
     router's one launch also lays the pairs out one per block for that kernel's ``block_m``
     (``moe_reference.direct_block_layout``' contract): ``Routing.layout``. Host-side decisions from
     the shapes and the environment only: no host sync, CUDA-graph safe (a graph bucket's T fixes it)."""
     num_tokens, num_experts = router_logits.shape
     limit = direct_blocks_limit()
     block_m = None
-    if (
-        0 < num_tokens * top_k <= limit
-        and os.environ.get(FUSED_ROUTER_ENV) == "1"
-        and kdevice.triton_serves(router_logits.device)
-    ):
+    if 0 < num_tokens * top_k <= limit and fused_router_requested() and kdevice.triton_serves(router_logits.device):
         block_m = _grouped_block_m(prepared, num_tokens, top_k)
     if block_m is not None:
         from quant_kernels import moe_router_triton  # noqa: PLC0415

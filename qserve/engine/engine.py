@@ -104,7 +104,6 @@ from qserve.runner.kv_swap import kv_block_bytes
 from qserve.runner.model_runner import LaunchedStep, ModelRunner, allocate_kv_caches, kv_cache_shape
 from qserve.runner.piecewise_graphs import (
     PIECEWISE_BUCKETS_ENV,
-    PIECEWISE_GRAPHS_ENV,
     buckets_from_env,
     piecewise_enabled,
 )
@@ -451,7 +450,7 @@ class Engine:
                 logger.info("enable_lora: decode runs eagerly (%s=0)", LORA_GRAPHS_ENV)
         elif self.device.type == "cuda" and not config.enforce_eager and graphs_ok:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
-        if piecewise_enabled() and not config.enforce_eager:
+        if piecewise_enabled(self.device) and not config.enforce_eager:
             self._capture_piecewise_graphs(graphs_ok, tp is not None)
         if self.device.type == "cuda":  # compile / tune what the first requests would otherwise wait for
             from qserve.runner.warmup import warm_up
@@ -629,15 +628,13 @@ class Engine:
         return 0.0
 
     def _capture_piecewise_graphs(self, graphs_ok: bool, tensor_parallel: bool) -> None:
-        """Piecewise CUDA graphs for steps that replay no decode graph (``PIECEWISE_GRAPHS_ENV``, opt-in;
+        """Piecewise CUDA graphs for steps that replay no decode graph (on CUDA unless ``QSERVE_PIECEWISE_GRAPHS=0``;
         qserve.runner.piecewise_graphs), token buckets up to ``max_num_batched_tokens``, in the decode
         graphs' pool. Off CUDA the same static-buffer pieces run eagerly (tests). Not with MoE experts
         that sync with the host, nor with tensor parallelism (their steps stay eager)."""
         if not graphs_ok or tensor_parallel:
             why = "mixture-of-experts layers sync with the host" if not graphs_ok else "tensor parallelism"
-            logger.info(
-                "%s: %s=1 ignored (%s): steps carrying prefill run eagerly", self.owner, PIECEWISE_GRAPHS_ENV, why
-            )
+            logger.info("%s: no piecewise graphs (%s): steps carrying prefill run eagerly", self.owner, why)
             return
         self.runner.capture_piecewise_graphs(
             self.scheduler_config.max_num_batched_tokens, buckets_from_env(os.environ.get(PIECEWISE_BUCKETS_ENV))
@@ -772,7 +769,7 @@ class Engine:
             shadow_scratch_blocks=shadow_scratch,
             piecewise_graph_tokens=(
                 self.scheduler_config.max_num_batched_tokens
-                if piecewise_enabled() and not self.config.enforce_eager
+                if piecewise_enabled(self.device) and not self.config.enforce_eager
                 else 0
             ),
         )

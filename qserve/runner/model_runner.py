@@ -42,7 +42,7 @@ verify step that fits the multi-row graphs when they were captured after ``enabl
 (the default; ``QSERVE_SPEC_GRAPHS=0`` turns them off): those graphs write the same hidden states
 into a static buffer (``DecodeGraphs.hidden_taps``), and the step replays one and returns them.
 
-Piecewise CUDA graphs (``capture_piecewise_graphs``, opt-in with ``QSERVE_PIECEWISE_GRAPHS=1``): a step
+Piecewise CUDA graphs (``capture_piecewise_graphs``, on CUDA unless ``QSERVE_PIECEWISE_GRAPHS=0``): a step
 that replays no decode or row graph (mixed and prefill steps) runs its layers' non-attention parts as
 graphs per token-count bucket with the attentions eager between them (``qserve.runner.piecewise_graphs``),
 unless it has prompt-logprob or pooled rows, an adapter row, EAGLE hidden states or draft tokens

@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for steps that carry prefill (opt-in, ``QSERVE_PIECEWISE_GRAPHS=1``).
+"""Piecewise CUDA graphs for steps that carry prefill (on CUDA by default; ``QSERVE_PIECEWISE_GRAPHS=0`` opts out).
 
 Knows: how to cut the decoder's forward at its paged attentions (``DecoderLayer.pre_attention`` /
 ``post_attention``: the same methods the plain forward runs), how to capture the pieces between
@@ -81,8 +81,11 @@ def buckets_from_env(value: str | None) -> tuple[int, ...]:
     return buckets
 
 
-def piecewise_enabled() -> bool:
-    return os.environ.get(PIECEWISE_GRAPHS_ENV) == "1"
+def piecewise_enabled(device: torch.device) -> bool:
+    """On CUDA unless ``QSERVE_PIECEWISE_GRAPHS=0``; elsewhere only with ``=1`` (off CUDA the pieces
+    replay nothing and rerun eagerly: a test's choice, never a gain)."""
+    value = os.environ.get(PIECEWISE_GRAPHS_ENV, "")
+    return value == "1" or (value != "0" and device.type == "cuda")
 
 
 class PiecewiseGraphs:

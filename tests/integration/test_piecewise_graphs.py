@@ -21,6 +21,7 @@ from qserve.runner.piecewise_graphs import (
     PIECEWISE_GRAPHS_ENV,
     PiecewiseGraphs,
     buckets_from_env,
+    piecewise_enabled,
     token_buckets,
 )
 from tests.helpers.kv_writes import assert_step_wrote_only
@@ -195,6 +196,18 @@ def test_piecewise_workload_is_token_identical_and_stores_the_same_kv(path, asyn
     for (ka, va), (kb, vb) in zip(plain_kv, graphed_kv):
         torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-5)
+
+
+def test_piecewise_graphs_are_on_by_default_on_cuda_only(monkeypatch):
+    """The default (measured on the H200 and H100, bench/RESULTS.md): on for CUDA unless =0; off
+    elsewhere unless =1 (the pieces rerun eagerly off CUDA: a test's choice)."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(PIECEWISE_GRAPHS_ENV, raising=False)
+    assert piecewise_enabled(cuda) and not piecewise_enabled(cpu)
+    monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "0")
+    assert not piecewise_enabled(cuda) and not piecewise_enabled(cpu)
+    monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
+    assert piecewise_enabled(cuda) and piecewise_enabled(cpu)
 
 
 def test_enforce_eager_captures_no_piecewise_graphs(path, monkeypatch):

@@ -67,9 +67,9 @@ def test_router_topk_reads_a_strided_view_and_breaks_ties_to_the_lower_id():
         moe_router_triton.router_topk(torch.zeros((1, 8)), 9, True)
 
 
-def test_dispatch_takes_the_kernel_only_when_asked(monkeypatch):
-    """``moe_ops.select_experts``: the reference unless ``QSERVE_FUSED_ROUTER=1`` on a device Triton
-    serves (the CPU stands in; the interpreter runs the kernel)."""
+def test_dispatch_takes_the_kernel_by_default_on_a_triton_device(monkeypatch):
+    """``moe_ops.select_experts``: the kernel on a device Triton serves unless ``QSERVE_FUSED_ROUTER=0``
+    (the CPU stands in; the interpreter runs the kernel); the reference elsewhere."""
     from quant_kernels import device as kdevice
     from quant_kernels import moe_ops, moe_router_triton
 
@@ -78,16 +78,19 @@ def test_dispatch_takes_the_kernel_only_when_asked(monkeypatch):
     real = moe_router_triton.router_topk
     monkeypatch.setattr(moe_router_triton, "router_topk", lambda *a: calls.append(a) or real(*a))
     with mock.patch.object(kdevice, "triton_serves", lambda device: True):
-        monkeypatch.delenv(moe_ops.FUSED_ROUTER_ENV, raising=False)
+        monkeypatch.setenv(moe_ops.FUSED_ROUTER_ENV, "0")
         plain = moe_ops.select_experts(logits, 2, True)
         assert not calls
-        monkeypatch.setenv(moe_ops.FUSED_ROUTER_ENV, "1")
+        monkeypatch.delenv(moe_ops.FUSED_ROUTER_ENV, raising=False)  # the default
         fused = moe_ops.select_experts(logits, 2, True)
         assert len(calls) == 1
+        monkeypatch.setenv(moe_ops.FUSED_ROUTER_ENV, "1")
+        moe_ops.select_experts(logits, 2, True)
+        assert len(calls) == 2
     assert_same_choice(fused, plain)
-    monkeypatch.setenv(moe_ops.FUSED_ROUTER_ENV, "1")  # off a Triton device: the reference
+    monkeypatch.delenv(moe_ops.FUSED_ROUTER_ENV, raising=False)  # off a Triton device: the reference
     moe_ops.select_experts(logits, 2, True)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 # (T, E, k, renormalize, logits dtype, block_m, expert-parallel share: (start, held) or None)
