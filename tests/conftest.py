@@ -17,8 +17,10 @@ single element instead; it touches nothing outside interpreter runs.
 CPU tests it collected marked ``slow``, before ``-m`` deselects them. The lowest job runs the others and
 checks the newest job will have some to run, without a second collection of the whole suite (~14 s).
 
-When the session runs the launch-compile check (``test_every_launch_compiles``), its drives start at the end
-of collection, niced, and compile while the other tests run (``pytest_collection_finish``).
+When the session runs launch-compile tests (``tests/kernels/test_launch_compile.py``), their drives and
+scripts start at the end of collection, niced, and compile while the other tests run
+(``pytest_collection_finish``); those tests run last (``pytest_collection_modifyitems``), so they mostly find
+the compiles done.
 """
 
 from __future__ import annotations
@@ -54,29 +56,41 @@ if not torch.cuda.is_available():
     _fix_interpreter_index()
 
 
+LAUNCH_COMPILE_MODULE = "test_launch_compile.py"
+
+
+def _is_launch_compile(item: pytest.Item) -> bool:
+    return item.path.name == LAUNCH_COMPILE_MODULE
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects the slow tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     target = os.environ.get("QSERVE_CI_SLOW_COUNT")
     if target:
         cpu = [item for item in items if not item.get_closest_marker("gpu") and not item.get_closest_marker("peer")]
         Path(target).write_text(str(sum(1 for item in cpu if item.get_closest_marker("slow"))))
+    # the launch-compile tests last: their compiles, started at the end of collection, run meanwhile
+    items[:] = [item for item in items if not _is_launch_compile(item)] + [i for i in items if _is_launch_compile(i)]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """When the session runs the launch-compile check (tests/kernels/test_launch_compile.py), start its
-    drives now, niced, so that they compile while the other tests run; its fixture collects them."""
-    module = next((item.module for item in session.items if item.name.startswith("test_every_launch_compiles")), None)
+    """When the session runs launch-compile tests (tests/kernels/test_launch_compile.py), start their
+    drives and scripts now, niced, so that they compile while the other tests run; the tests collect them."""
+    module = next((item.module for item in session.items if _is_launch_compile(item)), None)
     if module is None:
         return
     tmp = Path(tempfile.mkdtemp(prefix="qserve-launches-"))
-    procs = module.start_units(module.selected_units(session.items), tmp)
+    procs, scripts = module.start_early(session.items, tmp)
     session.config.stash[module.EARLY_UNITS] = procs
+    session.config.stash[module.EARLY_SCRIPTS] = scripts
 
     def stop() -> None:  # an interrupted session leaves no drive behind
         for proc, _, _ in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        for script in scripts.values():
+            script.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 
     session.config.add_cleanup(stop)

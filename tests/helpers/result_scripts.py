@@ -29,6 +29,15 @@ def script_env() -> dict[str, str]:
     return env
 
 
+def _parse_result(returncode: int, stdout: str, stderr: str) -> object:
+    if returncode != 0:
+        if "backend" in stderr.lower() and "nvidia" in stderr.lower():
+            pytest.skip("this triton has no NVIDIA backend")
+        raise AssertionError(f"the compile script failed (exit {returncode}):\n{stderr[-3000:]}")
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
 def run_result_script(script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600) -> object:
     """``python -c script *args`` from the checkout; its ``RESULT`` line's JSON. Skips the test on a
     Triton without the NVIDIA backend; any other failure fails it with the script's stderr."""
@@ -36,12 +45,33 @@ def run_result_script(script: str, *args: str, env: dict[str, str] | None = None
         [sys.executable, "-c", script, *args], cwd=ROOT, env=env or script_env(), capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
-    if proc.returncode != 0:
-        if "backend" in proc.stderr.lower() and "nvidia" in proc.stderr.lower():
-            pytest.skip("this triton has no NVIDIA backend")
-        raise AssertionError(f"the compile script failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
+    return _parse_result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def lower_priority() -> None:  # in the child, before exec: the tests running meanwhile come first
+    os.nice(10)
+
+
+class StartedScript:
+    """``run_result_script`` started now, niced, in the background (its output into files under
+    ``folder``): ``result()`` waits for it and reads what the blocking call would return."""
+
+    def __init__(self, script: str, *args: str, env: dict[str, str], folder: Path, name: str) -> None:
+        self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", script, *args], cwd=ROOT, env=env, stdout=out, stderr=err,
+                preexec_fn=lower_priority,
+            )  # fmt: skip
+
+    def result(self, timeout: float = 1200) -> object:
+        self.proc.wait(timeout=timeout)
+        return _parse_result(self.proc.returncode, self.out.read_text(), self.err.read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def shared_store_bytes(ptx: str) -> int:

@@ -18,14 +18,13 @@ turns on for this machine, cannot be compiled), all at once.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.result_scripts import run_result_script, script_env
+from tests.helpers.result_scripts import StartedScript, lower_priority, run_result_script, script_env
 
 pytest.importorskip("triton")
 
@@ -61,14 +60,13 @@ def _env(tmp: Path, name: str) -> dict[str, str]:
     return env
 
 
-# The units' drives as ``pytest_collection_finish`` (tests/conftest.py) started them: {unit: (process,
-# report path, log path)}. Started there, at low CPU priority, they compile while the session's other
-# tests run (one pytest keeps about one of CI's two cores busy), instead of ~2 minutes on their own.
+# What ``pytest_collection_finish`` (tests/conftest.py) started through ``start_early``: the units' drives
+# ({unit: (process, report path, log path)}) and the other compile tests' scripts ({test name: StartedScript}).
+# Started there, at low CPU priority, they compile while the session's other tests run (one pytest keeps
+# about one of CI's two cores busy), and the session runs this module last (``pytest_collection_modifyitems``),
+# so its tests mostly find the work done instead of waiting ~2-4 minutes for it.
 EARLY_UNITS = pytest.StashKey[dict]()
-
-
-def _lower_priority() -> None:  # in the child, before exec: the tests running meanwhile come first
-    os.nice(10)
+EARLY_SCRIPTS = pytest.StashKey[dict]()
 
 
 def start_units(units: set[str], tmp: Path) -> dict[str, tuple[subprocess.Popen, Path, Path]]:
@@ -90,7 +88,7 @@ def start_units(units: set[str], tmp: Path) -> dict[str, tuple[subprocess.Popen,
         ]
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=_env(tmp, unit), stdout=log, stderr=subprocess.STDOUT, preexec_fn=_lower_priority
+                cmd, cwd=ROOT, env=_env(tmp, unit), stdout=log, stderr=subprocess.STDOUT, preexec_fn=lower_priority
             )
         procs[unit] = (proc, out, log_path)
     return procs
@@ -103,6 +101,16 @@ def selected_units(items: list[pytest.Item]) -> set[str]:
         for item in items
         if getattr(item, "originalname", None) == "test_every_launch_compiles" and hasattr(item, "callspec")
     }
+
+
+def start_early(items: list[pytest.Item], tmp: Path) -> tuple[dict, dict[str, StartedScript]]:
+    """Start, niced, the units' drives and the scripts of the compile tests among ``items``."""
+    names = {getattr(item, "originalname", item.name) for item in items}
+    scripts = {}
+    for name in sorted(names & set(_SCRIPTS)):
+        script, args = _SCRIPTS[name]
+        scripts[name] = StartedScript(script, *args(), env=_env(tmp, name), folder=tmp, name=name)
+    return start_units(selected_units(items), tmp), scripts
 
 
 @pytest.fixture(scope="module")
@@ -180,11 +188,21 @@ print("RESULT" + json.dumps(result))
 """
 
 
-def test_the_check_catches_what_broke_main(tmp_path) -> None:
+def _script_result(request: pytest.FixtureRequest, tmp_path: Path) -> object:
+    """The ``RESULT`` of this test's script (``_SCRIPTS``): started at collection, else run now."""
+    name = request.node.originalname
+    started = request.config.stash.get(EARLY_SCRIPTS, {}).get(name)
+    if started is not None:
+        return started.result()
+    script, args = _SCRIPTS[name]
+    return run_result_script(script, *args(), env=_env(tmp_path, name), timeout=900)
+
+
+def test_the_check_catches_what_broke_main(request, tmp_path) -> None:
     """Controls: b0d3937's branch pattern with the fp16 output as the counters fails to compile
     (on every GPU), a kernel needing more shared memory than an sm86 block has fails there (and
     only there), and a grid past CUDA's limits fails even when the kernel compiled for a smaller one."""
-    result = run_result_script(_CONTROL, env=_env(tmp_path, "control"))
+    result = _script_result(request, tmp_path)
     for gpu in ("sm90", "sm86"):
         assert "atomic_xchg does not support fp16" in (result[gpu]["split_or_direct_kernel"] or ""), result[gpu]
     assert result["sm90"]["big_tile_kernel"] is None, result["sm90"]
@@ -210,21 +228,21 @@ print("RESULT" + json.dumps(result, default=str))
 """
 
 
-def _compiled_launches(script: str, tmp_path: Path, name: str, *args: str) -> dict[str, list[dict]]:
-    """A launch script's captured launches by GPU, after checking that every one compiled."""
-    result = run_result_script(script, *args, env=_env(tmp_path, name), timeout=900)
+def _compiled_launches(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, list[dict]]:
+    """This test's launch script's captured launches by GPU, after checking that every one compiled."""
+    result = _script_result(request, tmp_path)
     for gpu, launches in result.items():
         failures = [f"{x['kernel']} [{x['where']}]: {x['error']}" for x in launches if x["error"]]
         assert not failures, f"{gpu}:\n" + "\n".join(failures)
     return result
 
 
-def test_lora_launches_compile(tmp_path) -> None:
+def test_lora_launches_compile(request, tmp_path) -> None:
     """The multi-LoRA kernels as ``lora_ops.add_lora`` launches them (QSERVE_LORA_TRITON=1) at
     Qwen2.5-14B's qkv and down shapes, fp16 and bf16, compile for sm90, sm89 and sm86: the split-K
     shrink (workspace, arrival counters, the last program's reduction) and the one-split shrink, and
     the expand. Selectable alone (``-k lora``): no engine drive, about a minute."""
-    for gpu, launches in _compiled_launches(_LORA, tmp_path, "lora").items():
+    for gpu, launches in _compiled_launches(request, tmp_path).items():
         splits = {x["constexprs"]["SPLIT_PAD"] for x in launches if x["kernel"] == "lora_shrink_kernel"}
         assert 1 in splits and max(splits) == 32, (gpu, splits)  # one split, and the heuristic's decode split
         assert any(x["kernel"] == "lora_expand_kernel" for x in launches), gpu
@@ -248,12 +266,12 @@ print("RESULT" + json.dumps(result, default=str))
 
 
 @pytest.mark.slow  # ~15 s on 2 cores: two router compiles and the gate_up + down launches per GPU
-def test_moe_direct_blocks_launches_compile(tmp_path) -> None:
+def test_moe_direct_blocks_launches_compile(request, tmp_path) -> None:
     """The opt-in sort-free MoE step (QSERVE_MOE_DIRECT_BLOCKS=32, QSERVE_FUSED_ROUTER=1) as ``moe_ops``
     runs it at Qwen3-30B-A3B's shapes compiles for sm90 (fp16) and sm89 (bf16): the router's one
     program writing the block layout (one token, and four for an expert-parallel rank), then the MMA
     kernel's two GEMMs over T*k blocks of 16 rows, and no token sort. Selectable alone (``-k direct``)."""
-    for gpu, launches in _compiled_launches(_MOE_DIRECT, tmp_path, "moe-direct").items():
+    for gpu, launches in _compiled_launches(request, tmp_path).items():
         kernels = {x["kernel"] for x in launches}
         assert kernels == {"router_topk_blocks_kernel", "moe_mma_kernel"}, (gpu, kernels)  # no sort
         routers = [x for x in launches if x["kernel"] == "router_topk_blocks_kernel"]
@@ -282,7 +300,7 @@ print("RESULT" + json.dumps(result, default=str))
 
 
 @pytest.mark.slow  # ~25 s (the newest CI job runs it)
-def test_moe_launches_compile(tmp_path) -> None:
+def test_moe_launches_compile(request, tmp_path) -> None:
     """The MoE launches as ``moe_ops`` makes them at Qwen3-30B-A3B's shapes, and what they must look
     like: the one-program token sort (int32 ids, all experts and an expert-parallel rank's share with
     the sentinel group, one chunk and several), the fused kernel's grouped GEMMs
@@ -292,8 +310,7 @@ def test_moe_launches_compile(tmp_path) -> None:
     same launches for sm90 and the job's consumer card; this checks the other consumer card (sm86
     where the job's is sm89, and the reverse), which no unit of the job builds. Selectable alone
     (``-k moe``)."""
-    other = "sm89" if UNITS["consumer"][0] == "sm86" else "sm86"
-    for gpu, launches in _compiled_launches(_MOE, tmp_path, "moe", other).items():
+    for gpu, launches in _compiled_launches(request, tmp_path).items():
         aligns = [x for x in launches if x["kernel"] == "moe_align_block_size_kernel"]
         assert all(x["signature"][0] == "*int32" and x["grid"] == [1] for x in aligns), (gpu, aligns)
         assert {x["constexprs"]["NUM_BINS"] for x in aligns} == {128, 64}, gpu  # 128 experts; 32 + the sentinel
@@ -323,14 +340,14 @@ print("RESULT" + json.dumps(result, default=str))
 
 
 @pytest.mark.slow  # ~30 s: eight compiles (the engine units compile the same launches too)
-def test_moe_split_k_launches_compile(tmp_path) -> None:
+def test_moe_split_k_launches_compile(request, tmp_path) -> None:
     """The MMA-operand MoE kernel's opt-in split-K launches, all of ``moe_mma_split_kernel`` (none of
     the default ``moe_mma_kernel``), with QSERVE_MOE_SPLIT_K "auto" at one token and 2 at 32 tokens
     for one expert-parallel rank with zeros, as ``moe_ops`` makes them at Qwen3-30B-A3B's
     shapes compile for sm90 (fp16) and sm89 (bf16): gate_up with the workspace, the int32 arrival
     counters (their atomics type-checked: issue 24's failure) and the zeroing of down's accumulator;
     down adding into that float32 accumulator. Selectable alone (``-k split``)."""
-    for gpu, launches in _compiled_launches(_MOE_SPLIT, tmp_path, "moe-split").items():
+    for gpu, launches in _compiled_launches(request, tmp_path).items():
         assert not [x for x in launches if x["kernel"] == "moe_mma_kernel"], gpu  # the default kernel: no split
         mma = [x for x in launches if x["kernel"] == "moe_mma_split_kernel"]
         gate_up = [x for x in mma if x["constexprs"]["SILU_MUL"]]
@@ -340,3 +357,18 @@ def test_moe_split_k_launches_compile(tmp_path) -> None:
         assert all(x["signature"][23:26] == ["*float32", "*int32", "*float32"] for x in gate_up), gpu
         assert down and all(x["signature"][4] == "*float32" and x["constexprs"]["OUT_ROW_DIV"] == 8 for x in down), gpu
         assert {x["grid"][2] for x in mma} == {4, 2}, (gpu, [x["grid"] for x in mma])  # "auto" at 1 token: 4
+
+
+def _other_consumer_card() -> tuple[str, ...]:
+    """The consumer card no unit of this job builds (sm86 where the job's is sm89, and the reverse)."""
+    return ("sm89" if UNITS["consumer"][0] == "sm86" else "sm86",)
+
+
+# The compile tests that run one script each: {test: (script, its arguments)}; ``start_early`` starts them.
+_SCRIPTS = {
+    "test_the_check_catches_what_broke_main": (_CONTROL, tuple),
+    "test_lora_launches_compile": (_LORA, tuple),
+    "test_moe_direct_blocks_launches_compile": (_MOE_DIRECT, tuple),
+    "test_moe_launches_compile": (_MOE, _other_consumer_card),
+    "test_moe_split_k_launches_compile": (_MOE_SPLIT, tuple),
+}
