@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     import loaders
     from qserve.config import parse_dtype
     from qserve.memory.planner import lora_slot_bytes, make_plan, parse_memory_budget, weight_bytes
+    from qserve.runner.piecewise_graphs import piecewise_enabled
 
     config = read_model_config(args.model)
     spec = loaders.detect(args.model)
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         else 0,
         shadow_kv_bytes_per_token=shadow_per_token,
         shadow_scratch_blocks=shadow_scratch,
+        # the engine's default on CUDA (qserve.runner.piecewise_graphs): pieces for steps up to the step budget
+        piecewise_graph_tokens=args.max_num_batched_tokens if piecewise_enabled(torch.device("cuda")) else 0,
     )
     if args.json:
         extra = {"draft_weights_bytes": draft_bytes} if draft_bytes else {}

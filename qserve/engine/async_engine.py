@@ -832,10 +832,13 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
         GPU_DEFAULT_FRACTION,
         activation_bytes_estimate,
         cuda_graph_bytes_estimate,
+        decode_graph_pool_bytes,
         lora_slot_bytes,
         parse_memory_budget,
+        piecewise_graph_bytes_estimate,
         weight_bytes,
     )
+    from qserve.runner.piecewise_graphs import piecewise_enabled
 
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -861,6 +864,13 @@ def _kv_budget_bytes(models: Sequence[ModelSpec], specs: Sequence[Any], config: 
     graphs = not config.enforce_eager and (not config.enable_lora or os.environ.get(LORA_GRAPHS_ENV, "1") != "0")
     if graphs:  # decode CUDA graphs: their pool and logits buffer, per model
         overhead = sum(cuda_graph_bytes_estimate(s.config, config.max_num_seqs, d) for s, d in zip(specs, act_dtypes))
+    if not config.enforce_eager and piecewise_enabled(device):  # each model's piecewise graphs (engine.py)
+        overhead += sum(
+            piecewise_graph_bytes_estimate(
+                s.config, tokens, d, decode_graph_pool_bytes(s.config, config.max_num_seqs, d) if graphs else 0
+            )
+            for s, d in zip(specs, act_dtypes)
+        )
     if config.enable_lora:  # every model's adapter slots
         overhead += sum(
             lora_slot_bytes(s.config, config.max_loras, config.max_lora_rank, d) for s, d in zip(specs, act_dtypes)

@@ -268,19 +268,29 @@ def cuda_graph_bytes_estimate(config: ModelConfig, max_num_seqs: int, dtype: tor
     decode step has no prompt logprobs: the pool holds neither. (It counted a prompt-logprob slice
     until 2026-12-05: 0.58 GiB at 256 sequences of a 152k vocabulary, most of the 0.8 GiB that
     bench/e2e.py found planned but never allocated.)"""
-    batch = max_num_seqs
-    logits = batch * config.vocab_size * 4
-    pool = layer_activation_bytes(config, batch, dtype) + batch * config.vocab_size * (2 + 4)
-    return logits + pool + (64 << 20)
+    logits = max_num_seqs * config.vocab_size * 4
+    return logits + decode_graph_pool_bytes(config, max_num_seqs, dtype) + (64 << 20)
 
 
-def piecewise_graph_bytes_estimate(config: ModelConfig, max_num_tokens: int, dtype: torch.dtype) -> int:
-    """Piecewise CUDA graphs (qserve.runner.piecewise_graphs, opt-in) for steps of up to
-    ``max_num_tokens`` tokens: their static buffers (ids, positions, query, key, value, residual,
-    attention output, hidden output) and a pool holding one piece's activations at that size (one
-    decoder layer's widest tensors, as ``activation_bytes_estimate`` counts them, without sampling)
-    plus the widest linear's weight in the model dtype (large steps may dequantize a 4-bit weight
-    whole for cuBLAS, and a captured piece keeps that buffer in its pool)."""
+def decode_graph_pool_bytes(config: ModelConfig, max_num_seqs: int, dtype: torch.dtype) -> int:
+    """The decode graphs' memory pool: the largest batch's activations (one layer's widest tensors;
+    the LM-head output in the model dtype and as float32)."""
+    return layer_activation_bytes(config, max_num_seqs, dtype) + max_num_seqs * config.vocab_size * (2 + 4)
+
+
+def piecewise_graph_bytes_estimate(
+    config: ModelConfig, max_num_tokens: int, dtype: torch.dtype, decode_pool_bytes: int = 0
+) -> int:
+    """Piecewise CUDA graphs (qserve.runner.piecewise_graphs) for steps of up to ``max_num_tokens``
+    tokens: their static buffers (ids, positions, query, key, value, residual, attention output,
+    hidden output) and what their pool adds. A piece holds one decoder layer's widest tensors at that
+    size (as ``activation_bytes_estimate`` counts them, without sampling) plus the widest linear's
+    weight in the model dtype (past 128 rows the W4A16 dispatch dequantizes a weight whole for cuBLAS,
+    and a captured piece keeps that buffer in its pool). The pieces capture into the decode graphs'
+    pool, whose ``decode_pool_bytes`` (``decode_graph_pool_bytes``) are already reserved and reused
+    first: only the growth beyond it counts. (Until 2026-12-06 it counted the whole pool on top of the
+    decode graphs': on the H100 the 14B at 2,048 tokens grew the pool by 270 MiB where 540 were planned,
+    bench/RESULTS.md.)"""
     elem = torch.empty((), dtype=dtype).element_size()
     d = config.head_dim
     static = max_num_tokens * (
@@ -288,7 +298,8 @@ def piecewise_graph_bytes_estimate(config: ModelConfig, max_num_tokens: int, dty
     )
     q_width = (config.num_heads + 2 * config.num_kv_heads) * d
     widest_weight = config.hidden_size * max(q_width, 2 * config.intermediate_size, config.num_heads * d) * elem
-    return static + layer_activation_bytes(config, max_num_tokens, dtype) + widest_weight
+    pool = layer_activation_bytes(config, max_num_tokens, dtype) + widest_weight
+    return static + max(0, pool - decode_pool_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,10 +389,12 @@ def make_plan(
         # sampler's worst case nor prompt logprobs, which come after the layers: take the larger.
         rows = min(max_num_seqs, max_num_batched_tokens)
         activation_bytes = max(activation_bytes, sampling_bytes(config, rows, max_num_batched_tokens, dtype))
+    decode_pool = 0  # what the piecewise graphs find reserved in the pool they share with the decode graphs
     if overhead_bytes is None:
         overhead_bytes = cuda_graph_bytes_estimate(config, max_num_seqs, dtype)
-    if piecewise_graph_tokens:  # opt-in piecewise graphs (QSERVE_PIECEWISE_GRAPHS=1) for steps up to this size
-        overhead_bytes += piecewise_graph_bytes_estimate(config, piecewise_graph_tokens, dtype)
+        decode_pool = decode_graph_pool_bytes(config, max_num_seqs, dtype)
+    if piecewise_graph_tokens:  # piecewise graphs (on CUDA unless QSERVE_PIECEWISE_GRAPHS=0) for steps up to this size
+        overhead_bytes += piecewise_graph_bytes_estimate(config, piecewise_graph_tokens, dtype, decode_pool)
     target_per_token = kv_bytes_per_token(config, kv_cache_dtype, dtype)
     per_token = target_per_token + shadow_kv_bytes_per_token  # a page's bytes per token, the head's share too
     scratch_bytes = shadow_scratch_blocks * block_size * shadow_kv_bytes_per_token

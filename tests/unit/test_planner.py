@@ -11,6 +11,7 @@ from qserve.memory.planner import make_plan, parse_memory_budget, weight_bytes
 from qserve.model.registry import read_model_config
 
 GIB = 2**30
+MIB = 2**20
 
 QWEN25_14B = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -105,23 +106,31 @@ def test_plan_reports_only_contexts_the_model_can_run(qwen14b_dir):
 
 
 def test_piecewise_graphs_are_counted_in_the_overheads_only_when_asked(qwen14b_dir):
-    """QSERVE_PIECEWISE_GRAPHS=1 reserves the pieces' static buffers and pool (14B, 2048 tokens:
-    a few hundred MiB) out of the KV pages; without it the plan is unchanged."""
+    """Piecewise graphs reserve the pieces' static buffers and what their pool adds to the decode
+    graphs' pool, which they share (14B, 2048 tokens: a few hundred MiB), out of the KV pages; without
+    them the plan is unchanged."""
     import torch
 
-    from qserve.memory.planner import piecewise_graph_bytes_estimate
+    from qserve.memory.planner import decode_graph_pool_bytes, piecewise_graph_bytes_estimate
 
     config = read_model_config(qwen14b_dir)
     common = dict(weights_bytes=10 * GIB, budget_bytes=24 * GIB, dtype=torch.float16, max_num_batched_tokens=2048)
-    plain = make_plan(config, **common)
-    piecewise = make_plan(config, **common, piecewise_graph_tokens=2048)
-    extra = piecewise_graph_bytes_estimate(config, 2048, torch.float16)
-    # static: 2048 x (3 int64 + fp16 q, k, v, attention output, residual, hidden) ~ 0.09 GiB; pool: one
-    # layer's activations at 2048 tokens ~ 0.26 GiB plus gate_up's fp16 weight (5120 x 27648) ~ 0.26 GiB
-    assert 0.5 * GIB < extra < 0.7 * GIB
+    plain = make_plan(config, **common, max_num_seqs=256)
+    piecewise = make_plan(config, **common, max_num_seqs=256, piecewise_graph_tokens=2048)
+    decode_pool = decode_graph_pool_bytes(config, 256, torch.float16)
+    extra = piecewise_graph_bytes_estimate(config, 2048, torch.float16, decode_pool)
     assert piecewise.overhead_bytes == plain.overhead_bytes + extra
     assert piecewise.num_kv_blocks < plain.num_kv_blocks
-    assert piecewise_graph_bytes_estimate(config, 4096, torch.float16) > extra
+    # static: 2048 x (3 int64 + fp16 q, k, v, attention output, residual, hidden) = 88 MiB; pool: one layer's
+    # activations at 2048 tokens (270 MiB) plus gate_up's fp16 weight (5120 x 27648, 270 MiB), less the decode
+    # pool it reuses (256 sequences: 34 MiB of activations + 223 MiB of LM-head output). Measured on the H100
+    # (bench/RESULTS.md, 2026-12-06): static 88.0 MiB, pool growth 270.0 MiB, i.e. 358 MiB.
+    assert 350 * MIB < extra < 0.4 * GIB
+    alone = piecewise_graph_bytes_estimate(config, 2048, torch.float16)  # no decode pool to reuse
+    assert alone - extra == decode_pool  # the pool outgrows the decode pool here: all of it is reused
+    static = 2048 * (3 * 8 + 2 * ((2 * 40 + 2 * 8) * 128 + 2 * 5120))  # 88.05 MiB
+    assert piecewise_graph_bytes_estimate(config, 2048, torch.float16, 10 * GIB) == static  # a pool large enough
+    assert piecewise_graph_bytes_estimate(config, 4096, torch.float16, decode_pool) > extra
 
 
 def test_an_eagle_heads_kv_makes_pages_larger_by_its_share(qwen14b_dir):
@@ -175,3 +184,34 @@ def test_decode_graph_pool_holds_no_prompt_logprobs(qwen14b_dir, monkeypatch):
     # layer's widest tensors (~35 MiB here) and 64 MiB of slack
     logits_and_head = batch * vocab * (4 + 2 + 4)
     assert logits_and_head + (64 << 20) < before < logits_and_head + (64 << 20) + 64 * 2**20
+
+
+def test_several_models_on_one_card_plan_their_piecewise_graphs(qwen14b_dir, monkeypatch):
+    """The shared pool of several models (``async_engine._kv_budget_bytes``) leaves room for each
+    model's piecewise graphs, which every engine captures on CUDA by default; with
+    QSERVE_PIECEWISE_GRAPHS=0 or enforce_eager it does not."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from qserve.engine.async_engine import HostConfig, _kv_budget_bytes
+    from qserve.memory.planner import decode_graph_pool_bytes, piecewise_graph_bytes_estimate
+    from qserve.runner.piecewise_graphs import PIECEWISE_GRAPHS_ENV
+
+    config = read_model_config(qwen14b_dir)
+    models = [SimpleNamespace(path=str(qwen14b_dir))] * 2
+    specs = [SimpleNamespace(config=config)] * 2
+    cuda = SimpleNamespace(type="cuda")  # planned as on a card; nothing touches a device
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+    host = HostConfig(gpu_memory_budget="60GiB", max_num_batched_tokens=2048)
+    monkeypatch.delenv(PIECEWISE_GRAPHS_ENV, raising=False)
+    with_pieces = _kv_budget_bytes(models, specs, host, cuda)
+    monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "0")
+    without = _kv_budget_bytes(models, specs, host, cuda)
+    pieces = piecewise_graph_bytes_estimate(
+        config, 2048, torch.bfloat16, decode_graph_pool_bytes(config, host.max_num_seqs, torch.bfloat16)
+    )
+    assert without - with_pieces == 2 * pieces
+    monkeypatch.delenv(PIECEWISE_GRAPHS_ENV)
+    eager = HostConfig(gpu_memory_budget="60GiB", max_num_batched_tokens=2048, enforce_eager=True)
+    assert _kv_budget_bytes(models, specs, eager, cuda) > without  # no graphs at all
