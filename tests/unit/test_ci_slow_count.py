@@ -1,14 +1,18 @@
-"""tests/conftest.py's slow-test count for .ci/run's lowest job: CPU tests marked slow, counted before
-``-m`` deselects them, written only when ``QSERVE_CI_SLOW_COUNT`` names a file."""
+"""tests/conftest.py's collection hook: the slow-test count for .ci/run's lowest job (CPU tests marked
+slow, counted before ``-m`` deselects them, written only when ``QSERVE_CI_SLOW_COUNT`` names a file), and
+the launch-compile tests moved to the end of the session."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from tests import conftest
 
 
 class _Item:
-    def __init__(self, *marks: str) -> None:
+    def __init__(self, *marks: str, path: str = "tests/unit/test_x.py") -> None:
         self.marks = set(marks)
+        self.path = Path(path)
 
     def get_closest_marker(self, name: str) -> str | None:
         return name if name in self.marks else None
@@ -23,3 +27,15 @@ def test_counts_the_slow_cpu_tests_only_when_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("QSERVE_CI_SLOW_COUNT", str(target))
     conftest.pytest_collection_modifyitems(None, items)
     assert target.read_text() == "2"  # the GPU and peer tests run in neither CPU job
+
+
+def test_the_launch_compile_tests_run_last_in_their_order(monkeypatch):
+    """Their compiles start at the end of collection and run beside the other tests: the later these
+    tests come, the less they wait."""
+    monkeypatch.delenv("QSERVE_CI_SLOW_COUNT", raising=False)
+    compile_a = _Item(path="tests/kernels/test_launch_compile.py")
+    compile_b = _Item("slow", path="tests/kernels/test_launch_compile.py")
+    others = [_Item(path="tests/browser/test_a.py"), _Item(path="tests/kernels/test_b.py"), _Item()]
+    items = [others[0], compile_a, others[1], compile_b, others[2]]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert items == [*others, compile_a, compile_b]
