@@ -18,7 +18,8 @@ CPU tests it collected marked ``slow``, before ``-m`` deselects them. The lowest
 checks the newest job will have some to run, without a second collection of the whole suite (~14 s).
 
 When the session runs launch-compile tests (``tests/kernels/test_launch_compile.py``), their drives and
-scripts start at the end of collection, niced, and compile while the other tests run
+scripts are queued at the end of collection on two background workers, niced, and compile while the other
+tests run
 (``pytest_collection_finish``); those tests run last (``pytest_collection_modifyitems``), so they mostly find
 the compiles done.
 """
@@ -79,18 +80,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     module = next((item.module for item in session.items if _is_launch_compile(item)), None)
     if module is None:
         return
+    from tests.helpers.result_scripts import BackgroundPool
+
     tmp = Path(tempfile.mkdtemp(prefix="qserve-launches-"))
-    procs, scripts = module.start_early(session.items, tmp)
-    session.config.stash[module.EARLY_UNITS] = procs
+    pool = BackgroundPool(workers=2)
+    units, scripts = module.start_early(session.items, tmp, pool)
+    session.config.stash[module.EARLY_UNITS] = units
     session.config.stash[module.EARLY_SCRIPTS] = scripts
 
     def stop() -> None:  # an interrupted session leaves no drive behind
-        for proc, _, _ in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for script in scripts.values():
-            script.kill()
+        pool.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
     session.config.add_cleanup(stop)

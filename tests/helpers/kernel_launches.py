@@ -187,8 +187,10 @@ _lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def simulated_gpu(gpu: SimulatedGpu) -> Iterator[Capture]:
+def simulated_gpu(gpu: SimulatedGpu, compile: bool = True) -> Iterator[Capture]:
     """Run qserve's CPU tensors through its CUDA launch paths as on ``gpu``; yields the ``Capture``.
+    ``compile=False`` records each launch (arguments, constexprs, grid) without compiling it: for
+    checks of what the launches look like where another drive compiles the same launches.
 
     One at a time per process (Triton's driver and ``JITFunction.run`` are process-wide).
     """
@@ -216,6 +218,10 @@ def simulated_gpu(gpu: SimulatedGpu) -> Iterator[Capture]:
             return None
         launch = Launch(name, signature, options, _launch_site(), capture.where, dims)
         capture.launches[key] = launch
+        if not compile:
+            if _outside_grid_limits(dims):
+                launch.error = f"grid {dims} is outside CUDA's limits"
+            return None
         start = time.perf_counter()
         try:
             compiled = original_run(fn, *args, grid=grid, warmup=True, **kwargs)

@@ -9,11 +9,14 @@ script compiles or what its test asserts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -48,30 +51,99 @@ def run_result_script(script: str, *args: str, env: dict[str, str] | None = None
     return _parse_result(proc.returncode, proc.stdout, proc.stderr)
 
 
-def lower_priority() -> None:  # in the child, before exec: the tests running meanwhile come first
-    os.nice(10)
+class BackgroundJob:
+    """A command that a ``BackgroundPool`` worker runs, niced, when it gets to it: its stdout into a
+    file, its stderr into another (or the same one: ``stderr=None``)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], stdout: Path, stderr: Path | None = None) -> None:
+        self.cmd, self.env, self.stdout, self.stderr = cmd, env, stdout, stderr
+        self.proc: subprocess.Popen | None = None
+        self._cancelled = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def _run(self) -> None:
+        with self._lock:
+            if self._cancelled:
+                self._done.set()
+                return
+            with open(self.stdout, "w") as out, open(self.stderr or os.devnull, "w") as err:
+                self.proc = subprocess.Popen(
+                    self.cmd, cwd=ROOT, env=self.env, stdout=out,
+                    stderr=err if self.stderr else subprocess.STDOUT,
+                )  # fmt: skip
+            with contextlib.suppress(ProcessLookupError):  # behind the tests running meanwhile
+                os.setpriority(os.PRIO_PROCESS, self.proc.pid, 10)
+        self.proc.wait()
+        self._done.set()
+
+    def wait(self, timeout: float) -> int | None:
+        """Its exit code, once a worker has started and finished it (None: killed before it started)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.cmd[:4]} did not finish within {timeout:.0f} s")
+        return None if self.proc is None else self.proc.returncode
+
+    def cancel(self) -> None:
+        """A job not yet started never starts."""
+        with self._lock:
+            self._cancelled = True
+
+    def kill(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class BackgroundPool:
+    """Runs submitted ``BackgroundJob``s in order, ``workers`` at a time: the compile drives and scripts
+    the session starts at collection run beside its tests without crowding them (seven processes
+    started at once slowed a test starting a Ray cluster from 52 s to 146 s on two cores)."""
+
+    def __init__(self, workers: int = 2) -> None:
+        self._queue: queue.Queue[BackgroundJob | None] = queue.Queue()
+        self._jobs: list[BackgroundJob] = []
+        self._workers = workers
+        for _ in range(workers):
+            threading.Thread(target=self._work, daemon=True).start()
+
+    def submit(self, job: BackgroundJob) -> BackgroundJob:
+        self._jobs.append(job)
+        self._queue.put(job)
+        return job
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            job._run()
+
+    def shutdown(self) -> None:
+        """Cancel what waits, then kill what runs (in that order: a worker freed by a kill must find
+        the next job cancelled), end the workers."""
+        for job in self._jobs:
+            job.cancel()
+        for job in self._jobs:
+            job.kill()
+        for _ in range(self._workers):
+            self._queue.put(None)
 
 
 class StartedScript:
-    """``run_result_script`` started now, niced, in the background (its output into files under
-    ``folder``): ``result()`` waits for it and reads what the blocking call would return."""
+    """``run_result_script`` queued on ``pool`` (its output into files under ``folder``): ``result()``
+    waits for it and reads what the blocking call would return."""
 
-    def __init__(self, script: str, *args: str, env: dict[str, str], folder: Path, name: str) -> None:
-        self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", script, *args], cwd=ROOT, env=env, stdout=out, stderr=err,
-                preexec_fn=lower_priority,
-            )  # fmt: skip
+    def __init__(
+        self, script: str, *args: str, env: dict[str, str], folder: Path, name: str, pool: BackgroundPool
+    ) -> None:
+        self.job = pool.submit(
+            BackgroundJob([sys.executable, "-c", script, *args], env, folder / f"{name}.out", folder / f"{name}.err")
+        )
 
     def result(self, timeout: float = 1200) -> object:
-        self.proc.wait(timeout=timeout)
-        return _parse_result(self.proc.returncode, self.out.read_text(), self.err.read_text())
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        returncode = self.job.wait(timeout)
+        return _parse_result(
+            -1 if returncode is None else returncode, self.job.stdout.read_text(), self.job.stderr.read_text()
+        )
 
 
 def shared_store_bytes(ptx: str) -> int:

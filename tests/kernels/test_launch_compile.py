@@ -18,13 +18,12 @@ turns on for this machine, cannot be compiled), all at once.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.result_scripts import StartedScript, lower_priority, run_result_script, script_env
+from tests.helpers.result_scripts import BackgroundJob, BackgroundPool, StartedScript, run_result_script, script_env
 
 pytest.importorskip("triton")
 
@@ -60,18 +59,18 @@ def _env(tmp: Path, name: str) -> dict[str, str]:
     return env
 
 
-# What ``pytest_collection_finish`` (tests/conftest.py) started through ``start_early``: the units' drives
-# ({unit: (process, report path, log path)}) and the other compile tests' scripts ({test name: StartedScript}).
-# Started there, at low CPU priority, they compile while the session's other tests run (one pytest keeps
-# about one of CI's two cores busy), and the session runs this module last (``pytest_collection_modifyitems``),
-# so its tests mostly find the work done instead of waiting ~2-4 minutes for it.
+# What ``pytest_collection_finish`` (tests/conftest.py) queued through ``start_early``: the units' drives
+# ({unit: (job, report path, log path)}) and the other compile tests' scripts ({test name: StartedScript}).
+# Queued there on two workers at low CPU priority, they compile while the session's other tests run (one
+# pytest keeps about one of CI's two cores busy), and the session runs this module last
+# (``pytest_collection_modifyitems``), so its tests mostly find the work done instead of waiting for it.
 EARLY_UNITS = pytest.StashKey[dict]()
 EARLY_SCRIPTS = pytest.StashKey[dict]()
 
 
-def start_units(units: set[str], tmp: Path) -> dict[str, tuple[subprocess.Popen, Path, Path]]:
-    """Start the drive of each of ``units`` (one subprocess each, niced), writing into ``tmp``."""
-    procs = {}
+def start_units(units: set[str], tmp: Path, pool: BackgroundPool) -> dict[str, tuple[BackgroundJob, Path, Path]]:
+    """Queue the drive of each of ``units`` (one subprocess each, niced) on ``pool``, writing into ``tmp``."""
+    jobs = {}
     for unit in sorted(units):
         gpu, dtypes = UNITS[unit]
         out, log_path = tmp / f"{unit}.json", tmp / f"{unit}.log"
@@ -86,12 +85,8 @@ def start_units(units: set[str], tmp: Path) -> dict[str, tuple[subprocess.Popen,
             "--out",
             str(out),
         ]
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=_env(tmp, unit), stdout=log, stderr=subprocess.STDOUT, preexec_fn=lower_priority
-            )
-        procs[unit] = (proc, out, log_path)
-    return procs
+        jobs[unit] = (pool.submit(BackgroundJob(cmd, _env(tmp, unit), log_path)), out, log_path)
+    return jobs
 
 
 def selected_units(items: list[pytest.Item]) -> set[str]:
@@ -103,29 +98,32 @@ def selected_units(items: list[pytest.Item]) -> set[str]:
     }
 
 
-def start_early(items: list[pytest.Item], tmp: Path) -> tuple[dict, dict[str, StartedScript]]:
-    """Start, niced, the units' drives and the scripts of the compile tests among ``items``."""
+def start_early(items: list[pytest.Item], tmp: Path, pool: BackgroundPool) -> tuple[dict, dict[str, StartedScript]]:
+    """Queue on ``pool`` the units' drives, then the scripts of the compile tests among ``items``."""
+    units = start_units(selected_units(items), tmp, pool)
     names = {getattr(item, "originalname", item.name) for item in items}
     scripts = {}
     for name in sorted(names & set(_SCRIPTS)):
         script, args = _SCRIPTS[name]
-        scripts[name] = StartedScript(script, *args(), env=_env(tmp, name), folder=tmp, name=name)
-    return start_units(selected_units(items), tmp), scripts
+        scripts[name] = StartedScript(script, *args(), env=_env(tmp, name), folder=tmp, name=name, pool=pool)
+    return units, scripts
 
 
 @pytest.fixture(scope="module")
 def reports(request, tmp_path_factory) -> dict[str, dict]:
     """The report of every selected unit: from the drives started at collection, else started now."""
-    procs = request.config.stash.get(EARLY_UNITS, None)
-    if procs is None:
-        procs = start_units(selected_units(request.session.items), tmp_path_factory.mktemp("launches"))
+    jobs = request.config.stash.get(EARLY_UNITS, None)
+    if jobs is None:
+        pool = BackgroundPool()
+        request.addfinalizer(pool.shutdown)
+        jobs = start_units(selected_units(request.session.items), tmp_path_factory.mktemp("launches"), pool)
     result = {}
-    for unit, (proc, out, log_path) in procs.items():
-        proc.wait(timeout=1200)
+    for unit, (job, out, log_path) in jobs.items():
+        returncode = job.wait(timeout=1200)
         text = log_path.read_text()
         if "backend" in text.lower() and "nvidia" in text.lower() and not out.exists():
             pytest.skip("this triton has no NVIDIA backend")
-        assert out.exists(), f"the {unit} drive ended without a report (exit {proc.returncode}):\n{text[-4000:]}"
+        assert out.exists(), f"the {unit} drive ended without a report (exit {returncode}):\n{text[-4000:]}"
         result[unit] = json.loads(out.read_text()) | {"log": text}
     return result
 
@@ -254,7 +252,7 @@ from tests.helpers.engine_launches import drive_moe_direct_blocks
 from tests.helpers.kernel_launches import GPUS, simulated_gpu
 result = {}
 for name, dtype, dtype_name in (("sm90", torch.float16, "fp16"), ("sm89", torch.bfloat16, "bf16")):
-    with simulated_gpu(GPUS[name]) as capture:
+    with simulated_gpu(GPUS[name], compile=False) as capture:  # the units' drives compile these launches
         drive_moe_direct_blocks(capture, dtype, dtype_name)
     result[name] = [
         {"kernel": l.kernel, "constexprs": dict(l.constexprs), "error": l.error, "where": l.where, "grid": l.grid,
@@ -265,12 +263,14 @@ print("RESULT" + json.dumps(result, default=str))
 """
 
 
-@pytest.mark.slow  # ~15 s on 2 cores: two router compiles and the gate_up + down launches per GPU
-def test_moe_direct_blocks_launches_compile(request, tmp_path) -> None:
-    """The opt-in sort-free MoE step (QSERVE_MOE_DIRECT_BLOCKS=32, QSERVE_FUSED_ROUTER=1) as ``moe_ops``
-    runs it at Qwen3-30B-A3B's shapes compiles for sm90 (fp16) and sm89 (bf16): the router's one
-    program writing the block layout (one token, and four for an expert-parallel rank), then the MMA
-    kernel's two GEMMs over T*k blocks of 16 rows, and no token sort. Selectable alone (``-k direct``)."""
+@pytest.mark.slow  # a few seconds: recorded, not compiled
+def test_moe_direct_blocks_launches(request, tmp_path) -> None:
+    """The opt-in sort-free MoE step (QSERVE_MOE_DIRECT_BLOCKS=32) as ``moe_ops`` runs it at
+    Qwen3-30B-A3B's shapes, on sm90 (fp16) and sm89 (bf16): the router's one program writing the block
+    layout (one token, and four for an expert-parallel rank), then the MMA kernel's two GEMMs over T*k
+    blocks of 16 rows, and no token sort. Recorded without compiling: the units' drives
+    (``test_every_launch_compiles``) compile the same launches for the job's cards (``drive_moe``'s
+    companion ``drive_moe_direct_blocks``). Selectable alone (``-k direct``)."""
     for gpu, launches in _compiled_launches(request, tmp_path).items():
         kernels = {x["kernel"] for x in launches}
         assert kernels == {"router_topk_blocks_kernel", "moe_mma_kernel"}, (gpu, kernels)  # no sort
@@ -328,7 +328,7 @@ from tests.helpers.engine_launches import drive_moe_mma_split
 from tests.helpers.kernel_launches import GPUS, simulated_gpu
 result = {}
 for name, dtype, dtype_name in (("sm90", torch.float16, "fp16"), ("sm89", torch.bfloat16, "bf16")):
-    with simulated_gpu(GPUS[name]) as capture:
+    with simulated_gpu(GPUS[name], compile=False) as capture:  # the units' drives compile these launches
         drive_moe_mma_split(capture, dtype, dtype_name)
     result[name] = [
         {"kernel": l.kernel, "signature": l.signature, "constexprs": dict(l.constexprs), "error": l.error,
@@ -339,14 +339,16 @@ print("RESULT" + json.dumps(result, default=str))
 """
 
 
-@pytest.mark.slow  # ~30 s: eight compiles (the engine units compile the same launches too)
-def test_moe_split_k_launches_compile(request, tmp_path) -> None:
+@pytest.mark.slow  # a few seconds: recorded, not compiled
+def test_moe_split_k_launches(request, tmp_path) -> None:
     """The MMA-operand MoE kernel's opt-in split-K launches, all of ``moe_mma_split_kernel`` (none of
     the default ``moe_mma_kernel``), with QSERVE_MOE_SPLIT_K "auto" at one token and 2 at 32 tokens
-    for one expert-parallel rank with zeros, as ``moe_ops`` makes them at Qwen3-30B-A3B's
-    shapes compile for sm90 (fp16) and sm89 (bf16): gate_up with the workspace, the int32 arrival
-    counters (their atomics type-checked: issue 24's failure) and the zeroing of down's accumulator;
-    down adding into that float32 accumulator. Selectable alone (``-k split``)."""
+    for one expert-parallel rank with zeros, as ``moe_ops`` makes them at Qwen3-30B-A3B's shapes on
+    sm90 (fp16) and sm89 (bf16): gate_up with the workspace, the int32 arrival counters and the
+    zeroing of down's accumulator; down adding into that float32 accumulator. Recorded without
+    compiling: the units' drives compile the same launches (``drive_moe`` ends with
+    ``drive_moe_mma_split``), so the counters' atomics are type-checked there (issue 24's failure).
+    Selectable alone (``-k split``)."""
     for gpu, launches in _compiled_launches(request, tmp_path).items():
         assert not [x for x in launches if x["kernel"] == "moe_mma_kernel"], gpu  # the default kernel: no split
         mma = [x for x in launches if x["kernel"] == "moe_mma_split_kernel"]
@@ -368,7 +370,7 @@ def _other_consumer_card() -> tuple[str, ...]:
 _SCRIPTS = {
     "test_the_check_catches_what_broke_main": (_CONTROL, tuple),
     "test_lora_launches_compile": (_LORA, tuple),
-    "test_moe_direct_blocks_launches_compile": (_MOE_DIRECT, tuple),
+    "test_moe_direct_blocks_launches": (_MOE_DIRECT, tuple),
     "test_moe_launches_compile": (_MOE, _other_consumer_card),
-    "test_moe_split_k_launches_compile": (_MOE_SPLIT, tuple),
+    "test_moe_split_k_launches": (_MOE_SPLIT, tuple),
 }
