@@ -12,6 +12,8 @@
 # ids is text, so every step sends an SSE chunk per sequence (bench/full_vocab_tokenizer.py), as with a
 # real checkpoint's tokenizer; TOKENIZER=synthetic: the tests' small tokenizer (most ids decode to
 # nothing), the case of the runs recorded before that date.
+# SERVE_ARGS: more `qserve serve` flags, e.g. SERVE_ARGS="--max-num-batched-tokens 1024" (issue 27's ITL p99:
+# a token waits behind a step carrying up to the step budget of prompt tokens).
 set -euo pipefail
 OUT=${1:?usage: serving_http.sh OUT_DIR [CHECKPOINT_DIR]}
 CKPT=${2:-/tmp/qb}
@@ -27,8 +29,9 @@ if [ "$TOKENIZER" = full ]; then
     SERVED=$(python3 bench/full_vocab_tokenizer.py "$CKPT" "${CKPT%/}-fullvocab")
 fi
 echo "tokenizer: $TOKENIZER ($SERVED)" | tee "$OUT/tokenizer.txt"
+# shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
 python3 -m qserve.cli --log-level INFO serve qb="$SERVED" --gpu-memory-budget 24GiB --max-model-len 4096 --port "$PORT" \
-    > "$OUT/serve.log" 2>&1 &
+    ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
 health="import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)"
