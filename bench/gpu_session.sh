@@ -37,7 +37,8 @@
 #   alone, at 1/8/32 tokens (compiles spread over 12 processes first; ~1,100 timings); to $OUT/moe_sweep.md.
 # moe_batch1 (only when named): issue 32's batch-1 decode, three engines on one checkpoint: the MMA MoE kernel
 #   without split-K (QSERVE_MOE_SPLIT_K=1), with it (auto), and with the sort-free layout too
-#   (QSERVE_MOE_DIRECT_BLOCKS=32); first bench/moe.py --tokens 1,8 (its split column, its direct table); ~7 minutes.
+#   (QSERVE_MOE_DIRECT_BLOCKS=32), the later two reusing the first's checkpoint (--reuse-checkpoint); first
+#   bench/moe.py --tokens 1,8 (its split column, its direct table); ~7 minutes.
 # moe_fp8 (only when named): bench/e2e.py --model qwen3-30b-a3b, capacity at 1k tokens with fp8 KV (issue 32).
 set -u
 if [[ $# -ge 1 && ( -d "$1" || "$1" == */* ) ]]; then  # the older order: OUT_DIR first
@@ -210,8 +211,8 @@ if has moe_batch1; then
     echo "bench/moe.py exit code $?"; grep -E "^\|" "$OUT/moe_kernels.md" | head -24
     for variant in "QSERVE_MOE_SPLIT_K=1" "QSERVE_MOE_SPLIT_K=auto" "QSERVE_MOE_SPLIT_K=auto QSERVE_MOE_DIRECT_BLOCKS=32"; do
         echo "--- $variant"
-        env $variant timeout 110 python3 bench/e2e.py --model qwen3-30b-a3b --skip small,fp8,offline,capacity \
-            --decode-batches 1,8 --tmp /tmp/qbm --out "$OUT/moe_batch1_${variant//[ =]/_}.md" 2>&1 \
+        env $variant timeout 150 python3 bench/e2e.py --model qwen3-30b-a3b --skip small,fp8,offline,capacity \
+            --decode-batches 1,8 --tmp /tmp/qbm --reuse-checkpoint --out "$OUT/moe_batch1_${variant//[ =]/_}.md" 2>&1 \
             | grep -v USDT | grep -E "decode batch|cold start|Error"
     done
 fi

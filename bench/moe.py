@@ -21,7 +21,7 @@ reference's torch ops (``moe_reference.moe_align_block_size``) vs the one-launch
 paths run (``moe_triton.moe_align_block_size``, its kernel timed at every size, past
 ``QSERVE_MOE_ALIGN_MAX_PAIRS`` too, where the launcher would run the torch ops), at the fused path's block_m, after checking they agree;
 and the router's softmax + top-k alone, graph-timed: ``moe_reference.select_experts`` (about six torch
-ops) vs ``moe_router_triton.router_topk`` (one launch, opt-in ``QSERVE_FUSED_ROUTER=1``).
+ops) vs ``moe_router_triton.router_topk`` (one launch, the default; ``QSERVE_FUSED_ROUTER=0`` takes the torch ops).
 
 A second table, at the token counts where ``QSERVE_MOE_DIRECT_BLOCKS=32`` applies (T * top-8 <= 32: 1-4
 tokens): the sort-free layout (one pair per block, written by the router's launch) against the sort, both

@@ -17,8 +17,8 @@ beyond ``add_request`` / ``step`` / ``has_unfinished_requests``.
 32: where a batch-1 MoE step's 3.9 ms go); the MoE kernels get families of their own (router, token sort,
 grouped GEMMs), and ``QSERVE_MOE_KERNEL`` / ``QSERVE_FUSED_ROUTER`` choose what the engine runs as usual.
 
-``--piecewise`` (off | on | both; default: on when ``QSERVE_PIECEWISE_GRAPHS=1`` is set) sets that
-variable for the engine (both: one engine
+``--piecewise`` (off | on | both; default: on, as the engine on CUDA, unless ``QSERVE_PIECEWISE_GRAPHS=0``
+is set) sets that variable for the engine (both: one engine
 after the other, same shapes and seeds), so the mixed step's wall and GPU time can be compared with
 and without piecewise CUDA graphs; ``--piecewise-buckets`` sets ``QSERVE_PIECEWISE_BUCKETS`` (fewer
 buckets capture faster). The pure-decode rows replay the decode graphs either way.

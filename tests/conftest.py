@@ -78,7 +78,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """When the session runs launch-compile tests (tests/kernels/test_launch_compile.py), start their
     drives and scripts now, niced, so that they compile while the other tests run; the tests collect them."""
     module = next((item.module for item in session.items if _is_launch_compile(item)), None)
-    if module is None:
+    if module is None or hasattr(session.config, "workerinput"):  # an xdist worker: each test starts its own
         return
     from tests.helpers.result_scripts import BackgroundPool
 

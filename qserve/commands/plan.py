@@ -104,8 +104,13 @@ def run(args: argparse.Namespace) -> int:
         else 0,
         shadow_kv_bytes_per_token=shadow_per_token,
         shadow_scratch_blocks=shadow_scratch,
-        # the engine's default on CUDA (qserve.runner.piecewise_graphs): pieces for steps up to the step budget
-        piecewise_graph_tokens=args.max_num_batched_tokens if piecewise_enabled(torch.device("cuda")) else 0,
+        # the engine's default on CUDA (qserve.runner.piecewise_graphs): pieces for steps up to the step budget,
+        # except under tensor parallelism, whose steps stay eager
+        piecewise_graph_tokens=(
+            args.max_num_batched_tokens
+            if piecewise_enabled(torch.device("cuda")) and args.tensor_parallel_size == 1
+            else 0
+        ),
     )
     if args.json:
         extra = {"draft_weights_bytes": draft_bytes} if draft_bytes else {}

@@ -451,7 +451,7 @@ class Engine:
         elif self.device.type == "cuda" and not config.enforce_eager and graphs_ok:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
         if piecewise_enabled(self.device) and not config.enforce_eager:
-            self._capture_piecewise_graphs(graphs_ok, tp is not None)
+            self._capture_piecewise_graphs(graphs_ok, tp is not None)  # logs why not, where _captures_... is False
         if self.device.type == "cuda":  # compile / tune what the first requests would otherwise wait for
             from qserve.runner.warmup import warm_up
 
@@ -627,6 +627,16 @@ class Engine:
             return self._eagle_head.weight_bytes() / target
         return 0.0
 
+    def _captures_piecewise_graphs(self) -> bool:
+        """Whether start-up captures piecewise graphs (``_capture_piecewise_graphs``'s conditions): what
+        the memory plan reserves room for."""
+        return (
+            piecewise_enabled(self.device)
+            and not self.config.enforce_eager
+            and getattr(self.model, "supports_cuda_graphs", True)
+            and self.tp is None
+        )
+
     def _capture_piecewise_graphs(self, graphs_ok: bool, tensor_parallel: bool) -> None:
         """Piecewise CUDA graphs for steps that replay no decode graph (on CUDA unless ``QSERVE_PIECEWISE_GRAPHS=0``;
         qserve.runner.piecewise_graphs), token buckets up to ``max_num_batched_tokens``, in the decode
@@ -768,9 +778,7 @@ class Engine:
             shadow_kv_bytes_per_token=shadow_per_token,
             shadow_scratch_blocks=shadow_scratch,
             piecewise_graph_tokens=(
-                self.scheduler_config.max_num_batched_tokens
-                if piecewise_enabled(self.device) and not self.config.enforce_eager
-                else 0
+                self.scheduler_config.max_num_batched_tokens if self._captures_piecewise_graphs() else 0
             ),
         )
 

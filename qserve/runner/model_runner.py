@@ -271,7 +271,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Graphs of several rows per sequence (speculative verify / a draft's catch-up; opt-in).
         self.row_graphs: DecodeGraphs | None = None
-        # Steps carrying prefill, by token-count bucket (opt-in: QSERVE_PIECEWISE_GRAPHS=1).
+        # Steps carrying prefill, by token-count bucket (on CUDA unless QSERVE_PIECEWISE_GRAPHS=0).
         self.piecewise_graphs: PiecewiseGraphs | None = None
         self.kv_swapper: KVSwapper | None = None  # swap preemption's host pool (enable_swap)
         self.lora_manager = None  # qserve.lora.slots.LoRAManager (enable_lora)

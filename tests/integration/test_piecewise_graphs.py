@@ -210,6 +210,32 @@ def test_piecewise_graphs_are_on_by_default_on_cuda_only(monkeypatch):
     assert piecewise_enabled(cuda) and piecewise_enabled(cpu)
 
 
+def test_the_memory_plan_reserves_pieces_only_where_start_up_captures_them(monkeypatch):
+    """``Engine._captures_piecewise_graphs`` (what the plan reserves room for) is false where
+    ``_capture_piecewise_graphs`` declines: tensor parallelism, MoE experts that sync with the host,
+    enforce_eager, QSERVE_PIECEWISE_GRAPHS=0."""
+    from types import SimpleNamespace
+
+    from qserve.engine.engine import Engine
+
+    def captures(**changes) -> bool:
+        engine = SimpleNamespace(
+            device=torch.device("cuda"), config=SimpleNamespace(enforce_eager=False), model=torch.nn.Module(), tp=None
+        )
+        for name, value in changes.items():
+            setattr(engine, name, value)
+        return Engine._captures_piecewise_graphs(engine)
+
+    monkeypatch.delenv(PIECEWISE_GRAPHS_ENV, raising=False)
+    assert captures()
+    assert not captures(tp=object())
+    assert not captures(model=SimpleNamespace(supports_cuda_graphs=False))
+    assert not captures(config=SimpleNamespace(enforce_eager=True))
+    assert not captures(device=torch.device("cpu"))
+    monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "0")
+    assert not captures()
+
+
 def test_enforce_eager_captures_no_piecewise_graphs(path, monkeypatch):
     monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
     assert LLM(path, enforce_eager=True, **ENGINE_ARGS).engine.runner.piecewise_graphs is None

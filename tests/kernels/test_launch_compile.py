@@ -12,7 +12,8 @@ what is driven: five model shapes and their checkpoint formats, fp16 and bf16, e
 dtype, the warm-up steps, eager and CUDA-graph decodes, the W4A16 sweep candidates, PDL).
 
 Each unit's drive runs in its own subprocess (interpreted kernels, which the kernel tests' conftest
-turns on for this machine, cannot be compiled), all at once.
+turns on for this machine, cannot be compiled), queued with the module's other compile scripts on two
+niced background workers from the end of collection (tests/conftest.py); the module runs last.
 """
 
 from __future__ import annotations
@@ -90,11 +91,12 @@ def start_units(units: set[str], tmp: Path, pool: BackgroundPool) -> dict[str, t
 
 
 def selected_units(items: list[pytest.Item]) -> set[str]:
-    """The units whose compile test the session runs."""
+    """The units whose tests the session runs (both tests read the units' reports)."""
     return {
         item.callspec.params["unit"]
         for item in items
-        if getattr(item, "originalname", None) == "test_every_launch_compiles" and hasattr(item, "callspec")
+        if getattr(item, "originalname", None) in ("test_every_launch_compiles", "test_every_kernel_is_launched")
+        and hasattr(item, "callspec")
     }
 
 
@@ -305,8 +307,8 @@ def test_moe_launches_compile(request, tmp_path) -> None:
     like: the one-program token sort (int32 ids, all experts and an expert-parallel rank's share with
     the sentinel group, one chunk and several), the fused kernel's grouped GEMMs
     (QSERVE_MOE_KERNEL=fused), the default MMA-operand kernel's (symmetric, with zeros, one rank's
-    share), its opt-in split-K kernel's (QSERVE_MOE_SPLIT_K) and the opt-in router top-k
-    (QSERVE_FUSED_ROUTER=1). The engine units above compile the
+    share), its opt-in split-K kernel's (QSERVE_MOE_SPLIT_K) and the router top-k's one launch
+    (the default). The engine units above compile the
     same launches for sm90 and the job's consumer card; this checks the other consumer card (sm86
     where the job's is sm89, and the reverse), which no unit of the job builds. Selectable alone
     (``-k moe``)."""

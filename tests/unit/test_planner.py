@@ -215,3 +215,27 @@ def test_several_models_on_one_card_plan_their_piecewise_graphs(qwen14b_dir, mon
     monkeypatch.delenv(PIECEWISE_GRAPHS_ENV)
     eager = HostConfig(gpu_memory_budget="60GiB", max_num_batched_tokens=2048, enforce_eager=True)
     assert _kv_budget_bytes(models, specs, eager, cuda) > without  # no graphs at all
+
+
+def test_qserve_plan_reserves_the_pieces_the_engine_would_capture(qwen14b_dir, capsys, monkeypatch):
+    """``qserve plan`` plans a CUDA engine: the piecewise graphs' room by default, none with
+    QSERVE_PIECEWISE_GRAPHS=0, and none under tensor parallelism, whose steps stay eager."""
+    import torch
+
+    from qserve.memory.planner import decode_graph_pool_bytes, piecewise_graph_bytes_estimate
+    from qserve.runner.piecewise_graphs import PIECEWISE_GRAPHS_ENV
+
+    def overhead(*flags: str) -> int:
+        assert main(["plan", str(qwen14b_dir), "--gpu-memory-budget", "24GiB", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["overhead_bytes"]
+
+    monkeypatch.delenv(PIECEWISE_GRAPHS_ENV, raising=False)
+    with_pieces, tp_with = overhead(), overhead("--tensor-parallel-size", "2")
+    monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "0")
+    without, tp_without = overhead(), overhead("--tensor-parallel-size", "2")
+    config = read_model_config(qwen14b_dir)
+    pieces = piecewise_graph_bytes_estimate(
+        config, 2048, torch.bfloat16, decode_graph_pool_bytes(config, 256, torch.bfloat16)
+    )
+    assert with_pieces - without == pieces > 0
+    assert tp_with == tp_without
