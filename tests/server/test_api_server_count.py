@@ -370,7 +370,9 @@ def test_sigterm_drains_every_api_server_within_the_timeout_and_exits_0(checkpoi
         short = {"model": "tiny", "prompt": "a b", "max_tokens": 4, "temperature": 0}
         assert wait_for(lambda: httpx.post(f"{url}/v1/completions", json=short).status_code == 503, timeout=5)
         assert proc.wait(timeout=20) == 0, proc.stdout.read()
-        assert 6 * 0.5 <= time.monotonic() - signalled <= 6 + 1.0  # the streams had their wait
+        # the streams had their wait, and the exit followed the deadline: 3 s of slack for three processes'
+        # teardown on a CI machine whose cores the niced launch compiles share (7.6 s once with 1 s of it)
+        assert 6 * 0.5 <= time.monotonic() - signalled <= 6 + 3.0
         for stream in (s for group in streams.values() for s in group):
             stream.join(timeout=10)
             assert stream.finish_reason() == "abort"
