@@ -56,8 +56,12 @@ DIRECT_BLOCKS_ENV = "QSERVE_MOE_DIRECT_BLOCKS"
 
 
 def fused_router_requested() -> bool:
-    """On unless ``QSERVE_FUSED_ROUTER=0`` (the reference's torch ops, kept as the measured baseline)."""
-    return os.environ.get(FUSED_ROUTER_ENV, "1") != "0"
+    """On unless ``QSERVE_FUSED_ROUTER=0`` (the reference's torch ops, kept as the measured baseline);
+    a value other than 0 or 1 is refused (``prepare_experts`` reads it, so a typo stops the load)."""
+    value = os.environ.get(FUSED_ROUTER_ENV, "1").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{FUSED_ROUTER_ENV}={value!r}: expected 0 (the torch ops) or 1 (one launch, the default)")
+    return value != "0"
 
 
 def fused_moe_requested() -> bool:
@@ -139,6 +143,7 @@ def prepare_experts(
     """Turn one layer's loaded experts (on their device) into what ``moe_experts`` consumes;
     ``skip_foreign``: they are one rank's share of the layer's experts (expert parallelism)."""
     direct_blocks_limit()  # a misspelt QSERVE_MOE_DIRECT_BLOCKS stops the load, not the first step
+    fused_router_requested()  # and so does a misspelt QSERVE_FUSED_ROUTER
     if isinstance(gate_up, torch.Tensor):
         return PreparedExperts(
             "dense", gate_up.shape[0], down.shape[-1], gate_up=gate_up, down=down, skip_foreign=skip_foreign

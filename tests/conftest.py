@@ -19,9 +19,8 @@ checks the newest job will have some to run, without a second collection of the 
 
 When the session runs launch-compile tests (``tests/kernels/test_launch_compile.py``), their drives and
 scripts are queued at the end of collection on two background workers, niced, and compile while the other
-tests run
-(``pytest_collection_finish``); those tests run last (``pytest_collection_modifyitems``), so they mostly find
-the compiles done.
+tests run (``pytest_collection_finish``); those tests run last (``pytest_collection_modifyitems``), so they
+mostly find the compiles done.
 """
 
 from __future__ import annotations

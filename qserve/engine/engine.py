@@ -450,8 +450,11 @@ class Engine:
                 logger.info("enable_lora: decode runs eagerly (%s=0)", LORA_GRAPHS_ENV)
         elif self.device.type == "cuda" and not config.enforce_eager and graphs_ok:
             self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
-        if piecewise_enabled(self.device) and not config.enforce_eager:
-            self._capture_piecewise_graphs(graphs_ok, tp is not None)  # logs why not, where _captures_... is False
+        if self._captures_piecewise_graphs():
+            self._capture_piecewise_graphs()
+        elif piecewise_enabled(self.device) and not config.enforce_eager:
+            why = "tensor parallelism" if tp is not None else "mixture-of-experts layers sync with the host"
+            logger.info("%s: no piecewise graphs (%s): steps carrying prefill run eagerly", self.owner, why)
         if self.device.type == "cuda":  # compile / tune what the first requests would otherwise wait for
             from qserve.runner.warmup import warm_up
 
@@ -628,8 +631,9 @@ class Engine:
         return 0.0
 
     def _captures_piecewise_graphs(self) -> bool:
-        """Whether start-up captures piecewise graphs (``_capture_piecewise_graphs``'s conditions): what
-        the memory plan reserves room for."""
+        """Whether start-up captures piecewise graphs, and so what the memory plan reserves room for: on
+        (CUDA unless ``QSERVE_PIECEWISE_GRAPHS=0``), not ``enforce_eager``, and neither MoE experts that
+        sync with the host nor tensor parallelism (their steps stay eager)."""
         return (
             piecewise_enabled(self.device)
             and not self.config.enforce_eager
@@ -637,15 +641,10 @@ class Engine:
             and self.tp is None
         )
 
-    def _capture_piecewise_graphs(self, graphs_ok: bool, tensor_parallel: bool) -> None:
-        """Piecewise CUDA graphs for steps that replay no decode graph (on CUDA unless ``QSERVE_PIECEWISE_GRAPHS=0``;
-        qserve.runner.piecewise_graphs), token buckets up to ``max_num_batched_tokens``, in the decode
-        graphs' pool. Off CUDA the same static-buffer pieces run eagerly (tests). Not with MoE experts
-        that sync with the host, nor with tensor parallelism (their steps stay eager)."""
-        if not graphs_ok or tensor_parallel:
-            why = "mixture-of-experts layers sync with the host" if not graphs_ok else "tensor parallelism"
-            logger.info("%s: no piecewise graphs (%s): steps carrying prefill run eagerly", self.owner, why)
-            return
+    def _capture_piecewise_graphs(self) -> None:
+        """Piecewise CUDA graphs for steps that replay no decode graph (qserve.runner.piecewise_graphs),
+        token buckets up to ``max_num_batched_tokens``, in the decode graphs' pool. Off CUDA the same
+        static-buffer pieces run eagerly (tests)."""
         self.runner.capture_piecewise_graphs(
             self.scheduler_config.max_num_batched_tokens, buckets_from_env(os.environ.get(PIECEWISE_BUCKETS_ENV))
         )

@@ -83,8 +83,11 @@ def buckets_from_env(value: str | None) -> tuple[int, ...]:
 
 def piecewise_enabled(device: torch.device) -> bool:
     """On CUDA unless ``QSERVE_PIECEWISE_GRAPHS=0``; elsewhere only with ``=1`` (off CUDA the pieces
-    replay nothing and rerun eagerly: a test's choice, never a gain)."""
-    value = os.environ.get(PIECEWISE_GRAPHS_ENV, "")
+    replay nothing and rerun eagerly: a test's choice, never a gain). Any other value is refused: a
+    "true" would otherwise mean on for one device and off for the other."""
+    value = os.environ.get(PIECEWISE_GRAPHS_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PIECEWISE_GRAPHS_ENV}={value!r}: expected 0 (off), 1 (on, also off CUDA) or unset")
     return value == "1" or (value != "0" and device.type == "cuda")
 
 

@@ -208,6 +208,9 @@ def test_piecewise_graphs_are_on_by_default_on_cuda_only(monkeypatch):
     assert not piecewise_enabled(cuda) and not piecewise_enabled(cpu)
     monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
     assert piecewise_enabled(cuda) and piecewise_enabled(cpu)
+    monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "true")  # on for one device and off for the other: refused
+    with pytest.raises(ValueError, match="QSERVE_PIECEWISE_GRAPHS='true'"):
+        piecewise_enabled(cpu)
 
 
 def test_the_memory_plan_reserves_pieces_only_where_start_up_captures_them(monkeypatch):

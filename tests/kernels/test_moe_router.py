@@ -91,6 +91,14 @@ def test_dispatch_takes_the_kernel_by_default_on_a_triton_device(monkeypatch):
     monkeypatch.delenv(moe_ops.FUSED_ROUTER_ENV, raising=False)  # off a Triton device: the reference
     moe_ops.select_experts(logits, 2, True)
     assert len(calls) == 2
+    monkeypatch.setenv(moe_ops.FUSED_ROUTER_ENV, "yes")  # a typo is refused, naming the variable
+    with pytest.raises(ValueError, match="QSERVE_FUSED_ROUTER='yes'"):
+        moe_ops.select_experts(logits, 2, True)
+    from tests.kernels.test_moe import random_stacked
+
+    with pytest.raises(ValueError, match="QSERVE_FUSED_ROUTER"):  # refused at load, not at the first step
+        moe_ops.prepare_experts(random_stacked(2, 64, 128, 64, True, torch.float16),
+                                random_stacked(2, 64, 64, 64, True, torch.float16))  # fmt: skip
 
 
 # (T, E, k, renormalize, logits dtype, block_m, expert-parallel share: (start, held) or None)
