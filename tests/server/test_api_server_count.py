@@ -156,6 +156,13 @@ def samples(url: str) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
 
 
+def _samples_after_one_reset(url: str) -> dict[str, float]:
+    try:
+        return samples(url)
+    except httpx.ReadError:
+        return samples(url)
+
+
 def _completion(url: str, body: dict) -> tuple[str, dict]:
     # A connection of its own each time, so the kernel hands each one to either process.
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60, headers={"Connection": "close"})
@@ -314,8 +321,10 @@ def test_a_killed_api_server_frees_its_pages_then_the_run_stops_with_exit_1(chec
         # Gone before the probes: the two API servers share the port, and a connection the kernel handed
         # to the dying one's socket was reset (httpx.ReadError in a CI run, 2026-12-05)
         assert wait_for(lambda: _exited(api0), timeout=10)
-        # The core aborted its requests (API server 1, draining now, still answers the probes).
-        assert wait_for(lambda: samples(url)[running] == len(streams["1"]), timeout=5), samples(url)
+        # The core aborted its requests (API server 1, draining now, still answers the probes). A probe
+        # connection was reset here twice in local full runs even after the wait above (2026-12-05 and -06;
+        # cause not found): one reset probe is retried, a server that stops answering still fails.
+        assert wait_for(lambda: _samples_after_one_reset(url)[running] == len(streams["1"]), timeout=5), samples(url)
         # Their pages came back: what is held is what API server 1's streams need (a prompt page,
         # a page per 16 tokens, one ahead), far less than the killed streams' 10 or more each.
         used = samples(url)['qserve:pool_pages_used{model_name="tiny"}']
