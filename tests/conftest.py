@@ -17,6 +17,11 @@ single element instead; it touches nothing outside interpreter runs.
 CPU tests it collected marked ``slow``, before ``-m`` deselects them. The lowest job runs the others and
 checks the newest job will have some to run, without a second collection of the whole suite (~14 s).
 
+Tests in ``INTERPRETED_MODULES`` that are not ``gpu`` tests get the ``interpreted`` marker: they run
+Triton kernels through the interpreter to check their numerics. The lowest CI job leaves them to the
+newest (``-m "... and not interpreted"``); it still compiles every launch the engine makes under its
+Triton (the device's 3.6: ``test_launch_compile.py``) and runs the PTX / SASS tests.
+
 When the session runs launch-compile tests (``tests/kernels/test_launch_compile.py``), their drives and
 scripts are queued at the end of collection on two background workers, niced, and compile while the other
 tests run (``pytest_collection_finish``); those tests run last (``pytest_collection_modifyitems``), so they
@@ -58,6 +63,24 @@ if not torch.cuda.is_available():
 
 LAUNCH_COMPILE_MODULE = "test_launch_compile.py"
 
+# The kernel test modules whose CPU tests run Triton kernels through the interpreter (numerics, shapes).
+INTERPRETED_MODULES = frozenset(
+    f"test_{name}.py"
+    for name in (
+        "attention",
+        "attention_alibi",
+        "attention_int4",
+        "elementwise",
+        "lora",
+        "moe",
+        "moe_mma",
+        "moe_router",
+        "reference_attention_bounded",
+        "w4a16",
+        "w4a16_mma",
+    )
+)
+
 
 def _is_launch_compile(item: pytest.Item) -> bool:
     return item.path.name == LAUNCH_COMPILE_MODULE
@@ -65,6 +88,14 @@ def _is_launch_compile(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects the slow tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = sorted(name for name in INTERPRETED_MODULES if not (Path(__file__).parent / "kernels" / name).exists())
+    if missing:  # a renamed module would otherwise leave the lowest job running it, or the marker naming nothing
+        raise pytest.UsageError(f"INTERPRETED_MODULES names no file in tests/kernels: {missing}")
+    interpreted = pytest.mark.interpreted
+    for item in items:
+        if item.path.name in INTERPRETED_MODULES and item.path.parent.name == "kernels":
+            if item.get_closest_marker("gpu") is None:
+                item.add_marker(interpreted)
     target = os.environ.get("QSERVE_CI_SLOW_COUNT")
     if target:
         cpu = [item for item in items if not item.get_closest_marker("gpu") and not item.get_closest_marker("peer")]
