@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from qserve.commands.serve import SERVE_MAX_NUM_BATCHED_TOKENS
 from qserve.commands.vllm_flags import add_speculative_config_argument
 from qserve.model.hub import add_revision_argument, resolve_model_path
 from qserve.model.registry import read_model_config
@@ -30,7 +31,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", help="activation dtype on the GPU (auto: the checkpoint's fp16/bf16)"
     )
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SERVE_MAX_NUM_BATCHED_TOKENS,
+        help=f"tokens per step (default {SERVE_MAX_NUM_BATCHED_TOKENS}: qserve serve's)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--device-memory", default=None, help="card size, to resolve a fractional budget (e.g. 24GiB)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")

@@ -44,6 +44,12 @@ from qserve.spec_decode.config import parse_speculative_config  # pure Python, n
 
 logger = logging.getLogger(__name__)
 
+# Tokens per step when serving, unless --max-num-batched-tokens says otherwise (the offline ``LLM`` keeps
+# the engine's 2,048, as vLLM gives its server a smaller budget than its ``LLM``): a decode waits behind
+# a step's prompt tokens, and on the H100 (bench/RESULTS.md, seventh session) 1,024 brought ITL p99 at
+# Poisson 16 req/s from 76 to 59 ms with out tok/s equal (2,633 vs 2,618) and TTFT p99 halved.
+SERVE_MAX_NUM_BATCHED_TOKENS = 1024
+
 # qserve.server.tools.PARSERS (not imported here: the CLI starts without the server's imports)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3")
 
@@ -113,7 +119,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     add_speculative_config_argument(parser)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once, per model")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per step, per model (default {SERVE_MAX_NUM_BATCHED_TOKENS}, or the block size if larger): "
+        "smaller bounds how long a decode waits behind prompt tokens, larger prefills in fewer steps",
+    )
     parser.add_argument(
         "--max-queue", type=int, default=None, help="refuse requests (429) while this many wait, per model"
     )
@@ -411,6 +423,13 @@ def build_host_factory(args: argparse.Namespace) -> Callable[[], object]:
     return host_factory(plan_host(args))
 
 
+def serve_step_tokens(args: argparse.Namespace) -> int:
+    """The step's token budget per model: ``--max-num-batched-tokens``, else the serving default."""
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    return max(SERVE_MAX_NUM_BATCHED_TOKENS, args.block_size)
+
+
 def plan_host(args: argparse.Namespace) -> HostPlan:
     """Validate the arguments (cheap errors before the server starts): what to host, and how."""
     from qserve.engine.async_engine import SUPPORTED_KV_CACHE_DTYPES, HostConfig, ModelSpec
@@ -497,7 +516,7 @@ def plan_host(args: argparse.Namespace) -> HostPlan:
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=serve_step_tokens(args),
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -222,6 +222,7 @@ def test_qserve_plan_reserves_the_pieces_the_engine_would_capture(qwen14b_dir, c
     QSERVE_PIECEWISE_GRAPHS=0, and none under tensor parallelism, whose steps stay eager."""
     import torch
 
+    from qserve.commands.serve import SERVE_MAX_NUM_BATCHED_TOKENS
     from qserve.memory.planner import decode_graph_pool_bytes, piecewise_graph_bytes_estimate
     from qserve.runner.piecewise_graphs import PIECEWISE_GRAPHS_ENV
 
@@ -234,8 +235,8 @@ def test_qserve_plan_reserves_the_pieces_the_engine_would_capture(qwen14b_dir, c
     monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "0")
     without, tp_without = overhead(), overhead("--tensor-parallel-size", "2")
     config = read_model_config(qwen14b_dir)
-    pieces = piecewise_graph_bytes_estimate(
-        config, 2048, torch.bfloat16, decode_graph_pool_bytes(config, 256, torch.bfloat16)
+    pieces = piecewise_graph_bytes_estimate(  # up to the server's step budget, which qserve plan plans for
+        config, SERVE_MAX_NUM_BATCHED_TOKENS, torch.bfloat16, decode_graph_pool_bytes(config, 256, torch.bfloat16)
     )
     assert with_pieces - without == pieces > 0
     assert tp_with == tp_without
