@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from qserve.commands.serve import SERVE_MAX_NUM_BATCHED_TOKENS
+from qserve.commands.serve import SERVE_MAX_NUM_BATCHED_TOKENS, serve_step_tokens
 from qserve.commands.vllm_flags import add_speculative_config_argument
 from qserve.model.hub import add_revision_argument, resolve_model_path
 from qserve.model.registry import read_model_config
@@ -34,8 +34,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=SERVE_MAX_NUM_BATCHED_TOKENS,
-        help=f"tokens per step (default {SERVE_MAX_NUM_BATCHED_TOKENS}: qserve serve's)",
+        default=None,
+        help=f"tokens per step (default qserve serve's: {SERVE_MAX_NUM_BATCHED_TOKENS}, or the block size if larger)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--device-memory", default=None, help="card size, to resolve a fractional budget (e.g. 24GiB)")
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         head = read_eagle_config(speculative.model, speculative.method, config).model
         shadow_per_token = shadow_kv_bytes_per_token(head, dtype)
         shadow_scratch = num_scratch_blocks(args.max_num_seqs, speculative.num_speculative_tokens, args.block_size)
+    step_tokens = serve_step_tokens(args)  # the budget qserve serve would step with
     plan = make_plan(
         config,
         weights_bytes=weights + draft_bytes,
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=step_tokens,
         max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
@@ -113,9 +114,7 @@ def run(args: argparse.Namespace) -> int:
         # the engine's default on CUDA (qserve.runner.piecewise_graphs): pieces for steps up to the step budget,
         # except under tensor parallelism, whose steps stay eager
         piecewise_graph_tokens=(
-            args.max_num_batched_tokens
-            if piecewise_enabled(torch.device("cuda")) and args.tensor_parallel_size == 1
-            else 0
+            step_tokens if piecewise_enabled(torch.device("cuda")) and args.tensor_parallel_size == 1 else 0
         ),
     )
     if args.json:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from qserve.cli import build_parser
-from qserve.commands.serve import SERVE_MAX_NUM_BATCHED_TOKENS, plan_host
+from qserve.commands.serve import SERVE_MAX_NUM_BATCHED_TOKENS, plan_host, serve_step_tokens
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -29,4 +29,6 @@ def test_a_block_larger_than_the_budget_raises_the_budget_to_one_block(checkpoin
 
 def test_plan_uses_the_servers_default():
     args = parse("plan", "some/model", "--gpu-memory-budget", "24GiB")
-    assert args.max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
+    assert serve_step_tokens(args) == SERVE_MAX_NUM_BATCHED_TOKENS
+    args = parse("plan", "some/model", "--gpu-memory-budget", "24GiB", "--block-size", "2048")
+    assert serve_step_tokens(args) == 2048  # as the server would, not a budget below one block
