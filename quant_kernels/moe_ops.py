@@ -7,12 +7,11 @@ Knows: the four ways the experts of one layer run and when each applies —
   order of the dense W4A16 kernel (``moe_mma_triton``: swap-AB, the dequantized weights stay in
   registers), no host sync, CUDA-graph safe; the canonical stack is not kept
   (``PreparedExperts.kind == "mma"``). 1.5-2.3x the kernel below per layer and 1.33-1.67x its
-  Qwen3-30B-A3B decode on the H200 (bench/RESULTS.md). Opt-in, not yet run on a GPU:
-  ``QSERVE_MOE_SPLIT_K=auto`` (or an integer N >= 2) splits both GEMMs along K
-  (``moe_mma_triton.split_k_setting``; "auto" only at decode, a few pairs per expert): the down
+  Qwen3-30B-A3B decode on the H200 (bench/RESULTS.md). Split-K along K
+  (``moe_mma_triton.split_k_setting``: ``QSERVE_MOE_SPLIT_K`` unset or "auto", the default, splits
+  only at decode, a few pairs per expert; an integer N >= 2 always; "0" or "1" never): the down
   launch adds weighted fp32 partials into the token rows, gate_up reduces its partials in the last
-  program of a tile before the SiLU; unset, empty, "0" or "1" leave today's launches; anything
-  else is refused at load;
+  program of a tile before the SiLU; anything else is refused at load;
 * on CUDA with ``QSERVE_MOE_KERNEL=fused``, or where the MMA kernel does not serve a layer: the
   fused grouped kernel on the canonical stack (``moe_triton``, per-element dequantize), likewise
   sync-free (44-259x the loop below on the H200);
@@ -25,8 +24,8 @@ Knows: the four ways the experts of one layer run and when each applies —
 The router's softmax + top-k (``select_experts``): on CUDA one Triton launch (``moe_router_triton``;
 ``QSERVE_FUSED_ROUTER=0`` opts out), else the reference's torch ops. ``route`` is what a
 MoE block calls: that choice, the ids as one expert-parallel rank's (``local_expert_ids``), and
-with ``QSERVE_MOE_DIRECT_BLOCKS=N`` (opt-in, not yet run on a GPU) for steps of at most N (token,
-expert) pairs the grouped kernels' block layout with one pair per block, written by the router's
+for steps of at most ``QSERVE_MOE_DIRECT_BLOCKS`` (token, expert) pairs (default 32; "0" turns it
+off) the grouped kernels' block layout with one pair per block, written by the router's
 launch (``moe_router_triton.router_topk_blocks``), so ``moe_experts`` launches no token sort
 (``Routing.layout``). It needs the fused router and grouped experts (``mma`` or the fused
 kernel) on CUDA; elsewhere it does not apply (building the layout with torch ops would cost more
@@ -53,6 +52,8 @@ MOE_KERNELS = ("mma", "fused")
 FUSED_ROUTER_ENV = "QSERVE_FUSED_ROUTER"  # "0": the router's torch ops instead of its one launch (moe_router_triton)
 # N > 0: steps of at most N (token, expert) pairs take the router's one-pair-per-block layout (route)
 DIRECT_BLOCKS_ENV = "QSERVE_MOE_DIRECT_BLOCKS"
+# The default N: Qwen3-30B-A3B's top-8 for 1-4 tokens (1.08x at batch 1 with split-K on the H100, RESULTS).
+DEFAULT_DIRECT_BLOCKS = 32
 
 
 def fused_router_requested() -> bool:
@@ -80,13 +81,13 @@ def mma_moe_requested() -> bool:
 
 def direct_blocks_limit() -> int:
     """``QSERVE_MOE_DIRECT_BLOCKS`` as the most (token, expert) pairs a step may have to skip the
-    token sort (``route``): unset, empty or "0": 0, off; a positive integer (e.g. 32: Qwen3-30B-A3B's
-    top-8 up to 4 tokens) as is. Anything else is refused, naming the variable (a typo must not
+    token sort (``route``): unset or empty: ``DEFAULT_DIRECT_BLOCKS`` (32: Qwen3-30B-A3B's top-8 up to
+    4 tokens); "0": off; a positive integer as is. Anything else is refused, naming the variable (a typo must not
     silently measure the sorted path). Meant for a handful of tokens: the router's one program then
     holds every token's logits, and an expert hit by several pairs is read once per pair."""
     value = os.environ.get(DIRECT_BLOCKS_ENV, "").strip()
     if not value:
-        return 0
+        return DEFAULT_DIRECT_BLOCKS
     if not value.isdigit():
         raise ValueError(f"{DIRECT_BLOCKS_ENV}={value!r}: 0 (off) or a positive number of (token, expert) pairs")
     return int(value)
@@ -232,7 +233,7 @@ def route(
     expert_start: int = 0,  # the first expert ``prepared`` holds (expert parallelism)
 ) -> Routing:
     """``select_experts``, with the ids turned into ``prepared``'s own when it holds a share of the
-    experts (``skip_foreign``: ``moe_reference.local_expert_ids``). With ``QSERVE_MOE_DIRECT_BLOCKS=N``,
+    experts (``skip_foreign``: ``moe_reference.local_expert_ids``). With ``QSERVE_MOE_DIRECT_BLOCKS=N`` (default 32),
     the fused router (not ``QSERVE_FUSED_ROUTER=0``), ``T * k <= N`` and a grouped kernel on a device Triton serves, the
     router's one launch also lays the pairs out one per block for that kernel's ``block_m``
     (``moe_reference.direct_block_layout``' contract): ``Routing.layout``. Host-side decisions from

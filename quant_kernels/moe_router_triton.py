@@ -18,8 +18,8 @@ power of two, masked), takes the float32 softmax, then picks the k largest by k 
 (``[K_PAD]`` vectors), are renormalized if asked and stored once. The grid is ``(T,)``: no host sync,
 CUDA-graph safe.
 
-``router_topk_blocks_kernel`` (opt-in ``QSERVE_MOE_DIRECT_BLOCKS``, read in ``quant_kernels.moe_ops``;
-not yet run on a GPU): the same choice for a handful of tokens, plus what the token sort would
+``router_topk_blocks_kernel`` (steps of at most ``QSERVE_MOE_DIRECT_BLOCKS`` pairs, default 32, read
+in ``quant_kernels.moe_ops``): the same choice for a handful of tokens, plus what the token sort would
 otherwise compute in a launch of its own (~3.5 µs at decode on the H200): the ids as one expert-parallel
 rank's (``local_expert_ids``) and the grouped GEMM's blocks with one pair each
 (``direct_block_layout``). One program holds all ``[T_PAD, BLOCK_E]`` logits: a pair's block is its

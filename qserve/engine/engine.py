@@ -100,6 +100,7 @@ from qserve.model.registry import read_model_config
 from qserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from qserve.pooling_params import PoolingParams
 from qserve.request import Request, RequestStatus
+from qserve.runner.cuda_allocator import prefer_expandable_segments
 from qserve.runner.kv_swap import kv_block_bytes
 from qserve.runner.model_runner import LaunchedStep, ModelRunner, allocate_kv_caches, kv_cache_shape
 from qserve.runner.piecewise_graphs import (
@@ -250,9 +251,14 @@ class _Group:
 
 
 def resolve_device(device: str | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """The device an engine runs on (CUDA where there is one, unless named). Resolving a CUDA device
+    is the last moment before qserve starts CUDA in the process, so this is where it asks for
+    expandable allocator segments (``qserve.runner.cuda_allocator``; a user's
+    ``PYTORCH_CUDA_ALLOC_CONF`` wins)."""
+    resolved = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if resolved.type == "cuda":
+        prefer_expandable_segments()
+    return resolved
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:

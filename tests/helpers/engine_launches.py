@@ -408,7 +408,7 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
     drive_moe_mma(capture, dtype, dtype_name)
 
 
-# (tokens, one expert-parallel rank's share): QSERVE_MOE_DIRECT_BLOCKS=32 at Qwen3-30B-A3B's top-8 serves 1-4
+# (tokens, one expert-parallel rank's share): QSERVE_MOE_DIRECT_BLOCKS=32 (the default) at Qwen3-30B-A3B's top-8 serves 1-4
 # tokens; the router's one program at its smallest and largest tile, for all experts and one rank's share.
 MOE_DIRECT_CASES = [(1, False), (4, True)]
 
@@ -473,7 +473,7 @@ MOE_SPLIT_CASES = [("auto", True, False, 1), ("2", False, True, 32)]
 
 
 def drive_moe_mma_split(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
-    """The MMA-operand MoE kernel's opt-in split-K launches (``QSERVE_MOE_SPLIT_K``) through
+    """The MMA-operand MoE kernel's split-K launches (``QSERVE_MOE_SPLIT_K``, "auto" by default) through
     ``moe_ops``' dispatch: gate_up with its workspace, arrival counters and the zeroing of the down
     launch's float32 accumulator; down adding into that accumulator."""
     from quant_kernels import moe_mma_triton, moe_ops

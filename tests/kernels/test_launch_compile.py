@@ -268,21 +268,24 @@ print("RESULT" + json.dumps(result, default=str))
 
 @pytest.mark.slow  # a few seconds: recorded, not compiled
 def test_moe_direct_blocks_launches(request, tmp_path) -> None:
-    """The opt-in sort-free MoE step (QSERVE_MOE_DIRECT_BLOCKS=32) as ``moe_ops`` runs it at
+    """The sort-free MoE step (QSERVE_MOE_DIRECT_BLOCKS=32, the default) as ``moe_ops`` runs it at
     Qwen3-30B-A3B's shapes, on sm90 (fp16) and sm89 (bf16): the router's one program writing the block
     layout (one token, and four for an expert-parallel rank), then the MMA kernel's two GEMMs over T*k
-    blocks of 16 rows, and no token sort. Recorded without compiling: the units' drives
+    blocks of 16 rows (split along K at one token, by the default QSERVE_MOE_SPLIT_K=auto), and no
+    token sort. Recorded without compiling: the units' drives
     (``test_every_launch_compiles``) compile the same launches for the job's cards (``drive_moe``'s
     companion ``drive_moe_direct_blocks``). Selectable alone (``-k direct``)."""
     for gpu, launches in _compiled_launches(request, tmp_path).items():
         kernels = {x["kernel"] for x in launches}
-        assert kernels == {"router_topk_blocks_kernel", "moe_mma_kernel"}, (gpu, kernels)  # no sort
+        # no sort; one token splits along K (too few programs), four tokens of a rank's share do not
+        assert kernels == {"router_topk_blocks_kernel", "moe_mma_split_kernel", "moe_mma_kernel"}, (gpu, kernels)
         routers = [x for x in launches if x["kernel"] == "router_topk_blocks_kernel"]
         assert {x["constexprs"]["T_PAD"] for x in routers} == {1, 4}, gpu
         assert all(x["grid"] == [1] and x["constexprs"]["BLOCK_M"] == 16 for x in routers), gpu
-        mma = [x for x in launches if x["kernel"] == "moe_mma_kernel"]
-        assert sum(x["count"] for x in mma) == 4, gpu  # gate_up and down, at both token counts
-        assert {x["grid"][0] for x in mma} == {8, 32}, gpu  # T*k blocks: 1 x top-8 and 4 x top-8
+        for kernel, blocks in (("moe_mma_split_kernel", 8), ("moe_mma_kernel", 32)):  # T*k: 1 x top-8, 4 x top-8
+            mma = [x for x in launches if x["kernel"] == kernel]
+            assert sum(x["count"] for x in mma) == 2, (gpu, kernel)  # gate_up and down
+            assert {x["grid"][0] for x in mma} == {blocks}, (gpu, kernel)
 
 
 _MOE = r"""
@@ -308,7 +311,7 @@ def test_moe_launches_compile(request, tmp_path) -> None:
     like: the one-program token sort (int32 ids, all experts and an expert-parallel rank's share with
     the sentinel group, one chunk and several), the fused kernel's grouped GEMMs
     (QSERVE_MOE_KERNEL=fused), the default MMA-operand kernel's (symmetric, with zeros, one rank's
-    share), its opt-in split-K kernel's (QSERVE_MOE_SPLIT_K) and the router top-k's one launch
+    share), its split-K kernel's (QSERVE_MOE_SPLIT_K) and the router top-k's one launch
     (the default). The engine units compile the same launches for sm90 (the lowest job) and sm89
     (the newest); this checks sm86, which neither builds. Selectable alone (``-k moe``)."""
     for gpu, launches in _compiled_launches(request, tmp_path).items():
@@ -342,7 +345,7 @@ print("RESULT" + json.dumps(result, default=str))
 
 @pytest.mark.slow  # a few seconds: recorded, not compiled
 def test_moe_split_k_launches(request, tmp_path) -> None:
-    """The MMA-operand MoE kernel's opt-in split-K launches, all of ``moe_mma_split_kernel`` (none of
+    """The MMA-operand MoE kernel's split-K launches, all of ``moe_mma_split_kernel`` (none of
     the default ``moe_mma_kernel``), with QSERVE_MOE_SPLIT_K "auto" at one token and 2 at 32 tokens
     for one expert-parallel rank with zeros, as ``moe_ops`` makes them at Qwen3-30B-A3B's shapes on
     sm90 (fp16) and sm89 (bf16): gate_up with the workspace, the int32 arrival counters and the

@@ -212,15 +212,15 @@ def test_split_k_skips_foreign_pairs(poisoned) -> None:
 
 
 def test_split_k_setting(monkeypatch) -> None:
-    """``QSERVE_MOE_SPLIT_K``: off for unset / empty / 0 / 1, "auto", an integer >= 2; the rest refused
-    with the variable's name, also at load (``moe_ops.prepare_experts``)."""
+    """``QSERVE_MOE_SPLIT_K``: "auto" for unset / empty / auto (the default), off for 0 / 1, an integer
+    >= 2; the rest refused with the variable's name, also at load (``moe_ops.prepare_experts``)."""
     from quant_kernels import device as kdevice
     from quant_kernels import moe_ops
 
     env = moe_mma.SPLIT_K_ENV
     monkeypatch.delenv(env, raising=False)
-    assert moe_mma.split_k_setting() == 1
-    for value, want in (("", 1), ("0", 1), ("1", 1), ("auto", "auto"), ("2", 2), (" 8 ", 8)):
+    assert moe_mma.split_k_setting() == "auto"
+    for value, want in (("", "auto"), ("0", 1), ("1", 1), ("auto", "auto"), ("2", 2), (" 8 ", 8)):
         monkeypatch.setenv(env, value)
         assert moe_mma.split_k_setting() == want, value
     for value in ("yes", "-2", "2.5", "Auto", "4x"):
@@ -240,7 +240,7 @@ def test_split_k_setting(monkeypatch) -> None:
 
 
 def test_split_k_selection(monkeypatch) -> None:
-    """Off (unset, "0", "1"): the launches without split-K, whatever the batch; "auto": Qwen3-30B-A3B's
+    """Off ("0", "1"): the launches without split-K, whatever the batch; "auto" (also unset): Qwen3-30B-A3B's
     decode at 1 and 2 tokens splits (192 / 384 gate_up programs on 132 SMs: 4 and 2), 4+ tokens not
     (>= 768 programs), and never past the down GEMM's 6 K-tiles; N: that split, prefill too."""
     assert moe_mma.default_config(1, 8, 128).split_k == 1

@@ -146,11 +146,11 @@ def test_router_topk_blocks_refuses_a_share_outside_the_experts():
 def test_direct_blocks_setting(monkeypatch):
     from quant_kernels import moe_ops
 
-    for value, want in (("", 0), ("0", 0), ("32", 32), (" 8 ", 8)):
+    for value, want in (("", 32), ("0", 0), ("32", 32), (" 8 ", 8)):
         monkeypatch.setenv(moe_ops.DIRECT_BLOCKS_ENV, value)
         assert moe_ops.direct_blocks_limit() == want
     monkeypatch.delenv(moe_ops.DIRECT_BLOCKS_ENV)
-    assert moe_ops.direct_blocks_limit() == 0
+    assert moe_ops.direct_blocks_limit() == moe_ops.DEFAULT_DIRECT_BLOCKS == 32  # on by default
     for value in ("-1", "on", "3.5", "1e3"):
         monkeypatch.setenv(moe_ops.DIRECT_BLOCKS_ENV, value)
         with pytest.raises(ValueError, match=moe_ops.DIRECT_BLOCKS_ENV):
@@ -192,7 +192,7 @@ def test_route_hands_the_router_layout_to_the_experts(monkeypatch, share):
     monkeypatch.setenv(moe_ops.FUSED_ROUTER_ENV, "1")
     monkeypatch.delenv(moe_ops.MOE_KERNEL_ENV, raising=False)
     monkeypatch.delenv(moe_ops.FUSED_MOE_ENV, raising=False)
-    monkeypatch.delenv(moe_ops.DIRECT_BLOCKS_ENV, raising=False)
+    monkeypatch.setenv(moe_ops.DIRECT_BLOCKS_ENV, "0")  # off: the sorted layout
     with mock.patch.object(kdevice, "triton_serves", lambda device: True), \
             mock.patch.object(kdevice, "capability", lambda device: (9, 0)):  # fmt: skip
         prepared = moe_ops.prepare_experts(w13, w2, skip_foreign=share is not None)
