@@ -36,8 +36,8 @@
 # moe_sweep (only when named): bench/moe_sweep.py: the MMA MoE kernel's configs with split-K 1/2/4/8, each GEMM
 #   alone, at 1/8/32 tokens (compiles spread over 12 processes first; ~1,100 timings); to $OUT/moe_sweep.md.
 # moe_batch1 (only when named): issue 32's batch-1 decode, three engines on one checkpoint: the MMA MoE kernel
-#   without split-K (QSERVE_MOE_SPLIT_K=1), with it (auto), and with the sort-free layout too
-#   (QSERVE_MOE_DIRECT_BLOCKS=32), the later two reusing the first's checkpoint (--reuse-checkpoint); first
+#   without split-K or the sort-free layout (QSERVE_MOE_SPLIT_K=0 QSERVE_MOE_DIRECT_BLOCKS=0), with split-K
+#   (auto), and with the sort-free layout too (QSERVE_MOE_DIRECT_BLOCKS=32: the defaults), the later two reusing the first's checkpoint (--reuse-checkpoint); first
 #   bench/moe.py --tokens 1,8 (its split column, its direct table); ~7 minutes.
 # moe_fp8 (only when named): bench/e2e.py --model qwen3-30b-a3b, capacity at 1k tokens with fp8 KV (issue 32).
 set -u
@@ -206,10 +206,11 @@ if has moe_sweep; then
 fi
 if has moe_batch1; then
     # one checkpoint, three engines one after the other (the split and the layout are read at capture)
-    stage "MoE batch-1 decode: the MMA kernel plain, split over K, split + the sort-free layout (issue 32)"
+    stage "MoE batch-1 decode: the MMA kernel plain, split over K, split + the sort-free layout (the default; issue 32)"
     timeout 120 python3 bench/moe.py --tokens 1,8 --out "$OUT/moe_kernels.md" > "$OUT/moe_kernels.log" 2>&1
     echo "bench/moe.py exit code $?"; grep -E "^\|" "$OUT/moe_kernels.md" | head -24
-    for variant in "QSERVE_MOE_SPLIT_K=1" "QSERVE_MOE_SPLIT_K=auto" "QSERVE_MOE_SPLIT_K=auto QSERVE_MOE_DIRECT_BLOCKS=32"; do
+    for variant in "QSERVE_MOE_SPLIT_K=0 QSERVE_MOE_DIRECT_BLOCKS=0" "QSERVE_MOE_SPLIT_K=auto QSERVE_MOE_DIRECT_BLOCKS=0" \
+        "QSERVE_MOE_SPLIT_K=auto QSERVE_MOE_DIRECT_BLOCKS=32"; do
         echo "--- $variant"
         env $variant timeout 150 python3 bench/e2e.py --model qwen3-30b-a3b --skip small,fp8,offline,capacity \
             --decode-batches 1,8 --tmp /tmp/qbm --reuse-checkpoint --out "$OUT/moe_batch1_${variant//[ =]/_}.md" 2>&1 \
