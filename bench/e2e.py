@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qserve import LLM, SamplingParams  # noqa: E402
+from qserve.runner.cuda_allocator import prefer_expandable_segments  # noqa: E402
 from tests.helpers.tokenizer import make_tokenizer  # noqa: E402
 
 QWEN14B = dict(hidden=5120, layers=48, heads=40, kv_heads=8, inter=13824, vocab=152064)
@@ -591,6 +592,9 @@ def main() -> None:
         help="keep the random checkpoint an earlier run wrote under --tmp (its cold start then reads a warm page cache)",
     )
     args = parser.parse_args()
+    # The allocator setting qserve's engine asks for when it resolves its CUDA device: this script
+    # starts CUDA before any engine (the random checkpoint, the copy bandwidth), so it asks first.
+    prefer_expandable_segments()
     skip = set(filter(None, args.skip.split(",")))
     if args.qwen14b_v1:
         rows: list[tuple[str, str]] = []

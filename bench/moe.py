@@ -123,7 +123,9 @@ def direct_blocks(
 ) -> dict[str, float | bool | None]:
     """The sort-free step (``QSERVE_MOE_DIRECT_BLOCKS``) against the sorted one through ``moe_ops``, both
     with ``QSERVE_FUSED_ROUTER=1``: µs of the experts alone given each path's routing, and of the whole
-    routed step; ``direct equal``: whether the two outputs are equal bit for bit."""
+    routed step (split-K as the environment says: ``auto`` by default); ``direct equal``: whether the
+    two outputs are equal bit for bit with split-K off (``QSERVE_MOE_SPLIT_K=0``: split-K's fp32 atomic
+    adds sum in block order, which the two layouts differ in)."""
     paths: dict[str, dict[str, str]] = {
         "sorted": {moe_ops.FUSED_ROUTER_ENV: "1", moe_ops.DIRECT_BLOCKS_ENV: "0"},
         "direct": {moe_ops.FUSED_ROUTER_ENV: "1", moe_ops.DIRECT_BLOCKS_ENV: str(DIRECT_PAIRS)},
@@ -142,7 +144,8 @@ def direct_blocks(
                 r = moe_ops.route(logits, TOP_K, True, experts)
                 return moe_ops.moe_experts(x, experts, r.weights, r.ids, r.layout)
 
-            outs[name] = routed()
+            with mock.patch.dict(os.environ, {moe_mma_triton.SPLIT_K_ENV: "0"}):
+                outs[name] = routed()
             row[f"experts {name}"] = graph_us(step)
             row[f"routed {name}"] = graph_us(routed)  # captured with this path's environment
     row["direct equal"] = torch.equal(outs["sorted"], outs["direct"])
