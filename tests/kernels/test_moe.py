@@ -531,4 +531,7 @@ def test_direct_layout_equals_sorted_on_gpu(monkeypatch, num_tokens, ep):
     assert torch.equal(direct, sorted_out)
     monkeypatch.setenv(moe_mma_triton.SPLIT_K_ENV, "auto")
     split_direct = moe_mma_triton.fused_moe_w4a16_mma(x, m13, m2, weights, ids, skip_foreign=ep, layout=layout)
-    torch.testing.assert_close(split_direct, sorted_out, rtol=2e-2, atol=2e-2)
+    # relative to the whole output: the values run to ~40, where one bf16 ulp is 0.25, and the split
+    # path rounds once at the end where the other rounds each pair's row (H100: elementwise up to 0.16)
+    err = (split_direct.float() - sorted_out.float()).norm() / sorted_out.float().norm()
+    assert err < 1e-2, err
