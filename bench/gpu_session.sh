@@ -25,6 +25,10 @@
 #   then in its own process (QSERVE_ENABLE_MULTIPROCESSING=1), concurrency 16 (CONCURRENCY=1,16 adds the
 #   slow batch-1 run), Poisson 16 req/s and 300 at once with /health probed, each run's folder packed into one .tgz
 #   (the device call returns at most 8 files).
+# serve_default (only when named): bench/serve_default.py: qserve serve on the 14B checkpoint with
+#   QSERVE_ENABLE_MULTIPROCESSING unset: does an engine core process run, one completion, SIGTERM's exit code.
+# coldstart (only when named): bench/e2e.py decode at batch 1 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
+#   and with qserve's default (expandable), alternated twice on one reused checkpoint: cold start, plan vs held.
 # ampere_proxy (only when named): bench/kernels.py --ampere-proxy --sweep: the sm86/sm89 W4A16 code (mma.sync,
 #   Ampere operand layout, 99 KB shared) timed on this card, issue 26's proxy for the users' dispatch table; 420 s.
 # moe_e2e (only when named): bench/e2e.py --model qwen3-30b-a3b on a random Qwen3-30B-A3B-shaped GPTQ-4bit
@@ -88,7 +92,7 @@ if has smoke; then
             --out "$OUT/smoke_e2e.md" 2>&1 | grep -v USDT | tail -6
     fi
 fi
-if [[ "$STAGES" =~ (http|overlap|profile|serving|preempt|core|piecewise) ]]; then
+if [[ "$STAGES" =~ (http|overlap|profile|serving|preempt|core|piecewise|serve_default) ]]; then
     # One Qwen2.5-14B-shaped random GPTQ-4bit checkpoint for the stages below (~10 s).
     python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_random_gptq; write_random_gptq(Path('/tmp/qb'), QWEN14B)"
 fi
@@ -182,6 +186,23 @@ if has core; then
         echo "exit code $?"; tail -14 "/tmp/http_mp$mp.txt"
         mv "/tmp/http_mp$mp.txt" "/tmp/http_mp$mp/"; tar -czf "$OUT/http_mp$mp.tgz" -C /tmp "http_mp$mp"
     done
+fi
+if has serve_default; then
+    stage "qserve serve with QSERVE_ENABLE_MULTIPROCESSING unset: which process layout, one completion, SIGTERM"
+    timeout 240 python3 bench/serve_default.py /tmp/qb -- --gpu-memory-budget 24GiB 2>&1 | tail -8
+fi
+if has coldstart; then
+    # alternated, on one reused checkpoint (its page cache warm after the first): fixed vs expandable segments
+    stage "cold start and plan vs held: PYTORCH_CUDA_ALLOC_CONF fixed segments vs qserve's default, twice each"
+    for run in 1 2; do
+        for conf in "expandable_segments:False" "default"; do
+            echo "--- $conf (run $run)"
+            if [[ $conf == default ]]; then unset PYTORCH_CUDA_ALLOC_CONF; else export PYTORCH_CUDA_ALLOC_CONF=$conf; fi
+            timeout 150 python3 bench/e2e.py --skip small,offline,capacity --decode-batches 1 --tmp /tmp/qbe \
+                --reuse-checkpoint --out "$OUT/coldstart_${run}_${conf//[:]/_}.md" 2>&1 | grep -E "cold start|plan vs held|decode batch"
+        done
+    done
+    unset PYTORCH_CUDA_ALLOC_CONF
 fi
 if has ampere_proxy; then
     stage "W4A16 on the users' code path: sm86 mma.sync kernels on this card (DISABLE_MMA_V3=1; a proxy), swept"

@@ -6,9 +6,10 @@ which builder they pick (several models on one shared page pool, or one model sh
 ``--tensor-parallel-size`` processes), and how to run uvicorn with the app (models load in the
 background; ``/health`` is 503 until they are ready; SIGTERM drains for ``--shutdown-timeout``
 seconds, then shuts down, tensor-parallel workers included), and vLLM's flag names (resolved
-onto qserve's own options by ``apply_worker_flags``). With ``$QSERVE_ENABLE_MULTIPROCESSING=1`` the
-models load in an engine-core process of their own (``qserve.engine.core``; what that mode does not
-support yet is refused here), and the server exits 1 if that process dies. ``--api-server-count N``
+onto qserve's own options by ``apply_worker_flags``). On CUDA (``core_process_by_default``), or with
+``$QSERVE_ENABLE_MULTIPROCESSING=1``, the models load in an engine-core process of their own
+(``qserve.engine.core``; what that mode does not support yet is refused here when asked for by name,
+and served in one process by default), and the server exits 1 if that process dies. ``--api-server-count N``
 above 1 implies it and runs N API server processes over that core (``multi_api_server``; each one
 runs ``serve_app`` as the one server does). Must not know: routes, engines' internals.
 
@@ -296,7 +297,7 @@ def register_worker_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="API server (front-end) processes sharing the port; above 1 the engine core runs in a process of "
-        "its own under them, as with $QSERVE_ENABLE_MULTIPROCESSING=1 (docs/server.md); default 1",
+        "its own under them, as on CUDA by default (docs/server.md); default 1",
     )
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line while busy")
@@ -610,18 +611,31 @@ def host_factory(plan: HostPlan, connect: Callable[[], object] | None = None) ->
     return factory
 
 
+def core_process_by_default(args: argparse.Namespace, tensor_parallel_size: int) -> bool:
+    """Where ``$QSERVE_ENABLE_MULTIPROCESSING`` is unset: the engine core in its own process on CUDA
+    with one rank (on the H100 it met issue 27's targets at a 1,024-token step budget, and with 300
+    requests at once gave 1.04x one process's tokens a second and half its /health p99; bench/RESULTS.md), in the
+    server's process on CPU (the CPU reference gains nothing there: a step's threads and the front end
+    share the same few cores) and with tensor parallelism (not supported by the core process yet)."""
+    from qserve.engine.engine import resolve_device
+
+    return tensor_parallel_size == 1 and resolve_device(getattr(args, "device", None)).type == "cuda"
+
+
 def check_engine_core_process(args: argparse.Namespace, tensor_parallel_size: int) -> bool:
-    """Is the engine core to run in a process of its own ($QSERVE_ENABLE_MULTIPROCESSING=1, or
-    --api-server-count above 1, which implies it as in vLLM: N API servers share one core)?
-    ValueError, naming the option, for what that mode does not support yet."""
-    from qserve.engine.core import ENABLE_MULTIPROCESSING_ENV, multiprocessing_enabled
+    """Is the engine core to run in a process of its own ($QSERVE_ENABLE_MULTIPROCESSING=1; unset, by
+    default on CUDA, ``core_process_by_default``; or --api-server-count above 1, which implies it as in
+    vLLM: N API servers share one core)? ValueError, naming the option, for what that mode does not
+    support yet."""
+    from qserve.engine.core import ENABLE_MULTIPROCESSING_ENV, multiprocessing_setting
 
     count = getattr(args, "api_server_count", 1)
     if count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {count}")
-    separate = multiprocessing_enabled()
+    setting = multiprocessing_setting()
+    separate = core_process_by_default(args, tensor_parallel_size) if setting is None else setting
     if count > 1:
-        if not separate and os.environ.get(ENABLE_MULTIPROCESSING_ENV, "").strip():
+        if setting is False:
             raise ValueError(
                 f"--api-server-count {count} runs the engine core in a process of its own, under the "
                 f"{count} API servers; ${ENABLE_MULTIPROCESSING_ENV}=0 asks for one process (unset it)"

@@ -288,3 +288,44 @@ def test_the_core_serves_several_front_ends_and_drops_one_that_is_gone(engines, 
         for sock in (*senders, *readers, *(c.inbound for c in channels), *(c.outbound for c in channels)):
             sock.close(linger=0)
         context.term()
+
+
+@pytest.mark.parametrize(
+    ("env", "device", "tp", "count", "cuda_available", "want"),
+    [
+        ("", "cuda", 1, 1, False, True),  # unset: the core process on CUDA
+        ("", None, 1, 1, True, True),  # unset, no --device, a CUDA machine
+        ("", None, 1, 1, False, False),  # unset, no --device, a CPU machine: one process
+        ("", "cpu", 1, 1, True, False),  # CPU by name: one process
+        ("", "cuda", 2, 1, True, False),  # tensor parallelism: one process (the core does not support it yet)
+        ("0", "cuda", 1, 1, True, False),  # asked for one process
+        ("1", "cpu", 1, 1, False, True),  # asked for the core process, on CPU too
+        ("", "cpu", 1, 2, False, True),  # several API servers imply it
+    ],
+)
+def test_the_core_process_is_the_default_on_cuda(monkeypatch, env, device, tp, count, cuda_available, want):
+    """``qserve serve`` runs the engine core in its own process on CUDA unless told otherwise (measured on
+    the H100: issue 27's targets met at a 1,024-token budget), and in one process on CPU or with tensor
+    parallelism, where nothing names the variable. Decided without starting CUDA."""
+    import argparse
+
+    import torch
+
+    from qserve.commands.serve import check_engine_core_process
+
+    monkeypatch.setenv("QSERVE_ENABLE_MULTIPROCESSING", env)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # resolving a CUDA device would set it where unset
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
+    args = argparse.Namespace(device=device, api_server_count=count, tenants=None)
+    assert check_engine_core_process(args, tp) is want
+    assert not torch.cuda.is_initialized()
+
+
+def test_tensor_parallelism_with_the_core_process_by_name_is_refused(monkeypatch):
+    import argparse
+
+    from qserve.commands.serve import check_engine_core_process
+
+    monkeypatch.setenv("QSERVE_ENABLE_MULTIPROCESSING", "1")
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 is not supported yet"):
+        check_engine_core_process(argparse.Namespace(device="cuda", api_server_count=1, tenants=None), 2)

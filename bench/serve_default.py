@@ -1,0 +1,95 @@
+"""Which process layout ``qserve serve`` picks by default, checked on a real server: start it on a model
+with ``QSERVE_ENABLE_MULTIPROCESSING`` unset, wait until ``/health`` answers 200, say whether an engine
+core process (``python -m qserve.engine.core.core``) runs under it, send one completion, then SIGTERM it
+and report its exit code. Prints one ``key: value`` line each; exit 0 only when the server answered
+and exited 0.
+
+    python3 bench/serve_default.py /tmp/qb [--port 8011] [-- extra qserve serve arguments]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+CORE_MODULE = "qserve.engine.core.core"
+
+
+def children_running(parent: int, module: str) -> list[int]:
+    """PIDs of the processes whose parent is ``parent`` and whose command line names ``module`` (/proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state, past the command's parentheses
+        if ppid == parent and module in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+    except OSError:
+        return 0, b""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--ready-timeout", type=float, default=180.0)
+    parser.add_argument("extra", nargs="*", help="more qserve serve arguments (after --)")
+    args = parser.parse_args()
+    env = {k: v for k, v in os.environ.items() if k != "QSERVE_ENABLE_MULTIPROCESSING"}
+    cmd = [sys.executable, "-m", "qserve.cli", "serve", args.model, "--port", str(args.port), *args.extra]
+    started = time.monotonic()
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        while get(f"{url}/health")[0] != 200:
+            if server.poll() is not None or time.monotonic() - started > args.ready_timeout:
+                print(f"ready: no (exit {server.poll()})")
+                return 1
+            time.sleep(0.5)
+        print(f"ready: {time.monotonic() - started:.1f} s")
+        cores = children_running(server.pid, CORE_MODULE)
+        print(f"engine core process: {'yes, pid ' + str(cores[0]) if cores else 'no (the engine runs in the server)'}")
+        model = json.loads(get(f"{url}/v1/models")[1])["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            usage = json.loads(reply.read())["usage"]
+        print(f"completion: {usage['completion_tokens']} tokens")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            code = server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            code = server.wait()
+        output = server.stdout.read() if server.stdout else ""
+        print(f"exit code after SIGTERM: {code}")
+        if code != 0:
+            print(output[-3000:])
+    return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
