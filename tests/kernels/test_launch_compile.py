@@ -290,11 +290,11 @@ def test_moe_direct_blocks_launches(request, tmp_path) -> None:
 
 _MOE = r"""
 import json, sys, torch
-from tests.helpers.engine_launches import drive_moe
+from tests.helpers.engine_launches import drive_moe, layout_without_shuffling
 from tests.helpers.kernel_launches import GPUS, simulated_gpu
 result = {}
 for name in sys.argv[1:]:
-    with simulated_gpu(GPUS[name]) as capture:
+    with simulated_gpu(GPUS[name]) as capture, layout_without_shuffling():  # launches need the experts' shapes only
         drive_moe(capture, torch.float16, "fp16")
     result[name] = [
         {"kernel": l.kernel, "signature": l.signature, "constexprs": dict(l.constexprs), "error": l.error,
@@ -328,11 +328,12 @@ def test_moe_launches_compile(request, tmp_path) -> None:
 
 _MOE_SPLIT = r"""
 import json, sys, torch
-from tests.helpers.engine_launches import drive_moe_mma_split
+from tests.helpers.engine_launches import drive_moe_mma_split, layout_without_shuffling
 from tests.helpers.kernel_launches import GPUS, simulated_gpu
 result = {}
 for name, dtype, dtype_name in (("sm90", torch.float16, "fp16"), ("sm89", torch.bfloat16, "bf16")):
-    with simulated_gpu(GPUS[name], compile=False) as capture:  # the units' drives compile these launches
+    # the units' drives compile these launches; the experts' words are left unshuffled (launches need shapes only)
+    with simulated_gpu(GPUS[name], compile=False) as capture, layout_without_shuffling():
         drive_moe_mma_split(capture, dtype, dtype_name)
     result[name] = [
         {"kernel": l.kernel, "signature": l.signature, "constexprs": dict(l.constexprs), "error": l.error,
