@@ -27,7 +27,7 @@
 #   (the device call returns at most 8 files).
 # serve_default (only when named): bench/serve_default.py: qserve serve on the 14B checkpoint with
 #   QSERVE_ENABLE_MULTIPROCESSING unset: does an engine core process run, one completion, SIGTERM's exit code.
-# coldstart (only when named): bench/e2e.py decode at batch 1 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
+# coldstart (only when named; COLDSTART_RUNS pairs, default 2): bench/e2e.py decode at batch 1 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
 #   and with qserve's default (expandable), alternated twice on one reused checkpoint: cold start, plan vs held.
 # ampere_proxy (only when named): bench/kernels.py --ampere-proxy --sweep: the sm86/sm89 W4A16 code (mma.sync,
 #   Ampere operand layout, 99 KB shared) timed on this card, issue 26's proxy for the users' dispatch table; 420 s.
@@ -194,7 +194,7 @@ fi
 if has coldstart; then
     # alternated, on one reused checkpoint (its page cache warm after the first): fixed vs expandable segments
     stage "cold start and plan vs held: PYTORCH_CUDA_ALLOC_CONF fixed segments vs qserve's default, twice each"
-    for run in 1 2; do
+    for run in $(seq "${COLDSTART_RUNS:-2}"); do
         for conf in "expandable_segments:False" "default"; do
             echo "--- $conf (run $run)"
             if [[ $conf == default ]]; then unset PYTORCH_CUDA_ALLOC_CONF; else export PYTORCH_CUDA_ALLOC_CONF=$conf; fi
