@@ -100,7 +100,7 @@ fi
 if has gputests; then
     stage "GPU test: async scheduling gives the same outputs on CUDA (graphs and eager)"
     # the whole output goes to a file: a failure's assertion text must survive the call's output limit
-    timeout 150 python3 -m pytest -x -q -m gpu -p no:cacheprovider tests/integration/test_async_scheduling.py \
+    timeout 150 python3 -m pytest -x -q -m gpu -p no:cacheprovider -o addopts="" tests/integration/test_async_scheduling.py \
         > "$OUT/gputests.txt" 2>&1
     tail -3 "$OUT/gputests.txt"
 fi

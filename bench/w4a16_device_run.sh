@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" | tee -a "$OUT/env.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout ${TESTS_S:-110} python3 -m pytest -x -q -m gpu tests/kernels/test_w4a16_mma.py tests/kernels/test_pdl.py -n 14 -p no:cacheprovider \
+  timeout ${TESTS_S:-110} python3 -m pytest -x -q -m gpu -o addopts="" tests/kernels/test_w4a16_mma.py tests/kernels/test_pdl.py -n 14 -p no:cacheprovider \
     >"$OUT/pytest.txt" 2>&1
   echo "pytest rc=$? at ${SECONDS}s: $(tail -1 "$OUT/pytest.txt")"
 fi

@@ -75,7 +75,10 @@ def test_ray_serve_serves_the_demo_model_and_scales_from_one_to_two_replicas():
         assert reply.json()["usage"]["completion_tokens"] > 0 and reply.json()["choices"][0]["text"]
 
         def client() -> None:
-            long = {"model": "demo", "prompt": "import os\n", "max_tokens": 256, "ignore_eos": True}
+            # short requests back to back keep the replica's ongoing count above its target as long ones
+            # did, and each thread then finishes its last one within seconds of ``stop`` (256 tokens made
+            # the clean-up below wait on six long requests)
+            long = {"model": "demo", "prompt": "import os\n", "max_tokens": 48, "ignore_eos": True}
             while not stop.is_set():
                 try:
                     httpx.post(f"{url}/v1/completions", json=long, timeout=120)
