@@ -2,7 +2,8 @@
 # The Python packages the device machine lacks, as wheels in .whl/ (git-ignored through
 # .git/info/exclude), for the device README's way of carrying them: the server's (fastapi and its
 # opentelemetry-api, uvicorn, pydantic), the engine-core process's (pyzmq, msgspec) and structured
-# outputs' (xgrammar, apache-tvm-ffi). Run here, in the repo root; then every device call names
+# outputs' (xgrammar, apache-tvm-ffi), and py-spy (issue 27's profile of the HTTP path: its binary lands
+# in /tmp/site/bin, where bench/serving_http.sh looks). Run here, in the repo root; then every device call names
 # ".whl" in carry and starts with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
 #       && export PYTHONPATH=/tmp/site:. || exit
@@ -19,6 +20,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     "${PLATFORMS[@]}" --platform any -d .whl \
     fastapi starlette opentelemetry-api pydantic pydantic-core annotated-types typing-inspection typing-extensions \
     uvicorn jsonschema jsonschema-specifications referencing rpds-py fastapi-offline \
-    pyzmq msgspec xgrammar apache-tvm-ffi
+    pyzmq msgspec xgrammar apache-tvm-ffi py-spy
 ls .whl
 du -sh .whl

@@ -25,8 +25,11 @@
 #   then in its own process (QSERVE_ENABLE_MULTIPROCESSING=1), concurrency 16 (CONCURRENCY=1,16 adds the
 #   slow batch-1 run), Poisson 16 req/s and 300 at once with /health probed, each run's folder packed into one .tgz
 #   (the device call returns at most 8 files).
+#   CORE_LAYOUTS (default "0 1") lists the runs: 0 in-process, 1 the core process, 1x2 with --api-server-count 2;
+#   a trailing p (1p, 1x2p) profiles that run's Poisson load with py-spy for PROFILE_S seconds (default 30).
 # serve_default (only when named): bench/serve_default.py: qserve serve on the 14B checkpoint with
 #   QSERVE_ENABLE_MULTIPROCESSING unset: does an engine core process run, one completion, SIGTERM's exit code.
+#   SERVE_DEFAULT_LAYOUTS="unset 0" also starts it in one process; each run's start-up milestones, timestamped.
 # coldstart (only when named; COLDSTART_RUNS pairs, default 2): bench/e2e.py decode at batch 1 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
 #   and with qserve's default (expandable), alternated twice on one reused checkpoint: cold start, plan vs held.
 # ampere_proxy (only when named): bench/kernels.py --ampere-proxy --sweep: the sm86/sm89 W4A16 code (mma.sync,
@@ -179,17 +182,31 @@ if has piecewise; then
         --piecewise-buckets 256,512,1024,2048 2>&1 | grep -v USDT | tail -8
 fi
 if has core; then
-    for mp in 0 1; do
-        stage "qserve bench against qserve serve, full-vocabulary tokenizer, QSERVE_ENABLE_MULTIPROCESSING=$mp"
-        CONCURRENCY=${CONCURRENCY:-16} QSERVE_ENABLE_MULTIPROCESSING=$mp timeout 250 bash bench/serving_http.sh "/tmp/http_mp$mp" /tmp/qb \
-            > "/tmp/http_mp$mp.txt" 2>&1
-        echo "exit code $?"; tail -14 "/tmp/http_mp$mp.txt"
-        mv "/tmp/http_mp$mp.txt" "/tmp/http_mp$mp/"; tar -czf "$OUT/http_mp$mp.tgz" -C /tmp "http_mp$mp"
+    # CORE_LAYOUTS: the runs, in order: 0 (in-process), 1 (the core process, one front end), 1x2 (the core
+    # process and --api-server-count 2), a trailing "p" (1p, 1x2p) records that run with py-spy for
+    # PROFILE_S (default 30) seconds of its Poisson load (needs the carried py-spy wheel).
+    for layout in ${CORE_LAYOUTS:-0 1}; do
+        mp=${layout%%[xp]*}; rest=${layout#"$mp"}; extra=""; profile=""
+        [[ $rest == *p ]] && { profile=${PROFILE_S:-30}; rest=${rest%p}; }
+        [[ $rest == x* ]] && extra="--api-server-count ${rest#x}"
+        name="http_mp$layout"
+        stage "qserve bench against qserve serve, full-vocabulary tokenizer, QSERVE_ENABLE_MULTIPROCESSING=$mp $extra${profile:+ (py-spy ${profile} s)}"
+        CONCURRENCY=${CONCURRENCY:-16} QSERVE_ENABLE_MULTIPROCESSING=$mp PROFILE_S=$profile \
+            SERVE_ARGS="${SERVE_ARGS:-} $extra" timeout 250 bash bench/serving_http.sh "/tmp/$name" /tmp/qb > "/tmp/$name.txt" 2>&1
+        echo "exit code $?"; tail -14 "/tmp/$name.txt"
+        [[ -n $profile ]] && { head -60 "/tmp/$name/pyspy_summary.txt" 2>/dev/null; tail -5 "/tmp/$name/pyspy.log" 2>/dev/null; }
+        mv "/tmp/$name.txt" "/tmp/$name/"; tar -czf "$OUT/$name.tgz" -C /tmp "$name"
     done
 fi
 if has serve_default; then
     stage "qserve serve with QSERVE_ENABLE_MULTIPROCESSING unset: which process layout, one completion, SIGTERM"
-    timeout 240 python3 bench/serve_default.py /tmp/qb -- --gpu-memory-budget 24GiB 2>&1 | tail -8
+    # SERVE_DEFAULT_LAYOUTS="unset 0": also the same start-up in one process, to break the time to ready down
+    for mp in ${SERVE_DEFAULT_LAYOUTS:-unset}; do
+        echo "--- QSERVE_ENABLE_MULTIPROCESSING=$mp"
+        timeout 240 python3 bench/serve_default.py /tmp/qb --multiprocessing "$mp" -- --gpu-memory-budget 24GiB \
+            > "$OUT/serve_default_$mp.txt" 2>&1
+        grep -vE "^ +[0-9.]+ .*(INFO|DEBUG).*(GET|POST) /" "$OUT/serve_default_$mp.txt" | tail -40
+    done
 fi
 if has coldstart; then
     # alternated, on one reused checkpoint (its page cache warm after the first): fixed vs expandable segments

@@ -2,9 +2,13 @@
 with ``QSERVE_ENABLE_MULTIPROCESSING`` unset, wait until ``/health`` answers 200, say whether an engine
 core process (``python -m qserve.engine.core.core``) runs under it, send one completion, then SIGTERM it
 and report its exit code. Prints one ``key: value`` line each; exit 0 only when the server answered
-and exited 0.
+and exited 0. The server logs at INFO; its lines are timestamped on arrival (seconds since the
+command started) and the start-up milestones among them (load, memory plan, graph captures, the
+core's hand-shake, uvicorn) are printed, so the time to ready can be broken down.
+``--multiprocessing 0|1`` sets ``QSERVE_ENABLE_MULTIPROCESSING`` instead of leaving it unset: the
+same start-up in one process or with the core process forced, to compare against the default.
 
-    python3 bench/serve_default.py /tmp/qb [--port 8011] [-- extra qserve serve arguments]
+    python3 bench/serve_default.py /tmp/qb [--port 8011] [--multiprocessing 0] [-- extra qserve serve arguments]
 """
 
 from __future__ import annotations
@@ -15,12 +19,32 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 CORE_MODULE = "qserve.engine.core.core"
+# Start-up log lines worth a timestamp (substrings, case-insensitive).
+MILESTONES = (
+    "loaded",
+    "loading",
+    "memory plan",
+    "captured",
+    "warm",
+    "engine core",
+    "kv pool",
+    "compil",
+    "application startup",
+    "uvicorn running",
+)
+
+
+def timestamp_lines(stream, started: float, into: list[tuple[float, str]]) -> None:  # noqa: ANN001
+    """Read the server's output until it closes, keeping (seconds since ``started``, line)."""
+    for line in stream:
+        into.append((time.monotonic() - started, line.rstrip()))
 
 
 def children_running(parent: int, module: str) -> list[int]:
@@ -55,12 +79,25 @@ def main() -> int:
     parser.add_argument("model")
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--ready-timeout", type=float, default=180.0)
+    parser.add_argument(
+        "--multiprocessing",
+        choices=("unset", "0", "1"),
+        default="unset",
+        help="QSERVE_ENABLE_MULTIPROCESSING for the server (unset: qserve serve's default layout)",
+    )
     parser.add_argument("extra", nargs="*", help="more qserve serve arguments (after --)")
     args = parser.parse_args()
     env = {k: v for k, v in os.environ.items() if k != "QSERVE_ENABLE_MULTIPROCESSING"}
-    cmd = [sys.executable, "-m", "qserve.cli", "serve", args.model, "--port", str(args.port), *args.extra]
+    if args.multiprocessing != "unset":
+        env["QSERVE_ENABLE_MULTIPROCESSING"] = args.multiprocessing
+    print(f"QSERVE_ENABLE_MULTIPROCESSING: {args.multiprocessing}")
+    cmd = [sys.executable, "-m", "qserve.cli", "--log-level", "INFO", "serve", args.model, "--port", str(args.port)]
+    cmd += args.extra
     started = time.monotonic()
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=timestamp_lines, args=(server.stdout, started, lines), daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{args.port}"
     try:
         while get(f"{url}/health")[0] != 200:
@@ -84,10 +121,14 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             server.kill()
             code = server.wait()
-        output = server.stdout.read() if server.stdout else ""
+        reader.join(timeout=10)
         print(f"exit code after SIGTERM: {code}")
+        print("start-up milestones (s since the command started):")
+        for at, line in lines:
+            if any(word in line.lower() for word in MILESTONES):
+                print(f"  {at:7.1f}  {line[:200]}")
         if code != 0:
-            print(output[-3000:])
+            print("\n".join(line for _, line in lines[-60:]))
     return 0 if code == 0 else 1
 
 

@@ -45,7 +45,9 @@ COMMON=(--port "$PORT" --ignore-eos --vocab-size 152064 --disable-tqdm --result-
 python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 48 --max-concurrency "${CONCURRENCY:-1,16}" --result-filename concurrency.json
 PROFILER=
 if [ -n "${PROFILE_S:-}" ]; then
-    py-spy record -s -t -r 100 -d "$PROFILE_S" -p "$SERVER" -f raw -o "$OUT/pyspy.txt" --nonblocking \
+    # py-spy from PATH, else where the device call's `pip install --target /tmp/site` put the carried wheel's binary
+    PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+    "$PYSPY" record -s -t -r 100 -d "$PROFILE_S" -p "$SERVER" -f raw -o "$OUT/pyspy.txt" --nonblocking \
         > "$OUT/pyspy.log" 2>&1 &
     PROFILER=$!
 fi
