@@ -203,7 +203,7 @@ if has serve_default; then
     # SERVE_DEFAULT_LAYOUTS="unset 0": also the same start-up in one process, to break the time to ready down
     for mp in ${SERVE_DEFAULT_LAYOUTS:-unset}; do
         echo "--- QSERVE_ENABLE_MULTIPROCESSING=$mp"
-        timeout 240 python3 bench/serve_default.py /tmp/qb --multiprocessing "$mp" -- --gpu-memory-budget 24GiB \
+        timeout 240 python3 bench/serve_default.py --multiprocessing "$mp" /tmp/qb -- --gpu-memory-budget 24GiB \
             > "$OUT/serve_default_$mp.txt" 2>&1
         grep -vE "^ +[0-9.]+ .*(INFO|DEBUG).*(GET|POST) /" "$OUT/serve_default_$mp.txt" | tail -40
     done
