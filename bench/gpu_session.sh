@@ -46,6 +46,10 @@
 #   without split-K or the sort-free layout (QSERVE_MOE_SPLIT_K=0 QSERVE_MOE_DIRECT_BLOCKS=0), with split-K
 #   (auto), and with the sort-free layout too (QSERVE_MOE_DIRECT_BLOCKS=32: the defaults), the later two reusing the first's checkpoint (--reuse-checkpoint); first
 #   bench/moe.py --tokens 1,8 (its split column, its direct table); ~7 minutes.
+# spec_eagle (only when named): bench/spec_decode.py at batch 1 with EAGLE heads built from the target (--eagle
+#   layers1,layers4,random; the random head also with adaptive k), graphed verify, median of 3 (issue 29).
+# spec_serving (only when named): bench/serving.py without and with n-gram speculation, Poisson 4 req/s and all at
+#   once, SPEC_SERVING_REQUESTS requests (default 120; issue 29).
 # moe_fp8 (only when named): bench/e2e.py --model qwen3-30b-a3b, capacity at 1k tokens with fp8 KV (issue 32).
 set -u
 if [[ $# -ge 1 && ( -d "$1" || "$1" == */* ) ]]; then  # the older order: OUT_DIR first
@@ -95,7 +99,7 @@ if has smoke; then
             --out "$OUT/smoke_e2e.md" 2>&1 | grep -v USDT | tail -6
     fi
 fi
-if [[ "$STAGES" =~ (http|overlap|profile|serving|preempt|core|piecewise|serve_default) ]]; then
+if [[ "$STAGES" =~ (http|overlap|profile|serving|preempt|core|piecewise|serve_default|spec_eagle) ]]; then
     # One Qwen2.5-14B-shaped random GPTQ-4bit checkpoint for the stages below (~10 s).
     python3 -c "from pathlib import Path; from bench.e2e import QWEN14B, write_random_gptq; write_random_gptq(Path('/tmp/qb'), QWEN14B)"
 fi
@@ -172,6 +176,22 @@ if has optin_spec; then
     stage "speculative decoding at batch 1 near 0% acceptance (a draft whose head is rolled), fixed and adaptive k, graphed verify"
     timeout 180 python3 bench/spec_decode.py --batches 1 --draft-layers 12 --mismatched-draft --adaptive --verify graphs \
         --out "$OUT/spec_decode_0.md" 2>&1 | grep -v USDT | tail -8
+fi
+if has spec_eagle; then
+    stage "speculative decoding at batch 1 with EAGLE heads built from the target (its first 1 and 4 layers; a random head, fixed and adaptive k)"
+    timeout 330 python3 bench/spec_decode.py --checkpoint /tmp/qb --batches 1 --eagle layers1,layers4,random --adaptive \
+        --adaptive-modes eagle-random --verify graphs --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -14
+fi
+if has spec_serving; then
+    # the same workload without and with n-gram speculation (disable_by_batch_size 64 as in spec_decode.py)
+    for spec in off ngram; do
+        stage "bench/serving.py, speculation $spec: ${SPEC_SERVING_REQUESTS:-120} requests at Poisson 4 req/s, then all at once"
+        config=(); [[ $spec == ngram ]] && config=(--speculative-config \
+            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 64}')
+        timeout 200 python3 bench/serving.py --build-qwen14b /tmp/qb --gpu-memory-budget 24GiB \
+            --num-requests "${SPEC_SERVING_REQUESTS:-120}" --rates 4,inf "${config[@]}" --out "$OUT/spec_serving_$spec.md" 2>&1 \
+            | grep -E "^rate|speculation at|budget check" | cut -c1-400
+    done
 fi
 if has piecewise; then
     stage "piecewise CUDA graphs for steps that carry prefill: GPU tests, then eager vs piecewise step profile"

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import random
@@ -371,6 +372,7 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
         num_kv_blocks=args.num_kv_blocks,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
+        speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
     )
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if cuda:
@@ -383,6 +385,8 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
         f"{engine.kv_manager.block_size} tokens, max_num_seqs {args.max_num_seqs}, max_model_len {max_model_len}, "
         f"budget {args.gpu_memory_budget or 'default'}, async scheduling {'on' if args.async_scheduling else 'off'}; built in {time.perf_counter() - t0:.1f} s"
     )
+    if config.speculative_config is not None:
+        header.append(f"- speculative decoding: {json.dumps(config.speculative_config)}")
     sampler = StepSampler(engine)
     if args.watermark is not None:
         engine.scheduler.watermark = args.watermark
@@ -439,8 +443,11 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
         emit(args.out, header, rows)
 
         footer: list[str] = []
+        spec_lines: list[str] = []
         for run, rate in enumerate(parse_rates(args.rates)):
             sampler.reset()
+            spec = engine.spec_stats
+            spec_before = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) if spec else None
             records, duration = await run_rate(host, workload, rate, run, args.sampling)
             stats = summarize(records, duration, workload)
             # Tokens the workload needs computed: each prompt, and each output but the last (never fed back).
@@ -460,14 +467,27 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
                 f"the workload's), steps {sampler.steps}" + (f"; first error: {errors[0]}" if errors else ""),
                 flush=True,
             )
+            if spec_before is not None:  # speculation (issue 29): what this rate drafted and what was accepted
+                drafts, drafted, accepted = (
+                    now - then
+                    for now, then in zip(
+                        (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens), spec_before
+                    )
+                )
+                spec_lines.append(
+                    f"- speculation at rate {rate:g}: {drafts} drafts, {drafted} draft tokens, {accepted} accepted "
+                    f"({accepted / drafted if drafted else 0.0:.0%})"
+                )
+                print(spec_lines[-1], flush=True)
+            footer = list(spec_lines)
             if cuda:
-                footer = [
+                footer.append(
                     f"- peak allocator so far: {torch.cuda.max_memory_allocated() / GIB:.2f} GiB allocated, "
                     f"{torch.cuda.max_memory_reserved() / GIB:.2f} GiB reserved"
-                ]
+                )
                 emit(args.out, [*header, *footer], rows)
             else:
-                emit(args.out, header, rows)
+                emit(args.out, [*header, *footer], rows)
     finally:
         host.shutdown()
     if cuda and args.gpu_memory_budget:
@@ -523,6 +543,11 @@ def main() -> None:
         choices=("greedy", "mixed"),
         default="greedy",
         help="mixed: every 4th request uses top-k/top-p/min-p/penalties/logprobs (the sampler's worst case)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (issue 29: serving with speculation)',
     )
     parser.add_argument("--tmp", default="/tmp/qserve-bench", help="where --small writes its checkpoint")
     parser.add_argument("--out", default=None, help="markdown file, rewritten after each rate")

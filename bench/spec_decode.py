@@ -1,4 +1,5 @@
-"""Decode speed with and without speculative decoding (n-gram), against the measured acceptance.
+"""Decode speed with and without speculative decoding (n-gram, a draft model, EAGLE heads), against the
+measured acceptance.
 
 One engine per mode on a Qwen2.5-14B-shaped random GPTQ-4bit checkpoint (``bench/e2e.py``'s
 ``write_random_gptq``, written to ``--checkpoint`` if it is not there yet), greedy, at each batch
@@ -29,6 +30,9 @@ once finished sequences bring the batch under the threshold.
         --verify graphs --out spec_decode_0.md                              # the 0%-acceptance case
     python bench/spec_decode.py --batches 128 --draft-layers 12 --verify graphs --repeats 5 \
         --out spec_decode_128.md                                            # batch 128: median of 5 runs
+    python bench/spec_decode.py --batches 1 --eagle layers1,layers4,random --adaptive \
+        --adaptive-modes eagle-random --verify graphs \
+        --out spec_decode_eagle.md                                          # EAGLE heads built from the target
 
 The table goes to stdout and ``--out`` (markdown).
 """
@@ -87,6 +91,89 @@ def write_draft(target: Path, path: Path, num_layers: int, mismatched: bool = Fa
             and other.name not in ("config.json", "model.safetensors.index.json")
         ):
             (path / other.name).write_bytes(other.read_bytes())
+
+
+def gptq_v1_dense(tensors: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """The fp16 ``[N, K]`` weight (an HF Linear's layout) of one GPTQ v1 4-bit linear: codes packed eight
+    to an int32 along K (low nibble first), zeros packed along N and stored minus one."""
+    words = tensors[f"{prefix}.qweight"].to(torch.int64)  # [K/8, N]
+    codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=1).reshape(-1, words.shape[1])  # [K, N]
+    zero_words = tensors[f"{prefix}.qzeros"].to(torch.int64)  # [K/g, N/8]
+    zeros = torch.stack([(zero_words >> (4 * i)) & 0xF for i in range(8)], dim=2).reshape(zero_words.shape[0], -1) + 1
+    scales = tensors[f"{prefix}.scales"].float()  # [K/g, N]
+    group = codes.shape[0] // scales.shape[0]
+    dense = (codes - zeros.repeat_interleave(group, 0)).float() * scales.repeat_interleave(group, 0)  # [K, N]
+    return dense.t().contiguous().half()
+
+
+def write_eagle_head(target: Path, path: Path, construction: str) -> None:
+    """An EAGLE (v1) head checkpoint for the target, in the layout vLLM loads (``EagleLlamaForCausalLM``:
+    ``fc [H, 2H]``, one Llama layer whose input norm is skipped; the target's embedding and lm_head).
+    No trained head can be built here, so two constructions whose acceptance is measured, not assumed:
+
+    - ``layersN`` (``layers1``, ``layers4``, ...): the head is the target's own first N layers
+      (dequantized to fp16) run on the next token's embedding: ``fc = [I | 0]`` passes the embedding
+      through as the stream; the first layer skips its input norm in a head, so its q/k/v weights
+      take the norm's place: scaled by the norm's weights times the inverse RMS of the embedding
+      table (each row's own RMS is within about 1% of it at this width). The target's lm_head scores
+      the output (the target's final norm has unit weights here, so skipping it changes no argmax).
+      The EAGLE analogue of the draft model made of the target's first layers; each draft token
+      reads N fp16 layers (about 4x the bytes of N of the target's 4-bit layers).
+    - ``random``: random fp16 weights (the acceptance of an unrelated head, near 0%: the cost of the
+      head when it is always wrong).
+    """
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((target / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings", "rms_norm_eps", "rope_theta", "eos_token_id")  # fmt: skip
+    head = {k: config[k] for k in keys if k in config}
+    head.update(architectures=["EagleLlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
+                tie_word_embeddings=False, torch_dtype="float16")  # fmt: skip
+    tensors: dict[str, torch.Tensor] = {}
+    if construction.startswith("layers") and construction[len("layers") :].isdigit():
+        num_layers = int(construction[len("layers") :])
+        head["num_hidden_layers"] = num_layers
+        index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+        embed = load_file(str(target / index["model.embed_tokens.weight"]))["model.embed_tokens.weight"]
+        scale = float(embed.float().pow(2).mean().rsqrt())
+        fc = torch.zeros(hidden, 2 * hidden)
+        fc[:, :hidden] = torch.eye(hidden)
+        tensors["fc.weight"] = fc.half()
+        for i in range(num_layers):
+            layer = load_file(str(target / index[f"model.layers.{i}.self_attn.q_proj.qweight"]))
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):  # fmt: skip
+                weight = gptq_v1_dense(layer, f"model.layers.{i}.{name}")  # [N, K]
+                if i == 0 and name.startswith("self_attn.") and not name.endswith("o_proj"):
+                    norm = layer["model.layers.0.input_layernorm.weight"].float()  # [K]
+                    weight = (weight.float() * (norm * scale)).half()  # the skipped input norm, folded in
+                tensors[f"layers.{i}.{name}.weight"] = weight
+            norms = ("post_attention_layernorm",) if i == 0 else ("input_layernorm", "post_attention_layernorm")
+            for norm in norms:
+                tensors[f"layers.{i}.{norm}.weight"] = layer[f"model.layers.{i}.{norm}.weight"]
+    elif construction == "random":
+        gen = torch.Generator().manual_seed(0)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen) * 0.02).half()
+
+        q, kv = heads * head_dim, kv_heads * head_dim
+        tensors["fc.weight"] = rand(hidden, 2 * hidden)
+        for name, shape in (("self_attn.q_proj", (q, hidden)), ("self_attn.k_proj", (kv, hidden)),
+                            ("self_attn.v_proj", (kv, hidden)), ("self_attn.o_proj", (hidden, q)),
+                            ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
+                            ("mlp.down_proj", (hidden, inter))):  # fmt: skip
+            tensors[f"layers.0.{name}.weight"] = rand(*shape)
+        tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.float16)
+    else:
+        raise ValueError(f"unknown EAGLE head construction {construction!r} (layersN or random)")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(head))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def prompts(kind: str, batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -174,6 +261,12 @@ def main() -> None:
         help="also measure method draft_model with the target's first N layers as the draft (0: n-gram only)",
     )
     parser.add_argument(
+        "--eagle",
+        default="",
+        help="also measure method eagle with heads built from the target, comma-separated constructions: "
+        "layersN (the target's first N layers on the next token's embedding, e.g. layers1), random (an unrelated head)",
+    )
+    parser.add_argument(
         "--mismatched-draft",
         action="store_true",
         help="with --draft-layers: the draft's head rolled by half the vocabulary (acceptance near 0%%), "
@@ -184,6 +277,12 @@ def main() -> None:
         action="store_true",
         help="also measure each method with enable_adaptive_verification (k per step from acceptance and "
         "batch size; no disable_by_batch_size): it should never be slower than off",
+    )
+    parser.add_argument(
+        "--adaptive-modes",
+        default="",
+        help="with --adaptive: only these methods (comma-separated names as in the table, e.g. eagle-random); "
+        "default every method",
     )
     parser.add_argument("--adaptive-row-cost", type=float, default=None, help="adaptive_verification_row_cost")
     parser.add_argument(
@@ -215,11 +314,20 @@ def main() -> None:
         draft = {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": args.k}
         name = f"draft{args.draft_layers}{suffix}"
         modes.append((name, {**draft, "disable_by_batch_size": args.disable_by_batch_size}))
+    for construction in filter(None, args.eagle.split(",")):
+        head_path = Path(f"{path}-eagle-{construction}")
+        if not (head_path / "config.json").is_file():
+            write_eagle_head(path, head_path, construction)
+        eagle = {"method": "eagle", "model": str(head_path), "num_speculative_tokens": args.k}
+        modes.append((f"eagle-{construction}", {**eagle, "disable_by_batch_size": args.disable_by_batch_size}))
     if args.adaptive:
         adaptive = {"enable_adaptive_verification": True}
         if args.adaptive_row_cost is not None:
             adaptive["adaptive_verification_row_cost"] = args.adaptive_row_cost
+        chosen = set(filter(None, args.adaptive_modes.split(",")))
         for mode, config in list(modes[1:]):
+            if chosen and mode not in chosen:
+                continue
             fixed = {k: v for k, v in config.items() if k != "disable_by_batch_size"}
             modes.append((f"{mode}-adaptive", {**fixed, **adaptive}))
     device = "cuda" if torch.cuda.is_available() else "cpu"
