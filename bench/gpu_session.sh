@@ -47,7 +47,8 @@
 #   (auto), and with the sort-free layout too (QSERVE_MOE_DIRECT_BLOCKS=32: the defaults), the later two reusing the first's checkpoint (--reuse-checkpoint); first
 #   bench/moe.py --tokens 1,8 (its split column, its direct table); ~7 minutes.
 # spec_eagle (only when named): bench/spec_decode.py at batch 1 with EAGLE heads built from the target (--eagle
-#   layers1,layers4,random; the random head also with adaptive k), graphed verify, median of 3 (issue 29).
+#   layers1,layers4,random; the random head also with adaptive k), graphed verify, median of 3 (issue 29); each head
+#   with its plain decode steps eager and under QSERVE_EAGLE_DECODE_GRAPHS=1 (EAGLE_DECODE_GRAPHS=off|on|both); ~8 min.
 # spec_serving (only when named): bench/serving.py without and with n-gram speculation, Poisson 4 req/s and all at
 #   once, SPEC_SERVING_REQUESTS requests (default 120; issue 29).
 # moe_fp8 (only when named): bench/e2e.py --model qwen3-30b-a3b, capacity at 1k tokens with fp8 KV (issue 32).
@@ -178,9 +179,10 @@ if has optin_spec; then
         --out "$OUT/spec_decode_0.md" 2>&1 | grep -v USDT | tail -8
 fi
 if has spec_eagle; then
-    stage "speculative decoding at batch 1 with EAGLE heads built from the target (its first 1 and 4 layers; a random head, fixed and adaptive k)"
-    timeout 330 python3 bench/spec_decode.py --checkpoint /tmp/qb --batches 1 --eagle layers1,layers4,random --adaptive \
-        --adaptive-modes eagle-random --verify graphs --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -14
+    stage "speculative decoding at batch 1 with EAGLE heads built from the target (its first 1 and 4 layers; a random head, fixed and adaptive k), plain decode steps eager and graphed (QSERVE_EAGLE_DECODE_GRAPHS)"
+    timeout 540 python3 bench/spec_decode.py --checkpoint /tmp/qb --batches 1 --eagle layers1,layers4,random --adaptive \
+        --adaptive-modes eagle-random,eagle-random-dg --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-both}" --verify graphs \
+        --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -20
 fi
 if has spec_serving; then
     # the same workload without and with n-gram speculation (disable_by_batch_size 64 as in spec_decode.py)

@@ -31,7 +31,7 @@ once finished sequences bring the batch under the threshold.
     python bench/spec_decode.py --batches 128 --draft-layers 12 --verify graphs --repeats 5 \
         --out spec_decode_128.md                                            # batch 128: median of 5 runs
     python bench/spec_decode.py --batches 1 --eagle layers1,layers4,random --adaptive \
-        --adaptive-modes eagle-random --verify graphs \
+        --adaptive-modes eagle-random,eagle-random-dg --eagle-decode-graphs both --verify graphs \
         --out spec_decode_eagle.md                                          # EAGLE heads built from the target
 
 The table goes to stdout and ``--out`` (markdown).
@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import QWEN14B, SMALL, write_random_gptq  # noqa: E402
 
 from qserve import LLM, SamplingParams  # noqa: E402
-from qserve.engine.engine import SPEC_GRAPHS_ENV  # noqa: E402
+from qserve.engine.engine import EAGLE_DECODE_GRAPHS_ENV, SPEC_GRAPHS_ENV  # noqa: E402
 
 
 def write_draft(target: Path, path: Path, num_layers: int, mismatched: bool = False) -> None:
@@ -267,6 +267,13 @@ def main() -> None:
         "layersN (the target's first N layers on the next token's embedding, e.g. layers1), random (an unrelated head)",
     )
     parser.add_argument(
+        "--eagle-decode-graphs",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the EAGLE modes with QSERVE_EAGLE_DECODE_GRAPHS=1 (decode graphs that hand the head its hidden "
+        "states, so plain decode steps while speculating are not eager): off, on, or both (the -dg modes)",
+    )
+    parser.add_argument(
         "--mismatched-draft",
         action="store_true",
         help="with --draft-layers: the draft's head rolled by half the vocabulary (acceptance near 0%%), "
@@ -319,7 +326,9 @@ def main() -> None:
         if not (head_path / "config.json").is_file():
             write_eagle_head(path, head_path, construction)
         eagle = {"method": "eagle", "model": str(head_path), "num_speculative_tokens": args.k}
-        modes.append((f"eagle-{construction}", {**eagle, "disable_by_batch_size": args.disable_by_batch_size}))
+        eagle["disable_by_batch_size"] = args.disable_by_batch_size
+        suffixes = {"off": [""], "on": ["-dg"], "both": ["", "-dg"]}[args.eagle_decode_graphs]
+        modes += [(f"eagle-{construction}{suffix}", eagle) for suffix in suffixes]
     if args.adaptive:
         adaptive = {"enable_adaptive_verification": True}
         if args.adaptive_row_cost is not None:
@@ -339,6 +348,7 @@ def main() -> None:
     acceptance: dict[tuple[str, int, str, str], tuple[float, float]] = {}
     for mode, config in modes:
         os.environ[SPEC_GRAPHS_ENV] = "1" if config is not None and "graphs" in verify_modes else "0"
+        os.environ[EAGLE_DECODE_GRAPHS_ENV] = "1" if "-dg" in mode else "0"
         llm = LLM(
             str(path),
             device=device,

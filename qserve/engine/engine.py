@@ -143,6 +143,10 @@ LORA_GRAPHS_ENV = "QSERVE_LORA_GRAPHS"
 # Speculative decoding: CUDA graphs for verify steps and the draft model's steps (opt-in; without it
 # they run eagerly).
 SPEC_GRAPHS_ENV = "QSERVE_SPEC_GRAPHS"
+# EAGLE heads: decode CUDA graphs that also write the head's hidden states, so the plain decode steps
+# of a speculating engine (a sequence that got no drafts) replay them instead of running eagerly.
+# Opt-in ("1") until `pytest -m gpu` passes with it: a change to the runner's launch path.
+EAGLE_DECODE_GRAPHS_ENV = "QSERVE_EAGLE_DECODE_GRAPHS"
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
 # (the last draft and the target's token): its graphs take up to this many rows per sequence.
 DRAFT_CATCH_UP_ROWS = 2
@@ -455,7 +459,9 @@ class Engine:
             else:
                 logger.info("enable_lora: decode runs eagerly (%s=0)", LORA_GRAPHS_ENV)
         elif self.device.type == "cuda" and not config.enforce_eager and graphs_ok:
-            self.runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
+            self.runner.capture_decode_graphs(
+                config.max_num_seqs, max_model_len, hidden_taps=self.decode_graph_hidden_taps()
+            )
         if self._captures_piecewise_graphs():
             self._capture_piecewise_graphs()
         elif piecewise_enabled(self.device) and not config.enforce_eager:
@@ -625,6 +631,16 @@ class Engine:
             shadow.nbytes / 2**20,
         )
         return EagleProposer(head, shadow, self.device, self.scheduler_config.max_num_batched_tokens)
+
+    def decode_graph_hidden_taps(self) -> tuple[int, ...] | None:
+        """The taps the decode graphs capture (``EAGLE_DECODE_GRAPHS_ENV``): an EAGLE head's, so that
+        its plain decode steps replay them; None (graphs that return logits only) otherwise. Enables
+        the runner's hidden states for the head here, before the graphs are captured."""
+        head = self._eagle_head
+        if head is None or os.environ.get(EAGLE_DECODE_GRAPHS_ENV, "0") != "1":
+            return None
+        self.runner.enable_spec_hidden_states(head.config.taps)
+        return self.runner.spec_hidden_layers
 
     def _draft_cost(self) -> float:
         """The adaptive policy's cost of one draft forward relative to one of the target: the bytes

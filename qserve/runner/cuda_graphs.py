@@ -29,7 +29,8 @@ padded with row 0) gathers them, at most ``max_sample_rows`` per graph, so the l
 the decode graphs' own (``share``).
 
 EAGLE heads (``hidden_taps``, the runner's when it returns hidden states for one): a multi-row graph
-also writes every row's hidden states for the head into a static buffer ``spec_hidden``
+(or, opted in with ``QSERVE_EAGLE_DECODE_GRAPHS=1``, a decode graph) also writes every row's hidden
+states for the head into a static buffer ``spec_hidden``
 (``[max rows, width]``, the model dtype): the final hidden states when ``hidden_taps`` is empty
 (EAGLE, width = hidden), else the residual streams entering the layers ``hidden_taps``, concatenated
 (EAGLE-3, width = len(taps) * hidden), as the eager forward computes them. ``spec_hidden_of`` gathers
@@ -111,14 +112,14 @@ class DecodeGraphs:
         """``max_num_seqs``: the largest bucket (sequences per graph). ``query_len``: rows per
         sequence (module doc); ``max_sample_rows``: with ``query_len > 1``, the most logit rows a
         graph computes (default: every row); ``share``: graphs whose pool and logits buffer these use;
-        ``hidden_taps``: with ``query_len > 1``, the graphs also write the hidden states an EAGLE
-        head reads (module doc; None: they do not)."""
+        ``hidden_taps``: the graphs also write the hidden states an EAGLE head reads (module doc;
+        None: they do not); not with ``max_loras``."""
         if query_len < 1:
             raise ValueError(f"query_len must be >= 1, got {query_len}")
         if query_len > 1 and max_loras is not None:
             raise ValueError("graphs of several rows per sequence take no LoRA slots")
-        if query_len == 1 and hidden_taps is not None:
-            raise ValueError("only graphs of several rows per sequence return an EAGLE head's hidden states")
+        if max_loras is not None and hidden_taps is not None:
+            raise ValueError("graphs that take LoRA slots return no EAGLE head's hidden states")
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
@@ -353,8 +354,8 @@ class DecodeGraphs:
 
     def spec_hidden_of(self, counts: np.ndarray) -> torch.Tensor:
         """``[T, width]``: the EAGLE head's hidden states of the real rows of the step just replayed
-        by ``replay_rows`` with these ``counts``, in token order (the eager forward's order), copied
-        out of the static buffer (module doc)."""
+        by ``replay_rows`` with these ``counts`` (by ``replay``: one per sequence), in token order (the
+        eager forward's order), copied out of the static buffer (module doc)."""
         assert self.spec_hidden is not None, "these graphs write no hidden states (hidden_taps)"
         rows = torch.from_numpy(static_rows(counts, self.query_len))  # [T]
         if self.spec_hidden.is_cuda:  # an asynchronous copy, as replay_rows' inputs

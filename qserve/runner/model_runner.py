@@ -40,7 +40,12 @@ EAGLE heads (``enable_spec_hidden_states``, off by default): a step whose
 tapped layers, concatenated); every other step is unchanged. Such a step runs eagerly, except a
 verify step that fits the multi-row graphs when they were captured after ``enable_spec_hidden_states``
 (the default; ``QSERVE_SPEC_GRAPHS=0`` turns them off): those graphs write the same hidden states
-into a static buffer (``DecodeGraphs.hidden_taps``), and the step replays one and returns them.
+into a static buffer (``DecodeGraphs.hidden_taps``), and the step replays one and returns them. A
+plain decode step that asks for them (while the engine speculates: every step of a sequence the
+head backs off from, or that got no drafts) replays a decode graph only when the decode graphs were
+captured with the same taps (``capture_decode_graphs(hidden_taps=...)``: the engine's opt-in
+``QSERVE_EAGLE_DECODE_GRAPHS=1``); otherwise it runs eagerly (about 60 ms a step for a 14B model on
+an H100, against about 5 ms replayed: bench/RESULTS.md, ninth session).
 
 Piecewise CUDA graphs (``capture_piecewise_graphs``, on CUDA unless ``QSERVE_PIECEWISE_GRAPHS=0``): a step
 that replays no decode or row graph (mixed and prefill steps) runs its layers' non-attention parts as
@@ -302,14 +307,29 @@ class ModelRunner:
         return self.kv_swapper
 
     def capture_decode_graphs(
-        self, max_num_seqs: int, max_model_len: int, max_loras: int | None = None, share: DecodeGraphs | None = None
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_loras: int | None = None,
+        share: DecodeGraphs | None = None,
+        hidden_taps: tuple[int, ...] | None = None,
     ) -> None:
         """Capture CUDA graphs for pure-decode steps (after kernels are warm; before serving);
         ``max_loras``: graphs that take each row's LoRA adapter slot too (cuda_graphs' module doc);
-        ``share``: another runner's graphs whose pool and logits buffer these use."""
+        ``share``: another runner's graphs whose pool and logits buffer these use; ``hidden_taps``:
+        graphs that also write an EAGLE head's hidden states (``enable_spec_hidden_states``' taps), so
+        a plain decode step asking for them replays one instead of running eagerly."""
         extra = {} if max_loras is None else {"max_loras": max_loras}
         self.decode_graphs = DecodeGraphs(
-            self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device, share=share, **extra
+            self.model,
+            self.kv_caches,
+            max_num_seqs,
+            max_model_len,
+            self.block_size,
+            self.device,
+            share=share,
+            hidden_taps=hidden_taps,
+            **extra,
         )
         self.decode_graphs.capture()
 
@@ -455,8 +475,8 @@ class ModelRunner:
         capture = None if not scheduler_output.spec_hidden_states else self.spec_hidden_layers
         spec_hidden = None
         if (
-            capture is None  # decode graphs write no hidden states for an EAGLE head
-            and graphs is not None
+            graphs is not None
+            and (capture is None or graphs.hidden_taps == capture)  # EAGLE: decode graphs holding its hidden states
             and (lora_slots is None or graphs.max_loras is not None)
             and uses_decode_graph(graphs, is_decode, len(sample_rows), num_seqs, needs_hidden)
         ):
@@ -465,6 +485,8 @@ class ModelRunner:
             sample_logits = graphs.replay(
                 input_ids, positions, slots, block_tables, ntk_tables, pending=pending, **extra
             )
+            if capture is not None:
+                spec_hidden = graphs.spec_hidden_of(counts)  # [S, width]: one token per sequence
             prompt_hidden = pooled = None
         elif (
             row_graphs is not None

@@ -516,6 +516,51 @@ def test_cuda_graphed_eagle_verify_matches_eager_and_no_speculation(path, heads,
         torch.cuda.empty_cache()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_cuda_eagle_decode_graphs_match_no_speculation(path, heads, walk, async_scheduling, monkeypatch):  # noqa: F811
+    """QSERVE_EAGLE_DECODE_GRAPHS=1 on the GPU: decode graphs captured with the heads' taps; the plain
+    decode steps of a speculating engine replay them (captured graphs, not eager steps), the greedy
+    outputs equal no speculation's (float32), and an oracle head keeps > 95% of its drafts (which
+    collapses when the decode graphs hand it no or misplaced hidden states)."""
+    from tests.integration.test_spec_decode_graphs import PathLog, _cuda_engine
+
+    monkeypatch.setenv("QSERVE_EAGLE_DECODE_GRAPHS", "1")
+    finals = {}
+    for name, spec in (("none", None), ("eagle", _spec(heads, "eagle")), ("eagle3", _spec(heads, "eagle3"))):
+        llm = _cuda_engine(path, spec, True, monkeypatch, async_scheduling=async_scheduling)
+        engine = llm.engine
+        probe = llm.generate([{"prompt_token_ids": LOOP}], _greedy(), use_tqdm=False)[0].outputs[0]
+        requests = [r for r in _workload(probe.token_ids[9], "\n\n") if r[0] != "stop_str"]
+        log = PathLog(engine.runner)
+        launches = _launch_log(engine, log)
+        finals[name] = _run(engine, requests)[0]
+        if spec is not None:
+            graphs = engine.runner.decode_graphs
+            assert graphs.hidden_taps == engine.runner.spec_hidden_layers
+            assert isinstance(next(iter(graphs.graphs.values())), torch.cuda.CUDAGraph)
+            replayed = [kind for plain, asks, kind in launches if plain and asks]
+            assert replayed and set(replayed) == {"decode"}, launches
+            assert engine.spec_stats.num_draft_tokens > 0
+            assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+        del llm, engine
+        torch.cuda.empty_cache()
+    for name in ("eagle", "eagle3"):
+        _assert_same(finals[name], finals["none"])
+    target, oracle, perm = walk
+    for method in ("eagle", "eagle3"):
+        llm = _cuda_engine(target, _spec(oracle, method), True, monkeypatch, async_scheduling=async_scheduling)
+        prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
+        outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
+        for s, output in zip((3, 9, 17), outputs):
+            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+        del llm
+        torch.cuda.empty_cache()
+
+
 def test_the_heads_weights_count_and_serve_takes_one_model(path, heads, tmp_path, capsys):  # noqa: F811
     import argparse
 
@@ -613,6 +658,78 @@ def test_graphed_eagle_verify_is_token_identical_with_the_eager_hidden_states(pa
         runs.append((log.kinds(), hidden))
     (eager_kinds, eager_hidden), (graph_kinds, graph_hidden) = runs
     assert "rows" not in eager_kinds and graph_kinds.count("rows") >= 5, graph_kinds
+    assert len(graph_hidden) == len(eager_hidden)
+    for got, want_states in zip(graph_hidden, eager_hidden):
+        assert (got is None) == (want_states is None)
+        if got is not None:
+            torch.testing.assert_close(got, want_states, atol=1e-4, rtol=1e-4)
+
+
+def _launch_log(engine, log) -> list[tuple[bool, bool, str]]:  # noqa: ANN001
+    """Per launch: (a plain decode step, it asked for the head's hidden states, the path it took);
+    ``log`` is the runner's PathLog, read after each launch. Also keeps each step's hidden states."""
+    launches: list[tuple[bool, bool, str]] = []
+    launch = engine.runner.launch
+
+    def spy(scheduler_output, previous=None):  # noqa: ANN001, ANN202
+        before = len(log.entries)
+        step = launch(scheduler_output, previous)
+        plain = scheduler_output.num_batched_tokens == len(scheduler_output.sequences)
+        plain = plain and not scheduler_output.num_spec_tokens
+        kind = log.entries[-1][0] if len(log.entries) > before else "none"
+        launches.append((plain, bool(scheduler_output.spec_hidden_states), kind))
+        return step
+
+    engine.runner.launch = spy
+    return launches
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_decode_graphs_replay_the_plain_decode_steps_of_speculation(
+    path,  # noqa: F811
+    heads,
+    reference,  # noqa: F811
+    method,
+    monkeypatch,
+):
+    """QSERVE_EAGLE_DECODE_GRAPHS=1 (StaticReplay stand-ins on CPU): the decode graphs carry the
+    head's taps, so a plain decode step that asks for hidden states (speculation on, the sequence
+    got no drafts) replays a decode graph instead of running eagerly (on an H100 such eager steps
+    made EAGLE 10x slower than no speculation); outputs stay token-identical to no speculation and
+    every step hands the head the hidden states the engine without the switch hands it."""
+    from tests.integration.test_spec_decode_graphs import PathLog, install_graphs
+
+    requests, want, _ = reference
+    runs = []
+    for decode_graphs in ("0", "1"):
+        monkeypatch.setenv("QSERVE_EAGLE_DECODE_GRAPHS", decode_graphs)
+        llm = LLM(path, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
+        engine = llm.engine
+        install_graphs(llm)
+        taps = engine.runner.decode_graphs.hidden_taps
+        assert taps == (engine.runner.spec_hidden_layers if decode_graphs == "1" else None)
+        log = PathLog(engine.runner)
+        launches = _launch_log(engine, log)
+        hidden = []
+        launch = engine.runner.launch
+
+        def keep(scheduler_output, previous=None, f=launch, seen=hidden):  # noqa: ANN001, ANN202
+            step = f(scheduler_output, previous)
+            states = step.spec_hidden_states
+            seen.append(None if states is None else states.clone())
+            return step
+
+        engine.runner.launch = keep
+        got, _ = _run(engine, requests)
+        _assert_same(got, want)
+        assert engine.spec_stats.num_draft_tokens > 0
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+        runs.append((launches, hidden))
+    (eager_launches, eager_hidden), (graph_launches, graph_hidden) = runs
+    asked = [kind for plain, asks, kind in eager_launches if plain and asks]
+    assert len(asked) >= 3 and set(asked) == {"eager"}, "without the switch these steps run eagerly"
+    replayed = [kind for plain, asks, kind in graph_launches if plain and asks]
+    assert len(replayed) == len(asked) and set(replayed) == {"decode"}, graph_launches
     assert len(graph_hidden) == len(eager_hidden)
     for got, want_states in zip(graph_hidden, eager_hidden):
         assert (got is None) == (want_states is None)

@@ -36,9 +36,12 @@ K = NGRAM["num_speculative_tokens"]
 
 
 def install_graphs(llm: LLM) -> None:
-    """What the engine does on CUDA with QSERVE_SPEC_GRAPHS=1, with StaticReplay stand-ins on CPU."""
+    """What the engine does on CUDA with QSERVE_SPEC_GRAPHS=1, with StaticReplay stand-ins on CPU
+    (decode graphs with an EAGLE head's taps where QSERVE_EAGLE_DECODE_GRAPHS=1 asks for them)."""
     engine = llm.engine
-    engine.runner.capture_decode_graphs(engine.config.max_num_seqs, engine.max_model_len)
+    engine.runner.capture_decode_graphs(
+        engine.config.max_num_seqs, engine.max_model_len, hidden_taps=engine.decode_graph_hidden_taps()
+    )
     if engine.spec_config is not None:
         engine._capture_spec_graphs()
 
@@ -210,8 +213,46 @@ def test_row_graph_returns_the_eager_hidden_states_for_an_eagle_head(path, taps)
     graphs.replay_rows(list(reversed(ids)), counts_a, lens, slots, tables, sample_rows)
     assert not torch.equal(graphs.spec_hidden_of(counts_a), kept), "the second step's hidden states differ"
     assert torch.equal(hidden, kept), "a replay rewrote the hidden states an earlier step returned"
-    with pytest.raises(ValueError, match="several rows"):
-        DecodeGraphs(runner.model, runner.kv_caches, 2, 64, runner.block_size, runner.device, hidden_taps=())
+    with pytest.raises(ValueError, match="LoRA"):
+        DecodeGraphs(
+            runner.model, runner.kv_caches, 2, 64, runner.block_size, runner.device, max_loras=2, hidden_taps=()
+        )
+
+
+@pytest.mark.parametrize("taps", [(), (1, 0, 1)], ids=["eagle", "eagle3"])
+def test_decode_graph_returns_the_eager_hidden_states_for_an_eagle_head(path, taps):  # noqa: F811
+    """Decode graphs captured with an EAGLE head's taps (QSERVE_EAGLE_DECODE_GRAPHS=1) return the
+    same logits as the eager forward of a plain decode step and, one row per sequence in order, the
+    hidden states the eager forward gives the head; the batch is padded to a bucket."""
+    llm = LLM(path, **ARGS)
+    runner = llm.engine.runner
+    gen = torch.Generator().manual_seed(11)
+    for key, value in runner.kv_caches:
+        key.normal_(generator=gen)
+        value.normal_(generator=gen)
+    counts, seq_lens = [1, 1, 1], [9, 12, 15]
+    ids, positions, slots, table_lens, flat, counts_a, lens, sample_rows = _step_inputs(runner, counts, seq_lens, gen)
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    qsl = np.concatenate(([0], np.cumsum(counts_a)))
+    eager_logits, _, _, eager_hidden = runner._forward_eager(
+        ids, positions, slots, table_lens, flat, qsl, lens, 1, sample_rows, [], spec_taps=taps
+    )
+    for (key, value), (k0, v0) in zip(runner.kv_caches, before):
+        key.copy_(k0)
+        value.copy_(v0)
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, 8, llm.engine.max_model_len, runner.block_size, runner.device,
+        buckets=(1, 2, 4, 8), hidden_taps=taps,
+    )  # fmt: skip
+    graphs.capture()
+    assert graphs.bucket_for(len(counts)) == 4, "a padded batch"
+    tables = pad_block_tables(table_lens, flat).astype(np.int32)
+    graph_logits = graphs.replay(ids, positions, slots, tables)
+    hidden = graphs.spec_hidden_of(counts_a)
+    width = runner.config.hidden_size * max(1, len(taps))
+    assert hidden.shape == eager_hidden.shape == (len(counts), width)
+    torch.testing.assert_close(hidden, eager_hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(graph_logits, eager_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_row_graphs_refuse_what_they_cannot_hold(path):  # noqa: F811
