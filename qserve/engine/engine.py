@@ -147,6 +147,9 @@ SPEC_GRAPHS_ENV = "QSERVE_SPEC_GRAPHS"
 # of a speculating engine (a sequence that got no drafts) replay them instead of running eagerly.
 # Opt-in ("1") until `pytest -m gpu` passes with it: a change to the runner's launch path.
 EAGLE_DECODE_GRAPHS_ENV = "QSERVE_EAGLE_DECODE_GRAPHS"
+# Speculative decoding: verify steps that fit no row graph (a verify beside a new prompt's chunk) run
+# through the piecewise graphs instead of eagerly. Opt-in ("1") until `pytest -m gpu` passes with it.
+PIECEWISE_SPEC_ENV = "QSERVE_PIECEWISE_SPEC"
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
 # (the last draft and the target's token): its graphs take up to this many rows per sequence.
 DRAFT_CATCH_UP_ROWS = 2
@@ -670,6 +673,7 @@ class Engine:
         self.runner.capture_piecewise_graphs(
             self.scheduler_config.max_num_batched_tokens, buckets_from_env(os.environ.get(PIECEWISE_BUCKETS_ENV))
         )
+        self.runner.piecewise_takes_drafts = os.environ.get(PIECEWISE_SPEC_ENV, "0") == "1"
 
     def _capture_spec_graphs(self) -> None:
         """CUDA graphs of speculative steps (``SPEC_GRAPHS_ENV``), after the target's decode graphs,

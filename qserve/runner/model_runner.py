@@ -44,8 +44,8 @@ into a static buffer (``DecodeGraphs.hidden_taps``), and the step replays one an
 plain decode step that asks for them (while the engine speculates: every step of a sequence the
 head backs off from, or that got no drafts) replays a decode graph only when the decode graphs were
 captured with the same taps (``capture_decode_graphs(hidden_taps=...)``: the engine's opt-in
-``QSERVE_EAGLE_DECODE_GRAPHS=1``); otherwise it runs eagerly (about 60 ms a step for a 14B model on
-an H100, against about 5 ms replayed: bench/RESULTS.md, ninth session).
+``QSERVE_EAGLE_DECODE_GRAPHS=1``); otherwise it runs eagerly (EAGLE at batch 1 averaged 61 ms a step for
+a 14B model on an H100, against 4.8 ms without speculation: bench/RESULTS.md, ninth session).
 
 Piecewise CUDA graphs (``capture_piecewise_graphs``, on CUDA unless ``QSERVE_PIECEWISE_GRAPHS=0``): a step
 that replays no decode or row graph (mixed and prefill steps) runs its layers' non-attention parts as
@@ -242,13 +242,16 @@ def uses_piecewise_graph(
     has_lora: bool,
     has_spec_hidden: bool,
     has_spec_tokens: bool,
+    takes_drafts: bool = False,
 ) -> bool:
     """Whether a step that replays no decode or row graph runs through the piecewise graphs: no
     prompt logprobs nor pooled hidden states (``has_prompt_logprobs`` covers both), no adapter row,
-    no EAGLE hidden states, no draft tokens (verify steps have their own graphs), and a bucket large
-    enough (qserve.runner.piecewise_graphs)."""
+    no EAGLE hidden states, no draft tokens unless ``takes_drafts`` (``ModelRunner.piecewise_takes_drafts``:
+    a verify step that fits no row graph, e.g. one that also carries a prompt; its logits rows are
+    any rows of the pieces' output, as in the eager forward), and a bucket large enough
+    (qserve.runner.piecewise_graphs)."""
     return (
-        not (has_prompt_logprobs or has_lora or has_spec_hidden or has_spec_tokens)
+        not (has_prompt_logprobs or has_lora or has_spec_hidden or (has_spec_tokens and not takes_drafts))
         and graphs.bucket_for(num_tokens) is not None
     )
 
@@ -284,6 +287,9 @@ class ModelRunner:
         self.num_ntk_tables = getattr(getattr(model, "rotary", None), "num_ntk_tables", 1)
         # EAGLE: None (off), () (the final hidden states) or the layers whose input streams are tapped
         self.spec_hidden_layers: tuple[int, ...] | None = None
+        # Piecewise graphs also take steps with draft tokens that fit no row graph (opt-in, the
+        # engine's QSERVE_PIECEWISE_SPEC=1; otherwise those steps run eagerly).
+        self.piecewise_takes_drafts = False
 
     def enable_spec_hidden_states(self, taps: tuple[int, ...]) -> None:
         """Steps asking for it (``SchedulerOutput.spec_hidden_states``) return the target's hidden
@@ -510,6 +516,7 @@ class ModelRunner:
             lora_slots is not None,
             capture is not None,
             bool(scheduler_output.num_spec_tokens),
+            self.piecewise_takes_drafts,
         ):
             sample_logits = self._forward_piecewise(
                 input_ids,

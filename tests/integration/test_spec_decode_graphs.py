@@ -503,3 +503,90 @@ def test_cuda_step_disabled_by_batch_size_replays_the_plain_decode_graphs(path, 
         torch.cuda.empty_cache()
     assert traces[0] == traces[1] and "decode" in {e[0] for e in traces[0]}
     assert outputs[0] == outputs[1]
+
+
+# ------------------------------------------------------------- verify steps beside a prompt (CPU)
+
+
+def _verify_beside_a_prompt(checkpoint: str, monkeypatch, takes_drafts: bool, cuda: bool = False) -> list[str]:  # noqa: ANN001
+    """Run a looping request with n-gram drafts and, once drafts flow, a 40-token prompt whose chunks
+    (16-token step budget) land beside its verify steps; assert every request gets the tokens of no
+    speculation; return the path each step that verified drafts beside a prompt chunk took."""
+    from qserve.engine.engine import PIECEWISE_SPEC_ENV
+    from qserve.runner.piecewise_graphs import PIECEWISE_BUCKETS_ENV, PIECEWISE_GRAPHS_ENV
+
+    monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(PIECEWISE_BUCKETS_ENV, "8,16")
+    monkeypatch.setenv(PIECEWISE_SPEC_ENV, "1" if takes_drafts else "0")
+    monkeypatch.setenv(SPEC_GRAPHS_ENV, "1")
+    newcomer = [9 + (7 * i) % 50 for i in range(40)]
+    args = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=256, max_num_seqs=32) if cuda else ARGS
+    want = {}
+    plain = LLM(checkpoint, async_scheduling=False, max_num_batched_tokens=16, **args)
+    for name, prompt in (("loop", LOOP), ("new", newcomer)):
+        want[name] = plain.generate([{"prompt_token_ids": prompt}], _greedy(max_tokens=24), use_tqdm=False)[0]
+    del plain
+    llm = LLM(checkpoint, async_scheduling=False, speculative_config=NGRAM, max_num_batched_tokens=16, **args)
+    if not cuda:
+        install_graphs(llm)
+    engine, runner = llm.engine, llm.engine.runner
+    assert runner.piecewise_graphs is not None and runner.piecewise_takes_drafts == takes_drafts
+    paths: list[tuple[int, int, str]] = []  # (draft tokens, tokens, path) per launch
+    taken: list[str] = []
+    for name in ("_forward_eager", "_forward_piecewise"):
+        original = getattr(runner, name)
+
+        def spy(*args, f=original, kind=name, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            taken.append(kind.removeprefix("_forward_"))
+            return f(*args, **kwargs)
+
+        setattr(runner, name, spy)
+    launch = runner.launch
+
+    def logged(scheduler_output, previous=None):  # noqa: ANN001, ANN202
+        before = len(taken)
+        step = launch(scheduler_output, previous)
+        kind = taken[-1] if len(taken) > before else "graph"
+        paths.append((scheduler_output.num_spec_tokens, scheduler_output.num_batched_tokens, kind))
+        return step
+
+    runner.launch = logged
+    engine.add_request("loop", {"prompt_token_ids": LOOP}, _greedy(max_tokens=24))
+    final = {}
+    steps, added = 0, False
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 200
+        if not added and any(drafts for drafts, _, _ in paths):  # drafts flow: the prompt lands beside a verify
+            engine.add_request("new", {"prompt_token_ids": newcomer}, _greedy(max_tokens=24))
+            added = True
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+    for name in ("loop", "new"):
+        assert final[name].outputs[0].token_ids == want[name].outputs[0].token_ids, name
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    beside = [kind for drafts, tokens, kind in paths if drafts and tokens > drafts + 2]
+    assert beside, f"a step verified drafts beside a prompt: {paths}"
+    return beside
+
+
+@pytest.mark.parametrize("takes_drafts", [False, True], ids=["eager", "piecewise"])
+def test_a_verify_beside_a_prompt_takes_the_piecewise_graphs_when_asked(path, monkeypatch, takes_drafts):  # noqa: F811
+    """A step that verifies drafts and also prefills a newcomer's prompt fits no row graph. Without
+    QSERVE_PIECEWISE_SPEC it runs eagerly (on the GPU a 14B model's eager step, which put n-gram
+    speculation's TTFT p50 at 170 ms against 38 without it at Poisson 4: bench/RESULTS.md); with
+    QSERVE_PIECEWISE_SPEC=1 it runs through the piecewise graphs (StaticReplay stand-ins here). Both
+    give every request the tokens of no speculation."""
+    beside = _verify_beside_a_prompt(path, monkeypatch, takes_drafts)
+    assert set(beside) == ({"piecewise"} if takes_drafts else {"eager"}), beside
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_verify_beside_a_prompt_replays_the_piecewise_graphs(path, monkeypatch):  # noqa: F811
+    """QSERVE_PIECEWISE_SPEC=1 on the GPU: the verify steps beside a prompt chunk replay captured
+    piecewise graphs and every request gets the tokens of no speculation (float32)."""
+    beside = _verify_beside_a_prompt(path, monkeypatch, True, cuda=True)
+    assert set(beside) == {"piecewise"}, beside
+    torch.cuda.empty_cache()
