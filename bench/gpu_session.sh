@@ -49,8 +49,9 @@
 # spec_eagle (only when named): bench/spec_decode.py at batch 1 with EAGLE heads built from the target (--eagle
 #   layers1,layers4,random; the random head also with adaptive k), graphed verify, median of 3 (issue 29); each head
 #   with its plain decode steps eager and under QSERVE_EAGLE_DECODE_GRAPHS=1 (EAGLE_DECODE_GRAPHS=off|on|both); ~8 min.
-# spec_serving (only when named): bench/serving.py without and with n-gram speculation, Poisson 4 req/s and all at
-#   once, SPEC_SERVING_REQUESTS requests (default 120; issue 29).
+# spec_serving (only when named): bench/serving.py without and with n-gram speculation (ngram-pw: with
+#   QSERVE_PIECEWISE_SPEC=1), Poisson 4 req/s and all at once, SPEC_SERVING_REQUESTS requests (default 120;
+#   SPEC_SERVING_MODES, default "off ngram ngram-pw"; issue 29).
 # moe_fp8 (only when named): bench/e2e.py --model qwen3-30b-a3b, capacity at 1k tokens with fp8 KV (issue 32).
 set -u
 if [[ $# -ge 1 && ( -d "$1" || "$1" == */* ) ]]; then  # the older order: OUT_DIR first
@@ -186,14 +187,17 @@ if has spec_eagle; then
 fi
 if has spec_serving; then
     # the same workload without and with n-gram speculation (disable_by_batch_size 64 as in spec_decode.py)
-    for spec in off ngram; do
+    # ngram-pw: with QSERVE_PIECEWISE_SPEC=1 (verify steps beside a prompt chunk through the piecewise graphs)
+    for spec in ${SPEC_SERVING_MODES:-off ngram ngram-pw}; do
         stage "bench/serving.py, speculation $spec: ${SPEC_SERVING_REQUESTS:-120} requests at Poisson 4 req/s, then all at once"
-        config=(); [[ $spec == ngram ]] && config=(--speculative-config \
+        export QSERVE_PIECEWISE_SPEC=0; [[ $spec == *-pw ]] && export QSERVE_PIECEWISE_SPEC=1
+        config=(); [[ $spec == ngram* ]] && config=(--speculative-config \
             '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 64}')
         timeout 200 python3 bench/serving.py --build-qwen14b /tmp/qb --gpu-memory-budget 24GiB \
             --num-requests "${SPEC_SERVING_REQUESTS:-120}" --rates 4,inf "${config[@]}" --out "$OUT/spec_serving_$spec.md" 2>&1 \
             | grep -E "^rate|speculation at|budget check" | cut -c1-400
     done
+    unset QSERVE_PIECEWISE_SPEC
 fi
 if has piecewise; then
     stage "piecewise CUDA graphs for steps that carry prefill: GPU tests, then eager vs piecewise step profile"
