@@ -147,8 +147,9 @@ SPEC_GRAPHS_ENV = "QSERVE_SPEC_GRAPHS"
 # of a speculating engine (a sequence that got no drafts) replay them instead of running eagerly.
 # Opt-in ("1") until `pytest -m gpu` passes with it: a change to the runner's launch path.
 EAGLE_DECODE_GRAPHS_ENV = "QSERVE_EAGLE_DECODE_GRAPHS"
-# Speculative decoding: verify steps that fit no row graph (a verify beside a new prompt's chunk) run
-# through the piecewise graphs instead of eagerly. Opt-in ("1") until `pytest -m gpu` passes with it.
+# Speculative decoding: verify steps that fit no row graph (a verify beside a new prompt's chunk), and
+# an EAGLE (not EAGLE-3) head's steps that ask for hidden states and fit no other graph, run through
+# the piecewise graphs instead of eagerly. Opt-in ("1") until `pytest -m gpu` passes with it.
 PIECEWISE_SPEC_ENV = "QSERVE_PIECEWISE_SPEC"
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
 # (the last draft and the target's token): its graphs take up to this many rows per sequence.

@@ -287,8 +287,9 @@ class ModelRunner:
         self.num_ntk_tables = getattr(getattr(model, "rotary", None), "num_ntk_tables", 1)
         # EAGLE: None (off), () (the final hidden states) or the layers whose input streams are tapped
         self.spec_hidden_layers: tuple[int, ...] | None = None
-        # Piecewise graphs also take steps with draft tokens that fit no row graph (opt-in, the
-        # engine's QSERVE_PIECEWISE_SPEC=1; otherwise those steps run eagerly).
+        # Piecewise graphs also take speculative steps that fit no decode or row graph (opt-in, the
+        # engine's QSERVE_PIECEWISE_SPEC=1; otherwise those steps run eagerly): steps with draft
+        # tokens, and steps asking for an EAGLE (not EAGLE-3) head's hidden states.
         self.piecewise_takes_drafts = False
 
     def enable_spec_hidden_states(self, taps: tuple[int, ...]) -> None:
@@ -514,11 +515,13 @@ class ModelRunner:
             num_tokens,
             needs_hidden,
             lora_slots is not None,
-            capture is not None,
+            # EAGLE's final hidden states are the pieces' own output (opt-in with the drafts);
+            # EAGLE-3's tapped streams are not
+            capture is not None and (bool(capture) or not self.piecewise_takes_drafts),
             bool(scheduler_output.num_spec_tokens),
             self.piecewise_takes_drafts,
         ):
-            sample_logits = self._forward_piecewise(
+            sample_logits, spec_hidden = self._forward_piecewise(
                 input_ids,
                 positions,
                 slots,
@@ -530,6 +533,7 @@ class ModelRunner:
                 sample_rows,
                 ntk_tables,
                 pending,
+                keep_hidden=capture is not None,
             )
             prompt_hidden = pooled = None
         else:
@@ -672,13 +676,17 @@ class ModelRunner:
         sample_rows: np.ndarray,
         ntk_tables: np.ndarray | None = None,
         pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
-        """The sampling rows' logits of a step through the piecewise graphs (``uses_piecewise_graph``):
-        the same step as ``_forward_eager`` with no prompt-logprob, pooled, EAGLE nor LoRA rows."""
+        keep_hidden: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the sampling rows' logits, with ``keep_hidden`` every token's final hidden states for an
+        EAGLE head, else None) of a step through the piecewise graphs (``uses_piecewise_graph``): the
+        same step as ``_forward_eager`` with no prompt-logprob, pooled, EAGLE-3 nor LoRA rows."""
         assert self.piecewise_graphs is not None
         metadata = self._metadata(slots, table_lens, flat_tables, query_start_loc, seq_lens, max_query_len, ntk_tables)
         hidden = self.piecewise_graphs.run(input_ids, positions, metadata, ntk_tables, pending)  # [T, hidden]
-        return self._sample_logits(hidden, sample_rows)
+        # a copy: the next replay rewrites the static output before the head has read it
+        spec_hidden = hidden.clone() if keep_hidden else None  # [T, hidden]
+        return self._sample_logits(hidden, sample_rows), spec_hidden
 
     def _verify(
         self,

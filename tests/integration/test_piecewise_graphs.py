@@ -152,7 +152,7 @@ def _compare_step(checkpoint: str, counts: list[int]) -> None:
     assert all(isinstance(p, StaticReplay) for pieces in graphs.graphs.values() for p in pieces)
     assert all(len(p) == runner.config.num_layers + 1 for p in graphs.graphs.values())
     graphs.attn_out.fill_(1e4)  # stale rows from an earlier step must not reach this one
-    piece_logits = runner._forward_piecewise(*step, ntk)
+    piece_logits, _ = runner._forward_piecewise(*step, ntk)
     torch.testing.assert_close(piece_logits, eager_logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(piece_logits.argmax(-1), eager_logits.argmax(-1))
     assert graphs.bucket_for(len(ids)) > len(ids), "the step was padded"
@@ -307,7 +307,7 @@ def test_cuda_piecewise_step_logits_match_eager(path, dtype):
         key.copy_(k0)
         value.copy_(v0)
     runner.capture_piecewise_graphs(32, buckets=(8,))
-    piece_logits = runner._forward_piecewise(*args)
+    piece_logits, _ = runner._forward_piecewise(*args)
     torch.cuda.synchronize()
     tol = 1e-4 if dtype == "float32" else 2e-2
     torch.testing.assert_close(piece_logits, eager_logits, atol=tol, rtol=tol)

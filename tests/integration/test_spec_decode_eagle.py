@@ -516,6 +516,57 @@ def test_cuda_graphed_eagle_verify_matches_eager_and_no_speculation(path, heads,
         torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_prompt_steps_take_the_piecewise_graphs_when_asked(path, heads, reference, method, monkeypatch):  # noqa: F811
+    """QSERVE_PIECEWISE_SPEC=1 with piecewise graphs (StaticReplay stand-ins on CPU): a step that asks
+    for an EAGLE head's hidden states and fits no decode or row graph (a prompt chunk; a plain decode
+    when the decode graphs hold no taps) runs through the pieces, whose output is the final hidden
+    states the head reads; EAGLE-3's tapped streams are not their output, so its steps stay eager. Outputs are token-identical to no speculation and every
+    step hands the head the hidden states the engine without the switch hands it."""
+    from qserve.engine.engine import PIECEWISE_SPEC_ENV
+    from qserve.runner.piecewise_graphs import PIECEWISE_BUCKETS_ENV, PIECEWISE_GRAPHS_ENV
+    from tests.integration.test_spec_decode_graphs import PathLog, install_graphs
+
+    requests, want, _ = reference
+    monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(PIECEWISE_BUCKETS_ENV, "8,16,32,64")
+    runs = []
+    for takes in ("0", "1"):
+        monkeypatch.setenv(PIECEWISE_SPEC_ENV, takes)
+        llm = LLM(path, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
+        engine = llm.engine
+        install_graphs(llm)
+        log = PathLog(engine.runner)
+        launches = _launch_log(engine, log)
+        hidden = []
+        launch = engine.runner.launch
+
+        def keep(scheduler_output, previous=None, f=launch, seen=hidden):  # noqa: ANN001, ANN202
+            step = f(scheduler_output, previous)
+            states = step.spec_hidden_states
+            seen.append(None if states is None else states.clone())
+            return step
+
+        engine.runner.launch = keep
+        got, _ = _run(engine, requests)
+        _assert_same(got, want)
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+        runs.append((launches, hidden))
+    (off_launches, off_hidden), (on_launches, on_hidden) = runs
+    asked_off = [kind for _, asks, kind in off_launches if asks]
+    asked_on = [kind for _, asks, kind in on_launches if asks]
+    assert "piecewise" not in asked_off
+    if method == "eagle":  # prompt chunks and plain decodes that asked: pieces instead of eager steps
+        assert "piecewise" in asked_on and asked_on.count("eager") < asked_off.count("eager"), on_launches
+    else:
+        assert asked_on == asked_off, "EAGLE-3's tapped streams are not the pieces' output"
+    assert len(on_hidden) == len(off_hidden)
+    for got, want_states in zip(on_hidden, off_hidden):
+        assert (got is None) == (want_states is None)
+        if got is not None:
+            torch.testing.assert_close(got, want_states, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -47,18 +47,23 @@ def install_graphs(llm: LLM) -> None:
 
 
 class PathLog:
-    """Which path each forward of a runner took: ("decode", bucket), ("rows", bucket, counts) or
-    ("eager", num_tokens)."""
+    """Which path each forward of a runner took: ("decode", bucket), ("rows", bucket, counts),
+    ("piecewise", num_tokens) or ("eager", num_tokens)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.entries: list[tuple] = []
-        eager = runner._forward_eager
+        eager, piecewise = runner._forward_eager, runner._forward_piecewise
 
         def forward_eager(input_ids, *args, **kwargs):  # noqa: ANN001, ANN202
             self.entries.append(("eager", len(input_ids)))
             return eager(input_ids, *args, **kwargs)
 
+        def forward_piecewise(input_ids, *args, **kwargs):  # noqa: ANN001, ANN202
+            self.entries.append(("piecewise", len(input_ids)))
+            return piecewise(input_ids, *args, **kwargs)
+
         runner._forward_eager = forward_eager
+        runner._forward_piecewise = forward_piecewise
         for graphs, kind in ((runner.decode_graphs, "decode"), (runner.row_graphs, "rows")):
             if graphs is not None:
                 self._spy(graphs, kind)
