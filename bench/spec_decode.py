@@ -136,10 +136,14 @@ def write_eagle_head(target: Path, path: Path, construction: str) -> None:
     tensors: dict[str, torch.Tensor] = {}
     if construction.startswith("layers") and construction[len("layers") :].isdigit():
         num_layers = int(construction[len("layers") :])
+        if not 1 <= num_layers <= config["num_hidden_layers"]:
+            raise ValueError(
+                f"--eagle {construction}: N must be 1..{config['num_hidden_layers']} (the target's layers)"
+            )
         head["num_hidden_layers"] = num_layers
         index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
         embed = load_file(str(target / index["model.embed_tokens.weight"]))["model.embed_tokens.weight"]
-        scale = float(embed.float().pow(2).mean().rsqrt())
+        scale = float(embed[:4096].float().pow(2).mean().rsqrt())  # rows sampled: the table is ~1.5 GB
         fc = torch.zeros(hidden, 2 * hidden)
         fc[:, :hidden] = torch.eye(hidden)
         tensors["fc.weight"] = fc.half()

@@ -51,7 +51,9 @@ Piecewise CUDA graphs (``capture_piecewise_graphs``, on CUDA unless ``QSERVE_PIE
 that replays no decode or row graph (mixed and prefill steps) runs its layers' non-attention parts as
 graphs per token-count bucket with the attentions eager between them (``qserve.runner.piecewise_graphs``),
 unless it has prompt-logprob or pooled rows, an adapter row, EAGLE hidden states or draft tokens
-(``uses_piecewise_graph``), which run eagerly as before.
+(``uses_piecewise_graph``), which run eagerly as before; with ``piecewise_takes_drafts`` (the engine's
+opt-in ``QSERVE_PIECEWISE_SPEC=1``) steps with draft tokens, and steps asking for an EAGLE (not EAGLE-3)
+head's hidden states (the pieces' output, copied out), take the pieces too.
 
 Swap preemption: a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` are copied by the
 ``KVSwapper`` (``enable_swap``) at the start of ``launch``, before anything of the step's forward

@@ -85,6 +85,11 @@ def test_bucket_for_pads_up_and_refuses_past_the_largest(path):
     assert not uses_piecewise_graph(graphs, 41, False, False, False, False)
     for flags in np.eye(4, dtype=bool):
         assert not uses_piecewise_graph(graphs, 17, *map(bool, flags))
+    # QSERVE_PIECEWISE_SPEC (takes_drafts): draft tokens too, and nothing else that was eager-only
+    assert uses_piecewise_graph(graphs, 17, False, False, False, True, True)
+    for flags in np.eye(3, dtype=bool):
+        assert not uses_piecewise_graph(graphs, 17, *map(bool, flags), True, True)
+    assert not uses_piecewise_graph(graphs, 41, False, False, False, True, True)
 
 
 # ------------------------------------------------------------------ one step, pieces against eager

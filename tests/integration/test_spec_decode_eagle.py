@@ -530,6 +530,7 @@ def test_eagle_prompt_steps_take_the_piecewise_graphs_when_asked(path, heads, re
     requests, want, _ = reference
     monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
     monkeypatch.setenv(PIECEWISE_BUCKETS_ENV, "8,16,32,64")
+    monkeypatch.delenv("QSERVE_EAGLE_DECODE_GRAPHS", raising=False)  # plain decodes with no taps: pieces too
     runs = []
     for takes in ("0", "1"):
         monkeypatch.setenv(PIECEWISE_SPEC_ENV, takes)
@@ -565,6 +566,58 @@ def test_eagle_prompt_steps_take_the_piecewise_graphs_when_asked(path, heads, re
         assert (got is None) == (want_states is None)
         if got is not None:
             torch.testing.assert_close(got, want_states, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("switches", ["decode_graphs", "piecewise"])
+def test_eagle_graph_switches_keep_the_outputs_under_async_scheduling(path, heads, switches, monkeypatch):  # noqa: F811
+    """Async scheduling while speculation is off (more requests than ``disable_by_batch_size``): two
+    long prompts chunked under a 16-token budget give prompt steps in a row in the async order, each
+    launched before the head has read the last one's hidden states. With QSERVE_EAGLE_DECODE_GRAPHS=1
+    or QSERVE_PIECEWISE_SPEC=1 the head reads exactly the hidden states its step returned (copied out
+    of the decode graphs' or the pieces' static buffers, which the next replay rewrites), and the
+    outputs stay token-identical to no speculation (which alone would not show wrong states: the
+    rejection sampler keeps the target's tokens whatever the head drafts)."""
+    from qserve.engine.engine import EAGLE_DECODE_GRAPHS_ENV, PIECEWISE_SPEC_ENV
+    from qserve.runner.piecewise_graphs import PIECEWISE_BUCKETS_ENV, PIECEWISE_GRAPHS_ENV
+    from tests.integration.test_spec_decode_graphs import PathLog, install_graphs
+
+    monkeypatch.setenv(EAGLE_DECODE_GRAPHS_ENV, "1" if switches == "decode_graphs" else "0")
+    monkeypatch.setenv(PIECEWISE_SPEC_ENV, "1" if switches == "piecewise" else "0")
+    monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(PIECEWISE_BUCKETS_ENV, "8,16")
+    prompts = [[9 + (7 * i + j) % 50 for i in range(40)] for j in (0, 3)]
+    requests = [(f"long{j}", prompt, _greedy(max_tokens=16)) for j, prompt in enumerate(prompts)]
+    requests.append(("loop", LOOP, _greedy(max_tokens=24)))
+    engine_args = dict(async_scheduling=True, max_num_batched_tokens=16, **ARGS)
+    want, _ = _run(LLM(path, **engine_args).engine, requests)
+    spec = _spec(heads, "eagle", disable_by_batch_size=1)
+    llm = LLM(path, speculative_config=spec, **engine_args)
+    install_graphs(llm)
+    engine = llm.engine
+    log = PathLog(engine.runner)
+    # id of a step's hidden states -> (them, kept alive so the id stays theirs; their values at launch)
+    returned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    launch, observe = engine.runner.launch, engine.proposer.observe
+    compared = []
+
+    def launched(scheduler_output, previous=None):  # noqa: ANN001, ANN202
+        step = launch(scheduler_output, previous)
+        if step.spec_hidden_states is not None:
+            states = step.spec_hidden_states
+            returned[id(states)] = (states, states.clone())
+        return step
+
+    def observed(rows, target_hidden):  # noqa: ANN001, ANN202
+        torch.testing.assert_close(target_hidden, returned[id(target_hidden)][1], atol=0, rtol=0)
+        compared.append(len(rows))
+        return observe(rows, target_hidden)
+
+    engine.runner.launch, engine.proposer.observe = launched, observed
+    got, _ = _run(engine, requests)
+    _assert_same(got, want)
+    assert len(compared) >= 5
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    assert ("decode" if switches == "decode_graphs" else "piecewise") in log.kinds()
 
 
 @pytest.mark.gpu
