@@ -38,6 +38,7 @@ MILESTONES = (
     "compil",
     "application startup",
     "uvicorn running",
+    "allocator setting",
 )
 
 

@@ -100,7 +100,7 @@ from qserve.model.registry import read_model_config
 from qserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from qserve.pooling_params import PoolingParams
 from qserve.request import Request, RequestStatus
-from qserve.runner.cuda_allocator import prefer_expandable_segments
+from qserve.runner.cuda_allocator import allocator_setting, prefer_expandable_segments
 from qserve.runner.kv_swap import kv_block_bytes
 from qserve.runner.model_runner import LaunchedStep, ModelRunner, allocate_kv_caches, kv_cache_shape
 from qserve.runner.piecewise_graphs import (
@@ -350,6 +350,9 @@ class Engine:
 
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            # read by torch when CUDA started in this process (resolve_device asks first where it can)
+            logger.info("%s: CUDA allocator setting: %s", owner or config.model, allocator_setting())
         model_config = read_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.model, self.model_config = load_model(

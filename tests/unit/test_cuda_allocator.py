@@ -74,3 +74,11 @@ def test_engine_process_allocates_expandable_segments(user_setting: str | None) 
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == ("[True]" if user_setting is None else "[False]"), out.stdout
+
+
+def test_allocator_setting_names_what_the_allocator_reads() -> None:
+    """The start-up log line: the first of torch's two names that is set, else torch's default."""
+    assert cuda_allocator.allocator_setting({}) == "torch's default (fixed-size segments)"
+    assert cuda_allocator.allocator_setting({"PYTORCH_ALLOC_CONF": ""}) == "PYTORCH_ALLOC_CONF=''"
+    both = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "x"}
+    assert cuda_allocator.allocator_setting(both) == "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'"
