@@ -357,6 +357,8 @@ class DecodeGraphs:
         by ``replay_rows`` with these ``counts`` (by ``replay``: one per sequence), in token order (the
         eager forward's order), copied out of the static buffer (module doc)."""
         assert self.spec_hidden is not None, "these graphs write no hidden states (hidden_taps)"
+        if self.query_len == 1:  # a decode graph: sequence i's one token is row i, no index to stage
+            return self.spec_hidden[: len(counts)].clone()  # [S, width]
         rows = torch.from_numpy(static_rows(counts, self.query_len))  # [T]
         if self.spec_hidden.is_cuda:  # an asynchronous copy, as replay_rows' inputs
             rows = rows.pin_memory().to(self.spec_hidden.device, non_blocking=True)
