@@ -258,6 +258,15 @@ class _Group:
         return all(seq.finish_reason is not None for seq in self.sequences)
 
 
+def opt_in(name: str) -> bool:
+    """An opt-in switch of the environment (a path that waits for its GPU run): "1" on, unset or "0"
+    off; any other value is refused, naming the variable (a "true" would otherwise silently mean off)."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 1 (on), 0 or unset (off)")
+    return value == "1"
+
+
 def resolve_device(device: str | None) -> torch.device:
     """The device an engine runs on (CUDA where there is one, unless named). Resolving a CUDA device
     is the last moment before qserve starts CUDA in the process, so this is where it asks for
@@ -449,6 +458,8 @@ class Engine:
             kv_caches = allocate_kv_caches(rank_config, num_blocks, cache.block_size, kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.model_config, kv_caches, cache.block_size, self.device, config.seed)
         self.runner.lora_manager = self.lora_manager
+        if self._eagle_head is not None:  # steps that ask return the hidden states the head reads
+            self.runner.enable_spec_hidden_states(self._eagle_head.config.taps)
         if self.tokenizer is not None:  # model rows past the tokenizer's ids (Qwen's padding) are never sampled
             self.runner.set_valid_vocab_size(num_token_ids(self.tokenizer))
         self.swap_cost: SwapCost | None = None
@@ -628,7 +639,6 @@ class Engine:
         if self.tokenizer is not None:
             vocab = min(vocab, num_token_ids(self.tokenizer))
         head.set_valid_vocab_size(vocab)  # never a draft the target cannot score
-        self.runner.enable_spec_hidden_states(head.config.taps)
         logger.info(
             "speculative decoding: %s head %s (%d layer(s)%s), KV indexed by the target's blocks (%.1f MiB)",
             self.spec_config.method,
@@ -641,12 +651,9 @@ class Engine:
 
     def decode_graph_hidden_taps(self) -> tuple[int, ...] | None:
         """The taps the decode graphs capture (``EAGLE_DECODE_GRAPHS_ENV``): an EAGLE head's, so that
-        its plain decode steps replay them; None (graphs that return logits only) otherwise. Enables
-        the runner's hidden states for the head here, before the graphs are captured."""
-        head = self._eagle_head
-        if head is None or os.environ.get(EAGLE_DECODE_GRAPHS_ENV, "0") != "1":
+        its plain decode steps replay them; None (graphs that return logits only) otherwise."""
+        if self._eagle_head is None or not opt_in(EAGLE_DECODE_GRAPHS_ENV):
             return None
-        self.runner.enable_spec_hidden_states(head.config.taps)
         return self.runner.spec_hidden_layers
 
     def _draft_cost(self) -> float:
@@ -677,7 +684,7 @@ class Engine:
         self.runner.capture_piecewise_graphs(
             self.scheduler_config.max_num_batched_tokens, buckets_from_env(os.environ.get(PIECEWISE_BUCKETS_ENV))
         )
-        self.runner.piecewise_takes_drafts = os.environ.get(PIECEWISE_SPEC_ENV, "0") == "1"
+        self.runner.piecewise_takes_spec_steps = opt_in(PIECEWISE_SPEC_ENV)
 
     def _capture_spec_graphs(self) -> None:
         """CUDA graphs of speculative steps (``SPEC_GRAPHS_ENV``), after the target's decode graphs,

@@ -51,7 +51,7 @@ Piecewise CUDA graphs (``capture_piecewise_graphs``, on CUDA unless ``QSERVE_PIE
 that replays no decode or row graph (mixed and prefill steps) runs its layers' non-attention parts as
 graphs per token-count bucket with the attentions eager between them (``qserve.runner.piecewise_graphs``),
 unless it has prompt-logprob or pooled rows, an adapter row, EAGLE hidden states or draft tokens
-(``uses_piecewise_graph``), which run eagerly as before; with ``piecewise_takes_drafts`` (the engine's
+(``uses_piecewise_graph``), which run eagerly as before; with ``piecewise_takes_spec_steps`` (the engine's
 opt-in ``QSERVE_PIECEWISE_SPEC=1``) steps with draft tokens, and steps asking for an EAGLE (not EAGLE-3)
 head's hidden states (the pieces' output, copied out), take the pieces too.
 
@@ -242,18 +242,21 @@ def uses_piecewise_graph(
     num_tokens: int,
     has_prompt_logprobs: bool,
     has_lora: bool,
-    has_spec_hidden: bool,
+    spec_taps: tuple[int, ...] | None,
     has_spec_tokens: bool,
-    takes_drafts: bool = False,
+    takes_spec_steps: bool = False,
 ) -> bool:
     """Whether a step that replays no decode or row graph runs through the piecewise graphs: no
     prompt logprobs nor pooled hidden states (``has_prompt_logprobs`` covers both), no adapter row,
-    no EAGLE hidden states, no draft tokens unless ``takes_drafts`` (``ModelRunner.piecewise_takes_drafts``:
-    a verify step that fits no row graph, e.g. one that also carries a prompt; its logits rows are
-    any rows of the pieces' output, as in the eager forward), and a bucket large enough
-    (qserve.runner.piecewise_graphs)."""
+    and a bucket large enough (qserve.runner.piecewise_graphs). Speculative steps only with
+    ``takes_spec_steps`` (``ModelRunner.piecewise_takes_spec_steps``): draft tokens (a verify that fits no
+    row graph, e.g. beside a prompt chunk: its logit rows are any rows of the pieces' output, as in
+    the eager forward) and an EAGLE head's hidden states (``spec_taps`` empty: the pieces' output
+    itself); EAGLE-3's tapped streams (``spec_taps`` non-empty) are not their output, never."""
+    if spec_taps is not None and (spec_taps or not takes_spec_steps):
+        return False
     return (
-        not (has_prompt_logprobs or has_lora or has_spec_hidden or (has_spec_tokens and not takes_drafts))
+        not (has_prompt_logprobs or has_lora or (has_spec_tokens and not takes_spec_steps))
         and graphs.bucket_for(num_tokens) is not None
     )
 
@@ -292,7 +295,7 @@ class ModelRunner:
         # Piecewise graphs also take speculative steps that fit no decode or row graph (opt-in, the
         # engine's QSERVE_PIECEWISE_SPEC=1; otherwise those steps run eagerly): steps with draft
         # tokens, and steps asking for an EAGLE (not EAGLE-3) head's hidden states.
-        self.piecewise_takes_drafts = False
+        self.piecewise_takes_spec_steps = False
 
     def enable_spec_hidden_states(self, taps: tuple[int, ...]) -> None:
         """Steps asking for it (``SchedulerOutput.spec_hidden_states``) return the target's hidden
@@ -517,11 +520,9 @@ class ModelRunner:
             num_tokens,
             needs_hidden,
             lora_slots is not None,
-            # EAGLE's final hidden states are the pieces' own output (opt-in with the drafts);
-            # EAGLE-3's tapped streams are not
-            capture is not None and (bool(capture) or not self.piecewise_takes_drafts),
+            capture,
             bool(scheduler_output.num_spec_tokens),
-            self.piecewise_takes_drafts,
+            self.piecewise_takes_spec_steps,
         ):
             sample_logits, spec_hidden = self._forward_piecewise(
                 input_ids,

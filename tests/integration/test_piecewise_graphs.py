@@ -81,15 +81,20 @@ def test_bucket_for_pads_up_and_refuses_past_the_largest(path):
     assert [graphs.bucket_for(n) for n in (1, 8, 9, 32, 33, 40)] == [8, 8, 32, 32, 40, 40]
     assert graphs.bucket_for(41) is None and graphs.bucket_for(0) is None
     # the runner's gate: anything eager-only, or too large, stays eager
-    assert uses_piecewise_graph(graphs, 17, False, False, False, False)
-    assert not uses_piecewise_graph(graphs, 41, False, False, False, False)
-    for flags in np.eye(4, dtype=bool):
-        assert not uses_piecewise_graph(graphs, 17, *map(bool, flags))
-    # QSERVE_PIECEWISE_SPEC (takes_drafts): draft tokens too, and nothing else that was eager-only
-    assert uses_piecewise_graph(graphs, 17, False, False, False, True, True)
-    for flags in np.eye(3, dtype=bool):
-        assert not uses_piecewise_graph(graphs, 17, *map(bool, flags), True, True)
-    assert not uses_piecewise_graph(graphs, 41, False, False, False, True, True)
+    assert uses_piecewise_graph(graphs, 17, False, False, None, False)
+    assert not uses_piecewise_graph(graphs, 41, False, False, None, False)
+    for logprobs, lora, taps, drafts in ((True, False, None, False), (False, True, None, False),
+                                         (False, False, (), False), (False, False, (1,), False),
+                                         (False, False, None, True)):  # fmt: skip
+        assert not uses_piecewise_graph(graphs, 17, logprobs, lora, taps, drafts)
+    # QSERVE_PIECEWISE_SPEC (takes_spec_steps): draft tokens and EAGLE's final hidden states too,
+    # never EAGLE-3's tapped streams, nor anything else that was eager-only
+    assert uses_piecewise_graph(graphs, 17, False, False, None, True, True)
+    assert uses_piecewise_graph(graphs, 17, False, False, (), True, True)
+    assert not uses_piecewise_graph(graphs, 17, False, False, (1,), True, True)
+    assert not uses_piecewise_graph(graphs, 17, True, False, (), True, True)
+    assert not uses_piecewise_graph(graphs, 17, False, True, None, True, True)
+    assert not uses_piecewise_graph(graphs, 41, False, False, (), True, True)
 
 
 # ------------------------------------------------------------------ one step, pieces against eager

@@ -179,28 +179,41 @@ def test_row_graph_logits_equal_eager_and_pad_rows_store_nothing(path, counts): 
     assert bs and graphs.bucket_for(len(counts)) >= len(counts)
 
 
+def _eager_step_over_random_kv(
+    checkpoint: str, counts: list[int], seq_lens: list[int], seed: int, taps: tuple[int, ...]
+):  # noqa: ANN202
+    """An engine whose KV caches hold random K/V, one step's inputs (``_step_inputs``) and the eager
+    forward's (logits, hidden states for an EAGLE head with ``taps``) of that step; the caches are
+    put back as they were, so a graph can replay the same step over the same context."""
+    llm = LLM(checkpoint, **ARGS)
+    runner = llm.engine.runner
+    gen = torch.Generator().manual_seed(seed)
+    for key, value in runner.kv_caches:
+        key.normal_(generator=gen)
+        value.normal_(generator=gen)
+    step = _step_inputs(runner, counts, seq_lens, gen)
+    ids, positions, slots, table_lens, flat, counts_a, lens, sample_rows = step
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    qsl = np.concatenate(([0], np.cumsum(counts_a)))
+    logits, _, _, hidden = runner._forward_eager(
+        ids, positions, slots, table_lens, flat, qsl, lens, int(counts_a.max()), sample_rows, [], spec_taps=taps
+    )
+    for (key, value), (k0, v0) in zip(runner.kv_caches, before):
+        key.copy_(k0)
+        value.copy_(v0)
+    return llm, step, logits, hidden
+
+
 @pytest.mark.parametrize("taps", [(), (1, 0, 1)], ids=["eagle", "eagle3"])
 def test_row_graph_returns_the_eager_hidden_states_for_an_eagle_head(path, taps):  # noqa: F811
     """Graphs captured with an EAGLE head's taps write every row's hidden states (the final ones, or
     the residual streams entering the tapped layers, concatenated) into their static buffer, and a
     padded verify step gets back its real tokens' rows, in token order: the eager forward's hidden
     states. What it gets is a copy: the next replay rewrites the buffer, not the step's result."""
-    llm = LLM(path, **ARGS)
+    counts = [1, 3, 4]
+    llm, step, eager_logits, eager_hidden = _eager_step_over_random_kv(path, counts, [9, 12, 15], 7, taps)
     runner = llm.engine.runner
-    gen = torch.Generator().manual_seed(7)
-    for key, value in runner.kv_caches:
-        key.normal_(generator=gen)
-        value.normal_(generator=gen)
-    counts, seq_lens = [1, 3, 4], [9, 12, 15]
-    ids, positions, slots, table_lens, flat, counts_a, lens, sample_rows = _step_inputs(runner, counts, seq_lens, gen)
-    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    qsl = np.concatenate(([0], np.cumsum(counts_a)))
-    eager_logits, _, _, eager_hidden = runner._forward_eager(
-        ids, positions, slots, table_lens, flat, qsl, lens, int(counts_a.max()), sample_rows, [], spec_taps=taps
-    )
-    for (key, value), (k0, v0) in zip(runner.kv_caches, before):
-        key.copy_(k0)
-        value.copy_(v0)
+    ids, positions, slots, table_lens, flat, counts_a, lens, sample_rows = step
     graphs = DecodeGraphs(
         runner.model, runner.kv_caches, 8, llm.engine.max_model_len, runner.block_size, runner.device,
         buckets=(1, 2, 8), query_len=K + 1, hidden_taps=taps,
@@ -229,22 +242,10 @@ def test_decode_graph_returns_the_eager_hidden_states_for_an_eagle_head(path, ta
     """Decode graphs captured with an EAGLE head's taps (QSERVE_EAGLE_DECODE_GRAPHS=1) return the
     same logits as the eager forward of a plain decode step and, one row per sequence in order, the
     hidden states the eager forward gives the head; the batch is padded to a bucket."""
-    llm = LLM(path, **ARGS)
+    counts = [1, 1, 1]
+    llm, step, eager_logits, eager_hidden = _eager_step_over_random_kv(path, counts, [9, 12, 15], 11, taps)
     runner = llm.engine.runner
-    gen = torch.Generator().manual_seed(11)
-    for key, value in runner.kv_caches:
-        key.normal_(generator=gen)
-        value.normal_(generator=gen)
-    counts, seq_lens = [1, 1, 1], [9, 12, 15]
-    ids, positions, slots, table_lens, flat, counts_a, lens, sample_rows = _step_inputs(runner, counts, seq_lens, gen)
-    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    qsl = np.concatenate(([0], np.cumsum(counts_a)))
-    eager_logits, _, _, eager_hidden = runner._forward_eager(
-        ids, positions, slots, table_lens, flat, qsl, lens, 1, sample_rows, [], spec_taps=taps
-    )
-    for (key, value), (k0, v0) in zip(runner.kv_caches, before):
-        key.copy_(k0)
-        value.copy_(v0)
+    ids, positions, slots, table_lens, flat, counts_a, lens, sample_rows = step
     graphs = DecodeGraphs(
         runner.model, runner.kv_caches, 8, llm.engine.max_model_len, runner.block_size, runner.device,
         buckets=(1, 2, 4, 8), hidden_taps=taps,
@@ -535,7 +536,7 @@ def _verify_beside_a_prompt(checkpoint: str, monkeypatch, takes_drafts: bool, cu
     if not cuda:
         install_graphs(llm)
     engine, runner = llm.engine, llm.engine.runner
-    assert runner.piecewise_graphs is not None and runner.piecewise_takes_drafts == takes_drafts
+    assert runner.piecewise_graphs is not None and runner.piecewise_takes_spec_steps == takes_drafts
     paths: list[tuple[int, int, str]] = []  # (draft tokens, tokens, path) per launch
     taken: list[str] = []
     for name in ("_forward_eager", "_forward_piecewise"):
@@ -595,3 +596,23 @@ def test_cuda_verify_beside_a_prompt_replays_the_piecewise_graphs(path, monkeypa
     beside = _verify_beside_a_prompt(path, monkeypatch, True, cuda=True)
     assert set(beside) == {"piecewise"}, beside
     torch.cuda.empty_cache()
+
+
+def test_the_opt_in_switches_refuse_a_value_they_do_not_know(path, monkeypatch):  # noqa: F811
+    """QSERVE_EAGLE_DECODE_GRAPHS and QSERVE_PIECEWISE_SPEC take 1 (on), 0 or unset (off); anything
+    else is refused naming the variable (a "true" would otherwise silently leave the path off)."""
+    from qserve.engine.engine import PIECEWISE_SPEC_ENV, opt_in
+    from qserve.runner.piecewise_graphs import PIECEWISE_GRAPHS_ENV
+
+    monkeypatch.delenv("QSERVE_SOME_SWITCH", raising=False)
+    assert opt_in("QSERVE_SOME_SWITCH") is False
+    for value, on in (("0", False), ("1", True), (" 1 ", True), ("", False)):
+        monkeypatch.setenv("QSERVE_SOME_SWITCH", value)
+        assert opt_in("QSERVE_SOME_SWITCH") is on
+    monkeypatch.setenv("QSERVE_SOME_SWITCH", "true")
+    with pytest.raises(ValueError, match="QSERVE_SOME_SWITCH='true': expected 1"):
+        opt_in("QSERVE_SOME_SWITCH")
+    monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(PIECEWISE_SPEC_ENV, "yes")
+    with pytest.raises(ValueError, match="QSERVE_PIECEWISE_SPEC='yes'"):
+        LLM(path, speculative_config=NGRAM, **ARGS)
