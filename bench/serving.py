@@ -373,7 +373,7 @@ async def bench(args: argparse.Namespace, path: str, header: list[str]) -> None:
         num_kv_blocks=args.num_kv_blocks,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
-        speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
+        speculative_config=args.speculative_config or None,
     )
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if cuda:
@@ -553,6 +553,11 @@ def main() -> None:
     parser.add_argument("--tmp", default="/tmp/qserve-bench", help="where --small writes its checkpoint")
     parser.add_argument("--out", default=None, help="markdown file, rewritten after each rate")
     args = parser.parse_args()
+    if args.speculative_config:
+        try:
+            args.speculative_config = json.loads(args.speculative_config)
+        except json.JSONDecodeError as err:
+            parser.error(f"--speculative-config is not valid JSON: {err}")
     # qserve's allocator setting (the engine asks for it too, but writing the random checkpoint starts
     # CUDA first: the ninth session's run reserved 26.5 GiB under a 24 GiB budget without it)
     prefer_expandable_segments()

@@ -49,11 +49,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from e2e import QWEN14B, SMALL, write_random_gptq  # noqa: E402
-
+from bench.e2e import QWEN14B, SMALL, write_random_gptq  # noqa: E402
 from qserve import LLM, SamplingParams  # noqa: E402
 from qserve.engine.engine import EAGLE_DECODE_GRAPHS_ENV, SPEC_GRAPHS_ENV  # noqa: E402
 
@@ -94,13 +92,14 @@ def write_draft(target: Path, path: Path, num_layers: int, mismatched: bool = Fa
 
 
 def gptq_v1_dense(tensors: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """The fp16 ``[N, K]`` weight (an HF Linear's layout) of one GPTQ v1 4-bit linear: codes packed eight
-    to an int32 along K (low nibble first), zeros packed along N and stored minus one."""
-    words = tensors[f"{prefix}.qweight"].to(torch.int64)  # [K/8, N]
-    codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=1).reshape(-1, words.shape[1])  # [K, N]
-    zero_words = tensors[f"{prefix}.qzeros"].to(torch.int64)  # [K/g, N/8]
-    zeros = torch.stack([(zero_words >> (4 * i)) & 0xF for i in range(8)], dim=2).reshape(zero_words.shape[0], -1) + 1
+    """The fp16 ``[N, K]`` weight (an HF Linear's layout) of one GPTQ v1 4-bit linear, unpacked with
+    the loaders' own helpers (codes packed along K, zeros along N and stored minus one in v1)."""
+    from loaders.packing import unpack_n, v1_words_to_v2
+    from quant_kernels.layout import unpack_codes
+
+    codes = unpack_codes(tensors[f"{prefix}.qweight"], 4)  # [K, N]
     scales = tensors[f"{prefix}.scales"].float()  # [K/g, N]
+    zeros = unpack_n(v1_words_to_v2(tensors[f"{prefix}.qzeros"], 4), 4, codes.shape[1])  # [K/g, N]
     group = codes.shape[0] // scales.shape[0]
     dense = (codes - zeros.repeat_interleave(group, 0)).float() * scales.repeat_interleave(group, 0)  # [K, N]
     return dense.t().contiguous().half()
@@ -338,6 +337,9 @@ def main() -> None:
         if args.adaptive_row_cost is not None:
             adaptive["adaptive_verification_row_cost"] = args.adaptive_row_cost
         chosen = set(filter(None, args.adaptive_modes.split(",")))
+        unknown = sorted(chosen - {mode for mode, _ in modes[1:]})
+        if unknown:
+            parser.error(f"--adaptive-modes {','.join(unknown)}: not among the methods {[m for m, _ in modes[1:]]}")
         for mode, config in list(modes[1:]):
             if chosen and mode not in chosen:
                 continue
