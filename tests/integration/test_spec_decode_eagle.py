@@ -521,51 +521,28 @@ def test_eagle_prompt_steps_take_the_piecewise_graphs_when_asked(path, heads, re
     """QSERVE_PIECEWISE_SPEC=1 with piecewise graphs (StaticReplay stand-ins on CPU): a step that asks
     for an EAGLE head's hidden states and fits no decode or row graph (a prompt chunk; a plain decode
     when the decode graphs hold no taps) runs through the pieces, whose output is the final hidden
-    states the head reads; EAGLE-3's tapped streams are not their output, so its steps stay eager. Outputs are token-identical to no speculation and every
-    step hands the head the hidden states the engine without the switch hands it."""
+    states the head reads; EAGLE-3's tapped streams are not their output, so its steps stay eager.
+    Outputs are token-identical to no speculation and every step hands the head the hidden states the
+    engine without the switch hands it."""
     from qserve.engine.engine import PIECEWISE_SPEC_ENV
     from qserve.runner.piecewise_graphs import PIECEWISE_BUCKETS_ENV, PIECEWISE_GRAPHS_ENV
-    from tests.integration.test_spec_decode_graphs import PathLog, install_graphs
 
-    requests, want, _ = reference
     monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
     monkeypatch.setenv(PIECEWISE_BUCKETS_ENV, "8,16,32,64")
     monkeypatch.delenv("QSERVE_EAGLE_DECODE_GRAPHS", raising=False)  # plain decodes with no taps: pieces too
     runs = []
     for takes in ("0", "1"):
         monkeypatch.setenv(PIECEWISE_SPEC_ENV, takes)
-        llm = LLM(path, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
-        engine = llm.engine
-        install_graphs(llm)
-        log = PathLog(engine.runner)
-        launches = _launch_log(engine, log)
-        hidden = []
-        launch = engine.runner.launch
-
-        def keep(scheduler_output, previous=None, f=launch, seen=hidden):  # noqa: ANN001, ANN202
-            step = f(scheduler_output, previous)
-            states = step.spec_hidden_states
-            seen.append(None if states is None else states.clone())
-            return step
-
-        engine.runner.launch = keep
-        got, _ = _run(engine, requests)
-        _assert_same(got, want)
-        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-        runs.append((launches, hidden))
-    (off_launches, off_hidden), (on_launches, on_hidden) = runs
-    asked_off = [kind for _, asks, kind in off_launches if asks]
-    asked_on = [kind for _, asks, kind in on_launches if asks]
+        runs.append(_recorded_run(path, heads, method, reference)[1])
+    off, on = runs
+    asked_off = [kind for _, asks, kind, _ in off if asks]
+    asked_on = [kind for _, asks, kind, _ in on if asks]
     assert "piecewise" not in asked_off
     if method == "eagle":  # prompt chunks and plain decodes that asked: pieces instead of eager steps
-        assert "piecewise" in asked_on and asked_on.count("eager") < asked_off.count("eager"), on_launches
+        assert "piecewise" in asked_on and asked_on.count("eager") < asked_off.count("eager"), asked_on
     else:
         assert asked_on == asked_off, "EAGLE-3's tapped streams are not the pieces' output"
-    assert len(on_hidden) == len(off_hidden)
-    for got, want_states in zip(on_hidden, off_hidden):
-        assert (got is None) == (want_states is None)
-        if got is not None:
-            torch.testing.assert_close(got, want_states, atol=1e-4, rtol=1e-4)
+    _assert_same_hidden(on, off)
 
 
 @pytest.mark.parametrize("switches", ["decode_graphs", "piecewise"])
@@ -644,7 +621,7 @@ def test_cuda_eagle_decode_graphs_match_no_speculation(path, heads, walk, async_
             graphs = engine.runner.decode_graphs
             assert graphs.hidden_taps == engine.runner.spec_hidden_layers
             assert isinstance(next(iter(graphs.graphs.values())), torch.cuda.CUDAGraph)
-            replayed = [kind for plain, asks, kind in launches if plain and asks]
+            replayed = [kind for plain, asks, kind, _ in launches if plain and asks]
             assert replayed and set(replayed) == {"decode"}, launches
             assert engine.spec_stats.num_draft_tokens > 0
             assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
@@ -730,49 +707,10 @@ def test_graphed_verify_steps_hand_the_head_their_hidden_states(walk, method):
     assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_graphed_eagle_verify_is_token_identical_with_the_eager_hidden_states(path, heads, reference, method):  # noqa: F811
-    """The workload with random heads, QSERVE_SPEC_GRAPHS=1 (StaticReplay stand-ins) against the
-    same engine without graphs: outputs token-identical to no speculation, the same steps, and every
-    step's hidden states for the head equal to the eager ones, verify steps replaying row graphs."""
-    from tests.integration.test_spec_decode_graphs import PathLog, install_graphs
-
-    requests, want, _ = reference
-    runs = []
-    for graphs in (False, True):
-        llm = LLM(path, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
-        engine = llm.engine
-        if graphs:
-            install_graphs(llm)
-        log = PathLog(engine.runner)
-        hidden = []
-        launch = engine.runner.launch
-
-        def spy(scheduler_output, previous=None, f=launch, seen=hidden):  # noqa: ANN001, ANN202
-            step = f(scheduler_output, previous)
-            states = step.spec_hidden_states
-            seen.append(None if states is None else states.clone())
-            return step
-
-        engine.runner.launch = spy
-        got, _ = _run(engine, requests)
-        _assert_same(got, want)
-        assert engine.spec_stats.num_draft_tokens > 0
-        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-        runs.append((log.kinds(), hidden))
-    (eager_kinds, eager_hidden), (graph_kinds, graph_hidden) = runs
-    assert "rows" not in eager_kinds and graph_kinds.count("rows") >= 5, graph_kinds
-    assert len(graph_hidden) == len(eager_hidden)
-    for got, want_states in zip(graph_hidden, eager_hidden):
-        assert (got is None) == (want_states is None)
-        if got is not None:
-            torch.testing.assert_close(got, want_states, atol=1e-4, rtol=1e-4)
-
-
-def _launch_log(engine, log) -> list[tuple[bool, bool, str]]:  # noqa: ANN001
-    """Per launch: (a plain decode step, it asked for the head's hidden states, the path it took);
-    ``log`` is the runner's PathLog, read after each launch. Also keeps each step's hidden states."""
-    launches: list[tuple[bool, bool, str]] = []
+def _launch_log(engine, log) -> list[tuple[bool, bool, str, torch.Tensor | None]]:  # noqa: ANN001
+    """Per launch: (a plain decode step, it asked for the head's hidden states, the path it took, a
+    copy of the hidden states it returned); ``log`` is the runner's PathLog, read after each launch."""
+    launches: list[tuple[bool, bool, str, torch.Tensor | None]] = []
     launch = engine.runner.launch
 
     def spy(scheduler_output, previous=None):  # noqa: ANN001, ANN202
@@ -781,11 +719,55 @@ def _launch_log(engine, log) -> list[tuple[bool, bool, str]]:  # noqa: ANN001
         plain = scheduler_output.num_batched_tokens == len(scheduler_output.sequences)
         plain = plain and not scheduler_output.num_spec_tokens
         kind = log.entries[-1][0] if len(log.entries) > before else "none"
-        launches.append((plain, bool(scheduler_output.spec_hidden_states), kind))
+        states = step.spec_hidden_states
+        launches.append(
+            (plain, bool(scheduler_output.spec_hidden_states), kind, None if states is None else states.clone())
+        )
         return step
 
     engine.runner.launch = spy
     return launches
+
+
+def _recorded_run(checkpoint: str, heads: dict[str, str], method: str, workload, graphs: bool = True):  # noqa: ANN001, ANN202
+    """The ``reference`` fixture's workload (synchronous order) with a random head of ``method``,
+    through the graphs ``install_graphs`` captures under the current environment (``graphs``):
+    outputs token-identical to no speculation, drafts made, every page back. Returns (engine,
+    launches)."""
+    from tests.integration.test_spec_decode_graphs import PathLog, install_graphs
+
+    requests, want, _ = workload
+    llm = LLM(checkpoint, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
+    engine = llm.engine
+    if graphs:
+        install_graphs(llm)
+    launches = _launch_log(engine, PathLog(engine.runner))
+    got, _ = _run(engine, requests)
+    _assert_same(got, want)
+    assert engine.spec_stats.num_draft_tokens > 0
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    return engine, launches
+
+
+def _assert_same_hidden(got: list[tuple], want: list[tuple]) -> None:
+    """Step by step, the hidden states two runs of the same workload handed the head."""
+    assert len(got) == len(want)
+    for (*_, a), (*_, b) in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_graphed_eagle_verify_is_token_identical_with_the_eager_hidden_states(path, heads, reference, method):  # noqa: F811
+    """The workload with random heads, QSERVE_SPEC_GRAPHS=1 (StaticReplay stand-ins) against the
+    same engine without graphs: outputs token-identical to no speculation, the same steps, and every
+    step's hidden states for the head equal to the eager ones, verify steps replaying row graphs."""
+    _, eager = _recorded_run(path, heads, method, reference, graphs=False)
+    _, graphed = _recorded_run(path, heads, method, reference)
+    eager_kinds, graph_kinds = [launch[2] for launch in eager], [launch[2] for launch in graphed]
+    assert "rows" not in eager_kinds and graph_kinds.count("rows") >= 5, graph_kinds
+    _assert_same_hidden(graphed, eager)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -801,44 +783,19 @@ def test_eagle_decode_graphs_replay_the_plain_decode_steps_of_speculation(
     got no drafts) replays a decode graph instead of running eagerly (on an H100 such eager steps
     made EAGLE 10x slower than no speculation); outputs stay token-identical to no speculation and
     every step hands the head the hidden states the engine without the switch hands it."""
-    from tests.integration.test_spec_decode_graphs import PathLog, install_graphs
-
-    requests, want, _ = reference
     runs = []
     for decode_graphs in ("0", "1"):
         monkeypatch.setenv("QSERVE_EAGLE_DECODE_GRAPHS", decode_graphs)
-        llm = LLM(path, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
-        engine = llm.engine
-        install_graphs(llm)
+        engine, launches = _recorded_run(path, heads, method, reference)
         taps = engine.runner.decode_graphs.hidden_taps
         assert taps == (engine.runner.spec_hidden_layers if decode_graphs == "1" else None)
-        log = PathLog(engine.runner)
-        launches = _launch_log(engine, log)
-        hidden = []
-        launch = engine.runner.launch
-
-        def keep(scheduler_output, previous=None, f=launch, seen=hidden):  # noqa: ANN001, ANN202
-            step = f(scheduler_output, previous)
-            states = step.spec_hidden_states
-            seen.append(None if states is None else states.clone())
-            return step
-
-        engine.runner.launch = keep
-        got, _ = _run(engine, requests)
-        _assert_same(got, want)
-        assert engine.spec_stats.num_draft_tokens > 0
-        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-        runs.append((launches, hidden))
-    (eager_launches, eager_hidden), (graph_launches, graph_hidden) = runs
-    asked = [kind for plain, asks, kind in eager_launches if plain and asks]
+        runs.append(launches)
+    eager, graphed = runs
+    asked = [kind for plain, asks, kind, _ in eager if plain and asks]
     assert len(asked) >= 3 and set(asked) == {"eager"}, "without the switch these steps run eagerly"
-    replayed = [kind for plain, asks, kind in graph_launches if plain and asks]
-    assert len(replayed) == len(asked) and set(replayed) == {"decode"}, graph_launches
-    assert len(graph_hidden) == len(eager_hidden)
-    for got, want_states in zip(graph_hidden, eager_hidden):
-        assert (got is None) == (want_states is None)
-        if got is not None:
-            torch.testing.assert_close(got, want_states, atol=1e-4, rtol=1e-4)
+    replayed = [kind for plain, asks, kind, _ in graphed if plain and asks]
+    assert len(replayed) == len(asked) and set(replayed) == {"decode"}, graphed
+    _assert_same_hidden(graphed, eager)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
