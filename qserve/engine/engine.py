@@ -145,11 +145,11 @@ LORA_GRAPHS_ENV = "QSERVE_LORA_GRAPHS"
 SPEC_GRAPHS_ENV = "QSERVE_SPEC_GRAPHS"
 # EAGLE heads: decode CUDA graphs that also write the head's hidden states, so the plain decode steps
 # of a speculating engine (a sequence that got no drafts) replay them instead of running eagerly.
-# Opt-in ("1") until `pytest -m gpu` passes with it: a change to the runner's launch path.
+# The default since `pytest -m gpu` passed with it (bench/RESULTS.md, tenth session); "0" opts out.
 EAGLE_DECODE_GRAPHS_ENV = "QSERVE_EAGLE_DECODE_GRAPHS"
 # Speculative decoding: verify steps that fit no row graph (a verify beside a new prompt's chunk), and
 # an EAGLE (not EAGLE-3) head's steps that ask for hidden states and fit no other graph, run through
-# the piecewise graphs instead of eagerly. Opt-in ("1") until `pytest -m gpu` passes with it.
+# the piecewise graphs instead of eagerly. The default since `pytest -m gpu` passed with it; "0" opts out.
 PIECEWISE_SPEC_ENV = "QSERVE_PIECEWISE_SPEC"
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
 # (the last draft and the target's token): its graphs take up to this many rows per sequence.
@@ -258,13 +258,14 @@ class _Group:
         return all(seq.finish_reason is not None for seq in self.sequences)
 
 
-def opt_in(name: str) -> bool:
-    """An opt-in switch of the environment (a path that waits for its GPU run): "1" on, unset or "0"
-    off; any other value is refused, naming the variable (a "true" would otherwise silently mean off)."""
+def env_switch(name: str, *, default: bool) -> bool:
+    """A launch-path switch of the environment: "1" on, "0" off, unset ``default`` (off while the path
+    waits for its GPU run, on after it); any other value is refused, naming the variable (a "true"
+    would otherwise silently mean off)."""
     value = os.environ.get(name, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{name}={value!r}: expected 1 (on), 0 or unset (off)")
-    return value == "1"
+        raise ValueError(f"{name}={value!r}: expected 1 (on), 0 (off) or unset (default: {int(default)})")
+    return default if value == "" else value == "1"
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -652,7 +653,7 @@ class Engine:
     def decode_graph_hidden_taps(self) -> tuple[int, ...] | None:
         """The taps the decode graphs capture (``EAGLE_DECODE_GRAPHS_ENV``): an EAGLE head's, so that
         its plain decode steps replay them; None (graphs that return logits only) otherwise."""
-        if self._eagle_head is None or not opt_in(EAGLE_DECODE_GRAPHS_ENV):
+        if self._eagle_head is None or not env_switch(EAGLE_DECODE_GRAPHS_ENV, default=True):
             return None
         return self.runner.spec_hidden_layers
 
@@ -684,7 +685,7 @@ class Engine:
         self.runner.capture_piecewise_graphs(
             self.scheduler_config.max_num_batched_tokens, buckets_from_env(os.environ.get(PIECEWISE_BUCKETS_ENV))
         )
-        self.runner.piecewise_takes_spec_steps = opt_in(PIECEWISE_SPEC_ENV)
+        self.runner.piecewise_takes_spec_steps = env_switch(PIECEWISE_SPEC_ENV, default=True)
 
     def _capture_spec_graphs(self) -> None:
         """CUDA graphs of speculative steps (``SPEC_GRAPHS_ENV``), after the target's decode graphs,

@@ -29,7 +29,7 @@ padded with row 0) gathers them, at most ``max_sample_rows`` per graph, so the l
 the decode graphs' own (``share``).
 
 EAGLE heads (``hidden_taps``, the runner's when it returns hidden states for one): a multi-row graph
-(or, opted in with ``QSERVE_EAGLE_DECODE_GRAPHS=1``, a decode graph) also writes every row's hidden
+(or a decode graph, unless the engine's ``QSERVE_EAGLE_DECODE_GRAPHS=0``) also writes every row's hidden
 states for the head into a static buffer ``spec_hidden``
 (``[max rows, width]``, the model dtype): the final hidden states when ``hidden_taps`` is empty
 (EAGLE, width = hidden), else the residual streams entering the layers ``hidden_taps``, concatenated

@@ -43,8 +43,8 @@ verify step that fits the multi-row graphs when they were captured after ``enabl
 into a static buffer (``DecodeGraphs.hidden_taps``), and the step replays one and returns them. A
 plain decode step that asks for them (while the engine speculates: every step of a sequence the
 head backs off from, or that got no drafts) replays a decode graph only when the decode graphs were
-captured with the same taps (``capture_decode_graphs(hidden_taps=...)``: the engine's opt-in
-``QSERVE_EAGLE_DECODE_GRAPHS=1``); otherwise it runs eagerly (EAGLE at batch 1 averaged 61 ms a step for
+captured with the same taps (``capture_decode_graphs(hidden_taps=...)``: the engine's default,
+``QSERVE_EAGLE_DECODE_GRAPHS=0`` opts out); otherwise it runs eagerly (EAGLE at batch 1 averaged 61 ms a step for
 a 14B model on an H100, against 4.8 ms without speculation: bench/RESULTS.md, ninth session).
 
 Piecewise CUDA graphs (``capture_piecewise_graphs``, on CUDA unless ``QSERVE_PIECEWISE_GRAPHS=0``): a step
@@ -52,7 +52,7 @@ that replays no decode or row graph (mixed and prefill steps) runs its layers' n
 graphs per token-count bucket with the attentions eager between them (``qserve.runner.piecewise_graphs``),
 unless it has prompt-logprob or pooled rows, an adapter row, EAGLE hidden states or draft tokens
 (``uses_piecewise_graph``), which run eagerly as before; with ``piecewise_takes_spec_steps`` (the engine's
-opt-in ``QSERVE_PIECEWISE_SPEC=1``) steps with draft tokens, and steps asking for an EAGLE (not EAGLE-3)
+default; ``QSERVE_PIECEWISE_SPEC=0`` opts out) steps with draft tokens, and steps asking for an EAGLE (not EAGLE-3)
 head's hidden states (the pieces' output, copied out), take the pieces too.
 
 Swap preemption: a step's ``blocks_to_swap_out`` / ``blocks_to_swap_in`` are copied by the
@@ -292,8 +292,8 @@ class ModelRunner:
         self.num_ntk_tables = getattr(getattr(model, "rotary", None), "num_ntk_tables", 1)
         # EAGLE: None (off), () (the final hidden states) or the layers whose input streams are tapped
         self.spec_hidden_layers: tuple[int, ...] | None = None
-        # Piecewise graphs also take speculative steps that fit no decode or row graph (opt-in, the
-        # engine's QSERVE_PIECEWISE_SPEC=1; otherwise those steps run eagerly): steps with draft
+        # Piecewise graphs also take speculative steps that fit no decode or row graph (the engine
+        # sets it unless QSERVE_PIECEWISE_SPEC=0; otherwise those steps run eagerly): steps with draft
         # tokens, and steps asking for an EAGLE (not EAGLE-3) head's hidden states.
         self.piecewise_takes_spec_steps = False
 

@@ -529,7 +529,7 @@ def test_eagle_prompt_steps_take_the_piecewise_graphs_when_asked(path, heads, re
 
     monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
     monkeypatch.setenv(PIECEWISE_BUCKETS_ENV, "8,16,32,64")
-    monkeypatch.delenv("QSERVE_EAGLE_DECODE_GRAPHS", raising=False)  # plain decodes with no taps: pieces too
+    monkeypatch.setenv("QSERVE_EAGLE_DECODE_GRAPHS", "0")  # plain decodes with no taps: pieces too
     runs = []
     for takes in ("0", "1"):
         monkeypatch.setenv(PIECEWISE_SPEC_ENV, takes)
@@ -778,21 +778,24 @@ def test_eagle_decode_graphs_replay_the_plain_decode_steps_of_speculation(
     method,
     monkeypatch,
 ):
-    """QSERVE_EAGLE_DECODE_GRAPHS=1 (StaticReplay stand-ins on CPU): the decode graphs carry the
-    head's taps, so a plain decode step that asks for hidden states (speculation on, the sequence
+    """By default (QSERVE_EAGLE_DECODE_GRAPHS unset; StaticReplay stand-ins on CPU) the decode graphs
+    carry the head's taps, so a plain decode step that asks for hidden states (speculation on, the sequence
     got no drafts) replays a decode graph instead of running eagerly (on an H100 such eager steps
     made EAGLE 10x slower than no speculation); outputs stay token-identical to no speculation and
     every step hands the head the hidden states the engine without the switch hands it."""
     runs = []
-    for decode_graphs in ("0", "1"):
-        monkeypatch.setenv("QSERVE_EAGLE_DECODE_GRAPHS", decode_graphs)
+    for decode_graphs in ("0", None):  # off, then the default (unset): on
+        if decode_graphs is None:
+            monkeypatch.delenv("QSERVE_EAGLE_DECODE_GRAPHS", raising=False)
+        else:
+            monkeypatch.setenv("QSERVE_EAGLE_DECODE_GRAPHS", decode_graphs)
         engine, launches = _recorded_run(path, heads, method, reference)
         taps = engine.runner.decode_graphs.hidden_taps
-        assert taps == (engine.runner.spec_hidden_layers if decode_graphs == "1" else None)
+        assert taps == (None if decode_graphs == "0" else engine.runner.spec_hidden_layers)
         runs.append(launches)
     eager, graphed = runs
     asked = [kind for plain, asks, kind, _ in eager if plain and asks]
-    assert len(asked) >= 3 and set(asked) == {"eager"}, "without the switch these steps run eagerly"
+    assert len(asked) >= 3 and set(asked) == {"eager"}, "with the switch at 0 these steps run eagerly"
     replayed = [kind for plain, asks, kind, _ in graphed if plain and asks]
     assert len(replayed) == len(asked) and set(replayed) == {"decode"}, graphed
     _assert_same_hidden(graphed, eager)

@@ -523,7 +523,10 @@ def _verify_beside_a_prompt(checkpoint: str, monkeypatch, takes_drafts: bool, cu
 
     monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
     monkeypatch.setenv(PIECEWISE_BUCKETS_ENV, "8,16")
-    monkeypatch.setenv(PIECEWISE_SPEC_ENV, "1" if takes_drafts else "0")
+    if takes_drafts:  # the default: unset
+        monkeypatch.delenv(PIECEWISE_SPEC_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PIECEWISE_SPEC_ENV, "0")
     monkeypatch.setenv(SPEC_GRAPHS_ENV, "1")
     newcomer = [9 + (7 * i) % 50 for i in range(40)]
     args = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=256, max_num_seqs=32) if cuda else ARGS
@@ -580,10 +583,10 @@ def _verify_beside_a_prompt(checkpoint: str, monkeypatch, takes_drafts: bool, cu
 @pytest.mark.parametrize("takes_drafts", [False, True], ids=["eager", "piecewise"])
 def test_a_verify_beside_a_prompt_takes_the_piecewise_graphs_when_asked(path, monkeypatch, takes_drafts):  # noqa: F811
     """A step that verifies drafts and also prefills a newcomer's prompt fits no row graph. Without
-    QSERVE_PIECEWISE_SPEC it runs eagerly (on the GPU a 14B model's eager step, which put n-gram
-    speculation's TTFT p50 at 170 ms against 38 without it at Poisson 4: bench/RESULTS.md); with
-    QSERVE_PIECEWISE_SPEC=1 it runs through the piecewise graphs (StaticReplay stand-ins here). Both
-    give every request the tokens of no speculation."""
+    the piecewise graphs (QSERVE_PIECEWISE_SPEC=0) it runs eagerly (on the GPU a 14B model's eager
+    step, which put n-gram speculation's TTFT p50 at 170 ms against 38 without it at Poisson 4:
+    bench/RESULTS.md); by default (the variable unset) it runs through the piecewise graphs
+    (StaticReplay stand-ins here). Both give every request the tokens of no speculation."""
     beside = _verify_beside_a_prompt(path, monkeypatch, takes_drafts)
     assert set(beside) == ({"piecewise"} if takes_drafts else {"eager"}), beside
 
@@ -598,20 +601,24 @@ def test_cuda_verify_beside_a_prompt_replays_the_piecewise_graphs(path, monkeypa
     torch.cuda.empty_cache()
 
 
-def test_the_opt_in_switches_refuse_a_value_they_do_not_know(path, monkeypatch):  # noqa: F811
-    """QSERVE_EAGLE_DECODE_GRAPHS and QSERVE_PIECEWISE_SPEC take 1 (on), 0 or unset (off); anything
-    else is refused naming the variable (a "true" would otherwise silently leave the path off)."""
-    from qserve.engine.engine import PIECEWISE_SPEC_ENV, opt_in
+def test_the_launch_path_switches_take_1_0_or_unset_and_refuse_anything_else(path, monkeypatch):  # noqa: F811
+    """QSERVE_EAGLE_DECODE_GRAPHS and QSERVE_PIECEWISE_SPEC take 1 (on), 0 (off) or unset (their
+    default: on since their GPU run); anything else is refused naming the variable (a "true" would
+    otherwise silently leave the path off)."""
+    from qserve.engine.engine import PIECEWISE_SPEC_ENV, env_switch
     from qserve.runner.piecewise_graphs import PIECEWISE_GRAPHS_ENV
 
     monkeypatch.delenv("QSERVE_SOME_SWITCH", raising=False)
-    assert opt_in("QSERVE_SOME_SWITCH") is False
-    for value, on in (("0", False), ("1", True), (" 1 ", True), ("", False)):
+    assert env_switch("QSERVE_SOME_SWITCH", default=False) is False
+    assert env_switch("QSERVE_SOME_SWITCH", default=True) is True
+    for value, on in (("0", False), ("1", True), (" 1 ", True)):
         monkeypatch.setenv("QSERVE_SOME_SWITCH", value)
-        assert opt_in("QSERVE_SOME_SWITCH") is on
+        assert env_switch("QSERVE_SOME_SWITCH", default=not on) is on
+    monkeypatch.setenv("QSERVE_SOME_SWITCH", "")
+    assert env_switch("QSERVE_SOME_SWITCH", default=True) is True
     monkeypatch.setenv("QSERVE_SOME_SWITCH", "true")
     with pytest.raises(ValueError, match="QSERVE_SOME_SWITCH='true': expected 1"):
-        opt_in("QSERVE_SOME_SWITCH")
+        env_switch("QSERVE_SOME_SWITCH", default=True)
     monkeypatch.setenv(PIECEWISE_GRAPHS_ENV, "1")
     monkeypatch.setenv(PIECEWISE_SPEC_ENV, "yes")
     with pytest.raises(ValueError, match="QSERVE_PIECEWISE_SPEC='yes'"):
