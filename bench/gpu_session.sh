@@ -26,10 +26,12 @@
 #   slow batch-1 run), Poisson 16 req/s and 300 at once with /health probed, each run's folder packed into one .tgz
 #   (the device call returns at most 8 files).
 #   CORE_LAYOUTS (default "0 1") lists the runs: 0 in-process, 1 the core process, 1x2 with --api-server-count 2;
-#   a trailing p (1p, 1x2p) profiles that run's Poisson load with py-spy for PROFILE_S seconds (default 30).
+#   a trailing p (1p, 1x2p) profiles that run's Poisson load with py-spy for PROFILE_S seconds (default 30;
+#   PROFILE_RUN=all_at_once profiles the 300 requests at once instead).
 # serve_default (only when named): bench/serve_default.py: qserve serve on the 14B checkpoint with
 #   QSERVE_ENABLE_MULTIPROCESSING unset: does an engine core process run, one completion, SIGTERM's exit code.
 #   SERVE_DEFAULT_LAYOUTS="unset 0" also starts it in one process; each run's start-up milestones, timestamped.
+#   SERVE_DEFAULT_PROFILE=1: py-spy records each start-up (carried wheel); the decode-graph capture's samples.
 # coldstart (only when named; COLDSTART_RUNS pairs, default 2): bench/e2e.py decode at batch 1 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
 #   and with qserve's default (expandable), alternated twice on one reused checkpoint: cold start, plan vs held.
 # ampere_proxy (only when named): bench/kernels.py --ampere-proxy --sweep: the sm86/sm89 W4A16 code (mma.sync,
@@ -210,7 +212,8 @@ fi
 if has core; then
     # CORE_LAYOUTS: the runs, in order: 0 (in-process), 1 (the core process, one front end), 1x2 (the core
     # process and --api-server-count 2), a trailing "p" (1p, 1x2p) records that run with py-spy for
-    # PROFILE_S (default 30) seconds of its Poisson load (needs the carried py-spy wheel).
+    # PROFILE_S (default 30) seconds of its Poisson load (PROFILE_RUN=all_at_once: of the 300 at once), with
+    # the carried py-spy wheel.
     for layout in ${CORE_LAYOUTS:-0 1}; do
         mp=${layout%%[xp]*}; rest=${layout#"$mp"}; extra=""; profile=""
         [[ $rest == *p ]] && { profile=${PROFILE_S:-30}; rest=${rest%p}; }
@@ -229,9 +232,11 @@ if has serve_default; then
     # SERVE_DEFAULT_LAYOUTS="unset 0": also the same start-up in one process, to break the time to ready down
     for mp in ${SERVE_DEFAULT_LAYOUTS:-unset}; do
         echo "--- QSERVE_ENABLE_MULTIPROCESSING=$mp"
-        timeout 240 python3 bench/serve_default.py --multiprocessing "$mp" /tmp/qb -- --gpu-memory-budget 24GiB \
+        # SERVE_DEFAULT_PROFILE=1: py-spy over the whole start-up, the decode-graph capture's samples summarized
+        profile=(); [[ ${SERVE_DEFAULT_PROFILE:-0} == 1 ]] && profile=(--profile-startup "$OUT/serve_default_$mp.pyspy.txt")
+        timeout 240 python3 bench/serve_default.py --multiprocessing "$mp" "${profile[@]}" /tmp/qb -- --gpu-memory-budget 24GiB \
             > "$OUT/serve_default_$mp.txt" 2>&1
-        grep -vE "^ +[0-9.]+ .*(INFO|DEBUG).*(GET|POST) /" "$OUT/serve_default_$mp.txt" | tail -40
+        grep -vE "^ +[0-9.]+ .*(INFO|DEBUG).*(GET|POST) /" "$OUT/serve_default_$mp.txt" | tail -${SERVE_DEFAULT_TAIL:-40}
     done
 fi
 if has coldstart; then

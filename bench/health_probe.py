@@ -24,10 +24,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
 
 
-def summary(latencies_ms: list[float], failures: list[str]) -> dict:
+SLOWEST = 5  # the slowest probes listed with when they were sent: a tail at the load's start or throughout
+
+
+def summary(latencies_ms: list[float], failures: list[str], sent_at: list[float] | None = None) -> dict:
+    """Percentiles of the answered probes; ``sent_at`` (seconds since the first probe, one per latency)
+    adds the ``SLOWEST`` probes as ``[seconds, ms]`` pairs, slowest first."""
     if not latencies_ms:
         return {"probes": len(failures), "failures": len(failures), "failure_examples": failures[:5]}
+    slowest = {}
+    if sent_at is not None:
+        ranked = sorted(zip(sent_at, latencies_ms, strict=True), key=lambda pair: -pair[1])[:SLOWEST]
+        slowest = {"slowest_at_s_ms": [[round(at, 2), round(ms, 2)] for at, ms in ranked]}
     return {
+        **slowest,
         "probes": len(latencies_ms) + len(failures),
         "failures": len(failures),
         "failure_examples": failures[:5],
@@ -70,20 +80,23 @@ def main(argv: list[str] | None = None) -> int:
         stopping = True
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    latencies, failures = [], []
+    latencies, sent_at, failures = [], [], []
+    first = time.monotonic()
     deadline = time.monotonic() + args.duration if args.duration > 0 else None
     try:
         while not stopping and (deadline is None or time.monotonic() < deadline):
+            at = time.monotonic() - first
             elapsed, failure = probe(args.host, args.port, args.timeout)
             if failure is None:
                 latencies.append(elapsed)
+                sent_at.append(at)
             else:
                 failures.append(failure)
             time.sleep(max(0.0, args.interval - elapsed / 1e3))
     finally:  # a caller's handlers back (the tests call main in pytest's process)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    result = summary(latencies, failures)
+    result = summary(latencies, failures, sent_at)
     text = json.dumps(result)
     print(f"/health under load: {text}")
     if args.out:

@@ -5,7 +5,7 @@ cost per step (HTTP, JSON, detokenization, stop strings) and what delays the eng
 can be read off one table.
 
     py-spy record -s -t -r 100 -d 30 -p SERVER_PID -f raw -o prof.txt --nonblocking
-    python bench/pyspy_summary.py prof.txt [--top 15]
+    python bench/pyspy_summary.py prof.txt [--top 15] [--within capture_decode_graphs]
 
 Knows: py-spy's raw format (``process PID:"cmd";thread (TID): name;frame;...;frame COUNT``). Must
 not know: qserve's internals beyond the ``qserve/`` path prefix of its frames.
@@ -25,7 +25,9 @@ def _name(frame: str) -> str:
     return f"{match['function']} ({match['file']})" if match else frame.strip()
 
 
-def summarize(lines: list[str], top: int) -> str:
+def summarize(lines: list[str], top: int, within: str | None = None) -> str:
+    """The table; ``within``: only the samples whose stack holds a frame naming it (a phase, such as
+    ``capture_decode_graphs``)."""
     by_thread: Counter[tuple[str, str]] = Counter()
     self_time: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
     inclusive: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
@@ -36,6 +38,8 @@ def summarize(lines: list[str], top: int) -> str:
             continue
         count = int(count_text)
         frames = stack.split(";")
+        if within is not None and not any(within in frame for frame in frames):
+            continue
         process = "process ?"
         while frames and frames[0].startswith("process "):  # a subprocess's stack names its parents first
             process = frames.pop(0)
@@ -49,7 +53,7 @@ def summarize(lines: list[str], top: int) -> str:
             self_time[key][_name(frames[-1])] += count
         for name in {_name(f) for f in frames if "qserve/" in f or "quant_kernels/" in f}:
             inclusive[key][name] += count
-    out = [f"{total} samples"]
+    out = [f"{total} samples" + (f" in stacks holding {within!r}" if within is not None else "")]
     for key, count in by_thread.most_common():
         out.append(f"\n== {key[0]}, thread {key[1]}: {count} samples ({100 * count / max(total, 1):.1f}%)")
         out.append("  self time:")
@@ -63,9 +67,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("profile", help="py-spy raw output (-f raw)")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--within", help="only the samples whose stack holds a frame naming this (a phase)")
     args = parser.parse_args()
     with open(args.profile) as f:
-        print(summarize(f.readlines(), args.top))
+        print(summarize(f.readlines(), args.top, args.within))
 
 
 if __name__ == "__main__":

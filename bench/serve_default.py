@@ -7,8 +7,12 @@ command started) and the start-up milestones among them (load, memory plan, grap
 core's hand-shake, uvicorn) are printed, so the time to ready can be broken down.
 ``--multiprocessing 0|1`` sets ``QSERVE_ENABLE_MULTIPROCESSING`` instead of leaving it unset: the
 same start-up in one process or with the core process forced, to compare against the default.
+``--profile-startup FILE``: py-spy (``--subprocesses --threads``, raw) records the server and its core
+process from launch to exit, and the samples taken while decode graphs were captured are summarized
+(bench/pyspy_summary.py ``--within capture_decode_graphs``): why the core process captured them in
+about twice the time one process took.
 
-    python3 bench/serve_default.py /tmp/qb [--port 8011] [--multiprocessing 0] [-- extra qserve serve arguments]
+    python3 bench/serve_default.py /tmp/qb [--port 8011] [--multiprocessing 0] [--profile-startup F] [-- extra args]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +91,7 @@ def main() -> int:
         default="unset",
         help="QSERVE_ENABLE_MULTIPROCESSING for the server (unset: qserve serve's default layout)",
     )
+    parser.add_argument("--profile-startup", metavar="FILE", help="py-spy raw profile of the server's whole run here")
     parser.add_argument("extra", nargs="*", help="more qserve serve arguments (after --)")
     args = parser.parse_args()
     env = {k: v for k, v in os.environ.items() if k != "QSERVE_ENABLE_MULTIPROCESSING"}
@@ -99,6 +105,7 @@ def main() -> int:
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=timestamp_lines, args=(server.stdout, started, lines), daemon=True)
     reader.start()
+    profiler = start_profiler(server.pid, args.profile_startup) if args.profile_startup else None
     url = f"http://127.0.0.1:{args.port}"
     try:
         while get(f"{url}/health")[0] != 200:
@@ -130,7 +137,34 @@ def main() -> int:
                 print(f"  {at:7.1f}  {line[:200]}")
         if code != 0:
             print("\n".join(line for _, line in lines[-60:]))
+        if profiler is not None:
+            print_profile(profiler, args.profile_startup)
     return 0 if code == 0 else 1
+
+
+def start_profiler(pid: int, out: str) -> subprocess.Popen:
+    """py-spy recording ``pid`` and the processes it starts until it exits (from PATH, else where the
+    device call's ``pip install --target /tmp/site`` put the carried wheel's binary)."""
+    pyspy = shutil.which("py-spy") or "/tmp/site/bin/py-spy"
+    cmd = [pyspy, "record", "-s", "-t", "-r", "100", "-p", str(pid), "-f", "raw", "-o", out, "--nonblocking"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def print_profile(profiler: subprocess.Popen, out: str) -> None:
+    """Wait for py-spy (it stops when the server has exited) and print the capture phase's summary."""
+    try:
+        _, errors = profiler.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        profiler.kill()
+        _, errors = profiler.communicate()
+    if not Path(out).exists():
+        print(f"py-spy wrote no profile (exit {profiler.returncode}): {errors.strip()[-500:]}")
+        return
+    from bench.pyspy_summary import summarize
+
+    lines = Path(out).read_text().splitlines()
+    print("py-spy, the samples taken while decode graphs were captured:")
+    print(summarize(lines, top=12, within="capture_decode_graphs"))
 
 
 if __name__ == "__main__":

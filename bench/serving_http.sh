@@ -6,8 +6,8 @@
 #   PYTHONPATH=. bash bench/serving_http.sh "$OUT" [/tmp/qb]
 # CONCURRENCY (default 1,16): the --max-concurrency list of the first run.
 # QSERVE_ENABLE_MULTIPROCESSING=1: the engine core in its own process (issue 27). PROFILE_S=30: py-spy
-# records the server (and its core process) for that long during the Poisson run; summary in
-# $OUT/pyspy_summary.txt (bench/pyspy_summary.py).
+# records the server (and its core process) for that long during the Poisson run (PROFILE_RUN=all_at_once:
+# during the 300 at once instead); summary in $OUT/pyspy_summary.txt (bench/pyspy_summary.py).
 # TOKENIZER=full (default since 2026-12-05, issue 27): a tokenizer under which every one of the 152,064
 # ids is text, so every step sends an SSE chunk per sequence (bench/full_vocab_tokenizer.py), as with a
 # real checkpoint's tokenizer; TOKENIZER=synthetic: the tests' small tokenizer (most ids decode to
@@ -44,13 +44,21 @@ COMMON=(--port "$PORT" --ignore-eos --vocab-size 152064 --disable-tqdm --result-
     --random-input-len 256 --random-output-len 256 --random-max-len 2048)
 python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 48 --max-concurrency "${CONCURRENCY:-1,16}" --result-filename concurrency.json
 PROFILER=
-if [ -n "${PROFILE_S:-}" ]; then
+PROFILE_RUN=${PROFILE_RUN:-poisson16}
+case $PROFILE_RUN in poisson16 | all_at_once) ;; *) echo "PROFILE_RUN=$PROFILE_RUN: expected poisson16 or all_at_once" >&2; exit 2 ;; esac
+profile_from_here() {  # $1: the run about to start; py-spy records PROFILE_S seconds from now if it is PROFILE_RUN
+    [ -n "${PROFILE_S:-}" ] && [ "$1" = "$PROFILE_RUN" ] || return 0
     # py-spy from PATH, else where the device call's `pip install --target /tmp/site` put the carried wheel's binary
     PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
     "$PYSPY" record -s -t -r 100 -d "$PROFILE_S" -p "$SERVER" -f raw -o "$OUT/pyspy.txt" --nonblocking \
         > "$OUT/pyspy.log" 2>&1 &
     PROFILER=$!
-fi
+}
+profile_summary() {
+    [ -n "$PROFILER" ] || return 0
+    wait "$PROFILER" && python3 bench/pyspy_summary.py "$OUT/pyspy.txt" > "$OUT/pyspy_summary.txt"
+    PROFILER=
+}
 probe() {  # /health every 100 ms while "$@" loads the server (issue 27: p99 <= 50 ms throughout)
     local name=$1; shift
     python3 bench/health_probe.py --port "$PORT" --out "$OUT/health_$name.json" &
@@ -58,11 +66,12 @@ probe() {  # /health every 100 ms while "$@" loads the server (issue 27: p99 <= 
     "$@"
     kill -TERM "$prober"; wait "$prober" || true
 }
+profile_from_here poisson16
 probe poisson16 python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 400 --request-rate 16 --num-warmups 0 \
     --result-filename poisson16.json
-if [ -n "$PROFILER" ]; then
-    wait "$PROFILER" && python3 bench/pyspy_summary.py "$OUT/pyspy.txt" > "$OUT/pyspy_summary.txt"
-fi
+profile_summary
+profile_from_here all_at_once
 probe all_at_once python3 -m qserve.cli bench "${COMMON[@]}" --num-prompts 300 --num-warmups 0 \
     --result-filename all_at_once.json
+profile_summary
 grep -E "allocated after start-up|warm start|memory plan" -A0 "$OUT/serve.log" || true

@@ -32,6 +32,8 @@ def test_probes_report_percentiles_and_count_a_503_as_a_failure(tmp_path, capsys
         result = json.loads(out.read_text())
         assert result["failures"] == 0 and result["probes"] >= 5
         assert 0 < result["p50_ms"] <= result["p99_ms"] <= result["max_ms"] < 5000
+        slowest = result["slowest_at_s_ms"]
+        assert len(slowest) == 5 and slowest[0][1] == result["max_ms"] and all(0 <= at < 1 for at, _ in slowest)
     finally:
         ok.shutdown()
     down = _serve(503)
@@ -51,6 +53,14 @@ def test_main_gives_back_the_callers_signal_handlers():
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     health_probe.main(["--port", "9", "--interval", "0.01", "--duration", "0.05", "--timeout", "0.2"])
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_the_slowest_probes_are_listed_with_when_they_were_sent():
+    latencies = [5.0, 120.0, 6.0, 7.0, 90.0, 5.5, 6.5]
+    sent_at = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    result = health_probe.summary(latencies, [], sent_at)
+    assert result["slowest_at_s_ms"] == [[0.1, 120.0], [0.4, 90.0], [0.3, 7.0], [0.6, 6.5], [0.2, 6.0]]
+    assert "slowest_at_s_ms" not in health_probe.summary(latencies, [])
 
 
 def test_percentile_is_the_nearest_rank():
