@@ -51,7 +51,8 @@
 # spec_eagle (only when named): bench/spec_decode.py at batch 1 with EAGLE heads built from the target (--eagle
 #   layers1,layers4,random; the random head also with adaptive k), graphed verify, median of 3 (issue 29); each head
 #   with its plain decode steps eager and under QSERVE_EAGLE_DECODE_GRAPHS=1 (EAGLE_DECODE_GRAPHS=off|on|both); ~4 min.
-#   EAGLE_HEADS (default layers1,layers4,random) and EAGLE_ADAPTIVE_MODES (default eagle-random,eagle-random-dg) narrow it.
+#   EAGLE_HEADS (default layers1,layers4,random) and EAGLE_ADAPTIVE_MODES (default eagle-random,eagle-random-dg) narrow it;
+#   EAGLE_HEAD_GRAPHS=on|both adds the modes with QSERVE_EAGLE_HEAD_GRAPHS=1 (-hg: the head's drafting forwards graphed).
 # spec_serving (only when named): bench/serving.py without and with n-gram speculation (ngram-pw: with
 #   QSERVE_PIECEWISE_SPEC=1), Poisson 4 req/s and all at once, SPEC_SERVING_REQUESTS requests (default 120;
 #   SPEC_SERVING_MODES, default "off ngram ngram-pw"; issue 29).
@@ -187,7 +188,7 @@ if has spec_eagle; then
     # EAGLE_HEADS / EAGLE_ADAPTIVE_MODES: other heads, or other modes with adaptive k (e.g. eagle-layers1-dg)
     timeout 540 python3 bench/spec_decode.py --checkpoint /tmp/qb --batches 1 --eagle "${EAGLE_HEADS:-layers1,layers4,random}" \
         --adaptive --adaptive-modes "${EAGLE_ADAPTIVE_MODES:-eagle-random,eagle-random-dg}" \
-        --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-both}" --verify graphs \
+        --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-both}" --eagle-head-graphs "${EAGLE_HEAD_GRAPHS:-off}" --verify graphs \
         --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -20
 fi
 if has spec_serving; then

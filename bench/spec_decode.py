@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e import QWEN14B, SMALL, write_random_gptq  # noqa: E402
 from qserve import LLM, SamplingParams  # noqa: E402
-from qserve.engine.engine import EAGLE_DECODE_GRAPHS_ENV, SPEC_GRAPHS_ENV  # noqa: E402
+from qserve.engine.engine import EAGLE_DECODE_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV, SPEC_GRAPHS_ENV  # noqa: E402
 
 
 def write_draft(target: Path, path: Path, num_layers: int, mismatched: bool = False) -> None:
@@ -277,6 +277,13 @@ def main() -> None:
         "states, so plain decode steps while speculating are not eager): off, on, or both (the -dg modes)",
     )
     parser.add_argument(
+        "--eagle-head-graphs",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the EAGLE modes with QSERVE_EAGLE_HEAD_GRAPHS=1 (the head's k - 1 drafting forwards replay CUDA "
+        "graphs instead of launching eagerly): off, on, or both (the -hg modes)",
+    )
+    parser.add_argument(
         "--mismatched-draft",
         action="store_true",
         help="with --draft-layers: the draft's head rolled by half the vocabulary (acceptance near 0%%), "
@@ -330,8 +337,9 @@ def main() -> None:
             write_eagle_head(path, head_path, construction)
         eagle = {"method": "eagle", "model": str(head_path), "num_speculative_tokens": args.k}
         eagle["disable_by_batch_size"] = args.disable_by_batch_size
-        suffixes = {"off": [""], "on": ["-dg"], "both": ["", "-dg"]}[args.eagle_decode_graphs]
-        modes += [(f"eagle-{construction}{suffix}", eagle) for suffix in suffixes]
+        decode_graphs = {"off": [""], "on": ["-dg"], "both": ["", "-dg"]}[args.eagle_decode_graphs]
+        head_graphs = {"off": [""], "on": ["-hg"], "both": ["", "-hg"]}[args.eagle_head_graphs]
+        modes += [(f"eagle-{construction}{dg}{hg}", eagle) for dg in decode_graphs for hg in head_graphs]
     if args.adaptive:
         adaptive = {"enable_adaptive_verification": True}
         if args.adaptive_row_cost is not None:
@@ -355,6 +363,7 @@ def main() -> None:
     for mode, config in modes:
         os.environ[SPEC_GRAPHS_ENV] = "1" if config is not None and "graphs" in verify_modes else "0"
         os.environ[EAGLE_DECODE_GRAPHS_ENV] = "1" if "-dg" in mode else "0"
+        os.environ[EAGLE_HEAD_GRAPHS_ENV] = "1" if "-hg" in mode else "0"
         llm = LLM(
             str(path),
             device=device,

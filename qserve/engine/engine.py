@@ -101,6 +101,7 @@ from qserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestO
 from qserve.pooling_params import PoolingParams
 from qserve.request import Request, RequestStatus
 from qserve.runner.cuda_allocator import allocator_setting, prefer_expandable_segments
+from qserve.runner.cuda_graphs import DecodeGraphs
 from qserve.runner.kv_swap import kv_block_bytes
 from qserve.runner.model_runner import LaunchedStep, ModelRunner, allocate_kv_caches, kv_cache_shape
 from qserve.runner.piecewise_graphs import (
@@ -151,6 +152,10 @@ EAGLE_DECODE_GRAPHS_ENV = "QSERVE_EAGLE_DECODE_GRAPHS"
 # an EAGLE (not EAGLE-3) head's steps that ask for hidden states and fit no other graph, run through
 # the piecewise graphs instead of eagerly. The default since `pytest -m gpu` passed with it; "0" opts out.
 PIECEWISE_SPEC_ENV = "QSERVE_PIECEWISE_SPEC"
+# EAGLE heads: the k - 1 drafting forwards of a proposal replay CUDA graphs of the head (one per batch
+# bucket, qserve.spec_decode.eagle_graphs) instead of launching every kernel from Python. Opt-in ("1")
+# until `pytest -m gpu` passes with it: a change to the launch path.
+EAGLE_HEAD_GRAPHS_ENV = "QSERVE_EAGLE_HEAD_GRAPHS"
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
 # (the last draft and the target's token): its graphs take up to this many rows per sequence.
 DRAFT_CATCH_UP_ROWS = 2
@@ -711,6 +716,34 @@ class Engine:
             draft.capture_decode_graphs(draft_seqs, self.max_model_len, share=target_graphs)
             if catch_up_seqs:
                 draft.capture_row_graphs(DRAFT_CATCH_UP_ROWS, catch_up_seqs, self.max_model_len, share=target_graphs)
+        if self._eagle_head is not None and env_switch(EAGLE_HEAD_GRAPHS_ENV, default=False):
+            self._capture_eagle_head_graphs(draft_seqs, target_graphs)
+
+    def _capture_eagle_head_graphs(self, max_seqs: int, share: DecodeGraphs) -> None:
+        """The EAGLE head's drafting forwards as CUDA graphs (``EAGLE_HEAD_GRAPHS_ENV``), in the target's
+        decode graphs' pool: up to ``max_seqs`` rows, k - 1 forwards a proposal, tables reaching the
+        last drafted position (``max_model_len + k``)."""
+        from qserve.spec_decode.eagle import EagleProposer
+        from qserve.spec_decode.eagle_graphs import HeadDraftGraphs
+
+        spec = self.spec_config
+        proposer = self.proposer
+        assert spec is not None and isinstance(proposer, EagleProposer)
+        if spec.num_speculative_tokens < 2 or max_seqs < 1:
+            return  # one draft per proposal: it comes from the catch-up forward, nothing to replay
+        longest = self.max_model_len + spec.num_speculative_tokens
+        graphs = HeadDraftGraphs(
+            proposer.head,
+            proposer.shadow.kv_caches,
+            max_seqs,
+            spec.num_speculative_tokens - 1,
+            longest,
+            -(-longest // self.kv_manager.block_size),
+            self.device,
+            share=share,
+        )
+        graphs.capture()
+        proposer.graphs = graphs
 
     @property
     def async_scheduling(self) -> bool:

@@ -50,6 +50,7 @@ from qserve.request import Request
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.model_runner import pad_block_tables
 from qserve.sampling_params import SamplingParams
+from qserve.spec_decode.eagle_graphs import HeadDraftGraphs
 from qserve.spec_decode.eagle_head import EagleHead
 from qserve.spec_decode.proposer import ProposalInput, Proposer
 from qserve.spec_decode.shadow_kv import ShadowKV
@@ -104,6 +105,8 @@ class EagleProposer(Proposer):
         # request id -> (logits input [H], next feature [H]) of position num_computed_tokens - 1
         self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hidden_size = head.config.model.hidden_size
+        # Captured drafting forwards (the engine's QSERVE_EAGLE_HEAD_GRAPHS=1; None: eager)
+        self.graphs: HeadDraftGraphs | None = None
 
     # ------------------------------------------------------------------------------------------
     # Catching up on the target's steps
@@ -238,6 +241,8 @@ class EagleProposer(Proposer):
         logits_in = torch.stack([self._last[batch[i].request_id][0] for i in ready])  # [R, H]
         feature = torch.stack([self._last[batch[i].request_id][1] for i in ready])  # [R, H]
         tokens = self.head.draft_tokens(logits_in)  # [R] int64 on the device: every first draft
+        if self._draft_in_graphs(batch, ready, tables, drafts, tokens, feature):
+            return
         columns = [tokens]
         drafting = list(ready)  # the batch indices still drafting, in row order of tokens / feature
         for j in range(1, max(batch[i].max_num_tokens for i in ready)):
@@ -260,6 +265,44 @@ class EagleProposer(Proposer):
         table = torch.stack(columns, dim=1).tolist()  # [B, k_max]: the proposal's one sync with the host
         for i in ready:
             drafts[i] = table[i][: batch[i].max_num_tokens]
+
+    def _draft_in_graphs(
+        self,
+        batch: Sequence[ProposalInput],
+        ready: list[int],
+        tables: dict[str, list[int]],
+        drafts: list[list[int]],
+        first: torch.Tensor,  # int64 [R]: every ready row's first draft
+        feature: torch.Tensor,  # [R, H]: the feature it came with
+    ) -> bool:
+        """Drafts 2..k of the ``ready`` entries through the captured drafting forwards
+        (``HeadDraftGraphs``), if there are graphs and the batch fits them; False otherwise (nothing
+        done). Every row keeps its place through all k - 1 forwards: a row that needs fewer drafts
+        repeats its last drafting position with slot -1 (no KV stored); its extra drafts are dropped."""
+        graphs = self.graphs
+        counts = np.array([batch[i].max_num_tokens for i in ready], dtype=np.int64)  # [R]
+        steps = int(counts.max()) - 1
+        ids = [batch[i].request_id for i in ready]
+        row_tables = [tables[r] for r in ids]
+        table_lens = np.array([len(t) for t in row_tables], dtype=np.int64)  # [R]
+        if graphs is None or steps < 1 or not graphs.fits(len(ready), steps, int(table_lens.max())):
+            return False
+        block_size = self.shadow.block_size
+        bases = np.array([self._mirrors[r].num_computed_tokens for r in ids], dtype=np.int64)  # [R]
+        step = np.arange(1, steps + 1, dtype=np.int64)[:, None]  # [steps, 1]
+        # draft j reads draft j - 1 at position base + j - 1; rows past their count repeat their last
+        positions = bases[None, :] + np.minimum(step, counts[None, :] - 1) - 1  # [steps, R]
+        flat = np.array([b for t in row_tables for b in t], dtype=np.int64)  # [sum(lens)]
+        table_start = (np.cumsum(table_lens) - table_lens)[None, :]  # [1, R]
+        blocks = flat[table_start + positions // block_size]  # [steps, R]
+        slots = np.where(self.shadow.shared(blocks), -1, blocks * block_size + positions % block_size)
+        slots = np.where(step <= counts[None, :] - 1, slots, -1)  # [steps, R]
+        block_tables = pad_block_tables(table_lens, flat)  # [R, width] int32
+        later = graphs.draft(first, feature, positions, slots, block_tables)  # [steps, R]
+        table = torch.cat([first[None, :], later]).T.tolist()  # [R, k_max]: the proposal's one sync
+        for row, i in enumerate(ready):
+            drafts[i] = table[row][: batch[i].max_num_tokens]
+        return True
 
     # ------------------------------------------------------------------------------------------
     # One forward of the head

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from qserve import LLM
+from qserve.runner.cuda_graphs import DEFAULT_BUCKETS
 from tests.helpers.eagle_heads import (
     PERM_FIRST,
     oracle_head,
@@ -858,3 +859,116 @@ def test_the_head_never_writes_a_block_another_sequence_holds(path, heads, metho
     assert max(cached) >= 3 * block_size, "the newcomer was served from the prefix cache"
     assert engine.spec_stats.num_draft_tokens > 0
     assert not written_shared, f"the head stored KV at slots of shared blocks: {sorted(set(written_shared))}"
+
+
+def _drafting_run(checkpoint: str, heads: dict[str, str], method: str, workload, head_graphs: str):  # noqa: ANN001, ANN202
+    """The ``reference`` workload with a random head and QSERVE_EAGLE_HEAD_GRAPHS=``head_graphs``
+    (StaticReplay stand-ins on CPU): outputs token-identical to no speculation, every page back.
+    Returns (every proposal's drafts, in order; the number of proposals drafted through the graphs)."""
+    import os
+
+    from qserve.engine.engine import EAGLE_HEAD_GRAPHS_ENV
+    from tests.integration.test_spec_decode_graphs import install_graphs
+
+    os.environ[EAGLE_HEAD_GRAPHS_ENV] = head_graphs
+    requests, want, _ = workload
+    llm = LLM(checkpoint, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
+    engine = llm.engine
+    install_graphs(llm)
+    proposer = engine.proposer
+    assert (proposer.graphs is not None) == (head_graphs == "1")
+    proposals, replayed = [], []
+    propose = proposer.propose
+    if proposer.graphs is not None:
+        draft = proposer.graphs.draft
+
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            replayed.append(args[2].shape)  # positions [steps, rows]
+            return draft(*args, **kwargs)
+
+        proposer.graphs.draft = counted
+
+    def spy(batch):  # noqa: ANN001, ANN202
+        drafts = propose(batch)
+        proposals.append([list(d) for d in drafts])
+        return drafts
+
+    proposer.propose = spy
+    got, _ = _run(engine, requests)
+    _assert_same(got, want)
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    return proposals, replayed
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_head_graphs_draft_what_the_eager_head_drafts(path, heads, reference, method, monkeypatch):  # noqa: F811
+    """QSERVE_EAGLE_HEAD_GRAPHS=1 (StaticReplay stand-ins on CPU): a proposal's k - 1 drafting forwards
+    run through the head's graphs, one bucket-padded forward per draft with every row kept (a row that
+    needs fewer drafts, near its max_tokens, repeats its last position with slot -1). Every proposal's
+    drafts equal the eager head's (whose rows drop out as they finish), outputs stay token-identical to
+    no speculation, and several-row proposals (pad rows up to the bucket) are among them."""
+    from qserve.engine.engine import EAGLE_HEAD_GRAPHS_ENV
+
+    monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "0")  # restored after the test (_drafting_run sets it)
+    eager, none = _drafting_run(path, heads, method, reference, "0")
+    graphed, replayed = _drafting_run(path, heads, method, reference, "1")
+    assert none == [] and len(replayed) >= 5
+    assert any(rows not in DEFAULT_BUCKETS for _, rows in replayed), replayed  # padded to a bucket
+    assert graphed == eager
+    assert any(len(d) == K for proposal in graphed for d in proposal)  # full proposals of k drafts
+    assert any(0 < len(d) < K for proposal in graphed for d in proposal)  # and shorter ones
+
+
+def test_eagle_head_graphs_switch_refuses_a_value_it_does_not_know(path, heads, monkeypatch):  # noqa: F811
+    from qserve.engine.engine import EAGLE_HEAD_GRAPHS_ENV
+
+    monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "on")
+    with pytest.raises(ValueError, match="QSERVE_EAGLE_HEAD_GRAPHS='on'"):
+        llm = LLM(path, async_scheduling=False, speculative_config=_spec(heads, "eagle"), **ARGS)
+        install = __import__("tests.integration.test_spec_decode_graphs", fromlist=["install_graphs"])
+        install.install_graphs(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_cuda_eagle_head_graphs_match_no_speculation(path, heads, walk, async_scheduling, monkeypatch):  # noqa: F811
+    """QSERVE_EAGLE_HEAD_GRAPHS=1 on the GPU: the heads' drafting forwards are captured CUDA graphs and
+    replay; greedy outputs equal no speculation's (float32), and an oracle head keeps > 95% of its
+    drafts (which collapses when a replay reads a wrong position, feature or block)."""
+    from qserve.engine.engine import EAGLE_HEAD_GRAPHS_ENV
+    from tests.integration.test_spec_decode_graphs import _cuda_engine
+
+    monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "1")
+    finals = {}
+    for name, spec in (("none", None), ("eagle", _spec(heads, "eagle")), ("eagle3", _spec(heads, "eagle3"))):
+        llm = _cuda_engine(path, spec, True, monkeypatch, async_scheduling=async_scheduling)
+        engine = llm.engine
+        probe = llm.generate([{"prompt_token_ids": LOOP}], _greedy(), use_tqdm=False)[0].outputs[0]
+        requests = [r for r in _workload(probe.token_ids[9], "\n\n") if r[0] != "stop_str"]
+        replays = []
+        if spec is not None:
+            graphs = engine.proposer.graphs
+            assert graphs is not None and isinstance(next(iter(graphs.graphs.values())), torch.cuda.CUDAGraph)
+            draft = graphs.draft
+            graphs.draft = lambda *a, _draft=draft, _seen=replays, **kw: _seen.append(a[2].shape) or _draft(*a, **kw)
+        finals[name] = _run(engine, requests)[0]
+        if spec is not None:
+            assert replays and engine.spec_stats.num_draft_tokens > 0
+            assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+        del llm, engine
+        torch.cuda.empty_cache()
+    for name in ("eagle", "eagle3"):
+        _assert_same(finals[name], finals["none"])
+    target, oracle, perm = walk
+    for method in ("eagle", "eagle3"):
+        llm = _cuda_engine(target, _spec(oracle, method), True, monkeypatch, async_scheduling=async_scheduling)
+        assert llm.engine.proposer.graphs is not None
+        prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
+        outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
+        for s, output in zip((3, 9, 17), outputs):
+            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+        del llm
+        torch.cuda.empty_cache()
