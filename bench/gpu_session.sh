@@ -32,6 +32,7 @@
 #   QSERVE_ENABLE_MULTIPROCESSING unset: does an engine core process run, one completion, SIGTERM's exit code.
 #   SERVE_DEFAULT_LAYOUTS="unset 0" also starts it in one process; each run's start-up milestones, timestamped.
 #   SERVE_DEFAULT_PROFILE=1: py-spy records each start-up (carried wheel); the decode-graph capture's samples.
+#   SERVE_DEFAULT_KEEP_CACHE="0 1": each layout with QSERVE_CAPTURE_KEEP_CACHE off, then on (no emptying per capture).
 # coldstart (only when named; COLDSTART_RUNS pairs, default 2): bench/e2e.py decode at batch 1 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
 #   and with qserve's default (expandable), alternated twice on one reused checkpoint: cold start, plan vs held.
 # ampere_proxy (only when named): bench/kernels.py --ampere-proxy --sweep: the sm86/sm89 W4A16 code (mma.sync,
@@ -235,13 +236,17 @@ if has serve_default; then
     stage "qserve serve with QSERVE_ENABLE_MULTIPROCESSING unset: which process layout, one completion, SIGTERM"
     # SERVE_DEFAULT_LAYOUTS="unset 0": also the same start-up in one process, to break the time to ready down
     for mp in ${SERVE_DEFAULT_LAYOUTS:-unset}; do
-        echo "--- QSERVE_ENABLE_MULTIPROCESSING=$mp"
+      for keep in ${SERVE_DEFAULT_KEEP_CACHE:-0}; do
+        export QSERVE_CAPTURE_KEEP_CACHE=$keep
+        echo "--- QSERVE_ENABLE_MULTIPROCESSING=$mp QSERVE_CAPTURE_KEEP_CACHE=$keep"
         # SERVE_DEFAULT_PROFILE=1: py-spy over the whole start-up, the decode-graph capture's samples summarized
-        profile=(); [[ ${SERVE_DEFAULT_PROFILE:-0} == 1 ]] && profile=(--profile-startup "$OUT/serve_default_$mp.pyspy.txt")
+        profile=(); [[ ${SERVE_DEFAULT_PROFILE:-0} == 1 ]] && profile=(--profile-startup "$OUT/serve_default_${mp}_keep$keep.pyspy.txt")
         timeout 240 python3 bench/serve_default.py --multiprocessing "$mp" "${profile[@]}" /tmp/qb -- --gpu-memory-budget 24GiB \
-            > "$OUT/serve_default_$mp.txt" 2>&1
-        grep -vE "^ +[0-9.]+ .*(INFO|DEBUG).*(GET|POST) /" "$OUT/serve_default_$mp.txt" | tail -${SERVE_DEFAULT_TAIL:-40}
+            > "$OUT/serve_default_${mp}_keep$keep.txt" 2>&1
+        grep -vE "^ +[0-9.]+ .*(INFO|DEBUG).*(GET|POST) /" "$OUT/serve_default_${mp}_keep$keep.txt" | tail -${SERVE_DEFAULT_TAIL:-40}
+      done
     done
+    unset QSERVE_CAPTURE_KEEP_CACHE
 fi
 if has coldstart; then
     # alternated, on one reused checkpoint (its page cache warm after the first): fixed vs expandable segments

@@ -146,7 +146,8 @@ def start_profiler(pid: int, out: str) -> subprocess.Popen:
     """py-spy recording ``pid`` and the processes it starts until it exits (from PATH, else where the
     device call's ``pip install --target /tmp/site`` put the carried wheel's binary)."""
     pyspy = shutil.which("py-spy") or "/tmp/site/bin/py-spy"
-    cmd = [pyspy, "record", "-s", "-t", "-r", "100", "-p", str(pid), "-f", "raw", "-o", out, "--nonblocking"]
+    # --idle: samples of threads that wait too (decode-graph capture is mostly outside Python's CPU time)
+    cmd = [pyspy, "record", "-s", "-t", "--idle", "-r", "100", "-p", str(pid), "-f", "raw", "-o", out, "--nonblocking"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

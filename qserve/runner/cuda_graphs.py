@@ -48,9 +48,12 @@ eagerly at replay (``StaticReplay``), so the CPU tests run everything but the ca
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
+import os
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -61,6 +64,44 @@ from quant_kernels.lora_ops import LoRAIndices, fill_index_buffer, index_layout,
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+# Opt-in ("1"): no cache emptying before each capture of a loop (vLLM skips it too). torch's
+# ``torch.cuda.graph`` empties the device and pinned-host caches before every capture; with
+# expandable segments each emptying unmaps memory the next capture maps again. Whether it shortens
+# start-up (decode-graph capture took 10-19 s on an H100, mostly outside Python: py-spy, tenth
+# session) is not measured yet.
+KEEP_CACHE_ENV = "QSERVE_CAPTURE_KEEP_CACHE"
+
+
+@contextlib.contextmanager
+def garbage_collected_first() -> Iterator[None]:
+    """Around a loop of CUDA graph captures: collect the garbage now, and keep Python's collector off
+    until the loop ends. Why: torch's ``torch.cuda.graph`` no longer collects before each capture, so
+    an automatic collection that ran mid-capture could free a reference cycle holding an earlier
+    engine's graphs or memory, whose CUDA calls (a graph destroyed, memory unmapped) are illegal while
+    a capture is underway: the capture fails with ``cudaErrorStreamCaptureInvalidated``, and every
+    later CUDA random-number use in the process with "Offset increment outside graph capture" (two
+    smoke runs on an H100, bench/RESULTS.md ledger, `baacb83` and the tenth session). vLLM collects
+    once and freezes the collector around its captures for the same reason."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    keep_cache = os.environ.get(KEEP_CACHE_ENV, "0").strip() == "1"
+    emptying = torch.cuda.empty_cache, torch._C._host_emptyCache
+    try:
+        if keep_cache:  # one emptying for the whole loop, none per capture
+            torch.cuda.empty_cache()
+            torch.cuda.empty_cache = torch._C._host_emptyCache = _no_emptying
+        yield
+    finally:
+        torch.cuda.empty_cache, torch._C._host_emptyCache = emptying
+        if enabled:
+            gc.enable()
+
+
+def _no_emptying() -> None:
+    pass
 
 
 class StaticReplay:
@@ -215,17 +256,18 @@ class DecodeGraphs:
             logger.info("%s graphs replayed eagerly off CUDA (batch sizes %s)", kind, list(self.buckets))
             return
         torch.cuda.synchronize()
-        for batch in reversed(self.buckets):
-            if self.lora_buffer is not None:  # this bucket's layout, no adapter row: a base-only warm-up
-                self._stage_lora(batch, None, pinned=False)
-            self._run(batch)  # warm-up outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._run_into_logits(batch)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[batch] = graph
+        with garbage_collected_first():
+            for batch in reversed(self.buckets):
+                if self.lora_buffer is not None:  # this bucket's layout, no adapter row: a base-only warm-up
+                    self._stage_lora(batch, None, pinned=False)
+                self._run(batch)  # warm-up outside capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._run_into_logits(batch)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[batch] = graph
         torch.cuda.synchronize()
         logger.info("captured %d %s CUDA graphs (batch sizes %s)", len(self.graphs), kind, list(self.buckets))
 

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from qserve.runner.attn_metadata import AttentionMetadata
-from qserve.runner.cuda_graphs import StaticReplay
+from qserve.runner.cuda_graphs import StaticReplay, garbage_collected_first
 
 logger = logging.getLogger(__name__)
 
@@ -188,19 +188,20 @@ class PiecewiseGraphs:
         device = self.input_ids.device
         torch.cuda.synchronize(device)
         reserved = torch.cuda.memory_reserved(device)
-        for rows in reversed(self.buckets):
-            pieces: list[torch.cuda.CUDAGraph | StaticReplay] = []
-            for index in range(self.num_pieces):
-                fn = self._piece_fn(rows, index)
-                fn()  # warm-up outside capture (compilation, autotuning)
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    fn()
-                if self.pool is None:
-                    self.pool = graph.pool()
-                pieces.append(graph)
-            self.graphs[rows] = pieces
+        with garbage_collected_first():
+            for rows in reversed(self.buckets):
+                pieces: list[torch.cuda.CUDAGraph | StaticReplay] = []
+                for index in range(self.num_pieces):
+                    fn = self._piece_fn(rows, index)
+                    fn()  # warm-up outside capture (compilation, autotuning)
+                    torch.cuda.synchronize(device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        fn()
+                    if self.pool is None:
+                        self.pool = graph.pool()
+                    pieces.append(graph)
+                self.graphs[rows] = pieces
         torch.cuda.synchronize(device)
         self.capture_bytes = torch.cuda.memory_reserved(device) - reserved
         logger.info(

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from qserve.runner.attn_metadata import AttentionMetadata
-from qserve.runner.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, StaticReplay
+from qserve.runner.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, StaticReplay, garbage_collected_first
 from qserve.spec_decode.eagle_head import EagleHead
 
 logger = logging.getLogger(__name__)
@@ -118,15 +118,16 @@ class HeadDraftGraphs:
             logger.info("EAGLE head drafting graphs replayed eagerly off CUDA (batch sizes %s)", list(self.buckets))
             return
         torch.cuda.synchronize()
-        for batch in reversed(self.buckets):
-            self._run(batch)  # warm-up outside capture (pad rows: slot -1, nothing stored)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._run(batch)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[batch] = graph
+        with garbage_collected_first():
+            for batch in reversed(self.buckets):
+                self._run(batch)  # warm-up outside capture (pad rows: slot -1, nothing stored)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._run(batch)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[batch] = graph
         torch.cuda.synchronize()
         logger.info(
             "captured %d EAGLE head drafting CUDA graphs (batch sizes %s)", len(self.graphs), list(self.buckets)
