@@ -51,9 +51,9 @@
 #   bench/moe.py --tokens 1,8 (its split column, its direct table); ~7 minutes.
 # spec_eagle (only when named): bench/spec_decode.py at batch 1 with EAGLE heads built from the target (--eagle
 #   layers1,layers4,random; the random head also with adaptive k), graphed verify, median of 3 (issue 29); each head
-#   with its plain decode steps eager and under QSERVE_EAGLE_DECODE_GRAPHS=1 (EAGLE_DECODE_GRAPHS=off|on|both); ~4 min.
-#   EAGLE_HEADS (default layers1,layers4,random) and EAGLE_ADAPTIVE_MODES (default eagle-random,eagle-random-dg) narrow it;
-#   EAGLE_HEAD_GRAPHS=on|both adds the modes with QSERVE_EAGLE_HEAD_GRAPHS=1 (-hg: the head's drafting forwards graphed).
+#   with the engine's defaults: plain decode steps graphed (-dg; EAGLE_DECODE_GRAPHS=off|on|both, default on) and the
+#   head's drafting forwards graphed (-hg; EAGLE_HEAD_GRAPHS=off|on|both, default on); ~2 min, "both" doubles it.
+#   EAGLE_HEADS (default layers1,layers4,random) and EAGLE_ADAPTIVE_MODES (default eagle-random-dg-hg,eagle-layers1-dg-hg).
 # spec_serving (only when named): bench/serving.py without and with n-gram speculation (ngram-pw: with
 #   QSERVE_PIECEWISE_SPEC=1), Poisson 4 req/s and all at once, SPEC_SERVING_REQUESTS requests (default 120;
 #   SPEC_SERVING_MODES, default "off ngram ngram-pw"; issue 29).
@@ -188,8 +188,8 @@ if has spec_eagle; then
     stage "speculative decoding at batch 1 with EAGLE heads built from the target (its first 1 and 4 layers; a random head, fixed and adaptive k), plain decode steps eager and graphed (QSERVE_EAGLE_DECODE_GRAPHS)"
     # EAGLE_HEADS / EAGLE_ADAPTIVE_MODES: other heads, or other modes with adaptive k (e.g. eagle-layers1-dg)
     timeout 540 python3 bench/spec_decode.py --checkpoint /tmp/qb --batches 1 --eagle "${EAGLE_HEADS:-layers1,layers4,random}" \
-        --adaptive --adaptive-modes "${EAGLE_ADAPTIVE_MODES:-eagle-random,eagle-random-dg}" \
-        --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-both}" --eagle-head-graphs "${EAGLE_HEAD_GRAPHS:-off}" --verify graphs \
+        --adaptive --adaptive-modes "${EAGLE_ADAPTIVE_MODES:-eagle-random-dg-hg,eagle-layers1-dg-hg}" \
+        --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-on}" --eagle-head-graphs "${EAGLE_HEAD_GRAPHS:-on}" --verify graphs \
         --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -20
 fi
 if has spec_serving; then

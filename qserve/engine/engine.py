@@ -153,8 +153,8 @@ EAGLE_DECODE_GRAPHS_ENV = "QSERVE_EAGLE_DECODE_GRAPHS"
 # the piecewise graphs instead of eagerly. The default since `pytest -m gpu` passed with it; "0" opts out.
 PIECEWISE_SPEC_ENV = "QSERVE_PIECEWISE_SPEC"
 # EAGLE heads: the k - 1 drafting forwards of a proposal replay CUDA graphs of the head (one per batch
-# bucket, qserve.spec_decode.eagle_graphs) instead of launching every kernel from Python. Opt-in ("1")
-# until `pytest -m gpu` passes with it: a change to the launch path.
+# bucket, qserve.spec_decode.eagle_graphs) instead of launching every kernel from Python. The default
+# since `pytest -m gpu` passed with it (bench/RESULTS.md, tenth session); "0" opts out.
 EAGLE_HEAD_GRAPHS_ENV = "QSERVE_EAGLE_HEAD_GRAPHS"
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
 # (the last draft and the target's token): its graphs take up to this many rows per sequence.
@@ -716,7 +716,7 @@ class Engine:
             draft.capture_decode_graphs(draft_seqs, self.max_model_len, share=target_graphs)
             if catch_up_seqs:
                 draft.capture_row_graphs(DRAFT_CATCH_UP_ROWS, catch_up_seqs, self.max_model_len, share=target_graphs)
-        if self._eagle_head is not None and env_switch(EAGLE_HEAD_GRAPHS_ENV, default=False):
+        if self._eagle_head is not None and env_switch(EAGLE_HEAD_GRAPHS_ENV, default=True):
             self._capture_eagle_head_graphs(draft_seqs, target_graphs)
 
     def _capture_eagle_head_graphs(self, max_seqs: int, share: DecodeGraphs) -> None:

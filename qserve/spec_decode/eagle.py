@@ -105,7 +105,7 @@ class EagleProposer(Proposer):
         # request id -> (logits input [H], next feature [H]) of position num_computed_tokens - 1
         self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hidden_size = head.config.model.hidden_size
-        # Captured drafting forwards (the engine's QSERVE_EAGLE_HEAD_GRAPHS=1; None: eager)
+        # Captured drafting forwards (set by the engine unless QSERVE_EAGLE_HEAD_GRAPHS=0; None: eager)
         self.graphs: HeadDraftGraphs | None = None
 
     # ------------------------------------------------------------------------------------------

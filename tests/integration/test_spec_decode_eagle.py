@@ -861,22 +861,26 @@ def test_the_head_never_writes_a_block_another_sequence_holds(path, heads, metho
     assert not written_shared, f"the head stored KV at slots of shared blocks: {sorted(set(written_shared))}"
 
 
-def _drafting_run(checkpoint: str, heads: dict[str, str], method: str, workload, head_graphs: str):  # noqa: ANN001, ANN202
+def _drafting_run(checkpoint: str, heads: dict[str, str], method: str, workload, head_graphs: str | None):  # noqa: ANN001, ANN202
     """The ``reference`` workload with a random head and QSERVE_EAGLE_HEAD_GRAPHS=``head_graphs``
-    (StaticReplay stand-ins on CPU): outputs token-identical to no speculation, every page back.
-    Returns (every proposal's drafts, in order; the number of proposals drafted through the graphs)."""
+    (None: unset, the default: on; StaticReplay stand-ins on CPU): outputs token-identical to no
+    speculation, every page back. Returns (every proposal's drafts, in order; the shape of every
+    proposal drafted through the graphs)."""
     import os
 
     from qserve.engine.engine import EAGLE_HEAD_GRAPHS_ENV
     from tests.integration.test_spec_decode_graphs import install_graphs
 
-    os.environ[EAGLE_HEAD_GRAPHS_ENV] = head_graphs
+    if head_graphs is None:
+        os.environ.pop(EAGLE_HEAD_GRAPHS_ENV, None)
+    else:
+        os.environ[EAGLE_HEAD_GRAPHS_ENV] = head_graphs
     requests, want, _ = workload
     llm = LLM(checkpoint, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
     engine = llm.engine
     install_graphs(llm)
     proposer = engine.proposer
-    assert (proposer.graphs is not None) == (head_graphs == "1")
+    assert (proposer.graphs is not None) == (head_graphs != "0")
     proposals, replayed = [], []
     propose = proposer.propose
     if proposer.graphs is not None:
@@ -902,16 +906,17 @@ def _drafting_run(checkpoint: str, heads: dict[str, str], method: str, workload,
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_eagle_head_graphs_draft_what_the_eager_head_drafts(path, heads, reference, method, monkeypatch):  # noqa: F811
-    """QSERVE_EAGLE_HEAD_GRAPHS=1 (StaticReplay stand-ins on CPU): a proposal's k - 1 drafting forwards
-    run through the head's graphs, one bucket-padded forward per draft with every row kept (a row that
-    needs fewer drafts, near its max_tokens, repeats its last position with slot -1). Every proposal's
-    drafts equal the eager head's (whose rows drop out as they finish), outputs stay token-identical to
-    no speculation, and several-row proposals (pad rows up to the bucket) are among them."""
+    """By default (QSERVE_EAGLE_HEAD_GRAPHS unset; StaticReplay stand-ins on CPU) a proposal's k - 1
+    drafting forwards run through the head's graphs, one bucket-padded forward per draft with every row
+    kept (a row that needs fewer drafts, near its max_tokens, repeats its last position with slot -1).
+    Every proposal's drafts equal the eager head's (QSERVE_EAGLE_HEAD_GRAPHS=0: rows drop out as they
+    finish), outputs stay token-identical to no speculation, and several-row proposals (pad rows up to
+    the bucket) are among them."""
     from qserve.engine.engine import EAGLE_HEAD_GRAPHS_ENV
 
     monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "0")  # restored after the test (_drafting_run sets it)
     eager, none = _drafting_run(path, heads, method, reference, "0")
-    graphed, replayed = _drafting_run(path, heads, method, reference, "1")
+    graphed, replayed = _drafting_run(path, heads, method, reference, None)
     assert none == [] and len(replayed) >= 5
     assert any(rows not in DEFAULT_BUCKETS for _, rows in replayed), replayed  # padded to a bucket
     assert graphed == eager
