@@ -54,6 +54,7 @@
 #   with the engine's defaults: plain decode steps graphed (-dg; EAGLE_DECODE_GRAPHS=off|on|both, default on) and the
 #   head's drafting forwards graphed (-hg; EAGLE_HEAD_GRAPHS=off|on|both, default on); ~2 min, "both" doubles it.
 #   EAGLE_HEADS (default layers1,layers4,random) and EAGLE_ADAPTIVE_MODES (default eagle-random-dg-hg,eagle-layers1-dg-hg).
+#   EAGLE_CATCH_UP_GRAPHS=on|both: the -cg modes (QSERVE_EAGLE_CATCH_UP_GRAPHS=1, opt-in: the catch-up forward graphed).
 # spec_serving (only when named): bench/serving.py without and with n-gram speculation (ngram-pw: with
 #   QSERVE_PIECEWISE_SPEC=1), Poisson 4 req/s and all at once, SPEC_SERVING_REQUESTS requests (default 120;
 #   SPEC_SERVING_MODES, default "off ngram ngram-pw"; issue 29).
@@ -189,7 +190,8 @@ if has spec_eagle; then
     # EAGLE_HEADS / EAGLE_ADAPTIVE_MODES: other heads, or other modes with adaptive k (e.g. eagle-layers1-dg)
     timeout 540 python3 bench/spec_decode.py --checkpoint /tmp/qb --batches 1 --eagle "${EAGLE_HEADS:-layers1,layers4,random}" \
         --adaptive --adaptive-modes "${EAGLE_ADAPTIVE_MODES:-eagle-random-dg-hg,eagle-layers1-dg-hg}" \
-        --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-on}" --eagle-head-graphs "${EAGLE_HEAD_GRAPHS:-on}" --verify graphs \
+        --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-on}" --eagle-head-graphs "${EAGLE_HEAD_GRAPHS:-on}" \
+        --eagle-catch-up-graphs "${EAGLE_CATCH_UP_GRAPHS:-off}" --verify graphs \
         --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -20
 fi
 if has spec_serving; then

@@ -53,7 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e import QWEN14B, SMALL, write_random_gptq  # noqa: E402
 from qserve import LLM, SamplingParams  # noqa: E402
-from qserve.engine.engine import EAGLE_DECODE_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV, SPEC_GRAPHS_ENV  # noqa: E402
+from qserve.engine.engine import (  # noqa: E402
+    EAGLE_CATCH_UP_GRAPHS_ENV,
+    EAGLE_DECODE_GRAPHS_ENV,
+    EAGLE_HEAD_GRAPHS_ENV,
+    SPEC_GRAPHS_ENV,
+)
 
 
 def write_draft(target: Path, path: Path, num_layers: int, mismatched: bool = False) -> None:
@@ -284,6 +289,13 @@ def main() -> None:
         "graphs instead of launching eagerly): off, on, or both (the -hg modes)",
     )
     parser.add_argument(
+        "--eagle-catch-up-graphs",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the EAGLE modes with QSERVE_EAGLE_CATCH_UP_GRAPHS=1 (the head's catch-up forward after each target "
+        "step replays CUDA graphs of k + 1 rows per sequence): off, on, or both (the -cg modes)",
+    )
+    parser.add_argument(
         "--mismatched-draft",
         action="store_true",
         help="with --draft-layers: the draft's head rolled by half the vocabulary (acceptance near 0%%), "
@@ -339,7 +351,13 @@ def main() -> None:
         eagle["disable_by_batch_size"] = args.disable_by_batch_size
         decode_graphs = {"off": [""], "on": ["-dg"], "both": ["", "-dg"]}[args.eagle_decode_graphs]
         head_graphs = {"off": [""], "on": ["-hg"], "both": ["", "-hg"]}[args.eagle_head_graphs]
-        modes += [(f"eagle-{construction}{dg}{hg}", eagle) for dg in decode_graphs for hg in head_graphs]
+        catch_up = {"off": [""], "on": ["-cg"], "both": ["", "-cg"]}[args.eagle_catch_up_graphs]
+        modes += [
+            (f"eagle-{construction}{dg}{hg}{cg}", eagle)
+            for dg in decode_graphs
+            for hg in head_graphs
+            for cg in catch_up
+        ]
     if args.adaptive:
         adaptive = {"enable_adaptive_verification": True}
         if args.adaptive_row_cost is not None:
@@ -364,6 +382,7 @@ def main() -> None:
         os.environ[SPEC_GRAPHS_ENV] = "1" if config is not None and "graphs" in verify_modes else "0"
         os.environ[EAGLE_DECODE_GRAPHS_ENV] = "1" if "-dg" in mode else "0"
         os.environ[EAGLE_HEAD_GRAPHS_ENV] = "1" if "-hg" in mode else "0"
+        os.environ[EAGLE_CATCH_UP_GRAPHS_ENV] = "1" if "-cg" in mode else "0"
         llm = LLM(
             str(path),
             device=device,

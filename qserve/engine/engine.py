@@ -156,6 +156,10 @@ PIECEWISE_SPEC_ENV = "QSERVE_PIECEWISE_SPEC"
 # bucket, qserve.spec_decode.eagle_graphs) instead of launching every kernel from Python. The default
 # since `pytest -m gpu` passed with it (bench/RESULTS.md, tenth session); "0" opts out.
 EAGLE_HEAD_GRAPHS_ENV = "QSERVE_EAGLE_HEAD_GRAPHS"
+# EAGLE heads: the catch-up forward after each target step (1 to k + 1 positions per sequence) replays
+# CUDA graphs of k + 1 rows per sequence (qserve.spec_decode.eagle_graphs.HeadCatchUpGraphs). Opt-in
+# ("1") until `pytest -m gpu` passes with it.
+EAGLE_CATCH_UP_GRAPHS_ENV = "QSERVE_EAGLE_CATCH_UP_GRAPHS"
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
 # (the last draft and the target's token): its graphs take up to this many rows per sequence.
 DRAFT_CATCH_UP_ROWS = 2
@@ -718,6 +722,8 @@ class Engine:
                 draft.capture_row_graphs(DRAFT_CATCH_UP_ROWS, catch_up_seqs, self.max_model_len, share=target_graphs)
         if self._eagle_head is not None and env_switch(EAGLE_HEAD_GRAPHS_ENV, default=True):
             self._capture_eagle_head_graphs(draft_seqs, target_graphs)
+        if self._eagle_head is not None and env_switch(EAGLE_CATCH_UP_GRAPHS_ENV, default=False) and verify_seqs:
+            self._capture_eagle_catch_up_graphs(verify_seqs, target_graphs)
 
     def _capture_eagle_head_graphs(self, max_seqs: int, share: DecodeGraphs) -> None:
         """The EAGLE head's drafting forwards as CUDA graphs (``EAGLE_HEAD_GRAPHS_ENV``), in the target's
@@ -744,6 +750,29 @@ class Engine:
         )
         graphs.capture()
         proposer.graphs = graphs
+
+    def _capture_eagle_catch_up_graphs(self, max_seqs: int, share: DecodeGraphs) -> None:
+        """The EAGLE head's catch-up forwards as CUDA graphs (``EAGLE_CATCH_UP_GRAPHS_ENV``), k + 1 rows
+        per sequence, up to ``max_seqs`` sequences (as many as the verify graphs take), in the target's
+        decode graphs' pool."""
+        from qserve.spec_decode.eagle import EagleProposer
+        from qserve.spec_decode.eagle_graphs import HeadCatchUpGraphs
+
+        spec = self.spec_config
+        proposer = self.proposer
+        assert spec is not None and isinstance(proposer, EagleProposer)
+        graphs = HeadCatchUpGraphs(
+            proposer.head,
+            proposer.shadow.kv_caches,
+            max_seqs,
+            spec.num_speculative_tokens + 1,
+            self.max_model_len,
+            -(-self.max_model_len // self.kv_manager.block_size),
+            self.device,
+            share=share,
+        )
+        graphs.capture()
+        proposer.catch_up_graphs = graphs
 
     @property
     def async_scheduling(self) -> bool:

@@ -50,7 +50,7 @@ from qserve.request import Request
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.model_runner import pad_block_tables
 from qserve.sampling_params import SamplingParams
-from qserve.spec_decode.eagle_graphs import HeadDraftGraphs
+from qserve.spec_decode.eagle_graphs import HeadCatchUpGraphs, HeadDraftGraphs
 from qserve.spec_decode.eagle_head import EagleHead
 from qserve.spec_decode.proposer import ProposalInput, Proposer
 from qserve.spec_decode.shadow_kv import ShadowKV
@@ -107,6 +107,8 @@ class EagleProposer(Proposer):
         self._hidden_size = head.config.model.hidden_size
         # Captured drafting forwards (set by the engine unless QSERVE_EAGLE_HEAD_GRAPHS=0; None: eager)
         self.graphs: HeadDraftGraphs | None = None
+        # Captured catch-up forwards (the engine's opt-in QSERVE_EAGLE_CATCH_UP_GRAPHS=1; None: eager)
+        self.catch_up_graphs: HeadCatchUpGraphs | None = None
 
     # ------------------------------------------------------------------------------------------
     # Catching up on the target's steps
@@ -146,6 +148,7 @@ class EagleProposer(Proposer):
         computed by the target, so its slot is in the target's table (an entry whose table does not
         reach that far, which should not happen, is dropped: its positions become a gap)."""
         pending = [item for item in work if self.shadow.covers(item.mirror.request_id, item.end)]
+        pending = self._catch_up_in_graphs(pending)
         while pending:
             batch, budget, rest = [], self.max_tokens_per_forward, []
             for item in pending:
@@ -171,6 +174,32 @@ class EagleProposer(Proposer):
                     item.features = item.features[take:]
                     rest.append(item)
             pending = rest
+
+    def _catch_up_in_graphs(self, work: list[_Work]) -> list[_Work]:
+        """Catch the entries that fit the catch-up graphs (``HeadCatchUpGraphs``: at most k + 1
+        positions, ending at or past k + 1) up in one replay, as many as its largest bucket holds;
+        return the rest (all of it without graphs) for the eager forwards."""
+        graphs = self.catch_up_graphs
+        if graphs is None:
+            return work
+        fit = [item for item in work if graphs.fits(item.end - item.start, item.end)][: graphs.buckets[-1]]
+        chunk = [(self.shadow.table(item.mirror.request_id), item.start, item.end - item.start) for item in fit]
+        if not fit or max(len(table) for table, _, _ in chunk) > graphs.max_blocks:
+            return work
+        _, slots, table_lens, flat, seq_lens, counts = self._layout(chunk)
+        last_in, last_feature = graphs.catch_up(
+            [t for item in fit for t in item.input_ids],
+            torch.cat([item.features for item in fit]),  # [T, H]
+            counts,
+            seq_lens,
+            slots,
+            pad_block_tables(table_lens, flat),
+        )  # [S, H], [S, H]
+        for row, item in enumerate(fit):
+            item.mirror.num_computed_tokens = item.end
+            self._last[item.mirror.request_id] = (last_in[row], last_feature[row])
+        taken = {id(item) for item in fit}
+        return [item for item in work if id(item) not in taken]
 
     def _mirror(self, request_id: str, prompt: Sequence[int]) -> Request:
         mirror = self._mirrors.get(request_id)
@@ -320,19 +349,8 @@ class EagleProposer(Proposer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over the positions of ``chunk`` (each sequence's KV before them is in its
         blocks of the shadow cache): (logits inputs ``[T, H]``, next features ``[T, H]``)."""
-        block_size = self.shadow.block_size
-        starts = np.array([start for _, start, _ in chunk], dtype=np.int64)  # [S]
-        counts = np.array([count for _, _, count in chunk], dtype=np.int64)  # [S]
-        tables = [table for table, _, _ in chunk]
-        table_lens = np.array([len(t) for t in tables], dtype=np.int64)  # [S]
-        flat = np.array([b for t in tables for b in t], dtype=np.int64)  # [sum(lens)]
+        positions, slots, table_lens, flat, seq_lens, counts = self._layout(chunk)
         ends = np.cumsum(counts)  # [S]
-        positions = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - counts - starts, counts)  # [T]
-        table_start = np.repeat(np.cumsum(table_lens) - table_lens, counts)  # [T]
-        blocks = flat[table_start + positions // block_size]  # [T]
-        # no KV stored (slot -1) in a block another sequence holds: its head wrote it and reads it
-        slots = np.where(self.shadow.shared(blocks), -1, blocks * block_size + positions % block_size)  # [T]
-        seq_lens = starts + counts  # [S]
         device = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(device),  # [T] int64
@@ -349,6 +367,25 @@ class EagleProposer(Proposer):
             self.shadow.kv_caches,
             metadata,
         )
+
+    def _layout(
+        self, chunk: list[tuple[list[int], int, int]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Where ``chunk``'s positions (block table, first position, count per sequence) go: positions
+        and slots ``[T]``, table lengths ``[S]``, the tables concatenated, sequence ends and counts ``[S]``."""
+        block_size = self.shadow.block_size
+        starts = np.array([start for _, start, _ in chunk], dtype=np.int64)  # [S]
+        counts = np.array([count for _, _, count in chunk], dtype=np.int64)  # [S]
+        tables = [table for table, _, _ in chunk]
+        table_lens = np.array([len(t) for t in tables], dtype=np.int64)  # [S]
+        flat = np.array([b for t in tables for b in t], dtype=np.int64)  # [sum(lens)]
+        ends = np.cumsum(counts)  # [S]
+        positions = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - counts - starts, counts)  # [T]
+        table_start = np.repeat(np.cumsum(table_lens) - table_lens, counts)  # [T]
+        blocks = flat[table_start + positions // block_size]  # [T]
+        # no KV stored (slot -1) in a block another sequence holds: its head wrote it and reads it
+        slots = np.where(self.shadow.shared(blocks), -1, blocks * block_size + positions % block_size)  # [T]
+        return positions, slots, table_lens, flat, starts + counts, counts
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

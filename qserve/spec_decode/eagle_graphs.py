@@ -26,6 +26,15 @@ length (kernels size their grids from it), as in ``qserve.runner.cuda_graphs``.
 Sharing (``share``): the target's decode graphs lend their memory pool; every graph of the process
 replays on one stream, and the outputs are copied into this object's own static buffers.
 
+Catch-up forwards (``HeadCatchUpGraphs``, opt-in ``QSERVE_EAGLE_CATCH_UP_GRAPHS=1``): after a step of
+the target the head runs once over the positions each sequence just kept (1 after a plain decode, up
+to k + 1 after a verify). Those forwards fit a layout of Q = k + 1 rows per sequence, as the target's
+verify graphs (``qserve.runner.cuda_graphs``: a sequence's n real rows are the last n of its Q, the pad
+rows before them sit at the positions just before its first real one, slot -1, so the sequence needs
+at least Q positions), attention through the prefill/extend kernel, and each sequence's last row (the
+one the next proposal drafts from) gathered in the graph. Sequences with more rows (a prompt chunk) or
+fewer than Q positions catch up eagerly.
+
 Off CUDA, ``capture`` records nothing: each bucket reruns the same static-buffer forward eagerly at
 replay (``StaticReplay``), so the CPU tests run everything but the capture itself.
 """
@@ -39,7 +48,14 @@ import numpy as np
 import torch
 
 from qserve.runner.attn_metadata import AttentionMetadata
-from qserve.runner.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, StaticReplay, garbage_collected_first
+from qserve.runner.cuda_graphs import (
+    DEFAULT_BUCKETS,
+    DecodeGraphs,
+    StaticReplay,
+    garbage_collected_first,
+    static_positions,
+    static_rows,
+)
 from qserve.spec_decode.eagle_head import EagleHead
 
 logger = logging.getLogger(__name__)
@@ -186,3 +202,147 @@ class HeadDraftGraphs:
             graph.replay()
             drafts[step].copy_(self.out_tokens[:batch])
         return drafts
+
+
+class HeadCatchUpGraphs:
+    """Captured catch-up forwards of ``head``: ``query_len`` rows per sequence (module doc), batch sizes
+    ``buckets`` (padded to the next one); each sequence's last row's outputs gathered."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # the head's (shadow) caches, one per layer
+        max_num_seqs: int,
+        query_len: int,  # rows per sequence: k + 1
+        max_seq_len: int,
+        max_blocks: int,
+        device: torch.device,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        share: DecodeGraphs | None = None,
+    ) -> None:
+        if query_len < 1:
+            raise ValueError(f"query_len must be >= 1, got {query_len}")
+        self.head = head
+        self.kv_caches = kv_caches
+        self.query_len = query_len
+        self.max_seq_len = max_seq_len
+        self.buckets = tuple(sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs}))
+        max_batch = self.buckets[-1]
+        max_rows = max_batch * query_len
+        hidden = head.config.model.hidden_size
+        dtype = head.layers[0].post_attention_layernorm.weight.dtype
+        int64 = {"dtype": torch.int64, "device": device}
+        self.tokens = torch.zeros(max_rows, **int64)  # [max_rows]: the token after each position
+        self.features = torch.zeros(max_rows, hidden, dtype=dtype, device=device)  # [max_rows, H]
+        self.positions = torch.zeros(max_rows, **int64)  # [max_rows]
+        self.slot_mapping = torch.full((max_rows,), -1, **int64)  # [max_rows]; -1 = pad row
+        self.seq_lens = torch.full((max_batch,), query_len, **int64)  # [max_batch]
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, **int64) * query_len  # [max_batch + 1]
+        self.last_rows = torch.arange(max_batch, **int64) * query_len + query_len - 1  # [max_batch]
+        # Each sequence's last row: the logits' input of its first draft and its next feature.
+        self.out_logits_in = torch.zeros(max_batch, hidden, dtype=dtype, device=device)  # [max_batch, H]
+        self.out_features = torch.zeros(max_batch, hidden, dtype=dtype, device=device)  # [max_batch, H]
+        self.graphs: dict[int, torch.cuda.CUDAGraph | StaticReplay] = {}
+        self.pool = None if share is None else share.pool
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_tables.shape[1]
+
+    def _run(self, batch: int) -> None:
+        rows = batch * self.query_len
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:rows],
+            block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            max_query_len=self.query_len,
+            max_seq_len=self.max_seq_len,  # fixed: kernels size their grids from it
+        )
+        logits_in, feature = self.head(
+            self.tokens[:rows], self.positions[:rows], self.features[:rows], self.kv_caches, metadata
+        )  # [rows, H], [rows, H]
+        last = self.last_rows[:batch]
+        self.out_logits_in[:batch].copy_(logits_in.index_select(0, last))
+        self.out_features[:batch].copy_(feature.index_select(0, last))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture, largest bucket first (off CUDA: ``StaticReplay`` stand-ins)."""
+        if self.tokens.device.type != "cuda":
+            for batch in self.buckets:
+                self.graphs[batch] = StaticReplay(lambda b=batch: self._run(b))
+            logger.info("EAGLE head catch-up graphs replayed eagerly off CUDA (batch sizes %s)", list(self.buckets))
+            return
+        torch.cuda.synchronize()
+        with garbage_collected_first():
+            for batch in reversed(self.buckets):
+                self._run(batch)  # warm-up outside capture (every row a pad row: nothing stored)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._run(batch)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[batch] = graph
+        torch.cuda.synchronize()
+        logger.info(
+            "captured %d EAGLE head catch-up CUDA graphs of %d rows per sequence (batch sizes %s)",
+            len(self.graphs),
+            self.query_len,
+            list(self.buckets),
+        )
+
+    def bucket_for(self, batch: int) -> int | None:
+        if batch > self.buckets[-1]:
+            return None
+        return self.buckets[bisect_left(self.buckets, batch)]
+
+    def fits(self, count: int, end: int) -> bool:
+        """Whether a sequence catching up on ``count`` positions ending at ``end`` fits the layout."""
+        return 1 <= count <= self.query_len and end >= self.query_len
+
+    @torch.inference_mode()
+    def catch_up(
+        self,
+        input_ids: list[int],  # [T]: the token after each position, sequence after sequence
+        features: torch.Tensor,  # [T, H] on the device
+        counts: np.ndarray,  # int64 [S]: positions per sequence (each fits)
+        seq_lens: np.ndarray,  # int64 [S]: each sequence's end (its last position + 1)
+        slots: np.ndarray,  # int64 [T] (-1: not stored)
+        block_tables: np.ndarray,  # int32 [S, width]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits input ``[S, H]``, next feature ``[S, H]``) of each sequence's last position, new
+        tensors (the next replay rewrites the graphs' outputs)."""
+        batch = len(counts)
+        bucket = self.bucket_for(batch)
+        assert bucket is not None and block_tables.shape[1] <= self.max_blocks
+        query_len = self.query_len
+        rows = static_rows(counts, query_len)  # [T]
+        lengths = np.full(bucket, query_len, dtype=np.int64)  # pad sequences: length Q over block 0
+        lengths[:batch] = seq_lens
+        host = np.zeros((4, bucket * query_len), dtype=np.int64)  # ids, positions, slots, rows of the features
+        host[0, rows] = input_ids
+        host[1] = static_positions(lengths, query_len)
+        host[2] = -1
+        host[2, rows] = slots
+        staged = torch.from_numpy(host)
+        pinned = self.tokens.is_cuda
+        if pinned:  # asynchronous copies: the target's step may still be running (async scheduling)
+            staged = staged.pin_memory()
+        size = bucket * query_len
+        self.tokens[:size].copy_(staged[0], non_blocking=True)
+        self.positions[:size].copy_(staged[1], non_blocking=True)
+        self.slot_mapping[:size].copy_(staged[2], non_blocking=True)
+        seq_lens_host = torch.from_numpy(lengths)
+        self.seq_lens[:bucket].copy_(seq_lens_host.pin_memory() if pinned else seq_lens_host, non_blocking=True)
+        real = torch.from_numpy(rows)
+        real = real.pin_memory().to(self.features.device, non_blocking=True) if pinned else real
+        self.features.index_copy_(0, real, features.to(self.features.dtype))
+        width = block_tables.shape[1]
+        tables = torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32))
+        self.block_tables[:batch, :width].copy_(tables.pin_memory() if pinned else tables, non_blocking=True)
+        self.block_tables[batch:bucket, :] = 0
+        self.graphs[bucket].replay()
+        return self.out_logits_in[:batch].clone(), self.out_features[:batch].clone()

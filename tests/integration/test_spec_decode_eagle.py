@@ -861,26 +861,45 @@ def test_the_head_never_writes_a_block_another_sequence_holds(path, heads, metho
     assert not written_shared, f"the head stored KV at slots of shared blocks: {sorted(set(written_shared))}"
 
 
-def _drafting_run(checkpoint: str, heads: dict[str, str], method: str, workload, head_graphs: str | None):  # noqa: ANN001, ANN202
+def _drafting_run(  # noqa: ANN202
+    checkpoint: str,
+    heads: dict[str, str],
+    method: str,
+    workload,  # noqa: ANN001
+    head_graphs: str | None,
+    catch_up: list | None = None,
+):
     """The ``reference`` workload with a random head and QSERVE_EAGLE_HEAD_GRAPHS=``head_graphs``
     (None: unset, the default: on; StaticReplay stand-ins on CPU): outputs token-identical to no
     speculation, every page back. Returns (every proposal's drafts, in order; the shape of every
-    proposal drafted through the graphs)."""
+    proposal drafted through the graphs; every draft's logits input, in order). ``catch_up``: with QSERVE_EAGLE_CATCH_UP_GRAPHS=1, and
+    every catch-up replay's rows per sequence appended to it."""
     import os
 
-    from qserve.engine.engine import EAGLE_HEAD_GRAPHS_ENV
+    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
     from tests.integration.test_spec_decode_graphs import install_graphs
 
     if head_graphs is None:
         os.environ.pop(EAGLE_HEAD_GRAPHS_ENV, None)
     else:
         os.environ[EAGLE_HEAD_GRAPHS_ENV] = head_graphs
+    os.environ[EAGLE_CATCH_UP_GRAPHS_ENV] = "0" if catch_up is None else "1"
     requests, want, _ = workload
     llm = LLM(checkpoint, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
     engine = llm.engine
     install_graphs(llm)
     proposer = engine.proposer
     assert (proposer.graphs is not None) == (head_graphs != "0")
+    assert (proposer.catch_up_graphs is not None) == (catch_up is not None)
+    if catch_up is not None:
+        catch_up_graphs = proposer.catch_up_graphs
+        replay_catch_up = catch_up_graphs.catch_up
+
+        def counted_catch_up(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            catch_up.append(list(args[2]))  # counts per sequence
+            return replay_catch_up(*args, **kwargs)
+
+        catch_up_graphs.catch_up = counted_catch_up
     proposals, replayed = [], []
     propose = proposer.propose
     if proposer.graphs is not None:
@@ -898,10 +917,18 @@ def _drafting_run(checkpoint: str, heads: dict[str, str], method: str, workload,
         return drafts
 
     proposer.propose = spy
+    draft_tokens = proposer.head.draft_tokens
+    inputs = []  # every draft's logits input (the catch-up's last row for a first draft), in order
+
+    def recorded(logits_input):  # noqa: ANN001, ANN202
+        inputs.append(logits_input.detach().clone())
+        return draft_tokens(logits_input)
+
+    proposer.head.draft_tokens = recorded
     got, _ = _run(engine, requests)
     _assert_same(got, want)
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-    return proposals, replayed
+    return proposals, replayed, inputs
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -912,16 +939,65 @@ def test_eagle_head_graphs_draft_what_the_eager_head_drafts(path, heads, referen
     Every proposal's drafts equal the eager head's (QSERVE_EAGLE_HEAD_GRAPHS=0: rows drop out as they
     finish), outputs stay token-identical to no speculation, and several-row proposals (pad rows up to
     the bucket) are among them."""
-    from qserve.engine.engine import EAGLE_HEAD_GRAPHS_ENV
+    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
 
-    monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "0")  # restored after the test (_drafting_run sets it)
-    eager, none = _drafting_run(path, heads, method, reference, "0")
-    graphed, replayed = _drafting_run(path, heads, method, reference, None)
+    monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "0")  # restored after the test (_drafting_run sets them)
+    monkeypatch.setenv(EAGLE_CATCH_UP_GRAPHS_ENV, "0")
+    eager, none, _ = _drafting_run(path, heads, method, reference, "0")
+    graphed, replayed, graphed_inputs = _drafting_run(path, heads, method, reference, None)
     assert none == [] and len(replayed) >= 5
     assert any(rows not in DEFAULT_BUCKETS for _, rows in replayed), replayed  # padded to a bucket
     assert graphed == eager
     assert any(len(d) == K for proposal in graphed for d in proposal)  # full proposals of k drafts
     assert any(0 < len(d) < K for proposal in graphed for d in proposal)  # and shorter ones
+    # QSERVE_EAGLE_CATCH_UP_GRAPHS=1 too: the catch-ups after plain decodes (1 position) and verify
+    # steps (up to k + 1) replay the catch-up graphs; every proposal's drafts are still the eager head's
+    catch_up: list[list[int]] = []
+    both, _, both_inputs = _drafting_run(path, heads, method, reference, None, catch_up)
+    assert both == eager
+    assert len(catch_up) >= 5 and any(len(replay) > 1 for replay in catch_up)  # several sequences a replay
+    # the head's states themselves, not only their argmax: a replay at a wrong position moves them
+    assert len(both_inputs) == len(graphed_inputs)
+    for got, want in zip(both_inputs, graphed_inputs, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_catch_up_graphs_take_a_verify_steps_kept_positions(walk, method, monkeypatch):
+    """QSERVE_EAGLE_CATCH_UP_GRAPHS=1 with an oracle head (every draft accepted): the catch-up after a
+    verify step covers up to k + 1 positions per sequence and replays the catch-up graphs (StaticReplay
+    stand-ins on CPU) in their k + 1-row layout (pad rows first); the proposals and the head's states
+    equal those of the eager catch-up, the outputs are the walk, and acceptance stays > 95% (which
+    collapses when a replay gathers a wrong row or reads a wrong token or feature; this head's drafts do
+    not depend on positions: the random heads' test above catches a wrong one)."""
+    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV
+    from tests.integration.test_spec_decode_graphs import install_graphs
+
+    target, heads, perm = walk
+    prompts = [{"prompt_token_ids": [PERM_FIRST + s for s in (3, 9, 17, 40)]}, {"prompt_token_ids": [PERM_FIRST + 5]}]
+    runs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(EAGLE_CATCH_UP_GRAPHS_ENV, switch)
+        llm = LLM(target, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
+        install_graphs(llm)
+        proposer = llm.engine.proposer
+        proposals, counts, inputs = [], [], []
+        propose = proposer.propose
+        proposer.propose = lambda batch, _p=propose, _seen=proposals: _seen.append(_p(batch)) or _seen[-1]
+        draft_tokens = proposer.head.draft_tokens
+        proposer.head.draft_tokens = lambda x, _d=draft_tokens, _in=inputs: _in.append(x.clone()) or _d(x)
+        if switch == "1":
+            catch_up = proposer.catch_up_graphs.catch_up
+            proposer.catch_up_graphs.catch_up = lambda *a, _c=catch_up, _n=counts, **kw: _n.extend(a[2]) or _c(*a, **kw)
+        outputs = llm.generate(prompts, _greedy(max_tokens=30), use_tqdm=False)
+        assert outputs[0].outputs[0].token_ids == walk_tokens(perm, 40, 30)
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+        runs[switch] = proposals, counts, inputs
+    assert runs["1"][0] == runs["0"][0]
+    assert max(runs["1"][1]) == K + 1 and min(runs["1"][1]) >= 1, runs["1"][1]
+    for got, want in zip(runs["1"][2], runs["0"][2], strict=True):  # the head's states, not only argmaxes
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_eagle_head_graphs_switch_refuses_a_value_it_does_not_know(path, heads, monkeypatch):  # noqa: F811
@@ -938,13 +1014,15 @@ def test_eagle_head_graphs_switch_refuses_a_value_it_does_not_know(path, heads, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_cuda_eagle_head_graphs_match_no_speculation(path, heads, walk, async_scheduling, monkeypatch):  # noqa: F811
-    """QSERVE_EAGLE_HEAD_GRAPHS=1 on the GPU: the heads' drafting forwards are captured CUDA graphs and
-    replay; greedy outputs equal no speculation's (float32), and an oracle head keeps > 95% of its
-    drafts (which collapses when a replay reads a wrong position, feature or block)."""
-    from qserve.engine.engine import EAGLE_HEAD_GRAPHS_ENV
+    """QSERVE_EAGLE_HEAD_GRAPHS=1 and QSERVE_EAGLE_CATCH_UP_GRAPHS=1 on the GPU: the heads' drafting and
+    catch-up forwards are captured CUDA graphs and replay; greedy outputs equal no speculation's
+    (float32), and an oracle head keeps > 95% of its drafts (which collapses when a replay reads a
+    wrong row, feature or block)."""
+    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
     from tests.integration.test_spec_decode_graphs import _cuda_engine
 
     monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EAGLE_CATCH_UP_GRAPHS_ENV, "1")
     finals = {}
     for name, spec in (("none", None), ("eagle", _spec(heads, "eagle")), ("eagle3", _spec(heads, "eagle3"))):
         llm = _cuda_engine(path, spec, True, monkeypatch, async_scheduling=async_scheduling)
@@ -955,6 +1033,8 @@ def test_cuda_eagle_head_graphs_match_no_speculation(path, heads, walk, async_sc
         if spec is not None:
             graphs = engine.proposer.graphs
             assert graphs is not None and isinstance(next(iter(graphs.graphs.values())), torch.cuda.CUDAGraph)
+            catch_up = engine.proposer.catch_up_graphs
+            assert catch_up is not None and isinstance(next(iter(catch_up.graphs.values())), torch.cuda.CUDAGraph)
             draft = graphs.draft
             graphs.draft = lambda *a, _draft=draft, _seen=replays, **kw: _seen.append(a[2].shape) or _draft(*a, **kw)
         finals[name] = _run(engine, requests)[0]
@@ -968,7 +1048,7 @@ def test_cuda_eagle_head_graphs_match_no_speculation(path, heads, walk, async_sc
     target, oracle, perm = walk
     for method in ("eagle", "eagle3"):
         llm = _cuda_engine(target, _spec(oracle, method), True, monkeypatch, async_scheduling=async_scheduling)
-        assert llm.engine.proposer.graphs is not None
+        assert llm.engine.proposer.graphs is not None and llm.engine.proposer.catch_up_graphs is not None
         prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
         outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
         for s, output in zip((3, 9, 17), outputs):

@@ -69,19 +69,20 @@ def test_a_bad_construction_is_refused(target: Path, tmp_path: Path, constructio
 def test_small_run_with_eagle_heads(target: Path, tmp_path: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
     out = tmp_path / "spec.md"
     argv = ["spec_decode.py", "--small", "--checkpoint", str(tmp_path / "ck"), "--batches", "1", "--max-tokens", "8",
-            "--eagle", "layers1,random", "--eagle-decode-graphs", "both", "--eagle-head-graphs", "on", "--adaptive",
+            "--eagle", "layers1,random", "--eagle-decode-graphs", "both", "--eagle-head-graphs", "on",
+            "--eagle-catch-up-graphs", "on", "--adaptive",
             "--adaptive-modes",
-            "eagle-random-hg", "--out", str(out)]  # fmt: skip
+            "eagle-random-hg-cg", "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     main()
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines() if line.startswith("| ")]
     for mode in (
         "ngram",
-        "eagle-layers1-hg",
-        "eagle-layers1-dg-hg",
-        "eagle-random-hg",
-        "eagle-random-dg-hg",
-        "eagle-random-hg-adaptive",
+        "eagle-layers1-hg-cg",
+        "eagle-layers1-dg-hg-cg",
+        "eagle-random-hg-cg",
+        "eagle-random-dg-hg-cg",
+        "eagle-random-hg-cg-adaptive",
     ):
         assert mode in rows, rows
     monkeypatch.setattr(sys, "argv", [*argv[:-4], "--adaptive-modes", "eagle-bogus", "--out", str(out)])
