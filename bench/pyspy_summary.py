@@ -26,8 +26,8 @@ def _name(frame: str) -> str:
 
 
 def summarize(lines: list[str], top: int, within: str | None = None) -> str:
-    """The table; ``within``: only the samples whose stack holds a frame naming it (a phase, such as
-    ``capture_decode_graphs``)."""
+    """The table; ``within``: only the samples whose stack holds a function frame naming it (a phase,
+    such as ``capture_decode_graphs``: the samples of the thread running it, not of others meanwhile)."""
     by_thread: Counter[tuple[str, str]] = Counter()
     self_time: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
     inclusive: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
@@ -38,12 +38,12 @@ def summarize(lines: list[str], top: int, within: str | None = None) -> str:
             continue
         count = int(count_text)
         frames = stack.split(";")
-        if within is not None and not any(within in frame for frame in frames):
-            continue
         process = "process ?"
         while frames and frames[0].startswith("process "):  # a subprocess's stack names its parents first
             process = frames.pop(0)
         thread = frames.pop(0) if frames and frames[0].startswith("thread ") else "thread ?"
+        if within is not None and not any(within in frame for frame in frames):  # function frames only
+            continue
         pid = process.split(":", 1)[0]
         command = "engine core" if "qserve.engine.core" in process else "front end"
         key = (f"{pid} ({command})", thread.split(": ", 1)[-1])

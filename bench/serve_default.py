@@ -30,6 +30,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.pyspy_summary when run as a script
+
 CORE_MODULE = "qserve.engine.core.core"
 # Start-up log lines worth a timestamp (substrings, case-insensitive).
 MILESTONES = (
@@ -105,9 +107,11 @@ def main() -> int:
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=timestamp_lines, args=(server.stdout, started, lines), daemon=True)
     reader.start()
-    profiler = start_profiler(server.pid, args.profile_startup) if args.profile_startup else None
+    profiler = None
     url = f"http://127.0.0.1:{args.port}"
     try:
+        if args.profile_startup:  # inside the try: a py-spy that cannot start still stops the server
+            profiler = start_profiler(server.pid, args.profile_startup)
         while get(f"{url}/health")[0] != 200:
             if server.poll() is not None or time.monotonic() - started > args.ready_timeout:
                 print(f"ready: no (exit {server.poll()})")

@@ -160,6 +160,8 @@ EAGLE_HEAD_GRAPHS_ENV = "QSERVE_EAGLE_HEAD_GRAPHS"
 # CUDA graphs of k + 1 rows per sequence (qserve.spec_decode.eagle_graphs.HeadCatchUpGraphs). Opt-in
 # ("1") until `pytest -m gpu` passes with it.
 EAGLE_CATCH_UP_GRAPHS_ENV = "QSERVE_EAGLE_CATCH_UP_GRAPHS"
+# (Both head switches act only where the speculative graphs are captured: CUDA, decode graphs, and
+# QSERVE_SPEC_GRAPHS not 0.)
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
 # (the last draft and the target's token): its graphs take up to this many rows per sequence.
 DRAFT_CATCH_UP_ROWS = 2

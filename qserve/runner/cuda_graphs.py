@@ -84,18 +84,24 @@ def garbage_collected_first() -> Iterator[None]:
     later CUDA random-number use in the process with "Offset increment outside graph capture" (two
     smoke runs on an H100, bench/RESULTS.md ledger, `baacb83` and the tenth session). vLLM collects
     once and freezes the collector around its captures for the same reason."""
+    value = os.environ.get(KEEP_CACHE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{KEEP_CACHE_ENV}={value!r}: expected 1 (on), 0 or unset (off)")
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
-    keep_cache = os.environ.get(KEEP_CACHE_ENV, "0").strip() == "1"
+    # a loop inside another's (or another thread's) keeps the outer one's patch and leaves it to it
+    patch = value == "1" and torch.cuda.empty_cache is not _no_emptying
     emptying = torch.cuda.empty_cache, torch._C._host_emptyCache
     try:
-        if keep_cache:  # one emptying for the whole loop, none per capture
+        if patch:  # one emptying for the whole loop, none per capture
             torch.cuda.empty_cache()
+            torch._C._host_emptyCache()
             torch.cuda.empty_cache = torch._C._host_emptyCache = _no_emptying
         yield
     finally:
-        torch.cuda.empty_cache, torch._C._host_emptyCache = emptying
+        if patch:
+            torch.cuda.empty_cache, torch._C._host_emptyCache = emptying
         if enabled:
             gc.enable()
 

@@ -177,15 +177,20 @@ class EagleProposer(Proposer):
 
     def _catch_up_in_graphs(self, work: list[_Work]) -> list[_Work]:
         """Catch the entries that fit the catch-up graphs (``HeadCatchUpGraphs``: at most k + 1
-        positions, ending at or past k + 1) up in one replay, as many as its largest bucket holds;
-        return the rest (all of it without graphs) for the eager forwards."""
+        positions, ending at or past k + 1, a table within its width) up in one replay, as many as its
+        largest bucket holds; return the rest (all of it without graphs) for the eager forwards."""
         graphs = self.catch_up_graphs
         if graphs is None:
             return work
-        fit = [item for item in work if graphs.fits(item.end - item.start, item.end)][: graphs.buckets[-1]]
-        chunk = [(self.shadow.table(item.mirror.request_id), item.start, item.end - item.start) for item in fit]
-        if not fit or max(len(table) for table, _, _ in chunk) > graphs.max_blocks:
+        tables = {id(item): self.shadow.table(item.mirror.request_id) for item in work}
+        fit = [
+            item
+            for item in work
+            if graphs.fits(item.end - item.start, item.end) and len(tables[id(item)]) <= graphs.max_blocks
+        ][: graphs.buckets[-1]]
+        if not fit:
             return work
+        chunk = [(tables[id(item)], item.start, item.end - item.start) for item in fit]
         _, slots, table_lens, flat, seq_lens, counts = self._layout(chunk)
         last_in, last_feature = graphs.catch_up(
             [t for item in fit for t in item.input_ids],

@@ -901,12 +901,24 @@ def _drafting_run(  # noqa: ANN202
 
         catch_up_graphs.catch_up = counted_catch_up
     proposals, replayed = [], []
+    staged = []  # every replay's (positions, slots: [steps, rows]; each row's (first position, drafts))
+    rows = []  # the rows of the proposal about to replay, read before the graphs draft
+    in_graphs = proposer._draft_in_graphs
+
+    def rows_of(batch, ready, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        mirrors = proposer._mirrors
+        rows.append([(mirrors[batch[i].request_id].num_computed_tokens, batch[i].max_num_tokens) for i in ready])
+        return in_graphs(batch, ready, *args, **kwargs)
+
+    proposer._draft_in_graphs = rows_of
     propose = proposer.propose
     if proposer.graphs is not None:
         draft = proposer.graphs.draft
 
         def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            replayed.append(args[2].shape)  # positions [steps, rows]
+            positions, slots = args[2], args[3]  # [steps, rows]
+            replayed.append(positions.shape)
+            staged.append((positions.copy(), slots.copy(), rows.pop()))
             return draft(*args, **kwargs)
 
         proposer.graphs.draft = counted
@@ -928,7 +940,19 @@ def _drafting_run(  # noqa: ANN202
     got, _ = _run(engine, requests)
     _assert_same(got, want)
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-    return proposals, replayed, inputs
+    # Drafting step j of a row with c drafts reads position base + j - 1 while j < c; past its count the
+    # row stores nothing (slot -1: for a row of one draft the position it repeats is a caught-up one,
+    # whose head KV must not be overwritten).
+    repeats = 0
+    for positions, slots, row_info in staged:
+        for r, (base, count) in enumerate(row_info):
+            for j in range(1, positions.shape[0] + 1):
+                if j < count:
+                    assert positions[j - 1, r] == base + j - 1, (positions, row_info)
+                else:
+                    assert slots[j - 1, r] == -1, (positions, slots, row_info)
+                    repeats += 1
+    return proposals, replayed, inputs, repeats
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -943,8 +967,9 @@ def test_eagle_head_graphs_draft_what_the_eager_head_drafts(path, heads, referen
 
     monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "0")  # restored after the test (_drafting_run sets them)
     monkeypatch.setenv(EAGLE_CATCH_UP_GRAPHS_ENV, "0")
-    eager, none, _ = _drafting_run(path, heads, method, reference, "0")
-    graphed, replayed, graphed_inputs = _drafting_run(path, heads, method, reference, None)
+    eager, none, _, _ = _drafting_run(path, heads, method, reference, "0")
+    graphed, replayed, graphed_inputs, repeats = _drafting_run(path, heads, method, reference, None)
+    assert repeats > 0  # rows of fewer drafts were among them
     assert none == [] and len(replayed) >= 5
     assert any(rows not in DEFAULT_BUCKETS for _, rows in replayed), replayed  # padded to a bucket
     assert graphed == eager
@@ -953,7 +978,7 @@ def test_eagle_head_graphs_draft_what_the_eager_head_drafts(path, heads, referen
     # QSERVE_EAGLE_CATCH_UP_GRAPHS=1 too: the catch-ups after plain decodes (1 position) and verify
     # steps (up to k + 1) replay the catch-up graphs; every proposal's drafts are still the eager head's
     catch_up: list[list[int]] = []
-    both, _, both_inputs = _drafting_run(path, heads, method, reference, None, catch_up)
+    both, _, both_inputs, _ = _drafting_run(path, heads, method, reference, None, catch_up)
     assert both == eager
     assert len(catch_up) >= 5 and any(len(replay) > 1 for replay in catch_up)  # several sequences a replay
     # the head's states themselves, not only their argmax: a replay at a wrong position moves them

@@ -28,3 +28,5 @@ def test_within_keeps_only_the_stacks_that_hold_the_phase():
     assert text.startswith("30 samples in stacks holding 'capture_decode_graphs'")
     assert "thread MainThread: 30 samples (100.0%)" in text and "front end" not in text
     assert "load (qserve/loaders/gptq.py)" not in text
+    # the process and thread frames (command lines, names) are not phases
+    assert summarize(STACKS, top=5, within="engine.core.core").startswith("0 samples")

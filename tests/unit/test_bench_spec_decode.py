@@ -74,6 +74,15 @@ def test_small_run_with_eagle_heads(target: Path, tmp_path: Path, monkeypatch, c
             "--adaptive-modes",
             "eagle-random-hg-cg", "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
+    from qserve.engine import engine
+
+    for name in (  # main() sets them per mode: monkeypatch gives the later tests their own values back
+        engine.SPEC_GRAPHS_ENV,
+        engine.EAGLE_DECODE_GRAPHS_ENV,
+        engine.EAGLE_HEAD_GRAPHS_ENV,
+        engine.EAGLE_CATCH_UP_GRAPHS_ENV,
+    ):
+        monkeypatch.setenv(name, "0")
     main()
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines() if line.startswith("| ")]
     for mode in (

@@ -89,12 +89,19 @@ def test_keep_cache_skips_the_emptying_inside_and_restores_it(monkeypatch):
     before = torch.cuda.empty_cache, torch._C._host_emptyCache
     monkeypatch.setenv(KEEP_CACHE_ENV, "1")
     with garbage_collected_first():
-        assert calls == ["device"]  # once, for the loop
+        assert calls == ["device", "host"]  # once, for the loop
         torch.cuda.empty_cache()
         torch._C._host_emptyCache()
-        assert calls == ["device"]
+        with garbage_collected_first():  # a nested loop leaves the outer one's patch alone
+            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
+        assert calls == ["device", "host"]
     assert (torch.cuda.empty_cache, torch._C._host_emptyCache) == before
     monkeypatch.setenv(KEEP_CACHE_ENV, "0")
     with garbage_collected_first():
         torch.cuda.empty_cache()
-    assert calls == ["device", "device"]
+    assert calls == ["device", "host", "device"]
+    monkeypatch.setenv(KEEP_CACHE_ENV, "yes")
+    with pytest.raises(ValueError, match="QSERVE_CAPTURE_KEEP_CACHE='yes'"), garbage_collected_first():
+        pass
+    assert gc.isenabled()
