@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import sys
@@ -58,6 +59,13 @@ from qserve.engine.engine import (  # noqa: E402
     EAGLE_DECODE_GRAPHS_ENV,
     EAGLE_HEAD_GRAPHS_ENV,
     SPEC_GRAPHS_ENV,
+)
+
+# The EAGLE launch-path switches a mode sets (suffix in its name: on; absent: off): flag, suffix, variable, what.
+EAGLE_SWITCHES = (
+    ("decode-graphs", "-dg", EAGLE_DECODE_GRAPHS_ENV, "decode graphs hand the head its hidden states"),
+    ("head-graphs", "-hg", EAGLE_HEAD_GRAPHS_ENV, "the head's k - 1 drafting forwards replay CUDA graphs"),
+    ("catch-up-graphs", "-cg", EAGLE_CATCH_UP_GRAPHS_ENV, "the head's catch-up forward replays CUDA graphs"),
 )
 
 
@@ -274,27 +282,13 @@ def main() -> None:
         help="also measure method eagle with heads built from the target, comma-separated constructions: "
         "layersN (the target's first N layers on the next token's embedding, e.g. layers1), random (an unrelated head)",
     )
-    parser.add_argument(
-        "--eagle-decode-graphs",
-        choices=("off", "on", "both"),
-        default="off",
-        help="the EAGLE modes with QSERVE_EAGLE_DECODE_GRAPHS=1 (decode graphs that hand the head its hidden "
-        "states, so plain decode steps while speculating are not eager): off, on, or both (the -dg modes)",
-    )
-    parser.add_argument(
-        "--eagle-head-graphs",
-        choices=("off", "on", "both"),
-        default="off",
-        help="the EAGLE modes with QSERVE_EAGLE_HEAD_GRAPHS=1 (the head's k - 1 drafting forwards replay CUDA "
-        "graphs instead of launching eagerly): off, on, or both (the -hg modes)",
-    )
-    parser.add_argument(
-        "--eagle-catch-up-graphs",
-        choices=("off", "on", "both"),
-        default="off",
-        help="the EAGLE modes with QSERVE_EAGLE_CATCH_UP_GRAPHS=1 (the head's catch-up forward after each target "
-        "step replays CUDA graphs of k + 1 rows per sequence): off, on, or both (the -cg modes)",
-    )
+    for flag, suffix, env, what in EAGLE_SWITCHES:
+        parser.add_argument(
+            f"--eagle-{flag}",
+            choices=("off", "on", "both"),
+            default="off",
+            help=f"the EAGLE modes with {env}=1 ({what}): off, on, or both (the {suffix} modes; off sets it to 0)",
+        )
     parser.add_argument(
         "--mismatched-draft",
         action="store_true",
@@ -349,15 +343,11 @@ def main() -> None:
             write_eagle_head(path, head_path, construction)
         eagle = {"method": "eagle", "model": str(head_path), "num_speculative_tokens": args.k}
         eagle["disable_by_batch_size"] = args.disable_by_batch_size
-        decode_graphs = {"off": [""], "on": ["-dg"], "both": ["", "-dg"]}[args.eagle_decode_graphs]
-        head_graphs = {"off": [""], "on": ["-hg"], "both": ["", "-hg"]}[args.eagle_head_graphs]
-        catch_up = {"off": [""], "on": ["-cg"], "both": ["", "-cg"]}[args.eagle_catch_up_graphs]
-        modes += [
-            (f"eagle-{construction}{dg}{hg}{cg}", eagle)
-            for dg in decode_graphs
-            for hg in head_graphs
-            for cg in catch_up
+        choices = [
+            {"off": [""], "on": [suffix], "both": ["", suffix]}[getattr(args, f"eagle_{flag.replace('-', '_')}")]
+            for flag, suffix, _, _ in EAGLE_SWITCHES
         ]
+        modes += [(f"eagle-{construction}{''.join(suffixes)}", eagle) for suffixes in itertools.product(*choices)]
     if args.adaptive:
         adaptive = {"enable_adaptive_verification": True}
         if args.adaptive_row_cost is not None:
@@ -380,9 +370,8 @@ def main() -> None:
     acceptance: dict[tuple[str, int, str, str], tuple[float, float]] = {}
     for mode, config in modes:
         os.environ[SPEC_GRAPHS_ENV] = "1" if config is not None and "graphs" in verify_modes else "0"
-        os.environ[EAGLE_DECODE_GRAPHS_ENV] = "1" if "-dg" in mode else "0"
-        os.environ[EAGLE_HEAD_GRAPHS_ENV] = "1" if "-hg" in mode else "0"
-        os.environ[EAGLE_CATCH_UP_GRAPHS_ENV] = "1" if "-cg" in mode else "0"
+        for _, suffix, env, _ in EAGLE_SWITCHES:
+            os.environ[env] = "1" if suffix in mode else "0"
         llm = LLM(
             str(path),
             device=device,

@@ -110,6 +110,32 @@ def _no_emptying() -> None:
     pass
 
 
+def capture_buckets(
+    buckets: tuple[int, ...],
+    capture: Callable[[int], object],
+    pool: object,
+    warm_up: Callable[[int], object] | None = None,
+) -> tuple[dict[int, torch.cuda.CUDAGraph], object]:
+    """One CUDA graph of ``capture(bucket)`` per bucket, largest first, each after a warm-up outside
+    capture (``warm_up``, default ``capture``: compilation, autotuning) and all in one memory ``pool``
+    (None: the first graph's). Returns (graph per bucket, the pool). The garbage is collected once
+    before the loop and the collector stays off through it (``garbage_collected_first``)."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    torch.cuda.synchronize()
+    with garbage_collected_first():
+        for bucket in sorted(buckets, reverse=True):
+            (warm_up or capture)(bucket)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                capture(bucket)
+            if pool is None:
+                pool = graph.pool()
+            graphs[bucket] = graph
+    torch.cuda.synchronize()
+    return graphs, pool
+
+
 class StaticReplay:
     """A bucket's "graph" off CUDA: ``replay()`` reruns the static-buffer forward it stands for."""
 
@@ -261,20 +287,14 @@ class DecodeGraphs:
                 self.graphs[batch] = StaticReplay(lambda b=batch: self._run_into_logits(b))
             logger.info("%s graphs replayed eagerly off CUDA (batch sizes %s)", kind, list(self.buckets))
             return
-        torch.cuda.synchronize()
-        with garbage_collected_first():
-            for batch in reversed(self.buckets):
-                if self.lora_buffer is not None:  # this bucket's layout, no adapter row: a base-only warm-up
-                    self._stage_lora(batch, None, pinned=False)
-                self._run(batch)  # warm-up outside capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._run_into_logits(batch)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[batch] = graph
-        torch.cuda.synchronize()
+
+        def warm_up(batch: int) -> None:
+            if self.lora_buffer is not None:  # this bucket's layout, no adapter row: a base-only warm-up
+                self._stage_lora(batch, None, pinned=False)
+            self._run(batch)
+
+        graphs, self.pool = capture_buckets(self.buckets, self._run_into_logits, self.pool, warm_up)
+        self.graphs.update(graphs)
         logger.info("captured %d %s CUDA graphs (batch sizes %s)", len(self.graphs), kind, list(self.buckets))
 
     def bucket_for(self, batch: int) -> int | None:

@@ -321,16 +321,13 @@ class EagleProposer(Proposer):
         table_lens = np.array([len(t) for t in row_tables], dtype=np.int64)  # [R]
         if graphs is None or steps < 1 or not graphs.fits(len(ready), steps, int(table_lens.max())):
             return False
-        block_size = self.shadow.block_size
         bases = np.array([self._mirrors[r].num_computed_tokens for r in ids], dtype=np.int64)  # [R]
         step = np.arange(1, steps + 1, dtype=np.int64)[:, None]  # [steps, 1]
         # draft j reads draft j - 1 at position base + j - 1; rows past their count repeat their last
         positions = bases[None, :] + np.minimum(step, counts[None, :] - 1) - 1  # [steps, R]
         flat = np.array([b for t in row_tables for b in t], dtype=np.int64)  # [sum(lens)]
-        table_start = (np.cumsum(table_lens) - table_lens)[None, :]  # [1, R]
-        blocks = flat[table_start + positions // block_size]  # [steps, R]
-        slots = np.where(self.shadow.shared(blocks), -1, blocks * block_size + positions % block_size)
-        slots = np.where(step <= counts[None, :] - 1, slots, -1)  # [steps, R]
+        slots = self._slots(flat, (np.cumsum(table_lens) - table_lens)[None, :], positions)  # [steps, R]
+        slots = np.where(step <= counts[None, :] - 1, slots, -1)
         block_tables = pad_block_tables(table_lens, flat)  # [R, width] int32
         later = graphs.draft(first, feature, positions, slots, block_tables)  # [steps, R]
         table = torch.cat([first[None, :], later]).T.tolist()  # [R, k_max]: the proposal's one sync
@@ -378,7 +375,6 @@ class EagleProposer(Proposer):
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Where ``chunk``'s positions (block table, first position, count per sequence) go: positions
         and slots ``[T]``, table lengths ``[S]``, the tables concatenated, sequence ends and counts ``[S]``."""
-        block_size = self.shadow.block_size
         starts = np.array([start for _, start, _ in chunk], dtype=np.int64)  # [S]
         counts = np.array([count for _, _, count in chunk], dtype=np.int64)  # [S]
         tables = [table for table, _, _ in chunk]
@@ -386,11 +382,16 @@ class EagleProposer(Proposer):
         flat = np.array([b for t in tables for b in t], dtype=np.int64)  # [sum(lens)]
         ends = np.cumsum(counts)  # [S]
         positions = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - counts - starts, counts)  # [T]
-        table_start = np.repeat(np.cumsum(table_lens) - table_lens, counts)  # [T]
-        blocks = flat[table_start + positions // block_size]  # [T]
-        # no KV stored (slot -1) in a block another sequence holds: its head wrote it and reads it
-        slots = np.where(self.shadow.shared(blocks), -1, blocks * block_size + positions % block_size)  # [T]
+        slots = self._slots(flat, np.repeat(np.cumsum(table_lens) - table_lens, counts), positions)  # [T]
         return positions, slots, table_lens, flat, starts + counts, counts
+
+    def _slots(self, flat: np.ndarray, table_start: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The shadow-cache slot of each position (``table_start``: where its sequence's table begins
+        in the concatenated tables ``flat``; any shape that broadcasts with ``positions``), -1 in a
+        block another sequence holds: its head wrote that KV and reads it."""
+        block_size = self.shadow.block_size
+        blocks = flat[table_start + positions // block_size]
+        return np.where(self.shadow.shared(blocks), -1, blocks * block_size + positions % block_size)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

@@ -52,7 +52,7 @@ from qserve.runner.cuda_graphs import (
     DEFAULT_BUCKETS,
     DecodeGraphs,
     StaticReplay,
-    garbage_collected_first,
+    capture_buckets,
     static_positions,
     static_rows,
 )
@@ -64,8 +64,110 @@ logger = logging.getLogger(__name__)
 _STAGED_ROWS = 3
 
 
-class HeadDraftGraphs:
-    """Captured drafting forwards of ``head`` for batch sizes ``buckets`` (padded to the next one)."""
+class _HeadGraphs:
+    """What both kinds share: the head's static inputs for ``query_len`` rows per sequence, one graph
+    per batch bucket, captured into ``share``'s pool; ``_run(batch)`` (the subclass's) is one graph's
+    body. Each subclass writes its outputs into its own static buffers."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # the head's (shadow) caches, one per layer
+        max_num_seqs: int,
+        query_len: int,  # rows per sequence
+        max_seq_len: int,  # the longest sequence a forward attends over
+        max_blocks: int,  # block-table width
+        device: torch.device,
+        buckets: tuple[int, ...],
+        share: DecodeGraphs | None,
+    ) -> None:
+        if query_len < 1:
+            raise ValueError(f"query_len must be >= 1, got {query_len}")
+        self.head = head
+        self.kv_caches = kv_caches
+        self.query_len = query_len
+        self.max_seq_len = max_seq_len
+        self.buckets = tuple(sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs}))
+        max_batch = self.buckets[-1]
+        max_rows = max_batch * query_len
+        hidden = head.config.model.hidden_size
+        dtype = head.layers[0].post_attention_layernorm.weight.dtype
+        int64 = {"dtype": torch.int64, "device": device}
+        # Inputs (a graph of batch B reads the first B * query_len rows).
+        self.tokens = torch.zeros(max_rows, **int64)  # [max_rows]: the token after each position
+        self.features = torch.zeros(max_rows, hidden, dtype=dtype, device=device)  # [max_rows, H]
+        self.positions = torch.zeros(max_rows, **int64)  # [max_rows]
+        self.slot_mapping = torch.full((max_rows,), -1, **int64)  # [max_rows]; -1 = not stored
+        self.seq_lens = torch.full((max_batch,), query_len, **int64)  # [max_batch]
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, **int64) * query_len  # [max_batch + 1]
+        # Every subclass's outputs include each sequence's next feature.
+        self.out_features = torch.zeros(max_batch, hidden, dtype=dtype, device=device)  # [max_batch, H]
+        self.graphs: dict[int, torch.cuda.CUDAGraph | StaticReplay] = {}
+        self.pool = None if share is None else share.pool
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_tables.shape[1]
+
+    def _forward(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over the first ``batch`` sequences' rows: (logits inputs, next features), ``[rows, H]``."""
+        rows = batch * self.query_len
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:rows],
+            block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            max_query_len=self.query_len,
+            max_seq_len=self.max_seq_len,  # fixed: kernels size their grids from it
+        )
+        return self.head(self.tokens[:rows], self.positions[:rows], self.features[:rows], self.kv_caches, metadata)
+
+    def _run(self, batch: int) -> None:
+        raise NotImplementedError
+
+    def _stage_tables(self, block_tables: np.ndarray, bucket: int) -> None:
+        """``block_tables`` (int32 ``[B, width]``) into the first B rows, asynchronously from pinned
+        memory on CUDA; the pad sequences' rows up to ``bucket`` read block 0."""
+        batch, width = block_tables.shape
+        tables = torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32))
+        pinned = self.tokens.is_cuda
+        self.block_tables[:batch, :width].copy_(tables.pin_memory() if pinned else tables, non_blocking=True)
+        self.block_tables[batch:bucket] = 0
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture, largest bucket first (off CUDA: ``StaticReplay`` stand-ins). The
+        warm-ups store nothing: every row's slot is -1 until a real replay stages its own."""
+        if self.tokens.device.type != "cuda":
+            for batch in self.buckets:
+                self.graphs[batch] = StaticReplay(lambda b=batch: self._run(b))
+            logger.info(
+                "EAGLE head %s graphs replayed eagerly off CUDA (batch sizes %s)", self.kind, list(self.buckets)
+            )
+            return
+        graphs, self.pool = capture_buckets(self.buckets, self._run, self.pool)
+        self.graphs.update(graphs)
+        logger.info(
+            "captured %d EAGLE head %s CUDA graphs of %d row(s) per sequence (batch sizes %s)",
+            len(self.graphs),
+            self.kind,
+            self.query_len,
+            list(self.buckets),
+        )
+
+    def bucket_for(self, batch: int) -> int | None:
+        if batch > self.buckets[-1]:
+            return None
+        return self.buckets[bisect_left(self.buckets, batch)]
+
+
+class HeadDraftGraphs(_HeadGraphs):
+    """Captured drafting forwards of ``head`` (one row per sequence) plus each row's draft."""
+
+    kind = "drafting"
 
     def __init__(
         self,
@@ -81,78 +183,17 @@ class HeadDraftGraphs:
     ) -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-        self.head = head
-        self.kv_caches = kv_caches
+        super().__init__(head, kv_caches, max_num_seqs, 1, max_seq_len, max_blocks, device, buckets, share)
         self.max_steps = max_steps
-        self.max_seq_len = max_seq_len
-        self.buckets = tuple(sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs}))
         max_batch = self.buckets[-1]
-        hidden = head.config.model.hidden_size
-        dtype = head.layers[0].post_attention_layernorm.weight.dtype
-        int64 = {"dtype": torch.int64, "device": device}
-        # One forward's inputs (a graph of batch B reads the first B rows).
-        self.tokens = torch.zeros(max_batch, **int64)  # [max_batch]: the previous draft
-        self.features = torch.zeros(max_batch, hidden, dtype=dtype, device=device)  # [max_batch, H]
-        self.positions = torch.zeros(max_batch, **int64)  # [max_batch]
-        self.slot_mapping = torch.full((max_batch,), -1, **int64)  # [max_batch]; -1 = not stored
-        self.seq_lens = torch.ones(max_batch, **int64)  # [max_batch]
-        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, **int64)  # [max_batch + 1]: one row each
-        # Its outputs: the draft and the next feature of every row.
-        self.out_tokens = torch.zeros(max_batch, **int64)  # [max_batch]
-        self.out_features = torch.zeros(max_batch, hidden, dtype=dtype, device=device)  # [max_batch, H]
+        self.out_tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # [max_batch]: each draft
         # A proposal's staged steps: [positions, slots, seq_lens] x step x row, one copy per proposal.
-        self.staged = torch.zeros(_STAGED_ROWS, max_steps, max_batch, **int64)
-        self.graphs: dict[int, torch.cuda.CUDAGraph | StaticReplay] = {}
-        self.pool = None if share is None else share.pool
-
-    @property
-    def max_blocks(self) -> int:
-        return self.block_tables.shape[1]
+        self.staged = torch.zeros(_STAGED_ROWS, max_steps, max_batch, dtype=torch.int64, device=device)
 
     def _run(self, batch: int) -> None:
-        metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch],
-            block_tables=self.block_tables[:batch],
-            seq_lens=self.seq_lens[:batch],
-            query_start_loc=self.query_start_loc[: batch + 1],
-            max_query_len=1,
-            max_seq_len=self.max_seq_len,  # fixed: kernels size their grids from it
-        )
-        logits_in, feature = self.head(
-            self.tokens[:batch], self.positions[:batch], self.features[:batch], self.kv_caches, metadata
-        )  # [B, H], [B, H]
+        logits_in, feature = self._forward(batch)  # [B, H], [B, H]
         self.out_tokens[:batch].copy_(self.head.draft_tokens(logits_in))
         self.out_features[:batch].copy_(feature)
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Warm up and capture, largest bucket first (off CUDA: ``StaticReplay`` stand-ins)."""
-        if self.tokens.device.type != "cuda":
-            for batch in self.buckets:
-                self.graphs[batch] = StaticReplay(lambda b=batch: self._run(b))
-            logger.info("EAGLE head drafting graphs replayed eagerly off CUDA (batch sizes %s)", list(self.buckets))
-            return
-        torch.cuda.synchronize()
-        with garbage_collected_first():
-            for batch in reversed(self.buckets):
-                self._run(batch)  # warm-up outside capture (pad rows: slot -1, nothing stored)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._run(batch)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[batch] = graph
-        torch.cuda.synchronize()
-        logger.info(
-            "captured %d EAGLE head drafting CUDA graphs (batch sizes %s)", len(self.graphs), list(self.buckets)
-        )
-
-    def bucket_for(self, batch: int) -> int | None:
-        if batch > self.buckets[-1]:
-            return None
-        return self.buckets[bisect_left(self.buckets, batch)]
 
     def fits(self, batch: int, steps: int, width: int) -> bool:
         """Whether a proposal of ``batch`` rows, ``steps`` drafting forwards and block tables ``width``
@@ -184,10 +225,7 @@ class HeadDraftGraphs:
         if pinned:  # asynchronous copies: the target's step may still be running (async scheduling)
             staged = staged.pin_memory()
         self.staged[:, :steps, :bucket].copy_(staged, non_blocking=True)
-        width = block_tables.shape[1]
-        tables = torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32))
-        self.block_tables[:batch, :width].copy_(tables.pin_memory() if pinned else tables, non_blocking=True)
-        self.block_tables[batch:bucket, 0] = 0
+        self._stage_tables(block_tables, bucket)
         self.tokens[:batch].copy_(first_tokens)
         self.features[:batch].copy_(first_features)
         drafts = torch.empty(steps, batch, dtype=torch.int64, device=self.tokens.device)  # [steps, R]
@@ -204,9 +242,11 @@ class HeadDraftGraphs:
         return drafts
 
 
-class HeadCatchUpGraphs:
-    """Captured catch-up forwards of ``head``: ``query_len`` rows per sequence (module doc), batch sizes
-    ``buckets`` (padded to the next one); each sequence's last row's outputs gathered."""
+class HeadCatchUpGraphs(_HeadGraphs):
+    """Captured catch-up forwards of ``head``: ``query_len`` rows per sequence (module doc); each
+    sequence's last row's outputs gathered."""
+
+    kind = "catch-up"
 
     def __init__(
         self,
@@ -220,84 +260,17 @@ class HeadCatchUpGraphs:
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         share: DecodeGraphs | None = None,
     ) -> None:
-        if query_len < 1:
-            raise ValueError(f"query_len must be >= 1, got {query_len}")
-        self.head = head
-        self.kv_caches = kv_caches
-        self.query_len = query_len
-        self.max_seq_len = max_seq_len
-        self.buckets = tuple(sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs}))
+        super().__init__(head, kv_caches, max_num_seqs, query_len, max_seq_len, max_blocks, device, buckets, share)
         max_batch = self.buckets[-1]
-        max_rows = max_batch * query_len
-        hidden = head.config.model.hidden_size
-        dtype = head.layers[0].post_attention_layernorm.weight.dtype
-        int64 = {"dtype": torch.int64, "device": device}
-        self.tokens = torch.zeros(max_rows, **int64)  # [max_rows]: the token after each position
-        self.features = torch.zeros(max_rows, hidden, dtype=dtype, device=device)  # [max_rows, H]
-        self.positions = torch.zeros(max_rows, **int64)  # [max_rows]
-        self.slot_mapping = torch.full((max_rows,), -1, **int64)  # [max_rows]; -1 = pad row
-        self.seq_lens = torch.full((max_batch,), query_len, **int64)  # [max_batch]
-        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, **int64) * query_len  # [max_batch + 1]
-        self.last_rows = torch.arange(max_batch, **int64) * query_len + query_len - 1  # [max_batch]
-        # Each sequence's last row: the logits' input of its first draft and its next feature.
-        self.out_logits_in = torch.zeros(max_batch, hidden, dtype=dtype, device=device)  # [max_batch, H]
-        self.out_features = torch.zeros(max_batch, hidden, dtype=dtype, device=device)  # [max_batch, H]
-        self.graphs: dict[int, torch.cuda.CUDAGraph | StaticReplay] = {}
-        self.pool = None if share is None else share.pool
-
-    @property
-    def max_blocks(self) -> int:
-        return self.block_tables.shape[1]
+        self.last_rows = torch.arange(max_batch, dtype=torch.int64, device=device) * query_len + query_len - 1
+        # Each sequence's last row: the logits' input of its first draft (and, above, its next feature).
+        self.out_logits_in = torch.zeros_like(self.out_features)  # [max_batch, H]
 
     def _run(self, batch: int) -> None:
-        rows = batch * self.query_len
-        metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:rows],
-            block_tables=self.block_tables[:batch],
-            seq_lens=self.seq_lens[:batch],
-            query_start_loc=self.query_start_loc[: batch + 1],
-            max_query_len=self.query_len,
-            max_seq_len=self.max_seq_len,  # fixed: kernels size their grids from it
-        )
-        logits_in, feature = self.head(
-            self.tokens[:rows], self.positions[:rows], self.features[:rows], self.kv_caches, metadata
-        )  # [rows, H], [rows, H]
+        logits_in, feature = self._forward(batch)  # [rows, H], [rows, H]
         last = self.last_rows[:batch]
         self.out_logits_in[:batch].copy_(logits_in.index_select(0, last))
         self.out_features[:batch].copy_(feature.index_select(0, last))
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Warm up and capture, largest bucket first (off CUDA: ``StaticReplay`` stand-ins)."""
-        if self.tokens.device.type != "cuda":
-            for batch in self.buckets:
-                self.graphs[batch] = StaticReplay(lambda b=batch: self._run(b))
-            logger.info("EAGLE head catch-up graphs replayed eagerly off CUDA (batch sizes %s)", list(self.buckets))
-            return
-        torch.cuda.synchronize()
-        with garbage_collected_first():
-            for batch in reversed(self.buckets):
-                self._run(batch)  # warm-up outside capture (every row a pad row: nothing stored)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._run(batch)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[batch] = graph
-        torch.cuda.synchronize()
-        logger.info(
-            "captured %d EAGLE head catch-up CUDA graphs of %d rows per sequence (batch sizes %s)",
-            len(self.graphs),
-            self.query_len,
-            list(self.buckets),
-        )
-
-    def bucket_for(self, batch: int) -> int | None:
-        if batch > self.buckets[-1]:
-            return None
-        return self.buckets[bisect_left(self.buckets, batch)]
 
     def fits(self, count: int, end: int) -> bool:
         """Whether a sequence catching up on ``count`` positions ending at ``end`` fits the layout."""
@@ -340,9 +313,6 @@ class HeadCatchUpGraphs:
         real = torch.from_numpy(rows)
         real = real.pin_memory().to(self.features.device, non_blocking=True) if pinned else real
         self.features.index_copy_(0, real, features.to(self.features.dtype))
-        width = block_tables.shape[1]
-        tables = torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32))
-        self.block_tables[:batch, :width].copy_(tables.pin_memory() if pinned else tables, non_blocking=True)
-        self.block_tables[batch:bucket, :] = 0
+        self._stage_tables(block_tables, bucket)
         self.graphs[bucket].replay()
         return self.out_logits_in[:batch].clone(), self.out_features[:batch].clone()

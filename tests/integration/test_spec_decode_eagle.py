@@ -71,6 +71,26 @@ def _spec(heads: dict[str, str], method: str, **extra) -> dict:
     return {"method": method, "model": heads[method], "num_speculative_tokens": K, **extra}
 
 
+def _assert_oracle_heads_walk(walk, make_llm, after=None) -> None:  # noqa: ANN001
+    """On the GPU: oracle heads (EAGLE and EAGLE-3) of the walk target, each engine from
+    ``make_llm(target, speculative_config)``, give the walk's tokens and keep > 95% of their drafts
+    (which collapses when the heads get no or misplaced hidden states); ``after(llm)`` checks more
+    once the prompts are done."""
+    target, oracle, perm = walk
+    for method in ("eagle", "eagle3"):
+        llm = make_llm(target, _spec(oracle, method))
+        prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
+        outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
+        for s, output in zip((3, 9, 17), outputs):
+            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
+        if after is not None:
+            after(llm)
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+        del llm
+        torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------------------------------
 # A dense reading of the head (plain PyTorch over the checkpoint's tensors), the drafts' oracle
 # ----------------------------------------------------------------------------------------------
@@ -454,17 +474,7 @@ def test_cuda_eagle_heads(path, heads, walk, async_scheduling):  # noqa: F811
         torch.cuda.empty_cache()
     _assert_same(finals[1], finals[0])
     _assert_same(finals[2], finals[0])
-    target, oracle, perm = walk
-    for method in ("eagle", "eagle3"):
-        llm = LLM(target, speculative_config=_spec(oracle, method), **gpu)
-        prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
-        outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
-        for s, output in zip((3, 9, 17), outputs):
-            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
-        stats = llm.engine.spec_stats
-        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
-        del llm
-        torch.cuda.empty_cache()
+    _assert_oracle_heads_walk(walk, lambda target, spec: LLM(target, speculative_config=spec, **gpu))
 
 
 @pytest.mark.gpu
@@ -502,19 +512,17 @@ def test_cuda_graphed_eagle_verify_matches_eager_and_no_speculation(path, heads,
         torch.cuda.empty_cache()
     for name in ("eagle-eager", "eagle-graphs", "eagle3-graphs"):
         _assert_same(finals[name], finals["none"])
-    target, oracle, perm = walk
-    for method in ("eagle", "eagle3"):
-        llm = _cuda_engine(target, _spec(oracle, method), True, monkeypatch, async_scheduling=async_scheduling)
-        log = PathLog(llm.engine.runner)
-        prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
-        outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
-        for s, output in zip((3, 9, 17), outputs):
-            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
-        assert "rows" in log.kinds(), "verify steps replayed the row graphs"
-        stats = llm.engine.spec_stats
-        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
-        del llm
-        torch.cuda.empty_cache()
+    logs = []
+
+    def make_llm(target, spec):  # noqa: ANN001, ANN202
+        llm = _cuda_engine(target, spec, True, monkeypatch, async_scheduling=async_scheduling)
+        logs.append(PathLog(llm.engine.runner))
+        return llm
+
+    def replayed_rows(llm) -> None:  # noqa: ANN001
+        assert "rows" in logs[-1].kinds(), "verify steps replayed the row graphs"
+
+    _assert_oracle_heads_walk(walk, make_llm, replayed_rows)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -630,17 +638,9 @@ def test_cuda_eagle_decode_graphs_match_no_speculation(path, heads, walk, async_
         torch.cuda.empty_cache()
     for name in ("eagle", "eagle3"):
         _assert_same(finals[name], finals["none"])
-    target, oracle, perm = walk
-    for method in ("eagle", "eagle3"):
-        llm = _cuda_engine(target, _spec(oracle, method), True, monkeypatch, async_scheduling=async_scheduling)
-        prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
-        outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
-        for s, output in zip((3, 9, 17), outputs):
-            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
-        stats = llm.engine.spec_stats
-        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
-        del llm
-        torch.cuda.empty_cache()
+    _assert_oracle_heads_walk(
+        walk, lambda target, spec: _cuda_engine(target, spec, True, monkeypatch, async_scheduling=async_scheduling)
+    )
 
 
 def test_the_heads_weights_count_and_serve_takes_one_model(path, heads, tmp_path, capsys):  # noqa: F811
@@ -1070,15 +1070,12 @@ def test_cuda_eagle_head_graphs_match_no_speculation(path, heads, walk, async_sc
         torch.cuda.empty_cache()
     for name in ("eagle", "eagle3"):
         _assert_same(finals[name], finals["none"])
-    target, oracle, perm = walk
-    for method in ("eagle", "eagle3"):
-        llm = _cuda_engine(target, _spec(oracle, method), True, monkeypatch, async_scheduling=async_scheduling)
+
+    def graphed(llm) -> None:  # noqa: ANN001
         assert llm.engine.proposer.graphs is not None and llm.engine.proposer.catch_up_graphs is not None
-        prompts = [{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9, 17)]
-        outputs = llm.generate(prompts, _greedy(max_tokens=40), use_tqdm=False)
-        for s, output in zip((3, 9, 17), outputs):
-            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
-        stats = llm.engine.spec_stats
-        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
-        del llm
-        torch.cuda.empty_cache()
+
+    _assert_oracle_heads_walk(
+        walk,
+        lambda target, spec: _cuda_engine(target, spec, True, monkeypatch, async_scheduling=async_scheduling),
+        graphed,
+    )
