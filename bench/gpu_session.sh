@@ -187,12 +187,14 @@ if has optin_spec; then
 fi
 if has spec_eagle; then
     stage "speculative decoding at batch 1 with EAGLE heads built from the target (its first 1 and 4 layers; a random head, fixed and adaptive k), plain decode steps eager and graphed (QSERVE_EAGLE_DECODE_GRAPHS)"
-    # EAGLE_HEADS / EAGLE_ADAPTIVE_MODES: other heads, or other modes with adaptive k (e.g. eagle-layers1-dg)
+    # EAGLE_HEADS / EAGLE_ADAPTIVE_MODES: other heads, or other modes with adaptive k (e.g. eagle-layers1-dg);
+    # EAGLE_PROFILE_MODES (e.g. off,eagle-layers4-dg-hg): where those modes' steps go, in spec_profile/
     timeout 540 python3 bench/spec_decode.py --checkpoint /tmp/qb --batches 1 --eagle "${EAGLE_HEADS:-layers1,layers4,random}" \
         --adaptive --adaptive-modes "${EAGLE_ADAPTIVE_MODES:-eagle-random-dg-hg,eagle-layers1-dg-hg}" \
         --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-on}" --eagle-head-graphs "${EAGLE_HEAD_GRAPHS:-on}" \
         --eagle-catch-up-graphs "${EAGLE_CATCH_UP_GRAPHS:-off}" --verify graphs \
-        --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -20
+        --profile-modes "${EAGLE_PROFILE_MODES:-}" --profile-dir "$OUT/spec_profile" \
+        --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -24
 fi
 if has spec_serving; then
     # the same workload without and with n-gram speculation (disable_by_batch_size 64 as in spec_decode.py)

@@ -33,6 +33,13 @@ once finished sequences bring the batch under the threshold.
     python bench/spec_decode.py --batches 1 --eagle layers1,layers4,random --adaptive \
         --adaptive-modes eagle-random,eagle-random-dg --eagle-decode-graphs both --verify graphs \
         --out spec_decode_eagle.md                                          # EAGLE heads built from the target
+    python bench/spec_decode.py --batches 1 --eagle layers4 --eagle-decode-graphs on --eagle-head-graphs on \
+        --verify graphs --profile-modes off,eagle-layers4-dg-hg --profile-dir $OUT/prof   # where a cycle goes
+
+``--profile-modes`` (with ``--profile-dir``): after a mode's timed runs, one sequence of the repeat prompts
+decodes under ``bench/profile_step.py``'s profilers (wall of unprofiled steps; kernels and CUDA runtime
+calls under torch.profiler; the host's Python under cProfile), written to ``profile_<mode>.md``: for a
+speculating mode one step is one whole cycle (verify, the proposer's catch-up and drafting).
 
 The table goes to stdout and ``--out`` (markdown).
 """
@@ -254,6 +261,36 @@ def attach_spec_graphs(llm: LLM, attach: bool, detached: dict) -> None:
                 setattr(runner, field, None)
 
 
+def profile_mode(llm: LLM, mode: str, prompt: list[int], args: argparse.Namespace) -> None:
+    """One sequence decoding ``prompt`` under bench/profile_step.py's profilers; each profiled step is
+    one engine step (for a speculating mode: verify, catch-up and drafting). Writes profile_<mode>.md."""
+    from bench.profile_step import profiled_steps, table
+
+    engine = llm.engine
+    steps = max(1, args.profile_steps)
+    # 1 + 3 * steps steps of up to k + 1 tokens each, and the sequence must still be running at the end
+    params = SamplingParams(temperature=0, max_tokens=(3 * steps + 4) * (args.k + 1) + 8, ignore_eos=True)
+    engine.add_request(f"profile-{mode}", {"prompt_token_ids": prompt}, params)
+    while not any(seq.request.output_token_ids for _, seq in engine._sequences.values()):
+        engine.step()
+    stats = engine.spec_stats
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens) if stats else (0, 0)
+    start_tokens = sum(len(seq.request.output_token_ids) for _, seq in engine._sequences.values())
+    result = profiled_steps(llm, lambda: None, steps)
+    tokens = sum(len(seq.request.output_token_ids) for _, seq in engine._sequences.values()) - start_tokens
+    taken = 1 + 3 * steps
+    rate = ""
+    if stats is not None and stats.num_draft_tokens > before[0]:
+        rate = f", acceptance {(stats.num_accepted_tokens - before[1]) / (stats.num_draft_tokens - before[0]):.0%}"
+    while engine.has_unfinished_requests():
+        engine.step()
+    title = f"{mode}, batch 1, repeat prompt: {tokens / taken:.2f} tokens per step{rate}"
+    folder = Path(args.profile_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"profile_{mode}.md").write_text("\n".join(table(title, result["wall_ms"], result["kernels"], result)))
+    print(f"profile {mode}: wall {result['wall_ms']:.2f} ms/step, {tokens / taken:.2f} tokens/step{rate}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
@@ -315,6 +352,14 @@ def main() -> None:
         help="time each (prompts, batch) this many times on the same engine and keep the median run: one run "
         "of each mode moved by ~3%% between two H100 sessions, more than issue 29's 2-point batch-128 target",
     )
+    parser.add_argument(
+        "--profile-modes",
+        default="",
+        help="comma-separated modes (names as in the table, off included) to profile at batch 1 after their "
+        "timed runs: profile_<mode>.md in --profile-dir",
+    )
+    parser.add_argument("--profile-dir", default="spec_profile")
+    parser.add_argument("--profile-steps", type=int, default=6)
     args = parser.parse_args()
     shape = SMALL if args.small else QWEN14B
     path = Path(args.checkpoint + ("-small" if args.small else ""))
@@ -361,6 +406,10 @@ def main() -> None:
                 continue
             fixed = {k: v for k, v in config.items() if k != "disable_by_batch_size"}
             modes.append((f"{mode}-adaptive", {**fixed, **adaptive}))
+    profiled = set(filter(None, args.profile_modes.split(",")))
+    unknown = sorted(profiled - {mode for mode, _ in modes})
+    if unknown:
+        parser.error(f"--profile-modes {','.join(unknown)}: not among the modes {[m for m, _ in modes]}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # Verify graphs are captured on CUDA only (the engine captures no graph on the CPU).
     verify_modes = ["eager", "graphs"] if args.verify == "both" else [args.verify]
@@ -400,6 +449,8 @@ def main() -> None:
                         accepted = stats.num_accepted_tokens - before[1]
                         drafts = stats.num_drafts - before[2]
                         acceptance[key] = (accepted / drafted if drafted else 0.0, drafted / max(drafts, 1))
+        if mode in profiled:
+            profile_mode(llm, mode, prompts("repeat", 1, shape["vocab"], seed=1)[0], args)
         del llm
         gc.collect()
         if device == "cuda":

@@ -71,6 +71,7 @@ def test_small_run_with_eagle_heads(target: Path, tmp_path: Path, monkeypatch, c
     argv = ["spec_decode.py", "--small", "--checkpoint", str(tmp_path / "ck"), "--batches", "1", "--max-tokens", "8",
             "--eagle", "layers1,random", "--eagle-decode-graphs", "both", "--eagle-head-graphs", "on",
             "--eagle-catch-up-graphs", "on", "--adaptive",
+            "--profile-modes", "ngram", "--profile-dir", str(tmp_path / "prof"), "--profile-steps", "1",
             "--adaptive-modes",
             "eagle-random-hg-cg", "--out", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
@@ -94,7 +95,15 @@ def test_small_run_with_eagle_heads(target: Path, tmp_path: Path, monkeypatch, c
         "eagle-random-hg-cg-adaptive",
     ):
         assert mode in rows, rows
+    profile = (tmp_path / "prof" / "profile_ngram.md").read_text()
+    assert profile.startswith("## ngram, batch 1, repeat prompt: ") and "tokens per step" in profile
+    assert "wall " in profile and "Host Python" in profile
     monkeypatch.setattr(sys, "argv", [*argv[:-4], "--adaptive-modes", "eagle-bogus", "--out", str(out)])
     with pytest.raises(SystemExit):
         main()
     assert "--adaptive-modes eagle-bogus: not among the methods" in capsys.readouterr().err
+    bogus = [*argv[:-4], "--profile-modes", "eagle-bogus", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", bogus)
+    with pytest.raises(SystemExit):
+        main()
+    assert "--profile-modes eagle-bogus: not among the modes" in capsys.readouterr().err
