@@ -53,8 +53,8 @@
 #   layers1,layers4,random; the random head also with adaptive k), graphed verify, median of 3 (issue 29); each head
 #   with the engine's defaults: plain decode steps graphed (-dg; EAGLE_DECODE_GRAPHS=off|on|both, default on) and the
 #   head's drafting forwards graphed (-hg; EAGLE_HEAD_GRAPHS=off|on|both, default on); ~2 min, "both" doubles it.
-#   EAGLE_HEADS (default layers1,layers4,random) and EAGLE_ADAPTIVE_MODES (default eagle-random-dg-hg,eagle-layers1-dg-hg).
-#   EAGLE_CATCH_UP_GRAPHS=on|both: the -cg modes (QSERVE_EAGLE_CATCH_UP_GRAPHS=1, opt-in: the catch-up forward graphed).
+#   EAGLE_HEADS (default layers1,layers4,random) and EAGLE_ADAPTIVE_MODES (default eagle-random-dg-hg-cg,eagle-layers1-dg-hg-cg).
+#   The head's catch-up forward graphed (-cg; EAGLE_CATCH_UP_GRAPHS=off|on|both, default on).
 # spec_serving (only when named): bench/serving.py without and with n-gram speculation (ngram-pw: with
 #   QSERVE_PIECEWISE_SPEC=1), Poisson 4 req/s and all at once, SPEC_SERVING_REQUESTS requests (default 120;
 #   SPEC_SERVING_MODES, default "off ngram ngram-pw"; issue 29).
@@ -190,9 +190,9 @@ if has spec_eagle; then
     # EAGLE_HEADS / EAGLE_ADAPTIVE_MODES: other heads, or other modes with adaptive k (e.g. eagle-layers1-dg);
     # EAGLE_PROFILE_MODES (e.g. off,eagle-layers4-dg-hg): where those modes' steps go, in spec_profile/
     timeout 540 python3 bench/spec_decode.py --checkpoint /tmp/qb --batches 1 --eagle "${EAGLE_HEADS:-layers1,layers4,random}" \
-        --adaptive --adaptive-modes "${EAGLE_ADAPTIVE_MODES:-eagle-random-dg-hg,eagle-layers1-dg-hg}" \
+        --adaptive --adaptive-modes "${EAGLE_ADAPTIVE_MODES:-eagle-random-dg-hg-cg,eagle-layers1-dg-hg-cg}" \
         --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-on}" --eagle-head-graphs "${EAGLE_HEAD_GRAPHS:-on}" \
-        --eagle-catch-up-graphs "${EAGLE_CATCH_UP_GRAPHS:-off}" --verify graphs \
+        --eagle-catch-up-graphs "${EAGLE_CATCH_UP_GRAPHS:-on}" --verify graphs \
         --profile-modes "${EAGLE_PROFILE_MODES:-}" --profile-dir "$OUT/spec_profile" \
         --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -24
 fi

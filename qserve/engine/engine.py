@@ -724,7 +724,7 @@ class Engine:
                 draft.capture_row_graphs(DRAFT_CATCH_UP_ROWS, catch_up_seqs, self.max_model_len, share=target_graphs)
         if self._eagle_head is not None and env_switch(EAGLE_HEAD_GRAPHS_ENV, default=True):
             self._capture_eagle_head_graphs(draft_seqs, target_graphs)
-        if self._eagle_head is not None and env_switch(EAGLE_CATCH_UP_GRAPHS_ENV, default=False) and verify_seqs:
+        if self._eagle_head is not None and env_switch(EAGLE_CATCH_UP_GRAPHS_ENV, default=True) and verify_seqs:
             self._capture_eagle_catch_up_graphs(verify_seqs, target_graphs)
 
     def _capture_eagle_head_graphs(self, max_seqs: int, share: DecodeGraphs) -> None:
@@ -754,7 +754,7 @@ class Engine:
         proposer.graphs = graphs
 
     def _capture_eagle_catch_up_graphs(self, max_seqs: int, share: DecodeGraphs) -> None:
-        """The EAGLE head's catch-up forwards as CUDA graphs (``EAGLE_CATCH_UP_GRAPHS_ENV``), k + 1 rows
+        """The EAGLE head's catch-up forwards as CUDA graphs (``EAGLE_CATCH_UP_GRAPHS_ENV``, default on), k + 1 rows
         per sequence, up to ``max_seqs`` sequences (as many as the verify graphs take), in the target's
         decode graphs' pool."""
         from qserve.spec_decode.eagle import EagleProposer

@@ -107,7 +107,7 @@ class EagleProposer(Proposer):
         self._hidden_size = head.config.model.hidden_size
         # Captured drafting forwards (set by the engine unless QSERVE_EAGLE_HEAD_GRAPHS=0; None: eager)
         self.graphs: HeadDraftGraphs | None = None
-        # Captured catch-up forwards (the engine's opt-in QSERVE_EAGLE_CATCH_UP_GRAPHS=1; None: eager)
+        # Captured catch-up forwards (set by the engine unless QSERVE_EAGLE_CATCH_UP_GRAPHS=0; None: eager)
         self.catch_up_graphs: HeadCatchUpGraphs | None = None
 
     # ------------------------------------------------------------------------------------------

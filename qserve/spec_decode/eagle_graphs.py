@@ -26,7 +26,7 @@ length (kernels size their grids from it), as in ``qserve.runner.cuda_graphs``.
 Sharing (``share``): the target's decode graphs lend their memory pool; every graph of the process
 replays on one stream, and the outputs are copied into this object's own static buffers.
 
-Catch-up forwards (``HeadCatchUpGraphs``, opt-in ``QSERVE_EAGLE_CATCH_UP_GRAPHS=1``): after a step of
+Catch-up forwards (``HeadCatchUpGraphs``, default on; ``QSERVE_EAGLE_CATCH_UP_GRAPHS=0`` opts out): after a step of
 the target the head runs once over the positions each sequence just kept (1 after a plain decode, up
 to k + 1 after a verify). Those forwards fit a layout of Q = k + 1 rows per sequence, as the target's
 verify graphs (``qserve.runner.cuda_graphs``: a sequence's n real rows are the last n of its Q, the pad

@@ -872,8 +872,9 @@ def _drafting_run(  # noqa: ANN202
     """The ``reference`` workload with a random head and QSERVE_EAGLE_HEAD_GRAPHS=``head_graphs``
     (None: unset, the default: on; StaticReplay stand-ins on CPU): outputs token-identical to no
     speculation, every page back. Returns (every proposal's drafts, in order; the shape of every
-    proposal drafted through the graphs; every draft's logits input, in order). ``catch_up``: with QSERVE_EAGLE_CATCH_UP_GRAPHS=1, and
-    every catch-up replay's rows per sequence appended to it."""
+    proposal drafted through the graphs; every draft's logits input, in order). ``catch_up``: with
+    QSERVE_EAGLE_CATCH_UP_GRAPHS unset (the default: on), and every catch-up replay's rows per sequence
+    appended to it; None: QSERVE_EAGLE_CATCH_UP_GRAPHS=0."""
     import os
 
     from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
@@ -883,7 +884,10 @@ def _drafting_run(  # noqa: ANN202
         os.environ.pop(EAGLE_HEAD_GRAPHS_ENV, None)
     else:
         os.environ[EAGLE_HEAD_GRAPHS_ENV] = head_graphs
-    os.environ[EAGLE_CATCH_UP_GRAPHS_ENV] = "0" if catch_up is None else "1"
+    if catch_up is None:
+        os.environ[EAGLE_CATCH_UP_GRAPHS_ENV] = "0"
+    else:
+        os.environ.pop(EAGLE_CATCH_UP_GRAPHS_ENV, None)
     requests, want, _ = workload
     llm = LLM(checkpoint, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
     engine = llm.engine
@@ -975,7 +979,7 @@ def test_eagle_head_graphs_draft_what_the_eager_head_drafts(path, heads, referen
     assert graphed == eager
     assert any(len(d) == K for proposal in graphed for d in proposal)  # full proposals of k drafts
     assert any(0 < len(d) < K for proposal in graphed for d in proposal)  # and shorter ones
-    # QSERVE_EAGLE_CATCH_UP_GRAPHS=1 too: the catch-ups after plain decodes (1 position) and verify
+    # QSERVE_EAGLE_CATCH_UP_GRAPHS unset too (on): the catch-ups after plain decodes (1 position) and verify
     # steps (up to k + 1) replay the catch-up graphs; every proposal's drafts are still the eager head's
     catch_up: list[list[int]] = []
     both, _, both_inputs, _ = _drafting_run(path, heads, method, reference, None, catch_up)
