@@ -33,6 +33,7 @@
 #   SERVE_DEFAULT_LAYOUTS="unset 0" also starts it in one process; each run's start-up milestones, timestamped.
 #   SERVE_DEFAULT_PROFILE=1: py-spy records each start-up (carried wheel); the decode-graph capture's samples.
 #   SERVE_DEFAULT_KEEP_CACHE="0 1": each layout with QSERVE_CAPTURE_KEEP_CACHE off, then on (no emptying per capture).
+#   SERVE_DEFAULT_SMI=1: each second of each run, nvidia-smi's compute processes and the python processes (_smi.txt).
 # coldstart (only when named; COLDSTART_RUNS pairs, default 2): bench/e2e.py decode at batch 1 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
 #   and with qserve's default (expandable), alternated twice on one reused checkpoint: cold start, plan vs held.
 # ampere_proxy (only when named): bench/kernels.py --ampere-proxy --sweep: the sm86/sm89 W4A16 code (mma.sync,
@@ -245,8 +246,15 @@ if has serve_default; then
         echo "--- QSERVE_ENABLE_MULTIPROCESSING=$mp QSERVE_CAPTURE_KEEP_CACHE=$keep"
         # SERVE_DEFAULT_PROFILE=1: py-spy over the whole start-up, the decode-graph capture's samples summarized
         profile=(); [[ ${SERVE_DEFAULT_PROFILE:-0} == 1 ]] && profile=(--profile-startup "$OUT/serve_default_${mp}_keep$keep.pyspy.txt")
+        # SERVE_DEFAULT_SMI=1: each second, the processes holding a CUDA context (nvidia-smi) and the python
+        # processes' command lines, to tell the front end from the core
+        smi=""; if [[ ${SERVE_DEFAULT_SMI:-0} == 1 ]]; then
+            (while sleep 1; do echo "@ $(date +%s.%N)"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+                ps -eo pid,ppid,etimes,args | grep -E "[p]ython3" | cut -c1-160; done) > "$OUT/serve_default_${mp}_keep${keep}_smi.txt" 2>&1 &
+            smi=$!; fi
         timeout 240 python3 bench/serve_default.py --multiprocessing "$mp" "${profile[@]}" /tmp/qb -- --gpu-memory-budget 24GiB \
             > "$OUT/serve_default_${mp}_keep$keep.txt" 2>&1
+        [[ -n $smi ]] && kill "$smi" 2>/dev/null
         grep -vE "^ +[0-9.]+ .*(INFO|DEBUG).*(GET|POST) /" "$OUT/serve_default_${mp}_keep$keep.txt" | tail -${SERVE_DEFAULT_TAIL:-40}
       done
     done
