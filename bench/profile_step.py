@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import os
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -79,12 +81,15 @@ def family(name: str) -> str:
     return "other"
 
 
-def profiled_steps(llm: LLM, make_step, steps: int) -> dict:  # noqa: ANN001
+def profiled_steps(llm: LLM, make_step, steps: int, trace: Path | None = None) -> dict:  # noqa: ANN001
     """Run ``make_step()`` (adds requests, returns nothing) then one ``step()``, ``steps`` times
     unprofiled (wall), ``steps`` times under cProfile (the host's Python) and ``steps`` times under
     the profiler (kernels, and the CUDA runtime calls the host made: a ``cudaMalloc`` or a stream
     sync inside a step stalls the GPU). The profilers slow the host, so the wall comes from the
-    unprofiled steps. Returns per-step means."""
+    unprofiled steps. Returns per-step means. ``trace``: ``steps`` more under the profiler with
+    Python stacks, its chrome trace written there and its GPU idle gaps (``bench/gpu_gaps.py``)
+    returned as ``gaps`` (markdown lines; the stacks slow the host, so the gaps are longer than
+    unprofiled: read them for where, not how long)."""
     import cProfile
     import io
     import pstats
@@ -128,11 +133,25 @@ def profiled_steps(llm: LLM, make_step, steps: int) -> dict:  # noqa: ANN001
         for e in events
         if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith(("cuda", "cu"))
     ]
+    gaps: list[str] = []
+    if trace is not None:
+        from bench.gpu_gaps import gaps_from_file
+
+        with profile(activities=activities, with_stack=True) as prof_stacks:
+            for _ in range(steps):
+                timed_step()
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof_stacks.export_chrome_trace(str(trace))
+        gaps = gaps_from_file(trace, steps)
+        with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:  # tens of MB as text
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
     return {
         "wall_ms": 1e3 * sum(walls) / len(walls),
         "kernels": sorted(kernels, key=lambda k: -k[1]),
         "runtime": sorted(runtime, key=lambda k: -k[1]),
         "host_python": text.getvalue(),
+        "gaps": gaps,
     }
 
 
@@ -157,6 +176,8 @@ def table(title: str, wall_ms: float, kernels: list[tuple[str, float, int]], res
     lines += [f"| {name[:100]} | {us:.1f} | {calls} |" for name, us, calls in kernels[:30]]
     lines += ["", "CUDA runtime calls on the host (profiled steps):", "", "| call | host µs/step | calls/step |"]
     lines += ["|---|---|---|"] + [f"| {n} | {us:.1f} | {c:.1f} |" for n, us, c in result["runtime"][:12]]
+    if result.get("gaps"):
+        lines += ["", *result["gaps"]]
     lines += ["", "Host Python, cProfile by own time (per all profiled steps):", "", "```"]
     lines += [ln for ln in result["host_python"].splitlines() if ln.strip()][:40] + ["```"]
     return lines + [""]

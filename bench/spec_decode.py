@@ -38,8 +38,10 @@ once finished sequences bring the batch under the threshold.
 
 ``--profile-modes`` (with ``--profile-dir``): after a mode's timed runs, one sequence of the repeat prompts
 decodes under ``bench/profile_step.py``'s profilers (wall of unprofiled steps; kernels and CUDA runtime
-calls under torch.profiler; the host's Python under cProfile), written to ``profile_<mode>.md``: for a
-speculating mode one step is one whole cycle (verify, the proposer's catch-up and drafting).
+calls under torch.profiler; the host's Python under cProfile; the GPU's idle gaps and the frames of ours
+through them, ``bench/gpu_gaps.py``, from a chrome trace with Python stacks, ``trace_<mode>.json``), written
+to ``profile_<mode>.md``: for a speculating mode one step is one whole cycle (verify, the proposer's
+catch-up and drafting).
 
 The table goes to stdout and ``--out`` (markdown).
 """
@@ -268,24 +270,24 @@ def profile_mode(llm: LLM, mode: str, prompt: list[int], args: argparse.Namespac
 
     engine = llm.engine
     steps = max(1, args.profile_steps)
-    # 1 + 3 * steps steps of up to k + 1 tokens each, and the sequence must still be running at the end
-    params = SamplingParams(temperature=0, max_tokens=(3 * steps + 4) * (args.k + 1) + 8, ignore_eos=True)
+    # 1 + 4 * steps steps of up to k + 1 tokens each, and the sequence must still be running at the end
+    params = SamplingParams(temperature=0, max_tokens=(4 * steps + 4) * (args.k + 1) + 8, ignore_eos=True)
     engine.add_request(f"profile-{mode}", {"prompt_token_ids": prompt}, params)
     while not any(seq.request.output_token_ids for _, seq in engine._sequences.values()):
         engine.step()
     stats = engine.spec_stats
     before = (stats.num_draft_tokens, stats.num_accepted_tokens) if stats else (0, 0)
     start_tokens = sum(len(seq.request.output_token_ids) for _, seq in engine._sequences.values())
-    result = profiled_steps(llm, lambda: None, steps)
+    folder = Path(args.profile_dir)
+    result = profiled_steps(llm, lambda: None, steps, trace=folder / f"trace_{mode}.json")
     tokens = sum(len(seq.request.output_token_ids) for _, seq in engine._sequences.values()) - start_tokens
-    taken = 1 + 3 * steps
+    taken = 1 + 4 * steps
     rate = ""
     if stats is not None and stats.num_draft_tokens > before[0]:
         rate = f", acceptance {(stats.num_accepted_tokens - before[1]) / (stats.num_draft_tokens - before[0]):.0%}"
     while engine.has_unfinished_requests():
         engine.step()
     title = f"{mode}, batch 1, repeat prompt: {tokens / taken:.2f} tokens per step{rate}"
-    folder = Path(args.profile_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"profile_{mode}.md").write_text("\n".join(table(title, result["wall_ms"], result["kernels"], result)))
     print(f"profile {mode}: wall {result['wall_ms']:.2f} ms/step, {tokens / taken:.2f} tokens/step{rate}")
