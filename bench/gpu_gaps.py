@@ -55,7 +55,11 @@ def idle_gaps(trace: dict, threshold_us: float = 5.0, roots: tuple[str, ...] = (
     }
     threads = {e["tid"] for e in launches.values()}
     frames = sorted(
-        (e for e in events if e.get("cat") == "python_function" and e.get("tid") in threads and _ours(e["name"], roots)),
+        (
+            e
+            for e in events
+            if e.get("cat") == "python_function" and e.get("tid") in threads and _ours(e["name"], roots)
+        ),
         key=lambda e: e["ts"],
     )
     gaps = Gaps()
