@@ -157,9 +157,13 @@ PIECEWISE_SPEC_ENV = "QSERVE_PIECEWISE_SPEC"
 # since `pytest -m gpu` passed with it (bench/RESULTS.md, tenth session); "0" opts out.
 EAGLE_HEAD_GRAPHS_ENV = "QSERVE_EAGLE_HEAD_GRAPHS"
 # EAGLE heads: the catch-up forward after each target step (1 to k + 1 positions per sequence) replays
-# CUDA graphs of k + 1 rows per sequence (qserve.spec_decode.eagle_graphs.HeadCatchUpGraphs). Opt-in
-# ("1") until `pytest -m gpu` passes with it.
+# CUDA graphs of k + 1 rows per sequence (qserve.spec_decode.eagle_graphs.HeadCatchUpGraphs). The
+# default since `pytest -m gpu` passed with it (bench/RESULTS.md, eleventh session); "0" opts out.
 EAGLE_CATCH_UP_GRAPHS_ENV = "QSERVE_EAGLE_CATCH_UP_GRAPHS"
+# EAGLE heads: a proposal's k - 1 drafting forwards replay one graph holding all of them (the staging
+# between forwards inside it) instead of one graph per forward. Opt-in ("1") until `pytest -m gpu`
+# passes with it.
+EAGLE_DRAFT_LOOP_GRAPHS_ENV = "QSERVE_EAGLE_DRAFT_LOOP_GRAPHS"
 # (Both head switches act only where the speculative graphs are captured: CUDA, decode graphs, and
 # QSERVE_SPEC_GRAPHS not 0.)
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
@@ -749,6 +753,7 @@ class Engine:
             -(-longest // self.kv_manager.block_size),
             self.device,
             share=share,
+            loop=env_switch(EAGLE_DRAFT_LOOP_GRAPHS_ENV, default=False),
         )
         graphs.capture()
         proposer.graphs = graphs
