@@ -331,6 +331,13 @@ def main() -> None:
             help=f"the EAGLE modes with {env}=1 ({what}): off, on, or both (the {suffix} modes; off sets it to 0)",
         )
     parser.add_argument(
+        "--eagle-draft-lm-head",
+        choices=("target", "int4", "both"),
+        default="target",
+        help='the EAGLE modes with speculative_config "draft_lm_head": the target\'s lm_head, a 4-bit copy '
+        "(the -q4 modes), or both",
+    )
+    parser.add_argument(
         "--mismatched-draft",
         action="store_true",
         help="with --draft-layers: the draft's head rolled by half the vocabulary (acceptance near 0%%), "
@@ -396,7 +403,15 @@ def main() -> None:
             {"off": [""], "on": [suffix], "both": ["", suffix]}[getattr(args, f"eagle_{flag.replace('-', '_')}")]
             for flag, suffix, _, _ in EAGLE_SWITCHES
         ]
-        modes += [(f"eagle-{construction}{''.join(suffixes)}", eagle) for suffixes in itertools.product(*choices)]
+        lm_heads = {"target": ["target"], "int4": ["int4"], "both": ["target", "int4"]}[args.eagle_draft_lm_head]
+        modes += [
+            (
+                f"eagle-{construction}{''.join(suffixes)}{'-q4' if lm_head == 'int4' else ''}",
+                {**eagle, "draft_lm_head": lm_head} if lm_head != "target" else eagle,
+            )
+            for suffixes in itertools.product(*choices)
+            for lm_head in lm_heads
+        ]
     if args.adaptive:
         adaptive = {"enable_adaptive_verification": True}
         if args.adaptive_row_cost is not None:

@@ -87,8 +87,14 @@ def run(args: argparse.Namespace) -> int:
         from qserve.spec_decode.shadow_kv import num_scratch_blocks, shadow_kv_bytes_per_token
 
         draft_bytes = eagle_head_bytes(speculative.model, speculative.method, dtype)
+        head_config = read_eagle_config(speculative.model, speculative.method, config)
+        if speculative.draft_lm_head == "int4":  # a 4-bit copy of the lm_head it drafts with, beside it
+            from qserve.spec_decode.draft_lm_head import planned_bytes
+
+            vocab = head_config.draft_vocab_size if speculative.method == "eagle3" else config.vocab_size
+            draft_bytes += planned_bytes(vocab, head_config.model.hidden_size, dtype)
         # its KV indexed by the target's blocks: every page grows by the head's share
-        head = read_eagle_config(speculative.model, speculative.method, config).model
+        head = head_config.model
         shadow_per_token = shadow_kv_bytes_per_token(head, dtype)
         shadow_scratch = num_scratch_blocks(args.max_num_seqs, speculative.num_speculative_tokens, args.block_size)
     step_tokens = serve_step_tokens(args)  # the budget qserve serve would step with

@@ -628,9 +628,16 @@ class Engine:
 
         spec = self.config.speculative_config
         head_config = read_eagle_config(spec.model, spec.method, target_config)
-        return load_eagle_head(
+        head = load_eagle_head(
             spec.model, head_config, self.model, self.dtype, self.device, target_config.max_position_embeddings
         )
+        if spec.draft_lm_head == "int4":
+            head.quantize_draft_lm_head()
+            logger.info(
+                "speculative decoding: the head drafts through a 4-bit copy of its lm_head (%.1f MiB)",
+                head.draft_lm_head_bytes() / 2**20,
+            )
+        return head
 
     def _eagle_proposer(self, kv_dtype: torch.dtype) -> Proposer:
         """The EAGLE head's proposer: its KV in a cache of its own indexed by the target's block ids
@@ -864,7 +871,7 @@ class Engine:
                 draft_path = self.config.speculative_config.model
                 weights += weight_bytes(self._draft[1], loaders.detect(draft_path), self.dtype, 1)
             if self._eagle_head is not None:
-                weights += _module_bytes(self._eagle_head)
+                weights += _module_bytes(self._eagle_head) + self._eagle_head.draft_lm_head_bytes()
         budget = parse_memory_budget(self.config.gpu_memory_budget or str(GPU_DEFAULT_FRACTION), total)
         shadow_per_token, shadow_scratch = self._shadow_kv_plan()
         return make_plan(

@@ -37,7 +37,11 @@ KNOWN_KEYS = (
     "disable_by_batch_size",
     "enable_adaptive_verification",
     "adaptive_verification_row_cost",
+    "draft_lm_head",
 )
+# What an EAGLE head drafts through: the lm_head it scores with ("target": as it is; "int4": a 4-bit
+# round-to-nearest copy, qserve.spec_decode.draft_lm_head; the target verifies with its own either way).
+DRAFT_LM_HEADS = ("target", "int4")
 # vLLM's defaults when neither n-gram size is given.
 DEFAULT_PROMPT_LOOKUP = 5
 # The adaptive policy's cost of one verified row (a sequence's token scored by the target) relative
@@ -57,6 +61,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft checkpoint (method "draft_model") or the EAGLE head's
     enable_adaptive_verification: bool = False  # k per step from acceptance and batch size
     adaptive_verification_row_cost: float = DEFAULT_ROW_COST
+    draft_lm_head: str = "target"  # EAGLE heads: DRAFT_LM_HEADS
 
     @property
     def is_eagle(self) -> bool:
@@ -138,6 +143,16 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
             f"speculative_config.adaptive_verification_row_cost must be a number > 0 (a row's cost relative to a "
             f"step's fixed cost), got {row_cost!r}"
         )
+    lm_head = value.get("draft_lm_head", "target")
+    if lm_head not in DRAFT_LM_HEADS:
+        raise ValueError(
+            f"speculative_config.draft_lm_head must be one of {', '.join(DRAFT_LM_HEADS)}, got {lm_head!r}"
+        )
+    if lm_head != "target" and method not in EAGLE_METHODS:
+        raise ValueError(
+            f"speculative_config.draft_lm_head {lm_head!r} applies to EAGLE heads (method eagle or eagle3), "
+            f"not method {method!r}"
+        )
     return SpeculativeConfig(
         method,
         k,
@@ -147,6 +162,7 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
         model if method in MODEL_METHODS else None,
         adaptive,
         float(row_cost),
+        lm_head,
     )
 
 

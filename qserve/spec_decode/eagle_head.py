@@ -40,6 +40,7 @@ from qserve.layers.norm import RMSNorm
 from qserve.layers.rotary import RotaryEmbedding
 from qserve.model.llama import FUSED_SLICES, DecoderLayer
 from qserve.runner.attn_metadata import AttentionMetadata
+from qserve.spec_decode import draft_lm_head
 from qserve.spec_decode.eagle_config import EagleHeadConfig
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,9 @@ class EagleHead(nn.Module):
         # draft ids whose target id the tokenizer does not know are never proposed (set_valid_vocab_size)
         self.valid_vocab_size: int | None = None
         self._invalid_drafts: torch.Tensor | None = None  # EAGLE-3: bool [draft_vocab]
+        # speculative_config "draft_lm_head": "int4": drafts scored through a 4-bit copy of the lm_head
+        # this head drafts with (qserve.spec_decode.draft_lm_head); None: that lm_head itself
+        self.draft_lm_head = None
 
     @property
     def target(self) -> nn.Module:
@@ -156,12 +160,19 @@ class EagleHead(nn.Module):
 
     def draft_tokens(self, logits_input: torch.Tensor) -> torch.Tensor:
         """int64 [R]: each row's draft, a target token id (argmax over ids the tokenizer knows)."""
+        quantized = self.draft_lm_head
         if not self.eagle3:
-            logits = self.target.compute_logits(logits_input)  # [R, V] float32
+            if quantized is not None:
+                logits = draft_lm_head.logits(logits_input, quantized)  # [R, V] float32
+            else:
+                logits = self.target.compute_logits(logits_input)  # [R, V] float32
             if self.valid_vocab_size is not None and self.valid_vocab_size < logits.shape[-1]:
                 logits[:, self.valid_vocab_size :] = float("-inf")
             return logits.argmax(dim=-1)
-        logits = self.lm_head(logits_input).float()  # [R, draft_vocab]
+        if quantized is not None:
+            logits = draft_lm_head.logits(logits_input, quantized)  # [R, draft_vocab]
+        else:
+            logits = self.lm_head(logits_input).float()  # [R, draft_vocab]
         if self._invalid_drafts is not None:
             logits.masked_fill_(self._invalid_drafts, float("-inf"))  # (a mask, not an index: no host sync)
         draft_ids = logits.argmax(dim=-1)  # [R]
@@ -266,13 +277,41 @@ class EagleHead(nn.Module):
         self.embed_tokens = embedding
 
     def weight_bytes(self) -> int:
-        """Bytes this head reads per draft forward (its own weights and, for EAGLE, the target's lm_head)."""
+        """Bytes this head reads per draft forward (its own weights and, for EAGLE, the target's lm_head;
+        with a 4-bit draft lm_head, that copy instead of the lm_head it stands for)."""
         own = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.draft_lm_head is not None:
+            if self.eagle3:
+                own -= self.lm_head.weight.numel() * self.lm_head.weight.element_size()
+            return own + draft_lm_head.nbytes(self.draft_lm_head)
         if self.eagle3:
             return own
         target = self.target
         head = target.lm_head if target.lm_head is not None else target.model.embed_tokens
         return own + sum(p.numel() * p.element_size() for p in head.parameters())
+
+    def quantize_draft_lm_head(self) -> None:
+        """Draft through a 4-bit round-to-nearest copy of the lm_head this head scores with (EAGLE: the
+        target's, or its tied embedding; EAGLE-3: its own), kept beside it: the target still verifies
+        with its own. Refused for an lm_head that is not one dense weight (quantized, vocabulary-parallel)."""
+        if self.eagle3:
+            weight = self.lm_head.weight
+        else:
+            target = self.target
+            if getattr(target, "tp", None) is not None:
+                raise ValueError("speculative_config.draft_lm_head 'int4' is not supported with tensor parallelism")
+            source = target.lm_head if target.lm_head is not None else target.model.embed_tokens
+            weight = getattr(source, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+                raise ValueError(
+                    "speculative_config.draft_lm_head 'int4': the target's lm_head is not a dense weight "
+                    "(a quantized lm_head is already cheap to draft with); use 'target'"
+                )
+        self.draft_lm_head = draft_lm_head.prepare(weight.detach())
+
+    def draft_lm_head_bytes(self) -> int:
+        """Device bytes of the 4-bit draft lm_head (0 without one): not a parameter, so counted apart."""
+        return 0 if self.draft_lm_head is None else draft_lm_head.nbytes(self.draft_lm_head)
 
 
 # HF sub-module -> (fused module, shard)

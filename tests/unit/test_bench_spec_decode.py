@@ -70,7 +70,7 @@ def test_small_run_with_eagle_heads(target: Path, tmp_path: Path, monkeypatch, c
     out = tmp_path / "spec.md"
     argv = ["spec_decode.py", "--small", "--checkpoint", str(tmp_path / "ck"), "--batches", "1", "--max-tokens", "8",
             "--eagle", "layers1,random", "--eagle-decode-graphs", "both", "--eagle-head-graphs", "on",
-            "--eagle-catch-up-graphs", "on", "--adaptive",
+            "--eagle-catch-up-graphs", "on", "--eagle-draft-lm-head", "both", "--adaptive",
             "--profile-modes", "ngram", "--profile-dir", str(tmp_path / "prof"), "--profile-steps", "1",
             "--adaptive-modes",
             "eagle-random-hg-cg", "--out", str(out)]  # fmt: skip
@@ -94,6 +94,8 @@ def test_small_run_with_eagle_heads(target: Path, tmp_path: Path, monkeypatch, c
         "eagle-random-hg-cg",
         "eagle-random-dg-hg-cg",
         "eagle-random-hg-cg-adaptive",
+        "eagle-random-dg-hg-cg-q4",
+        "eagle-layers1-hg-cg-q4",
     ):
         assert mode in rows, rows
     profile = (tmp_path / "prof" / "profile_ngram.md").read_text()

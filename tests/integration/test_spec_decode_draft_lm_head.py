@@ -1,0 +1,158 @@
+"""speculative_config ``"draft_lm_head": "int4"``: an EAGLE head drafts through a 4-bit round-to-nearest
+copy of the lm_head it scores with (qserve.spec_decode.draft_lm_head). Greedy outputs stay token-identical
+to no speculation (the target verifies with its own lm_head); each draft is the argmax of the copy's
+dequantized logits; an oracle head keeps its drafts accepted (a wrong copy collapses that); the copy's
+bytes count in the memory plan and in ``qserve plan``; values and methods it does not apply to are refused."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qserve import LLM
+from qserve.quantize.quantizer import quantize_rtn
+from qserve.spec_decode import draft_lm_head
+from qserve.spec_decode.config import parse_speculative_config
+from tests.helpers.eagle_heads import PERM_FIRST, walk_tokens
+from tests.integration.test_spec_decode import (  # noqa: F401 - path, reference: fixtures
+    ARGS,
+    _assert_same,
+    _greedy,
+    _run,
+    path,
+    reference,
+)
+from tests.integration.test_spec_decode_eagle import _spec, heads, walk  # noqa: F401 - fixtures
+
+
+def test_the_copy_is_round_to_nearest_per_group() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40_000, 256, generator=gen).half()  # [V, H]: more rows than one chunk
+    packed = draft_lm_head.pack_int4_rtn(weight)
+    assert (packed.in_features, packed.out_features, packed.group_size) == (256, 40_000, 128)
+    from quant_kernels.reference import w4a16_matmul
+
+    eye = torch.eye(256, dtype=torch.float16)
+    got = w4a16_matmul(eye, packed).float()  # [H, V]: the dequantized copy
+    want = quantize_rtn(weight, 4, 128, sym=False).dequantize()  # [H, V]
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    assert (got - weight.float().T).abs().max() < 0.5 * weight.float().abs().max() / 7  # within half a step
+    assert draft_lm_head.nbytes(packed) == draft_lm_head.planned_bytes(40_000, 256, torch.float16)
+    assert draft_lm_head.group_size_for(64) == 64 and draft_lm_head.group_size_for(5120) == 128
+    with pytest.raises(ValueError, match="hidden size 36 is not a multiple of 8"):
+        draft_lm_head.group_size_for(36)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_int4_drafts_keep_the_outputs_and_are_the_copys_argmax(path, heads, reference, method):  # noqa: F811
+    requests, want, _ = reference
+    llm = LLM(path, speculative_config=_spec(heads, method, draft_lm_head="int4"), **ARGS)
+    engine = llm.engine
+    head = engine._eagle_head
+    assert head.draft_lm_head is not None
+    got, _ = _run(engine, requests)
+    _assert_same(got, want)
+    assert engine.spec_stats.num_draft_tokens > 0
+    # each draft: the argmax of the dequantized copy's logits (EAGLE-3: mapped through d2t)
+    x = torch.randn(6, head.config.model.hidden_size, generator=torch.Generator().manual_seed(1)).to(
+        head.fc.weight.dtype if head.fc is not None else torch.float32
+    )
+    dense = head.lm_head.weight if method == "eagle3" else engine.model.lm_head.weight  # [V, H]
+    copy = quantize_rtn(dense.float(), 4, draft_lm_head.group_size_for(dense.shape[1]), sym=False)
+    logits = x.half().float() @ copy.dequantize()  # [6, V]: the copy multiplies in float16
+    if method == "eagle":
+        logits[:, head.valid_vocab_size :] = float("-inf")
+        expected = logits.argmax(-1)
+    else:
+        logits.masked_fill_(head._invalid_drafts, float("-inf"))
+        ids = logits.argmax(-1)
+        expected = ids + head.d2t[ids]
+    assert torch.equal(head.draft_tokens(x), expected)
+    # the copy counts in the plan, and replaces the lm_head in the adaptive policy's draft cost
+    planned = {
+        lm_head: LLM(
+            path, gpu_memory_budget="256MiB", speculative_config=_spec(heads, method, draft_lm_head=lm_head), **ARGS
+        ).engine
+        for lm_head in ("target", "int4")
+    }
+    extra = planned["int4"].memory_plan.weights_bytes - planned["target"].memory_plan.weights_bytes
+    assert extra == head.draft_lm_head_bytes() > 0
+    assert planned["int4"]._eagle_head.weight_bytes() < planned["target"]._eagle_head.weight_bytes()
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_oracle_head_keeps_its_drafts_accepted_with_int4(walk, method):  # noqa: F811
+    target, oracle, perm = walk
+    llm = LLM(target, speculative_config=_spec(oracle, method, draft_lm_head="int4"), **ARGS)
+    prompts = [{"prompt_token_ids": [PERM_FIRST + s for s in (3, 9, 17, 40)]}]
+    outputs = llm.generate(prompts, _greedy(max_tokens=30), use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == walk_tokens(perm, 40, 30)
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.9
+
+
+def test_qserve_plan_counts_the_copy(path, heads, capsys):  # noqa: F811
+    from qserve.commands import plan
+
+    def planned(spec: dict) -> dict:
+        parser = argparse.ArgumentParser()
+        plan.register(parser)
+        args = [path, "--gpu-memory-budget", "256MiB", "--json", "--speculative-config", json.dumps(spec)]
+        assert plan.run(parser.parse_args(args)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    extra = planned(_spec(heads, "eagle", draft_lm_head="int4"))["draft_weights_bytes"]
+    extra -= planned(_spec(heads, "eagle"))["draft_weights_bytes"]
+    assert extra == draft_lm_head.planned_bytes(config["vocab_size"], config["hidden_size"], torch.float16) > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"method": "eagle", "model": "h", "draft_lm_head": "int8"}, "draft_lm_head must be one of target, int4"),
+        ({"method": "ngram", "draft_lm_head": "int4"}, "applies to EAGLE heads .* not method 'ngram'"),
+        ({"method": "draft_model", "model": "d", "draft_lm_head": "int4"}, "not method 'draft_model'"),
+    ],
+)
+def test_a_draft_lm_head_it_cannot_apply_is_refused(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_speculative_config({"num_speculative_tokens": 2, **extra})
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2}).draft_lm_head == "target"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_cuda_int4_draft_lm_head(path, heads, walk, async_scheduling):  # noqa: F811
+    """On the GPU with the default graphs (decode, verify, the head's drafting and catch-up): random heads
+    drafting through the 4-bit copy keep the greedy outputs of no speculation (float32), oracle heads keep
+    > 90% of their drafts, every page comes back."""
+    gpu = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=256, async_scheduling=async_scheduling)
+    finals = {}
+    for name in ("none", "eagle", "eagle3"):
+        spec = None if name == "none" else _spec(heads, name, draft_lm_head="int4")
+        llm = LLM(path, speculative_config=spec, **gpu)
+        requests = [("a", list(range(40, 58)), _greedy(max_tokens=24)), ("b", [9, 8, 7], _greedy(max_tokens=16))]
+        finals[name] = _run(llm.engine, requests)[0]
+        if spec is not None:
+            assert llm.engine._eagle_head.draft_lm_head is not None
+            assert llm.engine.spec_stats.num_draft_tokens > 0
+            assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
+        del llm
+        torch.cuda.empty_cache()
+    _assert_same(finals["eagle"], finals["none"])
+    _assert_same(finals["eagle3"], finals["none"])
+    target, oracle, perm = walk
+    for method in ("eagle", "eagle3"):
+        llm = LLM(target, speculative_config=_spec(oracle, method, draft_lm_head="int4"), **gpu)
+        outputs = llm.generate([{"prompt_token_ids": [PERM_FIRST + 9]}], _greedy(max_tokens=40), use_tqdm=False)
+        assert outputs[0].outputs[0].token_ids == walk_tokens(perm, 9, 40)
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.9
+        del llm
+        torch.cuda.empty_cache()
