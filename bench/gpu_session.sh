@@ -198,7 +198,7 @@ if has spec_eagle; then
         --eagle-catch-up-graphs "${EAGLE_CATCH_UP_GRAPHS:-on}" --eagle-draft-loop-graphs "${EAGLE_DRAFT_LOOP_GRAPHS:-off}" \
         --eagle-draft-lm-head "${EAGLE_DRAFT_LM_HEAD:-target}" --verify graphs \
         --profile-modes "${EAGLE_PROFILE_MODES:-}" --profile-dir "$OUT/spec_profile" \
-        --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -24
+        --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -${SPEC_EAGLE_TAIL:-24}
 fi
 if has spec_serving; then
     # the same workload without and with n-gram speculation (disable_by_batch_size 64 as in spec_decode.py)

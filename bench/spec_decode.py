@@ -468,6 +468,14 @@ def main() -> None:
                         accepted = stats.num_accepted_tokens - before[1]
                         drafts = stats.num_drafts - before[2]
                         acceptance[key] = (accepted / drafted if drafted else 0.0, drafted / max(drafts, 1))
+        for verify in verify_modes if config is not None else ["eager"]:  # as it goes: a cut run keeps these
+            cells = [
+                f"{kind} b{batch} {results[(kind, batch, mode, verify)][0]:,.0f} tok/s"
+                f" ({acceptance.get((kind, batch, mode, verify), (0.0, 0.0))[0]:.0%})"
+                for kind in ("repeat", "random")
+                for batch in batches
+            ]
+            print(f"{mode} [{verify}]: {'; '.join(cells)}", flush=True)
         if mode in profiled:
             profile_mode(llm, mode, prompts("repeat", 1, shape["vocab"], seed=1)[0], args)
         del llm
