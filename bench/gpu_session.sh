@@ -57,6 +57,7 @@
 #   EAGLE_HEADS (default layers1,layers4,random) and EAGLE_ADAPTIVE_MODES (default eagle-random-dg-hg-cg,eagle-layers1-dg-hg-cg).
 #   The head's catch-up forward graphed (-cg; EAGLE_CATCH_UP_GRAPHS=off|on|both, default on).
 #   A proposal's drafting forwards in one graph (-lg; EAGLE_DRAFT_LOOP_GRAPHS=off|on|both, default off: opt-in).
+#   Drafts left on the device for the verify step (-dd; EAGLE_DEVICE_DRAFTS=off|on|both, default off: opt-in).
 #   EAGLE_DRAFT_LM_HEAD=int4|both: the -q4 modes (speculative_config "draft_lm_head": "int4", a 4-bit lm_head copy).
 # spec_serving (only when named): bench/serving.py without and with n-gram speculation (ngram-pw: with
 #   QSERVE_PIECEWISE_SPEC=1), Poisson 4 req/s and all at once, SPEC_SERVING_REQUESTS requests (default 120;
@@ -196,6 +197,7 @@ if has spec_eagle; then
         --adaptive --adaptive-modes "${EAGLE_ADAPTIVE_MODES:-eagle-random-dg-hg-cg,eagle-layers1-dg-hg-cg}" \
         --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-on}" --eagle-head-graphs "${EAGLE_HEAD_GRAPHS:-on}" \
         --eagle-catch-up-graphs "${EAGLE_CATCH_UP_GRAPHS:-on}" --eagle-draft-loop-graphs "${EAGLE_DRAFT_LOOP_GRAPHS:-off}" \
+        --eagle-device-drafts "${EAGLE_DEVICE_DRAFTS:-off}" \
         --eagle-draft-lm-head "${EAGLE_DRAFT_LM_HEAD:-target}" --verify graphs \
         --profile-modes "${EAGLE_PROFILE_MODES:-}" --profile-dir "$OUT/spec_profile" \
         --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -${SPEC_EAGLE_TAIL:-24}

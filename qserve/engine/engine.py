@@ -164,6 +164,10 @@ EAGLE_CATCH_UP_GRAPHS_ENV = "QSERVE_EAGLE_CATCH_UP_GRAPHS"
 # between forwards inside it) instead of one graph per forward. Opt-in ("1") until `pytest -m gpu`
 # passes with it.
 EAGLE_DRAFT_LOOP_GRAPHS_ENV = "QSERVE_EAGLE_DRAFT_LOOP_GRAPHS"
+# EAGLE heads: a proposal's drafts stay on the device (no host sync between drafting and the verify
+# step, which reads them there: the host schedules and launches the verify step while the head still
+# drafts; one sync a cycle instead of two). Opt-in ("1") until `pytest -m gpu` passes with it.
+EAGLE_DEVICE_DRAFTS_ENV = "QSERVE_EAGLE_DEVICE_DRAFTS"
 # (Both head switches act only where the speculative graphs are captured: CUDA, decode graphs, and
 # QSERVE_SPEC_GRAPHS not 0.)
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
@@ -568,6 +572,9 @@ class Engine:
         self._draft_backoff = DraftBackoff()  # sequences whose proposals keep failing skip steps
         self._drafts_out = False  # some running request may still carry drafts
         self._speculating = False  # the last proposal call gave drafts a chance (EAGLE: capture the step)
+        # EAGLE_DEVICE_DRAFTS_ENV: proposals leave their drafts on the device for the next step to read
+        self._drafts_on_device = self._eagle_head is not None and env_switch(EAGLE_DEVICE_DRAFTS_ENV, default=False)
+        self._device_drafts = None  # the last proposal's (qserve.spec_decode.proposer.DeviceDrafts)
         # enable_adaptive_verification: k per step from the measured acceptance and the batch size
         self.adaptive_speculation: AdaptiveSpeculation | None = None
         if self.spec_config is not None and self.spec_config.enable_adaptive_verification:
@@ -1146,6 +1153,7 @@ class Engine:
                 scheduler_output = self._with_grammar_bitmask(scheduler_output)
             if self._eagle_head is not None:
                 scheduler_output = self._with_spec_hidden_states(scheduler_output)
+                scheduler_output = self._with_device_drafts(scheduler_output)
             start = time.perf_counter()
             runner_output = self.runner.execute(scheduler_output)  # a TP runner has no launch()
             self._observe_step_time(scheduler_output.num_batched_tokens, time.perf_counter() - start)
@@ -1193,6 +1201,7 @@ class Engine:
                 scheduler_output = self._with_grammar_bitmask(scheduler_output)
             if self._eagle_head is not None:
                 scheduler_output = self._with_spec_hidden_states(scheduler_output)
+                scheduler_output = self._with_device_drafts(scheduler_output)
             previous = None if in_flight is None else in_flight[1]
             launched_at = time.perf_counter()
             self._in_flight = (scheduler_output, self.runner.launch(scheduler_output, previous), launched_at)
@@ -1225,6 +1234,13 @@ class Engine:
             return self.adaptive_speculation.num_tokens(num_running)
         return self.spec_config.num_speculative_tokens
 
+    def _with_device_drafts(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The proposal's drafts left on the device, for the step that verifies them (taken once)."""
+        device, self._device_drafts = self._device_drafts, None
+        if device is None or not scheduler_output.num_spec_tokens:
+            return scheduler_output
+        return dataclasses.replace(scheduler_output, spec_device_drafts=device)
+
     def _with_spec_hidden_states(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """EAGLE: the step returns the target's hidden states while speculation is on, and for any
         step that is not a plain decode (prompts; those run eagerly anyway). A plain decode step of
@@ -1244,6 +1260,7 @@ class Engine:
         grammar first: speculation is off for them) and for embedding requests; a sequence whose
         proposals keep failing skips a growing number of steps (``qserve.spec_decode.backoff``)."""
         assert self.spec_config is not None and self.proposer is not None
+        self._device_drafts = None
         running = self.scheduler.running
         spare = self.config.max_num_seqs - len(running)
         k = self._num_spec_tokens(len(running))
@@ -1278,10 +1295,17 @@ class Engine:
                 )
                 owners.append(request)
                 spare -= room
+        if batch and self._drafts_on_device:
+            proposal = self.proposer.propose_on_device(batch)
+            if proposal is not None:
+                counts, self._device_drafts = proposal
+                for request, count in zip(owners, counts):
+                    request.spec_token_ids = [0] * count  # placeholders: the ids stay on the device
+                batch = []
         if batch:
             for request, drafts in zip(owners, self.proposer.propose(batch)):
                 request.spec_token_ids = drafts
-        self._drafts_out = bool(batch)
+        self._drafts_out = bool(owners)
 
     def _forget_drafts(self, request_ids: list[str]) -> None:
         """Drop the proposer's state (a draft model's scratch blocks) and the back-off of these sequences."""

@@ -376,8 +376,12 @@ class DecodeGraphs:
         block_tables: np.ndarray,  # int32 [S, width]
         sample_rows: np.ndarray,  # int64 [N]: token indices (in ``input_ids``) whose logits are wanted
         ntk_tables: np.ndarray | None = None,  # int64 [S]: each sequence's rotary table (None: table 0)
+        device_inputs: tuple[np.ndarray, torch.Tensor] | None = None,  # (token indices [D], ids [D] on the device)
     ) -> torch.Tensor:
         """Logits ``[N, vocab]`` of ``sample_rows`` for a step that ``fits_rows`` (``query_len > 1``).
+
+        ``device_inputs``: input ids left on the device (drafts, ``SchedulerOutput.spec_device_drafts``),
+        written over their tokens' rows there after the host's ids.
 
         Tokens go to their ``static_rows``; pad rows get input id 0, slot -1 (nothing stored) and the
         positions before their sequence's first new token (``static_positions``); pad sequences past
@@ -408,6 +412,10 @@ class DecodeGraphs:
             staged = [t.pin_memory() for t in staged]
             tables = tables.pin_memory()
         self.input_ids[:rows].copy_(staged[0][0], non_blocking=True)
+        if device_inputs is not None and len(device_inputs[0]):  # ids the host does not have: drafts on the device
+            where = torch.from_numpy(row_of_token[device_inputs[0]])  # [D]
+            where = where.pin_memory().to(self.input_ids.device, non_blocking=True) if pinned else where
+            self.input_ids.index_copy_(0, where, device_inputs[1])
         self.positions[:rows].copy_(staged[0][1], non_blocking=True)
         self.slot_mapping[:rows].copy_(staged[0][2], non_blocking=True)
         if self.ntk_tables is not None:

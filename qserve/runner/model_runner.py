@@ -189,6 +189,22 @@ def spec_sample_rows(sequences: list[ScheduledSequence], ends: np.ndarray) -> np
     return np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)  # [N]
 
 
+def device_draft_slots(sequences: list[ScheduledSequence], ends: np.ndarray, width: int, rows: dict[str, int]):
+    """Drafts left on the device (``SchedulerOutput.spec_device_drafts``, ``width`` columns, a row per
+    sequence in ``rows``): (the token index of every draft among the step's inputs ``[D]``, its index in
+    the flattened drafts ``[D]``), int64 host arrays."""
+    index, source = [], []
+    for seq, end in zip(sequences, ends):
+        count = len(seq.spec_token_ids)
+        if count:
+            base = rows[seq.request_id] * width
+            index.append(np.arange(int(end) - count, int(end), dtype=np.int64))
+            source.append(np.arange(base, base + count, dtype=np.int64))
+    if not index:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(index), np.concatenate(source)
+
+
 def pad_block_tables(table_lens: np.ndarray, flat_tables: np.ndarray) -> np.ndarray:
     """Concatenated block tables -> one int32 ``[S, max_blocks]`` array (0 = unused entry),
     without a per-row Python loop."""
@@ -434,6 +450,16 @@ class ModelRunner:
                 index = _to_device(np.array([r[0] for r in rows], dtype=np.int64), self.device)  # [P]
                 source = _to_device(np.array([r[1] for r in rows], dtype=np.int64), self.device)  # [P]
                 pending = (index, previous.sampled.index_select(0, source))  # [P], [P] int64
+        # Drafts left on the device (spec_device_drafts): their input ids are placeholders here, written
+        # over on the device (token indices [D] on the host, ids [D] on the device)
+        draft_inputs = None
+        device_drafts = scheduler_output.spec_device_drafts
+        if device_drafts is not None:
+            index, source = device_draft_slots(sequences, ends, device_drafts.drafts.shape[1], device_drafts.rows)
+            values = device_drafts.drafts.reshape(-1).index_select(0, _to_device(source, self.device))  # [D]
+            draft_inputs = (index, values)
+            assert pending is None, "drafts after a token in flight"
+            pending = (_to_device(index, self.device), values)  # the eager and piecewise paths' form
         if is_decode:
             input_ids = [_token_at(seq) for seq in sequences]
             positions = starts  # [T], T == S
@@ -505,12 +531,19 @@ class ModelRunner:
             and (capture is None or row_graphs.hidden_taps == capture)  # EAGLE: graphs holding its hidden states
             and not is_decode
             and lora_slots is None
-            and uses_row_graph(row_graphs, counts, seq_lens, len(sample_rows), needs_hidden, pending is not None)
+            and uses_row_graph(
+                row_graphs,
+                counts,
+                seq_lens,
+                len(sample_rows),
+                needs_hidden,
+                pending is not None and draft_inputs is None,
+            )
         ):
             block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
             seq_tables = None if ntk_tables is None else ntk_tables[ends - 1]  # [S] one table per sequence
             sample_logits = row_graphs.replay_rows(
-                input_ids, counts, seq_lens, slots, block_tables, sample_rows, seq_tables
+                input_ids, counts, seq_lens, slots, block_tables, sample_rows, seq_tables, device_inputs=draft_inputs
             )  # [N, vocab]
             if capture is not None:
                 spec_hidden = row_graphs.spec_hidden_of(counts)  # [T, width]
@@ -730,10 +763,21 @@ class ModelRunner:
             "cpu",
             token_bitmask,
         ).to(self.device)
-        flat_drafts = [t for d in drafts for t in (*d, -1)]
-        draft_ids = _to_device(np.array(flat_drafts, dtype=np.int64), self.device)  # [N]
+        device_drafts = scheduler_output.spec_device_drafts
+        if device_drafts is None:
+            flat_drafts = [t for d in drafts for t in (*d, -1)]
+            draft_ids = _to_device(np.array(flat_drafts, dtype=np.int64), self.device)  # [N]
+        else:  # drafts are placeholders here: their ids from the device
+            draft_ids = self._device_draft_ids(sampling_seqs, drafts, first_row, device_drafts, metadata)  # [N]
         targets, accepted = verify_rows(self.sampler, sample_logits, metadata, draft_ids)  # [N], [N]
-        emitted = accepted_tokens(drafts, targets.tolist(), accepted.tolist())  # the step's one sync
+        if device_drafts is None:
+            emitted = accepted_tokens(drafts, targets.tolist(), accepted.tolist())  # the step's one sync
+        else:
+            num_rows = targets.shape[0]
+            host = torch.cat([targets, accepted.to(torch.int64), draft_ids]).tolist()  # the cycle's one sync
+            ids = host[2 * num_rows :]
+            drafts = [ids[int(first_row[i]) : int(first_row[i]) + len(d)] for i, d in enumerate(drafts)]
+            emitted = accepted_tokens(drafts, host[:num_rows], host[num_rows : 2 * num_rows])
         step.host_sampled = torch.tensor([tokens[-1] for tokens in emitted], dtype=torch.int64)  # [R]
         step.sampled = step.host_sampled.to(self.device)
         for seq, tokens in zip(sampling_seqs, emitted):
@@ -742,6 +786,40 @@ class ModelRunner:
         if metadata.max_num_logprobs is not None:
             self._verify_logprobs(step, sampling_seqs, emitted, first_row, sample_logits)
         return step
+
+    def _device_draft_ids(
+        self,
+        sampling_seqs: list,
+        drafts: list[list[int]],  # placeholders: their counts
+        first_row: np.ndarray,  # [R + 1]
+        device_drafts,  # noqa: ANN001 - qserve.spec_decode.proposer.DeviceDrafts
+        metadata,  # noqa: ANN001 - SamplingMetadata
+    ) -> torch.Tensor:
+        """int64 ``[N]``: each verify row's draft from the device (-1 for a sequence's last row), and the
+        drafts written into the rows' output ids where penalties read them (the metadata was built
+        with placeholders)."""
+        table = device_drafts.drafts  # [rows, width]
+        width, sentinel = table.shape[1], table.numel()
+        source = np.full(int(first_row[-1]), sentinel, dtype=np.int64)  # [N]
+        fill_rows, fill_cols, fill_source = [], [], []
+        for i, (seq, draft) in enumerate(zip(sampling_seqs, drafts)):
+            count = len(draft)
+            if not count:
+                continue
+            base = device_drafts.rows[seq.request_id] * width
+            first = int(first_row[i])
+            source[first : first + count] = np.arange(base, base + count)
+            known = len(seq.output_token_ids)
+            for j in range(1, count + 1):  # row j's outputs end with drafts 0..j-1
+                fill_rows += [first + j] * j
+                fill_cols += range(known, known + j)
+                fill_source += range(base, base + j)
+        flat = torch.cat([table.reshape(-1), table.new_full((1,), -1)])  # [rows * width + 1]
+        draft_ids = flat.index_select(0, _to_device(source, self.device))  # [N]
+        if metadata.output_token_ids is not None and fill_rows:
+            where = _to_device(np.array([fill_rows, fill_cols, fill_source], dtype=np.int64), self.device)  # [3, F]
+            metadata.output_token_ids.index_put_((where[0], where[1]), flat.index_select(0, where[2]))
+        return draft_ids
 
     def _verify_logprobs(
         self,

@@ -77,6 +77,11 @@ class SchedulerOutput:
     # target's hidden states of every token of the step (RunnerOutput.spec_hidden_states); such a
     # step runs eagerly.
     spec_hidden_states: bool = False
+    # Speculative decoding with drafts left on the device (set by the engine, not the scheduler;
+    # QSERVE_EAGLE_DEVICE_DRAFTS=1): each sequence's spec_token_ids are placeholders of the right
+    # count, its ids the first ones of its row of this object (qserve.spec_decode.proposer.DeviceDrafts),
+    # which the runner reads on the device; None: the spec_token_ids are the drafts.
+    spec_device_drafts: Any = None
 
     @property
     def is_empty(self) -> bool:

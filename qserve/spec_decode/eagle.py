@@ -52,7 +52,7 @@ from qserve.runner.model_runner import pad_block_tables
 from qserve.sampling_params import SamplingParams
 from qserve.spec_decode.eagle_graphs import HeadCatchUpGraphs, HeadDraftGraphs
 from qserve.spec_decode.eagle_head import EagleHead
-from qserve.spec_decode.proposer import ProposalInput, Proposer
+from qserve.spec_decode.proposer import DeviceDrafts, ProposalInput, Proposer
 from qserve.spec_decode.shadow_kv import ShadowKV
 
 _MIRROR_PARAMS = SamplingParams(temperature=0.0, max_tokens=None)
@@ -216,8 +216,21 @@ class EagleProposer(Proposer):
     # Proposing
     # ------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def propose(self, batch: Sequence[ProposalInput]) -> list[list[int]]:
+        counts, device = self._propose(batch)
+        if device is None:
+            return [[] for _ in batch]
+        table = device.drafts.tolist()  # [rows, k_max]: the proposal's one sync with the host
+        return [table[device.rows[item.request_id]][:count] if count else [] for item, count in zip(batch, counts)]
+
+    def propose_on_device(self, batch: Sequence[ProposalInput]) -> tuple[list[int], DeviceDrafts | None]:
+        """The drafts left on the device (no sync: the engine's QSERVE_EAGLE_DEVICE_DRAFTS=1): the
+        verify step reads them there, after the drafting forwards in stream order."""
+        return self._propose(batch)
+
+    @torch.inference_mode()
+    def _propose(self, batch: Sequence[ProposalInput]) -> tuple[list[int], DeviceDrafts | None]:
+        """(drafts per input: its ``max_num_tokens`` if it drafts, else 0; the drafts on the device)."""
         # Positions the head never saw (steps without captured hidden states): it catches up on
         # their tokens alone, and the sequence gets no drafts this time: its next step (a plain
         # decode, whose states are captured while speculation is on) gives the head the real
@@ -255,28 +268,31 @@ class EagleProposer(Proposer):
                 continue
             tables[item.request_id] = table
             ready.append(i)
-        drafts: list[list[int]] = [[] for _ in batch]
+        counts = [0] * len(batch)
         if not ready:
-            return drafts
+            return counts, None
         try:
-            self._draft(batch, ready, tables, drafts)
+            table = self._draft(batch, ready, tables)  # [R, k_max]
         finally:
-            self.shadow.return_scratch()
-        return drafts
+            self.shadow.return_scratch()  # stream order: a later proposal's use of them comes after
+        for i in ready:
+            counts[i] = batch[i].max_num_tokens
+        return counts, DeviceDrafts(table, {batch[i].request_id: row for row, i in enumerate(ready)})
 
     def _draft(
         self,
         batch: Sequence[ProposalInput],
         ready: list[int],
         tables: dict[str, list[int]],
-        drafts: list[list[int]],
-    ) -> None:
-        """k drafts for each of the ``ready`` batch entries into ``drafts``."""
+    ) -> torch.Tensor:
+        """int64 ``[R, k_max]`` on the device: row r holds the drafts of batch entry ``ready[r]`` in its
+        first ``max_num_tokens`` columns (-1 past them)."""
         logits_in = torch.stack([self._last[batch[i].request_id][0] for i in ready])  # [R, H]
         feature = torch.stack([self._last[batch[i].request_id][1] for i in ready])  # [R, H]
         tokens = self.head.draft_tokens(logits_in)  # [R] int64 on the device: every first draft
-        if self._draft_in_graphs(batch, ready, tables, drafts, tokens, feature):
-            return
+        table = self._draft_in_graphs(batch, ready, tables, tokens, feature)
+        if table is not None:
+            return table
         columns = [tokens]
         drafting = list(ready)  # the batch indices still drafting, in row order of tokens / feature
         for j in range(1, max(batch[i].max_num_tokens for i in ready)):
@@ -296,23 +312,22 @@ class EagleProposer(Proposer):
         first = torch.full((len(batch),), -1, dtype=torch.int64, device=self.device)  # [B]
         first[torch.tensor(ready, dtype=torch.int64, device=self.device)] = columns[0]
         columns[0] = first
-        table = torch.stack(columns, dim=1).tolist()  # [B, k_max]: the proposal's one sync with the host
-        for i in ready:
-            drafts[i] = table[i][: batch[i].max_num_tokens]
+        rows = torch.tensor(ready, dtype=torch.int64, device=self.device)  # [R]
+        return torch.stack(columns, dim=1).index_select(0, rows)  # [R, k_max]
 
     def _draft_in_graphs(
         self,
         batch: Sequence[ProposalInput],
         ready: list[int],
         tables: dict[str, list[int]],
-        drafts: list[list[int]],
         first: torch.Tensor,  # int64 [R]: every ready row's first draft
         feature: torch.Tensor,  # [R, H]: the feature it came with
-    ) -> bool:
+    ) -> torch.Tensor | None:
         """Drafts 2..k of the ``ready`` entries through the captured drafting forwards
-        (``HeadDraftGraphs``), if there are graphs and the batch fits them; False otherwise (nothing
-        done). Every row keeps its place through all k - 1 forwards: a row that needs fewer drafts
-        repeats its last drafting position with slot -1 (no KV stored); its extra drafts are dropped."""
+        (``HeadDraftGraphs``), if there are graphs and the batch fits them: int64 ``[R, k_max]``, each
+        row's drafts in its first ``max_num_tokens`` columns; None otherwise (nothing done). Every row
+        keeps its place through all k - 1 forwards: a row that needs fewer drafts repeats its last
+        drafting position with slot -1 (no KV stored); its extra drafts are ignored."""
         graphs = self.graphs
         counts = np.array([batch[i].max_num_tokens for i in ready], dtype=np.int64)  # [R]
         steps = int(counts.max()) - 1
@@ -320,7 +335,7 @@ class EagleProposer(Proposer):
         row_tables = [tables[r] for r in ids]
         table_lens = np.array([len(t) for t in row_tables], dtype=np.int64)  # [R]
         if graphs is None or steps < 1 or not graphs.fits(len(ready), steps, int(table_lens.max())):
-            return False
+            return None
         bases = np.array([self._mirrors[r].num_computed_tokens for r in ids], dtype=np.int64)  # [R]
         step = np.arange(1, steps + 1, dtype=np.int64)[:, None]  # [steps, 1]
         # draft j reads draft j - 1 at position base + j - 1; rows past their count repeat their last
@@ -330,10 +345,7 @@ class EagleProposer(Proposer):
         slots = np.where(step <= counts[None, :] - 1, slots, -1)
         block_tables = pad_block_tables(table_lens, flat)  # [R, width] int32
         later = graphs.draft(first, feature, positions, slots, block_tables)  # [steps, R]
-        table = torch.cat([first[None, :], later]).T.tolist()  # [R, k_max]: the proposal's one sync
-        for row, i in enumerate(ready):
-            drafts[i] = table[row][: batch[i].max_num_tokens]
-        return True
+        return torch.cat([first[None, :], later]).T  # [R, k_max]
 
     # ------------------------------------------------------------------------------------------
     # One forward of the head

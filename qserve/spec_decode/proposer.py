@@ -28,10 +28,24 @@ class ProposalInput:
     sampling_params: Any = None  # the request's (a draft model applies its penalties and logit_bias)
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceDrafts:
+    """Drafts a proposer left on the device (no host sync): row ``rows[request_id]`` of ``drafts``
+    holds that sequence's drafts in its first columns (as many as its count in the proposal)."""
+
+    drafts: Any  # torch.Tensor int64 [rows, k_max] on the device
+    rows: dict[str, int]
+
+
 class Proposer(ABC):
     @abstractmethod
     def propose(self, batch: Sequence[ProposalInput]) -> list[list[int]]:
         """Draft tokens for each input, in order (``len(result[i]) <= batch[i].max_num_tokens``)."""
+
+    def propose_on_device(self, batch: Sequence[ProposalInput]) -> tuple[list[int], DeviceDrafts | None] | None:
+        """Drafts left on the device: (how many each input gets, in order; where they are, None when
+        none gets any). None: this proposer cannot (the caller asks ``propose``)."""
+        return None
 
     def forget(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional hook
         """Drop any state kept for these (finished) sequences."""
