@@ -91,8 +91,13 @@ def run(args: argparse.Namespace) -> int:
         if speculative.draft_lm_head == "int4":  # a 4-bit copy of the lm_head it drafts with, beside it
             from qserve.spec_decode.draft_lm_head import planned_bytes
 
-            vocab = head_config.draft_vocab_size if speculative.method == "eagle3" else config.vocab_size
-            draft_bytes += planned_bytes(vocab, head_config.model.hidden_size, dtype)
+            hidden = head_config.model.hidden_size
+            if speculative.method == "eagle3":  # in place of its own dense lm_head
+                vocab = head_config.draft_vocab_size
+                draft_bytes -= vocab * hidden * torch.empty((), dtype=dtype).element_size()
+            else:  # beside the target's
+                vocab = config.vocab_size
+            draft_bytes += planned_bytes(vocab, hidden, dtype)
         # its KV indexed by the target's blocks: every page grows by the head's share
         head = head_config.model
         shadow_per_token = shadow_kv_bytes_per_token(head, dtype)

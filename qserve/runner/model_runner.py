@@ -459,7 +459,6 @@ class ModelRunner:
             values = device_drafts.drafts.reshape(-1).index_select(0, _to_device(source, self.device))  # [D]
             draft_inputs = (index, values)
             assert pending is None, "drafts after a token in flight"
-            pending = (_to_device(index, self.device), values)  # the eager and piecewise paths' form
         if is_decode:
             input_ids = [_token_at(seq) for seq in sequences]
             positions = starts  # [T], T == S
@@ -537,7 +536,7 @@ class ModelRunner:
                 seq_lens,
                 len(sample_rows),
                 needs_hidden,
-                pending is not None and draft_inputs is None,
+                pending is not None,
             )
         ):
             block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
@@ -568,7 +567,7 @@ class ModelRunner:
                 int(counts.max()),
                 sample_rows,
                 ntk_tables,
-                pending,
+                pending if draft_inputs is None else self._on_device(draft_inputs),
                 keep_hidden=capture is not None,
             )
             prompt_hidden = pooled = None
@@ -587,7 +586,7 @@ class ModelRunner:
                 sample_rows,
                 prompt_rows,
                 ntk_tables,
-                pending,
+                pending if draft_inputs is None else self._on_device(draft_inputs),
                 [row for row, _ in pool_rows],
                 lora,
                 capture,
@@ -606,6 +605,11 @@ class ModelRunner:
         step.pooled = pooled
         step.spec_hidden_states = spec_hidden
         return step
+
+    def _on_device(self, inputs: tuple[np.ndarray, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input ids left on the device (drafts: host token indices [D], ids [D]) in the form the eager
+        and piecewise forwards write over their input ids (both on the device)."""
+        return _to_device(inputs[0], self.device), inputs[1]
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """An asynchronous copy to the host (pinned on CUDA), complete once later work is."""

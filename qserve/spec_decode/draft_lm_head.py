@@ -63,11 +63,21 @@ def prepare(weight: torch.Tensor) -> Any:
     return ops.prepare_w4a16(pack_int4_rtn(weight))
 
 
+# Rows a W4A16 call takes at once: the MMA dispatch's largest batch. Above it the kernels' dispatch
+# dequantizes the whole weight for cuBLAS: [H, V] at 16 bits (1.56 GB for a 152k x 5,120 lm_head) in
+# every call, and in the graph pool at capture. Larger batches go through in slices of these rows.
+MAX_ROWS_PER_CALL = 128
+
+
 def logits(hidden: torch.Tensor, prepared: Any) -> torch.Tensor:
     """float32 ``[R, V]``: ``hidden [R, H]`` (a float32 model's cast to the copy's 16-bit scales' dtype)
-    through the 4-bit copy."""
+    through the 4-bit copy, ``MAX_ROWS_PER_CALL`` rows a call."""
     weight = prepared.weight if isinstance(prepared, ops.W4A16Prepared) else prepared
-    return ops.w4a16_linear(hidden.to(weight.scales.dtype), prepared).float()
+    hidden = hidden.to(weight.scales.dtype)
+    if hidden.shape[0] <= MAX_ROWS_PER_CALL:
+        return ops.w4a16_linear(hidden, prepared).float()
+    slices = [ops.w4a16_linear(part, prepared) for part in hidden.split(MAX_ROWS_PER_CALL)]  # each [<=128, V]
+    return torch.cat(slices).float()
 
 
 def nbytes(prepared: Any) -> int:
@@ -93,5 +103,5 @@ def planned_bytes(vocab: int, hidden: int, dtype: torch.dtype) -> int:
     """Bytes the copy takes for an lm_head ``[vocab, hidden]`` (``qserve plan``, before loading):
     codes, scales in ``dtype``, uint8 zeros (the kernels' scratch, a few KiB, is left out)."""
     groups = hidden // group_size_for(hidden)
-    element = torch.empty((), dtype=dtype).element_size()
+    element = torch.empty((), dtype=_half(dtype)).element_size()
     return vocab * hidden // 2 + groups * vocab * (element + 1)

@@ -298,7 +298,7 @@ class EagleProposer(Proposer):
         for j in range(1, max(batch[i].max_num_tokens for i in ready)):
             keep = [a for a, i in enumerate(drafting) if batch[i].max_num_tokens > j]
             if len(keep) < len(drafting):
-                rows = torch.tensor(keep, dtype=torch.int64, device=self.device)  # [A]
+                rows = self._index(keep)  # [A]
                 tokens, feature = tokens.index_select(0, rows), feature.index_select(0, rows)
                 drafting = [drafting[a] for a in keep]
             # draft j reads draft j - 1 at the position after the last known token, plus j - 1
@@ -307,13 +307,19 @@ class EagleProposer(Proposer):
             logits_in, feature = self._forward(chunk, tokens, feature)
             tokens = self.head.draft_tokens(logits_in)  # [A]
             column = torch.full((len(batch),), -1, dtype=torch.int64, device=self.device)  # [B]
-            column[torch.tensor(drafting, dtype=torch.int64, device=self.device)] = tokens
+            column[self._index(drafting)] = tokens
             columns.append(column)
+        ready_rows = self._index(ready)  # [R]
         first = torch.full((len(batch),), -1, dtype=torch.int64, device=self.device)  # [B]
-        first[torch.tensor(ready, dtype=torch.int64, device=self.device)] = columns[0]
+        first[ready_rows] = columns[0]
         columns[0] = first
-        rows = torch.tensor(ready, dtype=torch.int64, device=self.device)  # [R]
-        return torch.stack(columns, dim=1).index_select(0, rows)  # [R, k_max]
+        return torch.stack(columns, dim=1).index_select(0, ready_rows)  # [R, k_max]
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """int64 ``[len(values)]`` on the device without waiting for it (pinned, asynchronous on CUDA):
+        with drafts left on the device the proposal must not sync."""
+        host = torch.tensor(values, dtype=torch.int64)
+        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def _draft_in_graphs(
         self,
@@ -345,7 +351,7 @@ class EagleProposer(Proposer):
         slots = np.where(step <= counts[None, :] - 1, slots, -1)
         block_tables = pad_block_tables(table_lens, flat)  # [R, width] int32
         later = graphs.draft(first, feature, positions, slots, block_tables)  # [steps, R]
-        return torch.cat([first[None, :], later]).T  # [R, k_max]
+        return torch.cat([first[None, :], later]).T.contiguous()  # [R, k_max]
 
     # ------------------------------------------------------------------------------------------
     # One forward of the head

@@ -280,9 +280,7 @@ class EagleHead(nn.Module):
         """Bytes this head reads per draft forward (its own weights and, for EAGLE, the target's lm_head;
         with a 4-bit draft lm_head, that copy instead of the lm_head it stands for)."""
         own = sum(p.numel() * p.element_size() for p in self.parameters())
-        if self.draft_lm_head is not None:
-            if self.eagle3:
-                own -= self.lm_head.weight.numel() * self.lm_head.weight.element_size()
+        if self.draft_lm_head is not None:  # (EAGLE-3's dense lm_head is gone)
             return own + draft_lm_head.nbytes(self.draft_lm_head)
         if self.eagle3:
             return own
@@ -292,8 +290,9 @@ class EagleHead(nn.Module):
 
     def quantize_draft_lm_head(self) -> None:
         """Draft through a 4-bit round-to-nearest copy of the lm_head this head scores with (EAGLE: the
-        target's, or its tied embedding; EAGLE-3: its own), kept beside it: the target still verifies
-        with its own. Refused for an lm_head that is not one dense weight (quantized, vocabulary-parallel)."""
+        target's, or its tied embedding, kept beside it: the target still verifies with its own; EAGLE-3:
+        its own, which the copy replaces). Refused for an lm_head that is not one dense weight (quantized,
+        vocabulary-parallel)."""
         if self.eagle3:
             weight = self.lm_head.weight
         else:
@@ -308,6 +307,11 @@ class EagleHead(nn.Module):
                     "(a quantized lm_head is already cheap to draft with); use 'target'"
                 )
         self.draft_lm_head = draft_lm_head.prepare(weight.detach())
+        if self.eagle3:  # its own lm_head: nothing reads the dense one now
+            self.lm_head = None
+        if weight.is_cuda:  # the quantization's temporaries: back to the device before the memory plan
+            del weight
+            torch.cuda.empty_cache()
 
     def draft_lm_head_bytes(self) -> int:
         """Device bytes of the 4-bit draft lm_head (0 without one): not a parameter, so counted apart."""

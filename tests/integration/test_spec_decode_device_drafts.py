@@ -13,14 +13,16 @@ import torch
 from qserve import LLM
 from qserve.engine.engine import EAGLE_DEVICE_DRAFTS_ENV
 from qserve.runner import model_runner
+from tests.helpers.eagle_heads import PERM_FIRST, walk_tokens
 from tests.integration.test_spec_decode import (  # noqa: F401 - path, reference: fixtures
     ARGS,
     _assert_same,
+    _greedy,
     _run,
     path,
     reference,
 )
-from tests.integration.test_spec_decode_eagle import _spec, heads  # noqa: F401 - fixtures
+from tests.integration.test_spec_decode_eagle import _spec, heads, walk  # noqa: F401 - fixtures
 from tests.integration.test_spec_decode_graphs import install_graphs
 
 
@@ -99,6 +101,48 @@ def test_a_verify_step_reads_what_the_host_drafts_give_it(path, heads, reference
     assert len(runs["0"]) >= 10
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_an_oracle_head_keeps_its_drafts_accepted_with_device_drafts(walk, method, graphs, monkeypatch):  # noqa: F811
+    """Nearly every draft accepted, so the target's rows past the first really read the drafts: a draft id
+    written to the wrong input row, or not at all, changes the walk or collapses the acceptance."""
+    monkeypatch.setenv(EAGLE_DEVICE_DRAFTS_ENV, "1")
+    target, oracle, perm = walk
+    engine = _engine(target, oracle, method, graphs)
+    engine.proposer.propose = lambda batch: pytest.fail("the host path proposed")  # noqa: ARG005
+    starts = (3, 9, 17)
+    requests = [(f"w{s}", [PERM_FIRST + s], _greedy(max_tokens=40)) for s in starts]
+    got, _ = _run(engine, requests)
+    for s in starts:
+        assert got[f"w{s}"].outputs[0].token_ids == walk_tokens(perm, s, 40)
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+
+
+def test_drafts_the_scheduler_cuts_keep_a_prefix(walk, monkeypatch):  # noqa: F811
+    """A token budget of 6 for three sequences of k = 3 drafts each: the scheduler verifies fewer drafts
+    than proposed (a prefix of each row); the walk is kept and most drafts still accepted."""
+    monkeypatch.setenv(EAGLE_DEVICE_DRAFTS_ENV, "1")
+    target, oracle, perm = walk
+    engine = _engine(target, oracle, "eagle", False, max_num_batched_tokens=6)
+    cut = []
+    schedule = engine.scheduler.schedule
+
+    def spy():  # noqa: ANN202
+        proposed = {r.request_id: len(r.spec_token_ids) for r in engine.scheduler.running}
+        out = schedule()
+        cut.extend(len(s.spec_token_ids) < proposed.get(s.request_id, 0) for s in out.sequences)
+        return out
+
+    engine.scheduler.schedule = spy
+    starts = (3, 9, 17)
+    got, _ = _run(engine, [(f"w{s}", [PERM_FIRST + s], _greedy(max_tokens=30)) for s in starts])
+    for s in starts:
+        assert got[f"w{s}"].outputs[0].token_ids == walk_tokens(perm, s, 30)
+    assert any(cut), "some step verified fewer drafts than proposed"
+    assert engine.spec_stats.num_accepted_tokens / engine.spec_stats.num_draft_tokens > 0.9
+
+
 def test_the_switch_refuses_a_value_it_does_not_know(path, heads, monkeypatch):  # noqa: F811
     monkeypatch.setenv(EAGLE_DEVICE_DRAFTS_ENV, "yes")
     with pytest.raises(ValueError, match="QSERVE_EAGLE_DEVICE_DRAFTS='yes'"):
@@ -108,9 +152,10 @@ def test_the_switch_refuses_a_value_it_does_not_know(path, heads, monkeypatch): 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_cuda_device_drafts_match_no_speculation(path, heads, async_scheduling, monkeypatch):  # noqa: F811
+def test_cuda_device_drafts_match_no_speculation(path, heads, walk, async_scheduling, monkeypatch):  # noqa: F811
     """On the GPU with every default graph (decode, verify rows, the head's drafting and catch-up): device
-    drafts keep the greedy outputs of no speculation (float32) and every page comes back."""
+    drafts keep the greedy outputs of no speculation (float32) and every page comes back; oracle heads keep
+    > 95% of their drafts (the verify step reads every draft from the device, after the drafting)."""
     from tests.integration.test_spec_decode import LOOP, _greedy, _workload
 
     monkeypatch.setenv(EAGLE_DEVICE_DRAFTS_ENV, "1")
@@ -128,3 +173,13 @@ def test_cuda_device_drafts_match_no_speculation(path, heads, async_scheduling, 
         torch.cuda.empty_cache()
     _assert_same(finals["eagle"], finals["none"])
     _assert_same(finals["eagle3"], finals["none"])
+    target, oracle, perm = walk
+    for method in ("eagle", "eagle3"):
+        llm = LLM(target, speculative_config=_spec(oracle, method), **gpu)
+        outputs = llm.generate([{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9)], _greedy(max_tokens=40))
+        for s, output in zip((3, 9), outputs):
+            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+        del llm
+        torch.cuda.empty_cache()

@@ -42,6 +42,12 @@ def test_the_copy_is_round_to_nearest_per_group() -> None:
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     assert (got - weight.float().T).abs().max() < 0.5 * weight.float().abs().max() / 7  # within half a step
     assert draft_lm_head.nbytes(packed) == draft_lm_head.planned_bytes(40_000, 256, torch.float16)
+    # more rows than one kernel call takes (the dispatch would rebuild the dense weight above them): sliced
+    x = torch.randn(300, 256, generator=gen).half()  # [R, H]
+    rows = draft_lm_head.MAX_ROWS_PER_CALL
+    assert x.shape[0] > rows
+    torch.testing.assert_close(draft_lm_head.logits(x, packed), w4a16_matmul(x, packed).float())
+    assert draft_lm_head.planned_bytes(40_000, 256, torch.float32) == draft_lm_head.nbytes(packed)  # fp16 scales
     assert draft_lm_head.group_size_for(64) == 64 and draft_lm_head.group_size_for(5120) == 128
     with pytest.raises(ValueError, match="hidden size 36 is not a multiple of 8"):
         draft_lm_head.group_size_for(36)
@@ -57,13 +63,21 @@ def test_int4_drafts_keep_the_outputs_and_are_the_copys_argmax(path, heads, refe
     got, _ = _run(engine, requests)
     _assert_same(got, want)
     assert engine.spec_stats.num_draft_tokens > 0
-    # each draft: the argmax of the dequantized copy's logits (EAGLE-3: mapped through d2t)
-    x = torch.randn(6, head.config.model.hidden_size, generator=torch.Generator().manual_seed(1)).to(
+    planned = {
+        lm_head: LLM(
+            path, gpu_memory_budget="256MiB", speculative_config=_spec(heads, method, draft_lm_head=lm_head), **ARGS
+        ).engine
+        for lm_head in ("target", "int4")
+    }
+    # each draft: the argmax of the dequantized copy's logits (EAGLE-3: mapped through d2t), which is not
+    # the dense lm_head's argmax on every row (so the check tells the two apart)
+    x = torch.randn(256, head.config.model.hidden_size, generator=torch.Generator().manual_seed(1)).to(
         head.fc.weight.dtype if head.fc is not None else torch.float32
     )
-    dense = head.lm_head.weight if method == "eagle3" else engine.model.lm_head.weight  # [V, H]
+    dense_head = planned["target"]._eagle_head
+    dense = dense_head.lm_head.weight if method == "eagle3" else engine.model.lm_head.weight  # [V, H]
     copy = quantize_rtn(dense.float(), 4, draft_lm_head.group_size_for(dense.shape[1]), sym=False)
-    logits = x.half().float() @ copy.dequantize()  # [6, V]: the copy multiplies in float16
+    logits = x.half().float() @ copy.dequantize()  # [256, V]: the copy multiplies in float16
     if method == "eagle":
         logits[:, head.valid_vocab_size :] = float("-inf")
         expected = logits.argmax(-1)
@@ -71,17 +85,15 @@ def test_int4_drafts_keep_the_outputs_and_are_the_copys_argmax(path, heads, refe
         logits.masked_fill_(head._invalid_drafts, float("-inf"))
         ids = logits.argmax(-1)
         expected = ids + head.d2t[ids]
-    assert torch.equal(head.draft_tokens(x), expected)
-    # the copy counts in the plan, and replaces the lm_head in the adaptive policy's draft cost
-    planned = {
-        lm_head: LLM(
-            path, gpu_memory_budget="256MiB", speculative_config=_spec(heads, method, draft_lm_head=lm_head), **ARGS
-        ).engine
-        for lm_head in ("target", "int4")
-    }
+    got = head.draft_tokens(x)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, dense_head.draft_tokens(x)), "the copy's drafts differ from the dense lm_head's"
+    # the copy counts in the plan (EAGLE-3: in place of its dense lm_head), and in the draft cost
     extra = planned["int4"].memory_plan.weights_bytes - planned["target"].memory_plan.weights_bytes
-    assert extra == head.draft_lm_head_bytes() > 0
-    assert planned["int4"]._eagle_head.weight_bytes() < planned["target"]._eagle_head.weight_bytes()
+    replaced = dense.numel() * dense.element_size() if method == "eagle3" else 0
+    assert extra == head.draft_lm_head_bytes() - replaced and head.draft_lm_head_bytes() > 0
+    assert head.lm_head is None  # EAGLE-3's dense one is gone (EAGLE borrows the target's)
+    assert planned["int4"]._eagle_head.weight_bytes() < dense_head.weight_bytes()
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -95,8 +107,11 @@ def test_an_oracle_head_keeps_its_drafts_accepted_with_int4(walk, method):  # no
     assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.9
 
 
-def test_qserve_plan_counts_the_copy(path, heads, capsys):  # noqa: F811
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_qserve_plan_counts_the_copy(path, heads, method, capsys):  # noqa: F811
     from qserve.commands import plan
+    from qserve.model.registry import read_model_config
+    from qserve.spec_decode.eagle_config import read_eagle_config
 
     def planned(spec: dict) -> dict:
         parser = argparse.ArgumentParser()
@@ -106,9 +121,15 @@ def test_qserve_plan_counts_the_copy(path, heads, capsys):  # noqa: F811
         return json.loads(capsys.readouterr().out)
 
     config = json.loads((Path(path) / "config.json").read_text())
-    extra = planned(_spec(heads, "eagle", draft_lm_head="int4"))["draft_weights_bytes"]
-    extra -= planned(_spec(heads, "eagle"))["draft_weights_bytes"]
-    assert extra == draft_lm_head.planned_bytes(config["vocab_size"], config["hidden_size"], torch.float16) > 0
+    extra = planned(_spec(heads, method, draft_lm_head="int4"))["draft_weights_bytes"]
+    extra -= planned(_spec(heads, method))["draft_weights_bytes"]
+    hidden = config["hidden_size"]
+    if method == "eagle":  # beside the target's lm_head
+        want = draft_lm_head.planned_bytes(config["vocab_size"], hidden, torch.float16)
+    else:  # in place of the head's own
+        vocab = read_eagle_config(heads[method], method, read_model_config(path)).draft_vocab_size
+        want = draft_lm_head.planned_bytes(vocab, hidden, torch.float16) - vocab * hidden * 2
+    assert extra == want != 0
 
 
 @pytest.mark.parametrize(

@@ -974,10 +974,11 @@ def test_eagle_head_graphs_draft_what_the_eager_head_drafts(path, heads, referen
     Every proposal's drafts equal the eager head's (QSERVE_EAGLE_HEAD_GRAPHS=0: rows drop out as they
     finish), outputs stay token-identical to no speculation, and several-row proposals (pad rows up to
     the bucket) are among them."""
-    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
+    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_DRAFT_LOOP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
 
     monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "0")  # restored after the test (_drafting_run sets them)
     monkeypatch.setenv(EAGLE_CATCH_UP_GRAPHS_ENV, "0")
+    monkeypatch.setenv(EAGLE_DRAFT_LOOP_GRAPHS_ENV, "0")
     eager, none, _, _ = _drafting_run(path, heads, method, reference, "0")
     graphed, replayed, graphed_inputs, repeats = _drafting_run(path, heads, method, reference, None)
     assert repeats > 0  # rows of fewer drafts were among them
