@@ -121,6 +121,7 @@ from qserve.spec_decode.backoff import DraftBackoff
 from qserve.spec_decode.config import check_tensor_parallel_speculation
 from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
+from qserve.switches import env_switch
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
 
 logger = logging.getLogger(__name__)
@@ -168,8 +169,8 @@ EAGLE_DRAFT_LOOP_GRAPHS_ENV = "QSERVE_EAGLE_DRAFT_LOOP_GRAPHS"
 # step, which reads them there: the host schedules and launches the verify step while the head still
 # drafts; one sync a cycle instead of two). Opt-in ("1") until `pytest -m gpu` passes with it.
 EAGLE_DEVICE_DRAFTS_ENV = "QSERVE_EAGLE_DEVICE_DRAFTS"
-# (Both head switches act only where the speculative graphs are captured: CUDA, decode graphs, and
-# QSERVE_SPEC_GRAPHS not 0.)
+# (The head's graph switches act only where the speculative graphs are captured: CUDA, decode graphs,
+# and QSERVE_SPEC_GRAPHS not 0.)
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
 # (the last draft and the target's token): its graphs take up to this many rows per sequence.
 DRAFT_CATCH_UP_ROWS = 2
@@ -275,16 +276,6 @@ class _Group:
     @property
     def finished(self) -> bool:
         return all(seq.finish_reason is not None for seq in self.sequences)
-
-
-def env_switch(name: str, *, default: bool) -> bool:
-    """A launch-path switch of the environment: "1" on, "0" off, unset ``default`` (off while the path
-    waits for its GPU run, on after it); any other value is refused, naming the variable (a "true"
-    would otherwise silently mean off)."""
-    value = os.environ.get(name, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name}={value!r}: expected 1 (on), 0 (off) or unset (default: {int(default)})")
-    return default if value == "" else value == "1"
 
 
 def resolve_device(device: str | None) -> torch.device:

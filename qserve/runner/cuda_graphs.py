@@ -51,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
@@ -59,6 +58,7 @@ import numpy as np
 import torch
 
 from qserve.runner.attn_metadata import AttentionMetadata
+from qserve.switches import env_switch
 from quant_kernels.lora_ops import LoRAIndices, fill_index_buffer, index_layout, indices_from_buffer, max_lora_tiles
 
 logger = logging.getLogger(__name__)
@@ -84,14 +84,12 @@ def garbage_collected_first() -> Iterator[None]:
     later CUDA random-number use in the process with "Offset increment outside graph capture" (two
     smoke runs on an H100, bench/RESULTS.md ledger, `baacb83` and the tenth session). vLLM collects
     once and freezes the collector around its captures for the same reason."""
-    value = os.environ.get(KEEP_CACHE_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{KEEP_CACHE_ENV}={value!r}: expected 1 (on), 0 or unset (off)")
+    keep_cache = env_switch(KEEP_CACHE_ENV, default=False)
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     # a loop inside another's (or another thread's) keeps the outer one's patch and leaves it to it
-    patch = value == "1" and torch.cuda.empty_cache is not _no_emptying
+    patch = keep_cache and torch.cuda.empty_cache is not _no_emptying
     emptying = torch.cuda.empty_cache, torch._C._host_emptyCache
     try:
         if patch:  # one emptying for the whole loop, none per capture
@@ -134,6 +132,18 @@ def capture_buckets(
             graphs[bucket] = graph
     torch.cuda.synchronize()
     return graphs, pool
+
+
+def bucket_sizes(buckets: tuple[int, ...], largest: int) -> tuple[int, ...]:
+    """The sizes graphs are captured for: ``buckets`` below ``largest``, then ``largest`` itself, ascending."""
+    return tuple(sorted({b for b in buckets if b < largest} | {largest}))
+
+
+def smallest_bucket(sizes: tuple[int, ...], count: int) -> int | None:
+    """The smallest of ``sizes`` (ascending) holding ``count``; None past the largest."""
+    if count > sizes[-1]:
+        return None
+    return sizes[bisect_left(sizes, count)]
 
 
 class StaticReplay:
@@ -197,7 +207,7 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.query_len = query_len
-        self.buckets = tuple(sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs}))
+        self.buckets = bucket_sizes(buckets, max_num_seqs)
         max_batch = self.buckets[-1]
         max_rows = max_batch * query_len
         max_blocks = -(-max_model_len // block_size)
@@ -298,9 +308,7 @@ class DecodeGraphs:
         logger.info("captured %d %s CUDA graphs (batch sizes %s)", len(self.graphs), kind, list(self.buckets))
 
     def bucket_for(self, batch: int) -> int | None:
-        if batch > self.buckets[-1]:
-            return None
-        return self.buckets[bisect_left(self.buckets, batch)]
+        return smallest_bucket(self.buckets, batch)
 
     @torch.inference_mode()
     def replay(

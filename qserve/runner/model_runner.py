@@ -530,14 +530,7 @@ class ModelRunner:
             and (capture is None or row_graphs.hidden_taps == capture)  # EAGLE: graphs holding its hidden states
             and not is_decode
             and lora_slots is None
-            and uses_row_graph(
-                row_graphs,
-                counts,
-                seq_lens,
-                len(sample_rows),
-                needs_hidden,
-                pending is not None,
-            )
+            and uses_row_graph(row_graphs, counts, seq_lens, len(sample_rows), needs_hidden, pending is not None)
         ):
             block_tables = pad_block_tables(table_lens, flat_tables)  # [S, max_blocks]
             seq_tables = None if ntk_tables is None else ntk_tables[ends - 1]  # [S] one table per sequence

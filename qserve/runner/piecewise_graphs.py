@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import logging
 import os
-from bisect import bisect_left
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from qserve.runner.attn_metadata import AttentionMetadata
-from qserve.runner.cuda_graphs import StaticReplay, garbage_collected_first
+from qserve.runner.cuda_graphs import StaticReplay, garbage_collected_first, smallest_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +148,7 @@ class PiecewiseGraphs:
 
     def bucket_for(self, num_tokens: int) -> int | None:
         """The smallest bucket holding ``num_tokens``, or None when it exceeds the largest."""
-        if num_tokens < 1 or num_tokens > self.buckets[-1]:
-            return None
-        return self.buckets[bisect_left(self.buckets, num_tokens)]
+        return None if num_tokens < 1 else smallest_bucket(self.buckets, num_tokens)
 
     def _piece(self, rows: int, index: int) -> None:
         """Piece ``index`` of a bucket of ``rows`` rows, from static buffers into static buffers."""

@@ -80,28 +80,10 @@ def logits(hidden: torch.Tensor, prepared: Any) -> torch.Tensor:
     return torch.cat(slices).float()
 
 
-def nbytes(prepared: Any) -> int:
-    """Device bytes of the copy (its packed codes, scales, zeros and kernel scratch)."""
-    seen, total = set(), 0
-    stack = [prepared]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            if id(item) not in seen:
-                seen.add(id(item))
-                total += item.numel() * item.element_size()
-        elif hasattr(item, "__dict__"):
-            stack.extend(vars(item).values())
-        elif hasattr(item, "__slots__"):
-            stack.extend(getattr(item, name) for name in item.__slots__ if hasattr(item, name))
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return total
-
-
 def planned_bytes(vocab: int, hidden: int, dtype: torch.dtype) -> int:
-    """Bytes the copy takes for an lm_head ``[vocab, hidden]`` (``qserve plan``, before loading):
-    codes, scales in ``dtype``, uint8 zeros (the kernels' scratch, a few KiB, is left out)."""
+    """Bytes the copy takes on the GPU for an lm_head ``[vocab, hidden]`` (``qserve plan``, before loading):
+    codes, then scales and zeros in the 16-bit dtype (the MMA kernels' layout keeps its zeros at 16 bits; the
+    canonical layout off CUDA at 8). The kernels' padding and scratch, a few KiB, are left out."""
     groups = hidden // group_size_for(hidden)
     element = torch.empty((), dtype=_half(dtype)).element_size()
-    return vocab * hidden // 2 + groups * vocab * (element + 1)
+    return vocab * hidden // 2 + 2 * groups * vocab * element

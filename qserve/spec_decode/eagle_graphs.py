@@ -42,7 +42,6 @@ replay (``StaticReplay``), so the CPU tests run everything but the capture itsel
 from __future__ import annotations
 
 import logging
-from bisect import bisect_left
 
 import numpy as np
 import torch
@@ -52,7 +51,9 @@ from qserve.runner.cuda_graphs import (
     DEFAULT_BUCKETS,
     DecodeGraphs,
     StaticReplay,
+    bucket_sizes,
     capture_buckets,
+    smallest_bucket,
     static_positions,
     static_rows,
 )
@@ -89,7 +90,7 @@ class _HeadGraphs:
         self.kv_caches = kv_caches
         self.query_len = query_len
         self.max_seq_len = max_seq_len
-        self.buckets = tuple(sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs}))
+        self.buckets = bucket_sizes(buckets, max_num_seqs)
         max_batch = self.buckets[-1]
         max_rows = max_batch * query_len
         hidden = head.config.model.hidden_size
@@ -159,9 +160,7 @@ class _HeadGraphs:
         )
 
     def bucket_for(self, batch: int) -> int | None:
-        if batch > self.buckets[-1]:
-            return None
-        return self.buckets[bisect_left(self.buckets, batch)]
+        return smallest_bucket(self.buckets, batch)
 
 
 class HeadDraftGraphs(_HeadGraphs):

@@ -37,6 +37,7 @@ from torch import nn
 from loaders.safetensors_io import CheckpointFiles
 from qserve.layers.linear import DenseLinearMethod, Linear
 from qserve.layers.norm import RMSNorm
+from qserve.layers.quant_methods import tensor_nbytes
 from qserve.layers.rotary import RotaryEmbedding
 from qserve.model.llama import FUSED_SLICES, DecoderLayer
 from qserve.runner.attn_metadata import AttentionMetadata
@@ -160,23 +161,24 @@ class EagleHead(nn.Module):
 
     def draft_tokens(self, logits_input: torch.Tensor) -> torch.Tensor:
         """int64 [R]: each row's draft, a target token id (argmax over ids the tokenizer knows)."""
-        quantized = self.draft_lm_head
+        logits = self._draft_logits(logits_input)  # float32 [R, V] (EAGLE-3: [R, draft_vocab])
         if not self.eagle3:
-            if quantized is not None:
-                logits = draft_lm_head.logits(logits_input, quantized)  # [R, V] float32
-            else:
-                logits = self.target.compute_logits(logits_input)  # [R, V] float32
             if self.valid_vocab_size is not None and self.valid_vocab_size < logits.shape[-1]:
                 logits[:, self.valid_vocab_size :] = float("-inf")
             return logits.argmax(dim=-1)
-        if quantized is not None:
-            logits = draft_lm_head.logits(logits_input, quantized)  # [R, draft_vocab]
-        else:
-            logits = self.lm_head(logits_input).float()  # [R, draft_vocab]
         if self._invalid_drafts is not None:
             logits.masked_fill_(self._invalid_drafts, float("-inf"))  # (a mask, not an index: no host sync)
         draft_ids = logits.argmax(dim=-1)  # [R]
         return draft_ids + self.d2t.index_select(0, draft_ids)
+
+    def _draft_logits(self, logits_input: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the lm_head this head drafts with: the 4-bit copy where there is one, else
+        EAGLE-3's own lm_head or the target's."""
+        if self.draft_lm_head is not None:
+            return draft_lm_head.logits(logits_input, self.draft_lm_head)
+        if self.eagle3:
+            return self.lm_head(logits_input).float()
+        return self.target.compute_logits(logits_input)
 
     # ------------------------------------------------------------------------------------------
     # Loading
@@ -281,7 +283,7 @@ class EagleHead(nn.Module):
         with a 4-bit draft lm_head, that copy instead of the lm_head it stands for)."""
         own = sum(p.numel() * p.element_size() for p in self.parameters())
         if self.draft_lm_head is not None:  # (EAGLE-3's dense lm_head is gone)
-            return own + draft_lm_head.nbytes(self.draft_lm_head)
+            return own + tensor_nbytes(self.draft_lm_head)
         if self.eagle3:
             return own
         target = self.target
@@ -295,10 +297,8 @@ class EagleHead(nn.Module):
         vocabulary-parallel)."""
         if self.eagle3:
             weight = self.lm_head.weight
-        else:
+        else:  # (speculation is refused with tensor parallelism: no vocabulary-parallel lm_head here)
             target = self.target
-            if getattr(target, "tp", None) is not None:
-                raise ValueError("speculative_config.draft_lm_head 'int4' is not supported with tensor parallelism")
             source = target.lm_head if target.lm_head is not None else target.model.embed_tokens
             weight = getattr(source, "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -315,7 +315,7 @@ class EagleHead(nn.Module):
 
     def draft_lm_head_bytes(self) -> int:
         """Device bytes of the 4-bit draft lm_head (0 without one): not a parameter, so counted apart."""
-        return 0 if self.draft_lm_head is None else draft_lm_head.nbytes(self.draft_lm_head)
+        return tensor_nbytes(self.draft_lm_head)  # (0 for None)
 
 
 # HF sub-module -> (fused module, shard)

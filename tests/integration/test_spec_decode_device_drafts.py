@@ -22,7 +22,13 @@ from tests.integration.test_spec_decode import (  # noqa: F401 - path, reference
     path,
     reference,
 )
-from tests.integration.test_spec_decode_eagle import _spec, heads, walk  # noqa: F401 - fixtures
+from tests.integration.test_spec_decode_eagle import (  # noqa: F401 - heads, walk: fixtures
+    _assert_cuda_heads_keep_the_outputs,
+    _assert_oracle_heads_walk,
+    _spec,
+    heads,
+    walk,
+)
 from tests.integration.test_spec_decode_graphs import install_graphs
 
 
@@ -156,30 +162,11 @@ def test_cuda_device_drafts_match_no_speculation(path, heads, walk, async_schedu
     """On the GPU with every default graph (decode, verify rows, the head's drafting and catch-up): device
     drafts keep the greedy outputs of no speculation (float32) and every page comes back; oracle heads keep
     > 95% of their drafts (the verify step reads every draft from the device, after the drafting)."""
-    from tests.integration.test_spec_decode import LOOP, _greedy, _workload
-
     monkeypatch.setenv(EAGLE_DEVICE_DRAFTS_ENV, "1")
     gpu = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=256, async_scheduling=async_scheduling)
-    finals = {}
-    for name in ("none", "eagle", "eagle3"):
-        llm = LLM(path, speculative_config=None if name == "none" else _spec(heads, name), **gpu)
-        probe = llm.generate([{"prompt_token_ids": LOOP}], _greedy(), use_tqdm=False)[0].outputs[0]
-        requests = [r for r in _workload(probe.token_ids[9], "\n\n") if r[0] != "stop_str"]
-        finals[name] = _run(llm.engine, requests)[0]
-        if name != "none":
-            assert llm.engine.spec_stats.num_draft_tokens > 0
-            assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
-        del llm
-        torch.cuda.empty_cache()
-    _assert_same(finals["eagle"], finals["none"])
-    _assert_same(finals["eagle3"], finals["none"])
-    target, oracle, perm = walk
-    for method in ("eagle", "eagle3"):
-        llm = LLM(target, speculative_config=_spec(oracle, method), **gpu)
-        outputs = llm.generate([{"prompt_token_ids": [PERM_FIRST + s]} for s in (3, 9)], _greedy(max_tokens=40))
-        for s, output in zip((3, 9), outputs):
-            assert output.outputs[0].token_ids == walk_tokens(perm, s, 40)
-        stats = llm.engine.spec_stats
-        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
-        del llm
-        torch.cuda.empty_cache()
+
+    def make_llm(target: str, spec: dict | None) -> LLM:
+        return LLM(target, speculative_config=spec, **gpu)
+
+    _assert_cuda_heads_keep_the_outputs(path, heads, make_llm)
+    _assert_oracle_heads_walk(walk, make_llm)

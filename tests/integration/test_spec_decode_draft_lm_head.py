@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from qserve import LLM
+from qserve.layers.quant_methods import tensor_nbytes
 from qserve.quantize.quantizer import quantize_rtn
 from qserve.spec_decode import draft_lm_head
 from qserve.spec_decode.config import parse_speculative_config
@@ -26,7 +27,13 @@ from tests.integration.test_spec_decode import (  # noqa: F401 - path, reference
     path,
     reference,
 )
-from tests.integration.test_spec_decode_eagle import _spec, heads, walk  # noqa: F401 - fixtures
+from tests.integration.test_spec_decode_eagle import (  # noqa: F401 - heads, walk: fixtures
+    _assert_cuda_heads_keep_the_outputs,
+    _assert_oracle_heads_walk,
+    _spec,
+    heads,
+    walk,
+)
 
 
 def test_the_copy_is_round_to_nearest_per_group() -> None:
@@ -41,13 +48,18 @@ def test_the_copy_is_round_to_nearest_per_group() -> None:
     want = quantize_rtn(weight, 4, 128, sym=False).dequantize()  # [H, V]
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     assert (got - weight.float().T).abs().max() < 0.5 * weight.float().abs().max() / 7  # within half a step
-    assert draft_lm_head.nbytes(packed) == draft_lm_head.planned_bytes(40_000, 256, torch.float16)
+    groups = 256 // 128
+    assert tensor_nbytes(packed) == 40_000 * 256 // 2 + groups * 40_000 * (2 + 1)  # codes, fp16 scales, uint8 zeros
+    # on the GPU the kernels' layout keeps the zeros at 16 bits too: what qserve plan counts
+    assert draft_lm_head.planned_bytes(40_000, 256, torch.float16) == 40_000 * 256 // 2 + groups * 40_000 * (2 + 2)
     # more rows than one kernel call takes (the dispatch would rebuild the dense weight above them): sliced
     x = torch.randn(300, 256, generator=gen).half()  # [R, H]
     rows = draft_lm_head.MAX_ROWS_PER_CALL
     assert x.shape[0] > rows
     torch.testing.assert_close(draft_lm_head.logits(x, packed), w4a16_matmul(x, packed).float())
-    assert draft_lm_head.planned_bytes(40_000, 256, torch.float32) == draft_lm_head.nbytes(packed)  # fp16 scales
+    assert draft_lm_head.planned_bytes(40_000, 256, torch.float32) == draft_lm_head.planned_bytes(
+        40_000, 256, torch.float16
+    )  # a float32 model's copy multiplies in float16
     assert draft_lm_head.group_size_for(64) == 64 and draft_lm_head.group_size_for(5120) == 128
     with pytest.raises(ValueError, match="hidden size 36 is not a multiple of 8"):
         draft_lm_head.group_size_for(36)
@@ -104,7 +116,7 @@ def test_an_oracle_head_keeps_its_drafts_accepted_with_int4(walk, method):  # no
     outputs = llm.generate(prompts, _greedy(max_tokens=30), use_tqdm=False)
     assert outputs[0].outputs[0].token_ids == walk_tokens(perm, 40, 30)
     stats = llm.engine.spec_stats
-    assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.9
+    assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95, stats.num_accepted_tokens / stats.num_draft_tokens
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -152,28 +164,14 @@ def test_a_draft_lm_head_it_cannot_apply_is_refused(extra: dict, message: str) -
 def test_cuda_int4_draft_lm_head(path, heads, walk, async_scheduling):  # noqa: F811
     """On the GPU with the default graphs (decode, verify, the head's drafting and catch-up): random heads
     drafting through the 4-bit copy keep the greedy outputs of no speculation (float32), oracle heads keep
-    > 90% of their drafts, every page comes back."""
+    > 95% of their drafts, every page comes back."""
     gpu = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=256, async_scheduling=async_scheduling)
-    finals = {}
-    for name in ("none", "eagle", "eagle3"):
-        spec = None if name == "none" else _spec(heads, name, draft_lm_head="int4")
-        llm = LLM(path, speculative_config=spec, **gpu)
-        requests = [("a", list(range(40, 58)), _greedy(max_tokens=24)), ("b", [9, 8, 7], _greedy(max_tokens=16))]
-        finals[name] = _run(llm.engine, requests)[0]
-        if spec is not None:
-            assert llm.engine._eagle_head.draft_lm_head is not None
-            assert llm.engine.spec_stats.num_draft_tokens > 0
-            assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
-        del llm
-        torch.cuda.empty_cache()
-    _assert_same(finals["eagle"], finals["none"])
-    _assert_same(finals["eagle3"], finals["none"])
-    target, oracle, perm = walk
-    for method in ("eagle", "eagle3"):
-        llm = LLM(target, speculative_config=_spec(oracle, method, draft_lm_head="int4"), **gpu)
-        outputs = llm.generate([{"prompt_token_ids": [PERM_FIRST + 9]}], _greedy(max_tokens=40), use_tqdm=False)
-        assert outputs[0].outputs[0].token_ids == walk_tokens(perm, 9, 40)
-        stats = llm.engine.spec_stats
-        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.9
-        del llm
-        torch.cuda.empty_cache()
+
+    def make_llm(target: str, spec: dict | None) -> LLM:
+        return LLM(target, speculative_config=spec and {**spec, "draft_lm_head": "int4"}, **gpu)
+
+    def drafts_through_the_copy(llm: LLM) -> None:
+        assert llm.engine._eagle_head.draft_lm_head is not None
+
+    _assert_cuda_heads_keep_the_outputs(path, heads, make_llm, drafts_through_the_copy)
+    _assert_oracle_heads_walk(walk, make_llm)

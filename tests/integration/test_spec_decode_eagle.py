@@ -91,6 +91,27 @@ def _assert_oracle_heads_walk(walk, make_llm, after=None) -> None:  # noqa: ANN0
         torch.cuda.empty_cache()
 
 
+def _assert_cuda_heads_keep_the_outputs(target, heads, make_llm, check=None) -> None:  # noqa: ANN001
+    """On the GPU: the workload (less its stop string) without speculation and with the random EAGLE and
+    EAGLE-3 heads of ``target``, each engine from ``make_llm(target, speculative_config)``: the same outputs,
+    drafts verified, every page back; ``check(llm)`` checks more of each speculating engine."""
+    finals = {}
+    for name in ("none", "eagle", "eagle3"):
+        llm = make_llm(target, None if name == "none" else _spec(heads, name))
+        probe = llm.generate([{"prompt_token_ids": LOOP}], _greedy(), use_tqdm=False)[0].outputs[0]
+        requests = [r for r in _workload(probe.token_ids[9], "\n\n") if r[0] != "stop_str"]
+        finals[name] = _run(llm.engine, requests)[0]
+        if name != "none":
+            assert llm.engine.spec_stats.num_draft_tokens > 0
+            assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
+            if check is not None:
+                check(llm)
+        del llm
+        torch.cuda.empty_cache()
+    _assert_same(finals["eagle"], finals["none"])
+    _assert_same(finals["eagle3"], finals["none"])
+
+
 # ----------------------------------------------------------------------------------------------
 # A dense reading of the head (plain PyTorch over the checkpoint's tensors), the drafts' oracle
 # ----------------------------------------------------------------------------------------------
