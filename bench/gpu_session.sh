@@ -54,11 +54,11 @@
 #   layers1,layers4,random; the random head also with adaptive k), graphed verify, median of 3 (issue 29); each head
 #   with the engine's defaults: plain decode steps graphed (-dg; EAGLE_DECODE_GRAPHS=off|on|both, default on) and the
 #   head's drafting forwards graphed (-hg; EAGLE_HEAD_GRAPHS=off|on|both, default on); ~2 min, "both" doubles it.
-#   EAGLE_HEADS (default layers1,layers4,random) and EAGLE_ADAPTIVE_MODES (default eagle-random-dg-hg-cg,eagle-layers1-dg-hg-cg).
+#   EAGLE_HEADS (default layers1,layers4,random) and EAGLE_ADAPTIVE_MODES (default eagle-random-dg-hg-cg-dd,eagle-layers1-dg-hg-cg-dd).
 #   The head's catch-up forward graphed (-cg; EAGLE_CATCH_UP_GRAPHS=off|on|both, default on).
-#   A proposal's drafting forwards in one graph (-lg; EAGLE_DRAFT_LOOP_GRAPHS=off|on|both, default off: opt-in).
-#   Drafts left on the device for the verify step (-dd; EAGLE_DEVICE_DRAFTS=off|on|both, default off: opt-in).
+#   Drafts left on the device for the verify step (-dd; EAGLE_DEVICE_DRAFTS=off|on|both, default on).
 #   EAGLE_DRAFT_LM_HEAD=int4|both: the -q4 modes (speculative_config "draft_lm_head": "int4", a 4-bit lm_head copy).
+#   EAGLE_DRAFT_LAYERS=int4|both: the -l4 modes (speculative_config "draft_layers": "int4", 4-bit copies of the head's layers).
 # spec_serving (only when named): bench/serving.py without and with n-gram speculation (ngram-pw: with
 #   QSERVE_PIECEWISE_SPEC=1), Poisson 4 req/s and all at once, SPEC_SERVING_REQUESTS requests (default 120;
 #   SPEC_SERVING_MODES, default "off ngram ngram-pw"; issue 29).
@@ -194,10 +194,10 @@ if has spec_eagle; then
     # EAGLE_HEADS / EAGLE_ADAPTIVE_MODES: other heads, or other modes with adaptive k (e.g. eagle-layers1-dg);
     # EAGLE_PROFILE_MODES (e.g. off,eagle-layers4-dg-hg): where those modes' steps go, in spec_profile/
     timeout 540 python3 bench/spec_decode.py --checkpoint /tmp/qb --batches 1 --eagle "${EAGLE_HEADS:-layers1,layers4,random}" \
-        --adaptive --adaptive-modes "${EAGLE_ADAPTIVE_MODES:-eagle-random-dg-hg-cg,eagle-layers1-dg-hg-cg}" \
+        --adaptive --adaptive-modes "${EAGLE_ADAPTIVE_MODES:-eagle-random-dg-hg-cg-dd,eagle-layers1-dg-hg-cg-dd}" \
         --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-on}" --eagle-head-graphs "${EAGLE_HEAD_GRAPHS:-on}" \
-        --eagle-catch-up-graphs "${EAGLE_CATCH_UP_GRAPHS:-on}" --eagle-draft-loop-graphs "${EAGLE_DRAFT_LOOP_GRAPHS:-off}" \
-        --eagle-device-drafts "${EAGLE_DEVICE_DRAFTS:-off}" \
+        --eagle-catch-up-graphs "${EAGLE_CATCH_UP_GRAPHS:-on}" \
+        --eagle-device-drafts "${EAGLE_DEVICE_DRAFTS:-on}" --eagle-draft-layers "${EAGLE_DRAFT_LAYERS:-checkpoint}" \
         --eagle-draft-lm-head "${EAGLE_DRAFT_LM_HEAD:-target}" --verify graphs \
         --profile-modes "${EAGLE_PROFILE_MODES:-}" --profile-dir "$OUT/spec_profile" \
         --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -${SPEC_EAGLE_TAIL:-24}

@@ -67,7 +67,6 @@ from qserve.engine.engine import (  # noqa: E402
     EAGLE_CATCH_UP_GRAPHS_ENV,
     EAGLE_DECODE_GRAPHS_ENV,
     EAGLE_DEVICE_DRAFTS_ENV,
-    EAGLE_DRAFT_LOOP_GRAPHS_ENV,
     EAGLE_HEAD_GRAPHS_ENV,
     SPEC_GRAPHS_ENV,
 )
@@ -77,7 +76,6 @@ EAGLE_SWITCHES = (
     ("decode-graphs", "-dg", EAGLE_DECODE_GRAPHS_ENV, "decode graphs hand the head its hidden states"),
     ("head-graphs", "-hg", EAGLE_HEAD_GRAPHS_ENV, "the head's k - 1 drafting forwards replay CUDA graphs"),
     ("catch-up-graphs", "-cg", EAGLE_CATCH_UP_GRAPHS_ENV, "the head's catch-up forward replays CUDA graphs"),
-    ("draft-loop-graphs", "-lg", EAGLE_DRAFT_LOOP_GRAPHS_ENV, "a proposal's drafting forwards replay one graph"),
     ("device-drafts", "-dd", EAGLE_DEVICE_DRAFTS_ENV, "drafts stay on the device for the verify step"),
 )
 
@@ -340,6 +338,13 @@ def main() -> None:
         "(the -q4 modes), or both",
     )
     parser.add_argument(
+        "--eagle-draft-layers",
+        choices=("checkpoint", "int4", "both"),
+        default="checkpoint",
+        help='the EAGLE modes with speculative_config "draft_layers": the head\'s layers as loaded, 4-bit copies '
+        "(the -l4 modes), or both",
+    )
+    parser.add_argument(
         "--mismatched-draft",
         action="store_true",
         help="with --draft-layers: the draft's head rolled by half the vocabulary (acceptance near 0%%), "
@@ -406,13 +411,20 @@ def main() -> None:
             for flag, suffix, _, _ in EAGLE_SWITCHES
         ]
         lm_heads = {"target": ["target"], "int4": ["int4"], "both": ["target", "int4"]}[args.eagle_draft_lm_head]
+        layer_kinds = {"checkpoint": ["checkpoint"], "int4": ["int4"], "both": ["checkpoint", "int4"]}
         modes += [
             (
-                f"eagle-{construction}{''.join(suffixes)}{'-q4' if lm_head == 'int4' else ''}",
-                {**eagle, "draft_lm_head": lm_head} if lm_head != "target" else eagle,
+                f"eagle-{construction}{''.join(suffixes)}{'-q4' if lm_head == 'int4' else ''}"
+                f"{'-l4' if layers == 'int4' else ''}",
+                {
+                    **eagle,
+                    **({"draft_lm_head": lm_head} if lm_head != "target" else {}),
+                    **({"draft_layers": layers} if layers != "checkpoint" else {}),
+                },
             )
             for suffixes in itertools.product(*choices)
             for lm_head in lm_heads
+            for layers in layer_kinds[args.eagle_draft_layers]
         ]
     if args.adaptive:
         adaptive = {"enable_adaptive_verification": True}

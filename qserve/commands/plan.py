@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         from qserve.spec_decode.eagle_head import eagle_head_bytes
         from qserve.spec_decode.shadow_kv import num_scratch_blocks, shadow_kv_bytes_per_token
 
-        draft_bytes = eagle_head_bytes(speculative.model, speculative.method, dtype)
+        draft_bytes = eagle_head_bytes(speculative.model, speculative.method, dtype, speculative.draft_layers == "int4")
         head_config = read_eagle_config(speculative.model, speculative.method, config)
         if speculative.draft_lm_head == "int4":  # a 4-bit copy of the lm_head it drafts with, beside it
             from qserve.spec_decode.draft_lm_head import planned_bytes

@@ -85,6 +85,7 @@ from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import per_rank_config
 from qserve.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, TokenStrings
 from qserve.engine.stop_checker import StopResult, check_stop
+from qserve.layers.held_bytes import held_weight_bytes
 from qserve.lora.request import LoRAConfig, LoRARequest
 from qserve.memory.planner import (
     GPU_DEFAULT_FRACTION,
@@ -161,13 +162,10 @@ EAGLE_HEAD_GRAPHS_ENV = "QSERVE_EAGLE_HEAD_GRAPHS"
 # CUDA graphs of k + 1 rows per sequence (qserve.spec_decode.eagle_graphs.HeadCatchUpGraphs). The
 # default since `pytest -m gpu` passed with it (bench/RESULTS.md, eleventh session); "0" opts out.
 EAGLE_CATCH_UP_GRAPHS_ENV = "QSERVE_EAGLE_CATCH_UP_GRAPHS"
-# EAGLE heads: a proposal's k - 1 drafting forwards replay one graph holding all of them (the staging
-# between forwards inside it) instead of one graph per forward. Opt-in ("1") until `pytest -m gpu`
-# passes with it.
-EAGLE_DRAFT_LOOP_GRAPHS_ENV = "QSERVE_EAGLE_DRAFT_LOOP_GRAPHS"
 # EAGLE heads: a proposal's drafts stay on the device (no host sync between drafting and the verify
 # step, which reads them there: the host schedules and launches the verify step while the head still
-# drafts; one sync a cycle instead of two). Opt-in ("1") until `pytest -m gpu` passes with it.
+# drafts; one sync a cycle instead of two). The default since `pytest -m gpu` passed with it
+# (bench/RESULTS.md, twelfth session); "0" keeps them on the host.
 EAGLE_DEVICE_DRAFTS_ENV = "QSERVE_EAGLE_DEVICE_DRAFTS"
 # (The head's graph switches act only where the speculative graphs are captured: CUDA, decode graphs,
 # and QSERVE_SPEC_GRAPHS not 0.)
@@ -314,12 +312,6 @@ def _check_kv_caches(
                 raise ValueError(
                     f"kv_caches[{layer}] is {tuple(cache.shape)} {cache.dtype}; this model needs {shape} {dtype}"
                 )
-
-
-def _module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (the weights a forward reads, roughly)."""
-    tensors = [*module.parameters(), *module.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _prefix_caching(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> bool:
@@ -564,7 +556,7 @@ class Engine:
         self._drafts_out = False  # some running request may still carry drafts
         self._speculating = False  # the last proposal call gave drafts a chance (EAGLE: capture the step)
         # EAGLE_DEVICE_DRAFTS_ENV: proposals leave their drafts on the device for the next step to read
-        self._drafts_on_device = self._eagle_head is not None and env_switch(EAGLE_DEVICE_DRAFTS_ENV, default=False)
+        self._drafts_on_device = self._eagle_head is not None and env_switch(EAGLE_DEVICE_DRAFTS_ENV, default=True)
         self._device_drafts = None  # the last proposal's (qserve.spec_decode.proposer.DeviceDrafts)
         # enable_adaptive_verification: k per step from the measured acceptance and the batch size
         self.adaptive_speculation: AdaptiveSpeculation | None = None
@@ -629,6 +621,12 @@ class Engine:
         head = load_eagle_head(
             spec.model, head_config, self.model, self.dtype, self.device, target_config.max_position_embeddings
         )
+        if spec.draft_layers == "int4":
+            head.quantize_layers()
+            logger.info(
+                "speculative decoding: the head drafts through 4-bit copies of its layers (%.1f MiB in all)",
+                held_weight_bytes(head) / 2**20,
+            )
         if spec.draft_lm_head == "int4":
             head.quantize_draft_lm_head()
             logger.info(
@@ -680,9 +678,9 @@ class Engine:
     def _draft_cost(self) -> float:
         """The adaptive policy's cost of one draft forward relative to one of the target: the bytes
         each reads (0 for n-gram lookup)."""
-        target = _module_bytes(self.model)
+        target = held_weight_bytes(self.model)
         if self._draft is not None:
-            return _module_bytes(self._draft[0]) / target
+            return held_weight_bytes(self._draft[0]) / target
         if self._eagle_head is not None:
             return self._eagle_head.weight_bytes() / target
         return 0.0
@@ -758,7 +756,6 @@ class Engine:
             -(-longest // self.kv_manager.block_size),
             self.device,
             share=share,
-            loop=env_switch(EAGLE_DRAFT_LOOP_GRAPHS_ENV, default=False),
         )
         graphs.capture()
         proposer.graphs = graphs
@@ -869,7 +866,7 @@ class Engine:
                 draft_path = self.config.speculative_config.model
                 weights += weight_bytes(self._draft[1], loaders.detect(draft_path), self.dtype, 1)
             if self._eagle_head is not None:
-                weights += _module_bytes(self._eagle_head) + self._eagle_head.draft_lm_head_bytes()
+                weights += held_weight_bytes(self._eagle_head) + self._eagle_head.draft_lm_head_bytes()
         budget = parse_memory_budget(self.config.gpu_memory_budget or str(GPU_DEFAULT_FRACTION), total)
         shadow_per_token, shadow_scratch = self._shadow_kv_plan()
         return make_plan(

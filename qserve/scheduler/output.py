@@ -78,7 +78,7 @@ class SchedulerOutput:
     # step runs eagerly.
     spec_hidden_states: bool = False
     # Speculative decoding with drafts left on the device (set by the engine, not the scheduler;
-    # QSERVE_EAGLE_DEVICE_DRAFTS=1): each sequence's spec_token_ids are placeholders of the right
+    # EAGLE heads unless QSERVE_EAGLE_DEVICE_DRAFTS=0): each sequence's spec_token_ids are placeholders of the right
     # count, its ids the first ones of its row of this object (qserve.spec_decode.proposer.DeviceDrafts),
     # which the runner reads on the device; None: the spec_token_ids are the drafts.
     spec_device_drafts: Any = None

@@ -38,10 +38,14 @@ KNOWN_KEYS = (
     "enable_adaptive_verification",
     "adaptive_verification_row_cost",
     "draft_lm_head",
+    "draft_layers",
 )
 # What an EAGLE head drafts through: the lm_head it scores with ("target": as it is; "int4": a 4-bit
 # round-to-nearest copy, qserve.spec_decode.draft_lm_head; the target verifies with its own either way).
 DRAFT_LM_HEADS = ("target", "int4")
+# What an EAGLE head's own linear layers are ("checkpoint": dense as loaded; "int4": 4-bit round-to-nearest
+# copies, qserve.spec_decode.draft_layers).
+DRAFT_LAYERS = ("checkpoint", "int4")
 # vLLM's defaults when neither n-gram size is given.
 DEFAULT_PROMPT_LOOKUP = 5
 # The adaptive policy's cost of one verified row (a sequence's token scored by the target) relative
@@ -62,6 +66,7 @@ class SpeculativeConfig:
     enable_adaptive_verification: bool = False  # k per step from acceptance and batch size
     adaptive_verification_row_cost: float = DEFAULT_ROW_COST
     draft_lm_head: str = "target"  # EAGLE heads: DRAFT_LM_HEADS
+    draft_layers: str = "checkpoint"  # EAGLE heads: DRAFT_LAYERS
 
     @property
     def is_eagle(self) -> bool:
@@ -153,6 +158,14 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
             f"speculative_config.draft_lm_head {lm_head!r} applies to EAGLE heads (method eagle or eagle3), "
             f"not method {method!r}"
         )
+    layers = value.get("draft_layers", "checkpoint")
+    if layers not in DRAFT_LAYERS:
+        raise ValueError(f"speculative_config.draft_layers must be one of {', '.join(DRAFT_LAYERS)}, got {layers!r}")
+    if layers != "checkpoint" and method not in EAGLE_METHODS:
+        raise ValueError(
+            f"speculative_config.draft_layers {layers!r} applies to EAGLE heads (method eagle or eagle3), "
+            f"not method {method!r}"
+        )
     return SpeculativeConfig(
         method,
         k,
@@ -163,6 +176,7 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
         adaptive,
         float(row_cost),
         lm_head,
+        layers,
     )
 
 

@@ -224,7 +224,7 @@ class EagleProposer(Proposer):
         return [table[device.rows[item.request_id]][:count] if count else [] for item, count in zip(batch, counts)]
 
     def propose_on_device(self, batch: Sequence[ProposalInput]) -> tuple[list[int], DeviceDrafts | None]:
-        """The drafts left on the device (no sync: the engine's QSERVE_EAGLE_DEVICE_DRAFTS=1): the
+        """The drafts left on the device (no sync: the engine's default; QSERVE_EAGLE_DEVICE_DRAFTS=0 takes ``propose``): the
         verify step reads them there, after the drafting forwards in stream order."""
         return self._propose(batch)
 

@@ -179,7 +179,6 @@ class HeadDraftGraphs(_HeadGraphs):
         device: torch.device,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         share: DecodeGraphs | None = None,
-        loop: bool = False,
     ) -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
@@ -192,12 +191,6 @@ class HeadDraftGraphs(_HeadGraphs):
         self.staged = torch.zeros(_STAGED_ROWS, max_steps, max_batch, dtype=torch.int64, device=device)
         self.staged[1] = -1
         self.staged[2] = 1
-        # loop (the engine's opt-in QSERVE_EAGLE_DRAFT_LOOP_GRAPHS=1): one more graph per bucket holding all
-        # max_steps forwards, the staging between them included, for proposals of max_steps forwards (the
-        # common case: k - 1 drafts after the catch-up's first); shorter ones replay the one-forward graph.
-        self.loop = loop and max_steps > 1
-        self.loop_graphs: dict[int, torch.cuda.CUDAGraph | StaticReplay] = {}
-        self.out_drafts = torch.zeros(max_steps, max_batch, dtype=torch.int64, device=device)  # [steps, max_batch]
 
     def _run(self, batch: int) -> None:
         logits_in, feature = self._forward(batch)  # [B, H], [B, H]
@@ -212,31 +205,6 @@ class HeadDraftGraphs(_HeadGraphs):
         self.positions[:batch].copy_(self.staged[0, step, :batch])
         self.slot_mapping[:batch].copy_(self.staged[1, step, :batch])
         self.seq_lens[:batch].copy_(self.staged[2, step, :batch])
-
-    def _run_loop(self, batch: int) -> None:
-        """All ``max_steps`` drafting forwards, each draft into ``out_drafts``: one graph's body."""
-        for step in range(self.max_steps):
-            self._stage_step(step, batch)
-            self._run(batch)
-            self.out_drafts[step, :batch].copy_(self.out_tokens[:batch])
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        super().capture()
-        if not self.loop:
-            return
-        if self.tokens.device.type != "cuda":
-            for batch in self.buckets:
-                self.loop_graphs[batch] = StaticReplay(lambda b=batch: self._run_loop(b))
-            return
-        graphs, self.pool = capture_buckets(self.buckets, self._run_loop, self.pool)
-        self.loop_graphs.update(graphs)
-        logger.info(
-            "captured %d EAGLE head drafting-loop CUDA graphs of %d forwards (batch sizes %s)",
-            len(graphs),
-            self.max_steps,
-            list(self.buckets),
-        )
 
     def fits(self, batch: int, steps: int, width: int) -> bool:
         """Whether a proposal of ``batch`` rows, ``steps`` drafting forwards and block tables ``width``
@@ -271,9 +239,6 @@ class HeadDraftGraphs(_HeadGraphs):
         self._stage_tables(block_tables, bucket)
         self.tokens[:batch].copy_(first_tokens)
         self.features[:batch].copy_(first_features)
-        if steps == self.max_steps and bucket in self.loop_graphs:
-            self.loop_graphs[bucket].replay()
-            return self.out_drafts[:steps, :batch].clone()  # the next replay rewrites it
         drafts = torch.empty(steps, batch, dtype=torch.int64, device=self.tokens.device)  # [steps, R]
         graph = self.graphs[bucket]
         for step in range(steps):

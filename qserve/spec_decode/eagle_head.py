@@ -35,13 +35,14 @@ import torch
 from torch import nn
 
 from loaders.safetensors_io import CheckpointFiles
+from qserve.layers.held_bytes import held_weight_bytes
 from qserve.layers.linear import DenseLinearMethod, Linear
 from qserve.layers.norm import RMSNorm
 from qserve.layers.quant_methods import tensor_nbytes
 from qserve.layers.rotary import RotaryEmbedding
 from qserve.model.llama import FUSED_SLICES, DecoderLayer
 from qserve.runner.attn_metadata import AttentionMetadata
-from qserve.spec_decode import draft_lm_head
+from qserve.spec_decode import draft_layers, draft_lm_head
 from qserve.spec_decode.eagle_config import EagleHeadConfig
 
 logger = logging.getLogger(__name__)
@@ -281,7 +282,7 @@ class EagleHead(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes this head reads per draft forward (its own weights and, for EAGLE, the target's lm_head;
         with a 4-bit draft lm_head, that copy instead of the lm_head it stands for)."""
-        own = sum(p.numel() * p.element_size() for p in self.parameters())
+        own = held_weight_bytes(self)  # (4-bit layers, draft_layers "int4", hold theirs outside parameters)
         if self.draft_lm_head is not None:  # (EAGLE-3's dense lm_head is gone)
             return own + tensor_nbytes(self.draft_lm_head)
         if self.eagle3:
@@ -311,6 +312,17 @@ class EagleHead(nn.Module):
             self.lm_head = None
         if weight.is_cuda:  # the quantization's temporaries: back to the device before the memory plan
             del weight
+            torch.cuda.empty_cache()
+
+    def quantize_layers(self) -> None:
+        """Draft through 4-bit round-to-nearest copies of the head's dense linear layers (its decoder
+        layers and fc; ``qserve.spec_decode.draft_layers``); an lm_head stays as it is (``draft_lm_head``
+        decides that one)."""
+        linears = [m for m in (*self.layers.modules(), self.fc) if isinstance(m, Linear)]
+        for layer in linears:
+            draft_layers.quantize_linear(layer)
+        device = self.layers[0].post_attention_layernorm.weight.device
+        if device.type == "cuda":  # the dense weights' memory: back to the device before the memory plan
             torch.cuda.empty_cache()
 
     def draft_lm_head_bytes(self) -> int:
@@ -370,8 +382,10 @@ def load_eagle_head(
     return head
 
 
-def eagle_head_bytes(path: str | Path, method: str, dtype: torch.dtype) -> int:
-    """Bytes the head's weights take in ``dtype``, from the checkpoint's headers (``qserve plan``)."""
+def eagle_head_bytes(path: str | Path, method: str, dtype: torch.dtype, int4_layers: bool = False) -> int:
+    """Bytes the head's weights take in ``dtype``, from the checkpoint's headers (``qserve plan``);
+    ``int4_layers``: its linear layers (every 2-D weight but the embedding and lm_head) as the 4-bit
+    copies of ``draft_layers`` "int4"."""
     files = CheckpointFiles(path)
     try:
         element = torch.empty((), dtype=dtype).element_size()
@@ -381,6 +395,9 @@ def eagle_head_bytes(path: str | Path, method: str, dtype: torch.dtype) -> int:
             if canonical in _IGNORED[method] or "rotary_emb" in canonical:
                 continue
             info = files.info(name)
+            if int4_layers and len(info.shape) == 2 and canonical not in ("embed_tokens.weight", "lm_head.weight"):
+                total += draft_lm_head.planned_bytes(info.shape[0], info.shape[1], dtype)  # [N, K]: same layout
+                continue
             size = info.nbytes // max(torch.empty((), dtype=info.torch_dtype).element_size(), 1)
             total += size * (8 if canonical == "d2t" else element)
         return total

@@ -1,4 +1,4 @@
-"""QSERVE_EAGLE_DEVICE_DRAFTS=1: an EAGLE head's drafts stay on the device (no host sync between drafting and
+"""QSERVE_EAGLE_DEVICE_DRAFTS (default on; "0" off): an EAGLE head's drafts stay on the device (no host sync between drafting and
 the verify step, which reads them there: as input ids, the rejection sampler's drafts and, where penalties
 read them, the rows' output ids). Greedy outputs stay token-identical to no speculation over the mixed
 workload (both step orders; eager and through the row graphs, StaticReplay stand-ins on CPU); every verify
@@ -147,6 +147,16 @@ def test_drafts_the_scheduler_cuts_keep_a_prefix(walk, monkeypatch):  # noqa: F8
         assert got[f"w{s}"].outputs[0].token_ids == walk_tokens(perm, s, 30)
     assert any(cut), "some step verified fewer drafts than proposed"
     assert engine.spec_stats.num_accepted_tokens / engine.spec_stats.num_draft_tokens > 0.9
+
+
+@pytest.mark.parametrize(("switch", "on_device"), [(None, True), ("1", True), ("0", False)])
+def test_drafts_stay_on_the_device_unless_the_switch_says_0(path, heads, switch, on_device, monkeypatch):  # noqa: F811
+    """The default since its GPU run (bench/RESULTS.md, twelfth session): unset is on."""
+    if switch is None:
+        monkeypatch.delenv(EAGLE_DEVICE_DRAFTS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(EAGLE_DEVICE_DRAFTS_ENV, switch)
+    assert LLM(path, speculative_config=_spec(heads, "eagle"), **ARGS).engine._drafts_on_device is on_device
 
 
 def test_the_switch_refuses_a_value_it_does_not_know(path, heads, monkeypatch):  # noqa: F811

@@ -11,6 +11,10 @@ reach the head one position off. Adaptive verification: outputs unchanged, k cho
 With ``QSERVE_SPEC_GRAPHS=1`` (StaticReplay stand-ins on CPU, captured graphs under ``-m gpu``) verify
 steps replay the row graphs, which return the heads' hidden states: the same outputs, the same hidden
 states step by step as the eager engine, the oracle heads' acceptance kept.
+
+These tests read every proposal's drafts on the host (the proposer's ``propose``), so they run with
+``QSERVE_EAGLE_DEVICE_DRAFTS=0``; test_spec_decode_device_drafts checks that the default device path
+gives each verify step the same drafts and inputs as this one, and keeps the same outputs.
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ from tests.integration.test_spec_decode import (  # noqa: F401 - path, reference
 )
 
 K = 3
+
+
+@pytest.fixture(autouse=True)
+def host_drafts(monkeypatch) -> None:
+    """Proposals through the host path, whose drafts these tests read (module doc)."""
+    from qserve.engine.engine import EAGLE_DEVICE_DRAFTS_ENV
+
+    monkeypatch.setenv(EAGLE_DEVICE_DRAFTS_ENV, "0")
 
 
 @pytest.fixture(scope="module")
@@ -889,18 +901,16 @@ def _drafting_run(  # noqa: ANN202
     workload,  # noqa: ANN001
     head_graphs: str | None,
     catch_up: list | None = None,
-    loop_replays: list | None = None,
 ):
     """The ``reference`` workload with a random head and QSERVE_EAGLE_HEAD_GRAPHS=``head_graphs``
     (None: unset, the default: on; StaticReplay stand-ins on CPU): outputs token-identical to no
     speculation, every page back. Returns (every proposal's drafts, in order; the shape of every
     proposal drafted through the graphs; every draft's logits input, in order). ``catch_up``: with
     QSERVE_EAGLE_CATCH_UP_GRAPHS unset (the default: on), and every catch-up replay's rows per sequence
-    appended to it; None: QSERVE_EAGLE_CATCH_UP_GRAPHS=0. ``loop_replays``: with
-    QSERVE_EAGLE_DRAFT_LOOP_GRAPHS=1, every replay of a drafting-loop graph's bucket appended to it."""
+    appended to it; None: QSERVE_EAGLE_CATCH_UP_GRAPHS=0."""
     import os
 
-    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_DRAFT_LOOP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
+    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
     from tests.integration.test_spec_decode_graphs import install_graphs
 
     if head_graphs is None:
@@ -911,7 +921,6 @@ def _drafting_run(  # noqa: ANN202
         os.environ[EAGLE_CATCH_UP_GRAPHS_ENV] = "0"
     else:
         os.environ.pop(EAGLE_CATCH_UP_GRAPHS_ENV, None)
-    os.environ[EAGLE_DRAFT_LOOP_GRAPHS_ENV] = "0" if loop_replays is None else "1"
     requests, want, _ = workload
     llm = LLM(checkpoint, async_scheduling=False, speculative_config=_spec(heads, method), **ARGS)
     engine = llm.engine
@@ -928,10 +937,6 @@ def _drafting_run(  # noqa: ANN202
             return replay_catch_up(*args, **kwargs)
 
         catch_up_graphs.catch_up = counted_catch_up
-    loops = {} if proposer.graphs is None else proposer.graphs.loop_graphs
-    assert bool(loops) == (loop_replays is not None and head_graphs != "0")
-    for bucket, graph in loops.items():
-        graph.replay = lambda _b=bucket, _r=graph.replay: loop_replays.append(_b) or _r()
     proposals, replayed = [], []
     staged = []  # every replay's (positions, slots: [steps, rows]; each row's (first position, drafts))
     rows = []  # the rows of the proposal about to replay, read before the graphs draft
@@ -995,11 +1000,10 @@ def test_eagle_head_graphs_draft_what_the_eager_head_drafts(path, heads, referen
     Every proposal's drafts equal the eager head's (QSERVE_EAGLE_HEAD_GRAPHS=0: rows drop out as they
     finish), outputs stay token-identical to no speculation, and several-row proposals (pad rows up to
     the bucket) are among them."""
-    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_DRAFT_LOOP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
+    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
 
     monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "0")  # restored after the test (_drafting_run sets them)
     monkeypatch.setenv(EAGLE_CATCH_UP_GRAPHS_ENV, "0")
-    monkeypatch.setenv(EAGLE_DRAFT_LOOP_GRAPHS_ENV, "0")
     eager, none, _, _ = _drafting_run(path, heads, method, reference, "0")
     graphed, replayed, graphed_inputs, repeats = _drafting_run(path, heads, method, reference, None)
     assert repeats > 0  # rows of fewer drafts were among them
@@ -1017,28 +1021,6 @@ def test_eagle_head_graphs_draft_what_the_eager_head_drafts(path, heads, referen
     # the head's states themselves, not only their argmax: a replay at a wrong position moves them
     assert len(both_inputs) == len(graphed_inputs)
     for got, want in zip(both_inputs, graphed_inputs, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-def test_eagle_drafting_loop_graphs_draft_as_one_graph_per_forward(path, heads, reference, monkeypatch):  # noqa: F811
-    """QSERVE_EAGLE_DRAFT_LOOP_GRAPHS=1 (StaticReplay stand-ins on CPU): proposals of k - 1 drafting
-    forwards replay one graph holding all of them (its staging between forwards inside), shorter ones the
-    one-forward graph; every proposal's drafts and every draft's logits input equal the one-graph-per-
-    forward path's, and the outputs stay token-identical to no speculation."""
-    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_DRAFT_LOOP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
-
-    for name in (EAGLE_HEAD_GRAPHS_ENV, EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_DRAFT_LOOP_GRAPHS_ENV):
-        monkeypatch.setenv(name, "0")  # restored after the test (_drafting_run sets them)
-    per_forward, replayed, per_forward_inputs, _ = _drafting_run(path, heads, "eagle", reference, None)
-    loop_replays: list[int] = []
-    looped, looped_replayed, looped_inputs, _ = _drafting_run(
-        path, heads, "eagle", reference, None, loop_replays=loop_replays
-    )
-    assert looped == per_forward and looped_replayed == replayed
-    full = sum(1 for steps, _ in replayed if steps == K - 1)
-    assert full > 0 and len(loop_replays) == full  # every proposal of k - 1 forwards, no other
-    assert len(looped_inputs) == len(per_forward_inputs)
-    for got, want in zip(looped_inputs, per_forward_inputs, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -1094,17 +1076,15 @@ def test_eagle_head_graphs_switch_refuses_a_value_it_does_not_know(path, heads, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_cuda_eagle_head_graphs_match_no_speculation(path, heads, walk, async_scheduling, monkeypatch):  # noqa: F811
-    """QSERVE_EAGLE_HEAD_GRAPHS=1, QSERVE_EAGLE_CATCH_UP_GRAPHS=1 and QSERVE_EAGLE_DRAFT_LOOP_GRAPHS=1 on the
-    GPU: the heads' drafting (a proposal's forwards in one graph) and catch-up forwards are captured CUDA
-    graphs and replay; greedy outputs equal no speculation's
+    """QSERVE_EAGLE_HEAD_GRAPHS=1 and QSERVE_EAGLE_CATCH_UP_GRAPHS=1 on the GPU: the heads' drafting and
+    catch-up forwards are captured CUDA graphs and replay; greedy outputs equal no speculation's
     (float32), and an oracle head keeps > 95% of its drafts (which collapses when a replay reads a
     wrong row, feature or block)."""
-    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_DRAFT_LOOP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
+    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
     from tests.integration.test_spec_decode_graphs import _cuda_engine
 
     monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "1")
     monkeypatch.setenv(EAGLE_CATCH_UP_GRAPHS_ENV, "1")
-    monkeypatch.setenv(EAGLE_DRAFT_LOOP_GRAPHS_ENV, "1")
     finals = {}
     for name, spec in (("none", None), ("eagle", _spec(heads, "eagle")), ("eagle3", _spec(heads, "eagle3"))):
         llm = _cuda_engine(path, spec, True, monkeypatch, async_scheduling=async_scheduling)
@@ -1117,7 +1097,6 @@ def test_cuda_eagle_head_graphs_match_no_speculation(path, heads, walk, async_sc
             assert graphs is not None and isinstance(next(iter(graphs.graphs.values())), torch.cuda.CUDAGraph)
             catch_up = engine.proposer.catch_up_graphs
             assert catch_up is not None and isinstance(next(iter(catch_up.graphs.values())), torch.cuda.CUDAGraph)
-            assert isinstance(next(iter(graphs.loop_graphs.values())), torch.cuda.CUDAGraph)
             draft = graphs.draft
             graphs.draft = lambda *a, _draft=draft, _seen=replays, **kw: _seen.append(a[2].shape) or _draft(*a, **kw)
         finals[name] = _run(engine, requests)[0]

@@ -82,7 +82,6 @@ def test_small_run_with_eagle_heads(target: Path, tmp_path: Path, monkeypatch, c
         engine.EAGLE_DECODE_GRAPHS_ENV,
         engine.EAGLE_HEAD_GRAPHS_ENV,
         engine.EAGLE_CATCH_UP_GRAPHS_ENV,
-        engine.EAGLE_DRAFT_LOOP_GRAPHS_ENV,
         engine.EAGLE_DEVICE_DRAFTS_ENV,
     ):
         monkeypatch.setenv(name, "0")
