@@ -719,6 +719,7 @@ def serve_app(
     parent says where it serves and reports a dead core)."""
     import uvicorn
 
+    from qserve.engine.core.startup_heap import freeze_startup_heap
     from qserve.server.app import create_app
     from qserve.server.draining_server import DrainingServer
 
@@ -742,6 +743,8 @@ def serve_app(
             host.on_dead.append(on_core_died)
         if first:
             print(ready_line(f"http://{args.host}:{args.port}", host, args.block_size), flush=True)
+        # the server's objects out of the collector's walks: a full collection stalls every stream
+        freeze_startup_heap()
 
     app = create_app(
         host_factory=factory,  # type: ignore[arg-type]

@@ -86,6 +86,7 @@ from qserve.engine.core.messages import (
     StartupFailed,
     request_params,
 )
+from qserve.engine.core.startup_heap import freeze_startup_heap
 from qserve.engine.kv_events import KVEventsConfig, ZmqKVEventPublisher
 from qserve.lora.request import LoRARequest
 from qserve.spec_decode.metrics import stats_entries
@@ -642,6 +643,7 @@ def main() -> int:
                 logger.exception("loading the models failed")
             broadcast(StartupFailed(str(err), user_error))
             return 1
+        freeze_startup_heap()  # the loaded engines' objects out of the collector's walks (a step stall)
         broadcast(core.ready())
         core.run()
         return 0
