@@ -26,6 +26,13 @@ When the session runs launch-compile tests (``tests/kernels/test_launch_compile.
 scripts are queued at the end of collection on two background workers, niced, and compile while the other
 tests run (``pytest_collection_finish``); those tests run last (``pytest_collection_modifyitems``), so they
 mostly find the compiles done.
+
+Under pytest-xdist (addopts' ``-n auto``), each worker's torch gets the cores divided by the workers as its
+OpenMP threads (``OMP_NUM_THREADS``, set in the controller before it starts the workers, unless set already;
+the servers, engine cores, ranks and scripts the tests start inherit it). With torch's default, a thread per
+core in every worker and in every process a test starts, OpenMP's spinning threads fought over CI's two cores:
+the same 53 tests (EAGLE, engine-core process, SIGTERM, MoE families) on two workers used 143 CPU-s in 86 s,
+and 71 CPU-s in 68 s with one thread each (tiny models gain nothing from a second thread).
 """
 
 from __future__ import annotations
@@ -59,6 +66,14 @@ def _fix_interpreter_index() -> None:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     _fix_interpreter_index()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The xdist controller, before it starts the workers: each worker's OpenMP threads (see the docstring)."""
+    workers = config.getoption("numprocesses", None)
+    if workers and not hasattr(config, "workerinput"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
 
 
 LAUNCH_COMPILE_MODULE = "test_launch_compile.py"
