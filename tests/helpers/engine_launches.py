@@ -586,6 +586,48 @@ def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str) ->
                     lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, split_k=split_k)
 
 
+# EAGLE heads' 4-bit copies at a Qwen2.5-14B target's shapes (speculative_config "draft_lm_head" / "draft_layers":
+# "int4"): the lm_head [V, H] (K = H, N = V), fc and EAGLE-3's first qkv (K = 2H), a decoder layer's down (K = I).
+DRAFT_LM_HEAD_SHAPE = (5120, 152064)
+DRAFT_LAYER_SHAPES = (("fc", 10240, 5120), ("EAGLE-3 qkv", 10240, 7168), ("down", 13824, 5120))
+# rows a drafting forward and a catch-up (4 sequences x k + 1) give the copies; past MAX_ROWS_PER_CALL the
+# lm_head copy goes in slices
+DRAFT_ROWS = (1, 4, 20)
+
+
+def drive_draft_int4(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+    """The EAGLE head's 4-bit copies through their real wrappers: ``draft_lm_head.logits`` (its slices
+    past ``MAX_ROWS_PER_CALL`` included) and ``DraftInt4LinearMethod.apply``, asymmetric round-to-nearest
+    weights (zeros), group 128, as ``pack_int4_rtn`` makes them, prepared for the simulated GPU."""
+    from qserve.spec_decode import draft_layers, draft_lm_head
+
+    def prepared(k: int, n: int):  # noqa: ANN202 - ops.W4A16Prepared
+        groups = k // 128
+        packed = PackedQuantWeight(
+            4,
+            128,
+            torch.zeros((k // 8, n), dtype=torch.int32),  # [K/8, N]
+            torch.ones((groups, n), dtype=dtype),  # [K/G, N]
+            torch.full((groups, n), 8, dtype=torch.uint8),  # [K/G, N]
+        )
+        return ops.prepare_w4a16(packed)
+
+    with torch.inference_mode():
+        hidden, vocab = DRAFT_LM_HEAD_SHAPE
+        lm_head = prepared(hidden, vocab)
+        for rows in (*DRAFT_ROWS, draft_lm_head.MAX_ROWS_PER_CALL + 2):
+            with where(capture, f"draft lm_head int4 {dtype_name} rows={rows}"):
+                draft_lm_head.logits(torch.zeros((rows, hidden), dtype=dtype), lm_head)
+        for name, k, n in DRAFT_LAYER_SHAPES:
+            layer = Linear(
+                k, [n], bias=False, params_dtype=dtype, method=draft_layers.DraftInt4LinearMethod([name]), prefix=name
+            )
+            layer.quant_prepared = [prepared(k, n)]
+            for rows in DRAFT_ROWS:
+                with where(capture, f"draft layer int4 {name} {dtype_name} rows={rows}"):
+                    layer(torch.zeros((rows, k), dtype=dtype))
+
+
 def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", "bf16"), log=print) -> Capture:
     """All the launches of ``tier`` (``TIERS``) for ``gpu``; ``log`` gets one line per stage."""
     plan = TIERS[tier]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.engine_launches import DRAFT_LAYER_SHAPES, DRAFT_ROWS
 from tests.helpers.result_scripts import BackgroundJob, BackgroundPool, StartedScript, run_result_script, script_env
 
 pytest.importorskip("triton")
@@ -383,10 +384,43 @@ def _other_consumer_card() -> tuple[str, ...]:
 
 
 # The compile tests that run one script each: {test: (script, its arguments)}; ``start_early`` starts them.
+_DRAFT_INT4 = r"""
+import json, torch
+from tests.helpers.engine_launches import drive_draft_int4, layout_without_shuffling
+from tests.helpers.kernel_launches import GPUS, simulated_gpu
+result = {}
+for name in ("sm90", "sm86"):
+    with simulated_gpu(GPUS[name]) as capture, layout_without_shuffling():
+        drive_draft_int4(capture, torch.float16, "fp16")
+    result[name] = [
+        {"kernel": l.kernel, "constexprs": dict(l.constexprs), "error": l.error, "where": l.where, "count": l.count}
+        for l in capture.launches.values()
+    ]
+print("RESULT" + json.dumps(result, default=str))
+"""
+
+
+@pytest.mark.slow  # the newest CI job runs it
+def test_draft_int4_launches_compile(request, tmp_path) -> None:
+    """An EAGLE head's 4-bit copies (speculative_config "draft_lm_head" / "draft_layers": "int4") as
+    ``draft_lm_head.logits`` and ``DraftInt4LinearMethod.apply`` launch them at a 14B target's shapes (the
+    152,064-row lm_head; fc, EAGLE-3's qkv and down), 1-130 rows, asymmetric zeros, compile for sm90 and
+    sm86. Selectable alone (``-k draft_int4``)."""
+    # each call one W4A16 launch (a launch is recorded once per specialization, under its first call's place):
+    # the lm_head's row counts, the 130 rows as 128 + 2, and every layer shape's row counts
+    calls = len(DRAFT_ROWS) + 2 + len(DRAFT_LAYER_SHAPES) * len(DRAFT_ROWS)
+    for gpu, launches in _compiled_launches(request, tmp_path).items():
+        assert sum(x["count"] for x in launches) == calls, (gpu, launches)
+        assert all(x["kernel"].startswith("w4a16") and x["constexprs"]["HAS_ZEROS"] for x in launches), gpu
+        places = {x["where"].rsplit(" rows=", 1)[0] for x in launches}
+        assert {"draft lm_head int4 fp16", "draft layer int4 fc fp16"} <= places, (gpu, sorted(places))
+
+
 _SCRIPTS = {
     "test_the_check_catches_what_broke_main": (_CONTROL, tuple),
     "test_lora_launches_compile": (_LORA, tuple),
     "test_moe_direct_blocks_launches": (_MOE_DIRECT, tuple),
     "test_moe_launches_compile": (_MOE, _other_consumer_card),
     "test_moe_split_k_launches": (_MOE_SPLIT, tuple),
+    "test_draft_int4_launches_compile": (_DRAFT_INT4, tuple),
 }
