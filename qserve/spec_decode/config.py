@@ -148,24 +148,8 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
             f"speculative_config.adaptive_verification_row_cost must be a number > 0 (a row's cost relative to a "
             f"step's fixed cost), got {row_cost!r}"
         )
-    lm_head = value.get("draft_lm_head", "target")
-    if lm_head not in DRAFT_LM_HEADS:
-        raise ValueError(
-            f"speculative_config.draft_lm_head must be one of {', '.join(DRAFT_LM_HEADS)}, got {lm_head!r}"
-        )
-    if lm_head != "target" and method not in EAGLE_METHODS:
-        raise ValueError(
-            f"speculative_config.draft_lm_head {lm_head!r} applies to EAGLE heads (method eagle or eagle3), "
-            f"not method {method!r}"
-        )
-    layers = value.get("draft_layers", "checkpoint")
-    if layers not in DRAFT_LAYERS:
-        raise ValueError(f"speculative_config.draft_layers must be one of {', '.join(DRAFT_LAYERS)}, got {layers!r}")
-    if layers != "checkpoint" and method not in EAGLE_METHODS:
-        raise ValueError(
-            f"speculative_config.draft_layers {layers!r} applies to EAGLE heads (method eagle or eagle3), "
-            f"not method {method!r}"
-        )
+    lm_head = _eagle_choice(value, "draft_lm_head", DRAFT_LM_HEADS, method)
+    layers = _eagle_choice(value, "draft_layers", DRAFT_LAYERS, method)
     return SpeculativeConfig(
         method,
         k,
@@ -178,6 +162,19 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
         lm_head,
         layers,
     )
+
+
+def _eagle_choice(value: dict[str, Any], key: str, choices: tuple[str, ...], method: str) -> str:
+    """An EAGLE head's option ``key``: one of ``choices`` (the first is the default, the only one other
+    methods take)."""
+    chosen = value.get(key, choices[0])
+    if chosen not in choices:
+        raise ValueError(f"speculative_config.{key} must be one of {', '.join(choices)}, got {chosen!r}")
+    if chosen != choices[0] and method not in EAGLE_METHODS:
+        raise ValueError(
+            f"speculative_config.{key} {chosen!r} applies to EAGLE heads (method eagle or eagle3), not method {method!r}"
+        )
+    return chosen
 
 
 def check_tensor_parallel_speculation(config: SpeculativeConfig | None, tensor_parallel_size: int) -> None:

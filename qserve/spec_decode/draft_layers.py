@@ -7,8 +7,8 @@ as much as four of the target's layers. The drafts are proposals the target veri
 weights, so a coarser head changes which tokens are proposed (the measured acceptance), never the
 outputs.
 
-Knows: ``Linear`` and its methods, round-to-nearest packing (``draft_lm_head.pack_int4_rtn``), the
-W4A16 kernels' entry point. Must not know: the head's forward, the proposer, the engine.
+Knows: ``Linear`` and its methods (the W4A16 one runs the kernels), round-to-nearest packing
+(``draft_lm_head.pack_int4_rtn``). Must not know: the head's forward, the proposer, the engine.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import torch
 
 from qserve.layers.linear import DenseLinearMethod, Linear
 from qserve.layers.quant_methods import W4A16LinearMethod
-from qserve.spec_decode.draft_lm_head import group_size_for, pack_int4_rtn
-from quant_kernels import ops
+from qserve.spec_decode.draft_lm_head import group_size_for, kernel_dtype, pack_int4_rtn
 
 
 class DraftInt4LinearMethod(W4A16LinearMethod):
@@ -26,9 +25,7 @@ class DraftInt4LinearMethod(W4A16LinearMethod):
     kernels in the 16-bit dtype of the copy's scales and come back as float32."""
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        prepared = layer.quant_prepared[0]
-        weight = prepared.weight if isinstance(prepared, ops.W4A16Prepared) else prepared
-        half = weight.scales.dtype
+        half = kernel_dtype(layer.quant_prepared[0])
         if x.dtype == half:
             return super().apply(layer, x, bias)
         out = super().apply(layer, x.to(half), None if bias is None else bias.to(half))

@@ -69,11 +69,16 @@ def prepare(weight: torch.Tensor) -> Any:
 MAX_ROWS_PER_CALL = 128
 
 
-def logits(hidden: torch.Tensor, prepared: Any) -> torch.Tensor:
-    """float32 ``[R, V]``: ``hidden [R, H]`` (a float32 model's cast to the copy's 16-bit scales' dtype)
-    through the 4-bit copy, ``MAX_ROWS_PER_CALL`` rows a call."""
+def kernel_dtype(prepared: Any) -> torch.dtype:
+    """The 16-bit dtype a copy multiplies in (its scales'), whatever the layout ``prepare`` gave it."""
     weight = prepared.weight if isinstance(prepared, ops.W4A16Prepared) else prepared
-    hidden = hidden.to(weight.scales.dtype)
+    return weight.scales.dtype
+
+
+def logits(hidden: torch.Tensor, prepared: Any) -> torch.Tensor:
+    """float32 ``[R, V]``: ``hidden [R, H]`` (a float32 model's cast to the copy's 16-bit dtype)
+    through the 4-bit copy, ``MAX_ROWS_PER_CALL`` rows a call."""
+    hidden = hidden.to(kernel_dtype(prepared))
     if hidden.shape[0] <= MAX_ROWS_PER_CALL:
         return ops.w4a16_linear(hidden, prepared).float()
     slices = [ops.w4a16_linear(part, prepared) for part in hidden.split(MAX_ROWS_PER_CALL)]  # each [<=128, V]

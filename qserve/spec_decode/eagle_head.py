@@ -289,7 +289,7 @@ class EagleHead(nn.Module):
             return own
         target = self.target
         head = target.lm_head if target.lm_head is not None else target.model.embed_tokens
-        return own + sum(p.numel() * p.element_size() for p in head.parameters())
+        return own + held_weight_bytes(head)  # (a 4-bit lm_head's packed weights are not parameters)
 
     def quantize_draft_lm_head(self) -> None:
         """Draft through a 4-bit round-to-nearest copy of the lm_head this head scores with (EAGLE: the

@@ -3,12 +3,9 @@ become 4-bit round-to-nearest copies through the W4A16 kernels (qserve.spec_deco
 layer computes ``x @ dequantize(RTN(W))``; greedy outputs stay token-identical to no speculation (the
 target verifies with its own weights); an oracle head keeps its drafts accepted (a wrong copy collapses
 that); the copies count in the memory plan, the adaptive draft cost and ``qserve plan``; values and methods
-it does not apply to are refused."""
+it does not apply to are refused (test_spec_decode_draft_lm_head's refusal test, which covers both options)."""
 
 from __future__ import annotations
-
-import argparse
-import json
 
 import pytest
 import torch
@@ -18,7 +15,6 @@ from qserve.layers.held_bytes import held_weight_bytes
 from qserve.layers.linear import DenseLinearMethod, Linear
 from qserve.quantize.quantizer import quantize_rtn
 from qserve.spec_decode import draft_layers
-from qserve.spec_decode.config import parse_speculative_config
 from qserve.spec_decode.eagle_head import eagle_head_bytes
 from tests.helpers.eagle_heads import PERM_FIRST, walk_tokens
 from tests.integration.test_spec_decode import (  # noqa: F401 - path, reference: fixtures
@@ -29,6 +25,7 @@ from tests.integration.test_spec_decode import (  # noqa: F401 - path, reference
     path,
     reference,
 )
+from tests.integration.test_spec_decode_draft_lm_head import planned_draft_bytes
 from tests.integration.test_spec_decode_eagle import (  # noqa: F401 - heads, walk: fixtures
     _assert_cuda_heads_keep_the_outputs,
     _assert_oracle_heads_walk,
@@ -47,7 +44,7 @@ def test_a_copied_layer_multiplies_by_the_round_to_nearest_weight(dtype: torch.d
     dense = layer.weight.detach().clone()
     draft_layers.quantize_linear(layer)
     assert isinstance(layer.method, draft_layers.DraftInt4LinearMethod)
-    assert not hasattr(layer, "weight") or not isinstance(getattr(layer, "weight", None), torch.Tensor)
+    assert "weight" not in dict(layer.named_parameters())  # the dense weight is gone
     x = torch.randn(5, 256, generator=gen).to(dtype)  # [T, K]
     got = layer(x)
     assert got.dtype == dtype
@@ -100,32 +97,10 @@ def test_an_oracle_head_keeps_its_drafts_accepted_with_int4_layers(walk, method)
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_qserve_plan_counts_the_copies(path, heads, method, capsys):  # noqa: F811
-    from qserve.commands import plan
-
-    def planned(spec: dict) -> int:
-        parser = argparse.ArgumentParser()
-        plan.register(parser)
-        args = [path, "--gpu-memory-budget", "256MiB", "--json", "--speculative-config", json.dumps(spec)]
-        assert plan.run(parser.parse_args(args)) == 0
-        return json.loads(capsys.readouterr().out)["draft_weights_bytes"]
-
-    dense, int4 = planned(_spec(heads, method)), planned(_spec(heads, method, draft_layers="int4"))
+    dense = planned_draft_bytes(path, _spec(heads, method), capsys)
+    int4 = planned_draft_bytes(path, _spec(heads, method, draft_layers="int4"), capsys)
     assert dense == eagle_head_bytes(heads[method], method, torch.float16)
     assert int4 == eagle_head_bytes(heads[method], method, torch.float16, int4_layers=True) < dense
-
-
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        ({"method": "eagle", "model": "h", "draft_layers": "int8"}, "draft_layers must be one of checkpoint, int4"),
-        ({"method": "ngram", "draft_layers": "int4"}, "applies to EAGLE heads .* not method 'ngram'"),
-        ({"method": "draft_model", "model": "d", "draft_layers": "int4"}, "not method 'draft_model'"),
-    ],
-)
-def test_draft_layers_it_cannot_apply_are_refused(extra: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        parse_speculative_config({"num_speculative_tokens": 2, **extra})
-    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2}).draft_layers == "checkpoint"
 
 
 @pytest.mark.gpu

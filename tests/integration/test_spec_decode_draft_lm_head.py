@@ -119,22 +119,25 @@ def test_an_oracle_head_keeps_its_drafts_accepted_with_int4(walk, method):  # no
     assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95, stats.num_accepted_tokens / stats.num_draft_tokens
 
 
+def planned_draft_bytes(path: str, spec: dict, capsys: pytest.CaptureFixture) -> int:  # noqa: F811
+    """``qserve plan --json``'s draft_weights_bytes for the target ``path`` under ``spec``."""
+    from qserve.commands import plan
+
+    parser = argparse.ArgumentParser()
+    plan.register(parser)
+    args = [path, "--gpu-memory-budget", "256MiB", "--json", "--speculative-config", json.dumps(spec)]
+    assert plan.run(parser.parse_args(args)) == 0
+    return json.loads(capsys.readouterr().out)["draft_weights_bytes"]
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_qserve_plan_counts_the_copy(path, heads, method, capsys):  # noqa: F811
-    from qserve.commands import plan
     from qserve.model.registry import read_model_config
     from qserve.spec_decode.eagle_config import read_eagle_config
 
-    def planned(spec: dict) -> dict:
-        parser = argparse.ArgumentParser()
-        plan.register(parser)
-        args = [path, "--gpu-memory-budget", "256MiB", "--json", "--speculative-config", json.dumps(spec)]
-        assert plan.run(parser.parse_args(args)) == 0
-        return json.loads(capsys.readouterr().out)
-
     config = json.loads((Path(path) / "config.json").read_text())
-    extra = planned(_spec(heads, method, draft_lm_head="int4"))["draft_weights_bytes"]
-    extra -= planned(_spec(heads, method))["draft_weights_bytes"]
+    extra = planned_draft_bytes(path, _spec(heads, method, draft_lm_head="int4"), capsys)
+    extra -= planned_draft_bytes(path, _spec(heads, method), capsys)
     hidden = config["hidden_size"]
     if method == "eagle":  # beside the target's lm_head
         want = draft_lm_head.planned_bytes(config["vocab_size"], hidden, torch.float16)
@@ -148,14 +151,19 @@ def test_qserve_plan_counts_the_copy(path, heads, method, capsys):  # noqa: F811
     ("extra", "message"),
     [
         ({"method": "eagle", "model": "h", "draft_lm_head": "int8"}, "draft_lm_head must be one of target, int4"),
-        ({"method": "ngram", "draft_lm_head": "int4"}, "applies to EAGLE heads .* not method 'ngram'"),
+        ({"method": "ngram", "draft_lm_head": "int4"}, "draft_lm_head 'int4' applies to EAGLE heads .* not method 'ngram'"),
         ({"method": "draft_model", "model": "d", "draft_lm_head": "int4"}, "not method 'draft_model'"),
+        ({"method": "eagle", "model": "h", "draft_layers": "int8"}, "draft_layers must be one of checkpoint, int4"),
+        ({"method": "ngram", "draft_layers": "int4"}, "draft_layers 'int4' applies to EAGLE heads .* not method 'ngram'"),
+        ({"method": "draft_model", "model": "d", "draft_layers": "int4"}, "not method 'draft_model'"),
     ],
-)
-def test_a_draft_lm_head_it_cannot_apply_is_refused(extra: dict, message: str) -> None:
+)  # fmt: skip
+def test_draft_options_they_cannot_apply_are_refused(extra: dict, message: str) -> None:
+    """``draft_lm_head`` and ``draft_layers`` (the 4-bit draft layers' own file shares this check)."""
     with pytest.raises(ValueError, match=message):
         parse_speculative_config({"num_speculative_tokens": 2, **extra})
-    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2}).draft_lm_head == "target"
+    default = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    assert (default.draft_lm_head, default.draft_layers) == ("target", "checkpoint")
 
 
 @pytest.mark.gpu

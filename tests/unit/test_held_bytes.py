@@ -15,6 +15,7 @@ from bench.e2e import SMALL, write_random_gptq
 from bench.spec_decode import write_eagle_head
 from qserve import LLM
 from qserve.layers.held_bytes import held_weight_bytes
+from qserve.spec_decode import draft_layers
 
 ARGS = dict(max_model_len=128, num_kv_blocks=32, block_size=16)
 
@@ -61,3 +62,10 @@ def test_an_eagle_heads_draft_cost_is_over_the_targets_whole_weights(target: Pat
     assert held_weight_bytes(engine._eagle_head) == _parameter_bytes(engine._eagle_head)
     # the packed weights are in the denominator: a parameter-only count would make the head costlier
     assert engine._draft_cost() < engine._eagle_head.weight_bytes() / _parameter_bytes(engine.model)
+    # a 4-bit target lm_head (EAGLE drafts through it): its packed weights count in the head's bytes too
+    dense_lm_head = engine._eagle_head.weight_bytes()
+    draft_layers.quantize_linear(engine.model.lm_head)
+    assert engine._eagle_head.weight_bytes() == held_weight_bytes(engine._eagle_head) + held_weight_bytes(
+        engine.model.lm_head
+    )
+    assert held_weight_bytes(engine._eagle_head) < engine._eagle_head.weight_bytes() < dense_lm_head
