@@ -389,7 +389,7 @@ import json, torch
 from tests.helpers.engine_launches import drive_draft_int4, layout_without_shuffling
 from tests.helpers.kernel_launches import GPUS, simulated_gpu
 result = {}
-for name in ("sm90", "sm86"):
+for name in ("sm90", "sm89", "sm86"):
     with simulated_gpu(GPUS[name]) as capture, layout_without_shuffling():
         drive_draft_int4(capture, torch.float16, "fp16")
     result[name] = [
@@ -404,8 +404,8 @@ print("RESULT" + json.dumps(result, default=str))
 def test_draft_int4_launches_compile(request, tmp_path) -> None:
     """An EAGLE head's 4-bit copies (speculative_config "draft_lm_head" / "draft_layers": "int4") as
     ``draft_lm_head.logits`` and ``DraftInt4LinearMethod.apply`` launch them at a 14B target's shapes (the
-    152,064-row lm_head; fc, EAGLE-3's qkv and down), 1-130 rows, asymmetric zeros, compile for sm90 and
-    sm86. Selectable alone (``-k draft_int4``)."""
+    152,064-row lm_head; fc, EAGLE-3's qkv and down), 1-130 rows, asymmetric zeros, compile for sm90,
+    sm89 and sm86. Selectable alone (``-k draft_int4``)."""
     # each call one W4A16 launch (a launch is recorded once per specialization, under its first call's place):
     # the lm_head's row counts, the 130 rows as 128 + 2, and every layer shape's row counts
     calls = len(DRAFT_ROWS) + 2 + len(DRAFT_LAYER_SHAPES) * len(DRAFT_ROWS)
