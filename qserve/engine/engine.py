@@ -32,11 +32,13 @@ tokens; the scheduler and runner verify them in the step; the tokens a step emit
 go one by one through the stop checks here (those after a stop are dropped). A step with drafts is
 processed before the next is scheduled (the next drafts follow its tokens), so speculation runs
 in the synchronous order while it proposes; above ``disable_by_batch_size`` enqueued requests
-(running and waiting) it proposes nothing and the asynchronous order comes back. Grammars get no
-drafts (docs/spec_decode.md).
+(running and waiting) it proposes nothing and the asynchronous order comes back, as it does for the
+steps where the back-off (``qserve.spec_decode.backoff``) holds every running sequence. Grammars get
+no drafts (docs/spec_decode.md).
 With an EAGLE head the engine asks the runner for the target's hidden states of the steps that carry
-them (``SchedulerOutput.spec_hidden_states``: while speculating, and every step that is not a plain
-decode) and hands each sequence's kept positions to the proposer after the step. With
+them (``SchedulerOutput.spec_hidden_states``: while speculating, unless the back-off holds every
+sequence for the next round, and every step that is not a plain decode) and hands each sequence's
+kept positions to the proposer after the step. With
 ``enable_adaptive_verification`` the number of drafts per step comes from
 ``qserve.spec_decode.adaptive`` (measured acceptance, batch size, a cost model); 0 is a plain step.
 Verify steps (and a draft model's steps) run under CUDA graphs unless ``QSERVE_SPEC_GRAPHS=0`` (they
@@ -1207,7 +1209,17 @@ class Engine:
         drafts (its sequences' token counts are unknown until then), or this step will propose
         (drafts follow the last token, which must be on the host)."""
         assert self.spec_config is not None
-        return bool(in_flight.num_spec_tokens) or self._num_spec_tokens(self.scheduler.num_running) > 0
+        if in_flight.num_spec_tokens:
+            return True
+        return self._num_spec_tokens(self.scheduler.num_running) > 0 and self._may_propose()
+
+    def _may_propose(self) -> bool:
+        """Whether the next proposal round may give some running sequence drafts: not while the
+        back-off holds every one of them (speculation failing for all, e.g. 0% acceptance). Such a
+        round needs no step processed first and no hidden states captured: the steps keep the
+        asynchronous order and plain decode graphs, and cost what steps without speculation cost."""
+        ready = self._draft_backoff.ready
+        return any(ready(request.request_id) for request in self.scheduler.running)
 
     def _num_spec_tokens(self, num_running: int) -> int:
         """Drafts per sequence for a step of ``num_running`` sequences: none while the running and
@@ -1230,10 +1242,14 @@ class Engine:
         return dataclasses.replace(scheduler_output, spec_device_drafts=device)
 
     def _with_spec_hidden_states(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
-        """EAGLE: the step returns the target's hidden states while speculation is on, and for any
-        step that is not a plain decode (prompts; those run eagerly anyway). A plain decode step of
-        a busy engine does not (it keeps its CUDA graph); the head fills those positions later."""
-        if self._speculating or scheduler_output.num_batched_tokens > len(scheduler_output.sequences):
+        """EAGLE: the step returns the target's hidden states while speculation is on (unless it
+        verifies nothing and the back-off holds every sequence for the next round too: no proposal
+        reads them), and for any step that is not a plain decode (prompts; those run eagerly anyway).
+        A plain decode step of a busy engine does not (it keeps its CUDA graph); the head fills those
+        positions later (a back-off's skipped ones at the captured step before its next proposal)."""
+        if scheduler_output.num_batched_tokens > len(scheduler_output.sequences) or (
+            self._speculating and (self._drafts_out or self._may_propose())
+        ):
             return dataclasses.replace(scheduler_output, spec_hidden_states=True)
         return scheduler_output
 
@@ -1266,12 +1282,15 @@ class Engine:
         for request in running:
             request.spec_token_ids = []
             params = request.sampling_params
+            # every round counts a step of the back-off, also one that leaves the step in flight
+            # unprocessed (its token a placeholder): see _needs_sync
+            allowed = self._draft_backoff.allow(request.request_id)
             if (
-                request.num_output_placeholders
+                not allowed
+                or request.num_output_placeholders
                 or request.pooling
                 or params.structured_outputs is not None
                 or request.num_computed_tokens != request.num_tokens - 1
-                or not self._draft_backoff.allow(request.request_id)
             ):
                 continue
             room = min(k, spare, self.max_model_len - request.num_tokens - 1)

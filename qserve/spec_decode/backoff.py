@@ -9,6 +9,10 @@ Rule: after a proposal of which nothing was accepted, the sequence gets no propo
 the first accepted draft resets it. At 0% acceptance a sequence then speculates about one step in
 ``max_wait``; where drafts are accepted nothing changes. Outputs never depend on it (a skipped
 proposal is a plain decode step).
+
+Steps count through ``allow``, called once per sequence per proposal round whatever else keeps the
+sequence from proposing; ``ready`` says, without counting, whether the next round may propose, so
+the engine can leave a round that none may propose in the asynchronous order, its step uncaptured.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ class DraftBackoff:
             return True
         state[0] -= 1
         return False
+
+    def ready(self, request_id: str) -> bool:
+        """Whether the next ``allow`` of the sequence will say yes (no step counted)."""
+        state = self._state.get(request_id)
+        return state is None or state[0] == 0
 
     def observe(self, request_id: str, num_accepted: int) -> None:
         """A verified proposal of the sequence, of which ``num_accepted`` drafts were kept."""

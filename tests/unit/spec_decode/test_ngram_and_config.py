@@ -195,3 +195,19 @@ def test_backoff_skips_more_steps_while_proposals_fail_and_resets_on_acceptance(
     backoff.observe("b", 0)
     backoff.forget(["b"])
     assert backoff.allow("b")
+
+
+def test_backoff_ready_tells_the_next_allow_without_counting_a_step():
+    from qserve.spec_decode.backoff import DraftBackoff
+
+    backoff = DraftBackoff(max_wait=4)
+    assert backoff.ready("a")  # never seen
+    backoff.observe("a", 0)
+    backoff.observe("a", 0)  # skip 2
+    pattern = []
+    for _ in range(3):
+        ready = backoff.ready("a")
+        assert backoff.ready("a") == ready  # asking again changes nothing
+        allowed = backoff.allow("a")
+        pattern.append((ready, allowed))
+    assert pattern == [(False, False), (False, False), (True, True)]

@@ -1,0 +1,67 @@
+"""The back-off (qserve.spec_decode.backoff) on the CPU engine: while it holds every running sequence
+(its proposals keep failing: an EAGLE head whose drafts are never accepted, the 0%-acceptance case of
+issue 29), the steps between its probes are plain decode steps as without speculation: no hidden
+states captured for the head, and in the asynchronous order no step processed before the next is
+launched. Only the step before a probe is captured (the head catches up over the skipped positions
+there), and the greedy outputs stay those of no speculation.
+
+On the H100 (bench/RESULTS.md, twelfth session) a random head at batch 1 ran at 0.79x no speculation
+with adaptive k, and 0.70-0.77x with k = 4, although the back-off let it verify only 10 of 127
+steps: every other step was synchronized and carried the head's catch-up all the same."""
+
+from __future__ import annotations
+
+import pytest
+
+from qserve import LLM
+from tests.integration.test_spec_decode import (  # noqa: F401 - path: fixture
+    ARGS,
+    LOOP,
+    _greedy,
+    path,
+)
+from tests.integration.test_spec_decode_eagle import _spec, heads  # noqa: F401 - heads: fixture
+
+MAX_TOKENS = 60
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(path) -> list[int]:  # noqa: F811
+    llm = LLM(path, async_scheduling=False, **ARGS)
+    return (
+        llm.generate([{"prompt_token_ids": LOOP}], _greedy(max_tokens=MAX_TOKENS), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
+def test_steps_the_back_off_holds_run_as_plain_decode(path, heads, plain_tokens, async_scheduling, adaptive):  # noqa: F811
+    extra = {"enable_adaptive_verification": True} if adaptive else {}
+    llm = LLM(path, async_scheduling=async_scheduling, speculative_config=_spec(heads, "eagle", **extra), **ARGS)
+    engine = llm.engine
+    if adaptive:  # the draft cost of a one-layer head over a 48-layer target (the tiny target has 2 layers)
+        engine.adaptive_speculation.draft_cost = 0.05
+    launches = []  # (verifies drafts, plain decode step, hidden states captured, launched after processing the one before)
+    launch = engine.runner.launch
+
+    def spy(scheduler_output, previous=None):  # noqa: ANN001, ANN202
+        plain = scheduler_output.num_batched_tokens == len(scheduler_output.sequences)
+        launches.append(
+            (scheduler_output.num_spec_tokens > 0, plain, scheduler_output.spec_hidden_states, previous is None)
+        )
+        return launch(scheduler_output, previous)
+
+    engine.runner.launch = spy
+    got = llm.generate([{"prompt_token_ids": LOOP}], _greedy(max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == plain_tokens
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == 0, "the random head's drafts all fail"
+    verify = sum(v for v, _, _, _ in launches)
+    plain = [(captured, synced) for v, p, captured, synced in launches if p and not v]
+    assert len(plain) >= 4 * verify, "the back-off held most steps"
+    # the step before each probe carries the head's hidden states; the others none
+    assert sum(captured for captured, _ in plain) <= verify + 1
+    if async_scheduling:  # each probe processes two steps first: the one before it, and its verify
+        assert sum(synced for _, _, _, synced in launches) <= 2 * verify + 2
