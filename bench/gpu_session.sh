@@ -59,6 +59,7 @@
 #   Drafts left on the device for the verify step (-dd; EAGLE_DEVICE_DRAFTS=off|on|both, default on).
 #   EAGLE_DRAFT_LM_HEAD=int4|both: the -q4 modes (speculative_config "draft_lm_head": "int4", a 4-bit lm_head copy).
 #   EAGLE_DRAFT_LAYERS=int4|both: the -l4 modes (speculative_config "draft_layers": "int4", 4-bit copies of the head's layers).
+#   QSERVE_SPEC_BACKOFF=GROWTH,MAX_WAIT exported before the stage applies to every mode (the back-off of failing proposals).
 # spec_serving (only when named): bench/serving.py without and with n-gram speculation (ngram-pw: with
 #   QSERVE_PIECEWISE_SPEC=1), Poisson 4 req/s and all at once, SPEC_SERVING_REQUESTS requests (default 120;
 #   SPEC_SERVING_MODES, default "off ngram ngram-pw"; issue 29).

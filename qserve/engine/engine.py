@@ -120,7 +120,7 @@ from qserve.scheduler.scheduler import Scheduler
 from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode, check_tensor_parallel_preemption
 from qserve.spec_decode import ProposalInput, Proposer, SpeculativeConfig, make_proposer, parse_speculative_config
 from qserve.spec_decode.adaptive import AdaptiveSpeculation
-from qserve.spec_decode.backoff import DraftBackoff
+from qserve.spec_decode.backoff import parse_backoff
 from qserve.spec_decode.config import check_tensor_parallel_speculation
 from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
@@ -169,6 +169,9 @@ EAGLE_CATCH_UP_GRAPHS_ENV = "QSERVE_EAGLE_CATCH_UP_GRAPHS"
 # drafts; one sync a cycle instead of two). The default since `pytest -m gpu` passed with it
 # (bench/RESULTS.md, twelfth session); "0" keeps them on the host.
 EAGLE_DEVICE_DRAFTS_ENV = "QSERVE_EAGLE_DEVICE_DRAFTS"
+# The back-off of failing proposals, "GROWTH,MAX_WAIT" (default 2,16; qserve.spec_decode.backoff):
+# opt-in until a GPU run measures another default (what 0% acceptance costs, what a good head keeps)
+SPEC_BACKOFF_ENV = "QSERVE_SPEC_BACKOFF"
 # (The head's graph switches act only where the speculative graphs are captured: CUDA, decode graphs,
 # and QSERVE_SPEC_GRAPHS not 0.)
 # A draft model's catch-up step after a verify that kept all k drafts feeds 2 tokens per sequence
@@ -554,7 +557,8 @@ class Engine:
                 self._capture_spec_graphs()
             else:
                 logger.info("speculative decoding: verify steps run eagerly (%s=0)", SPEC_GRAPHS_ENV)
-        self._draft_backoff = DraftBackoff()  # sequences whose proposals keep failing skip steps
+        # sequences whose proposals keep failing skip steps (QSERVE_SPEC_BACKOFF: its growth and cap)
+        self._draft_backoff = parse_backoff(os.environ.get(SPEC_BACKOFF_ENV))
         self._drafts_out = False  # some running request may still carry drafts
         self._speculating = False  # the last proposal call gave drafts a chance (EAGLE: capture the step)
         # EAGLE_DEVICE_DRAFTS_ENV: proposals leave their drafts on the device for the next step to read

@@ -5,8 +5,8 @@ Knows: request ids and how many drafts of each verified proposal were accepted. 
 torch, the scheduler, proposers' internals. Pure Python.
 
 Rule: after a proposal of which nothing was accepted, the sequence gets no proposal for its next
-``wait`` steps, ``wait`` doubling (1, 2, 4, ... ``max_wait``) while its proposals keep failing;
-the first accepted draft resets it. At 0% acceptance a sequence then speculates about one step in
+``wait`` steps, ``wait`` growing by ``growth`` (1, 2, 4, ... ``max_wait`` by default) while its
+proposals keep failing; the first accepted draft resets it. At 0% acceptance a sequence then speculates about one step in
 ``max_wait``; where drafts are accepted nothing changes. Outputs never depend on it (a skipped
 proposal is a plain decode step).
 
@@ -20,13 +20,34 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 MAX_WAIT_STEPS = 16
+GROWTH = 2
+
+
+def parse_backoff(text: str | None) -> DraftBackoff:
+    """A back-off from ``"GROWTH,MAX_WAIT"`` (QSERVE_SPEC_BACKOFF: e.g. ``"4,64"``; unset or empty: the
+    default ``2,16``). Measured at batch 1 with a head whose drafts all fail (bench/RESULTS.md), each
+    probe costs about one step (two synchronized steps, the head's catch-up over the skipped positions,
+    the drafting): the cap sets what 0% acceptance costs once it is reached (about 1 / max_wait), the
+    growth how soon it is reached."""
+    if not text or not text.strip():
+        return DraftBackoff()
+    try:
+        growth, max_wait = (int(part) for part in text.split(","))
+        return DraftBackoff(max_wait=max_wait, growth=growth)
+    except ValueError as error:
+        raise ValueError(
+            f"QSERVE_SPEC_BACKOFF={text!r}: expected GROWTH,MAX_WAIT, two integers >= 1 (e.g. 4,64)"
+        ) from error
 
 
 class DraftBackoff:
-    def __init__(self, max_wait: int = MAX_WAIT_STEPS) -> None:
+    def __init__(self, max_wait: int = MAX_WAIT_STEPS, growth: int = GROWTH) -> None:
         if max_wait < 1:
             raise ValueError(f"max_wait must be >= 1, got {max_wait}")
+        if growth < 1:
+            raise ValueError(f"growth must be >= 1, got {growth}")
         self.max_wait = max_wait
+        self.growth = growth
         self._state: dict[str, list[int]] = {}  # request id -> [steps still to skip, current wait]
 
     def allow(self, request_id: str) -> bool:
@@ -48,7 +69,7 @@ class DraftBackoff:
             self._state.pop(request_id, None)
             return
         state = self._state.get(request_id)
-        wait = 1 if state is None else min(2 * state[1], self.max_wait)
+        wait = 1 if state is None else min(self.growth * state[1], self.max_wait)
         self._state[request_id] = [wait, wait]
 
     def forget(self, request_ids: Iterable[str]) -> None:

@@ -65,3 +65,23 @@ def test_steps_the_back_off_holds_run_as_plain_decode(path, heads, plain_tokens,
     assert sum(captured for captured, _ in plain) <= verify + 1
     if async_scheduling:  # each probe processes two steps first: the one before it, and its verify
         assert sum(synced for _, _, _, synced in launches) <= 2 * verify + 2
+
+
+def test_a_faster_growing_back_off_probes_less_often(path, heads, plain_tokens, monkeypatch):  # noqa: F811
+    """QSERVE_SPEC_BACKOFF=4,64 (opt-in): the same outputs with fewer verify steps than the default 2,16;
+    a value that is not GROWTH,MAX_WAIT stops the engine with an error naming the variable."""
+    from qserve.engine.engine import SPEC_BACKOFF_ENV
+
+    verify_steps = {}
+    for value in ("", "4,64"):
+        monkeypatch.setenv(SPEC_BACKOFF_ENV, value)
+        llm = LLM(path, speculative_config=_spec(heads, "eagle"), **ARGS)
+        got = llm.generate([{"prompt_token_ids": LOOP}], _greedy(max_tokens=MAX_TOKENS), use_tqdm=False)
+        assert got[0].outputs[0].token_ids == plain_tokens
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens == 0
+        verify_steps[value] = stats.num_drafts
+    assert verify_steps["4,64"] < verify_steps[""]
+    monkeypatch.setenv(SPEC_BACKOFF_ENV, "64")
+    with pytest.raises(ValueError, match=SPEC_BACKOFF_ENV):
+        LLM(path, speculative_config=_spec(heads, "eagle"), **ARGS)

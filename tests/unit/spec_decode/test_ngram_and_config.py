@@ -211,3 +211,23 @@ def test_backoff_ready_tells_the_next_allow_without_counting_a_step():
         allowed = backoff.allow("a")
         pattern.append((ready, allowed))
     assert pattern == [(False, False), (False, False), (True, True)]
+
+
+def test_backoff_growth_and_cap_from_the_environment_value():
+    from qserve.spec_decode.backoff import MAX_WAIT_STEPS, parse_backoff
+
+    for unset in (None, "", " "):
+        backoff = parse_backoff(unset)
+        assert (backoff.growth, backoff.max_wait) == (2, MAX_WAIT_STEPS)
+    backoff = parse_backoff("4,64")
+    waits = []
+    for _ in range(5):
+        backoff.observe("a", 0)
+        skipped = 0
+        while not backoff.allow("a"):
+            skipped += 1
+        waits.append(skipped)
+    assert waits == [1, 4, 16, 64, 64]
+    for bad in ("4", "4,64,2", "a,16", "0,16", "4,0", "4;64"):
+        with pytest.raises(ValueError, match="QSERVE_SPEC_BACKOFF"):
+            parse_backoff(bad)
