@@ -6,7 +6,7 @@ plan, the app's options, its two sockets to the engine core, the port, and the n
 descriptors it inherits: the listening socket where the parent shares one, the read end of the
 core's liveness pipe, the write end of its own), how it listens (the shared socket, or one of its
 own in the port's ``SO_REUSEPORT`` group, bound before the models load), how it serves
-(``serve.serve_app`` on that socket, attached to the running core through
+(``serve_host.serve_app`` on that socket, attached to the running core through
 ``EngineCoreClient.connect``), and its exit status (0: drained; 1: the core died, or its socket
 could not be bound; 2: the models did not load, said on stderr by API server 0 only). Must not
 know: how the processes are started, watched or stopped (the parent).
@@ -22,7 +22,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from qserve.commands.serve import HostPlan, host_factory, serve_app
+from qserve.commands.serve_host import HostPlan, host_factory, serve_app
 from qserve.engine.core.core import ClientAddresses
 
 

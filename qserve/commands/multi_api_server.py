@@ -42,7 +42,7 @@ import time
 from types import FrameType
 
 from qserve.commands.api_server_worker import WorkerLaunch
-from qserve.commands.serve import GRACEFUL_SHUTDOWN_S, HostPlan, plan_lora_requests
+from qserve.commands.serve_host import GRACEFUL_SHUTDOWN_S, HostPlan, plan_lora_requests
 
 logger = logging.getLogger(__name__)
 

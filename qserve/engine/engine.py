@@ -118,11 +118,12 @@ from qserve.scheduler.kv_cache_manager import KVCacheManager
 from qserve.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from qserve.scheduler.scheduler import Scheduler
 from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode, check_tensor_parallel_preemption
-from qserve.spec_decode import ProposalInput, Proposer, SpeculativeConfig, make_proposer, parse_speculative_config
+from qserve.spec_decode import ProposalInput, Proposer, SpeculativeConfig, parse_speculative_config
 from qserve.spec_decode.adaptive import AdaptiveSpeculation
 from qserve.spec_decode.backoff import parse_backoff
 from qserve.spec_decode.config import check_tensor_parallel_speculation
 from qserve.spec_decode.metrics import SpecDecodeStats
+from qserve.spec_decode.ngram import NgramProposer
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.switches import env_switch
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
@@ -549,8 +550,8 @@ class Engine:
                 self.proposer = self._draft_proposer(kv_dtype)
             elif self.spec_config.is_eagle:
                 self.proposer = self._eagle_proposer(kv_dtype)
-            else:
-                self.proposer = make_proposer(self.spec_config)
+            else:  # n-gram lookup: nothing from the engine
+                self.proposer = NgramProposer(self.spec_config.prompt_lookup_min, self.spec_config.prompt_lookup_max)
         self.spec_stats = None if self.spec_config is None else SpecDecodeStats(self.spec_config.num_speculative_tokens)
         if self.spec_config is not None and self.runner.decode_graphs is not None:
             if os.environ.get(SPEC_GRAPHS_ENV, "1") != "0":

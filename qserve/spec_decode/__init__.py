@@ -12,6 +12,6 @@ docs/spec_decode.md).
 """
 
 from qserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
-from qserve.spec_decode.proposer import ProposalInput, Proposer, make_proposer
+from qserve.spec_decode.proposer import ProposalInput, Proposer
 
-__all__ = ["ProposalInput", "Proposer", "SpeculativeConfig", "make_proposer", "parse_speculative_config"]
+__all__ = ["ProposalInput", "Proposer", "SpeculativeConfig", "parse_speculative_config"]

@@ -1,4 +1,5 @@
-"""The one interface every proposer of draft tokens implements, and the factory.
+"""The one interface every proposer of draft tokens implements (the engine builds each: n-gram
+lookup, a draft model and an EAGLE head, the latter two sharing its page pool).
 
 Knows: what a proposer is given (each sequence's token ids and how many drafts it may propose)
 and what it returns (up to that many token ids per sequence, possibly none). Must not know: the
@@ -12,8 +13,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from qserve.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +48,3 @@ class Proposer(ABC):
 
     def forget(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional hook
         """Drop any state kept for these (finished) sequences."""
-
-
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of a method that needs nothing from the engine (the engine builds a draft
-    model's and an EAGLE head's, which share its page pool: ``qserve.spec_decode.draft_model``,
-    ``qserve.spec_decode.eagle``)."""
-    if config.method == "ngram":
-        from qserve.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config.method {config.method!r}: the engine builds its proposer")

@@ -203,7 +203,8 @@ def test_several_api_servers_imply_the_core_process(checkpoints, monkeypatch):
 def test_lora_is_planned_for_the_core_process(checkpoints, monkeypatch, tmp_path):
     """--enable-lora with the engine core in its own process (it was refused): the --lora-modules
     adapters become the LoRARequests the core loads at start-up, each naming its base model."""
-    from qserve.commands.serve import plan_host, plan_lora_requests
+    from qserve.commands.serve import plan_host
+    from qserve.commands.serve_host import plan_lora_requests
     from qserve.lora.request import LoRARequest
     from tests.helpers.lora_adapters import projection_shapes, write_peft_adapter
     from tests.server.test_serve_command import serve_args
