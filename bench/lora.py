@@ -26,7 +26,11 @@ registered under up to 32 names: each name its own slot). Decode tok/s and ms pe
 model (CUDA graphs) at batch 1, 32 and 128, then, on one LoRA engine (``QSERVE_LORA_TRITON=1`` and
 ``QSERVE_LORA_GRAPHS=1``, 32 slots), batch 32 and 128 with 1, 8 and 32 distinct adapters and batch 1
 with one (the latency with an adapter), each against the base at its batch; last, the same engine
-with its graphs set aside (Triton eager) at batch 32 with 8 adapters. Two engines, not one per
+with its graphs set aside (Triton eager) at batch 32 with 8 adapters. ``--profile-dir DIR``: then
+where a decode step's time goes (``bench/profile_step.py``'s per-kernel and per-family tables, the
+host's CUDA calls and Python, the GPU's idle gaps with the launches that ended them) for the base and
+for the LoRA engine at batch 32 with 8 adapters, ``--profile-steps`` steps each, into DIR
+(``profile_base.md``, ``profile_lora.md``, their traces gzipped). Two engines, not one per
 configuration: the whole run fits ``--time-limit`` (200 s on the H200); a row that would start past
 it is skipped and says so. The table is rewritten after every row, so a run cut short still leaves
 what it measured. ``--e2e --small`` checks the script on CPU (the reference path: no Triton there).
@@ -296,9 +300,37 @@ def e2e(args: argparse.Namespace) -> Table:
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
+    def profile(name: str, llm: LLM, batch: int, distinct: int) -> None:
+        """Where a decode step of ``batch`` sequences over ``distinct`` adapters goes (``--profile-dir``)."""
+        if not args.profile_dir:
+            return
+        if time.perf_counter() - t0 > args.time_limit:
+            table.note(f"- profile {name}: skipped, past --time-limit {args.time_limit:.0f} s")
+            return
+        import profile_step  # bench/profile_step.py
+
+        engine, steps_each = llm.engine, args.profile_steps
+        gen = torch.Generator().manual_seed(batch + 1)
+        params = SamplingParams(temperature=0, max_tokens=5 * steps_each + 8, ignore_eos=True)
+        for i in range(batch):
+            ids = torch.randint(3, shape["vocab"], (128,), generator=gen).tolist()
+            lora = names[i % distinct] if distinct else None
+            engine.add_request(f"p{name}-{i}", {"prompt_token_ids": ids}, params, lora_request=lora)
+        while any(not seq.request.output_token_ids for _, seq in engine._sequences.values()):  # noqa: SLF001
+            engine.step()
+        out = Path(args.profile_dir)
+        result = profile_step.profiled_steps(llm, lambda: None, steps_each, trace=out / f"trace_{name}.json")
+        title = f"{name}, decode, batch {batch}, {distinct} distinct adapters"
+        lines = profile_step.table(title, result["wall_ms"], result["kernels"], result)
+        (out / f"profile_{name}.md").write_text("\n".join(lines) + "\n")
+        table.note(f"- profile {name}: wall {result['wall_ms']:.2f} ms/step, written to {out}/profile_{name}.md")
+        while engine.has_unfinished_requests():
+            engine.step()
+
     llm = build("base, CUDA graphs")
     for batch in (mid, big, 1):
         measure("base, CUDA graphs", llm, batch, 0)
+    profile("base", llm, mid, 0)
     del llm
     release()
     os.environ[lora_ops.TRITON_ENV] = "1"
@@ -307,6 +339,7 @@ def e2e(args: argparse.Namespace) -> Table:
     llm = build(label, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
     for batch, distinct in ((mid, 8), (mid, 1), (mid, MAX_LORAS), (big, 8), (big, 1), (big, MAX_LORAS), (1, 1)):
         measure(label, llm, batch, min(distinct, batch))
+    profile("lora", llm, mid, min(8, mid))
     runner = llm.engine.runner
     graphs, runner.decode_graphs = runner.decode_graphs, None  # the same engine, decoding eagerly
     measure("LoRA, triton eager", llm, mid, min(8, mid))
@@ -329,6 +362,8 @@ def main() -> None:
     parser.add_argument("--budget", default="24GiB")
     parser.add_argument("--tmp", default="/tmp/qserve-bench")
     parser.add_argument("--time-limit", type=float, default=180.0, help="--e2e: start no row after this (s)")
+    parser.add_argument("--profile-dir", default=None, help="--e2e: profile batch 32 x 8 adapters and the base there")
+    parser.add_argument("--profile-steps", type=int, default=4, help="--profile-dir: profiled steps per kind")
     args = parser.parse_args()
     if args.e2e:
         print(e2e(args).text())

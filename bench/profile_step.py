@@ -56,6 +56,7 @@ from qserve import LLM, SamplingParams  # noqa: E402
 from qserve.runner.piecewise_graphs import PIECEWISE_BUCKETS_ENV, PIECEWISE_GRAPHS_ENV  # noqa: E402
 
 FAMILIES = (  # first match wins; names as the profiler reports them
+    ("LoRA shrink / expand", ("lora_",)),
     ("MoE grouped GEMM", ("moe_mma", "moe_w4a16")),
     ("MoE token sort", ("moe_align",)),
     ("MoE router top-k", ("router_topk",)),
