@@ -368,6 +368,10 @@ class Engine:
             raise ValueError("Engine: a tensor-parallel engine cannot draw from a shared block pool")
         check_tensor_parallel_preemption(config.preemption_mode, 1 if tp is None else tp.size)
         check_tensor_parallel_speculation(config.speculative_config, 1 if tp is None else tp.size)
+        # sequences whose proposals keep failing skip steps (QSERVE_SPEC_BACKOFF: its growth and cap; read
+        # only when speculating, and before the model loads: a bad value fails at once)
+        backoff = os.environ.get(SPEC_BACKOFF_ENV) if config.speculative_config is not None else None
+        self._draft_backoff = parse_backoff(backoff)
         # Tensor parallel (qserve.engine.tensor_parallel builds one Engine per rank): the model is
         # this rank's shard, KV caches and the memory plan are per rank.
         self.tp = tp
@@ -564,8 +568,6 @@ class Engine:
                 self._capture_spec_graphs()
             else:
                 logger.info("speculative decoding: verify steps run eagerly (%s=0)", SPEC_GRAPHS_ENV)
-        # sequences whose proposals keep failing skip steps (QSERVE_SPEC_BACKOFF: its growth and cap)
-        self._draft_backoff = parse_backoff(os.environ.get(SPEC_BACKOFF_ENV))
         self._drafts_out = False  # some running request may still carry drafts
         self._speculating = False  # the last proposal call gave drafts a chance (EAGLE: capture the step)
         # EAGLE_DEVICE_DRAFTS_ENV: proposals leave their drafts on the device for the next step to read
@@ -1222,12 +1224,16 @@ class Engine:
 
     def _needs_sync(self, in_flight: SchedulerOutput) -> bool:
         """Whether the step in flight must be processed before the next is scheduled: it verified
-        drafts (its sequences' token counts are unknown until then), or this step will propose
+        drafts (its sequences' token counts are unknown until then), or this step may propose: some
+        running sequence is one the back-off does not hold, and the batch leaves logit rows for drafts
         (drafts follow the last token, which must be on the host)."""
         assert self.spec_config is not None
         if in_flight.num_spec_tokens:
             return True
-        return self._num_spec_tokens(self.scheduler.num_running) > 0 and self._may_propose()
+        num_running = self.scheduler.num_running
+        if num_running >= self.config.max_num_seqs:  # no spare logit rows: _propose_drafts proposes nothing
+            return False
+        return self._num_spec_tokens(num_running) > 0 and self._may_propose()
 
     def _may_propose(self) -> bool:
         """Whether the next proposal round may give some running sequence drafts: not while the
@@ -1470,7 +1476,9 @@ class Engine:
         """EAGLE_EARLY_CATCH_UP_ENV: the head catches up on each verified sequence's kept positions (its last
         known token and the accepted drafts) from the launched step's emitted tokens, which the verify step
         put on the host; ``_observe_hidden_states`` then leaves those sequences out. The step's other rows
-        (plain decodes, prompt chunks) wait for it as before: their tokens are not on the host yet."""
+        (plain decodes, prompt chunks) wait for the processing as before, which puts their tokens in the
+        output ids the head reads. A sequence that stops inside the verify step is caught up all the same
+        (work wasted, nothing read: the processing finishes it and the proposer forgets it)."""
         from qserve.spec_decode.eagle import ObservedRows
 
         rows, offset = [], 0

@@ -5,8 +5,8 @@ Knows: request ids and how many drafts of each verified proposal were accepted. 
 torch, the scheduler, proposers' internals. Pure Python.
 
 Rule: after a proposal of which nothing was accepted, the sequence gets no proposal for its next
-``wait`` steps, ``wait`` growing by ``growth`` (1, 2, 4, ... ``max_wait`` by default) while its
-proposals keep failing; the first accepted draft resets it. At 0% acceptance a sequence then speculates about one step in
+``wait`` steps, ``wait`` multiplied by ``growth`` (1, 2, 4, ... ``max_wait`` by default; ``growth`` 1
+keeps it at 1) while its proposals keep failing; the first accepted draft resets it. At 0% acceptance a sequence then speculates about one step in
 ``max_wait``; where drafts are accepted nothing changes. Outputs never depend on it (a skipped
 proposal is a plain decode step).
 

@@ -85,3 +85,29 @@ def test_a_faster_growing_back_off_probes_less_often(path, heads, plain_tokens, 
     monkeypatch.setenv(SPEC_BACKOFF_ENV, "64")
     with pytest.raises(ValueError, match=SPEC_BACKOFF_ENV):
         LLM(path, speculative_config=_spec(heads, "eagle"), **ARGS)
+
+
+def test_a_full_batch_keeps_the_asynchronous_order(path, heads):  # noqa: F811
+    """max_num_seqs sequences running leave no logit rows for drafts: nothing is proposed, so nothing needs
+    the step in flight processed first (every step was synchronized before: found in review)."""
+    llm = LLM(path, async_scheduling=True, max_num_seqs=2, speculative_config=_spec(heads, "eagle"), **ARGS)
+    engine = llm.engine
+    synced = []
+    launch = engine.runner.launch
+
+    def spy(scheduler_output, previous=None):  # noqa: ANN001, ANN202
+        synced.append(previous is None)
+        return launch(scheduler_output, previous)
+
+    engine.runner.launch = spy
+    prompts = [{"prompt_token_ids": LOOP}, {"prompt_token_ids": LOOP[::-1]}]
+    llm.generate(prompts, _greedy(max_tokens=30), use_tqdm=False)
+    assert engine.spec_stats.num_draft_tokens == 0
+    assert len(synced) >= 25 and sum(synced) <= 2
+
+
+def test_the_back_off_variable_is_read_only_when_speculating(path, monkeypatch):  # noqa: F811
+    from qserve.engine.engine import SPEC_BACKOFF_ENV
+
+    monkeypatch.setenv(SPEC_BACKOFF_ENV, "64")
+    LLM(path, **ARGS)  # no speculation: the variable is not its business
