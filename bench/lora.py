@@ -253,17 +253,23 @@ def e2e(args: argparse.Namespace) -> Table:
     mid = 2 if args.small else 32
     base_ms: dict[int, float] = {}
 
-    def decode(llm: LLM, batch: int, distinct: int) -> float:
-        """Seconds per decode step of ``batch`` sequences over ``distinct`` adapters (0: the base)."""
+    def start_decoding(llm: LLM, tag: str, batch: int, distinct: int, max_tokens: int, seed: int) -> None:
+        """``batch`` random 128-token prompts over ``distinct`` adapters (0: the base), stepped until each
+        has its first token: the steps that follow are pure decode."""
         engine = llm.engine
-        gen = torch.Generator().manual_seed(batch)
-        params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+        gen = torch.Generator().manual_seed(seed)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         for i in range(batch):
             ids = torch.randint(3, shape["vocab"], (128,), generator=gen).tolist()
             lora = names[i % distinct] if distinct else None
-            engine.add_request(f"d{batch}-{distinct}-{i}", {"prompt_token_ids": ids}, params, lora_request=lora)
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params, lora_request=lora)
         while any(not seq.request.output_token_ids for _, seq in engine._sequences.values()):  # noqa: SLF001
             engine.step()
+
+    def decode(llm: LLM, batch: int, distinct: int) -> float:
+        """Seconds per decode step of ``batch`` sequences over ``distinct`` adapters (0: the base)."""
+        engine = llm.engine
+        start_decoding(llm, f"d{batch}-{distinct}", batch, distinct, steps + 2, seed=batch)
         e2e_bench.sync()
         start = time.perf_counter()
         for _ in range(steps):
@@ -310,14 +316,7 @@ def e2e(args: argparse.Namespace) -> Table:
         import profile_step  # bench/profile_step.py
 
         engine, steps_each = llm.engine, args.profile_steps
-        gen = torch.Generator().manual_seed(batch + 1)
-        params = SamplingParams(temperature=0, max_tokens=5 * steps_each + 8, ignore_eos=True)
-        for i in range(batch):
-            ids = torch.randint(3, shape["vocab"], (128,), generator=gen).tolist()
-            lora = names[i % distinct] if distinct else None
-            engine.add_request(f"p{name}-{i}", {"prompt_token_ids": ids}, params, lora_request=lora)
-        while any(not seq.request.output_token_ids for _, seq in engine._sequences.values()):  # noqa: SLF001
-            engine.step()
+        start_decoding(llm, f"p{name}", batch, distinct, 5 * steps_each + 8, seed=batch + 1)
         out = Path(args.profile_dir)
         result = profile_step.profiled_steps(llm, lambda: None, steps_each, trace=out / f"trace_{name}.json")
         title = f"{name}, decode, batch {batch}, {distinct} distinct adapters"

@@ -1493,10 +1493,11 @@ class Engine:
                 ObservedRows(
                     seq.request_id,
                     request.prompt_token_ids,
-                    [*request.output_token_ids, *emitted],  # the emitted tokens are not in it until processed
+                    request.output_token_ids,
                     seq.start_position,
                     seq.num_new_tokens + len(emitted) - 1 - len(seq.spec_token_ids),
                     row_offset,
+                    tail=emitted,  # not in the output ids until the step is processed
                 )
             )
         self.proposer.observe(rows, launched.spec_hidden_states)

@@ -116,6 +116,11 @@ def test_an_oracle_head_keeps_its_drafts_accepted_with_device_drafts(walk, metho
     target, oracle, perm = walk
     engine = _engine(target, oracle, method, graphs)
     engine.proposer.propose = lambda batch: pytest.fail("the host path proposed")  # noqa: ARG005
+    assert_engine_walks(engine, perm)
+
+
+def assert_engine_walks(engine, perm) -> None:  # noqa: ANN001
+    """Three walks of 40 tokens on an oracle head's engine: the walk's tokens, > 95% of drafts kept."""
     starts = (3, 9, 17)
     requests = [(f"w{s}", [PERM_FIRST + s], _greedy(max_tokens=40)) for s in starts]
     got, _ = _run(engine, requests)

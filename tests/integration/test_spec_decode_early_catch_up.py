@@ -11,16 +11,14 @@ import pytest
 
 from qserve import LLM
 from qserve.engine.engine import EAGLE_EARLY_CATCH_UP_ENV
-from tests.helpers.eagle_heads import PERM_FIRST, walk_tokens
 from tests.integration.test_spec_decode import (  # noqa: F401 - path, reference: fixtures
     ARGS,
     _assert_same,
-    _greedy,
     _run,
     path,
     reference,
 )
-from tests.integration.test_spec_decode_device_drafts import _verify_inputs
+from tests.integration.test_spec_decode_device_drafts import _verify_inputs, assert_engine_walks
 from tests.integration.test_spec_decode_eagle import _spec, heads, walk  # noqa: F401 - fixtures
 from tests.integration.test_spec_decode_graphs import install_graphs
 
@@ -72,13 +70,7 @@ def test_an_oracle_head_keeps_its_drafts_accepted_with_early_catch_up(walk, meth
     target, oracle, perm = walk
     engine = _engine(target, oracle, method, graphs=True)
     early = _count_early(engine)
-    starts = (3, 9, 17)
-    requests = [(f"w{s}", [PERM_FIRST + s], _greedy(max_tokens=40)) for s in starts]
-    got, _ = _run(engine, requests)
-    for s in starts:
-        assert got[f"w{s}"].outputs[0].token_ids == walk_tokens(perm, s, 40)
-    stats = engine.spec_stats
-    assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
+    assert_engine_walks(engine, perm)
     assert sum(early) >= 10
 
 
