@@ -61,7 +61,6 @@
 #   Drafts left on the device for the verify step (-dd; EAGLE_DEVICE_DRAFTS=off|on|both, default on).
 #   EAGLE_DRAFT_LM_HEAD=int4|both: the -q4 modes (speculative_config "draft_lm_head": "int4", a 4-bit lm_head copy).
 #   EAGLE_DRAFT_LAYERS=int4|both: the -l4 modes (speculative_config "draft_layers": "int4", 4-bit copies of the head's layers).
-#   EAGLE_EARLY_CATCH_UP=on|both: the -ec modes (QSERVE_EAGLE_EARLY_CATCH_UP=1: the head's catch-up as a verify's launch returns).
 #   QSERVE_SPEC_BACKOFF=GROWTH,MAX_WAIT exported before the stage applies to every mode (the back-off of failing proposals).
 # spec_serving (only when named): bench/serving.py without and with n-gram speculation (ngram-pw: with
 #   QSERVE_PIECEWISE_SPEC=1), Poisson 4 req/s and all at once, SPEC_SERVING_REQUESTS requests (default 120;
@@ -207,7 +206,6 @@ if has spec_eagle; then
         --eagle-decode-graphs "${EAGLE_DECODE_GRAPHS:-on}" --eagle-head-graphs "${EAGLE_HEAD_GRAPHS:-on}" \
         --eagle-catch-up-graphs "${EAGLE_CATCH_UP_GRAPHS:-on}" \
         --eagle-device-drafts "${EAGLE_DEVICE_DRAFTS:-on}" --eagle-draft-layers "${EAGLE_DRAFT_LAYERS:-checkpoint}" \
-        --eagle-early-catch-up "${EAGLE_EARLY_CATCH_UP:-off}" \
         --eagle-draft-lm-head "${EAGLE_DRAFT_LM_HEAD:-target}" --verify graphs \
         --profile-modes "${EAGLE_PROFILE_MODES:-}" --profile-dir "$OUT/spec_profile" \
         --repeats 3 --out "$OUT/spec_eagle.md" 2>&1 | grep -v USDT | tail -${SPEC_EAGLE_TAIL:-24}

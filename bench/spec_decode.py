@@ -67,7 +67,6 @@ from qserve.engine.engine import (  # noqa: E402
     EAGLE_CATCH_UP_GRAPHS_ENV,
     EAGLE_DECODE_GRAPHS_ENV,
     EAGLE_DEVICE_DRAFTS_ENV,
-    EAGLE_EARLY_CATCH_UP_ENV,
     EAGLE_HEAD_GRAPHS_ENV,
     SPEC_GRAPHS_ENV,
 )
@@ -78,7 +77,6 @@ EAGLE_SWITCHES = (
     ("head-graphs", "-hg", EAGLE_HEAD_GRAPHS_ENV, "the head's k - 1 drafting forwards replay CUDA graphs"),
     ("catch-up-graphs", "-cg", EAGLE_CATCH_UP_GRAPHS_ENV, "the head's catch-up forward replays CUDA graphs"),
     ("device-drafts", "-dd", EAGLE_DEVICE_DRAFTS_ENV, "drafts stay on the device for the verify step"),
-    ("early-catch-up", "-ec", EAGLE_EARLY_CATCH_UP_ENV, "the head catches up on a verify step as its launch returns"),
 )
 
 

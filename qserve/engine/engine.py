@@ -120,7 +120,7 @@ from qserve.scheduler.scheduler import Scheduler
 from qserve.scheduler.swap import HostSwapSpace, SwapCost, check_preemption_mode, check_tensor_parallel_preemption
 from qserve.spec_decode import ProposalInput, Proposer, SpeculativeConfig, parse_speculative_config
 from qserve.spec_decode.adaptive import AdaptiveSpeculation
-from qserve.spec_decode.backoff import parse_backoff
+from qserve.spec_decode.backoff import EAGLE_GROWTH, EAGLE_MAX_WAIT_STEPS, GROWTH, MAX_WAIT_STEPS, parse_backoff
 from qserve.spec_decode.config import check_tensor_parallel_speculation
 from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.spec_decode.ngram import NgramProposer
@@ -170,14 +170,8 @@ EAGLE_CATCH_UP_GRAPHS_ENV = "QSERVE_EAGLE_CATCH_UP_GRAPHS"
 # drafts; one sync a cycle instead of two). The default since `pytest -m gpu` passed with it
 # (bench/RESULTS.md, twelfth session); "0" keeps them on the host.
 EAGLE_DEVICE_DRAFTS_ENV = "QSERVE_EAGLE_DEVICE_DRAFTS"
-# EAGLE heads, asynchronous order: the head catches up on a verify step's kept positions as soon as
-# the step's launch returns (its emitted tokens are on the host by then: the verify step syncs), before
-# the engine hands outputs back and processes the step; so the GPU runs the catch-up while the host
-# processes the step, where it used to wait for that processing (the largest idle of the four-layer
-# head's cycle on an H100, bench/RESULTS.md thirteenth session). Opt-in until a GPU run measures it.
-EAGLE_EARLY_CATCH_UP_ENV = "QSERVE_EAGLE_EARLY_CATCH_UP"
-# The back-off of failing proposals, "GROWTH,MAX_WAIT" (default 2,16; qserve.spec_decode.backoff):
-# opt-in until a GPU run measures another default (what 0% acceptance costs, what a good head keeps)
+# The back-off of failing proposals, "GROWTH,MAX_WAIT" for every method (defaults in
+# qserve.spec_decode.backoff: 4,64 for EAGLE heads, 2,16 for n-gram and draft models, as measured)
 SPEC_BACKOFF_ENV = "QSERVE_SPEC_BACKOFF"
 # (The head's graph switches act only where the speculative graphs are captured: CUDA, decode graphs,
 # and QSERVE_SPEC_GRAPHS not 0.)
@@ -370,8 +364,12 @@ class Engine:
         check_tensor_parallel_speculation(config.speculative_config, 1 if tp is None else tp.size)
         # sequences whose proposals keep failing skip steps (QSERVE_SPEC_BACKOFF: its growth and cap; read
         # only when speculating, and before the model loads: a bad value fails at once)
-        backoff = os.environ.get(SPEC_BACKOFF_ENV) if config.speculative_config is not None else None
-        self._draft_backoff = parse_backoff(backoff)
+        spec = config.speculative_config
+        backoff = os.environ.get(SPEC_BACKOFF_ENV) if spec is not None else None
+        eagle = spec is not None and spec.is_eagle  # a failed probe costs a head about a step: it backs off harder
+        self._draft_backoff = parse_backoff(
+            backoff, (EAGLE_GROWTH, EAGLE_MAX_WAIT_STEPS) if eagle else (GROWTH, MAX_WAIT_STEPS)
+        )
         # Tensor parallel (qserve.engine.tensor_parallel builds one Engine per rank): the model is
         # this rank's shard, KV caches and the memory plan are per rank.
         self.tp = tp
@@ -572,8 +570,6 @@ class Engine:
         self._speculating = False  # the last proposal call gave drafts a chance (EAGLE: capture the step)
         # EAGLE_DEVICE_DRAFTS_ENV: proposals leave their drafts on the device for the next step to read
         self._drafts_on_device = self._eagle_head is not None and env_switch(EAGLE_DEVICE_DRAFTS_ENV, default=True)
-        self._early_catch_up = self._eagle_head is not None and env_switch(EAGLE_EARLY_CATCH_UP_ENV, default=False)
-        self._caught_up_at_launch: frozenset[str] = frozenset()  # the step in flight's sequences the head has seen
         self._device_drafts = None  # the last proposal's (qserve.spec_decode.proposer.DeviceDrafts)
         # enable_adaptive_verification: k per step from the measured acceptance and the batch size
         self.adaptive_speculation: AdaptiveSpeculation | None = None
@@ -1209,10 +1205,7 @@ class Engine:
                 scheduler_output = self._with_device_drafts(scheduler_output)
             previous = None if in_flight is None else in_flight[1]
             launched_at = time.perf_counter()
-            launched = self.runner.launch(scheduler_output, previous)
-            self._in_flight = (scheduler_output, launched, launched_at)
-            if self._early_catch_up and launched.spec_token_ids and launched.spec_hidden_states is not None:
-                self._observe_verified_at_launch(scheduler_output, launched)
+            self._in_flight = (scheduler_output, self.runner.launch(scheduler_output, previous), launched_at)
         if in_flight is not None:  # requests preempted by recompute send their prompt logprobs again
             preempted = set(scheduler_output.preempted_request_ids) - set(scheduler_output.swapped_out_request_ids)
             self._process_step(in_flight[0], self._result(in_flight), touched, finished_only, preempted)
@@ -1446,14 +1439,11 @@ class Engine:
         sequence still running (a verify step: its last known token and the accepted drafts)."""
         from qserve.spec_decode.eagle import ObservedRows
 
-        seen, self._caught_up_at_launch = self._caught_up_at_launch, frozenset()
         rows, offset = [], 0
         for seq in scheduler_output.sequences:
             row_offset, offset = offset, offset + seq.num_new_tokens
             owner = self._sequences.get(seq.request_id)
             if owner is None or owner[1].finish_reason is not None or seq.pooling or seq.request_id in preempted_since:
-                continue
-            if seq.request_id in seen:  # its verified positions were caught up at launch
                 continue
             num_rows = seq.num_new_tokens
             if seq.spec_token_ids:  # rejected drafts' rows are not the sequence's
@@ -1471,37 +1461,6 @@ class Engine:
                 )
             )
         self.proposer.observe(rows, runner_output.spec_hidden_states)
-
-    def _observe_verified_at_launch(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> None:
-        """EAGLE_EARLY_CATCH_UP_ENV: the head catches up on each verified sequence's kept positions (its last
-        known token and the accepted drafts) from the launched step's emitted tokens, which the verify step
-        put on the host; ``_observe_hidden_states`` then leaves those sequences out. The step's other rows
-        (plain decodes, prompt chunks) wait for the processing as before, which puts their tokens in the
-        output ids the head reads. A sequence that stops inside the verify step is caught up all the same
-        (work wasted, nothing read: the processing finishes it and the proposer forgets it)."""
-        from qserve.spec_decode.eagle import ObservedRows
-
-        rows, offset = [], 0
-        for seq in scheduler_output.sequences:
-            row_offset, offset = offset, offset + seq.num_new_tokens
-            emitted = launched.spec_token_ids.get(seq.request_id)
-            owner = self._sequences.get(seq.request_id)
-            if not seq.spec_token_ids or not emitted or owner is None or owner[1].finish_reason is not None:
-                continue
-            request = owner[1].request
-            rows.append(
-                ObservedRows(
-                    seq.request_id,
-                    request.prompt_token_ids,
-                    request.output_token_ids,
-                    seq.start_position,
-                    seq.num_new_tokens + len(emitted) - 1 - len(seq.spec_token_ids),
-                    row_offset,
-                    tail=emitted,  # not in the output ids until the step is processed
-                )
-            )
-        self.proposer.observe(rows, launched.spec_hidden_states)
-        self._caught_up_at_launch = frozenset(row.request_id for row in rows)
 
     def _count_verified(self, scheduler_output: SchedulerOutput, verified: dict[str, list[int]]) -> None:
         """vllm:spec_decode_* counters: each sequence's drafts and how many were kept."""

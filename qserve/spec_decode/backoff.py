@@ -5,7 +5,7 @@ Knows: request ids and how many drafts of each verified proposal were accepted. 
 torch, the scheduler, proposers' internals. Pure Python.
 
 Rule: after a proposal of which nothing was accepted, the sequence gets no proposal for its next
-``wait`` steps, ``wait`` multiplied by ``growth`` (1, 2, 4, ... ``max_wait`` by default; ``growth`` 1
+``wait`` steps, ``wait`` multiplied by ``growth`` (1, 2, 4, ... ``max_wait`` with growth 2; ``growth`` 1
 keeps it at 1) while its proposals keep failing; the first accepted draft resets it. At 0% acceptance a sequence then speculates about one step in
 ``max_wait``; where drafts are accepted nothing changes. Outputs never depend on it (a skipped
 proposal is a plain decode step).
@@ -21,16 +21,24 @@ from collections.abc import Iterable
 
 MAX_WAIT_STEPS = 16
 GROWTH = 2
+# A proposer whose failed probe costs about a whole step (an EAGLE head: two synchronized steps, its
+# catch-up over the skipped positions, its drafting) backs off harder. Measured on an H100 at batch 1
+# (bench/RESULTS.md, fourteenth session): a head whose drafts all fail 0.91-0.92x no speculation with
+# 2,16, 0.97x with 4,64; a good head (84% / 100% acceptance) the same steps and speed with either. An
+# n-gram proposal costs only its verify rows and fails more often between hits: 4,64 held it back
+# (2.30x -> 2.07x on repeated text, 47 -> 53 steps), so it keeps 2,16, as does a draft model (not measured).
+EAGLE_GROWTH, EAGLE_MAX_WAIT_STEPS = 4, 64
 
 
-def parse_backoff(text: str | None) -> DraftBackoff:
-    """A back-off from ``"GROWTH,MAX_WAIT"`` (QSERVE_SPEC_BACKOFF: e.g. ``"4,64"``; unset or empty: the
-    default ``2,16``). Measured at batch 1 with a head whose drafts all fail (bench/RESULTS.md), each
+def parse_backoff(text: str | None, default: tuple[int, int] = (GROWTH, MAX_WAIT_STEPS)) -> DraftBackoff:
+    """A back-off from ``"GROWTH,MAX_WAIT"`` (QSERVE_SPEC_BACKOFF: e.g. ``"4,64"``; unset or empty:
+    ``default``, the proposer's). Measured at batch 1 with a head whose drafts all fail (bench/RESULTS.md), each
     probe costs about one step (two synchronized steps, the head's catch-up over the skipped positions,
     the drafting): the cap sets what 0% acceptance costs once it is reached (about 1 / max_wait), the
     growth how soon it is reached."""
     if not text or not text.strip():
-        return DraftBackoff()
+        growth, max_wait = default
+        return DraftBackoff(max_wait=max_wait, growth=growth)
     try:
         growth, max_wait = (int(part) for part in text.split(","))
         return DraftBackoff(max_wait=max_wait, growth=growth)

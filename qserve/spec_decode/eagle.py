@@ -63,8 +63,7 @@ class ObservedRows:
     """One sequence's share of a step whose target hidden states were captured: the positions
     ``[start_position, start_position + num_rows)`` were computed and kept, their states are rows
     ``[row_offset, row_offset + num_rows)`` of the step's tensor; the token ids are the sequence's
-    own (shared lists, read-only), known past the last of those positions, then ``tail`` (tokens the
-    step emitted that are not in the output ids yet: a verify step caught up at launch)."""
+    own (shared lists, read-only), known past the last of those positions."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -72,7 +71,6 @@ class ObservedRows:
     start_position: int
     num_rows: int
     row_offset: int
-    tail: Sequence[int] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -86,11 +84,8 @@ class _Work:
     features: torch.Tensor  # [end - start, H]
 
 
-def _token(prompt: Sequence[int], output: Sequence[int], position: int, tail: Sequence[int] = ()) -> int:
-    if position < len(prompt):
-        return prompt[position]
-    position -= len(prompt)
-    return output[position] if position < len(output) else tail[position - len(output)]
+def _token(prompt: Sequence[int], output: Sequence[int], position: int) -> int:
+    return prompt[position] if position < len(prompt) else output[position - len(prompt)]
 
 
 class EagleProposer(Proposer):
@@ -143,7 +138,7 @@ class EagleProposer(Proposer):
             elif start < r.start_position:  # a gap: positions whose features were never captured
                 gap = features.new_zeros(r.start_position - start, self._hidden_size)
                 features = torch.cat([gap, features])
-            ids = [_token(r.prompt_token_ids, r.output_token_ids, p + 1, r.tail) for p in range(start, end)]
+            ids = [_token(r.prompt_token_ids, r.output_token_ids, p + 1) for p in range(start, end)]
             work.append(_Work(mirror, start, end, ids, features))
         self._catch_up(work)
 

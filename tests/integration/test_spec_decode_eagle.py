@@ -793,10 +793,19 @@ def _assert_same_hidden(got: list[tuple], want: list[tuple]) -> None:
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_graphed_eagle_verify_is_token_identical_with_the_eager_hidden_states(path, heads, reference, method):  # noqa: F811
+def test_graphed_eagle_verify_is_token_identical_with_the_eager_hidden_states(  # noqa: F811
+    path,  # noqa: F811
+    heads,
+    reference,  # noqa: F811
+    method,
+    monkeypatch,
+):
     """The workload with random heads, QSERVE_SPEC_GRAPHS=1 (StaticReplay stand-ins) against the
     same engine without graphs: outputs token-identical to no speculation, the same steps, and every
     step's hidden states for the head equal to the eager ones, verify steps replaying row graphs."""
+    from qserve.engine.engine import SPEC_BACKOFF_ENV
+
+    monkeypatch.setenv(SPEC_BACKOFF_ENV, "2,16")  # the random heads' probes are what is checked: n-gram's back-off
     _, eager = _recorded_run(path, heads, method, reference, graphs=False)
     _, graphed = _recorded_run(path, heads, method, reference)
     eager_kinds, graph_kinds = [launch[2] for launch in eager], [launch[2] for launch in graphed]
@@ -1000,8 +1009,9 @@ def test_eagle_head_graphs_draft_what_the_eager_head_drafts(path, heads, referen
     Every proposal's drafts equal the eager head's (QSERVE_EAGLE_HEAD_GRAPHS=0: rows drop out as they
     finish), outputs stay token-identical to no speculation, and several-row proposals (pad rows up to
     the bucket) are among them."""
-    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV
+    from qserve.engine.engine import EAGLE_CATCH_UP_GRAPHS_ENV, EAGLE_HEAD_GRAPHS_ENV, SPEC_BACKOFF_ENV
 
+    monkeypatch.setenv(SPEC_BACKOFF_ENV, "2,16")  # the random heads' probes are what is checked: n-gram's back-off
     monkeypatch.setenv(EAGLE_HEAD_GRAPHS_ENV, "0")  # restored after the test (_drafting_run sets them)
     monkeypatch.setenv(EAGLE_CATCH_UP_GRAPHS_ENV, "0")
     eager, none, _, _ = _drafting_run(path, heads, method, reference, "0")
