@@ -18,7 +18,9 @@
 #   optin_moe    bench/moe.py (fused MoE vs per-expert loop vs cuBLAS grouped)
 #   optin_lora   bench/lora.py (kernels, then --e2e)
 # lora_profile (only when named): bench/lora.py --e2e --profile-dir: issue 30's decode table, then the per-kernel
-#   profile of a batch-32 decode step, base and LoRA with 8 adapters (lora_profile/profile_{base,lora}.md); ~4.5 min.
+#   profile of a batch-32 decode step, base and LoRA with 8 adapters (lora_profile/profile_{base,lora}.md); ~70 s
+#   on an H100 (14th session). LORA_OVERLAP (--overlap, default 0): comma list of QSERVE_LORA_OVERLAP modes, one
+#   LoRA engine each (0,shrink,pair: without, shrinks beside the base GEMMs, shrink and expand beside; ~30 s each).
 #   optin_spec   bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128, eager and graphed verify;
 #                then batch 1 with a mismatched draft, fixed and adaptive k: the 0%-acceptance case)
 # piecewise (only when named): QSERVE_PIECEWISE_GRAPHS's GPU tests, then bench/profile_step.py eager vs piecewise
@@ -187,7 +189,7 @@ if has optin_lora; then
 fi
 if has lora_profile; then
     stage "LoRA decode with 1/8/32 adapters, then where a step of batch 32 goes, base and 8 adapters (issue 30)"
-    timeout 300 python3 bench/lora.py --e2e --time-limit 220 --profile-dir "$OUT/lora_profile" \
+    timeout 300 python3 bench/lora.py --e2e --time-limit 220 --profile-dir "$OUT/lora_profile" --overlap "${LORA_OVERLAP:-0}" \
         --out "$OUT/lora_e2e.md" 2>&1 | grep -v USDT | tail -16
 fi
 if has optin_spec; then

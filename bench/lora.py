@@ -26,12 +26,15 @@ registered under up to 32 names: each name its own slot). Decode tok/s and ms pe
 model (CUDA graphs) at batch 1, 32 and 128, then, on one LoRA engine (``QSERVE_LORA_TRITON=1`` and
 ``QSERVE_LORA_GRAPHS=1``, 32 slots), batch 32 and 128 with 1, 8 and 32 distinct adapters and batch 1
 with one (the latency with an adapter), each against the base at its batch; last, the same engine
-with its graphs set aside (Triton eager) at batch 32 with 8 adapters. ``--profile-dir DIR``: then
+with its graphs set aside (Triton eager) at batch 32 with 8 adapters. ``--overlap 0,shrink,pair``: one
+LoRA engine per ``QSERVE_LORA_OVERLAP`` mode, the same rows each (``shrink``: each shrink on a side
+stream beside its base GEMM; ``pair``: the expand too, its fp32 delta added after), the eager row
+with the first. ``--profile-dir DIR``: then
 where a decode step's time goes (``bench/profile_step.py``'s per-kernel and per-family tables, the
 host's CUDA calls and Python, the GPU's idle gaps with the launches that ended them) for the base and
 for the LoRA engine at batch 32 with 8 adapters, ``--profile-steps`` steps each, into DIR
-(``profile_base.md``, ``profile_lora.md``, their traces gzipped). Two engines, not one per
-configuration: the whole run fits ``--time-limit`` (200 s on the H200); a row that would start past
+(``profile_base.md``, ``profile_lora.md``, ``profile_lora_overlap_{shrink,pair}.md``, their traces
+gzipped). One base engine and one LoRA engine per overlap mode, not one per configuration: the whole run fits ``--time-limit`` (200 s on the H200); a row that would start past
 it is skipped and says so. The table is rewritten after every row, so a run cut short still leaves
 what it measured. ``--e2e --small`` checks the script on CPU (the reference path: no Triton there).
 """
@@ -334,17 +337,23 @@ def e2e(args: argparse.Namespace) -> Table:
     release()
     os.environ[lora_ops.TRITON_ENV] = "1"
     os.environ["QSERVE_LORA_GRAPHS"] = "1"
-    label = "LoRA, triton + graphs"
-    llm = build(label, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
-    for batch, distinct in ((mid, 8), (mid, 1), (mid, MAX_LORAS), (big, 8), (big, 1), (big, MAX_LORAS), (1, 1)):
-        measure(label, llm, batch, min(distinct, batch))
-    profile("lora", llm, mid, min(8, mid))
-    runner = llm.engine.runner
-    graphs, runner.decode_graphs = runner.decode_graphs, None  # the same engine, decoding eagerly
-    measure("LoRA, triton eager", llm, mid, min(8, mid))
-    runner.decode_graphs = graphs
-    del llm
-    release()
+    # --overlap: one LoRA engine per QSERVE_LORA_OVERLAP mode, in the order given
+    variants = args.overlap.split(",")  # checked by main()
+    for overlap in variants:
+        os.environ[lora_ops.OVERLAP_ENV] = overlap
+        label = "LoRA, triton + graphs" + (f" + overlap {overlap}" if overlap != "0" else "")
+        llm = build(label, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
+        for batch, distinct in ((mid, 8), (mid, 1), (mid, MAX_LORAS), (big, 8), (big, 1), (big, MAX_LORAS), (1, 1)):
+            measure(label, llm, batch, min(distinct, batch))
+        profile("lora" if overlap == "0" else f"lora_overlap_{overlap}", llm, mid, min(8, mid))
+        if overlap == variants[0]:
+            runner = llm.engine.runner
+            graphs, runner.decode_graphs = runner.decode_graphs, None  # the same engine, decoding eagerly
+            measure("LoRA, triton eager", llm, mid, min(8, mid))
+            runner.decode_graphs = graphs
+        del llm
+        release()
+    os.environ.pop(lora_ops.OVERLAP_ENV, None)
     table.note(f"- total {time.perf_counter() - t0:.0f} s")
     return table
 
@@ -363,7 +372,15 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=180.0, help="--e2e: start no row after this (s)")
     parser.add_argument("--profile-dir", default=None, help="--e2e: profile batch 32 x 8 adapters and the base there")
     parser.add_argument("--profile-steps", type=int, default=4, help="--profile-dir: profiled steps per kind")
+    parser.add_argument(
+        "--overlap",
+        default="0",
+        help="--e2e: comma list of QSERVE_LORA_OVERLAP modes (0, shrink, pair), one LoRA engine each",
+    )
     args = parser.parse_args()
+    unknown = [mode for mode in args.overlap.split(",") if mode not in lora_ops.OVERLAP_MODES]
+    if unknown:
+        parser.error(f"--overlap {','.join(unknown)}: expected a comma list of {', '.join(lora_ops.OVERLAP_MODES)}")
     if args.e2e:
         print(e2e(args).text())
         return

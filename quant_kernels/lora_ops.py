@@ -24,6 +24,28 @@ shrink writes before it reads, and ``add_lora``'s ``h`` is dead once its expand 
 plan is kept: every call allocates from the graph's pool as before, so no plan buffer is replayed
 into. What is launched is unchanged (same kernels, grids, constexprs).
 ``PYTHONPATH=. python bench/lora_host.py`` measures the per-call host cost on a CPU.
+
+Overlap (``QSERVE_LORA_OVERLAP=shrink|pair``, opt-in until a GPU run measures it; CUDA, Triton kernels):
+a profiled decode step at batch 32 with 8 adapters on an H100 spent 1.75 ms in 192 shrinks (9.1 µs
+each, mostly the fixed cost of a launch and its split-K reduction in series) and 0.94 ms in the
+expands, on a 6.2 ms base step (bench/RESULTS.md, fourteenth session), all of it after the base GEMMs
+on one stream. The shrink reads only the layer's input, so it need not wait for the base GEMM: with a
+``LoRAOverlap`` in the step's indices (from ``overlap_for``), ``begin_lora`` forks its side stream
+from the current one and launches the shrink there, the caller launches its base GEMM, and
+``finish_lora`` joins the side stream back, then expands into ``y``. ``pair`` also launches the expand
+on the side stream, into a zeroed fp32 ``delta [T, N]``, and ``finish_lora`` adds it (``y.add_(delta)``:
+fp32, rounded once), so the critical path keeps one elementwise launch per layer instead of two
+dependent kernels. Past ``PAIR_MAX_ROWS`` rows (a long prefill) the delta's traffic outgrows what it
+hides: such a call overlaps the shrink only. ``shrink`` gives ``add_lora``'s outputs bitwise (the same
+launches, reordered). ``pair`` does not quite: on a GPU Triton folds the expand's ``fp32(y) + h @ B``
+into the MMA's accumulator (``y`` is its C operand), while the delta is the MMA from zero, added to
+``y`` after; the two differ in the low bits of the fp32 sum, so a ``pair`` output may be one unit in
+the last place of fp16 / bf16 away from ``add_lora``'s (both are the reference within the kernels'
+tolerance). Captured into a CUDA graph the fork and join become the graph's edges. Buffers:
+``h``, the workspace and ``delta`` are allocated on the current stream before the fork, and every
+side-stream launch is joined before the layer returns, so none is freed or reused while the side
+stream may touch it; consecutive layers' shrinks (sharing the arrival counters, a reused plan) stay
+in order.
 """
 
 from __future__ import annotations
@@ -43,6 +65,17 @@ MAX_SLICES = 3  # = lora_triton.MAX_SLICES: the shrink's arrival counters per ti
 _ALIGN = 4  # int32 elements per 16 bytes: where each segment of a packed index buffer starts
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_ENV = "QSERVE_LORA_TRITON"
+OVERLAP_ENV = "QSERVE_LORA_OVERLAP"
+OVERLAP_MODES = ("0", "shrink", "pair")
+PAIR_MAX_ROWS = 512  # past it a "pair" call overlaps the shrink only (module doc)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAOverlap:
+    """QSERVE_LORA_OVERLAP's side stream (a ``torch.cuda.Stream``) and whether the expand runs on it too."""
+
+    stream: object
+    pair: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +98,8 @@ class LoRAIndices:
     # The Triton branch's launch plans of this step, by layer shape (see the module doc): host-side
     # reuse only, filled by ``add_lora`` outside CUDA-graph capture.
     plans: dict = field(default_factory=dict, compare=False, repr=False)
+    # QSERVE_LORA_OVERLAP: the side stream the shrink (and with "pair" the expand) runs on (``begin_lora``)
+    overlap: LoRAOverlap | None = field(default=None, compare=False, repr=False)
 
 
 def index_layout(num_rows: int, num_tiles: int, num_sorted: int | None = None) -> tuple[int, list[tuple[int, int]]]:
@@ -82,11 +117,17 @@ def index_layout(num_rows: int, num_tiles: int, num_sorted: int | None = None) -
 
 
 def indices_from_buffer(
-    buffer: torch.Tensor, num_rows: int, num_tiles: int, num_sorted: int | None = None
+    buffer: torch.Tensor,
+    num_rows: int,
+    num_tiles: int,
+    num_sorted: int | None = None,
+    overlap: LoRAOverlap | None = None,
 ) -> LoRAIndices:
-    """The ``LoRAIndices`` views of an int32 buffer laid out by ``index_layout`` (same arguments)."""
+    """The ``LoRAIndices`` views of an int32 buffer laid out by ``index_layout`` (same arguments);
+    ``overlap``: ``overlap_for``'s, or None."""
     _, segments = index_layout(num_rows, num_tiles, num_sorted)
-    return LoRAIndices(*(buffer[start : start + length] for start, length in segments))
+    views = (buffer[start : start + length] for start, length in segments)
+    return LoRAIndices(*views, overlap=overlap)
 
 
 def max_lora_tiles(num_rows: int, max_loras: int) -> int:
@@ -135,9 +176,11 @@ def _fill(
     # (rows of a graph's pad rows past the step's sorted rows are never read: no tile points there)
 
 
-def build_lora_indices(token_slots: np.ndarray, device: torch.device) -> LoRAIndices:
+def build_lora_indices(
+    token_slots: np.ndarray, device: torch.device, overlap: LoRAOverlap | None = None
+) -> LoRAIndices:
     """Indices for a step whose row ``t`` uses slot ``token_slots[t]`` (-1: base); one host-to-device
-    copy for all of them (see the module doc)."""
+    copy for all of them (see the module doc). ``overlap``: ``overlap_for``'s, or None."""
     slots = np.ascontiguousarray(token_slots, dtype=np.int32)  # [T]
     tiles = lora_tiles(slots)
     num_rows, num_sorted, num_tiles = len(slots), len(tiles[0]), len(tiles[1])
@@ -145,12 +188,25 @@ def build_lora_indices(token_slots: np.ndarray, device: torch.device) -> LoRAInd
     host = torch.empty(total, dtype=torch.int32, pin_memory=device.type == "cuda")  # [total]
     _fill(host.numpy(), slots, tiles, num_tiles, num_sorted)
     buffer = host if device.type == "cpu" else host.to(device, non_blocking=True)
-    return indices_from_buffer(buffer, num_rows, num_tiles, num_sorted)
+    return indices_from_buffer(buffer, num_rows, num_tiles, num_sorted, overlap)
 
 
 def triton_enabled() -> bool:
     """The Triton kernels on CUDA unless ``QSERVE_LORA_TRITON=0`` (the PyTorch reference path)."""
     return os.environ.get(TRITON_ENV, "1") != "0"
+
+
+def overlap_for(device: torch.device) -> LoRAOverlap | None:
+    """``QSERVE_LORA_OVERLAP`` (module doc, "Overlap"): "shrink" or "pair" on a CUDA ``device`` whose LoRA
+    layers take the Triton kernels gives a new side stream; None otherwise (unset or "0", another
+    device, ``QSERVE_LORA_TRITON=0``). Made once per model by its owner (one per ``LoRAManager``),
+    passed to the step's indices."""
+    value = os.environ.get(OVERLAP_ENV) or "0"  # unset or empty: off
+    if value not in OVERLAP_MODES:
+        raise ValueError(f"{OVERLAP_ENV}={value!r}: expected one of {', '.join(OVERLAP_MODES)}")
+    if value == "0" or device.type != "cuda" or not triton_enabled():
+        return None
+    return LoRAOverlap(torch.cuda.Stream(device), pair=value == "pair")
 
 
 def _triton_usable(*tensors: torch.Tensor) -> bool:
@@ -243,6 +299,66 @@ def add_lora(
         return lora_triton.lora_expand(y, plan.h, lora_b, *tiles, slice_starts)
     h = lora_shrink(x, lora_a, num_slices, indices, split_k=split_k, block_k=block_k)
     return lora_expand(y, h, lora_b, slice_starts, indices)
+
+
+@dataclass(slots=True)
+class PendingLoRA:
+    """A ``begin_lora``'s launches, for its ``finish_lora``."""
+
+    h: torch.Tensor  # [T, S * R]: the shrink's output (written on the side stream when ``plan`` is set)
+    plan: _LaunchPlan | None  # the Triton shrink's plan, launched on the side stream; None: in order
+    delta: torch.Tensor | None  # fp32 [T, N]: "pair" mode's expand of h, added to y after the join
+
+
+def begin_lora(
+    x: torch.Tensor,  # [T, K]: the layer's input
+    lora_a: torch.Tensor,  # [L, S * R, K]
+    lora_b: torch.Tensor,  # [L, N, R]
+    slice_starts: Sequence[int],  # S + 1 bounds of the output slices along N
+    indices: LoRAIndices,
+) -> PendingLoRA:
+    """``add_lora``'s launches that need no base output, made before the base layer's GEMM: with
+    ``indices.overlap`` and the Triton kernels, the shrink ("pair": and the expand into a delta) on the
+    side stream, forked from the current one; else the shrink, in order. Hand the result to
+    ``finish_lora`` with the base output."""
+    overlap = indices.overlap
+    num_slices = len(slice_starts) - 1
+    if overlap is None or not _triton_usable(x, lora_a, lora_b):
+        return PendingLoRA(lora_shrink(x, lora_a, num_slices, indices), None, None)
+    plan = _launch_plan(x, lora_a, num_slices, indices, None, None)  # allocated on the current stream
+    delta = None
+    if overlap.pair and x.shape[0] <= PAIR_MAX_ROWS:
+        delta = torch.empty((x.shape[0], lora_b.shape[1]), dtype=torch.float32, device=x.device)  # [T, N]
+    lora_triton, tiles = _lora_triton(), _tiles(indices)
+    overlap.stream.wait_stream(torch.cuda.current_stream(x.device))  # the fork: x is ready
+    with torch.cuda.stream(overlap.stream):
+        lora_triton.lora_shrink(
+            x, lora_a, *tiles, num_slices, plan.h, plan.config, plan.workspace, indices.tile_counters
+        )
+        if delta is not None:
+            delta.zero_()  # base rows: y + 0 is y
+            lora_triton.lora_expand(delta, plan.h, lora_b, *tiles, slice_starts)
+    return PendingLoRA(plan.h, plan, delta)
+
+
+def finish_lora(
+    y: torch.Tensor,  # [T, N]: the base layer's output, updated in place
+    pending: PendingLoRA,  # begin_lora's
+    lora_b: torch.Tensor,  # [L, N, R]
+    slice_starts: Sequence[int],
+    indices: LoRAIndices,
+) -> torch.Tensor:
+    """The rest of a ``begin_lora``: after the join (the side stream's launches done), ``y += B(h)``
+    (the expand, or "pair" mode's delta added)."""
+    if pending.plan is None:
+        return lora_expand(y, pending.h, lora_b, slice_starts, indices)
+    assert indices.overlap is not None
+    torch.cuda.current_stream(y.device).wait_stream(indices.overlap.stream)  # the join: h (and delta) ready
+    if pending.delta is not None:
+        return y.add_(pending.delta)  # fp32(y) + delta, rounded once (module doc: not bitwise the expand's)
+    if not _triton_usable(y) or y.dtype not in _KERNEL_DTYPES:  # add_lora's check of y
+        return lora_expand(y, pending.h, lora_b, slice_starts, indices)
+    return _lora_triton().lora_expand(y, pending.h, lora_b, *_tiles(indices), slice_starts)
 
 
 def lora_shrink(

@@ -9,7 +9,8 @@ A fused layer (qkv, gate_up) has several output shards concatenated along N, in 
 
 LoRA (``qserve.lora``): a layer may hold adapter slots (``lora``, set by ``LoRAManager``); a forward
 given the step's ``LoRAIndices`` adds each row's adapter to the base output. Without indices (LoRA
-off, or no row of the step uses an adapter) the forward is the base layer's alone.
+off, or no row of the step uses an adapter) the forward is the base layer's alone. Indices with a side
+stream (``QSERVE_LORA_OVERLAP``) launch the adapter's shrink before the base GEMM, beside it.
 """
 
 from __future__ import annotations
@@ -132,8 +133,12 @@ class Linear(nn.Module):
     def forward(
         self, x: torch.Tensor, lora: lora_ops.LoRAIndices | None = None
     ) -> torch.Tensor:  # [num_tokens, K] -> [num_tokens, N]
+        w = self.lora
+        if lora is not None and w is not None and lora.overlap is not None:
+            # QSERVE_LORA_OVERLAP: the shrink (it reads x only) runs beside the base GEMM on a side stream
+            pending = lora_ops.begin_lora(x, w.a, w.b, w.slice_starts, lora)
+            return lora_ops.finish_lora(self.method.apply(self, x, self.bias), pending, w.b, w.slice_starts, lora)
         y = self.method.apply(self, x, self.bias)
-        if lora is not None and self.lora is not None:
-            w = self.lora
+        if lora is not None and w is not None:
             y = lora_ops.add_lora(y, x, w.a, w.b, w.slice_starts, lora)
         return y

@@ -34,6 +34,7 @@ from qserve.layers.linear import Linear
 from qserve.lora.peft import LoRAAdapter, TargetLayer, load_peft_adapter
 from qserve.lora.request import LoRAConfig, LoRARequest
 from qserve.model.llama import FUSED_SLICES, MLP, Attention
+from quant_kernels import lora_ops
 from quant_kernels.lora_ops import LoRAIndices, build_lora_indices
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class LoRAManager:
         self.config = config
         self.dtype = dtype
         self.device = device
+        # QSERVE_LORA_OVERLAP (CUDA): the side stream the step's shrinks run on beside the base GEMMs
+        self.overlap = lora_ops.overlap_for(device)
         rank = config.max_lora_rank
         self.targets: dict[str, TargetLayer] = {}  # the whole layers' sizes: what adapters are checked against
         self.layers: dict[str, LoRALayerWeights] = {}
@@ -262,7 +265,7 @@ class LoRAManager:
     def prepare(self, seq_lora_ids: list[int | None], counts: np.ndarray) -> LoRAIndices | None:
         """The step's indices (None when no row uses an adapter); puts its adapters in slots first."""
         per_seq = self.assign_slots(seq_lora_ids)
-        return None if per_seq is None else build_lora_indices(np.repeat(per_seq, counts), self.device)
+        return None if per_seq is None else build_lora_indices(np.repeat(per_seq, counts), self.device, self.overlap)
 
     def assign_slots(self, seq_lora_ids: list[int | None]) -> np.ndarray | None:
         """int32 ``[S]``: each sequence's slot (-1: the base model), its adapters put in slots first;

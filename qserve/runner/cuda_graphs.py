@@ -59,7 +59,14 @@ import torch
 
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.switches import env_switch
-from quant_kernels.lora_ops import LoRAIndices, fill_index_buffer, index_layout, indices_from_buffer, max_lora_tiles
+from quant_kernels.lora_ops import (
+    LoRAIndices,
+    LoRAOverlap,
+    fill_index_buffer,
+    index_layout,
+    indices_from_buffer,
+    max_lora_tiles,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -191,12 +198,14 @@ class DecodeGraphs:
         max_sample_rows: int | None = None,
         share: DecodeGraphs | None = None,
         hidden_taps: tuple[int, ...] | None = None,
+        lora_overlap: LoRAOverlap | None = None,
     ) -> None:
         """``max_num_seqs``: the largest bucket (sequences per graph). ``query_len``: rows per
         sequence (module doc); ``max_sample_rows``: with ``query_len > 1``, the most logit rows a
         graph computes (default: every row); ``share``: graphs whose pool and logits buffer these use;
         ``hidden_taps``: the graphs also write the hidden states an EAGLE head reads (module doc;
-        None: they do not); not with ``max_loras``."""
+        None: they do not); not with ``max_loras``. ``lora_overlap``: with ``max_loras``, the LoRA
+        shrinks are captured on its side stream beside the base GEMMs (``lora_ops.overlap_for``)."""
         if query_len < 1:
             raise ValueError(f"query_len must be >= 1, got {query_len}")
         if query_len > 1 and max_loras is not None:
@@ -243,6 +252,7 @@ class DecodeGraphs:
         self.pool = None if share is None else share.pool
         # LoRA (see the module doc): every row's slot and the tiles, sized for the largest bucket.
         self.max_loras = max_loras
+        self.lora_overlap = lora_overlap
         self.lora_buffer: torch.Tensor | None = None
         if max_loras is not None:
             # every bucket's layout is a prefix of this: rows and tiles only grow with the bucket
@@ -267,7 +277,8 @@ class DecodeGraphs:
 
     def _lora(self, batch: int) -> LoRAIndices:
         assert self.lora_buffer is not None and self.max_loras is not None
-        return indices_from_buffer(self.lora_buffer, batch, max_lora_tiles(batch, self.max_loras))
+        tiles = max_lora_tiles(batch, self.max_loras)
+        return indices_from_buffer(self.lora_buffer, batch, tiles, overlap=self.lora_overlap)
 
     def _run(self, batch: int) -> torch.Tensor:
         extra = {} if self.lora_buffer is None else {"lora": self._lora(batch)}

@@ -347,7 +347,10 @@ class ModelRunner:
         ``share``: another runner's graphs whose pool and logits buffer these use; ``hidden_taps``:
         graphs that also write an EAGLE head's hidden states (``enable_spec_hidden_states``' taps), so
         a plain decode step asking for them replays one instead of running eagerly."""
-        extra = {} if max_loras is None else {"max_loras": max_loras}
+        extra = {}
+        if max_loras is not None:
+            overlap = None if self.lora_manager is None else self.lora_manager.overlap  # QSERVE_LORA_OVERLAP
+            extra = {"max_loras": max_loras, "lora_overlap": overlap}
         self.decode_graphs = DecodeGraphs(
             self.model,
             self.kv_caches,
@@ -566,7 +569,7 @@ class ModelRunner:
             prompt_hidden = pooled = None
         else:
             if lora_slots is not None:
-                lora = build_lora_indices(lora_slots, self.device)
+                lora = build_lora_indices(lora_slots, self.device, self.lora_manager.overlap)
             sample_logits, prompt_hidden, pooled, spec_hidden = self._forward_eager(
                 input_ids,
                 positions,

@@ -584,6 +584,27 @@ def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str) ->
                 y = torch.zeros(rows, starts[-1], dtype=dtype)  # [T, N]
                 with where(capture, f"LoRA kernels {dtype_name} K={k} {label}"):
                     lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, split_k=split_k)
+            # QSERVE_LORA_OVERLAP=pair in a decode graph: the expand into the fp32 delta (a launch of its own
+            # dtypes), through begin_lora / finish_lora; the streams stand in (no CUDA here), the launches are real
+            pair = lora_ops.indices_from_buffer(
+                graph_buffer, 32, graph_tiles, overlap=lora_ops.LoRAOverlap(_NoStream(), pair=True)
+            )
+            x, y = torch.zeros(32, k, dtype=dtype), torch.zeros(32, starts[-1], dtype=dtype)
+            with (
+                mock.patch.object(torch.cuda, "current_stream", lambda device=None: _NoStream()),
+                mock.patch.object(torch.cuda, "stream", lambda stream: contextlib.nullcontext()),
+                where(capture, f"LoRA kernels {dtype_name} K={k} overlap pair, decode graph batch 32"),
+            ):
+                pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, pair)
+                assert pending.delta is not None and pending.delta.dtype == torch.float32
+                lora_ops.finish_lora(y, pending, lora_b, starts, pair)
+
+
+class _NoStream:
+    """A CUDA stream's stand-in for the simulated GPU's drives: ordering calls do nothing."""
+
+    def wait_stream(self, other: object) -> None:
+        return None
 
 
 # EAGLE heads' 4-bit copies at a Qwen2.5-14B target's shapes (speculative_config "draft_lm_head" / "draft_layers":

@@ -282,6 +282,48 @@ def test_gpu_triton_path_matches_reference_path(setup, monkeypatch) -> None:
     assert same >= len(prompts) - 1  # fp16: one near-tie may flip a greedy token
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_overlapped_lora_gives_the_same_outputs(setup, monkeypatch) -> None:
+    """QSERVE_LORA_OVERLAP=shrink|pair (opt-in): each LoRA layer's shrink (and the expand) on a side
+    stream beside the base GEMM, eagerly (prompt steps) and in the decode graphs, for a batch of
+    adapters and the base: "shrink" makes the same launches in another order, so the same tokens and
+    logprobs as without it; "pair" rounds the expand's sum at another point (lora_ops' module doc), so
+    logprobs within fp16 noise and the same tokens but for a near-tie."""
+    from quant_kernels import lora_ops
+
+    _, requests, _, root = setup
+    names = [*ADAPTERS, None, None]
+    loras = [None if n is None else requests[n] for n in names]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+    runs = {}
+    for mode in ("0", "shrink", "pair"):
+        monkeypatch.setenv(lora_ops.OVERLAP_ENV, mode)
+        llm = LLM(
+            str(root / "base"),
+            dtype="float16",
+            skip_tokenizer_init=True,
+            enable_lora=True,
+            max_loras=4,
+            num_kv_blocks=64,
+        )
+        overlap = llm.engine.lora_manager.overlap
+        assert (overlap is not None) == (mode != "0") and (overlap is None or overlap.pair == (mode == "pair"))
+        assert llm.engine.runner.decode_graphs is not None
+        assert llm.engine.runner.decode_graphs.lora_overlap is overlap
+        runs[mode] = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        del llm
+    for name, want, got in zip(names, runs["0"], runs["shrink"]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, name
+        assert _prompt_lp(got) == _prompt_lp(want), name
+        assert got.outputs[0].cumulative_logprob == want.outputs[0].cumulative_logprob, name
+    for name, want, got in zip(names, runs["0"], runs["pair"]):
+        assert max(abs(a - b) for a, b in zip(_prompt_lp(got), _prompt_lp(want))) < 2e-2, name
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(runs["0"], runs["pair"]))
+    assert same >= len(prompts) - 1  # fp16: one near-tie may flip a greedy token
+
+
 def test_embed_takes_an_adapter(setup) -> None:
     llm, requests, references, _ = setup
     prompt = {"prompt_token_ids": PROMPTS[0]}

@@ -233,7 +233,7 @@ for name in ("sm90", "sm89", "sm86"):
         for dtype, dtype_name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
             drive_lora_kernels(capture, dtype, dtype_name)
     result[name] = [
-        {"kernel": l.kernel, "constexprs": dict(l.constexprs), "error": l.error, "where": l.where}
+        {"kernel": l.kernel, "signature": l.signature, "constexprs": dict(l.constexprs), "error": l.error, "where": l.where}
         for l in capture.launches.values()
     ]
 print("RESULT" + json.dumps(result, default=str))
@@ -253,11 +253,13 @@ def test_lora_launches_compile(request, tmp_path) -> None:
     """The multi-LoRA kernels as ``lora_ops.add_lora`` launches them (QSERVE_LORA_TRITON=1) at
     Qwen2.5-14B's qkv and down shapes, fp16 and bf16, compile for sm90, sm89 and sm86: the split-K
     shrink (workspace, arrival counters, the last program's reduction) and the one-split shrink, and
-    the expand. Selectable alone (``-k lora``): no engine drive, about a minute."""
+    the expand, into y and (QSERVE_LORA_OVERLAP=pair, through begin_lora / finish_lora) into an fp32 delta. Selectable alone (``-k lora``): no engine drive, about a minute."""
     for gpu, launches in _compiled_launches(request, tmp_path).items():
         splits = {x["constexprs"]["SPLIT_PAD"] for x in launches if x["kernel"] == "lora_shrink_kernel"}
         assert 1 in splits and max(splits) == 32, (gpu, splits)  # one split, and the heuristic's decode split
-        assert any(x["kernel"] == "lora_expand_kernel" for x in launches), gpu
+        expands = {x["signature"][0] for x in launches if x["kernel"] == "lora_expand_kernel"}  # Y's type
+        # into y (fp16 / bf16), and into QSERVE_LORA_OVERLAP=pair's fp32 delta
+        assert "*float32" in expands and len(expands) >= 2, (gpu, expands)
 
 
 _MOE_DIRECT = r"""

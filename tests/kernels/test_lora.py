@@ -211,7 +211,8 @@ def test_indices_are_aligned_views_of_one_buffer() -> None:
     for n in (1, 3, 7, 25):
         slots = np.arange(n, dtype=np.int32) % 3 - 1
         ind = lora_ops.build_lora_indices(slots, torch.device("cpu"))
-        tensors = [getattr(ind, f) for f in ind.__dataclass_fields__ if f != "plans"]  # plans: host-side
+        host_side = ("plans", "overlap")
+        tensors = [getattr(ind, f) for f in ind.__dataclass_fields__ if f not in host_side]
         base = ind.token_slots.untyped_storage().data_ptr()
         assert all(t.untyped_storage().data_ptr() == base for t in tensors)
         assert all(t.storage_offset() % 4 == 0 for t in tensors)
@@ -442,3 +443,170 @@ def test_host_geometry_matches_triton_helpers() -> None:
         assert first2 == (sum(blocks[:2]) if len(blocks) > 2 else total)
     with pytest.raises(ValueError, match="output slices"):
         lora_triton.expand_geometry((0, 1, 2, 3, 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# QSERVE_LORA_OVERLAP: the shrink (and with "pair" the expand) on a side stream beside the base GEMM
+# ----------------------------------------------------------------------------------------------
+
+
+def test_overlap_only_on_cuda_and_only_when_asked(monkeypatch) -> None:
+    monkeypatch.delenv(lora_ops.OVERLAP_ENV, raising=False)
+    assert lora_ops.overlap_for(torch.device("cpu")) is None
+    for mode in ("0", "shrink", "pair"):
+        monkeypatch.setenv(lora_ops.OVERLAP_ENV, mode)
+        assert lora_ops.overlap_for(torch.device("cpu")) is None  # no stream off CUDA: add_lora's order
+    monkeypatch.setenv(lora_ops.OVERLAP_ENV, "")  # empty: unset
+    assert lora_ops.overlap_for(torch.device("cpu")) is None
+    for bad in ("1", "yes", "both"):
+        monkeypatch.setenv(lora_ops.OVERLAP_ENV, bad)
+        with pytest.raises(ValueError, match=lora_ops.OVERLAP_ENV):
+            lora_ops.overlap_for(torch.device("cpu"))
+
+
+class _RecordingStream:
+    """A stand-in for torch.cuda.Stream that logs the fork / join calls made on it (and on the
+    current stream) into one shared log."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _RecordingStream) -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+def _record_streams(monkeypatch, log: list) -> tuple[_RecordingStream, _RecordingStream]:
+    """(main, side) recording streams standing in for torch.cuda's current stream and a side stream;
+    every shrink, expand and in-place add of a tensor is logged with the stream it was launched on."""
+    main, side = _RecordingStream("main", log), _RecordingStream("side", log)
+    current = [main]
+
+    class _On:
+        def __init__(self, stream) -> None:  # noqa: ANN001
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            current.append(self.stream)
+
+        def __exit__(self, *exc: object) -> None:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", _On)
+    lora_triton = lora_ops._lora_triton()
+    for name in ("lora_shrink", "lora_expand"):
+        launch = getattr(lora_triton, name)
+
+        def spy(*args, _launch=launch, _name=name):  # noqa: ANN002, ANN202
+            log.append(f"{_name} into {args[0 if _name == 'lora_expand' else 7].dtype} on {current[-1].name}")
+            return _launch(*args)
+
+        monkeypatch.setattr(lora_triton, name, spy)
+    return main, side
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["shrink", "pair"])
+def test_begin_finish_lora_order_and_outputs(monkeypatch, pair) -> None:
+    """With an overlap in the indices, ``begin_lora`` forks the side stream from the current one and
+    launches the shrink on it ("pair": and the expand, into an fp32 delta), ``finish_lora`` joins it
+    back, then expands into y ("pair": adds the delta): the launches in that order (kernels in the
+    interpreter, the streams recorded), and the output add_lora's, bitwise (also "pair" here: the
+    interpreter adds y after the dot, where a GPU's MMA accumulates onto it). Past PAIR_MAX_ROWS rows a
+    "pair" call overlaps the shrink only. Without an overlap both halves run in order."""
+    _cpu_triton_branch(monkeypatch)
+    x, lora_a, lora_b, slots, y, starts = make_case(9, 256, [32, 16, 16], 3, 8, torch.float16, seed=3)
+    want = lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, lora_ops.build_lora_indices(slots, x.device))
+    log: list[str] = []
+    _, side = _record_streams(monkeypatch, log)
+    indices = lora_ops.build_lora_indices(slots, x.device, lora_ops.LoRAOverlap(side, pair))
+    pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, indices)
+    log.append("base GEMM on main")
+    got = lora_ops.finish_lora(y.clone(), pending, lora_b, starts, indices)
+    expand = ["lora_expand into torch.float32 on side"] if pair else []
+    finish = [] if pair else ["lora_expand into torch.float16 on main"]
+    shrink = "lora_shrink into torch.float16 on side"
+    assert log == ["side waits main", shrink, *expand, "base GEMM on main", "main waits side", *finish]
+    assert torch.equal(got, want)
+    assert (pending.delta is not None) == pair
+
+    log.clear()
+    monkeypatch.setattr(lora_ops, "PAIR_MAX_ROWS", 8)  # 9 rows: past it
+    pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, indices)
+    assert pending.delta is None and log == ["side waits main", shrink]
+    assert torch.equal(lora_ops.finish_lora(y.clone(), pending, lora_b, starts, indices), want)
+
+    monkeypatch.setattr(lora_ops.kdevice, "triton_serves", lambda device: False)  # off CUDA: the reference
+    plain = lora_ops.build_lora_indices(slots, x.device)
+    got = lora_ops.finish_lora(y.clone(), lora_ops.begin_lora(x, lora_a, lora_b, starts, plain), lora_b, starts, plain)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("pair", [False, True], ids=["shrink", "pair"])
+def test_gpu_overlapped_lora_in_a_cuda_graph_is_add_lora(monkeypatch, pair) -> None:
+    """Two LoRA layers (qkv, then down), the shrink ("pair": and the expand) on a side stream, eagerly
+    and captured in one CUDA graph (the fork and join its edges) replayed for two slot assignments:
+    every output the one add_lora gives, bitwise with "shrink", within an ulp of fp16 with "pair" (its
+    delta is the MMA from zero, added after; add_lora's expand accumulates onto y: lora_ops' module doc).
+    The base output is a copy of a precomputed GEMM, short on purpose: a finish not joined to its side
+    stream would read ``h`` or the delta before they were written; the outputs are poisoned before each
+    replay."""
+    monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
+    batch, max_loras = 32, 8
+    tiles = lora_ops.max_lora_tiles(batch, max_loras)
+    total, _ = lora_ops.index_layout(batch, tiles)
+    buffer = torch.zeros(total, dtype=torch.int32, device="cuda")
+    overlapped = lora_ops.indices_from_buffer(
+        buffer, batch, tiles, overlap=lora_ops.LoRAOverlap(torch.cuda.Stream(), pair)
+    )
+    plain = lora_ops.indices_from_buffer(buffer, batch, tiles)
+    layers = []
+    for k, sizes in ((5120, [5120, 1024, 1024]), (13824, [5120])):
+        x, lora_a, lora_b, _, _, starts = make_case(batch, k, sizes, max_loras, 16, torch.float16, seed=k)
+        weight = torch.randn(sum(sizes), k, dtype=torch.float16, device="cuda") / k**0.5  # [N, K]
+        layers.append((x, lora_a, lora_b, x @ weight.T, starts))  # the base output [T, N]
+    outputs = [torch.empty_like(base) for *_, base, _ in layers]
+
+    def step(indices) -> list[torch.Tensor]:  # noqa: ANN001
+        got = []
+        for (x, lora_a, lora_b, base, starts), out in zip(layers, outputs):
+            if indices.overlap is None:
+                y = lora_ops.add_lora(base.clone(), x, lora_a, lora_b, starts, indices)
+            else:
+                pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, indices)
+                y = lora_ops.finish_lora(base.clone(), pending, lora_b, starts, indices)
+            out.copy_(y)
+            got.append(out.clone())
+        return got
+
+    host = np.zeros(total, dtype=np.int32)
+    gen = np.random.default_rng(0)
+    assignments = (gen.integers(-1, max_loras, batch), np.arange(batch) % 3 - 1)
+    lora_ops.fill_index_buffer(host, assignments[0].astype(np.int32), batch, tiles)
+    buffer.copy_(torch.from_numpy(host))
+    want = step(plain)
+    got = step(overlapped)  # eager, and the warm-up before the capture
+    torch.cuda.synchronize()
+
+    def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+        for a, b in zip(got, want):
+            if pair:  # one rounding of fp32(y) + delta against the MMA accumulating onto y
+                torch.testing.assert_close(a, b, atol=1e-3, rtol=2e-3, msg=what)  # 1-2 ulps of fp16
+            else:
+                assert torch.equal(a, b), what
+
+    assert_same(got, want, "eager overlap differs from add_lora")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(overlapped)
+    for step_slots in assignments:
+        lora_ops.fill_index_buffer(host, step_slots.astype(np.int32), batch, tiles)
+        buffer.copy_(torch.from_numpy(host))
+        want = step(plain)
+        for out in outputs:
+            out.fill_(float("nan"))  # a replay that wrote nothing fails
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not overlapped.tile_counters.any()
+        assert_same(outputs, want, "the graph's overlapped LoRA differs from add_lora")
