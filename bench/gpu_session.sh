@@ -17,12 +17,12 @@
 #   optin_tiles  the Hopper prefill tiles (QSERVE_PREFILL_TILES=h200): GPU attention tests, bench/attention_prefill.py
 #   optin_moe    bench/moe.py (fused MoE vs per-expert loop vs cuBLAS grouped)
 #   optin_lora   bench/lora.py (kernels, then --e2e)
+#   optin_spec   bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128, eager and graphed verify;
+#                then batch 1 with a mismatched draft, fixed and adaptive k: the 0%-acceptance case)
 # lora_profile (only when named): bench/lora.py --e2e --profile-dir: issue 30's decode table, then the per-kernel
 #   profile of a batch-32 decode step, base and LoRA with 8 adapters (lora_profile/profile_{base,lora}.md); ~70 s
 #   on an H100 (14th session). LORA_OVERLAP (--overlap, default 0): comma list of QSERVE_LORA_OVERLAP modes, one
 #   LoRA engine each (0,shrink,pair: without, shrinks beside the base GEMMs, shrink and expand beside; ~30 s each).
-#   optin_spec   bench/spec_decode.py (n-gram and a 12-layer self-draft, batch 1/32/128, eager and graphed verify;
-#                then batch 1 with a mismatched draft, fixed and adaptive k: the 0%-acceptance case)
 # piecewise (only when named): QSERVE_PIECEWISE_GRAPHS's GPU tests, then bench/profile_step.py eager vs piecewise
 #   graphs (buckets 256-2048) on the pure-decode and mixed steps (issue 25).
 # core (only when named; needs the server's wheels): bench/serving_http.sh with the engine core in-process,

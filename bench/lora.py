@@ -34,8 +34,8 @@ where a decode step's time goes (``bench/profile_step.py``'s per-kernel and per-
 host's CUDA calls and Python, the GPU's idle gaps with the launches that ended them) for the base and
 for the LoRA engine at batch 32 with 8 adapters, ``--profile-steps`` steps each, into DIR
 (``profile_base.md``, ``profile_lora.md``, ``profile_lora_overlap_{shrink,pair}.md``, their traces
-gzipped). One base engine and one LoRA engine per overlap mode, not one per configuration: the whole run fits ``--time-limit`` (200 s on the H200); a row that would start past
-it is skipped and says so. The table is rewritten after every row, so a run cut short still leaves
+gzipped). One base engine and one LoRA engine per overlap mode, not one per configuration: the whole
+run fits ``--time-limit`` (200 s on the H200); a row that would start past it is skipped and says so. The table is rewritten after every row, so a run cut short still leaves
 what it measured. ``--e2e --small`` checks the script on CPU (the reference path: no Triton there).
 """
 

@@ -290,13 +290,9 @@ def add_lora(
     """``y[t] += B[slot t](A[slot t](x[t]))`` (the scale is folded into B) for rows with a slot."""
     num_slices = len(slice_starts) - 1
     if _triton_usable(x, lora_a, y, lora_b) and y.dtype in _KERNEL_DTYPES:  # both halves' checks at once
-        lora_triton = _lora_triton()
         plan = _launch_plan(x, lora_a, num_slices, indices, split_k, block_k)
-        tiles = _tiles(indices)
-        lora_triton.lora_shrink(
-            x, lora_a, *tiles, num_slices, plan.h, plan.config, plan.workspace, indices.tile_counters
-        )
-        return lora_triton.lora_expand(y, plan.h, lora_b, *tiles, slice_starts)
+        _launch_shrink(x, lora_a, num_slices, indices, plan, plan.h)
+        return _lora_triton().lora_expand(y, plan.h, lora_b, *_tiles(indices), slice_starts)
     h = lora_shrink(x, lora_a, num_slices, indices, split_k=split_k, block_k=block_k)
     return lora_expand(y, h, lora_b, slice_starts, indices)
 
@@ -305,8 +301,8 @@ def add_lora(
 class PendingLoRA:
     """A ``begin_lora``'s launches, for its ``finish_lora``."""
 
-    h: torch.Tensor  # [T, S * R]: the shrink's output (written on the side stream when ``plan`` is set)
-    plan: _LaunchPlan | None  # the Triton shrink's plan, launched on the side stream; None: in order
+    h: torch.Tensor  # [T, S * R]: the shrink's output
+    beside: bool  # launched on the side stream (finish_lora joins it first); False: in order
     delta: torch.Tensor | None  # fp32 [T, N]: "pair" mode's expand of h, added to y after the join
 
 
@@ -324,21 +320,18 @@ def begin_lora(
     overlap = indices.overlap
     num_slices = len(slice_starts) - 1
     if overlap is None or not _triton_usable(x, lora_a, lora_b):
-        return PendingLoRA(lora_shrink(x, lora_a, num_slices, indices), None, None)
+        return PendingLoRA(lora_shrink(x, lora_a, num_slices, indices), False, None)
     plan = _launch_plan(x, lora_a, num_slices, indices, None, None)  # allocated on the current stream
     delta = None
     if overlap.pair and x.shape[0] <= PAIR_MAX_ROWS:
         delta = torch.empty((x.shape[0], lora_b.shape[1]), dtype=torch.float32, device=x.device)  # [T, N]
-    lora_triton, tiles = _lora_triton(), _tiles(indices)
     overlap.stream.wait_stream(torch.cuda.current_stream(x.device))  # the fork: x is ready
     with torch.cuda.stream(overlap.stream):
-        lora_triton.lora_shrink(
-            x, lora_a, *tiles, num_slices, plan.h, plan.config, plan.workspace, indices.tile_counters
-        )
+        _launch_shrink(x, lora_a, num_slices, indices, plan, plan.h)
         if delta is not None:
             delta.zero_()  # base rows: y + 0 is y
-            lora_triton.lora_expand(delta, plan.h, lora_b, *tiles, slice_starts)
-    return PendingLoRA(plan.h, plan, delta)
+            _lora_triton().lora_expand(delta, plan.h, lora_b, *_tiles(indices), slice_starts)
+    return PendingLoRA(plan.h, True, delta)
 
 
 def finish_lora(
@@ -350,15 +343,12 @@ def finish_lora(
 ) -> torch.Tensor:
     """The rest of a ``begin_lora``: after the join (the side stream's launches done), ``y += B(h)``
     (the expand, or "pair" mode's delta added)."""
-    if pending.plan is None:
-        return lora_expand(y, pending.h, lora_b, slice_starts, indices)
-    assert indices.overlap is not None
-    torch.cuda.current_stream(y.device).wait_stream(indices.overlap.stream)  # the join: h (and delta) ready
-    if pending.delta is not None:
-        return y.add_(pending.delta)  # fp32(y) + delta, rounded once (module doc: not bitwise the expand's)
-    if not _triton_usable(y) or y.dtype not in _KERNEL_DTYPES:  # add_lora's check of y
-        return lora_expand(y, pending.h, lora_b, slice_starts, indices)
-    return _lora_triton().lora_expand(y, pending.h, lora_b, *_tiles(indices), slice_starts)
+    if pending.beside:
+        assert indices.overlap is not None
+        torch.cuda.current_stream(y.device).wait_stream(indices.overlap.stream)  # the join: h (and delta) ready
+        if pending.delta is not None:
+            return y.add_(pending.delta)  # fp32(y) + delta, rounded once (module doc: not bitwise the expand's)
+    return lora_expand(y, pending.h, lora_b, slice_starts, indices)
 
 
 def lora_shrink(
@@ -374,12 +364,8 @@ def lora_shrink(
     Apart so that a row-parallel layer can all-reduce its partial ``h`` between the halves."""
     h = torch.empty((x.shape[0], lora_a.shape[1]), dtype=x.dtype, device=x.device)  # [T, S * R]: the caller's
     if _triton_usable(x, lora_a):
-        from quant_kernels import lora_triton
-
         plan = _launch_plan(x, lora_a, num_slices, indices, split_k, block_k)  # its config and workspace
-        lora_triton.lora_shrink(
-            x, lora_a, *_tiles(indices), num_slices, h, plan.config, plan.workspace, indices.tile_counters
-        )
+        _launch_shrink(x, lora_a, num_slices, indices, plan, h)
         return h
     return reference_lora.lora_shrink(x, lora_a, indices.token_slots, h)
 
@@ -393,10 +379,17 @@ def lora_expand(
 ) -> torch.Tensor:
     """The second half of ``add_lora``: ``y[t] += B[slot t](h[t])`` for rows with a slot."""
     if _triton_usable(y, h, lora_b):
-        from quant_kernels import lora_triton
-
-        return lora_triton.lora_expand(y, h, lora_b, *_tiles(indices), slice_starts)
+        return _lora_triton().lora_expand(y, h, lora_b, *_tiles(indices), slice_starts)
     return reference_lora.lora_expand(y, h, lora_b, indices.token_slots, slice_starts)
+
+
+def _launch_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, num_slices: int, indices: LoRAIndices, plan: _LaunchPlan, h: torch.Tensor
+) -> None:
+    """The Triton shrink into ``h`` ``[T, S * R]`` with ``plan``'s K split and workspace."""
+    _lora_triton().lora_shrink(
+        x, lora_a, *_tiles(indices), num_slices, h, plan.config, plan.workspace, indices.tile_counters
+    )
 
 
 def _tiles(indices: LoRAIndices) -> tuple[torch.Tensor, ...]:
