@@ -53,7 +53,10 @@
 # moe_batch1 (only when named): issue 32's batch-1 decode, three engines on one checkpoint: the MMA MoE kernel
 #   without split-K or the sort-free layout (QSERVE_MOE_SPLIT_K=0 QSERVE_MOE_DIRECT_BLOCKS=0), with split-K
 #   (auto), and with the sort-free layout too (QSERVE_MOE_DIRECT_BLOCKS=32: the defaults), the later two reusing the first's checkpoint (--reuse-checkpoint); first
-#   bench/moe.py --tokens 1,8 (its split column, its direct table); ~7 minutes.
+#   bench/moe.py --tokens 1,8 (its split column, its direct table); ~7 minutes. MOE_KERNELS=0 skips bench/moe.py;
+#   MOE_VARIANTS: other engines, ';'-separated, each a space-separated list of VAR=value (e.g. switches on and off).
+#   moe_profile's MOE_CKPT=/tmp/qbm/qwen3-30b-a3b-gptq profiles the checkpoint moe_batch1 wrote (none written),
+#   MOE_PROFILE_DIR a subfolder of $OUT for its profile_step.md, MOE_PROFILE_DECODE its batches (default 1,32).
 # spec_eagle (only when named): bench/spec_decode.py at batch 1 with EAGLE heads built from the target (--eagle
 #   layers1,layers4,random; the random head also with adaptive k), graphed verify, median of 3 (issue 29); each head
 #   with the engine's defaults: plain decode steps graphed (-dg; EAGLE_DECODE_GRAPHS=off|on|both, default on) and the
@@ -300,8 +303,9 @@ if has moe_e2e; then
 fi
 if has moe_profile; then
     stage "MoE step profile (Qwen3-30B-A3B-shaped GPTQ 4-bit): pure decode at 1 and 32, mixed, per kernel family"
-    timeout 200 python3 bench/profile_step.py --model qwen3-30b-a3b --ckpt /tmp/qbm-prof --decode 1,32 \
-        --piecewise off --out "$OUT" 2>&1 | grep -v USDT | tail -6
+    mkdir -p "$OUT/${MOE_PROFILE_DIR:-.}"
+    timeout 200 python3 bench/profile_step.py --model qwen3-30b-a3b --ckpt "${MOE_CKPT:-/tmp/qbm-prof}" \
+        --decode "${MOE_PROFILE_DECODE:-1,32}" --piecewise off --out "$OUT/${MOE_PROFILE_DIR:-.}" 2>&1 | grep -v USDT | tail -6
 fi
 if has moe_sweep; then
     stage "MoE MMA kernel config sweep (each GEMM alone)"
@@ -312,10 +316,12 @@ fi
 if has moe_batch1; then
     # one checkpoint, three engines one after the other (the split and the layout are read at capture)
     stage "MoE batch-1 decode: the MMA kernel plain, split over K, split + the sort-free layout (the default; issue 32)"
-    timeout 120 python3 bench/moe.py --tokens 1,8 --out "$OUT/moe_kernels.md" > "$OUT/moe_kernels.log" 2>&1
-    echo "bench/moe.py exit code $?"; grep -E "^\|" "$OUT/moe_kernels.md" | head -24
-    for variant in "QSERVE_MOE_SPLIT_K=0 QSERVE_MOE_DIRECT_BLOCKS=0" "QSERVE_MOE_SPLIT_K=auto QSERVE_MOE_DIRECT_BLOCKS=0" \
-        "QSERVE_MOE_SPLIT_K=auto QSERVE_MOE_DIRECT_BLOCKS=32"; do
+    if [[ ${MOE_KERNELS:-1} == 1 ]]; then
+        timeout 120 python3 bench/moe.py --tokens 1,8 --out "$OUT/moe_kernels.md" > "$OUT/moe_kernels.log" 2>&1
+        echo "bench/moe.py exit code $?"; grep -E "^\|" "$OUT/moe_kernels.md" | head -24
+    fi
+    IFS=';' read -r -a variants <<< "${MOE_VARIANTS:-QSERVE_MOE_SPLIT_K=0 QSERVE_MOE_DIRECT_BLOCKS=0;QSERVE_MOE_SPLIT_K=auto QSERVE_MOE_DIRECT_BLOCKS=0;QSERVE_MOE_SPLIT_K=auto QSERVE_MOE_DIRECT_BLOCKS=32}"
+    for variant in "${variants[@]}"; do
         echo "--- $variant"
         env $variant timeout 150 python3 bench/e2e.py --model qwen3-30b-a3b --skip small,fp8,offline,capacity \
             --decode-batches 1,8 --tmp /tmp/qbm --reuse-checkpoint --out "$OUT/moe_batch1_${variant//[ =]/_}.md" 2>&1 \

@@ -1,5 +1,6 @@
 """Device dispatch for the per-token elementwise ops (RMSNorm, fused residual add + RMSNorm,
-rotary embedding, SiLU-and-mul): fused Triton kernels on CUDA, the PyTorch reference elsewhere.
+rotary embedding, alone or after the per-head RMSNorm of query and key, SiLU-and-mul): fused
+Triton kernels on CUDA, the PyTorch reference elsewhere.
 
 Knows: which implementation serves which device and dtype. Must not know: models or layers.
 Triton stays an optional, lazy import: this module imports on a machine without triton, and
@@ -63,6 +64,26 @@ def rotary_embedding(
 
         return elementwise_triton.rotary_embedding(positions, query, key, cos, sin)
     return reference_elementwise.rotary_embedding(positions, query, key, cos, sin)
+
+
+def qk_norm_rotary_embedding(
+    positions: torch.Tensor,  # int64 [T]
+    query: torch.Tensor,  # [T, Hq, D], may be a strided view into a fused qkv tensor
+    key: torch.Tensor,  # [T, Hk, D], likewise
+    q_weight: torch.Tensor,  # [D]: q_norm's weight
+    k_weight: torch.Tensor,  # [D]: k_norm's weight
+    eps: float,
+    cos: torch.Tensor,  # float32 [max_positions, D / 2]
+    sin: torch.Tensor,  # float32 [max_positions, D / 2]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), new and contiguous
+    """``rms_norm`` of every head of query and key, then ``rotary_embedding``: one launch on CUDA
+    where the two norms and the rotary take three (the launch-bound decode step of a Qwen3 model:
+    two launches fewer a layer); elsewhere exactly the reference norms and rotary."""
+    if _triton_usable(query, key, q_weight, k_weight, cos, sin) and kdevice.triton_serves(positions.device):
+        from quant_kernels import elementwise_triton
+
+        return elementwise_triton.qk_norm_rotary_embedding(positions, query, key, q_weight, k_weight, eps, cos, sin)
+    return reference_elementwise.qk_norm_rotary_embedding(positions, query, key, q_weight, k_weight, eps, cos, sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I], new and contiguous

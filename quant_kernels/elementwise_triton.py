@@ -1,5 +1,6 @@
 """Triton kernels for the per-token elementwise ops of a decoder layer: RMSNorm (optionally fused
-with the residual add before it), rotary embedding of query and key, and SiLU-and-mul.
+with the residual add before it), rotary embedding of query and key (optionally fused with the
+per-head RMSNorm of both before it: Qwen3's q/k norms), and SiLU-and-mul.
 
 Knows: the semantics of ``quant_kernels.reference_elementwise`` and how to lay these ops out as
 one launch each. Must not know: models, layers, engines. Imported lazily (by
@@ -21,6 +22,13 @@ Kernels
 ``rotary_kernel``: grid ``(T, ceil(Hq / HPP) + ceil(Hk / HPP))``: a program owns ``HPP`` heads of
   one token, of query (first block indices) or of key (the rest), so query and key take one
   launch. It gathers that token's cos/sin row once and rotates ``[HPP, D/2]`` halves.
+  With ``QK_NORM`` (``qk_norm_rotary_embedding``) each program first normalises its heads over
+  their whole D (both halves, so a head is never split between programs) with
+  ``rms_norm_kernel``'s rounding, then rotates those rounded values: the same math as q_norm,
+  k_norm and the rotary as three launches, up to the fp32 reduction order of each head's sum of
+  squares. Why: Qwen3-30B-A3B's decode at batch 1 is launch-bound (~785 CUDA-graph nodes a step),
+  and this takes two launches off every layer (96 graph nodes over its 48 layers). The decoder
+  uses it only under ``QSERVE_FUSED_QK_NORM_ROPE=1`` (opt-in until a GPU run measures it).
 ``silu_and_mul_kernel``: grid ``(T, ceil(I / BLOCK))``: ``silu(gate) * up`` in fp32, rounded
   once (the reference, torch's ``F.silu(gate) * up``, rounds the SiLU first: results may differ
   by one ulp of the activation dtype).
@@ -92,6 +100,7 @@ def rms_norm_kernel(
 def _rotate_heads(
     X,
     OUT,
+    W,  # [2 * HALF] the heads' RMSNorm weight (read only with QK_NORM)
     t,
     first_head,
     n_heads,
@@ -99,16 +108,34 @@ def _rotate_heads(
     stride_h,
     cos,  # fp32 [BLOCK_HALF]
     sin,
+    eps,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HPP: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     heads = first_head + tl.arange(0, HPP)
     offs = tl.arange(0, BLOCK_HALF)
     mask = (heads < n_heads)[:, None] & (offs < HALF)[None, :]
     src = X + t * stride_t + heads[:, None].to(tl.int64) * stride_h + offs[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(src, mask=mask, other=0.0)  # [HPP, BLOCK_HALF], X's dtype
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    if QK_NORM:
+        # rms_norm_kernel's arithmetic over each whole head (both halves; masked lanes load 0 and
+        # add nothing): normalise in fp32, round to X's dtype, multiply by the weight in fp32,
+        # round to OUT's dtype. The rotation then reads these rounded values, as it would read
+        # q_norm / k_norm's outputs from memory.
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        sum_sq = tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)  # [HPP]
+        rstd = tl.math.rsqrt(sum_sq / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(W + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1f * rstd).to(x1.dtype).to(tl.float32) * w1).to(OUT.dtype.element_ty).to(tl.float32)
+        x2 = ((x2f * rstd).to(x2.dtype).to(tl.float32) * w2).to(OUT.dtype.element_ty).to(tl.float32)
+    else:
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
     c = cos[None, :]
     s = sin[None, :]
     dst = OUT + (t * n_heads + heads[:, None]) * (2 * HALF) + offs[None, :]
@@ -125,6 +152,8 @@ def rotary_kernel(
     SIN,
     Q_OUT,
     K_OUT,
+    QW,  # [D] q_norm's weight (QK_NORM only; otherwise any pointer, never read)
+    KW,  # [D] k_norm's weight
     n_q_heads,
     n_k_heads,
     n_q_blocks,
@@ -134,9 +163,11 @@ def rotary_kernel(
     stride_kh,
     stride_cos,
     stride_sin,
+    eps,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HPP: tl.constexpr,
+    QK_NORM: tl.constexpr = False,  # per-head RMSNorm of q and k (Qwen3's q_norm / k_norm) before rotating
     USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
 ):
     if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
@@ -149,10 +180,15 @@ def rotary_kernel(
     cos = tl.load(COS + pos * stride_cos + offs, mask=offs < HALF, other=0.0).to(tl.float32)
     sin = tl.load(SIN + pos * stride_sin + offs, mask=offs < HALF, other=0.0).to(tl.float32)
     if block < n_q_blocks:
-        _rotate_heads(Q, Q_OUT, t, block * HPP, n_q_heads, stride_qt, stride_qh, cos, sin, HALF, BLOCK_HALF, HPP)
+        first = block * HPP
+        _rotate_heads(
+            Q, Q_OUT, QW, t, first, n_q_heads, stride_qt, stride_qh, cos, sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM
+        )
     else:
         first = (block - n_q_blocks) * HPP
-        _rotate_heads(K, K_OUT, t, first, n_k_heads, stride_kt, stride_kh, cos, sin, HALF, BLOCK_HALF, HPP)
+        _rotate_heads(
+            K, K_OUT, KW, t, first, n_k_heads, stride_kt, stride_kh, cos, sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM
+        )
 
 
 @triton.jit
@@ -290,12 +326,48 @@ def rotary_embedding(
     k_out: torch.Tensor | None = None,  # [T, Hk, D] contiguous, key's dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), contiguous
     """NeoX rotary embedding of query and key at ``positions``, both in one launch."""
+    return _rotary(positions, query, key, cos, sin, None, q_out, k_out)
+
+
+def qk_norm_rotary_embedding(
+    positions: torch.Tensor,  # int [T]
+    query: torch.Tensor,  # [T, Hq, D], any token / head strides
+    key: torch.Tensor,  # [T, Hk, D], any token / head strides
+    q_weight: torch.Tensor,  # [D] q_norm's weight
+    k_weight: torch.Tensor,  # [D] k_norm's weight
+    eps: float,
+    cos: torch.Tensor,  # float32 [max_positions, D / 2]
+    sin: torch.Tensor,  # float32 [max_positions, D / 2]
+    q_out: torch.Tensor | None = None,  # [T, Hq, D] contiguous, dtype promote(query, q_weight)
+    k_out: torch.Tensor | None = None,  # [T, Hk, D] contiguous, dtype promote(key, k_weight)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), contiguous
+    """``rotary_embedding(positions, rms_norm(query, q_weight, eps), rms_norm(key, k_weight, eps), cos, sin)``
+    (each head normalised over its D dims) in the one launch of ``rotary_embedding``, with the norms'
+    rounding: q_norm, k_norm and rotary's three launches become one (``rotary_kernel``'s ``QK_NORM``)."""
+    return _rotary(positions, query, key, cos, sin, (q_weight, k_weight, eps), q_out, k_out)
+
+
+def _rotary(
+    positions: torch.Tensor,  # int [T]
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hk, D]
+    cos: torch.Tensor,  # float32 [max_positions, D / 2]
+    sin: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (q_weight [D], k_weight [D], eps)
+    q_out: torch.Tensor | None,
+    k_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one launcher of ``rotary_kernel``, with (``qk_norm``) or without the heads' RMSNorm."""
     num_tokens, n_q_heads, head_dim = query.shape
     n_k_heads = key.shape[1]
+    q_dtype, k_dtype = query.dtype, key.dtype
+    if qk_norm is not None:  # as rms_norm: a float32 weight on 16-bit activations gives float32 (torch's promotion)
+        q_weight, k_weight, eps = qk_norm
+        q_dtype, k_dtype = torch.promote_types(q_dtype, q_weight.dtype), torch.promote_types(k_dtype, k_weight.dtype)
     if q_out is None:
-        q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        q_out = torch.empty(query.shape, dtype=q_dtype, device=query.device)
     if k_out is None:
-        k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+        k_out = torch.empty(key.shape, dtype=k_dtype, device=key.device)
     if num_tokens == 0 or head_dim == 0:
         return q_out, k_out
     if query.stride(-1) != 1:
@@ -306,6 +378,10 @@ def rotary_embedding(
         cos = cos.contiguous()
     if sin.stride(-1) != 1:
         sin = sin.contiguous()
+    if qk_norm is None:
+        q_weight, k_weight, eps = cos, cos, 0.0  # placeholders: QK_NORM=False never reads them
+    else:
+        q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     hpp = max(1, min(ROTARY_TILE // (2 * block_half), triton.next_power_of_2(max(n_q_heads, n_k_heads))))
@@ -319,6 +395,8 @@ def rotary_embedding(
         sin,
         q_out,
         k_out,
+        q_weight,
+        k_weight,
         n_q_heads,
         n_k_heads,
         n_q_blocks,
@@ -328,9 +406,11 @@ def rotary_embedding(
         key.stride(1),
         cos.stride(0),
         sin.stride(0),
+        eps,
         HALF=half,
         BLOCK_HALF=block_half,
         HPP=hpp,
+        QK_NORM=qk_norm is not None,
         **launch_options(q_out.device),
         num_warps=4 if hpp * block_half >= 256 else 1,
     )

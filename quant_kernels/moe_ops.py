@@ -31,6 +31,14 @@ launch (``moe_router_triton.router_topk_blocks``), so ``moe_experts`` launches n
 kernel) on CUDA; elsewhere it does not apply (building the layout with torch ops would cost more
 launches than the one sort it saves).
 
+``route_hidden`` is what the MoE block calls: the router's logits (``F.linear`` in the model dtype, as
+in transformers) and ``route``. With ``QSERVE_FUSED_ROUTER_GEMM=1`` (opt-in, default off;
+``fused_router_gemm_requested``), on the steps that take the direct layout above, the logits and the
+choice + layout are one launch (``moe_router_triton.router_gemm_topk_blocks``) instead of two (the
+cuBLAS router GEMM, ~5 µs at one token on the H200, then the router's): 48 fewer graph nodes per
+decode step of Qwen3-30B-A3B. Opt-in until a GPU run measures it; elsewhere ``route_hidden`` is
+``F.linear`` + ``route``. ``route`` stays for callers that already have logits (bench/moe.py).
+
 Must not know: models, checkpoint formats. Triton stays a lazy import.
 """
 
@@ -41,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from quant_kernels import device as kdevice
 from quant_kernels import elementwise_ops, moe_reference, ops
@@ -50,6 +59,8 @@ FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
 MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma" (default): moe_mma_triton; "fused": moe_triton
 MOE_KERNELS = ("mma", "fused")
 FUSED_ROUTER_ENV = "QSERVE_FUSED_ROUTER"  # "0": the router's torch ops instead of its one launch (moe_router_triton)
+# "1": the router's GEMM in the same launch as the direct layout's top-k (route_hidden); default off
+FUSED_ROUTER_GEMM_ENV = "QSERVE_FUSED_ROUTER_GEMM"
 # N > 0: steps of at most N (token, expert) pairs take the router's one-pair-per-block layout (route)
 DIRECT_BLOCKS_ENV = "QSERVE_MOE_DIRECT_BLOCKS"
 # The default N: Qwen3-30B-A3B's top-8 for 1-4 tokens (1.08x at batch 1 with split-K on the H100, RESULTS).
@@ -63,6 +74,19 @@ def fused_router_requested() -> bool:
     if value not in ("0", "1", ""):
         raise ValueError(f"{FUSED_ROUTER_ENV}={value!r}: expected 0 (the torch ops) or 1 (one launch, the default)")
     return value != "0"
+
+
+def fused_router_gemm_requested() -> bool:
+    """Off unless ``QSERVE_FUSED_ROUTER_GEMM=1`` (``route_hidden``: the router GEMM fused into the direct
+    layout's launch; opt-in until a GPU run measures it); a value other than 0 or 1 is refused
+    (``prepare_experts`` reads it, so a typo stops the load)."""
+    value = os.environ.get(FUSED_ROUTER_GEMM_ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(
+            f"{FUSED_ROUTER_GEMM_ENV}={value!r}: expected 0 (F.linear, then the router's launch; the default) "
+            "or 1 (one launch)"
+        )
+    return value == "1"
 
 
 def fused_moe_requested() -> bool:
@@ -145,6 +169,7 @@ def prepare_experts(
     ``skip_foreign``: they are one rank's share of the layer's experts (expert parallelism)."""
     direct_blocks_limit()  # a misspelt QSERVE_MOE_DIRECT_BLOCKS stops the load, not the first step
     fused_router_requested()  # and so does a misspelt QSERVE_FUSED_ROUTER
+    fused_router_gemm_requested()  # or QSERVE_FUSED_ROUTER_GEMM
     if isinstance(gate_up, torch.Tensor):
         return PreparedExperts(
             "dense", gate_up.shape[0], down.shape[-1], gate_up=gate_up, down=down, skip_foreign=skip_foreign
@@ -225,6 +250,23 @@ def _grouped_block_m(prepared: PreparedExperts, num_tokens: int, top_k: int) -> 
     return None
 
 
+def _direct_block_m(prepared: PreparedExperts, num_tokens: int, top_k: int, device: torch.device) -> int | None:
+    """The ``block_m`` of the router's one-pair-per-block layout at this step (``route``'s conditions:
+    ``0 < T * k <= QSERVE_MOE_DIRECT_BLOCKS``, the fused router, a device Triton serves, grouped
+    experts), or None where the step takes no such layout."""
+    if 0 < num_tokens * top_k <= direct_blocks_limit() and fused_router_requested() and kdevice.triton_serves(device):
+        return _grouped_block_m(prepared, num_tokens, top_k)
+    return None
+
+
+def _share(prepared: PreparedExperts, num_experts: int, expert_start: int) -> tuple[int, int]:
+    """``(expert_start, num_local)`` of the experts ``prepared`` holds among the layer's ``num_experts``
+    (all of them unless ``skip_foreign``), as the router kernels take them."""
+    if prepared.skip_foreign:
+        return expert_start, prepared.num_experts
+    return 0, num_experts
+
+
 def route(
     router_logits: torch.Tensor,  # [T, E], E the layer's experts (all ranks')
     top_k: int,
@@ -239,15 +281,11 @@ def route(
     (``moe_reference.direct_block_layout``' contract): ``Routing.layout``. Host-side decisions from
     the shapes and the environment only: no host sync, CUDA-graph safe (a graph bucket's T fixes it)."""
     num_tokens, num_experts = router_logits.shape
-    limit = direct_blocks_limit()
-    block_m = None
-    if 0 < num_tokens * top_k <= limit and fused_router_requested() and kdevice.triton_serves(router_logits.device):
-        block_m = _grouped_block_m(prepared, num_tokens, top_k)
+    block_m = _direct_block_m(prepared, num_tokens, top_k, router_logits.device)
     if block_m is not None:
         from quant_kernels import moe_router_triton  # noqa: PLC0415
 
-        num_local = prepared.num_experts if prepared.skip_foreign else num_experts
-        start = expert_start if prepared.skip_foreign else 0
+        start, num_local = _share(prepared, num_experts, expert_start)
         weights, ids, sorted_ids, expert_ids, num_padded = moe_router_triton.router_topk_blocks(
             router_logits, top_k, renormalize, block_m, start, num_local
         )
@@ -256,6 +294,35 @@ def route(
     if prepared.skip_foreign:
         ids = moe_reference.local_expert_ids(ids, expert_start, prepared.num_experts)
     return Routing(weights, ids)
+
+
+def route_hidden(
+    hidden: torch.Tensor,  # [T, H] the MoE block's input, in the model dtype
+    router_weight: torch.Tensor,  # [E, H] the router (``gate.weight``), E the layer's experts (all ranks')
+    top_k: int,
+    renormalize: bool,
+    prepared: PreparedExperts,
+    expert_start: int = 0,  # the first expert ``prepared`` holds (expert parallelism)
+) -> Routing:
+    """``route(F.linear(hidden, router_weight), ...)`` (the logits in the model dtype, as transformers
+    computes them). With ``QSERVE_FUSED_ROUTER_GEMM=1`` and a step that takes ``route``'s direct layout,
+    the logits, the choice and the layout are one launch (``moe_router_triton.router_gemm_topk_blocks``)
+    instead of the router GEMM's and the router's: one graph node fewer per MoE layer at decode. The
+    same ``Routing`` either way, up to the logits' rounding (the kernel's fp32 sum runs in another order
+    than cuBLAS'); host-side decisions from the shapes and the environment only: no host sync,
+    CUDA-graph safe."""
+    if fused_router_gemm_requested():
+        block_m = _direct_block_m(prepared, hidden.shape[0], top_k, hidden.device)
+        if block_m is not None:
+            from quant_kernels import moe_router_triton  # noqa: PLC0415
+
+            start, num_local = _share(prepared, router_weight.shape[0], expert_start)
+            weights, ids, sorted_ids, expert_ids, num_padded, _ = moe_router_triton.router_gemm_topk_blocks(
+                hidden, router_weight, top_k, renormalize, block_m, start, num_local
+            )
+            return Routing(weights, ids, moe_reference.BlockLayout(sorted_ids, expert_ids, num_padded, block_m))
+    router_logits = F.linear(hidden, router_weight)  # [T, E], in the model dtype
+    return route(router_logits, top_k, renormalize, prepared, expert_start)
 
 
 def moe_experts(

@@ -1,9 +1,11 @@
 """Triton router top-k for mixture-of-experts layers: softmax over the router logits, the top k
-experts, their weights renormalized when the family asks, in one launch.
+experts, their weights renormalized when the family asks, in one launch; optionally with the router's
+logits GEMM in the same launch.
 
-Knows: the contract of ``moe_reference.select_experts`` (float32 weights ``[T, k]`` in descending
-order, int32 ids ``[T, k]``; softmax in float32; ``renormalize`` scales the k weights to sum to
-one), ``moe_reference.local_expert_ids``' sentinel, and the block layout contract of
+Knows: the router's logits as ``F.linear(hidden, weight)`` in the model dtype (transformers'), the
+contract of ``moe_reference.select_experts`` (float32 weights ``[T, k]`` in descending order, int32
+ids ``[T, k]``; softmax in float32; ``renormalize`` scales the k weights to sum to one),
+``moe_reference.local_expert_ids``' sentinel, and the block layout contract of
 ``moe_reference.direct_block_layout`` (the token sort's three tensors, one pair per block). Must not
 know: models, layers, the expert kernels that consume the ids and blocks (their ``block_m`` is an
 argument). Imported lazily (CUDA, or the CPU tests under TRITON_INTERPRET=1).
@@ -27,6 +29,21 @@ rank among the local pairs of every token, which a per-token program could not k
 blocks first in pair order, then the foreign ones' (all sentinel); every row of ``sorted_ids`` is
 written by one store (the first rows of blocks and their padding at distinct addresses), so no
 barrier orders two stores. Grid ``(1,)``, outputs sized from T, k and ``block_m``: no host sync.
+
+``router_gemm_topk_blocks_kernel`` (opt-in, ``QSERVE_FUSED_ROUTER_GEMM=1``, read in
+``quant_kernels.moe_ops.route_hidden``): the router's logits too, so a decode step's MoE layer launches
+one kernel before its experts instead of two (the cuBLAS router GEMM, ~5 µs for Qwen3-30B-A3B's
+128 x 2048 fp16 router at one token on the H200, then the kernel above): 48 fewer graph nodes a step on
+Qwen3-30B-A3B. Grid ``(cdiv(E, BLOCK_EG),)``: each program reads ``BLOCK_EG`` router rows
+(``ROUTER_GEMM_PROGRAMS`` programs share the weight read) and computes their logits for all ``T_PAD``
+tokens (fp32 FMAs: T is a handful, no tensor cores), rounds them to the model dtype (as F.linear's
+output; the choice then reads the same values as the two launches', up to the fp32 sum's order) and
+stores them into a ``[T, E]`` buffer; the program that arrives last on an int32 counter
+(``arrival_counter``: moe_mma_triton's split-K pattern, a barrier then an acq_rel atomic, ``.cg``
+loads, reset by that program for the next launch and graph replay) runs the same choice and layout
+as ``router_topk_blocks_kernel`` (one ``@triton.jit`` helper, ``_topk_blocks_store``) on all the
+``[T_PAD, BLOCK_E]`` logits. No host sync, CUDA-graph safe; opt-in until a GPU run measures it
+(untuned: ``ROUTER_GEMM_PROGRAMS``, 4 warps where the top-k above runs in one at decode).
 """
 
 from __future__ import annotations
@@ -72,28 +89,24 @@ def router_topk_kernel(
 
 
 @triton.jit
-def router_topk_blocks_kernel(
-    logits_ptr,  # [T, E] fp16 / bf16 / fp32
-    weights_ptr,  # float32 [T, k]
-    ids_ptr,  # int32 [T, k]: ids into the rank's experts, foreign ones the sentinel num_local
-    sorted_ids_ptr,  # int32 [T*k*BLOCK_M]
-    expert_ids_ptr,  # int32 [T*k]
-    num_padded_ptr,  # int32 [1]
-    num_tokens, num_experts, stride_t, expert_start, num_local,
+def _topk_blocks_store(
+    x,  # float32 [T_PAD, BLOCK_E] logits; padded rows finite (never stored), padded columns anything
+    weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    num_tokens, num_experts, expert_start, num_local,
     TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,  # next power of two >= TOP_K
-    T_PAD: tl.constexpr,  # next power of two >= num_tokens
-    BLOCK_E: tl.constexpr,  # next power of two >= num_experts
-    BLOCK_M: tl.constexpr,  # the grouped GEMM's rows per block
+    K_PAD: tl.constexpr,
+    T_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):  # fmt: skip
+    """The choice and the one-pair-per-block layout of ``router_topk_blocks_kernel``, from logits already
+    in registers: the one implementation that kernel and ``router_gemm_topk_blocks_kernel``'s last
+    program share (Triton inlines it)."""
     rows = tl.arange(0, T_PAD)
     experts = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens  # [T_PAD]
     col_ok = experts < num_experts  # [BLOCK_E]
-    x = tl.load(
-        logits_ptr + rows[:, None] * stride_t + experts[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
-    ).to(tl.float32)  # [T_PAD, BLOCK_E]; padded rows read zeros: a finite softmax, never stored
     x = tl.where(col_ok[None, :], x, float("-inf"))
     x = x - tl.max(x, 1)[:, None]
     e = tl.where(col_ok[None, :], tl.exp(x), 0.0)
@@ -137,6 +150,104 @@ def router_topk_blocks_kernel(
         mask=pair_ok[:, :, None],
     )
     tl.store(num_padded_ptr, num_local_pairs * BLOCK_M)
+
+
+@triton.jit
+def router_topk_blocks_kernel(
+    logits_ptr,  # [T, E] fp16 / bf16 / fp32
+    weights_ptr,  # float32 [T, k]
+    ids_ptr,  # int32 [T, k]: ids into the rank's experts, foreign ones the sentinel num_local
+    sorted_ids_ptr,  # int32 [T*k*BLOCK_M]
+    expert_ids_ptr,  # int32 [T*k]
+    num_padded_ptr,  # int32 [1]
+    num_tokens, num_experts, stride_t, expert_start, num_local,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,  # next power of two >= TOP_K
+    T_PAD: tl.constexpr,  # next power of two >= num_tokens
+    BLOCK_E: tl.constexpr,  # next power of two >= num_experts
+    BLOCK_M: tl.constexpr,  # the grouped GEMM's rows per block
+    RENORMALIZE: tl.constexpr,
+):  # fmt: skip
+    rows = tl.arange(0, T_PAD)
+    experts = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens  # [T_PAD]
+    col_ok = experts < num_experts  # [BLOCK_E]
+    x = tl.load(
+        logits_ptr + rows[:, None] * stride_t + experts[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
+    ).to(tl.float32)  # [T_PAD, BLOCK_E]; padded rows read zeros: a finite softmax, never stored
+    _topk_blocks_store(
+        x, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+        num_tokens, num_experts, expert_start, num_local, TOP_K, K_PAD, T_PAD, BLOCK_E, BLOCK_M, RENORMALIZE,
+    )  # fmt: skip
+
+
+@triton.jit
+def router_gemm_topk_blocks_kernel(
+    hidden_ptr,  # [T, H] fp16 / bf16 / fp32, unit stride along H
+    router_ptr,  # [E, H] the router's weight, hidden's dtype, unit stride along H
+    logits_ptr,  # [T, E] hidden's dtype: each program writes its experts' columns, the last reads them all
+    cnt_ptr,  # int32 [1] arrival counter, zero between launches (the last program resets it)
+    weights_ptr,  # float32 [T, k]
+    ids_ptr,  # int32 [T, k]: ids into the rank's experts, foreign ones the sentinel num_local
+    sorted_ids_ptr,  # int32 [T*k*BLOCK_M]
+    expert_ids_ptr,  # int32 [T*k]
+    num_padded_ptr,  # int32 [1]
+    num_tokens, num_experts, hidden_size, stride_ht, stride_re, stride_lt, expert_start, num_local,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,  # next power of two >= TOP_K
+    T_PAD: tl.constexpr,  # next power of two >= num_tokens
+    BLOCK_E: tl.constexpr,  # next power of two >= num_experts
+    BLOCK_EG: tl.constexpr,  # experts (router rows) per program
+    BLOCK_H: tl.constexpr,  # hidden columns per step of the dot products
+    BLOCK_M: tl.constexpr,  # the grouped GEMM's rows per block
+    RENORMALIZE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = tl.arange(0, T_PAD)
+    row_ok = rows < num_tokens  # [T_PAD]
+    group = pid * BLOCK_EG + tl.arange(0, BLOCK_EG)  # [BLOCK_EG] this program's experts
+    group_ok = group < num_experts
+    offs_h = tl.arange(0, BLOCK_H)
+    # A handful of tokens: fp32 FMAs over a [T_PAD, BLOCK_EG, BLOCK_H] broadcast, no tensor cores (an MMA
+    # tile would be mostly padding); the program's time is its BLOCK_EG router rows' read.
+    acc = tl.zeros((T_PAD, BLOCK_EG), dtype=tl.float32)
+    for h0 in range(0, hidden_size, BLOCK_H):
+        cols = h0 + offs_h  # [BLOCK_H]
+        col_ok = cols < hidden_size
+        x = tl.load(
+            hidden_ptr + rows[:, None] * stride_ht + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
+        ).to(tl.float32)  # [T_PAD, BLOCK_H]
+        w = tl.load(
+            router_ptr + group[:, None] * stride_re + cols[None, :], mask=group_ok[:, None] & col_ok[None, :], other=0.0
+        ).to(tl.float32)  # [BLOCK_EG, BLOCK_H]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)  # [T_PAD, BLOCK_EG]
+    # Rounded to the logits' dtype (the model's) as F.linear's output is: the choice is made from the
+    # same values as the reference's (up to the fp32 sum's order).
+    tl.store(
+        logits_ptr + rows[:, None] * stride_lt + group[None, :],
+        acc.to(logits_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & group_ok[None, :],
+    )
+    # The last program to arrive makes the choice from every program's logits (moe_mma_triton's split-K
+    # pattern): the barrier orders every thread's stores before the counter's gpu-scope release; the last
+    # program's acquire (same atomic) then sees them all, and its .cg loads read them from L2, never a
+    # stale L1 line.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        # Reset for the next launch (the next MoE layer's, a graph replay): every program has arrived.
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        experts = tl.arange(0, BLOCK_E)
+        logits = tl.load(
+            logits_ptr + rows[:, None] * stride_lt + experts[None, :],
+            mask=row_ok[:, None] & (experts < num_experts)[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        ).to(tl.float32)  # [T_PAD, BLOCK_E]; padded rows read zeros, as router_topk_blocks_kernel
+        _topk_blocks_store(
+            logits, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+            num_tokens, num_experts, expert_start, num_local, TOP_K, K_PAD, T_PAD, BLOCK_E, BLOCK_M, RENORMALIZE,
+        )  # fmt: skip
 
 
 def router_topk(
@@ -203,3 +314,91 @@ def router_topk_blocks(
         num_warps=1 if t_pad * block_e <= 512 else 4,  # untuned: one warp for decode's [1..4, 128] tiles
     )  # fmt: skip
     return weights, ids, sorted_ids, expert_ids, num_padded
+
+
+# ``router_gemm_topk_blocks``' arrival counter, one int32 per device, shared by every MoE layer: their
+# launches run one after another in the stream and each leaves it zero (moe_mma_triton.split_counters'
+# pattern). Allocated once, zeroed, never freed: a CUDA graph captured earlier keeps its address (the
+# engine warms up before it captures, so the allocation happens outside capture).
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+# Programs the router's weight read is spread over: Qwen3-30B-A3B's 128 x 2048 fp16 router (512 KB)
+# read in 16 KB slices of 4 rows by 32 programs. Fewer programs (16 x 32 KB) lengthen each one's read,
+# which the last program waits for before its top-k; more add arrivals on the one counter and programs
+# whose only work is a few rows. Untuned: the switch is opt-in until a GPU run measures it.
+ROUTER_GEMM_PROGRAMS = 32
+# Elements of one program's [T_PAD, BLOCK_EG, BLOCK_H] product per step: 64 fp32 a thread at 4 warps.
+# At one token that is the whole 2048-column row slice in one step (its loads all in flight at once).
+ROUTER_GEMM_TILE = 8192
+
+
+def arrival_counter(device: torch.device) -> torch.Tensor:
+    """int32 ``[1]`` arrival counter on ``device`` for ``router_gemm_topk_blocks_kernel``, zero between
+    launches: allocated (zeroed) once, then every launch's last program resets it, so no memset launch."""
+    key = (device.type, device.index)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)  # [1]
+    return counter
+
+
+def router_gemm_blocks_config(num_tokens: int, num_experts: int, hidden_size: int) -> tuple[int, int]:
+    """``(BLOCK_EG, BLOCK_H)`` of ``router_gemm_topk_blocks``: about ``ROUTER_GEMM_PROGRAMS`` programs of
+    ``BLOCK_EG`` router rows (a power of two), and hidden columns per step within ``ROUTER_GEMM_TILE``."""
+    block_eg = triton.next_power_of_2(triton.cdiv(num_experts, ROUTER_GEMM_PROGRAMS))
+    t_pad = triton.next_power_of_2(num_tokens)
+    block_h = min(triton.next_power_of_2(hidden_size), max(32, ROUTER_GEMM_TILE // (t_pad * block_eg)))
+    return block_eg, block_h
+
+
+def router_gemm_topk_blocks(
+    hidden: torch.Tensor,  # [T, H] fp16 / bf16 / fp32
+    router_weight: torch.Tensor,  # [E, H], hidden's dtype
+    top_k: int,
+    renormalize: bool,
+    block_m: int,
+    expert_start: int = 0,
+    num_local_experts: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``router_topk_blocks(F.linear(hidden, router_weight), ...)`` in one launch (see the module
+    docstring): the same five outputs (float32 weights ``[T, k]``, int32 local ids ``[T, k]``,
+    ``sorted_ids`` int32 ``[T*k*block_m]``, ``expert_ids`` int32 ``[T*k]``, ``num_padded`` int32
+    ``[1]``), then the router logits ``[T, E]`` in hidden's dtype it chose from (F.linear's up to the
+    fp32 sum's order). Meant for a handful of tokens (``QSERVE_MOE_DIRECT_BLOCKS``): every program
+    holds all T rows, and the last one all ``[T, E]`` logits."""
+    if hidden.dim() != 2 or router_weight.dim() != 2 or hidden.shape[1] != router_weight.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and router {tuple(router_weight.shape)}: expected [T, H] and [E, H]"
+        )
+    if hidden.dtype != router_weight.dtype:
+        raise ValueError(f"hidden is {hidden.dtype}, the router {router_weight.dtype}: F.linear needs one dtype")
+    num_tokens, hidden_size = hidden.shape
+    num_experts = router_weight.shape[0]
+    num_local = num_experts if num_local_experts is None else num_local_experts
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k}: must be between 1 and the {num_experts} experts")
+    if not (0 <= expert_start and 1 <= num_local and expert_start + num_local <= num_experts):
+        raise ValueError(f"experts [{expert_start}, +{num_local}): not a part of the {num_experts} experts")
+    x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    w = router_weight if router_weight.stride(-1) == 1 else router_weight.contiguous()
+    device = x.device
+    num_pairs = num_tokens * top_k
+    logits = torch.empty((num_tokens, num_experts), dtype=x.dtype, device=device)  # [T, E]
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)  # [T, k]
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)  # [T, k]
+    sorted_ids = torch.empty((num_pairs * block_m,), dtype=torch.int32, device=device)  # [T*k*block_m]
+    expert_ids = torch.empty((num_pairs,), dtype=torch.int32, device=device)  # [T*k]
+    num_padded = torch.empty((1,), dtype=torch.int32, device=device)  # [1]
+    if num_tokens == 0:
+        num_padded.zero_()
+        return weights, ids, sorted_ids, expert_ids, num_padded, logits
+    block_eg, block_h = router_gemm_blocks_config(num_tokens, num_experts, hidden_size)
+    router_gemm_topk_blocks_kernel[(triton.cdiv(num_experts, block_eg),)](
+        x, w, logits, arrival_counter(device), weights, ids, sorted_ids, expert_ids, num_padded,
+        num_tokens, num_experts, hidden_size, x.stride(0), w.stride(0), logits.stride(0), expert_start, num_local,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), T_PAD=triton.next_power_of_2(num_tokens),
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_EG=block_eg, BLOCK_H=block_h, BLOCK_M=block_m,
+        RENORMALIZE=renormalize,
+        num_warps=4,  # untuned: the weight read wants many loads in flight; the last program's top-k crosses 4 warps
+    )  # fmt: skip
+    return weights, ids, sorted_ids, expert_ids, num_padded, logits

@@ -3,7 +3,9 @@ the oracle of ``quant_kernels.elementwise_triton``.
 
 Knows: the exact numerics of RMSNorm (Hugging Face Llama's: normalise in float32, round to the
 activation dtype, then multiply by the weight), the residual add fused in front of it, NeoX
-"rotate half" rotary embedding from a float32 cos/sin table, and SiLU-gated MLP activation.
+"rotate half" rotary embedding from a float32 cos/sin table (alone, or after a per-head RMSNorm
+of query and key: Qwen3's q/k norms, which the Triton path fuses into the rotary's launch), and
+SiLU-gated MLP activation.
 Must not know: models, layers, kernels or devices (every op runs on whatever device its
 inputs are on).
 
@@ -50,6 +52,21 @@ def rotary_embedding(
     cos_t = cos[positions].unsqueeze(1)  # [T, 1, D / 2]
     sin_t = sin[positions].unsqueeze(1)
     return _rotate(query, cos_t, sin_t), _rotate(key, cos_t, sin_t)
+
+
+def qk_norm_rotary_embedding(
+    positions: torch.Tensor,  # int64 [T]
+    query: torch.Tensor,  # [T, Hq, D], any strides
+    key: torch.Tensor,  # [T, Hk, D], any strides
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    eps: float,
+    cos: torch.Tensor,  # float32 [max_positions, D / 2]
+    sin: torch.Tensor,  # float32 [max_positions, D / 2]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), contiguous
+    """``rms_norm`` of each head of query and key (over its D dims), then ``rotary_embedding``:
+    exactly those three ops, so a caller that moves to this one gets the same results here."""
+    return rotary_embedding(positions, rms_norm(query, q_weight, eps), rms_norm(key, k_weight, eps), cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

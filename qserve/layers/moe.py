@@ -6,8 +6,9 @@ model dtype; ``experts.N.{gate,up,down}`` or Mixtral's ``w1/w3/w2``; Qwen2-MoE's
 it one at a time, lands in ONE stacked per-layer tensor (``quant_kernels.moe_layout``; dense
 experts in ``[E, 2I, H]`` / ``[E, H, I]``), and the routing math (softmax top-k, optional
 renormalization, sigmoid-gated shared expert). Must not know: checkpoint formats (the loader
-hands it tensors or ``PackedQuantWeight``) or which kernel runs the experts
-(``quant_kernels.moe_ops`` decides), nor process groups.
+hands it tensors or ``PackedQuantWeight``) or which kernels run the router and the experts
+(``quant_kernels.moe_ops`` decides: ``route_hidden`` from the block's input and router weight,
+``moe_experts``), nor process groups.
 
 The block may hold a contiguous part ``[expert_start, +num_local_experts)`` of the experts
 (expert parallelism, ``qserve.distributed.parallel_moe``): the router still scores all
@@ -159,12 +160,15 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, lora: LoRAIndices | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
         """``lora``: the step's adapter rows, taken as every MLP takes them; routed and shared experts
         hold no LoRA slots (``qserve.lora.slots.lora_targets``), so the block's output is the base one."""
-        router_logits = F.linear(hidden, self.gate.weight)  # [T, E], in the model dtype as in transformers
         if self.prepared is None:
             raise RuntimeError(f"{self.prefix}: experts used before process_after_loading")
-        # ids into this block's stack (another block's experts -> the sentinel), plus whatever the
-        # dispatch hands from the router to the experts (Routing.layout)
-        routing = moe_ops.route(router_logits, self.top_k, self.renormalize, self.prepared, self.expert_start)
+        # The router's logits ([T, E], F.linear in the model dtype as in transformers) and its choice: ids
+        # into this block's stack (another block's experts -> the sentinel), plus whatever the dispatch
+        # hands from the router to the experts (Routing.layout); moe_ops may fuse the logits' GEMM into
+        # the router's launch (QSERVE_FUSED_ROUTER_GEMM)
+        routing = moe_ops.route_hidden(
+            hidden, self.gate.weight, self.top_k, self.renormalize, self.prepared, self.expert_start
+        )
         out = moe_ops.moe_experts(hidden, self.prepared, routing.weights, routing.ids, routing.layout)  # [T, H]
         if self.shared_expert is not None:
             shared_gate = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight))  # [T, 1]

@@ -10,6 +10,13 @@ through an index tensor, so CUDA graphs replay mixed-alpha batches) and logn que
 Must not know: attention, caches or requests. The cos/sin table is built once for every position
 the model may see; the per-step work (gather and rotation of query and key) is one fused op in
 ``quant_kernels.elementwise_ops``.
+
+A caller may hand ``forward`` the per-head RMSNorm that precedes the rotation (Qwen3's q/k norms,
+``qk_norm=(q_weight, k_weight, eps)``): where the rotation is the plain NeoX one over whole heads
+(full rotary_dim, no per-step permutation, no logn), norms and rotation are one op
+(``elementwise_ops.qk_norm_rotary_embedding``, one launch on CUDA instead of three: a launch-bound
+decode step saves two a layer); otherwise the norms run first as separate ops, with the same
+results. The decoder passes it only under ``QSERVE_FUSED_QK_NORM_ROPE=1`` (opt-in until measured).
 """
 
 from __future__ import annotations
@@ -123,15 +130,26 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [T, num_heads, head_dim] or [B, T, num_heads, head_dim]
         key: torch.Tensor,  # [T, num_kv_heads, head_dim] or [B, T, num_kv_heads, head_dim]
         ntk_tables: torch.Tensor | None = None,  # int64 [T]: each token's NTK table (None: table 0)
+        *,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q_weight [head_dim], k_weight, eps)
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query and key rotated by position; with ``qk_norm``, each head of query and key is first
+        RMS-normalised over its ``head_dim`` (in checkpoint order, before any interleave permutation)."""
         if query.dim() == 4:  # a batch of windows sharing positions (the quantizer's calibration)
             batch = query.shape[0]
-            q, k = self.forward(positions.repeat(batch), query.flatten(0, 1), key.flatten(0, 1))
+            q, k = self.forward(positions.repeat(batch), query.flatten(0, 1), key.flatten(0, 1), qk_norm=qk_norm)
             return q.view(query.shape), k.view(key.shape)
         rows = positions if ntk_tables is None else positions + ntk_tables * self.max_positions
+        rot = self.rotary_dim
+        if qk_norm is not None:
+            q_weight, k_weight, eps = qk_norm
+            if rot == self.head_dim and self.perm is None and self.logn is None:  # one op: norms and rotation
+                return elementwise_ops.qk_norm_rotary_embedding(
+                    rows, query, key, q_weight, k_weight, eps, self.cos, self.sin
+                )
+            query, key = elementwise_ops.rms_norm(query, q_weight, eps), elementwise_ops.rms_norm(key, k_weight, eps)
         if self.perm is not None:
             query, key = query.index_select(-1, self.perm), key.index_select(-1, self.perm)
-        rot = self.rotary_dim
         if rot == self.head_dim:
             query, key = elementwise_ops.rotary_embedding(rows, query, key, self.cos, self.sin)
         else:

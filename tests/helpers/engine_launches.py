@@ -7,7 +7,8 @@ KV cache dtypes, and the steps an engine runs (start-up warm-up, the decode CUDA
 eager decodes at short and long contexts, the W4A16 tuning sweep, and with ``QSERVE_LORA_TRITON=1``
 the multi-LoRA steps: a prefill of sequences on two adapters and the base, mixed decodes, the
 decode graphs' forward with adapter slots as inputs, and ``add_lora`` alone at 14B shapes with and
-without split-K: ``drive_lora_kernels``). Must not know: what any kernel
+without split-K: ``drive_lora_kernels``; with ``QSERVE_FUSED_QK_NORM_ROPE=1`` a Qwen3-30B-A3B attention's
+q/k norms and rotary as one launch: ``drive_qk_norm_rope``). Must not know: what any kernel
 computes (``tests/helpers/kernel_launches.py`` captures and compiles).
 
 Each model is built with one decoder layer at its real dimensions (every layer of a model launches
@@ -415,10 +416,12 @@ MOE_DIRECT_CASES = [(1, False), (4, True)]
 
 def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
     """The router's one-pair-per-block layout (``QSERVE_MOE_DIRECT_BLOCKS=32`` with
-    ``QSERVE_FUSED_ROUTER=1``) as the MoE block runs it: ``moe_ops.route`` (the router kernel that also
-    writes the blocks, ids made local for a rank's share) and ``moe_experts`` with that layout (the
-    default MMA-operand kernel over T*k blocks, no sort launch). The grouped GEMMs' own specializations
-    are those without the layout (``drive_moe_mma``): the new launch is the router's."""
+    ``QSERVE_FUSED_ROUTER=1``) as the MoE block runs it: ``moe_ops.route_hidden`` (F.linear, then the
+    router kernel that also writes the blocks, ids made local for a rank's share; and again with the
+    opt-in ``QSERVE_FUSED_ROUTER_GEMM=1``: the one launch that also computes the logits) and
+    ``moe_experts`` with that layout (the default MMA-operand kernel over T*k blocks, no sort launch).
+    The grouped GEMMs' own specializations are those without the layout (``drive_moe_mma``): the new
+    launches are the routers'."""
     from quant_kernels import moe_ops
 
     hidden, num_experts, top_k, inter = MOE_SHAPE
@@ -433,12 +436,15 @@ def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: st
             )
             assert prepared.kind == "mma", "the MMA-operand MoE kernel was not selected"
             x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
-            logits = torch.zeros((m, num_experts), dtype=dtype)  # [T, E]: the router scores every rank's experts
+            router = torch.zeros((num_experts, hidden), dtype=dtype)  # [E, H]: scores every rank's experts
             rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
-            with where(capture, f"MoE direct blocks{rank} {dtype_name} T={m}"), torch.inference_mode():
-                routing = moe_ops.route(logits, top_k, True, prepared, local_experts if ep else 0)
-                assert routing.layout is not None, "the router's block layout was not taken"
-                moe_ops.moe_experts(x, prepared, routing.weights, routing.ids, routing.layout)
+            for fused in ("0", "1"):  # the default two launches; QSERVE_FUSED_ROUTER_GEMM=1's one
+                label = f"MoE direct blocks{rank} {dtype_name} T={m}" + (" fused router GEMM" if fused == "1" else "")
+                with mock.patch.dict(os.environ, {moe_ops.FUSED_ROUTER_GEMM_ENV: fused}), where(capture, label):
+                    with torch.inference_mode():
+                        routing = moe_ops.route_hidden(x, router, top_k, True, prepared, local_experts if ep else 0)
+                        assert routing.layout is not None, "the router's block layout was not taken"
+                        moe_ops.moe_experts(x, prepared, routing.weights, routing.ids, routing.layout)
 
 
 def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
@@ -649,6 +655,40 @@ def drive_draft_int4(capture: Capture, dtype: torch.dtype, dtype_name: str) -> N
                     layer(torch.zeros((rows, k), dtype=dtype))
 
 
+# Qwen3-30B-A3B's attention (hidden 2048, 32 q heads and 4 kv heads of 128, q/k norms): its MoE MLP launches
+# nothing in project_qkv, so a dense Qwen3 config of these shapes builds the same Attention.
+QWEN3_30B_A3B_ATTENTION = _llama_like(
+    "Qwen3ForCausalLM", 2048, 32, 4, 768, head_dim=128, rope_theta=1e6, max_position_embeddings=40960
+)
+QK_NORM_ROPE_TOKENS = (1, 37)  # a batch-1 decode (the launch-bound step) and a short prefill
+
+
+def drive_qk_norm_rope(capture: Capture, dtype: torch.dtype, dtype_name: str, pdl: bool) -> None:
+    """``QSERVE_FUSED_QK_NORM_ROPE=1`` (opt-in): ``Attention.project_qkv`` of a Qwen3-30B-A3B layer, its
+    q_norm, k_norm and rotary as ``rotary_kernel``'s one ``QK_NORM`` launch on q/k views into the qkv
+    output; with ``pdl`` also under ``QSERVE_ENABLE_PDL=1``. The qkv projection is dense here (a torch
+    product, no launch) and no whole model is driven: the fused launch is the switch's only new one, and
+    the ci tier has no q/k-norm model (a second model's drive would cost minutes of CI)."""
+    from qserve.layers.linear import DenseLinearMethod
+    from qserve.layers.rotary import RotaryEmbedding
+    from qserve.model.llama import FUSED_QK_NORM_ROPE_ENV, Attention
+
+    config = model_config(QWEN3_30B_A3B_ATTENTION, source="qwen3-30b-a3b attention")
+    with mock.patch.dict(os.environ, {FUSED_QK_NORM_ROPE_ENV: "1"}), torch.device("cpu"):
+        attention = Attention(config, "model.layers.0.self_attn", dtype, lambda names: DenseLinearMethod())
+        rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+    assert attention.fused_qk_norm_rope, "QSERVE_FUSED_QK_NORM_ROPE=1 did not take the fused path"
+    for pdl_env in ("0", "1") if pdl else ("0",):
+        for m in QK_NORM_ROPE_TOKENS:
+            label = f"qwen3-30b-a3b fused q/k norm + rotary {dtype_name} T={m}" + (" PDL" if pdl_env == "1" else "")
+            hidden = torch.zeros((m, config.hidden_size), dtype=dtype)  # [T, hidden]
+            positions = torch.arange(m, dtype=torch.int64)  # [T]
+            with mock.patch.dict(os.environ, {"QSERVE_ENABLE_PDL": pdl_env}), where(capture, label):
+                with torch.inference_mode():
+                    attention.project_qkv(positions, hidden, rotary, None)
+    assert any(x.kernel == "rotary_kernel" and dict(x.constexprs).get("QK_NORM") for x in capture.launches.values())
+
+
 def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", "bf16"), log=print) -> Capture:
     """All the launches of ``tier`` (``TIERS``) for ``gpu``; ``log`` gets one line per stage."""
     plan = TIERS[tier]
@@ -678,6 +718,7 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
                 drive_formats(capture, dtype, dtype_name, plan["formats"])
             drive_moe(capture, dtype, dtype_name)
             drive_moe_direct_blocks(capture, dtype, dtype_name)
+            drive_qk_norm_rope(capture, dtype, dtype_name, pdl=gpu.arch >= 90 and dtype_name in plan["pdl_dtypes"])
     return capture
 
 

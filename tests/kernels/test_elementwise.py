@@ -7,6 +7,12 @@ CUDA-graph capture. Every case draws fresh random inputs, poisons the output buf
 (``out=``) and checks against ``quant_kernels.reference_elementwise`` with explicit per-dtype
 tolerances. The reference itself is the CPU path of ``quant_kernels.elementwise_ops``.
 
+The fused q/k norm + rotary (``qk_norm_rotary_embedding``, ``rotary_kernel`` with ``QK_NORM``)
+is checked against the reference norms followed by the reference rotary, at Qwen3's GQA shapes
+(32 q / 4 kv heads, D = 128 and 64) and a masked half (D = 40), with rows in a second NTK table;
+on the GPU also against the three launches it replaces (q_norm, k_norm, rotary) at
+Qwen3-30B-A3B's shapes.
+
 Tolerances: the kernels compute in fp32 like the reference and round at the same points, so on
 a GPU they agree to about one ulp of the output dtype (FMA contraction, reduction order, and
 silu_and_mul rounding once where torch rounds twice). Triton 3.6's interpreter casts fp32 to
@@ -113,6 +119,55 @@ def run_rotary(t: int, hq: int, hk: int, d: int, dtype: torch.dtype, seed: int, 
     assert torch.equal(query, q_before) and torch.equal(key, k_before), "inputs were modified"
 
 
+def run_qk_norm_rotary(
+    t: int,
+    hq: int,
+    hk: int,
+    d: int,
+    dtype: torch.dtype,
+    seed: int,
+    weight_dtype: torch.dtype | None = None,
+    against_launches: bool = False,
+) -> None:
+    """The fused per-head RMSNorm + rotary of q and k (strided views into one fused qkv tensor)
+    against the reference norms then the reference rotary; with ``against_launches`` also against
+    the three launches it replaces (``rms_norm`` of q, of k, then ``rotary_embedding``). Rows are
+    ``positions + table * max_positions`` over two tables, as ``RotaryEmbedding`` gathers Qwen v1's
+    NTK tables, so some tokens read past the first table."""
+    gen = torch.Generator().manual_seed(seed)
+    max_positions = 4096
+    cos, sin = rope_tables(2 * max_positions, d)  # [2 tables * max_positions, D / 2]
+    positions = torch.randint(0, max_positions, (t,), generator=gen)  # unsorted
+    rows = (positions + (torch.arange(t) % 2) * max_positions).to(DEVICE)  # [T]: odd tokens in table 1
+    qkv = randn(t, (hq + 2 * hk) * d, dtype=dtype, gen=gen, scale=3.0)  # [T, (Hq + 2 Hk) D]
+    query = qkv[:, : hq * d].view(t, hq, d)
+    key = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    q_weight = randn(d, dtype=weight_dtype or dtype, gen=gen)  # [D]
+    k_weight = randn(d, dtype=weight_dtype or dtype, gen=gen)
+    out_dtype = torch.promote_types(dtype, q_weight.dtype)  # rms_norm's promotion
+    q_before, k_before = query.clone(), key.clone()
+    q_out, k_out = elementwise_triton.qk_norm_rotary_embedding(
+        rows, query, key, q_weight, k_weight, EPS, cos, sin,
+        q_out=nan_like((t, hq, d), out_dtype), k_out=nan_like((t, hk, d), out_dtype),
+    )  # fmt: skip
+    ref_q, ref_k = reference_elementwise.rotary_embedding(
+        rows,
+        reference_elementwise.rms_norm(query, q_weight, EPS),
+        reference_elementwise.rms_norm(key, k_weight, EPS),
+        cos,
+        sin,
+    )
+    assert_matches(q_out, ref_q)
+    assert_matches(k_out, ref_k)
+    assert torch.equal(query, q_before) and torch.equal(key, k_before), "inputs were modified"
+    if against_launches:
+        q_normed = elementwise_triton.rms_norm(query, q_weight, EPS)  # [T, Hq, D]
+        k_normed = elementwise_triton.rms_norm(key, k_weight, EPS)  # [T, Hk, D]
+        launched_q, launched_k = elementwise_triton.rotary_embedding(rows, q_normed, k_normed, cos, sin)
+        assert_matches(q_out, launched_q)
+        assert_matches(k_out, launched_k)
+
+
 def run_silu_and_mul(t: int, inter: int, dtype: torch.dtype, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     gate_up = randn(t, 2 * inter, dtype=dtype, gen=gen, scale=3.0)  # [T, 2I]
@@ -149,6 +204,18 @@ def test_rotary(t, hq, hk, d, dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_rotary_contiguous_inputs(dtype) -> None:
     run_rotary(5, 4, 2, 32, dtype, seed=7, fused_qkv=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t", [0, 1, 5])
+@pytest.mark.parametrize("hq,hk,d", [(32, 4, 128), (32, 4, 64), (6, 2, 40)])  # Qwen3's GQA; D/2 = 20: masked
+def test_qk_norm_rotary(t, hq, hk, d, dtype) -> None:
+    run_qk_norm_rotary(t, hq, hk, d, dtype, seed=t * 1000 + d)
+
+
+def test_qk_norm_rotary_float32_weight() -> None:
+    """A float32 norm weight on fp16 activations gives float32 outputs, as ``rms_norm`` does."""
+    run_qk_norm_rotary(3, 6, 2, 32, torch.float16, seed=9, weight_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -238,6 +305,27 @@ def test_ops_use_reference_on_cpu() -> None:
     assert torch.equal(elementwise_ops.silu_and_mul(gate_up), reference_elementwise.silu_and_mul(gate_up))
 
 
+def test_qk_norm_rotary_uses_reference_on_cpu() -> None:
+    """Off CUDA the fused op is exactly the reference norms then the reference rotary (the ops the
+    decoder ran before the fusion), bit for bit."""
+    gen = torch.Generator().manual_seed(10)
+    t, hq, hk, d = 3, 4, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).bfloat16()
+    query, key = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    q_weight, k_weight = torch.randn(d, generator=gen).bfloat16(), torch.randn(d, generator=gen).bfloat16()
+    cos, sin = rope_tables(8, d)
+    positions = torch.tensor([5, 0, 3])
+    got = elementwise_ops.qk_norm_rotary_embedding(positions, query, key, q_weight, k_weight, EPS, cos.cpu(), sin.cpu())
+    want = reference_elementwise.rotary_embedding(
+        positions,
+        reference_elementwise.rms_norm(query, q_weight, EPS),
+        reference_elementwise.rms_norm(key, k_weight, EPS),
+        cos.cpu(),
+        sin.cpu(),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_reference_matches_previous_layers() -> None:
     """The reference keeps the arithmetic the layers used before the fused ops (HF Llama)."""
     gen = torch.Generator().manual_seed(6)
@@ -293,6 +381,17 @@ def test_gpu_qk_norm_view() -> None:
     for view in (qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)):
         weight = randn(d, dtype=torch.bfloat16, gen=gen)
         assert_matches(elementwise_ops.rms_norm(view, weight, EPS), reference_elementwise.rms_norm(view, weight, EPS))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("t", [1, 37])
+def test_gpu_qk_norm_rotary_qwen3_30b_a3b(t, dtype) -> None:
+    """QSERVE_FUSED_QK_NORM_ROPE's one launch at Qwen3-30B-A3B's attention (32 q heads, 4 kv heads,
+    D = 128; a batch-1 decode and a short prefill) against the reference and against the q_norm,
+    k_norm and rotary launches it replaces."""
+    run_qk_norm_rotary(t, 32, 4, 128, dtype, seed=t + 11, against_launches=True)
 
 
 @pytest.mark.gpu

@@ -162,7 +162,8 @@ def test_every_kernel_is_launched(reports, unit) -> None:
     """The drive reaches every Triton kernel quant_kernels defines (a kernel nothing launches here
     would be one this check silently stopped covering); sm90's fp16 unit runs every path (LoRA and
     the stream-K GEMM are driven in fp16 only); the newest job, whose one unit is sm89 in bf16, leaves
-    the check to the lowest job's sm90 fp16 unit."""
+    the check to the lowest job's sm90 fp16 unit. Also reached: the opt-in ``QK_NORM`` variant of
+    ``rotary_kernel`` (QSERVE_FUSED_QK_NORM_ROPE=1: ``drive_qk_norm_rope``, under a second of the unit)."""
     import importlib
     import pkgutil
 
@@ -182,6 +183,10 @@ def test_every_kernel_is_launched(reports, unit) -> None:
     launched = {launch["kernel"] for launch in reports[unit]["launches"]}
     assert defined, "no Triton kernel found in quant_kernels"
     assert not defined - launched, f"never launched on {unit}: {sorted(defined - launched)}"
+    qk_norm = [
+        x for x in reports[unit]["launches"] if x["kernel"] == "rotary_kernel" and dict(x["constexprs"]).get("QK_NORM")
+    ]
+    assert qk_norm, f"rotary_kernel's QK_NORM variant (QSERVE_FUSED_QK_NORM_ROPE=1) never launched on {unit}"
 
 
 _CONTROL = r"""
@@ -283,21 +288,30 @@ print("RESULT" + json.dumps(result, default=str))
 def test_moe_direct_blocks_launches(request, tmp_path) -> None:
     """The sort-free MoE step (QSERVE_MOE_DIRECT_BLOCKS=32, the default) as ``moe_ops`` runs it at
     Qwen3-30B-A3B's shapes, on sm90 (fp16) and sm89 (bf16): the router's one program writing the block
-    layout (one token, and four for an expert-parallel rank), then the MMA kernel's two GEMMs over T*k
-    blocks of 16 rows (split along K at one token, by the default QSERVE_MOE_SPLIT_K=auto), and no
-    token sort. Recorded without compiling: the units' drives
+    layout (one token, and four for an expert-parallel rank), or with the opt-in
+    QSERVE_FUSED_ROUTER_GEMM=1 the one launch that also computes the logits (32 programs of 4 router
+    rows, the last one choosing), then the MMA kernel's two GEMMs over T*k blocks of 16 rows (split
+    along K at one token, by the default QSERVE_MOE_SPLIT_K=auto), and no token sort. Recorded without
+    compiling: the units' drives
     (``test_every_launch_compiles``) compile the same launches for the job's cards (``drive_moe``'s
     companion ``drive_moe_direct_blocks``). Selectable alone (``-k direct``)."""
     for gpu, launches in _compiled_launches(request, tmp_path).items():
         kernels = {x["kernel"] for x in launches}
         # no sort; one token splits along K (too few programs), four tokens of a rank's share do not
-        assert kernels == {"router_topk_blocks_kernel", "moe_mma_split_kernel", "moe_mma_kernel"}, (gpu, kernels)
+        assert kernels == {
+            "router_topk_blocks_kernel", "router_gemm_topk_blocks_kernel", "moe_mma_split_kernel", "moe_mma_kernel",
+        }, (gpu, kernels)  # fmt: skip
         routers = [x for x in launches if x["kernel"] == "router_topk_blocks_kernel"]
         assert {x["constexprs"]["T_PAD"] for x in routers} == {1, 4}, gpu
         assert all(x["grid"] == [1] and x["constexprs"]["BLOCK_M"] == 16 for x in routers), gpu
+        fused = [x for x in launches if x["kernel"] == "router_gemm_topk_blocks_kernel"]
+        # 128 experts / 4 rows a program; one token's 2048 hidden columns in one step, four tokens' in 4
+        assert {(x["constexprs"]["T_PAD"], x["constexprs"]["BLOCK_H"]) for x in fused} == {(1, 2048), (4, 512)}, gpu
+        assert all(x["grid"] == [32] and x["constexprs"]["BLOCK_EG"] == 4 and x["constexprs"]["BLOCK_M"] == 16
+                   for x in fused), gpu  # fmt: skip
         for kernel, blocks in (("moe_mma_split_kernel", 8), ("moe_mma_kernel", 32)):  # T*k: 1 x top-8, 4 x top-8
             mma = [x for x in launches if x["kernel"] == kernel]
-            assert sum(x["count"] for x in mma) == 2, (gpu, kernel)  # gate_up and down
+            assert sum(x["count"] for x in mma) == 4, (gpu, kernel)  # gate_up and down, after either router
             assert {x["grid"][0] for x in mma} == {blocks}, (gpu, kernel)
 
 
