@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -335,10 +336,12 @@ def test_embed_takes_an_adapter(setup) -> None:
     assert max(abs(a - b) for a, b in zip(base.outputs.embedding, tuned.outputs.embedding)) > 1e-3
 
 
-def test_decode_graph_inputs_with_adapters(setup) -> None:
+def test_decode_graph_inputs_with_adapters(setup, monkeypatch) -> None:
     """The LoRA decode graphs' staging (QSERVE_LORA_GRAPHS=1: each row's slot and the padded tiles as
     static inputs), on CPU with eager replays standing in for the graphs: tokens and logprobs equal the
-    eager runner's for a batch of adapters and the base, padded to the next bucket."""
+    eager runner's for a batch of adapters and the base, padded to the next bucket. The buffer is
+    staged when a step's rows change adapters, not at every replay."""
+    from qserve.runner import cuda_graphs
     from tests.integration.test_decode_graph_inputs import EagerReplay
 
     llm, requests, _, _ = setup
@@ -353,13 +356,23 @@ def test_decode_graph_inputs_with_adapters(setup) -> None:
     replays = []
     original = graphs.replay
     graphs.replay = lambda *args, **kwargs: replays.append(kwargs["lora_slots"]) or original(*args, **kwargs)
+    fills = []  # the buffer's restagings
+    fill = cuda_graphs.fill_index_buffer
+    monkeypatch.setattr(cuda_graphs, "fill_index_buffer", lambda *args: fills.append(args[1].copy()) or fill(*args))
     runner.decode_graphs = graphs
     try:
         staged = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        # the same rows again, their adapters in another order: restaged, and still the eager tokens
+        restaged_from = len(fills)
+        swapped = llm.generate(prompts, params, use_tqdm=False, lora_request=loras[::-1])
     finally:
         runner.decode_graphs = None
     assert replays and any(slots is not None and len(slots) == 5 for slots in replays)  # padded 5 -> 8
-    for a, b in zip(eager, staged):
+    # each run's decode rows keep their adapters: staged once per run, not once per replay
+    assert len(replays) >= 2 * len(fills) and restaged_from == 1 and len(fills) == 2, (len(replays), fills)
+    assert not np.array_equal(fills[0], fills[1])
+    eager_swapped = llm.generate(prompts, params, use_tqdm=False, lora_request=loras[::-1])
+    for a, b in [*zip(eager, staged), *zip(eager_swapped, swapped)]:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
