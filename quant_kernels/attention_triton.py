@@ -20,7 +20,8 @@ Kernels
   ``BLOCK_N``-token tiles (split-KV / flash-decoding); each program runs an online softmax
   (exp2, fp32 max / sum / accumulator) over its run. With one split it writes the output;
   otherwise it writes its partial (unnormalized accumulator, max, sum) to an fp32 workspace and
-  ``paged_attention_reduce_kernel`` combines the partials of each ``(seq, head)``.
+  ``paged_attention_reduce_kernel`` combines the partials of each ``(seq, head)`` in a second
+  launch, or (``FUSED_REDUCE``, opt-in: below) the last program of each ``(seq, kv head)`` does.
 ``paged_attention_decode_packed_kernel``: the decode kernel for fp8 / int8 caches (the default
   when the head dim is a power of two >= 64 and the cache rows are contiguous): K/V are read as
   int32 words of 4 codes, two codes become two fp16 lanes of one 32-bit word in ~2.5 integer ops
@@ -41,7 +42,11 @@ The kernels of this module and of ``attention_int4_triton`` share their index, m
 pieces (``_decode_split_range``, ``_prefill_rows``, ``_online_softmax_step``, ``_split_row``;
 Triton inlines them: on sm90 the decode kernels' PTX instructions are unchanged from when the
 pieces were written out in each kernel, the prefill kernels' are the same instructions in
-another order) and their host-side launch helpers.
+another order) and their host-side launch helpers (the int4 decode's partials go through this
+module's workspace and reduce kernel). The split combine itself is one helper, ``_combine_splits``,
+used by ``paged_attention_reduce_kernel`` and by the decode kernels' fused tail (below): split by
+split in split order, elementwise, so both give the same bits whatever their layouts (the reduce
+kernel summed with ``tl.sum`` before, whose order follows the layout).
 
 Mixed batches (``max_query_len > 1`` with several sequences) launch both: the prefill kernel
 skips sequences with one new token and the decode kernel skips the others. The decision is made
@@ -59,6 +64,21 @@ Splits: ``num_splits`` is a launch argument (default: ``choose_num_splits`` from
 shape and the device's SM count). Under CUDA graphs pass a fixed ``num_splits`` so the grid does
 not depend on ``max_seq_len``; the partition of each sequence is computed in the kernel from its
 own length, so any fixed value is correct.
+
+Fused split reduce (``QSERVE_ATTN_FUSED_REDUCE=1``, ``fused_reduce_requested``, read at each decode
+launch in ``paged_attention``; opt-in, default off until a GPU run measures it): at small batch a
+decode splits (``num_splits > 1``) and the reduce is a launch of its own, one CUDA-graph node per
+layer of a launch-bound step (48 on a 48-layer model such as Qwen3-30B-A3B). With the switch on, the
+split decode kernels (``FUSED_REDUCE``) write their partials as above, then count themselves on an
+int32 arrival counter per ``(seq, kv head)`` (a barrier, then an acq_rel atomic: the split-K pattern
+of ``moe_mma_triton``); the last of the ``num_splits`` programs to arrive (empty splits and other
+sequences' programs arrive too) reads every split's partials of its kv head's query heads (``.cg``
+loads) and combines them with ``_combine_splits``, the reduce kernel's own code, so the output is
+bit-identical to the two launches; it then resets its counter. The counters
+(``quant_kernels.device.arrival_counters``, owner ``FUSED_REDUCE_OWNER``) are per device, sized from
+the launch's ``num_seqs * num_kv_heads`` (a graph's largest bucket, allocated at its warm-up outside
+capture), zeroed once and grown, never freed, so captured graphs keep valid addresses; no host sync.
+The workspace is unchanged (per call). ``attention_int4_triton``'s decode keeps the two launches.
 """
 
 from __future__ import annotations
@@ -82,6 +102,14 @@ KV_NONE, KV_FP8, KV_INT8 = 0, 1, 2
 FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
 LOG2E = 1.4426950408889634
+
+# "1": a split decode's last program per (seq, KV head) reduces the splits (no reduce launch); default off
+FUSED_REDUCE_ENV = "QSERVE_ATTN_FUSED_REDUCE"
+# The fused reduce's arrival counters (``quant_kernels.device.arrival_counters``): one int32 per (seq, KV
+# head), shared by every layer. 4,096 (16 KB) covers any automatic split: ``choose_num_splits`` splits only
+# while num_seqs * num_kv_heads < 2 * SMs; a caller's larger fixed split grows the buffer.
+FUSED_REDUCE_OWNER = "attention_fused_reduce"
+MIN_FUSED_REDUCE_COUNTERS = 1 << 12
 
 # ----------------------------------------------------------------------------------------------
 # Element helpers
@@ -154,6 +182,93 @@ def _split_row(seq, heads, split, num_queries_per_kv, num_splits):
     """Row of ``(seq, head, split)`` in the split-KV workspace ``[num_seqs, num_heads, num_splits, ...]``
     (grid axis 1 runs over KV heads, each owning ``num_queries_per_kv`` query heads)."""
     return (seq.to(tl.int64) * tl.num_programs(1) * num_queries_per_kv + heads) * num_splits + split
+
+
+@triton.jit
+def _combine_splits(
+    part_out_ptr,  # fp32 [num_seqs, num_heads, num_splits, head_dim]
+    part_ml_ptr,  # fp32 [num_seqs, num_heads, num_splits, 2]: running max (log2 units), sum
+    row0,  # int64 [R]: workspace row of each (seq, head)'s split 0
+    lim,  # int [R]: splits to combine per row (num_splits, or 0 for a row left alone)
+    d,  # [BLOCK_D]
+    dmask,  # [BLOCK_D]
+    head_dim,  # the workspace's row length
+    BLOCK_S: tl.constexpr,  # a power of two >= num_splits
+    CACHE: tl.constexpr,  # load cache modifier: ".cg" where other SMs wrote the partials in this launch
+):
+    """fp32 ``[R, BLOCK_D]`` attention output of ``R`` (seq, query head) rows from their split partials:
+    weights ``exp2(m_s - max_s m_s)`` (splits that saw no key: m = -1e30, l = 0, weight 0), the weighted
+    partial sums over the weighted sums. The one implementation of the split reduction
+    (``paged_attention_reduce_kernel``, one row a program, and the decode kernels' ``FUSED_REDUCE`` tail,
+    a KV head's query heads at once): the max is exact in any order, and the sums are added split by
+    split in split order (unrolled; elementwise, no cross-thread reduction), so each output element is
+    computed by the same operations in the same order whatever the row count, the layout or the warps
+    of the kernel around it, and both paths give the same bits."""
+    s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    m = tl.load(
+        part_ml_ptr + (row0[:, None] + s[None, :]) * 2, mask=s[None, :] < lim[:, None], other=-1.0e30,
+        cache_modifier=CACHE,
+    )  # [R, BLOCK_S]  # fmt: skip
+    m_max = tl.max(m, 1)  # [R]
+    denom = tl.zeros_like(m_max)  # [R]
+    acc = tl.zeros([row0.shape[0], d.shape[0]], dtype=tl.float32)  # [R, BLOCK_D]
+    for i in tl.static_range(BLOCK_S):
+        ok = lim > i  # [R]: a tensor bound, never a broadcast scalar bool (see store_kv_kernel)
+        row = row0 + i  # [R]
+        w = tl.exp2(tl.load(part_ml_ptr + row * 2, mask=ok, other=-1.0e30, cache_modifier=CACHE) - m_max)  # [R]
+        denom += tl.load(part_ml_ptr + row * 2 + 1, mask=ok, other=0.0, cache_modifier=CACHE) * w
+        part = tl.load(
+            part_out_ptr + row[:, None] * head_dim + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0,
+            cache_modifier=CACHE,
+        )  # [R, BLOCK_D]  # fmt: skip
+        acc += part * w[:, None]
+    return acc / tl.where(denom > 0, denom, 1.0)[:, None]
+
+
+@triton.jit
+def _last_split_reduces(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # fp32 [num_seqs, num_heads, num_splits, head_dim]: this launch's partials
+    part_ml_ptr,  # fp32 [num_seqs, num_heads, num_splits, 2]
+    cnt_ptr,  # int32 [>= num_seqs * num_kv_heads] arrival counters, zero between launches
+    seq,
+    kvh,
+    heads,  # [BLOCK_G] this program's query heads
+    smask,  # [BLOCK_G] the heads whose partials this launch wrote (none unless the sequence decodes)
+    num_queries_per_kv,
+    num_splits,
+    q_start,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    head_dim,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """A split decode program's ``FUSED_REDUCE`` tail, after its partial stores: the last of the
+    ``num_splits`` programs of its (seq, KV head) to arrive combines every split's partials of the KV
+    head's query heads (``_combine_splits``, as ``paged_attention_reduce_kernel`` would) and writes the
+    output, then resets the counter. Every program arrives, empty splits and non-decode sequences
+    included (those store nothing), so the count always reaches ``num_splits``."""
+    # Ordering (moe_mma_triton's split-K tail): the barrier orders every thread's partial stores before
+    # the counter's gpu-scope release; the last program's acquire (same atomic) then sees every split's
+    # partials, and its .cg loads read them from L2, never a stale L1 line.
+    tl.debug_barrier()
+    counter = cnt_ptr + seq.to(tl.int64) * tl.num_programs(1) + kvh  # one per (seq, KV head)
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+        dmask = d < head_dim
+        row0 = _split_row(seq, heads, 0, num_queries_per_kv, num_splits)  # [BLOCK_G]
+        lim = tl.where(smask, num_splits, 0)  # [BLOCK_G]
+        out = _combine_splits(
+            part_out_ptr, part_ml_ptr, row0, lim, d, dmask, head_dim, BLOCK_S, ".cg"
+        )  # [BLOCK_G, BLOCK_D]
+        o_ptrs = out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=smask[:, None] & dmask[None, :])
+        # Reset for the next launch (another layer's, a graph replay): every program of this (seq, KV
+        # head) has arrived, so nothing adds to it again in this launch.
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -306,6 +421,7 @@ def paged_attention_decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (written when not USE_SPLIT)
     part_out_ptr,  # fp32 [num_seqs, num_heads, num_splits, head_dim] (USE_SPLIT)
     part_ml_ptr,  # fp32 [num_seqs, num_heads, num_splits, 2]: running max (log2 units), sum
+    cnt_ptr,  # int32 [>= num_seqs * num_kv_heads] arrival counters, zero between launches (FUSED_REDUCE)
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -345,6 +461,8 @@ def paged_attention_decode_kernel(
     BLOCK_D: tl.constexpr,
     USE_ALIBI: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
+    FUSED_REDUCE: tl.constexpr = False,  # USE_SPLIT: the last split program reduces (_last_split_reduces)
+    BLOCK_S: tl.constexpr = 1,  # FUSED_REDUCE: a power of two >= num_splits
 ):
     if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
         gdc_wait()
@@ -407,6 +525,11 @@ def paged_attention_decode_kernel(
         tl.store(part_out_ptr + row[:, None] * head_dim + d[None, :], acc, mask=smask[:, None] & dmask[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=smask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=smask)
+        if FUSED_REDUCE:
+            _last_split_reduces(
+                out_ptr, part_out_ptr, part_ml_ptr, cnt_ptr, seq, kvh, heads, smask, num_queries_per_kv, num_splits,
+                q_start, stride_ot, stride_oh, stride_od, head_dim, BLOCK_D, BLOCK_S,
+            )  # fmt: skip
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od
@@ -445,6 +568,7 @@ def paged_attention_decode_packed_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (written when not USE_SPLIT)
     part_out_ptr,  # fp32 [num_seqs, num_heads, num_splits, head_dim] (USE_SPLIT)
     part_ml_ptr,  # fp32 [num_seqs, num_heads, num_splits, 2]
+    cnt_ptr,  # int32 [>= num_seqs * num_kv_heads] arrival counters, zero between launches (FUSED_REDUCE)
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # int32 [num_blocks, block_size, num_kv_heads, head_dim // 4]: 4 fp8 / int8 codes a word
     value_cache_ptr,  # int32 [num_blocks, block_size, num_kv_heads, head_dim // 4]
@@ -479,6 +603,8 @@ def paged_attention_decode_packed_kernel(
     HEAD_DIM: tl.constexpr,  # a power of two >= 64, contiguous in the cache
     USE_ALIBI: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
+    FUSED_REDUCE: tl.constexpr = False,  # USE_SPLIT: the last split program reduces (_last_split_reduces)
+    BLOCK_S: tl.constexpr = 1,  # FUSED_REDUCE: a power of two >= num_splits
 ):
     """``paged_attention_decode_kernel`` for fp8 / int8 caches read as 32-bit words.
 
@@ -570,6 +696,11 @@ def paged_attention_decode_packed_kernel(
     tl.store(o_ptrs + 1, (acc1 * norm[:, None]).to(o_ty), mask=smask[:, None])
     tl.store(o_ptrs + 2, (acc2 * norm[:, None]).to(o_ty), mask=smask[:, None])
     tl.store(o_ptrs + 3, (acc3 * norm[:, None]).to(o_ty), mask=smask[:, None])
+    if USE_SPLIT and FUSED_REDUCE:  # after all four slices of the partial are stored
+        _last_split_reduces(
+            out_ptr, part_out_ptr, part_ml_ptr, cnt_ptr, seq, kvh, heads, smask, num_queries_per_kv, num_splits,
+            q_start, stride_ot, stride_oh, 1, HEAD_DIM, HEAD_DIM, BLOCK_S,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])
@@ -595,20 +726,15 @@ def paged_attention_reduce_kernel(
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
-    s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    r = tl.arange(0, 1)  # [1]: this program's one (seq, head) row, as _combine_splits takes rows
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    smask = s < tl.where(q_len == 1, num_splits, 0)  # other sequences left their partials unwritten
     dmask = d < head_dim
-    row = (seq.to(tl.int64) * num_heads + head) * num_splits + s  # [BLOCK_S]
-    m = tl.load(part_ml_ptr + row * 2, mask=smask, other=-1.0e30)  # [BLOCK_S]
-    l_part = tl.load(part_ml_ptr + row * 2 + 1, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)  # splits that saw no key have m = -1e30 and l = 0: weight 0
-    acc = tl.load(part_out_ptr + row[:, None] * head_dim + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
-    denom = tl.sum(l_part * w, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
-    o_ptrs = out_ptr + q_start * stride_ot + head * stride_oh + d * stride_od
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < tl.where(q_len == 1, head_dim, 0))
+    row0 = (seq.to(tl.int64) * num_heads + head) * num_splits + r  # [1] workspace row of split 0
+    lim = r + tl.where(q_len == 1, num_splits, 0)  # [1]; other sequences left their partials unwritten
+    out = _combine_splits(part_out_ptr, part_ml_ptr, row0, lim, d, dmask, head_dim, BLOCK_S, "")  # [1, BLOCK_D]
+    o_ptrs = out_ptr + q_start * stride_ot + head * stride_oh + r[:, None] * 0 + d[None, :] * stride_od
+    omask = (r < tl.where(q_len == 1, 1, 0))[:, None] & dmask[None, :]  # [1, BLOCK_D]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -927,6 +1053,20 @@ def _decode_num_splits(
     return choose_num_splits(num_seqs, num_kv_heads, ctx, _num_sms(device), cfg.min_split_tokens)
 
 
+def fused_reduce_requested() -> bool:
+    """Off unless ``QSERVE_ATTN_FUSED_REDUCE=1`` (a split decode's last program per (seq, KV head) reduces
+    the splits, in place of ``paged_attention_reduce_kernel``'s launch; opt-in until a GPU run measures
+    it); unset, empty or "0": the two launches. Anything else is refused, naming the variable (a typo
+    must not silently measure the other path). Read at each decode launch (``paged_attention``)."""
+    value = os.environ.get(FUSED_REDUCE_ENV, "").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(
+            f"{FUSED_REDUCE_ENV}={value!r}: expected 0 (the split decode, then the reduce launch; the default) "
+            "or 1 (the decode's last program per (seq, KV head) reduces)"
+        )
+    return value == "1"
+
+
 def _split_workspace(
     out: torch.Tensor, num_seqs: int, num_heads: int, num_splits: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1037,7 +1177,9 @@ def paged_attention(
     """Same contract as ``reference.paged_attention`` (+ KV scales, ALiBi slopes); returns ``out``.
 
     ``max_query_len == 1``: split-KV decode only. Otherwise the prefill kernel, plus (with
-    several sequences) the decode kernel for the sequences that have one new token.
+    several sequences) the decode kernel for the sequences that have one new token. A split decode
+    is followed by the reduce launch, unless ``QSERVE_ATTN_FUSED_REDUCE=1`` (``fused_reduce_requested``,
+    read here; ValueError for a value other than 0 / 1) has its last programs reduce in the same launch.
     """
     cfg = config or _DEFAULT_CONFIG
     num_tokens, num_heads, head_dim = query.shape
@@ -1109,7 +1251,14 @@ def paged_attention(
         if block_d > 128:
             block_n = min(block_n, 32)
         use_split = num_splits > 1
+        fused_reduce = fused_reduce_requested() and use_split  # read (and checked) at every decode launch
         part_out, part_ml = _split_workspace(out, num_seqs, num_heads, num_splits, head_dim)
+        # int32 [>= num_seqs * num_kv_heads], zero; a typed placeholder when nothing reduces in the launch
+        counters = (
+            kdevice.arrival_counters(out.device, num_seqs * num_kv_heads, FUSED_REDUCE_OWNER, MIN_FUSED_REDUCE_COUNTERS)
+            if fused_reduce
+            else kdevice.placeholder(out.device, torch.int32)
+        )
         packed = None
         if quant != KV_NONE and cfg.decode_packed and query.stride(2) == 1 and out.stride(2) == 1:
             kp, vp = _packed_view(key_cache), _packed_view(value_cache)
@@ -1121,6 +1270,8 @@ def paged_attention(
             DOT_F32=_INTERPRET,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_N=block_n,
+            # only with the switch on; off, the kernel's defaults (no tail: the reduce kernel follows)
+            **(dict(FUSED_REDUCE=True, BLOCK_S=triton.next_power_of_2(num_splits)) if fused_reduce else {}),
             num_warps=cfg.decode_num_warps,
             num_stages=cfg.decode_num_stages,
             **launch_options(out.device),
@@ -1132,6 +1283,7 @@ def paged_attention(
                 out,
                 part_out,
                 part_ml,
+                counters,
                 query,
                 kp,
                 vp,
@@ -1162,6 +1314,7 @@ def paged_attention(
                 out,
                 part_out,
                 part_ml,
+                counters,
                 query,
                 kc,
                 vc,
@@ -1182,7 +1335,7 @@ def paged_attention(
                 BLOCK_D=block_d,
                 **common,
             )
-        if use_split:
+        if use_split and not fused_reduce:
             _reduce_splits(out, part_out, part_ml, query_start_loc, num_seqs, num_heads, head_dim, num_splits)
     return out
 
@@ -1196,9 +1349,11 @@ def decode_kv_bytes(num_seqs: int, ctx_len: int, num_kv_heads: int, head_dim: in
 __all__ = [
     "AttentionConfig",
     "FP8_E4M3_MAX",
+    "FUSED_REDUCE_ENV",
     "INT8_MAX",
     "choose_num_splits",
     "decode_kv_bytes",
+    "fused_reduce_requested",
     "paged_attention",
     "store_kv",
 ]

@@ -1,9 +1,10 @@
 """What the kernel wrappers ask of a device, asked in one place.
 
 Knows: whether Triton kernels serve a device (a CUDA device, triton importable), its compute
-capability, SM count and shared memory per block (``torch.cuda``'s queries), and the never-read
-placeholder tensors a launch passes for the pointer arguments of a branch it does not take. Must
-not know: kernels, models, engines.
+capability, SM count and shared memory per block (``torch.cuda``'s queries), the never-read
+placeholder tensors a launch passes for the pointer arguments of a branch it does not take, and
+the per-device int32 arrival counters of the launches whose last program reduces (one buffer per
+named owner, ``arrival_counters``). Must not know: kernels, models, engines.
 
 Every wrapper and dispatcher asks here rather than ``torch.cuda``, so that the launch-compile
 check (``tests/helpers/kernel_launches.py``) can put a simulated GPU of any architecture in the
@@ -14,6 +15,14 @@ does not use, say, the split-K workspace still passes an fp32 tensor there, neve
 Triton type-checks whatever code survives constant folding, so an fp16 pointer where the kernel
 declares an fp32 workspace or an int32 counter is a compile error the moment a branch is not
 folded away (main at b0d3937 crashed at the first token on every GPU this way).
+
+Arrival counters: a launch whose programs each write a partial and whose last program to arrive
+(an acq_rel atomic on a counter) combines them needs counters that are zero when it starts. Each
+owner's buffer (the owner a name its kernel module picks) is zeroed once, and every launch's last program resets the counters it used, so the next launch, another
+layer's, or a CUDA-graph replay finds them zero without a memset launch. One buffer per owner, not
+one for all, so no two kernels' counters alias whatever streams run them. Grown, never shrunk or
+freed: a graph captured earlier keeps the address it was captured with (the engine warms up outside
+capture, so the allocation, a zeroing launch, happens there).
 """
 
 from __future__ import annotations
@@ -65,3 +74,24 @@ def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype, device=device)
+
+
+# (owner, device type, device index) -> that owner's counters; the buffers a growth replaced stay
+# referenced here, so a CUDA graph captured with one keeps valid (and zero) counters.
+_COUNTERS: dict[tuple[str, str, int | None], torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def arrival_counters(device: torch.device, count: int, owner: str, minimum: int = 1) -> torch.Tensor:
+    """int32 ``[>= count]`` arrival counters of ``owner`` on ``device``, zero between launches: allocated
+    (zeroed) at ``max(count, minimum)`` the first time, at least doubled when a launch needs more, then
+    left to the launches (each one's last program per counter resets it), so no memset per call."""
+    key = (owner, device.type, device.index)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+        size = max(count, minimum, 2 * (0 if counters is None else counters.numel()))
+        counters = torch.zeros(size, dtype=torch.int32, device=device)  # [size]
+        _COUNTERS[key] = counters
+    return counters

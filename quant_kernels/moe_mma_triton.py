@@ -578,24 +578,16 @@ def _launch_shape(cfg: MoEMmaConfig, weight: StackedMmaWeight, out_cols: int, si
 
 # Split-K gate_up arrival counters, one int32 per (pair block, column tile), per device: shared by
 # every layer (their launches run one after another in the stream, and each leaves its counters zero).
-# Grown, never shrunk or freed: a CUDA graph captured earlier keeps the address it was captured with.
+# Grown, never shrunk or freed: a CUDA graph captured earlier keeps the address it was captured with
+# (``quant_kernels.device.arrival_counters``, this buffer's owner name below).
 MIN_SPLIT_COUNTERS = 1 << 16  # 256 KB: a 2,048-token prefill at Qwen3-30B-A3B's shapes needs ~4.6K
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []
+SPLIT_COUNTERS_OWNER = "moe_mma_split"
 
 
 def split_counters(device: torch.device, count: int) -> torch.Tensor:
     """int32 ``[>= count]`` arrival counters on ``device``, zero between launches: allocated (zeroed)
     once, then every launch's last program per tile resets its own, so no per-call memset."""
-    key = (device.type, device.index)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < count:
-        if counters is not None:
-            _RETIRED_COUNTERS.append(counters)
-        size = max(count, MIN_SPLIT_COUNTERS, 2 * (0 if counters is None else counters.numel()))
-        counters = torch.zeros(size, dtype=torch.int32, device=device)  # [size]
-        _COUNTERS[key] = counters
-    return counters
+    return kdevice.arrival_counters(device, count, SPLIT_COUNTERS_OWNER, MIN_SPLIT_COUNTERS)
 
 
 def _launch(

@@ -52,6 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quant_kernels import device as kdevice
+
 
 @triton.jit
 def router_topk_kernel(
@@ -318,9 +320,10 @@ def router_topk_blocks(
 
 # ``router_gemm_topk_blocks``' arrival counter, one int32 per device, shared by every MoE layer: their
 # launches run one after another in the stream and each leaves it zero (moe_mma_triton.split_counters'
-# pattern). Allocated once, zeroed, never freed: a CUDA graph captured earlier keeps its address (the
-# engine warms up before it captures, so the allocation happens outside capture).
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+# pattern, through the same ``quant_kernels.device.arrival_counters``). Allocated once, zeroed, never
+# freed: a CUDA graph captured earlier keeps its address (the engine warms up before it captures, so
+# the allocation happens outside capture).
+ARRIVAL_COUNTER_OWNER = "moe_router_gemm"
 
 # Programs the router's weight read is spread over: Qwen3-30B-A3B's 128 x 2048 fp16 router (512 KB)
 # read in 16 KB slices of 4 rows by 32 programs. Fewer programs (16 x 32 KB) lengthen each one's read,
@@ -335,11 +338,7 @@ ROUTER_GEMM_TILE = 8192
 def arrival_counter(device: torch.device) -> torch.Tensor:
     """int32 ``[1]`` arrival counter on ``device`` for ``router_gemm_topk_blocks_kernel``, zero between
     launches: allocated (zeroed) once, then every launch's last program resets it, so no memset launch."""
-    key = (device.type, device.index)
-    counter = _COUNTERS.get(key)
-    if counter is None:
-        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)  # [1]
-    return counter
+    return kdevice.arrival_counters(device, 1, ARRIVAL_COUNTER_OWNER)  # [1]: never grown past one
 
 
 def router_gemm_blocks_config(num_tokens: int, num_experts: int, hidden_size: int) -> tuple[int, int]:

@@ -8,8 +8,10 @@ eager decodes at short and long contexts, the W4A16 tuning sweep, and with ``QSE
 the multi-LoRA steps: a prefill of sequences on two adapters and the base, mixed decodes, the
 decode graphs' forward with adapter slots as inputs, and ``add_lora`` alone at 14B shapes with and
 without split-K: ``drive_lora_kernels``; with ``QSERVE_FUSED_QK_NORM_ROPE=1`` a Qwen3-30B-A3B attention's
-q/k norms and rotary as one launch: ``drive_qk_norm_rope``). Must not know: what any kernel
-computes (``tests/helpers/kernel_launches.py`` captures and compiles).
+q/k norms and rotary as one launch: ``drive_qk_norm_rope``; with ``QSERVE_ATTN_FUSED_REDUCE=1`` a
+Qwen3-30B-A3B split decode whose last program per (seq, kv head) reduces the splits:
+``drive_attn_fused_reduce``). Must not know: what any kernel computes
+(``tests/helpers/kernel_launches.py`` captures and compiles).
 
 Each model is built with one decoder layer at its real dimensions (every layer of a model launches
 the same kernels) and a small vocabulary (the LM head is a dense torch product, no Triton launch),
@@ -689,6 +691,42 @@ def drive_qk_norm_rope(capture: Capture, dtype: torch.dtype, dtype_name: str, pd
     assert any(x.kernel == "rotary_kernel" and dict(x.constexprs).get("QK_NORM") for x in capture.launches.values())
 
 
+# Qwen3-30B-A3B's decode attention: 32 q heads over 4 kv heads of 128; a batch-1 step at 4,096 tokens of
+# context splits the keys 16 ways on sm90 (choose_num_splits), 16 on sm89 too.
+FUSED_REDUCE_CONTEXT = 4096
+
+
+def drive_attn_fused_reduce(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+    """``QSERVE_ATTN_FUSED_REDUCE=1`` (opt-in): a Qwen3-30B-A3B layer's batch-1 split decode through
+    ``attention_ops.paged_attention``, its last program per (seq, kv head) reducing the splits (the decode
+    kernels' ``FUSED_REDUCE`` tail, no reduce launch), over a model-dtype cache (``paged_attention_decode_kernel``)
+    and an fp8 one (``paged_attention_decode_packed_kernel``). No model is driven: the tail is the switch's
+    only new code, and the ci tier has no Qwen3 model; two launches, a few seconds of compiling a unit."""
+    from quant_kernels import attention_ops, attention_triton
+
+    heads, kv_heads, head_dim = 32, 4, 128
+    blocks = FUSED_REDUCE_CONTEXT // BLOCK_SIZE
+    query = torch.zeros((1, heads, head_dim), dtype=dtype)  # [T=1, H, D]
+    block_tables = torch.arange(blocks, dtype=torch.int32).view(1, blocks)  # [1, blocks]
+    seq_lens = torch.tensor([FUSED_REDUCE_CONTEXT], dtype=torch.int64)  # [1]
+    query_start_loc = torch.tensor([0, 1], dtype=torch.int64)  # [2]
+    before = len(capture.launches)
+    for kv, cache_dtype in (("auto", dtype), ("fp8", torch.float8_e4m3fn)):
+        cache = torch.zeros((blocks, BLOCK_SIZE, kv_heads, head_dim), dtype=cache_dtype)  # [blocks, 16, Hkv, D]
+        scale = torch.ones((), dtype=torch.float32) if kv == "fp8" else None
+        label = f"qwen3-30b-a3b fused split reduce {dtype_name} kv={kv} decode batch 1 context {FUSED_REDUCE_CONTEXT}"
+        with mock.patch.dict(os.environ, {attention_triton.FUSED_REDUCE_ENV: "1"}), where(capture, label):
+            with torch.inference_mode():
+                attention_ops.paged_attention(
+                    query, cache, cache, block_tables, seq_lens, query_start_loc, 1, FUSED_REDUCE_CONTEXT,
+                    head_dim**-0.5, None, scale, scale,
+                )  # fmt: skip
+    new = [x for x in list(capture.launches.values())[before:] if dict(x.constexprs).get("FUSED_REDUCE")]
+    assert {x.kernel for x in new} >= {"paged_attention_decode_kernel", "paged_attention_decode_packed_kernel"}, (
+        "QSERVE_ATTN_FUSED_REDUCE=1 did not take the fused reduce"
+    )
+
+
 def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", "bf16"), log=print) -> Capture:
     """All the launches of ``tier`` (``TIERS``) for ``gpu``; ``log`` gets one line per stage."""
     plan = TIERS[tier]
@@ -719,6 +757,7 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
             drive_moe(capture, dtype, dtype_name)
             drive_moe_direct_blocks(capture, dtype, dtype_name)
             drive_qk_norm_rope(capture, dtype, dtype_name, pdl=gpu.arch >= 90 and dtype_name in plan["pdl_dtypes"])
+            drive_attn_fused_reduce(capture, dtype, dtype_name)
     return capture
 
 
