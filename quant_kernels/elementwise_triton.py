@@ -118,9 +118,9 @@ def _rotate_heads(
     offs = tl.arange(0, BLOCK_HALF)
     mask = (heads < n_heads)[:, None] & (offs < HALF)[None, :]
     src = X + t * stride_t + heads[:, None].to(tl.int64) * stride_h + offs[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0)  # [HPP, BLOCK_HALF], X's dtype
-    x2 = tl.load(src + HALF, mask=mask, other=0.0)
     if QK_NORM:
+        x1 = tl.load(src, mask=mask, other=0.0)  # [HPP, BLOCK_HALF], X's dtype
+        x2 = tl.load(src + HALF, mask=mask, other=0.0)
         # rms_norm_kernel's arithmetic over each whole head (both halves; masked lanes load 0 and
         # add nothing): normalise in fp32, round to X's dtype, multiply by the weight in fp32,
         # round to OUT's dtype. The rotation then reads these rounded values, as it would read
@@ -133,9 +133,9 @@ def _rotate_heads(
         w2 = tl.load(W + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
         x1 = ((x1f * rstd).to(x1.dtype).to(tl.float32) * w1).to(OUT.dtype.element_ty).to(tl.float32)
         x2 = ((x2f * rstd).to(x2.dtype).to(tl.float32) * w2).to(OUT.dtype.element_ty).to(tl.float32)
-    else:
-        x1 = x1.to(tl.float32)
-        x2 = x2.to(tl.float32)
+    else:  # the loads and converts in the order the kernel had before QK_NORM (its default PTX unchanged)
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     c = cos[None, :]
     s = sin[None, :]
     dst = OUT + (t * n_heads + heads[:, None]) * (2 * HALF) + offs[None, :]
