@@ -1061,10 +1061,10 @@ def fused_reduce_requested() -> bool:
     value = os.environ.get(FUSED_REDUCE_ENV, "").strip()
     if value not in ("0", "1", ""):
         raise ValueError(
-            f"{FUSED_REDUCE_ENV}={value!r}: expected 0 (the split decode, then the reduce launch) "
-            "or 1 (the decode's last program per (seq, KV head) reduces; the default)"
+            f"{FUSED_REDUCE_ENV}={value!r}: expected 0 (the split decode, then the reduce launch; the default) "
+            "or 1 (the decode's last program per (seq, KV head) reduces)"
         )
-    return value != "0"
+    return value == "1"
 
 
 def _split_workspace(
