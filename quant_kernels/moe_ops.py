@@ -80,13 +80,13 @@ def fused_router_gemm_requested() -> bool:
     """Off unless ``QSERVE_FUSED_ROUTER_GEMM=1`` (``route_hidden``: the router GEMM fused into the direct
     layout's launch; opt-in until a GPU run measures it); a value other than 0 or 1 is refused
     (``prepare_experts`` reads it, so a typo stops the load)."""
-    value = os.environ.get(FUSED_ROUTER_GEMM_ENV, "1").strip()
+    value = os.environ.get(FUSED_ROUTER_GEMM_ENV, "0").strip()
     if value not in ("0", "1", ""):
         raise ValueError(
             f"{FUSED_ROUTER_GEMM_ENV}={value!r}: expected 0 (F.linear, then the router's launch; the default) "
             "or 1 (one launch)"
         )
-    return value != "0"
+    return value == "1"
 
 
 def fused_moe_requested() -> bool:
