@@ -43,10 +43,7 @@ pieces (``_decode_split_range``, ``_prefill_rows``, ``_online_softmax_step``, ``
 Triton inlines them: on sm90 the decode kernels' PTX instructions are unchanged from when the
 pieces were written out in each kernel, the prefill kernels' are the same instructions in
 another order) and their host-side launch helpers (the int4 decode's partials go through this
-module's workspace and reduce kernel). The split combine itself is one helper, ``_combine_splits``,
-used by ``paged_attention_reduce_kernel`` and by the decode kernels' fused tail (below): split by
-split in split order, elementwise, so both give the same bits whatever their layouts (the reduce
-kernel summed with ``tl.sum`` before, whose order follows the layout).
+module's workspace and reduce kernel).
 
 Mixed batches (``max_query_len > 1`` with several sequences) launch both: the prefill kernel
 skips sequences with one new token and the decode kernel skips the others. The decision is made
@@ -73,8 +70,10 @@ split decode kernels (``FUSED_REDUCE``) write their partials as above, then coun
 int32 arrival counter per ``(seq, kv head)`` (a barrier, then an acq_rel atomic: the split-K pattern
 of ``moe_mma_triton``); the last of the ``num_splits`` programs to arrive (empty splits and other
 sequences' programs arrive too) reads every split's partials of its kv head's query heads (``.cg``
-loads) and combines them with ``_combine_splits``, the reduce kernel's own code, so the output is
-bit-identical to the two launches; it then resets its counter. The counters
+loads) and combines them with ``_combine_splits``, the reduce kernel's math with the splits added one
+by one in split order (the reduce kernel's ``tl.sum`` adds them in its layout's order: the two paths agree
+to fp32 rounding before the output's, not bit for bit; the reduce kernel stays as it was measured
+until a GPU run decides the switch); it then resets its counter. The counters
 (``quant_kernels.device.arrival_counters``, owner ``FUSED_REDUCE_OWNER``) are per device, sized from
 the launch's ``num_seqs * num_kv_heads`` (a graph's largest bucket, allocated at its warm-up outside
 capture), zeroed once and grown, never freed, so captured graphs keep valid addresses; no host sync.
@@ -198,12 +197,10 @@ def _combine_splits(
 ):
     """fp32 ``[R, BLOCK_D]`` attention output of ``R`` (seq, query head) rows from their split partials:
     weights ``exp2(m_s - max_s m_s)`` (splits that saw no key: m = -1e30, l = 0, weight 0), the weighted
-    partial sums over the weighted sums. The one implementation of the split reduction
-    (``paged_attention_reduce_kernel``, one row a program, and the decode kernels' ``FUSED_REDUCE`` tail,
-    a KV head's query heads at once): the max is exact in any order, and the sums are added split by
-    split in split order (unrolled; elementwise, no cross-thread reduction), so each output element is
-    computed by the same operations in the same order whatever the row count, the layout or the warps
-    of the kernel around it, and both paths give the same bits."""
+    partial sums over the weighted sums: ``paged_attention_reduce_kernel``'s math for the decode kernels'
+    ``FUSED_REDUCE`` tail (a KV head's query heads at once). The max is exact in any order; the sums are
+    added split by split in split order (unrolled; elementwise, no cross-thread reduction), so each
+    output element's value does not depend on the kernel's layout or warps."""
     s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
     m = tl.load(
         part_ml_ptr + (row0[:, None] + s[None, :]) * 2, mask=s[None, :] < lim[:, None], other=-1.0e30,
@@ -247,7 +244,7 @@ def _last_split_reduces(
 ):
     """A split decode program's ``FUSED_REDUCE`` tail, after its partial stores: the last of the
     ``num_splits`` programs of its (seq, KV head) to arrive combines every split's partials of the KV
-    head's query heads (``_combine_splits``, as ``paged_attention_reduce_kernel`` would) and writes the
+    head's query heads (``_combine_splits``, ``paged_attention_reduce_kernel``'s math) and writes the
     output, then resets the counter. Every program arrives, empty splits and non-decode sequences
     included (those store nothing), so the count always reaches ``num_splits``."""
     # Ordering (moe_mma_triton's split-K tail): the barrier orders every thread's partial stores before
@@ -726,15 +723,20 @@ def paged_attention_reduce_kernel(
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
-    r = tl.arange(0, 1)  # [1]: this program's one (seq, head) row, as _combine_splits takes rows
+    s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    smask = s < tl.where(q_len == 1, num_splits, 0)  # other sequences left their partials unwritten
     dmask = d < head_dim
-    row0 = (seq.to(tl.int64) * num_heads + head) * num_splits + r  # [1] workspace row of split 0
-    lim = r + tl.where(q_len == 1, num_splits, 0)  # [1]; other sequences left their partials unwritten
-    out = _combine_splits(part_out_ptr, part_ml_ptr, row0, lim, d, dmask, head_dim, BLOCK_S, "")  # [1, BLOCK_D]
-    o_ptrs = out_ptr + q_start * stride_ot + head * stride_oh + r[:, None] * 0 + d[None, :] * stride_od
-    omask = (r < tl.where(q_len == 1, 1, 0))[:, None] & dmask[None, :]  # [1, BLOCK_D]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=omask)
+    row = (seq.to(tl.int64) * num_heads + head) * num_splits + s  # [BLOCK_S]
+    m = tl.load(part_ml_ptr + row * 2, mask=smask, other=-1.0e30)  # [BLOCK_S]
+    l_part = tl.load(part_ml_ptr + row * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # splits that saw no key have m = -1e30 and l = 0: weight 0
+    acc = tl.load(part_out_ptr + row[:, None] * head_dim + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    denom = tl.sum(l_part * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
+    o_ptrs = out_ptr + q_start * stride_ot + head * stride_oh + d * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < tl.where(q_len == 1, head_dim, 0))
 
 
 @triton.jit

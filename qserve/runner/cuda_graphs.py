@@ -11,7 +11,9 @@ slot and the rows' tiles as static inputs (``LoRAIndices`` views of fixed size: 
 have slot -1, unused tiles length 0), so steps mixing adapters and the base replay the same graph.
 They are views of one int32 buffer, laid out per bucket (``lora_ops.index_layout``), which a replay
 refills with one host-to-device copy (the split-K arrival counters included, copied as zeros).
-Without ``max_loras`` nothing of this exists and the graphs are exactly the base model's.
+With ``QSERVE_LORA_STAGE_ON_CHANGE=1`` (opt-in until a GPU run has it on) a replay whose bucket and row
+slots equal the last staged ones copies nothing: the kernels leave the counters zero, so the buffer
+still holds what was staged. Without ``max_loras`` nothing of this exists and the graphs are exactly the base model's.
 
 Several rows per sequence (``query_len`` Q > 1; ``QSERVE_SPEC_GRAPHS=0`` turns them off): speculative
 decoding's verify steps (each sequence's last known token and up to k drafts: Q = k + 1) and a draft
@@ -79,6 +81,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 # start-up (decode-graph capture took 10-19 s on an H100, mostly outside Python: py-spy, tenth
 # session) is not measured yet.
 KEEP_CACHE_ENV = "QSERVE_CAPTURE_KEEP_CACHE"
+# "1": the LoRA index buffer is restaged only when a replay's (bucket, row slots) change (module doc)
+LORA_STAGE_ON_CHANGE_ENV = "QSERVE_LORA_STAGE_ON_CHANGE"
 
 
 @contextlib.contextmanager
@@ -261,6 +265,7 @@ class DecodeGraphs:
         # (bucket, slots) the buffer holds now: a step with the same staged nothing (the kernels leave
         # their counters zero, so the buffer is unchanged after a replay)
         self._lora_staged: tuple[int, bytes] | None = None
+        self._lora_stage_on_change = env_switch(LORA_STAGE_ON_CHANGE_ENV, default=False)
 
     def sample_rows_of(self, batch: int) -> int:
         """Logit rows the graph of ``batch`` sequences computes."""
@@ -464,14 +469,14 @@ class DecodeGraphs:
 
     def _stage_lora(self, bucket: int, lora_slots: np.ndarray | None, pinned: bool) -> None:
         """Each row's slot (pad and base rows -1), the tiles padded with empty ones, zero counters: one
-        copy of the bucket's prefix of the buffer; nothing when the buffer already holds this bucket's
-        layout of these slots (a decode batch keeps its rows' adapters from step to step, and building
+        copy of the bucket's prefix of the buffer; with ``QSERVE_LORA_STAGE_ON_CHANGE=1``, nothing when the
+        buffer already holds this bucket's layout of these slots (a decode batch keeps its rows' adapters from step to step, and building
         the layout on the host was 0.35 ms of a batch-32 step's idle GPU time: bench/RESULTS.md, issue 30).
         The replays leave the buffer as staged: the split shrink's last program resets its counter."""
         assert self.lora_buffer is not None and self.max_loras is not None
         slots = np.empty(0, dtype=np.int32) if lora_slots is None else np.asarray(lora_slots, dtype=np.int32)
         key = (bucket, slots.tobytes())
-        if key == self._lora_staged:
+        if key == self._lora_staged and self._lora_stage_on_change:
             return
         tiles = max_lora_tiles(bucket, self.max_loras)
         total, _ = index_layout(bucket, tiles)
