@@ -92,6 +92,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quant_kernels import device as kdevice
 from quant_kernels.pdl import launch_options
+from quant_kernels.switches import env_switch
 
 # Under TRITON_INTERPRET=1 (CPU tests) bf16 tl.dot gives garbage in Triton 3.6's interpreter:
 # dots run in fp32 there.
@@ -1060,13 +1061,7 @@ def fused_reduce_requested() -> bool:
     the splits, in place of ``paged_attention_reduce_kernel``'s launch; opt-in until a GPU run measures
     it); unset, empty or "0": the two launches. Anything else is refused, naming the variable (a typo
     must not silently measure the other path). Read at each decode launch (``paged_attention``)."""
-    value = os.environ.get(FUSED_REDUCE_ENV, "").strip()
-    if value not in ("0", "1", ""):
-        raise ValueError(
-            f"{FUSED_REDUCE_ENV}={value!r}: expected 0 (the split decode, then the reduce launch; the default) "
-            "or 1 (the decode's last program per (seq, KV head) reduces)"
-        )
-    return value == "1"
+    return env_switch(FUSED_REDUCE_ENV, default=False)
 
 
 def _split_workspace(

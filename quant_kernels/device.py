@@ -18,8 +18,9 @@ folded away (main at b0d3937 crashed at the first token on every GPU this way).
 
 Arrival counters: a launch whose programs each write a partial and whose last program to arrive
 (an acq_rel atomic on a counter) combines them needs counters that are zero when it starts. Each
-owner's buffer (the owner a name its kernel module picks) is zeroed once, and every launch's last program resets the counters it used, so the next launch, another
-layer's, or a CUDA-graph replay finds them zero without a memset launch. One buffer per owner, not
+owner's buffer (the owner: a name its kernel module picks) is zeroed once, and every launch's last
+program resets the counters it used, so the next launch, another layer's, or a CUDA-graph replay finds
+them zero without a memset launch. One buffer per owner, not
 one for all, so no two kernels' counters alias whatever streams run them. Grown, never shrunk or
 freed: a graph captured earlier keeps the address it was captured with (the engine warms up outside
 capture, so the allocation, a zeroing launch, happens there).

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from quant_kernels import device as kdevice
 from quant_kernels import elementwise_ops, moe_reference, ops
 from quant_kernels.moe_layout import StackedQuantWeight
+from quant_kernels.switches import env_switch
 
 FUSED_MOE_ENV = "QSERVE_FUSED_MOE"
 MOE_KERNEL_ENV = "QSERVE_MOE_KERNEL"  # "mma" (default): moe_mma_triton; "fused": moe_triton
@@ -70,23 +71,14 @@ DEFAULT_DIRECT_BLOCKS = 32
 def fused_router_requested() -> bool:
     """On unless ``QSERVE_FUSED_ROUTER=0`` (the reference's torch ops, kept as the measured baseline);
     a value other than 0 or 1 is refused (``prepare_experts`` reads it, so a typo stops the load)."""
-    value = os.environ.get(FUSED_ROUTER_ENV, "1").strip()
-    if value not in ("0", "1", ""):
-        raise ValueError(f"{FUSED_ROUTER_ENV}={value!r}: expected 0 (the torch ops) or 1 (one launch, the default)")
-    return value != "0"
+    return env_switch(FUSED_ROUTER_ENV, default=True)
 
 
 def fused_router_gemm_requested() -> bool:
     """Off unless ``QSERVE_FUSED_ROUTER_GEMM=1`` (``route_hidden``: the router GEMM fused into the direct
     layout's launch; opt-in until a GPU run measures it); a value other than 0 or 1 is refused
     (``prepare_experts`` reads it, so a typo stops the load)."""
-    value = os.environ.get(FUSED_ROUTER_GEMM_ENV, "0").strip()
-    if value not in ("0", "1", ""):
-        raise ValueError(
-            f"{FUSED_ROUTER_GEMM_ENV}={value!r}: expected 0 (F.linear, then the router's launch; the default) "
-            "or 1 (one launch)"
-        )
-    return value == "1"
+    return env_switch(FUSED_ROUTER_GEMM_ENV, default=False)
 
 
 def fused_moe_requested() -> bool:

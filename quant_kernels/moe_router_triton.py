@@ -276,6 +276,34 @@ def router_topk(
     return weights, ids
 
 
+def _blocks_outputs(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    block_m: int,
+    expert_start: int,
+    num_local_experts: int | None,
+    device: torch.device,
+) -> tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The checks and outputs the two block-layout launchers share: ``(num_local, (weights, ids,
+    sorted_ids, expert_ids, num_padded))``, uninitialized but for ``num_padded`` at zero tokens (no launch
+    then writes it). ValueError for a ``top_k`` or an expert share the layer cannot have."""
+    num_local = num_experts if num_local_experts is None else num_local_experts
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k}: must be between 1 and the {num_experts} experts")
+    if not (0 <= expert_start and 1 <= num_local and expert_start + num_local <= num_experts):
+        raise ValueError(f"experts [{expert_start}, +{num_local}): not a part of the {num_experts} experts")
+    num_pairs = num_tokens * top_k
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)  # [T, k]
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)  # [T, k]
+    sorted_ids = torch.empty((num_pairs * block_m,), dtype=torch.int32, device=device)  # [T*k*block_m]
+    expert_ids = torch.empty((num_pairs,), dtype=torch.int32, device=device)  # [T*k]
+    num_padded = torch.empty((1,), dtype=torch.int32, device=device)  # [1]
+    if num_tokens == 0:
+        num_padded.zero_()
+    return num_local, (weights, ids, sorted_ids, expert_ids, num_padded)
+
+
 def router_topk_blocks(
     router_logits: torch.Tensor,  # [T, E]
     top_k: int,
@@ -291,22 +319,13 @@ def router_topk_blocks(
     ``moe_reference.direct_block_layout(ids, num_local_experts, block_m, skip_foreign=True)``'s
     ``sorted_ids`` int32 ``[T*k*block_m]``, ``expert_ids`` int32 ``[T*k]``, ``num_padded`` int32 ``[1]``."""
     num_tokens, num_experts = router_logits.shape
-    num_local = num_experts if num_local_experts is None else num_local_experts
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k}: must be between 1 and the {num_experts} experts")
-    if not (0 <= expert_start and 1 <= num_local and expert_start + num_local <= num_experts):
-        raise ValueError(f"experts [{expert_start}, +{num_local}): not a part of the {num_experts} experts")
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    device = logits.device
-    num_pairs = num_tokens * top_k
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)  # [T, k]
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)  # [T, k]
-    sorted_ids = torch.empty((num_pairs * block_m,), dtype=torch.int32, device=device)  # [T*k*block_m]
-    expert_ids = torch.empty((num_pairs,), dtype=torch.int32, device=device)  # [T*k]
-    num_padded = torch.empty((1,), dtype=torch.int32, device=device)  # [1]
+    num_local, outputs = _blocks_outputs(
+        num_tokens, num_experts, top_k, block_m, expert_start, num_local_experts, logits.device
+    )
+    weights, ids, sorted_ids, expert_ids, num_padded = outputs
     if num_tokens == 0:
-        num_padded.zero_()
-        return weights, ids, sorted_ids, expert_ids, num_padded
+        return outputs
     t_pad, block_e = triton.next_power_of_2(num_tokens), triton.next_power_of_2(num_experts)
     router_topk_blocks_kernel[(1,)](
         logits, weights, ids, sorted_ids, expert_ids, num_padded,
@@ -373,24 +392,16 @@ def router_gemm_topk_blocks(
         raise ValueError(f"hidden is {hidden.dtype}, the router {router_weight.dtype}: F.linear needs one dtype")
     num_tokens, hidden_size = hidden.shape
     num_experts = router_weight.shape[0]
-    num_local = num_experts if num_local_experts is None else num_local_experts
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k}: must be between 1 and the {num_experts} experts")
-    if not (0 <= expert_start and 1 <= num_local and expert_start + num_local <= num_experts):
-        raise ValueError(f"experts [{expert_start}, +{num_local}): not a part of the {num_experts} experts")
     x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     w = router_weight if router_weight.stride(-1) == 1 else router_weight.contiguous()
     device = x.device
-    num_pairs = num_tokens * top_k
+    num_local, outputs = _blocks_outputs(
+        num_tokens, num_experts, top_k, block_m, expert_start, num_local_experts, device
+    )
+    weights, ids, sorted_ids, expert_ids, num_padded = outputs
     logits = torch.empty((num_tokens, num_experts), dtype=x.dtype, device=device)  # [T, E]
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)  # [T, k]
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)  # [T, k]
-    sorted_ids = torch.empty((num_pairs * block_m,), dtype=torch.int32, device=device)  # [T*k*block_m]
-    expert_ids = torch.empty((num_pairs,), dtype=torch.int32, device=device)  # [T*k]
-    num_padded = torch.empty((1,), dtype=torch.int32, device=device)  # [1]
     if num_tokens == 0:
-        num_padded.zero_()
-        return weights, ids, sorted_ids, expert_ids, num_padded, logits
+        return *outputs, logits
     block_eg, block_h = router_gemm_blocks_config(num_tokens, num_experts, hidden_size)
     router_gemm_topk_blocks_kernel[(triton.cdiv(num_experts, block_eg),)](
         x, w, logits, arrival_counter(device), weights, ids, sorted_ids, expert_ids, num_padded,

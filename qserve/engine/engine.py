@@ -125,8 +125,8 @@ from qserve.spec_decode.config import check_tensor_parallel_speculation
 from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.spec_decode.ngram import NgramProposer
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
-from qserve.switches import env_switch
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
+from quant_kernels.switches import env_switch
 
 logger = logging.getLogger(__name__)
 

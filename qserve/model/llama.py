@@ -37,10 +37,10 @@ from qserve.layers.moe import SparseMoeBlock
 from qserve.layers.norm import RMSNorm
 from qserve.layers.rotary import RotaryEmbedding, interleaved_permutation, num_ntk_tables
 from qserve.runner.attn_metadata import AttentionMetadata
-from qserve.switches import env_switch
 from quant_kernels import elementwise_ops
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.lora_ops import LoRAIndices
+from quant_kernels.switches import env_switch
 
 logger = logging.getLogger(__name__)
 

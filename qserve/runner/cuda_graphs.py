@@ -60,7 +60,6 @@ import numpy as np
 import torch
 
 from qserve.runner.attn_metadata import AttentionMetadata
-from qserve.switches import env_switch
 from quant_kernels.lora_ops import (
     LoRAIndices,
     LoRAOverlap,
@@ -69,6 +68,7 @@ from quant_kernels.lora_ops import (
     indices_from_buffer,
     max_lora_tiles,
 )
+from quant_kernels.switches import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -262,8 +262,8 @@ class DecodeGraphs:
             # every bucket's layout is a prefix of this: rows and tiles only grow with the bucket
             total, _ = index_layout(max_batch, max_lora_tiles(max_batch, max_loras))
             self.lora_buffer = torch.zeros(total, dtype=torch.int32, device=device)  # [total]
-        # (bucket, slots) the buffer holds now: a step with the same staged nothing (the kernels leave
-        # their counters zero, so the buffer is unchanged after a replay)
+        # QSERVE_LORA_STAGE_ON_CHANGE: the (bucket, slots) the buffer holds now; a step with the same
+        # stages nothing (the kernels leave their counters zero, so a replay leaves the buffer unchanged)
         self._lora_staged: tuple[int, bytes] | None = None
         self._lora_stage_on_change = env_switch(LORA_STAGE_ON_CHANGE_ENV, default=False)
 
@@ -469,14 +469,15 @@ class DecodeGraphs:
 
     def _stage_lora(self, bucket: int, lora_slots: np.ndarray | None, pinned: bool) -> None:
         """Each row's slot (pad and base rows -1), the tiles padded with empty ones, zero counters: one
-        copy of the bucket's prefix of the buffer; with ``QSERVE_LORA_STAGE_ON_CHANGE=1``, nothing when the
-        buffer already holds this bucket's layout of these slots (a decode batch keeps its rows' adapters from step to step, and building
-        the layout on the host was 0.35 ms of a batch-32 step's idle GPU time: bench/RESULTS.md, issue 30).
-        The replays leave the buffer as staged: the split shrink's last program resets its counter."""
+        copy of the bucket's prefix of the buffer. With ``QSERVE_LORA_STAGE_ON_CHANGE=1``, nothing when the
+        buffer already holds this bucket's layout of these slots: a decode batch keeps its rows' adapters
+        from step to step, and building the layout on the host was 0.35 ms of a batch-32 step's idle GPU
+        time (bench/RESULTS.md, issue 30). Replays leave the buffer as staged: the split shrink's last
+        program resets its counter."""
         assert self.lora_buffer is not None and self.max_loras is not None
         slots = np.empty(0, dtype=np.int32) if lora_slots is None else np.asarray(lora_slots, dtype=np.int32)
-        key = (bucket, slots.tobytes())
-        if key == self._lora_staged and self._lora_stage_on_change:
+        key = (bucket, slots.tobytes()) if self._lora_stage_on_change else None
+        if key is not None and key == self._lora_staged:
             return
         tiles = max_lora_tiles(bucket, self.max_loras)
         total, _ = index_layout(bucket, tiles)

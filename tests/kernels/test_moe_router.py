@@ -169,6 +169,17 @@ def test_router_topk_blocks_refuses_a_share_outside_the_experts():
         moe_router_triton.router_topk_blocks(torch.zeros((1, 8)), 2, True, 16, 6, 4)
 
 
+def assert_refused_at_load(env: str) -> None:
+    """``prepare_experts`` (the load) refuses the bad value of ``env`` now in the environment, naming it:
+    a typo stops the load, not the first step."""
+    from quant_kernels import moe_ops
+    from tests.kernels.test_moe import random_stacked
+
+    with pytest.raises(ValueError, match=env):
+        moe_ops.prepare_experts(random_stacked(2, 64, 128, 64, True, torch.float16),
+                                random_stacked(2, 64, 64, 64, True, torch.float16))  # fmt: skip
+
+
 def test_direct_blocks_setting(monkeypatch):
     from quant_kernels import moe_ops
 
@@ -181,11 +192,7 @@ def test_direct_blocks_setting(monkeypatch):
         monkeypatch.setenv(moe_ops.DIRECT_BLOCKS_ENV, value)
         with pytest.raises(ValueError, match=moe_ops.DIRECT_BLOCKS_ENV):
             moe_ops.direct_blocks_limit()
-    from tests.kernels.test_moe import random_stacked
-
-    with pytest.raises(ValueError, match=moe_ops.DIRECT_BLOCKS_ENV):  # refused at load, not at the first step
-        moe_ops.prepare_experts(random_stacked(2, 64, 128, 64, True, torch.float16),
-                                random_stacked(2, 64, 64, 64, True, torch.float16))  # fmt: skip
+    assert_refused_at_load(moe_ops.DIRECT_BLOCKS_ENV)
 
 
 @pytest.mark.parametrize("share", [None, (8, 8)], ids=["all-experts", "rank-1-of-2"])
@@ -345,11 +352,7 @@ def test_fused_router_gemm_setting(monkeypatch):
         monkeypatch.setenv(moe_ops.FUSED_ROUTER_GEMM_ENV, value)
         with pytest.raises(ValueError, match=f"QSERVE_FUSED_ROUTER_GEMM={value!r}"):
             moe_ops.fused_router_gemm_requested()
-    from tests.kernels.test_moe import random_stacked
-
-    with pytest.raises(ValueError, match=moe_ops.FUSED_ROUTER_GEMM_ENV):  # refused at load, not at the first step
-        moe_ops.prepare_experts(random_stacked(2, 64, 128, 64, True, torch.float16),
-                                random_stacked(2, 64, 64, 64, True, torch.float16))  # fmt: skip
+    assert_refused_at_load(moe_ops.FUSED_ROUTER_GEMM_ENV)
 
 
 @pytest.mark.parametrize("share", [None, (8, 8)], ids=["all-experts", "rank-1-of-2"])

@@ -1,7 +1,9 @@
 """Launch-path switches of the environment (``QSERVE_...=1`` / ``0``): a new kernel or launch path waits
 behind one until ``pytest -m gpu`` has passed with it on the device, then it becomes the default.
 
-Knows: how a switch's value is read and refused. Must not know: what any switch turns on.
+Knows: how a switch's value is read and refused. Must not know: what any switch turns on. In the
+numeric core (it imports nothing of the repo) so that the kernel dispatchers and the engine read their
+switches one way.
 """
 
 from __future__ import annotations
