@@ -30,7 +30,7 @@ blocks first in pair order, then the foreign ones' (all sentinel); every row of 
 written by one store (the first rows of blocks and their padding at distinct addresses), so no
 barrier orders two stores. Grid ``(1,)``, outputs sized from T, k and ``block_m``: no host sync.
 
-``router_gemm_topk_blocks_kernel`` (opt-in, ``QSERVE_FUSED_ROUTER_GEMM=1``, read in
+``router_gemm_topk_blocks_kernel`` (on unless ``QSERVE_FUSED_ROUTER_GEMM=0``, read in
 ``quant_kernels.moe_ops.route_hidden``): the router's logits too, so a decode step's MoE layer launches
 one kernel before its experts instead of two (the cuBLAS router GEMM, ~5 µs for Qwen3-30B-A3B's
 128 x 2048 fp16 router at one token on the H200, then the kernel above): 48 fewer graph nodes a step on
@@ -42,7 +42,7 @@ stores them into a ``[T, E]`` buffer; the program that arrives last on an int32 
 (``arrival_counter``: moe_mma_triton's split-K pattern, a barrier then an acq_rel atomic, ``.cg``
 loads, reset by that program for the next launch and graph replay) runs the same choice and layout
 as ``router_topk_blocks_kernel`` (one ``@triton.jit`` helper, ``_topk_blocks_store``) on all the
-``[T_PAD, BLOCK_E]`` logits. No host sync, CUDA-graph safe; opt-in until a GPU run measures it
+``[T_PAD, BLOCK_E]`` logits. No host sync, CUDA-graph safe
 (untuned: ``ROUTER_GEMM_PROGRAMS``, 4 warps where the top-k above runs in one at decode).
 """
 
@@ -347,7 +347,7 @@ ARRIVAL_COUNTER_OWNER = "moe_router_gemm"
 # Programs the router's weight read is spread over: Qwen3-30B-A3B's 128 x 2048 fp16 router (512 KB)
 # read in 16 KB slices of 4 rows by 32 programs. Fewer programs (16 x 32 KB) lengthen each one's read,
 # which the last program waits for before its top-k; more add arrivals on the one counter and programs
-# whose only work is a few rows. Untuned: the switch is opt-in until a GPU run measures it.
+# whose only work is a few rows. Untuned: not swept on the device.
 ROUTER_GEMM_PROGRAMS = 32
 # Elements of one program's [T_PAD, BLOCK_EG, BLOCK_H] product per step: 64 fp32 a thread at 4 warps.
 # At one token that is the whole 2048-column row slice in one step (its loads all in flight at once).
