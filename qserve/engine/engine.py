@@ -1230,11 +1230,21 @@ class Engine:
 
     def _may_propose(self) -> bool:
         """Whether the next proposal round may give some running sequence drafts: not while the
-        back-off holds every one of them (speculation failing for all, e.g. 0% acceptance). Such a
-        round needs no step processed first and no hidden states captured: the steps keep the
-        asynchronous order and plain decode graphs, and cost what steps without speculation cost."""
+        back-off holds every one of them (speculation failing for all, e.g. 0% acceptance), the
+        sequences that never get drafts (``_never_proposes``) not counted: one structured-output or
+        embedding request beside held ones would otherwise synchronize every step. Such a round needs
+        no step processed first and no hidden states captured: the steps keep the asynchronous order
+        and plain decode graphs, and cost what steps without speculation cost."""
         ready = self._draft_backoff.ready
-        return any(ready(request.request_id) for request in self.scheduler.running)
+        return any(
+            ready(request.request_id) and not self._never_proposes(request) for request in self.scheduler.running
+        )
+
+    @staticmethod
+    def _never_proposes(request: Request) -> bool:
+        """A request no proposal round gives drafts, whatever its state: an embedding, or one with
+        structured outputs (a draft would have to be checked against the grammar first)."""
+        return request.pooling or request.sampling_params.structured_outputs is not None
 
     def _num_spec_tokens(self, num_running: int) -> int:
         """Drafts per sequence for a step of ``num_running`` sequences: none while the running and
@@ -1303,8 +1313,7 @@ class Engine:
             if (
                 not allowed
                 or request.num_output_placeholders
-                or request.pooling
-                or params.structured_outputs is not None
+                or self._never_proposes(request)
                 or request.num_computed_tokens != request.num_tokens - 1
             ):
                 continue
@@ -1329,11 +1338,14 @@ class Engine:
                 request.spec_token_ids = drafts
         self._drafts_out = bool(owners)
 
-    def _forget_drafts(self, request_ids: list[str]) -> None:
-        """Drop the proposer's state (a draft model's scratch blocks) and the back-off of these sequences."""
+    def _forget_drafts(self, request_ids: list[str], *, keep_backoff: bool = False) -> None:
+        """Drop the proposer's state (a draft model's scratch blocks) and, unless ``keep_backoff`` (a
+        preempted sequence: it resumes with the same text, so its proposals fail as before), the back-off
+        of these sequences."""
         assert self.proposer is not None
         self.proposer.forget(request_ids)
-        self._draft_backoff.forget(request_ids)
+        if not keep_backoff:
+            self._draft_backoff.forget(request_ids)
 
     def _emit_verified(
         self, sequence: _Sequence, tokens: list[int], token_logprobs: list[TokenLogprobs] | None
@@ -1370,7 +1382,8 @@ class Engine:
                 sequences[request_id][1].prompt_logprobs_received = 0
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
         if self.proposer is not None and scheduler_output.preempted_request_ids:
-            self._forget_drafts(scheduler_output.preempted_request_ids)  # its KV is gone with the target's pages
+            # its KV is gone with the target's pages; the back-off stays (forgotten when it finishes)
+            self._forget_drafts(scheduler_output.preempted_request_ids, keep_backoff=True)
         now = time.monotonic()
         for scheduled in scheduler_output.sequences:
             group = sequences[scheduled.request_id][0]

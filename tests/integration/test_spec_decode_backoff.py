@@ -119,3 +119,69 @@ def test_the_back_off_variable_is_read_only_when_speculating(path, monkeypatch):
 
     monkeypatch.setenv(SPEC_BACKOFF_ENV, "64")
     LLM(path, **ARGS)  # no speculation: the variable is not its business
+
+
+def test_a_request_that_never_proposes_leaves_held_steps_plain(path, heads, plain_tokens):  # noqa: F811
+    """A structured-output request (never given drafts) running beside a sequence the back-off holds:
+    the held steps carry no hidden states for the head (they keep the plain decode graphs), as alone.
+    Before, the structured request counted as one that might propose (the back-off holds only
+    sequences whose proposals failed), so every step captured the target's hidden states."""
+    from qserve import SamplingParams
+    from qserve.sampling_params import StructuredOutputsParams
+
+    llm = LLM(path, speculative_config=_spec(heads, "eagle"), **ARGS)
+    engine = llm.engine
+    launches = []  # (verifies drafts, plain decode step, hidden states captured)
+    launch = engine.runner.launch
+
+    def spy(scheduler_output, previous=None):  # noqa: ANN001, ANN202
+        plain = scheduler_output.num_batched_tokens == len(scheduler_output.sequences)
+        launches.append((scheduler_output.num_spec_tokens > 0, plain, scheduler_output.spec_hidden_states))
+        return launch(scheduler_output, previous)
+
+    engine.runner.launch = spy
+    grammar = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(regex="[ab ]{400}")
+    )
+    got = llm.generate(
+        [{"prompt_token_ids": LOOP}, "ab ab ab"], [_greedy(max_tokens=MAX_TOKENS), grammar], use_tqdm=False
+    )
+    assert got[0].outputs[0].token_ids == plain_tokens
+    assert len(got[1].outputs[0].token_ids) == MAX_TOKENS and set(got[1].outputs[0].text) <= set("ab ")
+    assert engine.spec_stats.num_draft_tokens > 0 and engine.spec_stats.num_accepted_tokens == 0
+    verify = sum(v for v, _, _ in launches)
+    plain = [captured for v, p, captured in launches if p and not v]
+    assert len(plain) >= 4 * verify, "the back-off held most steps"
+    # the step before each probe carries the head's hidden states; the others none
+    assert sum(plain) <= verify + 1
+
+
+def test_a_preempted_sequence_keeps_its_back_off(path, heads):  # noqa: F811
+    """Preemption drops a sequence's proposer state (its head's KV went with the target's pages) but not
+    its back-off: it resumes with the same text, so its proposals fail as before (before, each preemption
+    started a failing sequence's back-off over, at one step). Only finished requests are forgotten."""
+    llm = LLM(
+        path, speculative_config=_spec(heads, "eagle"), num_kv_blocks=24, max_num_batched_tokens=16, **ARGS
+    )  # fmt: skip
+    engine = llm.engine
+    engine.scheduler.watermark, engine.scheduler.watermark_per_running = 0.0, 0  # preempt, don't hold back
+    backoff = engine._draft_backoff
+    forget = backoff.forget
+    unfinished_forgotten = []
+
+    def spy(request_ids):  # noqa: ANN001, ANN202
+        request_ids = list(request_ids)
+        live = {r.request_id for r in engine.scheduler.running} | {r.request_id for r in engine.scheduler.waiting}
+        unfinished_forgotten.extend(i for i in request_ids if i in live)
+        return forget(request_ids)
+
+    backoff.forget = spy
+    prompts = [{"prompt_token_ids": LOOP[i:] + LOOP[:i]} for i in range(4)]
+    want = LLM(path, **ARGS).generate(prompts, _greedy(max_tokens=30), use_tqdm=False)
+    got = llm.generate(prompts, _greedy(max_tokens=30), use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert engine.num_preemptions > 0, "the tiny pool should force preemptions"
+    assert engine.spec_stats.num_draft_tokens > 0
+    assert unfinished_forgotten == []
+    assert not backoff._state, "finished requests' back-off is dropped"
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
