@@ -42,9 +42,10 @@ into the MMA's accumulator (``y`` is its C operand), while the delta is the MMA 
 ``y`` after; the two differ in the low bits of the fp32 sum, so a ``pair`` output may be one unit in
 the last place of fp16 / bf16 away from ``add_lora``'s (both are the reference within the kernels'
 tolerance). Captured into a CUDA graph the fork and join become the graph's edges. Buffers:
-``h``, the workspace and ``delta`` are allocated on the current stream before the fork, and every
-side-stream launch is joined before the layer returns, so none is freed or reused while the side
-stream may touch it; consecutive layers' shrinks (sharing the arrival counters, a reused plan) stay
+``h``, the workspace and ``delta`` are allocated on the current stream before the fork, held by the
+``PendingLoRA`` until ``finish_lora`` has joined the side stream (the workspace too: a buffer freed
+while the side stream still writes it goes to the current stream's next allocation), so none is freed
+or reused while the side stream may touch it; consecutive layers' shrinks (sharing the arrival counters, a reused plan) stay
 in order.
 """
 
@@ -304,6 +305,11 @@ class PendingLoRA:
     h: torch.Tensor  # [T, S * R]: the shrink's output
     beside: bool  # launched on the side stream (finish_lora joins it first); False: in order
     delta: torch.Tensor | None  # fp32 [T, N]: "pair" mode's expand of h, added to y after the join
+    # The side stream's split-K workspace (fp32 [split_k, T, S * R]), held until the join: freed at
+    # begin_lora's return, its memory went to the current stream's next allocation while the shrink
+    # still wrote its partials there (inside a CUDA-graph capture, whose plans are not cached, at once:
+    # the first H100 smoke with the overlap's graph test, 2026-12-06)
+    workspace: torch.Tensor | None = None
 
 
 def begin_lora(
@@ -331,7 +337,7 @@ def begin_lora(
         if delta is not None:
             delta.zero_()  # base rows: y + 0 is y
             _lora_triton().lora_expand(delta, plan.h, lora_b, *_tiles(indices), slice_starts)
-    return PendingLoRA(plan.h, True, delta)
+    return PendingLoRA(plan.h, True, delta, plan.workspace)
 
 
 def finish_lora(

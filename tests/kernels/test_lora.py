@@ -18,6 +18,8 @@ activation dtype.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from unittest import mock
 
 import numpy as np
@@ -539,6 +541,46 @@ def test_begin_finish_lora_order_and_outputs(monkeypatch, pair) -> None:
     plain = lora_ops.build_lora_indices(slots, x.device)
     got = lora_ops.finish_lora(y.clone(), lora_ops.begin_lora(x, lora_a, lora_b, starts, plain), lora_b, starts, plain)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=4e-3)
+
+
+class _NoPlanCache(dict):
+    """``LoRAIndices.plans`` as inside a CUDA-graph capture: every plan is made fresh, none kept."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["shrink", "pair"])
+def test_begin_lora_holds_what_the_side_stream_writes_until_the_join(monkeypatch, pair) -> None:
+    """Every tensor a side-stream launch writes (h, the split-K workspace, "pair"'s delta) stays alive
+    until ``finish_lora``: freed at ``begin_lora``'s return, its memory goes to the current stream's next
+    allocation while the side stream still writes it. Inside a CUDA-graph capture (plans not cached) the
+    workspace was freed so: the overlap's graph test failed on the first H100 smoke, eager passed."""
+    _cpu_triton_branch(monkeypatch)
+    x, lora_a, lora_b, slots, y, starts = make_case(9, 256, [32, 16, 16], 3, 8, torch.float16, seed=3)
+    want = lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, lora_ops.build_lora_indices(slots, x.device))
+    _, side = _record_streams(monkeypatch, [])
+    lora_triton = lora_ops._lora_triton()
+    written = []  # weak references to the outputs and workspaces of the side stream's launches
+    for name, outputs in (("lora_shrink", (7, 9)), ("lora_expand", (0,))):  # (h, workspace) / (y or delta)
+        launch = getattr(lora_triton, name)
+
+        def spy(*args, _launch=launch, _outputs=outputs):  # noqa: ANN002, ANN202
+            written.extend(weakref.ref(args[i]) for i in _outputs)
+            return _launch(*args)
+
+        monkeypatch.setattr(lora_triton, name, spy)
+    indices = lora_ops.build_lora_indices(slots, x.device, lora_ops.LoRAOverlap(side, pair))
+    object.__setattr__(indices, "plans", _NoPlanCache())
+    pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, indices)
+    assert len(written) == (3 if pair else 2)
+    workspace = written[1]()
+    assert workspace is not None and workspace.shape[0] > 1, "a split-K shrink: a workspace of its own"
+    del workspace
+    gc.collect()
+    assert all(ref() is not None for ref in written), "a side-stream buffer was freed before the join"
+    got = lora_ops.finish_lora(y.clone(), pending, lora_b, starts, indices)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
