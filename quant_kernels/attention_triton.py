@@ -21,7 +21,7 @@ Kernels
   (exp2, fp32 max / sum / accumulator) over its run. With one split it writes the output;
   otherwise it writes its partial (unnormalized accumulator, max, sum) to an fp32 workspace and
   ``paged_attention_reduce_kernel`` combines the partials of each ``(seq, head)`` in a second
-  launch, or (``FUSED_REDUCE``, the default: below) the last program of each ``(seq, kv head)`` does.
+  launch, or (``FUSED_REDUCE``, opt-in: below) the last program of each ``(seq, kv head)`` does.
 ``paged_attention_decode_packed_kernel``: the decode kernel for fp8 / int8 caches (the default
   when the head dim is a power of two >= 64 and the cache rows are contiguous): K/V are read as
   int32 words of 4 codes, two codes become two fp16 lanes of one 32-bit word in ~2.5 integer ops
@@ -62,8 +62,10 @@ shape and the device's SM count). Under CUDA graphs pass a fixed ``num_splits`` 
 not depend on ``max_seq_len``; the partition of each sequence is computed in the kernel from its
 own length, so any fixed value is correct.
 
-Fused split reduce (on unless ``QSERVE_ATTN_FUSED_REDUCE=0``, ``fused_reduce_requested``, read at each
-decode launch in ``paged_attention``): at small batch a
+Fused split reduce (``QSERVE_ATTN_FUSED_REDUCE=1``, ``fused_reduce_requested``, read at each decode
+launch in ``paged_attention``; opt-in: it measured slower than the reduce launch, Qwen3-30B-A3B's
+batch-1 decode 336.0 tok/s with it against 348.8 without on an H100, bench/RESULTS.md, sixteenth
+session; not profiled: one last program per KV head combining every split in series is a suspect): at small batch a
 decode splits (``num_splits > 1``) and the reduce is a launch of its own, one CUDA-graph node per
 layer of a launch-bound step (48 on a 48-layer model such as Qwen3-30B-A3B). With the switch on, the
 split decode kernels (``FUSED_REDUCE``) write their partials as above, then count themselves on an
@@ -73,7 +75,7 @@ sequences' programs arrive too) reads every split's partials of its kv head's qu
 loads) and combines them with ``_combine_splits``, the reduce kernel's math with the splits added one
 by one in split order (the reduce kernel's ``tl.sum`` adds them in its layout's order: the two paths agree
 to fp32 rounding before the output's, not bit for bit; the reduce kernel stays as it was measured
-for the "0" path); it then resets its counter. The counters
+for the default path); it then resets its counter. The counters
 (``quant_kernels.device.arrival_counters``, owner ``FUSED_REDUCE_OWNER``) are per device, sized from
 the launch's ``num_seqs * num_kv_heads`` (a graph's largest bucket, allocated at its warm-up outside
 capture), zeroed once and grown, never freed, so captured graphs keep valid addresses; no host sync.
@@ -103,7 +105,7 @@ FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
 LOG2E = 1.4426950408889634
 
-# "1" / unset: a split decode's last program per (seq, KV head) reduces the splits (no reduce launch); "0": two
+# "1": a split decode's last program per (seq, KV head) reduces the splits (no reduce launch); default off
 FUSED_REDUCE_ENV = "QSERVE_ATTN_FUSED_REDUCE"
 # The fused reduce's arrival counters (``quant_kernels.device.arrival_counters``): one int32 per (seq, KV
 # head), shared by every layer. 4,096 (16 KB) covers any automatic split: ``choose_num_splits`` splits only
@@ -1057,11 +1059,11 @@ def _decode_num_splits(
 
 
 def fused_reduce_requested() -> bool:
-    """On unless ``QSERVE_ATTN_FUSED_REDUCE=0`` (on: a split decode's last program per (seq, KV head)
-    reduces the splits, in place of ``paged_attention_reduce_kernel``'s launch; "0": the two launches).
-    Anything else is refused, naming the variable (a typo must not silently measure the other path).
-    Read at each decode launch (``paged_attention``)."""
-    return env_switch(FUSED_REDUCE_ENV, default=True)
+    """Off unless ``QSERVE_ATTN_FUSED_REDUCE=1`` (a split decode's last program per (seq, KV head) reduces
+    the splits, in place of ``paged_attention_reduce_kernel``'s launch; measured slower: module doc);
+    unset, empty or "0": the two launches. Anything else is refused, naming the variable (a typo
+    must not silently measure the other path). Read at each decode launch (``paged_attention``)."""
+    return env_switch(FUSED_REDUCE_ENV, default=False)
 
 
 def _split_workspace(

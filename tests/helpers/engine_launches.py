@@ -697,7 +697,7 @@ FUSED_REDUCE_CONTEXT = 4096
 
 
 def drive_attn_fused_reduce(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
-    """``QSERVE_ATTN_FUSED_REDUCE`` off and on (the default): a Qwen3-30B-A3B layer's batch-1 split decode through
+    """``QSERVE_ATTN_FUSED_REDUCE`` off (the default) and on: a Qwen3-30B-A3B layer's batch-1 split decode through
     ``attention_ops.paged_attention``, its last program per (seq, kv head) reducing the splits (the decode
     kernels' ``FUSED_REDUCE`` tail, no reduce launch), over a model-dtype cache (``paged_attention_decode_kernel``)
     and an fp8 one (``paged_attention_decode_packed_kernel``). No model is driven: the tail is the switch's
@@ -713,7 +713,7 @@ def drive_attn_fused_reduce(capture: Capture, dtype: torch.dtype, dtype_name: st
     for kv, cache_dtype in (("auto", dtype), ("fp8", torch.float8_e4m3fn)):
         cache = torch.zeros((blocks, BLOCK_SIZE, kv_heads, head_dim), dtype=cache_dtype)  # [blocks, 16, Hkv, D]
         scale = torch.ones((), dtype=torch.float32) if kv == "fp8" else None
-        for fused in ("0", "1"):  # the decode and the reduce launch; the fused tail (the default)
+        for fused in ("0", "1"):  # the decode and the reduce launch (the default); the fused tail
             label = (
                 f"qwen3-30b-a3b split reduce fused={fused} {dtype_name} kv={kv} decode batch 1 "
                 f"context {FUSED_REDUCE_CONTEXT}"

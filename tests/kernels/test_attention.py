@@ -457,12 +457,12 @@ class _CountingKernel:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("value,reduce_launches", [(None, 0), ("", 0), ("0", 1), (" 0 ", 1), ("1", 0), (" 1 ", 0)])
+@pytest.mark.parametrize("value,reduce_launches", [(None, 1), ("", 1), ("0", 1), ("1", 0), (" 1 ", 0)])
 def test_fused_split_reduce_switch_decides_the_reduce_launch(
     value: str | None, reduce_launches: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off ("0") a split decode launches ``paged_attention_reduce_kernel``; on ("1", unset or empty: the
-    default) it does not, and the output is the same. One split never launches it."""
+    """Off (unset, empty, "0": the default) a split decode launches ``paged_attention_reduce_kernel``;
+    on ("1") it does not, and the output is the same. One split never launches it."""
     if value is None:
         monkeypatch.delenv(FUSED_REDUCE_ENV, raising=False)
     else:
