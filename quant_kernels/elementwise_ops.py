@@ -5,8 +5,8 @@ Triton kernels on CUDA, the PyTorch reference elsewhere.
 Knows: which implementation serves which device and dtype. Must not know: models or layers.
 Triton stays an optional, lazy import: this module imports on a machine without triton, and
 only the CUDA branch touches it. Semantics are those of ``quant_kernels.reference_elementwise``;
-every op returns new tensors, never writes its inputs, and is safe to capture in a CUDA graph
-(no host sync, no data-dependent branch).
+every op returns new tensors, never writes its inputs (but the paged cache a rotary op's
+``kv_store`` names), and is safe to capture in a CUDA graph (no host sync, no data-dependent branch).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from quant_kernels import device as kdevice
-from quant_kernels import reference_elementwise
+from quant_kernels import reference, reference_elementwise
+from quant_kernels.kv_store import KVStore, check_kv_store
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -57,13 +58,15 @@ def rotary_embedding(
     key: torch.Tensor,  # [T, Hk, D], likewise
     cos: torch.Tensor,  # float32 [max_positions, D / 2]
     sin: torch.Tensor,  # float32 [max_positions, D / 2]
+    kv_store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), new and contiguous
-    """NeoX ("rotate half") rotary embedding of query and key at ``positions``: one launch on CUDA."""
+    """NeoX ("rotate half") rotary embedding of query and key at ``positions``: one launch on CUDA.
+    With ``kv_store`` the rotated keys and its values also go to the paged cache (``_stored``)."""
     if _triton_usable(query, key, cos, sin) and kdevice.triton_serves(positions.device):
         from quant_kernels import elementwise_triton
 
-        return elementwise_triton.rotary_embedding(positions, query, key, cos, sin)
-    return reference_elementwise.rotary_embedding(positions, query, key, cos, sin)
+        return elementwise_triton.rotary_embedding(positions, query, key, cos, sin, kv_store=kv_store)
+    return _stored(reference_elementwise.rotary_embedding(positions, query, key, cos, sin), kv_store)
 
 
 def qk_norm_rotary_embedding(
@@ -75,15 +78,33 @@ def qk_norm_rotary_embedding(
     eps: float,
     cos: torch.Tensor,  # float32 [max_positions, D / 2]
     sin: torch.Tensor,  # float32 [max_positions, D / 2]
+    kv_store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), new and contiguous
     """``rms_norm`` of every head of query and key, then ``rotary_embedding``: one launch on CUDA
     where the two norms and the rotary take three (the launch-bound decode step of a Qwen3 model:
-    two launches fewer a layer); elsewhere exactly the reference norms and rotary."""
+    two launches fewer a layer); elsewhere exactly the reference norms and rotary. ``kv_store``: as
+    ``rotary_embedding``'s."""
     if _triton_usable(query, key, q_weight, k_weight, cos, sin) and kdevice.triton_serves(positions.device):
         from quant_kernels import elementwise_triton
 
-        return elementwise_triton.qk_norm_rotary_embedding(positions, query, key, q_weight, k_weight, eps, cos, sin)
-    return reference_elementwise.qk_norm_rotary_embedding(positions, query, key, q_weight, k_weight, eps, cos, sin)
+        return elementwise_triton.qk_norm_rotary_embedding(
+            positions, query, key, q_weight, k_weight, eps, cos, sin, kv_store=kv_store
+        )
+    rotated = reference_elementwise.qk_norm_rotary_embedding(positions, query, key, q_weight, k_weight, eps, cos, sin)
+    return _stored(rotated, kv_store)
+
+
+def _stored(
+    rotated: tuple[torch.Tensor, torch.Tensor],  # (query [T, Hq, D], key [T, Hk, D])
+    kv_store: KVStore | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of a rotary op's ``kv_store``: the rotated keys and the values written by
+    ``reference.store_kv`` after the rotation (what the fused launch does on CUDA)."""
+    if kv_store is not None:
+        query, key = rotated
+        check_kv_store(kv_store, key.shape, key.dtype)
+        reference.store_kv(key, kv_store.value, kv_store.key_cache, kv_store.value_cache, kv_store.slot_mapping)
+    return rotated
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I], new and contiguous

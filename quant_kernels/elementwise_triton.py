@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from quant_kernels.kv_store import KVStore, check_kv_store
 from quant_kernels.pdl import launch_options
 
 SILU_BLOCK = 1024
@@ -113,6 +114,12 @@ def _rotate_heads(
     BLOCK_HALF: tl.constexpr,
     HPP: tl.constexpr,
     QK_NORM: tl.constexpr,
+    CACHE=None,  # [num_blocks, block_size, n_heads, 2 * HALF] paged cache the rotated heads also go to (STORE)
+    slot=0,  # the token's cache slot (STORE; negative: no store)
+    block_size=1,
+    stride_cb=0,
+    stride_cs=0,
+    STORE: tl.constexpr = False,
 ):
     heads = first_head + tl.arange(0, HPP)
     offs = tl.arange(0, BLOCK_HALF)
@@ -139,8 +146,35 @@ def _rotate_heads(
     c = cos[None, :]
     s = sin[None, :]
     dst = OUT + (t * n_heads + heads[:, None]) * (2 * HALF) + offs[None, :]
-    tl.store(dst, (x1 * c - x2 * s).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * c + x1 * s).to(OUT.dtype.element_ty), mask=mask)
+    y1 = (x1 * c - x2 * s).to(OUT.dtype.element_ty)
+    y2 = (x2 * c + x1 * s).to(OUT.dtype.element_ty)
+    tl.store(dst, y1, mask=mask)
+    tl.store(dst + HALF, y2, mask=mask)
+    if STORE:  # the values just stored, into the cache row of the token's slot (store_kv's model-dtype store)
+        _store_cache_heads(CACHE, slot, block_size, stride_cb, stride_cs, heads, n_heads, offs, HALF, y1, y2)
+
+
+@triton.jit
+def _store_cache_heads(
+    CACHE,  # [num_blocks, block_size, n_heads, 2 * HALF], heads and dims contiguous
+    slot,  # int64 scalar; negative: a pad row, nothing stored
+    block_size,
+    stride_cb,
+    stride_cs,
+    heads,  # int [HPP]
+    n_heads,
+    offs,  # int [BLOCK_HALF]
+    HALF: tl.constexpr,
+    y1,  # [HPP, BLOCK_HALF]: each head's first half
+    y2,  # [HPP, BLOCK_HALF]: its second half
+):
+    # a negative slot masks every lane through a bound, never a broadcast scalar bool (store_kv_kernel's way)
+    h_lim = tl.where(slot >= 0, n_heads, 0)
+    mask = (heads < h_lim)[:, None] & (offs < HALF)[None, :]
+    row = CACHE + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+    dst = row + heads[:, None].to(tl.int64) * (2 * HALF) + offs[None, :]
+    tl.store(dst, y1.to(CACHE.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(CACHE.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -169,12 +203,57 @@ def rotary_kernel(
     HPP: tl.constexpr,
     QK_NORM: tl.constexpr = False,  # per-head RMSNorm of q and k (Qwen3's q_norm / k_norm) before rotating
     USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
+    # STORE_KV (below): the rotated keys and the values also go to the paged cache at the token's slot
+    V=None,  # [T, Hk, D] values, any token / head strides
+    K_CACHE=None,  # [num_blocks, block_size, Hk, D], the model dtype, heads and dims contiguous
+    V_CACHE=None,
+    SLOTS=None,  # int [T]; negative: a pad row, nothing stored
+    n_k_blocks=0,  # programs of key heads; the value heads' programs follow them
+    stride_vt=0,
+    stride_vh=0,
+    block_size=1,
+    stride_kcb=0,
+    stride_kcs=0,
+    stride_vcb=0,
+    stride_vcs=0,
+    STORE_KV: tl.constexpr = False,
 ):
     if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
         gdc_wait()
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
+    if STORE_KV:
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        if block >= n_q_blocks + n_k_blocks:  # a value program: no rotation, its heads copied into the cache
+            heads = (block - n_q_blocks - n_k_blocks) * HPP + tl.arange(0, HPP)
+            offs = tl.arange(0, BLOCK_HALF)
+            mask = (heads < n_k_heads)[:, None] & (offs < HALF)[None, :]
+            src = V + t * stride_vt + heads[:, None].to(tl.int64) * stride_vh + offs[None, :]
+            v1 = tl.load(src, mask=mask, other=0.0)  # [HPP, BLOCK_HALF]
+            v2 = tl.load(src + HALF, mask=mask, other=0.0)
+            _store_cache_heads(V_CACHE, slot, block_size, stride_vcb, stride_vcs, heads, n_k_heads, offs, HALF, v1, v2)
+        else:
+            _rotary_program(
+                POS, Q, K, COS, SIN, Q_OUT, K_OUT, QW, KW, t, block, n_q_heads, n_k_heads, n_q_blocks,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, eps, HALF, BLOCK_HALF, HPP,
+                QK_NORM, K_CACHE, slot, block_size, stride_kcb, stride_kcs, True,
+            )  # fmt: skip
+    else:
+        _rotary_program(
+            POS, Q, K, COS, SIN, Q_OUT, K_OUT, QW, KW, t, block, n_q_heads, n_k_heads, n_q_blocks,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rotary_program(
+    POS, Q, K, COS, SIN, Q_OUT, K_OUT, QW, KW, t, block, n_q_heads, n_k_heads, n_q_blocks,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, eps,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HPP: tl.constexpr, QK_NORM: tl.constexpr,
+    K_CACHE=None, slot=0, block_size=1, stride_kcb=0, stride_kcs=0, STORE_K: tl.constexpr = False,
+):  # fmt: skip
+    """One program of ``rotary_kernel``'s query or key heads (``STORE_K``: the keys also into ``K_CACHE``)."""
     pos = tl.load(POS + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     cos = tl.load(COS + pos * stride_cos + offs, mask=offs < HALF, other=0.0).to(tl.float32)
@@ -187,8 +266,9 @@ def rotary_kernel(
     else:
         first = (block - n_q_blocks) * HPP
         _rotate_heads(
-            K, K_OUT, KW, t, first, n_k_heads, stride_kt, stride_kh, cos, sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM
-        )
+            K, K_OUT, KW, t, first, n_k_heads, stride_kt, stride_kh, cos, sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM,
+            K_CACHE, slot, block_size, stride_kcb, stride_kcs, STORE_K,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -324,9 +404,11 @@ def rotary_embedding(
     sin: torch.Tensor,  # float32 [max_positions, D / 2]
     q_out: torch.Tensor | None = None,  # [T, Hq, D] contiguous, query's dtype
     k_out: torch.Tensor | None = None,  # [T, Hk, D] contiguous, key's dtype
+    kv_store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), contiguous
-    """NeoX rotary embedding of query and key at ``positions``, both in one launch."""
-    return _rotary(positions, query, key, cos, sin, None, q_out, k_out)
+    """NeoX rotary embedding of query and key at ``positions``, both in one launch; with ``kv_store``
+    the same launch also writes the rotated keys and the values into the paged cache (``STORE_KV``)."""
+    return _rotary(positions, query, key, cos, sin, None, q_out, k_out, kv_store)
 
 
 def qk_norm_rotary_embedding(
@@ -340,11 +422,12 @@ def qk_norm_rotary_embedding(
     sin: torch.Tensor,  # float32 [max_positions, D / 2]
     q_out: torch.Tensor | None = None,  # [T, Hq, D] contiguous, dtype promote(query, q_weight)
     k_out: torch.Tensor | None = None,  # [T, Hk, D] contiguous, dtype promote(key, k_weight)
+    kv_store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (query [T, Hq, D], key [T, Hk, D]), contiguous
     """``rotary_embedding(positions, rms_norm(query, q_weight, eps), rms_norm(key, k_weight, eps), cos, sin)``
     (each head normalised over its D dims) in the one launch of ``rotary_embedding``, with the norms'
     rounding: q_norm, k_norm and rotary's three launches become one (``rotary_kernel``'s ``QK_NORM``)."""
-    return _rotary(positions, query, key, cos, sin, (q_weight, k_weight, eps), q_out, k_out)
+    return _rotary(positions, query, key, cos, sin, (q_weight, k_weight, eps), q_out, k_out, kv_store)
 
 
 def _rotary(
@@ -356,8 +439,10 @@ def _rotary(
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (q_weight [D], k_weight [D], eps)
     q_out: torch.Tensor | None,
     k_out: torch.Tensor | None,
+    kv_store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one launcher of ``rotary_kernel``, with (``qk_norm``) or without the heads' RMSNorm."""
+    """The one launcher of ``rotary_kernel``, with (``qk_norm``) or without the heads' RMSNorm, and
+    with (``kv_store``) or without the cache store of the keys and values."""
     num_tokens, n_q_heads, head_dim = query.shape
     n_k_heads = key.shape[1]
     q_dtype, k_dtype = query.dtype, key.dtype
@@ -368,6 +453,8 @@ def _rotary(
         q_out = torch.empty(query.shape, dtype=q_dtype, device=query.device)
     if k_out is None:
         k_out = torch.empty(key.shape, dtype=k_dtype, device=key.device)
+    if kv_store is not None:
+        check_kv_store(kv_store, key.shape, k_out.dtype)
     if num_tokens == 0 or head_dim == 0:
         return q_out, k_out
     if query.stride(-1) != 1:
@@ -386,7 +473,18 @@ def _rotary(
     block_half = triton.next_power_of_2(half)
     hpp = max(1, min(ROTARY_TILE // (2 * block_half), triton.next_power_of_2(max(n_q_heads, n_k_heads))))
     n_q_blocks = triton.cdiv(n_q_heads, hpp)
-    grid = (num_tokens, n_q_blocks + triton.cdiv(n_k_heads, hpp))
+    n_k_blocks = triton.cdiv(n_k_heads, hpp)
+    store = {}
+    if kv_store is not None:  # the value heads' programs after the key heads'
+        value = kv_store.value if kv_store.value.stride(-1) == 1 else kv_store.value.contiguous()
+        store = dict(
+            V=value, K_CACHE=kv_store.key_cache, V_CACHE=kv_store.value_cache, SLOTS=kv_store.slot_mapping,
+            n_k_blocks=n_k_blocks, stride_vt=value.stride(0), stride_vh=value.stride(1),
+            block_size=kv_store.key_cache.shape[1], stride_kcb=kv_store.key_cache.stride(0),
+            stride_kcs=kv_store.key_cache.stride(1), stride_vcb=kv_store.value_cache.stride(0),
+            stride_vcs=kv_store.value_cache.stride(1), STORE_KV=True,
+        )  # fmt: skip
+    grid = (num_tokens, n_q_blocks + n_k_blocks * (2 if kv_store is not None else 1))
     rotary_kernel[grid](
         positions,
         query,
@@ -411,6 +509,7 @@ def _rotary(
         BLOCK_HALF=block_half,
         HPP=hpp,
         QK_NORM=qk_norm is not None,
+        **store,
         **launch_options(q_out.device),
         num_warps=4 if hpp * block_half >= 256 else 1,
     )

@@ -36,7 +36,8 @@ in transformers) and ``route``. Unless ``QSERVE_FUSED_ROUTER_GEMM=0``
 (``fused_router_gemm_requested``), on the steps that take the direct layout above, the logits and the
 choice + layout are one launch (``moe_router_triton.router_gemm_topk_blocks``) instead of two (the
 cuBLAS router GEMM, ~5 µs at one token on the H200, then the router's): 48 fewer graph nodes per
-decode step of Qwen3-30B-A3B. Elsewhere (or with the switch at 0) ``route_hidden`` is
+decode step of Qwen3-30B-A3B (its batch-1 decode 336.0 tok/s against 328.5 with the two launches, H100,
+bench/RESULTS.md, sixteenth session). Elsewhere (or with the switch at 0) ``route_hidden`` is
 ``F.linear`` + ``route``. ``route`` stays for callers that already have logits (bench/moe.py).
 
 Must not know: models, checkpoint formats. Triton stays a lazy import.

@@ -58,11 +58,14 @@ class PagedAttention(nn.Module):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        *,
+        kv_stored: bool = False,  # the step's keys and values are in the cache already (the rotary stored them)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         key_cache, value_cache = kv_cache
         quantized = key_cache.dtype in (torch.int8, torch.float8_e4m3fn)
         k_scale, v_scale = (self.k_scale, self.v_scale) if quantized else (None, None)
-        attention_ops.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
+        if not kv_stored:
+            attention_ops.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
         return attention_ops.paged_attention(
             query,
             key_cache,

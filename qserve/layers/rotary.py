@@ -7,7 +7,7 @@ the NeoX op serves them, which leaves every q.k unchanged: the decoder permutes 
 rows once at load, or, for a caller that cannot, this module gathers them per step), Qwen v1's
 dynamic NTK (one table per base scale alpha = 1, 3, 7, ...; each token picks its sequence's table
 through an index tensor, so CUDA graphs replay mixed-alpha batches) and logn query scaling.
-Must not know: attention, caches or requests. The cos/sin table is built once for every position
+Must not know: attention, cache layouts or requests. The cos/sin table is built once for every position
 the model may see; the per-step work (gather and rotation of query and key) is one fused op in
 ``quant_kernels.elementwise_ops``.
 
@@ -16,7 +16,12 @@ A caller may hand ``forward`` the per-head RMSNorm that precedes the rotation (Q
 (full rotary_dim, no per-step permutation, no logn), norms and rotation are one op
 (``elementwise_ops.qk_norm_rotary_embedding``, one launch on CUDA instead of three: a launch-bound
 decode step saves two a layer); otherwise the norms run first as separate ops, with the same
-results. The decoder passes it only under ``QSERVE_FUSED_QK_NORM_ROPE=1`` (opt-in until measured).
+results. The decoder passes it unless ``QSERVE_FUSED_QK_NORM_ROPE=0`` (measured faster on the H100).
+
+Where ``stores_kv`` (that same plain rotation), a caller may also hand it where the keys go
+(``kv_store``, a ``quant_kernels.kv_store.KVStore``: values, model-dtype paged caches, slots): the op
+then writes the rotated keys and the values there too, in the same launch on CUDA (the decoder under
+``QSERVE_FUSED_ROPE_KV_STORE=1``, opt-in until a GPU run measures it: one launch fewer a layer).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import nn
 
 from qserve.config import RopeConfig
 from quant_kernels import elementwise_ops
+from quant_kernels.kv_store import KVStore
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -124,6 +130,12 @@ class RotaryEmbedding(nn.Module):
         else:
             self.logn = None
 
+    @property
+    def stores_kv(self) -> bool:
+        """Whether ``forward`` takes a ``kv_store``: the rotation is one op over whole heads (no partial
+        rotary, interleave permutation or log-n scaling after it)."""
+        return self.rotary_dim == self.head_dim and self.perm is None and self.logn is None
+
     def forward(
         self,
         positions: torch.Tensor,  # int64 [T]
@@ -132,9 +144,22 @@ class RotaryEmbedding(nn.Module):
         ntk_tables: torch.Tensor | None = None,  # int64 [T]: each token's NTK table (None: table 0)
         *,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q_weight [head_dim], k_weight, eps)
+        kv_store: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Query and key rotated by position; with ``qk_norm``, each head of query and key is first
-        RMS-normalised over its ``head_dim`` (in checkpoint order, before any interleave permutation)."""
+        RMS-normalised over its ``head_dim`` (in checkpoint order, before any interleave permutation).
+        With ``kv_store`` (only where ``stores_kv``) the rotated keys and the store's values also go to
+        its paged cache, in the rotary's launch on CUDA."""
+        if kv_store is not None:
+            if not self.stores_kv or query.dim() != 3:
+                raise ValueError("kv_store: only a whole-head NeoX rotary without permutation or log-n scaling")
+            rows = positions if ntk_tables is None else positions + ntk_tables * self.max_positions
+            if qk_norm is not None:
+                q_weight, k_weight, eps = qk_norm
+                return elementwise_ops.qk_norm_rotary_embedding(
+                    rows, query, key, q_weight, k_weight, eps, self.cos, self.sin, kv_store
+                )
+            return elementwise_ops.rotary_embedding(rows, query, key, self.cos, self.sin, kv_store)
         if query.dim() == 4:  # a batch of windows sharing positions (the quantizer's calibration)
             batch = query.shape[0]
             q, k = self.forward(positions.repeat(batch), query.flatten(0, 1), key.flatten(0, 1), qk_norm=qk_norm)

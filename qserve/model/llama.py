@@ -10,9 +10,11 @@ rotary, a row-normalized lm_head (NormHead) and sandwich norms. Must not know: c
 loader hands it tensors or ``PackedQuantWeight``), scheduling or sampling. Every forward runs
 over all of the step's tokens at once: ``[num_tokens, hidden]``, no per-request loops.
 
-``QSERVE_FUSED_QK_NORM_ROPE`` (on unless "0"; read once per ``Attention`` when the model is built): a q/k-norm model (Qwen3, Qwen3-MoE) hands its q_norm / k_norm weights to
-the rotary, which runs norms and rotation as one launch on CUDA. Qwen3-30B-A3B's batch-1 decode is
-launch-bound (~785 CUDA-graph nodes a step): two launches fewer a layer, 96 over its 48 layers.
+``QSERVE_FUSED_QK_NORM_ROPE`` (on unless "0"; read once per ``Attention`` when the model is built): a
+q/k-norm model (Qwen3, Qwen3-MoE) hands its q_norm / k_norm weights to the rotary, which runs norms
+and rotation as one launch on CUDA. Qwen3-30B-A3B's batch-1 decode is
+launch-bound (~785 CUDA-graph nodes a step): two launches fewer a layer, 96 over its 48 layers; its
+batch-1 decode 336.0 tok/s against 320.6 with three launches (H100, bench/RESULTS.md, sixteenth session).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from qserve.layers.norm import RMSNorm
 from qserve.layers.rotary import RotaryEmbedding, interleaved_permutation, num_ntk_tables
 from qserve.runner.attn_metadata import AttentionMetadata
 from quant_kernels import elementwise_ops
+from quant_kernels.kv_store import KVStore
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.lora_ops import LoRAIndices
 from quant_kernels.switches import env_switch
@@ -63,6 +66,9 @@ _EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.([A-Za-z0-9_]+)$")
 _EXPERT_TENSOR = re.compile(r"^(.+)\.experts\.(\d+)\.[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)?$")
 # "1" / unset: q_norm, k_norm and rotary as one op (one launch on CUDA); "0": three
 FUSED_QK_NORM_ROPE_ENV = "QSERVE_FUSED_QK_NORM_ROPE"
+# "1": the rotary's launch also stores the step's keys and values into a model-dtype paged cache (no
+# store_kv launch); "0" / unset: the attention stores them (the default until a GPU run measures it)
+FUSED_ROPE_KV_STORE_ENV = "QSERVE_FUSED_ROPE_KV_STORE"
 
 
 class Attention(nn.Module):
@@ -109,6 +115,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # Read for every model, so a bad value is refused whatever the family; it changes only q/k-norm ones.
         self.fused_qk_norm_rope = env_switch(FUSED_QK_NORM_ROPE_ENV, default=True) and self.q_norm is not None
+        self.fused_rope_kv_store = env_switch(FUSED_ROPE_KV_STORE_ENV, default=False)
         slopes = None
         if config.alibi:  # this rank's heads' slopes
             start = 0 if shard is None else shard.q_head_start
@@ -124,9 +131,27 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         lora: LoRAIndices | None = None,
     ) -> torch.Tensor:
-        query, key, value = self.project_qkv(positions, hidden, rotary, metadata.ntk_tables, lora)
-        out = self.attn(query, key, value, kv_cache, metadata)  # [num_tokens, H, D]
+        store = self.rotary_store(rotary, kv_cache, metadata, hidden.dtype)
+        query, key, value = self.project_qkv(positions, hidden, rotary, metadata.ntk_tables, lora, store)
+        out = self.attn(query, key, value, kv_cache, metadata, kv_stored=store is not None)  # [num_tokens, H, D]
         return self.project_out(out, lora)
+
+    def rotary_store(
+        self,
+        rotary: RotaryEmbedding | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        dtype: torch.dtype,  # the activations'
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """``(kv_cache, slot_mapping)`` for ``project_qkv`` to store the keys and values in the rotary's
+        launch (``QSERVE_FUSED_ROPE_KV_STORE=1``, a whole-head rotary, a cache in the activations' dtype:
+        fp8 / int8 / int4 caches keep the attention's store); else None: the attention stores them."""
+        if not self.fused_rope_kv_store or rotary is None or not rotary.stores_kv:
+            return None
+        key_cache, value_cache = kv_cache
+        if key_cache.dtype != dtype or value_cache.dtype != dtype or key_cache.dim() != 4:
+            return None
+        return kv_cache, metadata.slot_mapping
 
     def project_qkv(
         self,
@@ -135,10 +160,13 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding | None,
         ntk_tables: torch.Tensor | None,  # int64 [num_tokens] or None (AttentionMetadata.ntk_tables)
         lora: LoRAIndices | None = None,
+        store: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,  # rotary_store's
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Everything before the paged attention: q/k/v projection, q/k norms, rotary. Returns query
         ``[T, H, D]``, key and value ``[T, Hkv, D]``. Split from ``forward`` so piecewise CUDA graphs
-        (qserve.runner.piecewise_graphs) capture it apart from the attention, with the same math."""
+        (qserve.runner.piecewise_graphs) capture it apart from the attention, with the same math.
+        With ``store`` (``rotary_store``'s) the rotary also writes the keys and values into the cache:
+        the caller's attention then must not (``PagedAttention.forward(kv_stored=True)``)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden, lora)  # [num_tokens, (H + 2 * Hkv) * D]
         q_size = self.num_heads * self.head_dim
@@ -147,14 +175,18 @@ class Attention(nn.Module):
         query = query.reshape(num_tokens, self.num_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        kv_store = None
+        if store is not None:
+            (key_cache, value_cache), slot_mapping = store
+            kv_store = KVStore(value, key_cache, value_cache, slot_mapping)
         if self.fused_qk_norm_rope and rotary is not None:  # the norms ride in the rotary's launch
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            query, key = rotary(positions, query, key, ntk_tables, qk_norm=qk_norm)
+            query, key = rotary(positions, query, key, ntk_tables, qk_norm=qk_norm, kv_store=kv_store)
             return query, key, value
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         if rotary is not None:  # None: ALiBi models
-            query, key = rotary(positions, query, key, ntk_tables)
+            query, key = rotary(positions, query, key, ntk_tables, kv_store=kv_store)
         return query, key, value
 
     def project_out(self, out: torch.Tensor, lora: LoRAIndices | None = None) -> torch.Tensor:
@@ -337,10 +369,12 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp_out, residual)``; the caller's next norm adds them. Carrying the residual
         this way lets each add ride inside the following norm's kernel."""
+        store = self.self_attn.rotary_store(rotary, kv_cache, metadata, hidden.dtype)
         (query, key, value), residual = self.pre_attention(
-            positions, hidden, residual, rotary, metadata.ntk_tables, lora
+            positions, hidden, residual, rotary, metadata.ntk_tables, lora, store
         )
-        out = self.self_attn.attn(query, key, value, kv_cache, metadata)  # [num_tokens, H, D]
+        # [num_tokens, H, D]
+        out = self.self_attn.attn(query, key, value, kv_cache, metadata, kv_stored=store is not None)
         return self.post_attention(out, residual, lora)
 
     def pre_attention(
@@ -351,15 +385,17 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding | None,
         ntk_tables: torch.Tensor | None,  # int64 [num_tokens] or None
         lora: LoRAIndices | None = None,
+        store: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,  # Attention.rotary_store's
     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         """The layer up to the paged attention: ``((query, key, value), residual)``. ``forward`` is
         ``pre_attention``, the attention, ``post_attention``; piecewise CUDA graphs run the two
-        halves in graphs and the attention between them eagerly (qserve.runner.piecewise_graphs)."""
+        halves in graphs and the attention between them eagerly (qserve.runner.piecewise_graphs),
+        passing no ``store``: the pieces do not take the step's slots, the eager attention stores."""
         if residual is None:
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        return self.self_attn.project_qkv(positions, normed, rotary, ntk_tables, lora), residual
+        return self.self_attn.project_qkv(positions, normed, rotary, ntk_tables, lora, store), residual
 
     def post_attention(
         self,

@@ -8,7 +8,8 @@ eager decodes at short and long contexts, the W4A16 tuning sweep, and with ``QSE
 the multi-LoRA steps: a prefill of sequences on two adapters and the base, mixed decodes, the
 decode graphs' forward with adapter slots as inputs, and ``add_lora`` alone at 14B shapes with and
 without split-K: ``drive_lora_kernels``; with ``QSERVE_FUSED_QK_NORM_ROPE=1`` a Qwen3-30B-A3B attention's
-q/k norms and rotary as one launch: ``drive_qk_norm_rope``; with ``QSERVE_ATTN_FUSED_REDUCE=1`` a
+q/k norms and rotary as one launch, and with ``QSERVE_FUSED_ROPE_KV_STORE=1`` that launch storing the keys
+and values too: ``drive_qk_norm_rope``; with ``QSERVE_ATTN_FUSED_REDUCE=1`` a
 Qwen3-30B-A3B split decode whose last program per (seq, kv head) reduces the splits:
 ``drive_attn_fused_reduce``). Must not know: what any kernel computes
 (``tests/helpers/kernel_launches.py`` captures and compiles).
@@ -670,10 +671,14 @@ def drive_qk_norm_rope(capture: Capture, dtype: torch.dtype, dtype_name: str, pd
     q_norm, k_norm and rotary as ``rotary_kernel``'s one ``QK_NORM`` launch on q/k views into the qkv
     output; with ``pdl`` also under ``QSERVE_ENABLE_PDL=1``. The qkv projection is dense here (a torch
     product, no launch) and no whole model is driven: the fused launch is the switch's only new one, and
-    the ci tier has no q/k-norm model (a second model's drive would cost minutes of CI)."""
+    the ci tier has no q/k-norm model (a second model's drive would cost minutes of CI). Then
+    ``QSERVE_FUSED_ROPE_KV_STORE=1`` (opt-in): the same launch also storing the keys and values into a
+    model-dtype paged cache (``STORE_KV``), with the q/k norms in it and, under
+    ``QSERVE_FUSED_QK_NORM_ROPE=0``, without them (the plain rotary every other model runs)."""
     from qserve.layers.linear import DenseLinearMethod
     from qserve.layers.rotary import RotaryEmbedding
-    from qserve.model.llama import FUSED_QK_NORM_ROPE_ENV, Attention
+    from qserve.model.llama import FUSED_QK_NORM_ROPE_ENV, FUSED_ROPE_KV_STORE_ENV, Attention
+    from qserve.runner.attn_metadata import AttentionMetadata
 
     config = model_config(QWEN3_30B_A3B_ATTENTION, source="qwen3-30b-a3b attention")
     with mock.patch.dict(os.environ, {FUSED_QK_NORM_ROPE_ENV: "1"}), torch.device("cpu"):
@@ -689,6 +694,23 @@ def drive_qk_norm_rope(capture: Capture, dtype: torch.dtype, dtype_name: str, pd
                 with torch.inference_mode():
                     attention.project_qkv(positions, hidden, rotary, None)
     assert any(x.kernel == "rotary_kernel" and dict(x.constexprs).get("QK_NORM") for x in capture.launches.values())
+    blocks = 8
+    kv_cache = tuple(torch.zeros((blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim), dtype=dtype) for _ in "kv")
+    for qk_norm_env in ("1", "0"):
+        switches = {FUSED_QK_NORM_ROPE_ENV: qk_norm_env, FUSED_ROPE_KV_STORE_ENV: "1"}
+        with mock.patch.dict(os.environ, switches), torch.device("cpu"):
+            attention = Attention(config, "model.layers.0.self_attn", dtype, lambda names: DenseLinearMethod())
+        for m in QK_NORM_ROPE_TOKENS:
+            label = f"qwen3-30b-a3b rotary + kv store (q/k norm fused={qk_norm_env}) {dtype_name} T={m}"
+            hidden = torch.zeros((m, config.hidden_size), dtype=dtype)  # [T, hidden]
+            positions = torch.arange(m, dtype=torch.int64)  # [T]
+            metadata = mock.Mock(spec=AttentionMetadata, slot_mapping=torch.arange(m, dtype=torch.int64))
+            store = attention.rotary_store(rotary, kv_cache, metadata, dtype)
+            assert store is not None, "QSERVE_FUSED_ROPE_KV_STORE=1 did not hand the rotary a store"
+            with where(capture, label), torch.inference_mode():
+                attention.project_qkv(positions, hidden, rotary, None, None, store)
+    stores = [dict(x.constexprs) for x in capture.launches.values() if x.kernel == "rotary_kernel"]
+    assert {bool(c.get("QK_NORM")) for c in stores if c.get("STORE_KV")} == {False, True}
 
 
 # Qwen3-30B-A3B's decode attention: 32 q heads over 4 kv heads of 128; a batch-1 step at 4,096 tokens of

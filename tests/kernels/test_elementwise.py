@@ -168,6 +168,53 @@ def run_qk_norm_rotary(
         assert_matches(k_out, launched_k)
 
 
+def run_rotary_kv_store(
+    t: int, hq: int, hk: int, d: int, dtype: torch.dtype, seed: int, qk_norm: bool, against_launches: bool = False
+) -> None:
+    """``QSERVE_FUSED_ROPE_KV_STORE``'s launch (``rotary_kernel`` with ``STORE_KV``, with and without
+    ``QK_NORM``): q and k as without a store (bitwise: the same launch's outputs), and the rotated keys
+    and the values in the cache where ``reference.store_kv`` puts them, every other cache row untouched;
+    pad rows (slot -1) store nothing. q, k and v are strided views of one fused qkv tensor, the slots
+    unsorted and spread over several blocks. With ``against_launches``: the caches equal those of the
+    two launches it replaces (the rotary, then ``attention_triton.store_kv``)."""
+    from quant_kernels import reference
+    from quant_kernels.kv_store import KVStore
+
+    gen = torch.Generator().manual_seed(seed)
+    max_positions, block_size = 4096, 16
+    cos, sin = rope_tables(max_positions, d)
+    positions = torch.randint(0, max_positions, (t,), generator=gen).to(DEVICE)  # unsorted
+    qkv = randn(t, (hq + 2 * hk) * d, dtype=dtype, gen=gen, scale=3.0)  # [T, (Hq + 2 Hk) D]
+    query, key, value = (
+        part.view(t, n, d) for part, n in zip(qkv.split([hq * d, hk * d, hk * d], dim=-1), (hq, hk, hk))
+    )
+    num_blocks = t // block_size + 3
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]  # [T], unsorted, distinct
+    slots[::3] = -1  # pad rows
+    slots = slots.to(DEVICE)
+    caches = [
+        randn(num_blocks, block_size, hk, d, dtype=dtype, gen=gen) for _ in range(2)
+    ]  # not zero: untouched rows show
+    want_caches = [cache.clone() for cache in caches]
+    store = KVStore(value, caches[0], caches[1], slots)
+    if qk_norm:
+        weights = (randn(d, dtype=dtype, gen=gen), randn(d, dtype=dtype, gen=gen), EPS)
+        got = elementwise_triton.qk_norm_rotary_embedding(positions, query, key, *weights, cos, sin, kv_store=store)
+        plain = elementwise_triton.qk_norm_rotary_embedding(positions, query, key, *weights, cos, sin)
+    else:
+        got = elementwise_triton.rotary_embedding(positions, query, key, cos, sin, kv_store=store)
+        plain = elementwise_triton.rotary_embedding(positions, query, key, cos, sin)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    reference.store_kv(plain[1], value, want_caches[0], want_caches[1], slots)
+    assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
+    if against_launches:
+        from quant_kernels import attention_triton
+
+        launched = [cache.clone() for cache in want_caches]
+        attention_triton.store_kv(plain[1], value, launched[0], launched[1], slots)
+        assert torch.equal(caches[0], launched[0]) and torch.equal(caches[1], launched[1])
+
+
 def run_silu_and_mul(t: int, inter: int, dtype: torch.dtype, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     gate_up = randn(t, 2 * inter, dtype=dtype, gen=gen, scale=3.0)  # [T, 2I]
@@ -211,6 +258,14 @@ def test_rotary_contiguous_inputs(dtype) -> None:
 @pytest.mark.parametrize("hq,hk,d", [(32, 4, 128), (32, 4, 64), (6, 2, 40)])  # Qwen3's GQA; D/2 = 20: masked
 def test_qk_norm_rotary(t, hq, hk, d, dtype) -> None:
     run_qk_norm_rotary(t, hq, hk, d, dtype, seed=t * 1000 + d)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rotary", "qk-norm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t", [0, 1, 7])
+@pytest.mark.parametrize("hq,hk,d", [(8, 2, 64), (6, 2, 40)])  # D/2 = 20: masked half
+def test_rotary_kv_store(t, hq, hk, d, dtype, qk_norm) -> None:
+    run_rotary_kv_store(t, hq, hk, d, dtype, seed=t + d, qk_norm=qk_norm)
 
 
 def test_qk_norm_rotary_float32_weight() -> None:
@@ -392,6 +447,18 @@ def test_gpu_qk_norm_rotary_qwen3_30b_a3b(t, dtype) -> None:
     D = 128; a batch-1 decode and a short prefill) against the reference and against the q_norm,
     k_norm and rotary launches it replaces."""
     run_qk_norm_rotary(t, 32, 4, 128, dtype, seed=t + 11, against_launches=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rotary", "qk-norm"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("t", [1, 37, 300])
+def test_gpu_rotary_kv_store(t, dtype, qk_norm) -> None:
+    """QSERVE_FUSED_ROPE_KV_STORE's launch at Qwen3-30B-A3B's attention (32 q / 4 kv heads, D = 128) and
+    Qwen2.5-14B's (40 / 8): the caches equal those of the rotary then ``store_kv`` launches."""
+    for hq, hk in ((32, 4), (40, 8)):
+        run_rotary_kv_store(t, hq, hk, 128, dtype, seed=t + hq, qk_norm=qk_norm, against_launches=True)
 
 
 @pytest.mark.gpu
