@@ -28,7 +28,7 @@ Kernels
   k_norm and the rotary as three launches, up to the fp32 reduction order of each head's sum of
   squares. Why: Qwen3-30B-A3B's decode at batch 1 is launch-bound (~785 CUDA-graph nodes a step),
   and this takes two launches off every layer (96 graph nodes over its 48 layers). The decoder
-  uses it unless ``QSERVE_FUSED_QK_NORM_ROPE=0``.
+  uses it under ``QSERVE_FUSED_QK_NORM_ROPE=1`` (opt-in until a smoke passes with it on).
 ``silu_and_mul_kernel``: grid ``(T, ceil(I / BLOCK))``: ``silu(gate) * up`` in fp32, rounded
   once (the reference, torch's ``F.silu(gate) * up``, rounds the SiLU first: results may differ
   by one ulp of the activation dtype).
@@ -146,12 +146,15 @@ def _rotate_heads(
     c = cos[None, :]
     s = sin[None, :]
     dst = OUT + (t * n_heads + heads[:, None]) * (2 * HALF) + offs[None, :]
-    y1 = (x1 * c - x2 * s).to(OUT.dtype.element_ty)
-    y2 = (x2 * c + x1 * s).to(OUT.dtype.element_ty)
-    tl.store(dst, y1, mask=mask)
-    tl.store(dst + HALF, y2, mask=mask)
-    if STORE:  # the values just stored, into the cache row of the token's slot (store_kv's model-dtype store)
+    if STORE:  # the values stored, also into the cache row of the token's slot (store_kv's model-dtype store)
+        y1 = (x1 * c - x2 * s).to(OUT.dtype.element_ty)
+        y2 = (x2 * c + x1 * s).to(OUT.dtype.element_ty)
+        tl.store(dst, y1, mask=mask)
+        tl.store(dst + HALF, y2, mask=mask)
         _store_cache_heads(CACHE, slot, block_size, stride_cb, stride_cs, heads, n_heads, offs, HALF, y1, y2)
+    else:  # the stores as the kernel had them before STORE (its default PTX unchanged)
+        tl.store(dst, (x1 * c - x2 * s).to(OUT.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, (x2 * c + x1 * s).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -239,11 +242,21 @@ def rotary_kernel(
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, eps, HALF, BLOCK_HALF, HPP,
                 QK_NORM, K_CACHE, slot, block_size, stride_kcb, stride_kcs, True,
             )  # fmt: skip
-    else:
-        _rotary_program(
-            POS, Q, K, COS, SIN, Q_OUT, K_OUT, QW, KW, t, block, n_q_heads, n_k_heads, n_q_blocks,
-            stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM,
-        )  # fmt: skip
+    else:  # the body as the kernel had it before STORE_KV (its default PTX unchanged)
+        pos = tl.load(POS + t).to(tl.int64)
+        offs = tl.arange(0, BLOCK_HALF)
+        cos = tl.load(COS + pos * stride_cos + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+        sin = tl.load(SIN + pos * stride_sin + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+        if block < n_q_blocks:
+            first = block * HPP
+            _rotate_heads(
+                Q, Q_OUT, QW, t, first, n_q_heads, stride_qt, stride_qh, cos, sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM
+            )
+        else:
+            first = (block - n_q_blocks) * HPP
+            _rotate_heads(
+                K, K_OUT, KW, t, first, n_k_heads, stride_kt, stride_kh, cos, sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM
+            )
 
 
 @triton.jit

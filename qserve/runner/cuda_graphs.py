@@ -11,8 +11,8 @@ slot and the rows' tiles as static inputs (``LoRAIndices`` views of fixed size: 
 have slot -1, unused tiles length 0), so steps mixing adapters and the base replay the same graph.
 They are views of one int32 buffer, laid out per bucket (``lora_ops.index_layout``), which a replay
 refills with one host-to-device copy (the split-K arrival counters included, copied as zeros).
-A replay whose bucket and row slots equal the last staged ones copies nothing
-(``QSERVE_LORA_STAGE_ON_CHANGE=0``: every replay restages): the kernels leave the counters zero, so the buffer
+With ``QSERVE_LORA_STAGE_ON_CHANGE=1`` (opt-in until a smoke passes with it on) a replay whose bucket
+and row slots equal the last staged ones copies nothing: the kernels leave the counters zero, so the buffer
 still holds what was staged. Without ``max_loras`` nothing of this exists and the graphs are exactly the base model's.
 
 Several rows per sequence (``query_len`` Q > 1; ``QSERVE_SPEC_GRAPHS=0`` turns them off): speculative
@@ -81,7 +81,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 # start-up (decode-graph capture took 10-19 s on an H100, mostly outside Python: py-spy, tenth
 # session) is not measured yet.
 KEEP_CACHE_ENV = "QSERVE_CAPTURE_KEEP_CACHE"
-# "1" / unset: the LoRA index buffer is restaged only when a replay's (bucket, row slots) change (module doc)
+# "1": the LoRA index buffer is restaged only when a replay's (bucket, row slots) change (module doc)
 LORA_STAGE_ON_CHANGE_ENV = "QSERVE_LORA_STAGE_ON_CHANGE"
 
 
@@ -265,7 +265,7 @@ class DecodeGraphs:
         # QSERVE_LORA_STAGE_ON_CHANGE: the (bucket, slots) the buffer holds now; a step with the same
         # stages nothing (the kernels leave their counters zero, so a replay leaves the buffer unchanged)
         self._lora_staged: tuple[int, bytes] | None = None
-        self._lora_stage_on_change = env_switch(LORA_STAGE_ON_CHANGE_ENV, default=True)
+        self._lora_stage_on_change = env_switch(LORA_STAGE_ON_CHANGE_ENV, default=False)
 
     def sample_rows_of(self, batch: int) -> int:
         """Logit rows the graph of ``batch`` sequences computes."""
@@ -469,7 +469,7 @@ class DecodeGraphs:
 
     def _stage_lora(self, bucket: int, lora_slots: np.ndarray | None, pinned: bool) -> None:
         """Each row's slot (pad and base rows -1), the tiles padded with empty ones, zero counters: one
-        copy of the bucket's prefix of the buffer. Unless ``QSERVE_LORA_STAGE_ON_CHANGE=0``, nothing when the
+        copy of the bucket's prefix of the buffer. With ``QSERVE_LORA_STAGE_ON_CHANGE=1``, nothing when the
         buffer already holds this bucket's layout of these slots: a decode batch keeps its rows' adapters
         from step to step, and building the layout on the host was 0.35 ms of a batch-32 step's idle GPU
         time (bench/RESULTS.md, issue 30). Replays leave the buffer as staged: the split shrink's last
