@@ -242,21 +242,11 @@ def rotary_kernel(
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, eps, HALF, BLOCK_HALF, HPP,
                 QK_NORM, K_CACHE, slot, block_size, stride_kcb, stride_kcs, True,
             )  # fmt: skip
-    else:  # the body as the kernel had it before STORE_KV (its default PTX unchanged)
-        pos = tl.load(POS + t).to(tl.int64)
-        offs = tl.arange(0, BLOCK_HALF)
-        cos = tl.load(COS + pos * stride_cos + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-        sin = tl.load(SIN + pos * stride_sin + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-        if block < n_q_blocks:
-            first = block * HPP
-            _rotate_heads(
-                Q, Q_OUT, QW, t, first, n_q_heads, stride_qt, stride_qh, cos, sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM
-            )
-        else:
-            first = (block - n_q_blocks) * HPP
-            _rotate_heads(
-                K, K_OUT, KW, t, first, n_k_heads, stride_kt, stride_kh, cos, sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM
-            )
+    else:  # the programs as the kernel had them before STORE_KV (its default sm90 PTX instructions unchanged)
+        _rotary_program(
+            POS, Q, K, COS, SIN, Q_OUT, K_OUT, QW, KW, t, block, n_q_heads, n_k_heads, n_q_blocks,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, eps, HALF, BLOCK_HALF, HPP, QK_NORM,
+        )  # fmt: skip
 
 
 @triton.jit

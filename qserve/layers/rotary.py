@@ -151,16 +151,8 @@ class RotaryEmbedding(nn.Module):
         RMS-normalised over its ``head_dim`` (in checkpoint order, before any interleave permutation).
         With ``kv_store`` (only where ``stores_kv``) the rotated keys and the store's values also go to
         its paged cache, in the rotary's launch on CUDA."""
-        if kv_store is not None:
-            if not self.stores_kv or query.dim() != 3:
-                raise ValueError("kv_store: only a whole-head NeoX rotary without permutation or log-n scaling")
-            rows = positions if ntk_tables is None else positions + ntk_tables * self.max_positions
-            if qk_norm is not None:
-                q_weight, k_weight, eps = qk_norm
-                return elementwise_ops.qk_norm_rotary_embedding(
-                    rows, query, key, q_weight, k_weight, eps, self.cos, self.sin, kv_store
-                )
-            return elementwise_ops.rotary_embedding(rows, query, key, self.cos, self.sin, kv_store)
+        if kv_store is not None and (not self.stores_kv or query.dim() != 3):
+            raise ValueError("kv_store: only a whole-head NeoX rotary without permutation or log-n scaling")
         if query.dim() == 4:  # a batch of windows sharing positions (the quantizer's calibration)
             batch = query.shape[0]
             q, k = self.forward(positions.repeat(batch), query.flatten(0, 1), key.flatten(0, 1), qk_norm=qk_norm)
@@ -169,15 +161,15 @@ class RotaryEmbedding(nn.Module):
         rot = self.rotary_dim
         if qk_norm is not None:
             q_weight, k_weight, eps = qk_norm
-            if rot == self.head_dim and self.perm is None and self.logn is None:  # one op: norms and rotation
+            if self.stores_kv:  # one op: norms and rotation (whole heads, nothing after it)
                 return elementwise_ops.qk_norm_rotary_embedding(
-                    rows, query, key, q_weight, k_weight, eps, self.cos, self.sin
+                    rows, query, key, q_weight, k_weight, eps, self.cos, self.sin, kv_store
                 )
             query, key = elementwise_ops.rms_norm(query, q_weight, eps), elementwise_ops.rms_norm(key, k_weight, eps)
         if self.perm is not None:
             query, key = query.index_select(-1, self.perm), key.index_select(-1, self.perm)
-        if rot == self.head_dim:
-            query, key = elementwise_ops.rotary_embedding(rows, query, key, self.cos, self.sin)
+        if rot == self.head_dim:  # with a kv_store (stores_kv) this is the last op
+            query, key = elementwise_ops.rotary_embedding(rows, query, key, self.cos, self.sin, kv_store)
         else:
             q_rot, k_rot = elementwise_ops.rotary_embedding(
                 rows, query[..., :rot].contiguous(), key[..., :rot].contiguous(), self.cos, self.sin

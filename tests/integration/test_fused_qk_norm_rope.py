@@ -22,18 +22,24 @@ EPS = 1e-6
 PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 47))]
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
+    """Counts the calls of the op ``owner.name`` from now on: one entry per call, its first argument's
+    tokens (its leading dim)."""
+    calls: list[int] = []
+    real = getattr(owner, name)
+
+    def counted(first, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - the op's own signature
+        calls.append(first.shape[0])
+        return real(first, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[int]:
     """Counts the calls of ``elementwise_ops.qk_norm_rotary_embedding`` (one entry per call: its tokens)."""
-    calls: list[int] = []
-    real = elementwise_ops.qk_norm_rotary_embedding
-
-    def counted(positions, *args):  # noqa: ANN001, ANN202 - the op's own signature
-        calls.append(positions.shape[0])
-        return real(positions, *args)
-
-    monkeypatch.setattr(elementwise_ops, "qk_norm_rotary_embedding", counted)
-    return calls
+    return count_calls(monkeypatch, elementwise_ops, "qk_norm_rotary_embedding")
 
 
 # (kwargs of RotaryEmbedding, whether the fused op serves it)

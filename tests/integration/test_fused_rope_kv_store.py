@@ -19,7 +19,9 @@ from qserve.layers.rotary import RotaryEmbedding
 from qserve.model.llama import FUSED_ROPE_KV_STORE_ENV
 from quant_kernels import attention_ops, reference
 from quant_kernels.kv_store import KVStore
-from tests.integration.test_fused_qk_norm_rope import EPS, ROTARIES, _generate
+from tests.integration.test_fused_qk_norm_rope import EPS, ROTARIES, _generate, count_calls
+from tests.integration.test_spec_decode import path  # noqa: F401 - fixture
+from tests.integration.test_spec_decode_eagle import heads  # noqa: F401 - fixture
 
 BLOCKS, BLOCK_SIZE = 6, 4
 
@@ -87,15 +89,7 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture
 def store_calls(monkeypatch) -> list[int]:
     """Counts ``attention_ops.store_kv``'s calls (one entry each: its tokens)."""
-    calls: list[int] = []
-    real = attention_ops.store_kv
-
-    def counted(key, *args):  # noqa: ANN001, ANN202 - the op's own signature
-        calls.append(key.shape[0])
-        return real(key, *args)
-
-    monkeypatch.setattr(attention_ops, "store_kv", counted)
-    return calls
+    return count_calls(monkeypatch, attention_ops, "store_kv")
 
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
@@ -127,3 +121,26 @@ def test_bad_switch_value_is_refused(tiny_models, monkeypatch) -> None:
     monkeypatch.setenv(FUSED_ROPE_KV_STORE_ENV, "on")
     with pytest.raises(ValueError, match=FUSED_ROPE_KV_STORE_ENV):
         LLM(tiny_models["LlamaForCausalLM"], device="cpu", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_an_eagle_heads_attention_stores_in_the_rotary_too(path, heads, store_calls, method, monkeypatch) -> None:  # noqa: F811
+    """An EAGLE head's layers store in the rotary's launch too: EAGLE-1's through the decoder layer, EAGLE-3's
+    first through ``Attention.forward`` (not the decoder layer's halves); same tokens, same drafts taken."""
+    from qserve import LLM
+    from tests.integration.test_spec_decode import ARGS, LOOP, _greedy
+    from tests.integration.test_spec_decode_eagle import _spec
+
+    def run() -> tuple[list[int], int, int]:
+        llm = LLM(path, speculative_config=_spec(heads, method), **ARGS)
+        out = llm.generate([{"prompt_token_ids": LOOP}], _greedy(max_tokens=20), use_tqdm=False)[0].outputs[0]
+        stats = llm.engine.spec_stats
+        return out.token_ids, stats.num_draft_tokens, stats.num_accepted_tokens
+
+    monkeypatch.delenv(FUSED_ROPE_KV_STORE_ENV, raising=False)
+    off = run()
+    assert store_calls and off[1] > 0
+    monkeypatch.setenv(FUSED_ROPE_KV_STORE_ENV, "1")
+    store_calls.clear()
+    assert run() == off
+    assert not store_calls
