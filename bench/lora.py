@@ -329,6 +329,17 @@ def e2e(args: argparse.Namespace) -> Table:
         while engine.has_unfinished_requests():
             engine.step()
 
+    def measure_eager(label: str, llm: LLM, batch: int, distinct: int) -> None:
+        """The same engine decoding without its graphs. A function of its own so that no local of the
+        caller keeps the runner (and through it the engine) alive after ``del llm``: the next engine
+        planned around the dead one's memory ("weights (32.00 GiB)", H100, 2026-12-07)."""
+        runner = llm.engine.runner
+        graphs, runner.decode_graphs = runner.decode_graphs, None
+        try:
+            measure(label, llm, batch, distinct)
+        finally:
+            runner.decode_graphs = graphs
+
     llm = build("base, CUDA graphs")
     for batch in (mid, big, 1):
         measure("base, CUDA graphs", llm, batch, 0)
@@ -347,10 +358,7 @@ def e2e(args: argparse.Namespace) -> Table:
             measure(label, llm, batch, min(distinct, batch))
         profile("lora" if overlap == "0" else f"lora_overlap_{overlap}", llm, mid, min(8, mid))
         if overlap == variants[0]:
-            runner = llm.engine.runner
-            graphs, runner.decode_graphs = runner.decode_graphs, None  # the same engine, decoding eagerly
-            measure("LoRA, triton eager", llm, mid, min(8, mid))
-            runner.decode_graphs = graphs
+            measure_eager("LoRA, triton eager", llm, mid, min(8, mid))
         del llm
         release()
     os.environ.pop(lora_ops.OVERLAP_ENV, None)
