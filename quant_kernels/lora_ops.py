@@ -202,7 +202,7 @@ def overlap_for(device: torch.device) -> LoRAOverlap | None:
     layers take the Triton kernels gives a new side stream; None otherwise (unset or "0", another
     device, ``QSERVE_LORA_TRITON=0``). Made once per model by its owner (one per ``LoRAManager``),
     passed to the step's indices."""
-    value = os.environ.get(OVERLAP_ENV) or "0"  # unset or empty: off
+    value = os.environ.get(OVERLAP_ENV) or "shrink"  # unset or empty: the default
     if value not in OVERLAP_MODES:
         raise ValueError(f"{OVERLAP_ENV}={value!r}: expected one of {', '.join(OVERLAP_MODES)}")
     if value == "0" or device.type != "cuda" or not triton_enabled():

@@ -79,7 +79,7 @@ def fused_router_gemm_requested() -> bool:
     """Off unless ``QSERVE_FUSED_ROUTER_GEMM=1`` (``route_hidden``: the router GEMM fused into the direct
     layout's launch; opt-in until a smoke passes with it on); a value other than 0 or 1 is refused
     (``prepare_experts`` reads it, so a typo stops the load)."""
-    return env_switch(FUSED_ROUTER_GEMM_ENV, default=False)
+    return env_switch(FUSED_ROUTER_GEMM_ENV, default=True)
 
 
 def fused_moe_requested() -> bool:

@@ -121,8 +121,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         # Read for every model, so a bad value is refused whatever the family; it changes only q/k-norm ones.
-        self.fused_qk_norm_rope = env_switch(FUSED_QK_NORM_ROPE_ENV, default=False) and self.q_norm is not None
-        self.fused_rope_kv_store = env_switch(FUSED_ROPE_KV_STORE_ENV, default=False)
+        self.fused_qk_norm_rope = env_switch(FUSED_QK_NORM_ROPE_ENV, default=True) and self.q_norm is not None
+        self.fused_rope_kv_store = env_switch(FUSED_ROPE_KV_STORE_ENV, default=True)
         slopes = None
         if config.alibi:  # this rank's heads' slopes
             start = 0 if shard is None else shard.q_head_start

@@ -265,7 +265,7 @@ class DecodeGraphs:
         # QSERVE_LORA_STAGE_ON_CHANGE: the (bucket, slots) the buffer holds now; a step with the same
         # stages nothing (the kernels leave their counters zero, so a replay leaves the buffer unchanged)
         self._lora_staged: tuple[int, bytes] | None = None
-        self._lora_stage_on_change = env_switch(LORA_STAGE_ON_CHANGE_ENV, default=False)
+        self._lora_stage_on_change = env_switch(LORA_STAGE_ON_CHANGE_ENV, default=True)
 
     def sample_rows_of(self, batch: int) -> int:
         """Logit rows the graph of ``batch`` sequences computes."""
