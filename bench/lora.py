@@ -29,7 +29,8 @@ with one (the latency with an adapter), each against the base at its batch; last
 with its graphs set aside (Triton eager) at batch 32 with 8 adapters. ``--overlap 0,shrink,pair``: one
 LoRA engine per ``QSERVE_LORA_OVERLAP`` mode, the same rows each (``shrink``: each shrink on a side
 stream beside its base GEMM; ``pair``: the expand too, its fp32 delta added after), the eager row
-with the first. ``--profile-dir DIR``: then
+with the first; ``--side-split-k auto,4,8``: each overlapping mode once per side shrink's K split
+(``QSERVE_LORA_SIDE_SPLIT_K``). ``--profile-dir DIR``: then
 where a decode step's time goes (``bench/profile_step.py``'s per-kernel and per-family tables, the
 host's CUDA calls and Python, the GPU's idle gaps with the launches that ended them) for the base and
 for the LoRA engine at batch 32 with 8 adapters, ``--profile-steps`` steps each, into DIR
@@ -350,18 +351,28 @@ def e2e(args: argparse.Namespace) -> Table:
     os.environ["QSERVE_LORA_GRAPHS"] = "1"
     # --overlap: one LoRA engine per QSERVE_LORA_OVERLAP mode, in the order given
     variants = args.overlap.split(",")  # checked by main()
-    for overlap in variants:
+    # --side-split-k: each overlapping mode once per side-stream shrink split (QSERVE_LORA_SIDE_SPLIT_K)
+    engines = [(o, split) for o in variants for split in (["auto"] if o == "0" else args.side_split_k.split(","))]
+    for overlap, side_split in engines:
         os.environ[lora_ops.OVERLAP_ENV] = overlap
+        os.environ[lora_ops.SIDE_SPLIT_K_ENV] = side_split
         label = "LoRA, triton + graphs" + (f" + overlap {overlap}" if overlap != "0" else "")
+        label += f", side split {side_split}" if overlap != "0" and side_split != "auto" else ""
         llm = build(label, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
         for batch, distinct in ((mid, 8), (mid, 1), (mid, MAX_LORAS), (big, 8), (big, 1), (big, MAX_LORAS), (1, 1)):
             measure(label, llm, batch, min(distinct, batch))
-        profile("lora" if overlap == "0" else f"lora_overlap_{overlap}", llm, mid, min(8, mid))
-        if overlap == variants[0]:
+        name = (
+            "lora"
+            if overlap == "0"
+            else f"lora_overlap_{overlap}" + ("" if side_split == "auto" else f"_split{side_split}")
+        )
+        profile(name, llm, mid, min(8, mid))
+        if (overlap, side_split) == engines[0]:
             measure_eager("LoRA, triton eager", llm, mid, min(8, mid))
         del llm
         release()
     os.environ.pop(lora_ops.OVERLAP_ENV, None)
+    os.environ.pop(lora_ops.SIDE_SPLIT_K_ENV, None)
     table.note(f"- total {time.perf_counter() - t0:.0f} s")
     return table
 
@@ -385,7 +396,15 @@ def main() -> None:
         default="0",
         help="--e2e: comma list of QSERVE_LORA_OVERLAP modes (0, shrink, pair), one LoRA engine each",
     )
+    parser.add_argument(
+        "--side-split-k",
+        default="auto",
+        help="--e2e: comma list of QSERVE_LORA_SIDE_SPLIT_K values (auto, 1..32), one engine each per overlapping mode",
+    )
     args = parser.parse_args()
+    bad_splits = [v for v in args.side_split_k.split(",") if v != "auto" and not (v.isdigit() and 1 <= int(v) <= 32)]
+    if bad_splits:
+        parser.error(f"--side-split-k {','.join(bad_splits)}: expected a comma list of auto and integers 1..32")
     unknown = [mode for mode in args.overlap.split(",") if mode not in lora_ops.OVERLAP_MODES]
     if unknown:
         parser.error(f"--overlap {','.join(unknown)}: expected a comma list of {', '.join(lora_ops.OVERLAP_MODES)}")

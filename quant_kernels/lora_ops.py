@@ -63,11 +63,13 @@ from quant_kernels import reference_lora
 
 TILE_ROWS = 16  # = lora_triton.TILE_ROWS (not imported: triton stays lazy)
 MAX_SLICES = 3  # = lora_triton.MAX_SLICES: the shrink's arrival counters per tile
+_MAX_SPLIT_K = 32  # = lora_triton.MAX_SPLIT_K
 _ALIGN = 4  # int32 elements per 16 bytes: where each segment of a packed index buffer starts
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_ENV = "QSERVE_LORA_TRITON"
 OVERLAP_ENV = "QSERVE_LORA_OVERLAP"
 OVERLAP_MODES = ("0", "shrink", "pair")
+SIDE_SPLIT_K_ENV = "QSERVE_LORA_SIDE_SPLIT_K"  # "auto" / unset: the heuristic; 1..32: the side shrink's K split
 PAIR_MAX_ROWS = 512  # past it a "pair" call overlaps the shrink only (module doc)
 
 
@@ -77,6 +79,9 @@ class LoRAOverlap:
 
     stream: object
     pair: bool
+    # The side stream's shrink K split (``QSERVE_LORA_SIDE_SPLIT_K``); None: ``shrink_config``'s heuristic,
+    # which sizes the split to fill the card alone, while beside the base GEMM the shrink shares it
+    split_k: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,9 +210,21 @@ def overlap_for(device: torch.device) -> LoRAOverlap | None:
     value = os.environ.get(OVERLAP_ENV) or "shrink"  # unset or empty: the default
     if value not in OVERLAP_MODES:
         raise ValueError(f"{OVERLAP_ENV}={value!r}: expected one of {', '.join(OVERLAP_MODES)}")
+    split_k = side_split_k()
     if value == "0" or device.type != "cuda" or not triton_enabled():
         return None
-    return LoRAOverlap(torch.cuda.Stream(device), pair=value == "pair")
+    return LoRAOverlap(torch.cuda.Stream(device), pair=value == "pair", split_k=split_k)
+
+
+def side_split_k() -> int | None:
+    """``QSERVE_LORA_SIDE_SPLIT_K``: the K split of a shrink launched beside the base GEMM; None (unset,
+    empty or "auto") for ``shrink_config``'s heuristic. Anything but auto or 1..MAX_SPLIT_K is refused."""
+    value = os.environ.get(SIDE_SPLIT_K_ENV) or "auto"
+    if value == "auto":
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= _MAX_SPLIT_K:
+        raise ValueError(f"{SIDE_SPLIT_K_ENV}={value!r}: expected auto or an integer 1..{_MAX_SPLIT_K}")
+    return int(value)
 
 
 def _triton_usable(*tensors: torch.Tensor) -> bool:
@@ -327,7 +344,7 @@ def begin_lora(
     num_slices = len(slice_starts) - 1
     if overlap is None or not _triton_usable(x, lora_a, lora_b):
         return PendingLoRA(lora_shrink(x, lora_a, num_slices, indices), False, None)
-    plan = _launch_plan(x, lora_a, num_slices, indices, None, None)  # allocated on the current stream
+    plan = _launch_plan(x, lora_a, num_slices, indices, overlap.split_k, None)  # allocated on the current stream
     delta = None
     if overlap.pair and x.shape[0] <= PAIR_MAX_ROWS:
         delta = torch.empty((x.shape[0], lora_b.shape[1]), dtype=torch.float32, device=x.device)  # [T, N]
