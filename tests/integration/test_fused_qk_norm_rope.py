@@ -111,17 +111,19 @@ def _generate(path: str) -> list[tuple[list[int], list[float]]]:
 
 
 def test_switch_gives_the_same_outputs_on_tiny_qwen3(tiny_qwen3, fused_calls, monkeypatch) -> None:
-    """Off (unset and "0") the decoder never calls the fused op; on, every layer of every forward
-    does, and tokens and logprobs are the same as off."""
-    monkeypatch.delenv(FUSED_QK_NORM_ROPE_ENV, raising=False)
-    unset = _generate(tiny_qwen3)
+    """Off ("0") the decoder never calls the fused op; on (unset: the default, and "1"), every layer of
+    every forward does, and tokens and logprobs are the same as off."""
     monkeypatch.setenv(FUSED_QK_NORM_ROPE_ENV, "0")
     off = _generate(tiny_qwen3)
-    assert not fused_calls and off == unset
+    assert not fused_calls
+    monkeypatch.delenv(FUSED_QK_NORM_ROPE_ENV, raising=False)
+    unset = _generate(tiny_qwen3)
+    assert fused_calls and len(fused_calls) % 2 == 0, fused_calls  # each forward: both layers
+    fused_calls.clear()
     monkeypatch.setenv(FUSED_QK_NORM_ROPE_ENV, "1")
     on = _generate(tiny_qwen3)
-    assert fused_calls and len(fused_calls) % 2 == 0, fused_calls  # each forward: both layers
-    assert on == off
+    assert fused_calls and len(fused_calls) % 2 == 0, fused_calls
+    assert on == off == unset
 
 
 def test_bad_switch_value_is_refused(tiny_qwen3, monkeypatch) -> None:

@@ -94,16 +94,20 @@ def store_calls(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
 def test_switch_gives_the_same_outputs_and_no_store_launch(tiny_models, store_calls, arch, monkeypatch) -> None:
-    """Off (unset: the default, or "0") every layer's attention stores; on ("1") none does, and tokens and
+    """Off ("0") every layer's attention stores; on (unset: the default, or "1") none does, and tokens and
     logprobs are those of off (a q/k-norm model and a plain one)."""
-    monkeypatch.delenv(FUSED_ROPE_KV_STORE_ENV, raising=False)
+    monkeypatch.setenv(FUSED_ROPE_KV_STORE_ENV, "0")
     off = _generate(tiny_models[arch])
     assert store_calls
-    monkeypatch.setenv(FUSED_ROPE_KV_STORE_ENV, "1")
-    store_calls.clear()
-    on = _generate(tiny_models[arch])
-    assert not store_calls
-    assert on == off
+    for on_value in (None, "1"):
+        if on_value is None:
+            monkeypatch.delenv(FUSED_ROPE_KV_STORE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(FUSED_ROPE_KV_STORE_ENV, on_value)
+        store_calls.clear()
+        on = _generate(tiny_models[arch])
+        assert not store_calls, on_value
+        assert on == off
 
 
 def test_an_fp8_cache_keeps_the_attentions_store(tiny_models, store_calls, monkeypatch) -> None:
@@ -137,10 +141,10 @@ def test_an_eagle_heads_attention_stores_in_the_rotary_too(path, heads, store_ca
         stats = llm.engine.spec_stats
         return out.token_ids, stats.num_draft_tokens, stats.num_accepted_tokens
 
-    monkeypatch.delenv(FUSED_ROPE_KV_STORE_ENV, raising=False)
+    monkeypatch.setenv(FUSED_ROPE_KV_STORE_ENV, "0")
     off = run()
     assert store_calls and off[1] > 0
-    monkeypatch.setenv(FUSED_ROPE_KV_STORE_ENV, "1")
+    monkeypatch.delenv(FUSED_ROPE_KV_STORE_ENV, raising=False)  # on by default
     store_calls.clear()
     assert run() == off
     assert not store_calls

@@ -340,7 +340,7 @@ def test_decode_graph_inputs_with_adapters(setup, monkeypatch) -> None:
     """The LoRA decode graphs' staging (QSERVE_LORA_GRAPHS=1: each row's slot and the padded tiles as
     static inputs), on CPU with eager replays standing in for the graphs: tokens and logprobs equal the
     eager runner's for a batch of adapters and the base, padded to the next bucket. With
-    QSERVE_LORA_STAGE_ON_CHANGE=1 the buffer is staged when a step's rows change adapters, not at every replay."""
+    QSERVE_LORA_STAGE_ON_CHANGE (on unless "0") the buffer is staged when a step's rows change adapters, not at every replay."""
     from qserve.runner import cuda_graphs
     from tests.integration.test_decode_graph_inputs import EagerReplay
 
@@ -350,7 +350,7 @@ def test_decode_graph_inputs_with_adapters(setup, monkeypatch) -> None:
     loras = [requests["all-r8"], None, requests["qv-r4"], requests["all-r8"], requests["mlp-r16-rs"]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     eager = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-    monkeypatch.setenv(cuda_graphs.LORA_STAGE_ON_CHANGE_ENV, "1")
+    monkeypatch.delenv(cuda_graphs.LORA_STAGE_ON_CHANGE_ENV, raising=False)  # on by default
     graphs = DecodeGraphs(runner.model, runner.kv_caches, 8, 256, runner.block_size, runner.device, (1, 2, 8), 4)
     for bucket in graphs.buckets:
         graphs.graphs[bucket] = EagerReplay(lambda b=bucket: graphs.logits[:b].copy_(graphs._run(b)))

@@ -466,6 +466,30 @@ def test_overlap_only_on_cuda_and_only_when_asked(monkeypatch) -> None:
             lora_ops.overlap_for(torch.device("cpu"))
 
 
+def test_overlap_is_the_side_shrink_by_default_on_cuda(monkeypatch) -> None:
+    """On a CUDA device (a stand-in stream here) unset means "shrink" (measured faster in every row of the
+    H100 run of 2026-12-07, bench/RESULTS.md); "0" turns it off; QSERVE_LORA_SIDE_SPLIT_K sets the side
+    shrink's K split and a bad value is refused by name, whether or not the overlap is on."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: ("side", device))
+    cuda = torch.device("cuda")
+    for env in (lora_ops.OVERLAP_ENV, lora_ops.SIDE_SPLIT_K_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert lora_ops.overlap_for(cuda) == lora_ops.LoRAOverlap(("side", cuda), pair=False, split_k=None)
+    monkeypatch.setenv(lora_ops.OVERLAP_ENV, "0")
+    assert lora_ops.overlap_for(cuda) is None
+    monkeypatch.setenv(lora_ops.OVERLAP_ENV, "pair")
+    for value, want in (("auto", None), ("", None), ("4", 4), ("32", 32)):
+        monkeypatch.setenv(lora_ops.SIDE_SPLIT_K_ENV, value)
+        assert lora_ops.overlap_for(cuda) == lora_ops.LoRAOverlap(("side", cuda), pair=True, split_k=want)
+    for mode in ("0", "pair"):
+        monkeypatch.setenv(lora_ops.OVERLAP_ENV, mode)
+        for bad in ("0", "33", "four", "-2"):
+            monkeypatch.setenv(lora_ops.SIDE_SPLIT_K_ENV, bad)
+            with pytest.raises(ValueError, match=lora_ops.SIDE_SPLIT_K_ENV):
+                lora_ops.overlap_for(cuda)
+    assert lora_ops._MAX_SPLIT_K == lora_triton.MAX_SPLIT_K
+
+
 class _RecordingStream:
     """A stand-in for torch.cuda.Stream that logs the fork / join calls made on it (and on the
     current stream) into one shared log."""

@@ -340,12 +340,12 @@ def test_router_gemm_topk_blocks_twice_and_on_any_logits():
 
 
 def test_fused_router_gemm_setting(monkeypatch):
-    """``QSERVE_FUSED_ROUTER_GEMM``: off unless "1"; anything but 0 / 1 refused by name, at load too."""
+    """``QSERVE_FUSED_ROUTER_GEMM``: on unless "0"; anything but 0 / 1 refused by name, at load too."""
     from quant_kernels import moe_ops
 
     monkeypatch.delenv(moe_ops.FUSED_ROUTER_GEMM_ENV, raising=False)
-    assert not moe_ops.fused_router_gemm_requested()  # off by default
-    for value, want in (("", False), ("0", False), ("1", True), (" 1 ", True)):
+    assert moe_ops.fused_router_gemm_requested()  # on by default (H100 smoke at f609d24, bench/RESULTS.md)
+    for value, want in (("", True), ("0", False), (" 0 ", False), ("1", True), (" 1 ", True)):
         monkeypatch.setenv(moe_ops.FUSED_ROUTER_GEMM_ENV, value)
         assert moe_ops.fused_router_gemm_requested() == want
     for value in ("yes", "on", "2", "true"):
