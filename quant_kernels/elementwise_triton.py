@@ -28,7 +28,7 @@ Kernels
   k_norm and the rotary as three launches, up to the fp32 reduction order of each head's sum of
   squares. Why: Qwen3-30B-A3B's decode at batch 1 is launch-bound (~785 CUDA-graph nodes a step),
   and this takes two launches off every layer (96 graph nodes over its 48 layers). The decoder
-  uses it under ``QSERVE_FUSED_QK_NORM_ROPE=1`` (opt-in until a smoke passes with it on).
+  uses it unless ``QSERVE_FUSED_QK_NORM_ROPE=0``.
 ``silu_and_mul_kernel``: grid ``(T, ceil(I / BLOCK))``: ``silu(gate) * up`` in fp32, rounded
   once (the reference, torch's ``F.silu(gate) * up``, rounds the SiLU first: results may differ
   by one ulp of the activation dtype).

@@ -30,7 +30,7 @@ blocks first in pair order, then the foreign ones' (all sentinel); every row of 
 written by one store (the first rows of blocks and their padding at distinct addresses), so no
 barrier orders two stores. Grid ``(1,)``, outputs sized from T, k and ``block_m``: no host sync.
 
-``router_gemm_topk_blocks_kernel`` (opt-in, ``QSERVE_FUSED_ROUTER_GEMM=1``, read in
+``router_gemm_topk_blocks_kernel`` (the default; ``QSERVE_FUSED_ROUTER_GEMM=0`` opts out, read in
 ``quant_kernels.moe_ops.route_hidden``): the router's logits too, so a decode step's MoE layer launches
 one kernel before its experts instead of two (the cuBLAS router GEMM, ~5 µs for Qwen3-30B-A3B's
 128 x 2048 fp16 router at one token on the H200, then the kernel above): 48 fewer graph nodes a step on

@@ -16,13 +16,12 @@ A caller may hand ``forward`` the per-head RMSNorm that precedes the rotation (Q
 (full rotary_dim, no per-step permutation, no logn), norms and rotation are one op
 (``elementwise_ops.qk_norm_rotary_embedding``, one launch on CUDA instead of three: a launch-bound
 decode step saves two a layer); otherwise the norms run first as separate ops, with the same
-results. The decoder passes it under ``QSERVE_FUSED_QK_NORM_ROPE=1`` (opt-in until a smoke passes with
-it on; measured faster on the H100).
+results. The decoder passes it unless ``QSERVE_FUSED_QK_NORM_ROPE=0`` (measured faster on the H100).
 
 Where ``stores_kv`` (that same plain rotation), a caller may also hand it where the keys go
 (``kv_store``, a ``quant_kernels.kv_store.KVStore``: values, model-dtype paged caches, slots): the op
 then writes the rotated keys and the values there too, in the same launch on CUDA (the decoder under
-``QSERVE_FUSED_ROPE_KV_STORE=1``, opt-in until a GPU run measures it: one launch fewer a layer).
+``QSERVE_FUSED_ROPE_KV_STORE=0``: one launch fewer a layer).
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ rotary, a row-normalized lm_head (NormHead) and sandwich norms. Must not know: c
 loader hands it tensors or ``PackedQuantWeight``), scheduling or sampling. Every forward runs
 over all of the step's tokens at once: ``[num_tokens, hidden]``, no per-request loops.
 
-``QSERVE_FUSED_QK_NORM_ROPE=1`` (opt-in until a GPU smoke passes with it on; read once per
+``QSERVE_FUSED_QK_NORM_ROPE`` (on unless ``0``, since the H100 smoke at ``f609d24``; read once per
 ``Attention`` when the model is built): a q/k-norm model (Qwen3, Qwen3-MoE) hands its q_norm / k_norm
 weights to the rotary, which runs norms and rotation as one launch on CUDA. Qwen3-30B-A3B's batch-1
 decode is launch-bound (~785 CUDA-graph nodes a step): two launches fewer a layer, 96 over its 48
 layers; its batch-1 decode 336.0 tok/s against 320.6 with three launches (H100, bench/RESULTS.md,
 sixteenth session).
 
-``QSERVE_FUSED_ROPE_KV_STORE=1`` (opt-in until a GPU run measures it): ``Attention.rotary_store`` hands
+``QSERVE_FUSED_ROPE_KV_STORE`` (on unless ``0``: +2.3% at Qwen3-30B-A3B batch 1, +1.5% on the 14B, H100): ``Attention.rotary_store`` hands
 the rotary the step's values, cache and slots, so its launch also stores the keys and values and the
 attention launches no ``store_kv`` (whole-head rotary, a cache in the activations' dtype; the piecewise
 graphs' ``pre_attention`` passes none: their eager attention stores).
@@ -70,11 +70,11 @@ FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 _EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.([A-Za-z0-9_]+)$")
 # Any checkpoint name of a routed expert (module prefix, or a tensor under it): (block path, expert index)
 _EXPERT_TENSOR = re.compile(r"^(.+)\.experts\.(\d+)\.[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)?$")
-# "1": q_norm, k_norm and rotary as one op (one launch on CUDA); "0" / unset: three (the default until a
-# GPU smoke passes with it on: measured faster, bench/RESULTS.md, sixteenth session)
+# "1" / unset (the default: measured faster, bench/RESULTS.md, sixteenth session): q_norm, k_norm and
+# rotary as one op (one launch on CUDA); "0": three
 FUSED_QK_NORM_ROPE_ENV = "QSERVE_FUSED_QK_NORM_ROPE"
 # "1": the rotary's launch also stores the step's keys and values into a model-dtype paged cache (no
-# store_kv launch); "0" / unset: the attention stores them (the default until a GPU run measures it)
+# store_kv launch; the default: measured faster, seventeenth session); "0": the attention stores them
 FUSED_ROPE_KV_STORE_ENV = "QSERVE_FUSED_ROPE_KV_STORE"
 
 

@@ -11,7 +11,7 @@ slot and the rows' tiles as static inputs (``LoRAIndices`` views of fixed size: 
 have slot -1, unused tiles length 0), so steps mixing adapters and the base replay the same graph.
 They are views of one int32 buffer, laid out per bucket (``lora_ops.index_layout``), which a replay
 refills with one host-to-device copy (the split-K arrival counters included, copied as zeros).
-With ``QSERVE_LORA_STAGE_ON_CHANGE=1`` (opt-in until a smoke passes with it on) a replay whose bucket
+Unless ``QSERVE_LORA_STAGE_ON_CHANGE=0`` (on by default since the H100 smoke at ``f609d24``) a replay whose bucket
 and row slots equal the last staged ones copies nothing: the kernels leave the counters zero, so the buffer
 still holds what was staged. Without ``max_loras`` nothing of this exists and the graphs are exactly the base model's.
 
@@ -81,7 +81,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 # start-up (decode-graph capture took 10-19 s on an H100, mostly outside Python: py-spy, tenth
 # session) is not measured yet.
 KEEP_CACHE_ENV = "QSERVE_CAPTURE_KEEP_CACHE"
-# "1": the LoRA index buffer is restaged only when a replay's (bucket, row slots) change (module doc)
+# "1" / unset: the LoRA index buffer is restaged only when a replay's (bucket, row slots) change (module doc)
 LORA_STAGE_ON_CHANGE_ENV = "QSERVE_LORA_STAGE_ON_CHANGE"
 
 
