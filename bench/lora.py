@@ -43,6 +43,7 @@ what it measured. ``--e2e --small`` checks the script on CPU (the reference path
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -69,18 +70,21 @@ LAYERS = {  # name -> (K, output slices)
 }
 RANK = 16
 MAX_LORAS = 32
-# (label, rows, distinct adapters, rows per sequence)
+# (label, rows, distinct adapters, rows per sequence, graph tiles). Graph tiles: the indices padded to the
+# tile count a decode graph with MAX_LORAS slots has (lora_ops.max_lora_tiles: the padding tiles' programs
+# launch and exit), as the engine's decode steps run them; else exactly the step's tiles (eager, prefill).
 CASES = [
-    ("decode b1 x1", 1, 1, 1),
-    ("decode b32 x1", 32, 1, 1),
-    ("decode b32 x8", 32, 8, 1),
-    ("decode b32 x32", 32, 32, 1),
-    ("decode b128 x8", 128, 8, 1),
-    ("decode b128 x32", 128, 32, 1),
-    ("prefill 2048 x4", 2048, 4, 512),
+    ("decode b1 x1", 1, 1, 1, True),
+    ("decode b32 x1", 32, 1, 1, True),
+    ("decode b32 x8", 32, 8, 1, True),
+    ("decode b32 x8, exact tiles", 32, 8, 1, False),
+    ("decode b32 x32", 32, 32, 1, True),
+    ("decode b128 x8", 128, 8, 1, True),
+    ("decode b128 x32", 128, 32, 1, True),
+    ("prefill 2048 x4", 2048, 4, 512, False),
 ]
 TINY_LAYERS = {"qkv": (64, [64, 16, 16]), "down": (96, [64])}
-TINY_CASES = [("decode b4 x2", 4, 2, 1), ("prefill 40 x2", 40, 2, 20)]
+TINY_CASES = [("decode b4 x2", 4, 2, 1, True), ("prefill 40 x2", 40, 2, 20, False)]
 
 
 def bench_us(fn, warmup: int = 10, rep: int = 50) -> float:
@@ -148,6 +152,16 @@ class Table:
         return "\n".join(self.lines + ([""] + self.notes if self.notes else [])) + "\n"
 
 
+def set_expand_block_n(block_n: int | None) -> None:
+    """``--expand-block-n``: the expand's N block for the next cases (None: the module's default)."""
+    from quant_kernels import lora_triton
+
+    default = getattr(set_expand_block_n, "default", lora_triton.EXPAND_BLOCK_N)
+    set_expand_block_n.default = default
+    lora_triton.EXPAND_BLOCK_N = default if block_n is None else block_n
+    lora_triton.expand_geometry.cache_clear()  # its block counts follow EXPAND_BLOCK_N
+
+
 def run_case(
     k: int,
     sizes: list[int],
@@ -159,6 +173,7 @@ def run_case(
     bandwidth,
     split_k: int | None = None,
     block_k: int | None = None,
+    graph_tiles: bool = False,
 ):
     from quant_kernels import lora_triton
 
@@ -171,7 +186,13 @@ def run_case(
     seqs = -(-rows // per_seq)
     slots = np.repeat(np.arange(seqs) % distinct, per_seq)[:rows].astype(np.int32)  # [T]
     starts = [0, *np.cumsum(sizes).tolist()]
-    indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
+    if graph_tiles:  # as a decode graph stages them: padded to its fixed tile count (cuda_graphs.py)
+        num_tiles = lora_ops.max_lora_tiles(rows, num_slots)
+        host = np.zeros(lora_ops.index_layout(rows, num_tiles)[0], dtype=np.int32)
+        lora_ops.fill_index_buffer(host, slots, rows, num_tiles)
+        indices = lora_ops.indices_from_buffer(torch.from_numpy(host).to(DEVICE), rows, num_tiles)
+    else:
+        indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
     tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 132
     config = lora_triton.shrink_config(k, rows, tiles[1].numel(), len(sizes), num_sms, split_k, block_k)
@@ -206,6 +227,7 @@ def run_case(
         "floor_us": floor_us,
         "error": error,
         "split_k": config.split_k,
+        "tiles": tiles[1].numel(),
         "k_per_split": config.k_per_split,
         "block_k": config.block_k,
     }
@@ -383,6 +405,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     parser.add_argument("--split-k", default="", help="comma list of shrink K splits to time (default: heuristic)")
+    parser.add_argument(
+        "--expand-block-n", default="", help="comma list of expand N blocks to time (default: the module's)"
+    )
     parser.add_argument("--block-k", default="", help="comma list of shrink K blocks to time (default: heuristic)")
     parser.add_argument("--e2e", action="store_true", help="engine decode throughput with adapters (issue 30)")
     parser.add_argument("--small", action="store_true", help="--e2e on a tiny shape (CPU check of the script)")
@@ -415,6 +440,7 @@ def main() -> None:
     tiny = args.tiny or DEVICE == "cpu"
     layers, cases = (TINY_LAYERS, TINY_CASES) if tiny else (LAYERS, CASES)
     splits = [int(v) for v in args.split_k.split(",") if v] or [None]
+    expand_ns = [int(v) for v in args.expand_block_n.split(",") if v] or [None]
     blocks = [int(v) for v in args.block_k.split(",") if v] or [None]
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (interpreter)"
@@ -423,25 +449,29 @@ def main() -> None:
         [
             f"# LoRA shrink + expand, rank {RANK}, {args.dtype}, {device}; copy bandwidth {bandwidth / 1e9:.0f} GB/s",
             "",
-            "| layer | case | split x columns | triton µs (graph) | triton µs (eager) | reference µs | floor µs | floor / triton |",
-            "|---|---|---|---:|---:|---:|---:|---:|",
+            "| layer | case | split x columns | expand N block | triton µs (graph) | triton µs (eager) | reference µs | floor µs | floor / triton |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|",
         ],
     )
+    from quant_kernels import lora_triton
+
     raw = []
     for name, (k, sizes) in layers.items():
-        for label, rows, distinct, per_seq in cases:
-            for split_k in splits:
-                for block_k in blocks:
-                    result = run_case(
-                        k, sizes, rows, distinct, per_seq, max(distinct, 2 if tiny else MAX_LORAS), dtype,
-                        bandwidth, split_k, block_k,
-                    )  # fmt: skip
-                    raw.append({"layer": name, "case": label} | result)
-                    table.add(
-                        f"| {name} | {label} | {result['split_k']} x {result['k_per_split']} | "
-                        f"{result['triton_us']:.1f} | {result['eager_us']:.1f} | {result['reference_us']:.1f} | "
-                        f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
-                    )
+        for label, rows, distinct, per_seq, graph_tiles in cases:
+            for split_k, block_k, expand_n in itertools.product(splits, blocks, expand_ns):
+                set_expand_block_n(expand_n)
+                result = run_case(
+                    k, sizes, rows, distinct, per_seq, max(distinct, 2 if tiny else MAX_LORAS), dtype,
+                    bandwidth, split_k, block_k, graph_tiles,
+                )  # fmt: skip
+                raw.append({"layer": name, "case": label, "expand_block_n": lora_triton.EXPAND_BLOCK_N} | result)
+                table.add(
+                    f"| {name} | {label} ({result['tiles']} tiles) | {result['split_k']} x {result['k_per_split']} | "
+                    f"{lora_triton.EXPAND_BLOCK_N} | "
+                    f"{result['triton_us']:.1f} | {result['eager_us']:.1f} | {result['reference_us']:.1f} | "
+                    f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
+                )
+    set_expand_block_n(None)
     print(table.text())
     if args.out:
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
