@@ -205,8 +205,8 @@ def triton_enabled() -> bool:
 
 def overlap_for(device: torch.device) -> LoRAOverlap | None:
     """``QSERVE_LORA_OVERLAP`` (module doc, "Overlap"): "shrink" or "pair" on a CUDA ``device`` whose LoRA
-    layers take the Triton kernels gives a new side stream; None otherwise (unset or "0", another
-    device, ``QSERVE_LORA_TRITON=0``). Made once per model by its owner (one per ``LoRAManager``),
+    layers take the Triton kernels gives a new side stream (unset or empty: "shrink"); None otherwise
+    ("0", another device, ``QSERVE_LORA_TRITON=0``). Made once per model by its owner (one per ``LoRAManager``),
     passed to the step's indices."""
     value = os.environ.get(OVERLAP_ENV) or "shrink"  # unset or empty: the default (measured faster, RESULTS)
     if value not in OVERLAP_MODES:
