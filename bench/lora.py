@@ -152,14 +152,12 @@ class Table:
         return "\n".join(self.lines + ([""] + self.notes if self.notes else [])) + "\n"
 
 
-def set_expand_block_n(block_n: int | None) -> None:
-    """``--expand-block-n``: the expand's N block for the next cases (None: the module's default)."""
-    from quant_kernels import lora_triton
-
-    default = getattr(set_expand_block_n, "default", lora_triton.EXPAND_BLOCK_N)
-    set_expand_block_n.default = default
-    lora_triton.EXPAND_BLOCK_N = default if block_n is None else block_n
-    lora_triton.expand_geometry.cache_clear()  # its block counts follow EXPAND_BLOCK_N
+def set_expand_block_n(block_n: str | None) -> None:
+    """``--expand-block-n``: QSERVE_LORA_EXPAND_BLOCK_N for the next cases (None: unset, the default)."""
+    if block_n is None:
+        os.environ.pop(lora_ops.EXPAND_BLOCK_N_ENV, None)
+    else:
+        os.environ[lora_ops.EXPAND_BLOCK_N_ENV] = block_n
 
 
 def run_case(
@@ -210,7 +208,9 @@ def run_case(
     if DEVICE == "cpu":  # the interpreter path: call the kernels' wrappers directly, as add_lora does on CUDA
         workspace = torch.empty(config.split_k, *h.shape, dtype=torch.float32)  # [split_k, T, S * R]
         lora_triton.lora_shrink(x, lora_a, *tiles, len(sizes), h, config, workspace, indices.tile_counters)
-        got = lora_triton.lora_expand(y.clone(), h, lora_b, *tiles, starts)
+        setting = lora_ops.expand_block_n_setting()  # the block add_lora would take on CUDA
+        block_n = lora_triton.expand_block_n(tiles[1].numel(), tuple(starts)) if setting == "auto" else int(setting)
+        got = lora_triton.lora_expand(y.clone(), h, lora_b, *tiles, starts, block_n)
     error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert error < 3e-2, f"kernel differs from the reference by {error:.2e} (relative)"
     eager_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, **knobs))
@@ -406,7 +406,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     parser.add_argument("--split-k", default="", help="comma list of shrink K splits to time (default: heuristic)")
     parser.add_argument(
-        "--expand-block-n", default="", help="comma list of expand N blocks to time (default: the module's)"
+        "--expand-block-n",
+        default="",
+        help="comma list of QSERVE_LORA_EXPAND_BLOCK_N values to time (64, 128, 256, auto; default: unset, 64)",
     )
     parser.add_argument("--block-k", default="", help="comma list of shrink K blocks to time (default: heuristic)")
     parser.add_argument("--e2e", action="store_true", help="engine decode throughput with adapters (issue 30)")
@@ -440,7 +442,7 @@ def main() -> None:
     tiny = args.tiny or DEVICE == "cpu"
     layers, cases = (TINY_LAYERS, TINY_CASES) if tiny else (LAYERS, CASES)
     splits = [int(v) for v in args.split_k.split(",") if v] or [None]
-    expand_ns = [int(v) for v in args.expand_block_n.split(",") if v] or [None]
+    expand_ns = [v for v in args.expand_block_n.split(",") if v] or [None]
     blocks = [int(v) for v in args.block_k.split(",") if v] or [None]
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (interpreter)"
@@ -453,8 +455,6 @@ def main() -> None:
             "|---|---|---|---:|---:|---:|---:|---:|---:|",
         ],
     )
-    from quant_kernels import lora_triton
-
     raw = []
     for name, (k, sizes) in layers.items():
         for label, rows, distinct, per_seq, graph_tiles in cases:
@@ -464,10 +464,10 @@ def main() -> None:
                     k, sizes, rows, distinct, per_seq, max(distinct, 2 if tiny else MAX_LORAS), dtype,
                     bandwidth, split_k, block_k, graph_tiles,
                 )  # fmt: skip
-                raw.append({"layer": name, "case": label, "expand_block_n": lora_triton.EXPAND_BLOCK_N} | result)
+                raw.append({"layer": name, "case": label, "expand_block_n": expand_n or "64"} | result)
                 table.add(
                     f"| {name} | {label} ({result['tiles']} tiles) | {result['split_k']} x {result['k_per_split']} | "
-                    f"{lora_triton.EXPAND_BLOCK_N} | "
+                    f"{expand_n or 64} | "
                     f"{result['triton_us']:.1f} | {result['eager_us']:.1f} | {result['reference_us']:.1f} | "
                     f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
                 )

@@ -71,6 +71,10 @@ TRITON_ENV = "QSERVE_LORA_TRITON"
 OVERLAP_ENV = "QSERVE_LORA_OVERLAP"
 OVERLAP_MODES = ("0", "shrink", "pair")
 SIDE_SPLIT_K_ENV = "QSERVE_LORA_SIDE_SPLIT_K"  # "auto" / unset: the heuristic; 1..32: the side shrink's K split
+# The expand's N block: unset / "64" (the default), "128", "256", or "auto" (lora_triton.expand_block_n's rule:
+# 256 for the widest grids; opt-in until a GPU test run with it on)
+EXPAND_BLOCK_N_ENV = "QSERVE_LORA_EXPAND_BLOCK_N"
+_EXPAND_BLOCK_N_VALUES = ("64", "128", "256", "auto")
 PAIR_MAX_ROWS = 512  # past it a "pair" call overlaps the shrink only (module doc)
 
 
@@ -311,7 +315,7 @@ def add_lora(
     if _triton_usable(x, lora_a, y, lora_b) and y.dtype in _KERNEL_DTYPES:  # both halves' checks at once
         plan = _launch_plan(x, lora_a, num_slices, indices, split_k, block_k)
         _launch_shrink(x, lora_a, num_slices, indices, plan, plan.h)
-        return _lora_triton().lora_expand(y, plan.h, lora_b, *_tiles(indices), slice_starts)
+        return _expand(y, plan.h, lora_b, indices, slice_starts)
     h = lora_shrink(x, lora_a, num_slices, indices, split_k=split_k, block_k=block_k)
     return lora_expand(y, h, lora_b, slice_starts, indices)
 
@@ -354,7 +358,7 @@ def begin_lora(
         _launch_shrink(x, lora_a, num_slices, indices, plan, plan.h)
         if delta is not None:
             delta.zero_()  # base rows: y + 0 is y
-            _lora_triton().lora_expand(delta, plan.h, lora_b, *_tiles(indices), slice_starts)
+            _expand(delta, plan.h, lora_b, indices, slice_starts)
     return PendingLoRA(plan.h, True, delta, plan.workspace)
 
 
@@ -403,8 +407,29 @@ def lora_expand(
 ) -> torch.Tensor:
     """The second half of ``add_lora``: ``y[t] += B[slot t](h[t])`` for rows with a slot."""
     if _triton_usable(y, h, lora_b):
-        return _lora_triton().lora_expand(y, h, lora_b, *_tiles(indices), slice_starts)
+        return _expand(y, h, lora_b, indices, slice_starts)
     return reference_lora.lora_expand(y, h, lora_b, indices.token_slots, slice_starts)
+
+
+def expand_block_n_setting() -> str:
+    """``QSERVE_LORA_EXPAND_BLOCK_N`` (unset or empty: "64"); anything but 64, 128, 256 or auto is refused."""
+    value = os.environ.get(EXPAND_BLOCK_N_ENV) or "64"
+    if value not in _EXPAND_BLOCK_N_VALUES:
+        raise ValueError(f"{EXPAND_BLOCK_N_ENV}={value!r}: expected one of {', '.join(_EXPAND_BLOCK_N_VALUES)}")
+    return value
+
+
+def _expand(
+    y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, indices: LoRAIndices, slice_starts: Sequence[int]
+) -> torch.Tensor:
+    """The Triton expand with the N block ``QSERVE_LORA_EXPAND_BLOCK_N`` asks for."""
+    setting, triton_ops = expand_block_n_setting(), _lora_triton()
+    starts = tuple(slice_starts)
+    if setting == "auto":
+        block_n = triton_ops.expand_block_n(indices.tile_offsets.shape[0], starts)
+    else:
+        block_n = int(setting)
+    return triton_ops.lora_expand(y, h, lora_b, *_tiles(indices), starts, block_n)
 
 
 def _launch_shrink(

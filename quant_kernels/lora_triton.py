@@ -31,7 +31,9 @@ Kernels
   slices laid end to end (a narrow k/v slice takes only its own blocks, no masked-out programs);
   the tile's ``[TILE_ROWS, R]`` of ``h`` times ``BLOCK_N`` rows of slice ``s`` of ``B``, added in fp32
   to the base output ``y`` (read, add, one rounding, write back: each row lives in one tile, so no
-  two programs write it).
+  two programs write it). ``BLOCK_N`` is 64 unless the caller asks for 128 or 256
+  (``lora_ops``' ``QSERVE_LORA_EXPAND_BLOCK_N``; its "auto" is ``expand_block_n``'s rule: 256 where a
+  64-column grid of a decode graph's padded tiles would pass ``WIDE_EXPAND_PROGRAMS`` programs).
 
 Why split-K: at decode a step has a handful of tiles, and a shrink program that walks all of K
 (5120 or 13824) alone is a serial chain of loads on one SM: 35-105 µs a layer on the H200 whatever
@@ -58,7 +60,13 @@ import triton.language as tl
 
 TILE_ROWS = 16  # rows per tile (the MMA's smallest M); lora_ops builds tiles of this size
 MAX_SLICES = 3  # = lora_ops.MAX_SLICES: a fused qkv; arrival counters per tile
-EXPAND_BLOCK_N = 64
+EXPAND_BLOCK_N = 64  # the expand's output block (the default; lora_ops' QSERVE_LORA_EXPAND_BLOCK_N picks another)
+EXPAND_BLOCK_NS = (64, 128, 256)
+# expand_block_n's rule: past this many programs in a 64-column grid, 256-column blocks. A decode graph at
+# batch 32 with 32 slots pads to 34 tiles: gate_up's 34 x 432 programs took 18.6 µs with 64-column
+# blocks, 14.2 with 256 (H100, bench/lora.py), while qkv (34 x 112), o and down were even and batch 1
+# (2 tiles) 0.2-1.0 µs slower with 256.
+WIDE_EXPAND_PROGRAMS = 8192
 # shrink_config's knobs (see there).
 SHRINK_BLOCK_K = 128
 PROGRAMS_PER_SM = 4
@@ -285,16 +293,29 @@ def _block_r(rank: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def expand_geometry(slice_starts: tuple[int, ...]) -> tuple[tuple[int, ...], int, int, int]:
-    """``(bounds, total, first1, first2)`` of an expand over the output slices ``slice_starts``:
-    the 4 slice bounds the kernel takes (missing slices empty at the end), the N blocks of all
-    slices together (the grid's second axis), and where slices 1 and 2 start among them (past the
-    grid for a slice that does not exist)."""
+def expand_block_n(num_tiles: int, slice_starts: tuple[int, ...]) -> int:
+    """The N block of an expand of ``num_tiles`` tiles (padding included) over ``slice_starts``: 256 where
+    64-column blocks would launch more than ``WIDE_EXPAND_PROGRAMS`` programs, else 64 (the rule behind
+    ``QSERVE_LORA_EXPAND_BLOCK_N=auto``; see ``WIDE_EXPAND_PROGRAMS`` for what it was fitted to)."""
+    programs = num_tiles * expand_geometry(slice_starts, EXPAND_BLOCK_N)[1]
+    return 256 if programs > WIDE_EXPAND_PROGRAMS else EXPAND_BLOCK_N
+
+
+@functools.lru_cache(maxsize=256)
+def expand_geometry(
+    slice_starts: tuple[int, ...], block_n: int = EXPAND_BLOCK_N
+) -> tuple[tuple[int, ...], int, int, int]:
+    """``(bounds, total, first1, first2)`` of an expand over the output slices ``slice_starts`` in
+    ``block_n``-column blocks: the 4 slice bounds the kernel takes (missing slices empty at the end), the
+    N blocks of all slices together (the grid's second axis), and where slices 1 and 2 start among them
+    (past the grid for a slice that does not exist)."""
     num_slices = len(slice_starts) - 1
     if not 1 <= num_slices <= MAX_SLICES:
         raise ValueError(f"lora_expand: 1 to {MAX_SLICES} output slices, got {num_slices}")
+    if block_n not in EXPAND_BLOCK_NS:
+        raise ValueError(f"lora_expand: block_n must be one of {EXPAND_BLOCK_NS}, got {block_n}")
     bounds = tuple(slice_starts) + (slice_starts[-1],) * (4 - len(slice_starts))
-    blocks = [-(-(slice_starts[i + 1] - slice_starts[i]) // EXPAND_BLOCK_N) for i in range(num_slices)]
+    blocks = [-(-(slice_starts[i + 1] - slice_starts[i]) // block_n) for i in range(num_slices)]
     total = sum(blocks)
     first1 = blocks[0] if num_slices > 1 else total
     first2 = blocks[0] + blocks[1] if num_slices > 2 else total
@@ -374,12 +395,13 @@ def lora_expand(
     tile_lens: torch.Tensor,  # int32 [G]
     tile_slots: torch.Tensor,  # int32 [G]
     slice_starts: Sequence[int],  # S + 1 bounds along N, S <= 3
+    block_n: int = EXPAND_BLOCK_N,  # one of EXPAND_BLOCK_NS (lora_ops chooses; expand_block_n's rule)
 ) -> torch.Tensor:
     """``y[row, slice s] += h[row, s*R:(s+1)*R] @ B[slot, slice s]^T`` for the rows of every tile."""
     num_tiles = tile_offsets.shape[0]
     if num_tiles == 0:
         return y
-    bounds, total, first1, first2 = expand_geometry(tuple(slice_starts))
+    bounds, total, first1, first2 = expand_geometry(tuple(slice_starts), block_n)
     rank = lora_b.shape[2]
     lora_expand_kernel[(num_tiles, total)](
         y,
@@ -399,7 +421,7 @@ def lora_expand(
         RANK=rank,
         BLOCK_M=TILE_ROWS,
         BLOCK_R=_block_r(rank),
-        BLOCK_N=EXPAND_BLOCK_N,
+        BLOCK_N=block_n,
         DOT_F32=_INTERPRET,
         num_warps=4,
     )

@@ -593,6 +593,15 @@ def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str) ->
                 y = torch.zeros(rows, starts[-1], dtype=dtype)  # [T, N]
                 with where(capture, f"LoRA kernels {dtype_name} K={k} {label}"):
                     lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, split_k=split_k)
+            # QSERVE_LORA_EXPAND_BLOCK_N's wider expand blocks ("auto" takes 256 for the widest grids)
+            for block_n in ("128", "256"):
+                x, y = torch.zeros(32, k, dtype=dtype), torch.zeros(32, starts[-1], dtype=dtype)
+                graph = lora_ops.indices_from_buffer(graph_buffer, 32, graph_tiles)
+                with (
+                    mock.patch.dict(os.environ, {lora_ops.EXPAND_BLOCK_N_ENV: block_n}),
+                    where(capture, f"LoRA kernels {dtype_name} K={k} expand block {block_n}, decode graph batch 32"),
+                ):
+                    lora_ops.add_lora(y, x, lora_a, lora_b, starts, graph)
             # QSERVE_LORA_OVERLAP=pair in a decode graph: the expand into the fp32 delta (a launch of its own
             # dtypes), through begin_lora / finish_lora; the streams stand in (no CUDA here), the launches are real
             pair = lora_ops.indices_from_buffer(

@@ -19,6 +19,7 @@ activation dtype.
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 from unittest import mock
 
@@ -65,7 +66,9 @@ def shrink(x, lora_a, tiles, num_slices, h, counters, split_k=None, block_k=None
     return lora_triton.lora_shrink(x, lora_a, *tiles, num_slices, h, config, workspace, counters), config
 
 
-def run_case(t, k, sizes, num_slots, rank, dtype, seed, pad_tiles: int = 0, split_k=None, block_k=None) -> None:
+def run_case(
+    t, k, sizes, num_slots, rank, dtype, seed, pad_tiles: int = 0, split_k=None, block_k=None, block_n=None
+) -> None:
     x, lora_a, lora_b, slots, y, starts = make_case(t, k, sizes, num_slots, rank, dtype, seed)
     indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
     mask = torch.from_numpy(slots >= 0).to(DEVICE)
@@ -85,7 +88,7 @@ def run_case(t, k, sizes, num_slots, rank, dtype, seed, pad_tiles: int = 0, spli
     assert not torch.isnan(h[mask]).any(), "rows with an adapter were not written"
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(h[mask].float(), h_ref[mask].float(), atol=atol, rtol=rtol)
-    out = lora_triton.lora_expand(y.clone(), h_ref, lora_b, *tiles, starts)
+    out = lora_triton.lora_expand(y.clone(), h_ref, lora_b, *tiles, starts, block_n or lora_triton.EXPAND_BLOCK_N)
     ref = reference_lora.lora_expand(y.clone(), h_ref, lora_b, indices.token_slots, starts)
     assert torch.equal(out[~mask], y[~mask]), "base rows of the output changed"
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
@@ -125,6 +128,74 @@ def test_split_k_shrink_matches_reference(t, k, sizes, num_slots, rank, split_k,
 def test_empty_padding_tiles_do_nothing(dtype) -> None:
     run_case(11, 48, [32, 16], 3, 8, dtype, seed=5, pad_tiles=4)
     run_case(11, 48, [32, 16], 3, 8, dtype, seed=6, pad_tiles=4, split_k=3, block_k=16)
+
+
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize(
+    "t,k,sizes,num_slots,rank",
+    [
+        (7, 64, [300, 40, 40], 3, 8),  # qkv: a slice past one 256 block, two narrower than one
+        (20, 96, [70], 2, 24),  # one slice narrower than the block
+    ],
+)
+def test_wide_expand_blocks_match_reference(t, k, sizes, num_slots, rank, block_n) -> None:
+    """QSERVE_LORA_EXPAND_BLOCK_N's wider blocks (128, 256; "auto" picks 256 for the widest grids): the
+    expand equals the reference, base rows untouched, padding tiles idle, masked slice tails."""
+    run_case(t, k, sizes, num_slots, rank, torch.float16, seed=t + block_n, pad_tiles=3, block_n=block_n)
+
+
+def test_expand_block_n_rule_and_setting(monkeypatch) -> None:
+    """``expand_block_n``: 256 only where 64-column blocks would launch more than WIDE_EXPAND_PROGRAMS
+    programs (Qwen2.5-14B's gate_up in a batch-32 decode graph with 32 slots, 34 tiles), else 64 (its qkv
+    there, any batch-1 graph); the setting: unset is 64, bad values are refused by name."""
+    gate_up, qkv = (0, 13824, 27648), (0, 5120, 6144, 7168)
+    graph_tiles = lora_ops.max_lora_tiles(32, 32)
+    assert graph_tiles == 34
+    assert lora_triton.expand_block_n(graph_tiles, gate_up) == 256
+    assert lora_triton.expand_block_n(graph_tiles, qkv) == 64
+    assert lora_triton.expand_block_n(lora_ops.max_lora_tiles(1, 32), gate_up) == 64
+    with pytest.raises(ValueError, match="block_n"):
+        lora_triton.expand_geometry(qkv, 32)
+    monkeypatch.delenv(lora_ops.EXPAND_BLOCK_N_ENV, raising=False)
+    assert lora_ops.expand_block_n_setting() == "64"
+    for value in ("64", "128", "256", "auto"):
+        monkeypatch.setenv(lora_ops.EXPAND_BLOCK_N_ENV, value)
+        assert lora_ops.expand_block_n_setting() == value
+    for bad in ("32", "512", "wide", "1"):
+        monkeypatch.setenv(lora_ops.EXPAND_BLOCK_N_ENV, bad)
+        with pytest.raises(ValueError, match=lora_ops.EXPAND_BLOCK_N_ENV):
+            lora_ops.expand_block_n_setting()
+
+
+def test_add_lora_launches_the_expand_block_the_setting_asks_for(monkeypatch) -> None:
+    """``add_lora`` hands the expand the setting's N block ("auto": the rule for the step's tile count)."""
+    seen = []
+    real = lora_triton.lora_expand
+    monkeypatch.setattr(lora_triton, "lora_expand", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(lora_ops.kdevice, "triton_serves", lambda device: True)  # the interpreter stands in
+    monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
+    x, lora_a, lora_b, slots, y, starts = make_case(5, 32, [40, 8], 2, 8, torch.float16, seed=3)
+    indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
+    monkeypatch.setattr(lora_triton, "WIDE_EXPAND_PROGRAMS", 1)  # any grid counts as wide
+    lora_triton.expand_block_n.cache_clear()
+    try:
+        for value, want in ((None, 64), ("128", 128), ("auto", 256)):
+            if value is None:
+                monkeypatch.delenv(lora_ops.EXPAND_BLOCK_N_ENV, raising=False)
+            else:
+                monkeypatch.setenv(lora_ops.EXPAND_BLOCK_N_ENV, value)
+            want_y = reference_lora.lora_expand(
+                y.clone(),
+                reference_lora.lora_shrink(x, lora_a, indices.token_slots, torch.empty(5, 16, dtype=x.dtype)),
+                lora_b,
+                indices.token_slots,
+                starts,
+            )
+            got = lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, indices)
+            assert seen[-1] == want, value
+            torch.testing.assert_close(got.float(), want_y.float(), atol=4e-3, rtol=4e-3)
+    finally:
+        lora_triton.expand_block_n.cache_clear()
 
 
 def test_split_k_is_deterministic_and_counters_are_reused() -> None:
@@ -437,9 +508,10 @@ def test_host_geometry_matches_triton_helpers() -> None:
     ``triton.next_power_of_2`` gave (the launch's constexprs and grid must not change)."""
     for n in range(1, 300):
         assert lora_triton._next_power_of_2(n) == triton.next_power_of_2(n)
-    for starts in ([0, 5120, 6144, 7168], [0, 13824, 27648], [0, 5120], [0, 70], [0, 1, 2]):
-        blocks = [triton.cdiv(b - a, lora_triton.EXPAND_BLOCK_N) for a, b in zip(starts, starts[1:])]
-        bounds, total, first1, first2 = lora_triton.expand_geometry(tuple(starts))
+    cases = ([0, 5120, 6144, 7168], [0, 13824, 27648], [0, 5120], [0, 70], [0, 1, 2])
+    for starts, block_n in itertools.product(cases, lora_triton.EXPAND_BLOCK_NS):
+        blocks = [triton.cdiv(b - a, block_n) for a, b in zip(starts, starts[1:])]
+        bounds, total, first1, first2 = lora_triton.expand_geometry(tuple(starts), block_n)
         assert bounds == tuple(starts) + (starts[-1],) * (4 - len(starts)) and total == sum(blocks)
         assert first1 == (blocks[0] if len(blocks) > 1 else total)
         assert first2 == (sum(blocks[:2]) if len(blocks) > 2 else total)
