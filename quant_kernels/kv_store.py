@@ -1,5 +1,5 @@
 """Where a step's new keys and values go in the paged cache, for an op that writes them on its way
-(the rotary launch with ``QSERVE_FUSED_ROPE_KV_STORE=1``; ``qserve.model.llama``).
+(the rotary launch unless ``QSERVE_FUSED_ROPE_KV_STORE=0``; ``qserve.model.llama``).
 
 Knows: the model-dtype paged cache layout (``[num_blocks, block_size, num_kv_heads, head_dim]``, as
 ``quant_kernels.reference.store_kv`` writes it) and what an op needs to store into it. Must not know:

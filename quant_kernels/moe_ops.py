@@ -298,7 +298,7 @@ def route_hidden(
     expert_start: int = 0,  # the first expert ``prepared`` holds (expert parallelism)
 ) -> Routing:
     """``route(F.linear(hidden, router_weight), ...)`` (the logits in the model dtype, as transformers
-    computes them). With ``QSERVE_FUSED_ROUTER_GEMM=1`` and a step that takes ``route``'s direct layout,
+    computes them). Unless ``QSERVE_FUSED_ROUTER_GEMM=0``, on a step that takes ``route``'s direct layout,
     the logits, the choice and the layout are one launch (``moe_router_triton.router_gemm_topk_blocks``)
     instead of the router GEMM's and the router's: one graph node fewer per MoE layer at decode. The
     same ``Routing`` either way, up to the logits' rounding (the kernel's fp32 sum runs in another order

@@ -20,8 +20,8 @@ results. The decoder passes it unless ``QSERVE_FUSED_QK_NORM_ROPE=0`` (measured 
 
 Where ``stores_kv`` (that same plain rotation), a caller may also hand it where the keys go
 (``kv_store``, a ``quant_kernels.kv_store.KVStore``: values, model-dtype paged caches, slots): the op
-then writes the rotated keys and the values there too, in the same launch on CUDA (the decoder under
-``QSERVE_FUSED_ROPE_KV_STORE=0``: one launch fewer a layer).
+then writes the rotated keys and the values there too, in the same launch on CUDA (the decoder does
+unless ``QSERVE_FUSED_ROPE_KV_STORE=0``: one launch fewer a layer).
 """
 
 from __future__ import annotations

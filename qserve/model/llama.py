@@ -151,7 +151,7 @@ class Attention(nn.Module):
         dtype: torch.dtype,  # the activations'
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """``(kv_cache, slot_mapping)`` for ``project_qkv`` to store the keys and values in the rotary's
-        launch (``QSERVE_FUSED_ROPE_KV_STORE=1``, a whole-head rotary, a cache in the activations' dtype:
+        launch (``QSERVE_FUSED_ROPE_KV_STORE`` not ``0``, a whole-head rotary, a cache in the activations' dtype:
         fp8 / int8 / int4 caches keep the attention's store); else None: the attention stores them."""
         if not self.fused_rope_kv_store or rotary is None or not rotary.stores_kv:
             return None

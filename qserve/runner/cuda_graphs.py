@@ -469,7 +469,7 @@ class DecodeGraphs:
 
     def _stage_lora(self, bucket: int, lora_slots: np.ndarray | None, pinned: bool) -> None:
         """Each row's slot (pad and base rows -1), the tiles padded with empty ones, zero counters: one
-        copy of the bucket's prefix of the buffer. With ``QSERVE_LORA_STAGE_ON_CHANGE=1``, nothing when the
+        copy of the bucket's prefix of the buffer. Unless ``QSERVE_LORA_STAGE_ON_CHANGE=0``, nothing when the
         buffer already holds this bucket's layout of these slots: a decode batch keeps its rows' adapters
         from step to step, and building the layout on the host was 0.35 ms of a batch-32 step's idle GPU
         time (bench/RESULTS.md, issue 30). Replays leave the buffer as staged: the split shrink's last

@@ -421,7 +421,7 @@ def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: st
     """The router's one-pair-per-block layout (``QSERVE_MOE_DIRECT_BLOCKS=32`` with
     ``QSERVE_FUSED_ROUTER=1``) as the MoE block runs it: ``moe_ops.route_hidden`` (F.linear, then the
     router kernel that also writes the blocks, ids made local for a rank's share; and again with the
-    opt-in ``QSERVE_FUSED_ROUTER_GEMM=1``: the one launch that also computes the logits) and
+    default ``QSERVE_FUSED_ROUTER_GEMM``: the one launch that also computes the logits) and
     ``moe_experts`` with that layout (the default MMA-operand kernel over T*k blocks, no sort launch).
     The grouped GEMMs' own specializations are those without the layout (``drive_moe_mma``): the new
     launches are the routers'."""
@@ -441,7 +441,7 @@ def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: st
             x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
             router = torch.zeros((num_experts, hidden), dtype=dtype)  # [E, H]: scores every rank's experts
             rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
-            for fused in ("0", "1"):  # the default two launches; QSERVE_FUSED_ROUTER_GEMM=1's one
+            for fused in ("0", "1"):  # QSERVE_FUSED_ROUTER_GEMM=0's two launches; the default one
                 label = f"MoE direct blocks{rank} {dtype_name} T={m}" + (" fused router GEMM" if fused == "1" else "")
                 with mock.patch.dict(os.environ, {moe_ops.FUSED_ROUTER_GEMM_ENV: fused}), where(capture, label):
                     with torch.inference_mode():
@@ -676,12 +676,12 @@ QK_NORM_ROPE_TOKENS = (1, 37)  # a batch-1 decode (the launch-bound step) and a 
 
 
 def drive_qk_norm_rope(capture: Capture, dtype: torch.dtype, dtype_name: str, pdl: bool) -> None:
-    """``QSERVE_FUSED_QK_NORM_ROPE=1`` (opt-in): ``Attention.project_qkv`` of a Qwen3-30B-A3B layer, its
+    """``QSERVE_FUSED_QK_NORM_ROPE`` (the default): ``Attention.project_qkv`` of a Qwen3-30B-A3B layer, its
     q_norm, k_norm and rotary as ``rotary_kernel``'s one ``QK_NORM`` launch on q/k views into the qkv
     output; with ``pdl`` also under ``QSERVE_ENABLE_PDL=1``. The qkv projection is dense here (a torch
     product, no launch) and no whole model is driven: the fused launch is the switch's only new one, and
     the ci tier has no q/k-norm model (a second model's drive would cost minutes of CI). Then
-    ``QSERVE_FUSED_ROPE_KV_STORE=1`` (opt-in): the same launch also storing the keys and values into a
+    ``QSERVE_FUSED_ROPE_KV_STORE`` (the default): the same launch also storing the keys and values into a
     model-dtype paged cache (``STORE_KV``), with the q/k norms in it and, under
     ``QSERVE_FUSED_QK_NORM_ROPE=0``, without them (the plain rotary every other model runs)."""
     from qserve.layers.linear import DenseLinearMethod
