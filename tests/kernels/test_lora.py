@@ -639,6 +639,27 @@ def test_begin_finish_lora_order_and_outputs(monkeypatch, pair) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=4e-3)
 
 
+def test_side_shrink_takes_the_overlaps_k_split(monkeypatch) -> None:
+    """``QSERVE_LORA_SIDE_SPLIT_K`` (``LoRAOverlap.split_k``): the side stream's shrink launches with that
+    split, not the heuristic's (which ``add_lora`` in order keeps), and the output is the reference's."""
+    _cpu_triton_branch(monkeypatch)
+    x, lora_a, lora_b, slots, y, starts = make_case(9, 256, [32, 16, 16], 3, 8, torch.float16, seed=4)
+    want = lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, lora_ops.build_lora_indices(slots, x.device))
+    _, side = _record_streams(monkeypatch, [])
+    lora_triton = lora_ops._lora_triton()
+    splits = []
+    launch = lora_triton.lora_shrink
+    monkeypatch.setattr(lora_triton, "lora_shrink", lambda *a: splits.append(a[8].split_k) or launch(*a))
+    heuristic = lora_triton.shrink_config(256, 9, 3, 3, 132).split_k
+    for side_split in (None, 4):
+        indices = lora_ops.build_lora_indices(slots, x.device, lora_ops.LoRAOverlap(side, False, side_split))
+        pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, indices)
+        got = lora_ops.finish_lora(y.clone(), pending, lora_b, starts, indices)
+        assert splits[-1] == (heuristic if side_split is None else side_split)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=4e-3)
+    assert heuristic != 4
+
+
 class _NoPlanCache(dict):
     """``LoRAIndices.plans`` as inside a CUDA-graph capture: every plan is made fresh, none kept."""
 
