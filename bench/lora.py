@@ -208,8 +208,7 @@ def run_case(
     if DEVICE == "cpu":  # the interpreter path: call the kernels' wrappers directly, as add_lora does on CUDA
         workspace = torch.empty(config.split_k, *h.shape, dtype=torch.float32)  # [split_k, T, S * R]
         lora_triton.lora_shrink(x, lora_a, *tiles, len(sizes), h, config, workspace, indices.tile_counters)
-        setting = lora_ops.expand_block_n_setting()  # the block add_lora would take on CUDA
-        block_n = lora_triton.expand_block_n(tiles[1].numel(), tuple(starts)) if setting == "auto" else int(setting)
+        block_n = lora_ops.expand_block_n(tiles[1].numel(), tuple(starts))  # the block add_lora takes on CUDA
         got = lora_triton.lora_expand(y.clone(), h, lora_b, *tiles, starts, block_n)
     error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert error < 3e-2, f"kernel differs from the reference by {error:.2e} (relative)"
@@ -429,9 +428,11 @@ def main() -> None:
         help="--e2e: comma list of QSERVE_LORA_SIDE_SPLIT_K values (auto, 1..32), one engine each per overlapping mode",
     )
     args = parser.parse_args()
-    bad_splits = [v for v in args.side_split_k.split(",") if v != "auto" and not (v.isdigit() and 1 <= int(v) <= 32)]
-    if bad_splits:
-        parser.error(f"--side-split-k {','.join(bad_splits)}: expected a comma list of auto and integers 1..32")
+    for value in args.side_split_k.split(","):
+        try:
+            lora_ops.parse_side_split_k(value)
+        except ValueError as error:
+            parser.error(f"--side-split-k: {error}")
     unknown = [mode for mode in args.overlap.split(",") if mode not in lora_ops.OVERLAP_MODES]
     if unknown:
         parser.error(f"--overlap {','.join(unknown)}: expected a comma list of {', '.join(lora_ops.OVERLAP_MODES)}")

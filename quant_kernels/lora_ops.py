@@ -224,7 +224,12 @@ def overlap_for(device: torch.device) -> LoRAOverlap | None:
 def side_split_k() -> int | None:
     """``QSERVE_LORA_SIDE_SPLIT_K``: the K split of a shrink launched beside the base GEMM; None (unset,
     empty or "auto") for ``shrink_config``'s heuristic. Anything but auto or 1..MAX_SPLIT_K is refused."""
-    value = os.environ.get(SIDE_SPLIT_K_ENV) or "auto"
+    return parse_side_split_k(os.environ.get(SIDE_SPLIT_K_ENV) or "auto")
+
+
+def parse_side_split_k(value: str) -> int | None:
+    """A ``QSERVE_LORA_SIDE_SPLIT_K`` value: None for "auto", else an integer 1..MAX_SPLIT_K (refused
+    otherwise, naming the variable)."""
     if value == "auto":
         return None
     if not value.isdigit() or not 1 <= int(value) <= _MAX_SPLIT_K:
@@ -423,13 +428,16 @@ def _expand(
     y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, indices: LoRAIndices, slice_starts: Sequence[int]
 ) -> torch.Tensor:
     """The Triton expand with the N block ``QSERVE_LORA_EXPAND_BLOCK_N`` asks for."""
-    setting, triton_ops = expand_block_n_setting(), _lora_triton()
     starts = tuple(slice_starts)
-    if setting == "auto":
-        block_n = triton_ops.expand_block_n(indices.tile_offsets.shape[0], starts)
-    else:
-        block_n = int(setting)
-    return triton_ops.lora_expand(y, h, lora_b, *_tiles(indices), starts, block_n)
+    block_n = expand_block_n(indices.tile_offsets.shape[0], starts)
+    return _lora_triton().lora_expand(y, h, lora_b, *_tiles(indices), starts, block_n)
+
+
+def expand_block_n(num_tiles: int, slice_starts: tuple[int, ...]) -> int:
+    """The Triton expand's N block for ``num_tiles`` tiles (padding included) over ``slice_starts``:
+    ``QSERVE_LORA_EXPAND_BLOCK_N``'s, "auto" through ``lora_triton.expand_block_n``'s rule."""
+    setting = expand_block_n_setting()
+    return _lora_triton().expand_block_n(num_tiles, slice_starts) if setting == "auto" else int(setting)
 
 
 def _launch_shrink(
