@@ -70,9 +70,13 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_ENV = "QSERVE_LORA_TRITON"
 OVERLAP_ENV = "QSERVE_LORA_OVERLAP"
 OVERLAP_MODES = ("0", "shrink", "pair")
-SIDE_SPLIT_K_ENV = "QSERVE_LORA_SIDE_SPLIT_K"  # "auto" / unset: the heuristic; 1..32: the side shrink's K split
-# The expand's N block: unset / "64" (the default), "128", "256", or "auto" (lora_triton.expand_block_n's rule:
-# 256 for the widest grids; opt-in until a GPU test run with it on)
+SIDE_SPLIT_K_ENV = "QSERVE_LORA_SIDE_SPLIT_K"  # unset: 4 (DEFAULT_SIDE_SPLIT_K); "auto": the heuristic; 1..32
+# The side shrink's default K split: 4 measured best beside the base GEMM (H100 2026-12-07 and H200
+# 2026-12-07: batch 32 x 8 adapters 0.73x -> 0.78x / 0.82x of the base; bench/RESULTS.md), the default
+# since the H200 smoke with it exported at 27649cd (971 passed)
+DEFAULT_SIDE_SPLIT_K = 4
+# The expand's N block: unset / "auto" (the default: lora_triton.expand_block_n's rule, 256 for the widest
+# grids; H200 2026-12-07: batch 32 x 8 0.82x -> 0.84x), "64", "128" or "256"
 EXPAND_BLOCK_N_ENV = "QSERVE_LORA_EXPAND_BLOCK_N"
 _EXPAND_BLOCK_N_VALUES = ("64", "128", "256", "auto")
 PAIR_MAX_ROWS = 512  # past it a "pair" call overlaps the shrink only (module doc)
@@ -84,8 +88,9 @@ class LoRAOverlap:
 
     stream: object
     pair: bool
-    # The side stream's shrink K split (``QSERVE_LORA_SIDE_SPLIT_K``); None: ``shrink_config``'s heuristic,
-    # which sizes the split to fill the card alone, while beside the base GEMM the shrink shares it
+    # The side stream's shrink K split (``overlap_for`` passes ``side_split_k()``: 4 unless
+    # QSERVE_LORA_SIDE_SPLIT_K says otherwise); None: ``shrink_config``'s heuristic, which sizes the split to
+    # fill the card alone, while beside the base GEMM the shrink shares it
     split_k: int | None = None
 
 
@@ -222,9 +227,10 @@ def overlap_for(device: torch.device) -> LoRAOverlap | None:
 
 
 def side_split_k() -> int | None:
-    """``QSERVE_LORA_SIDE_SPLIT_K``: the K split of a shrink launched beside the base GEMM; None (unset,
-    empty or "auto") for ``shrink_config``'s heuristic. Anything but auto or 1..MAX_SPLIT_K is refused."""
-    return parse_side_split_k(os.environ.get(SIDE_SPLIT_K_ENV) or "auto")
+    """``QSERVE_LORA_SIDE_SPLIT_K``: the K split of a shrink launched beside the base GEMM: unset or empty
+    ``DEFAULT_SIDE_SPLIT_K``; None ("auto") for ``shrink_config``'s heuristic, which sizes the split to
+    fill the card alone. Anything but auto or 1..MAX_SPLIT_K is refused."""
+    return parse_side_split_k(os.environ.get(SIDE_SPLIT_K_ENV) or str(DEFAULT_SIDE_SPLIT_K))
 
 
 def parse_side_split_k(value: str) -> int | None:
@@ -417,8 +423,8 @@ def lora_expand(
 
 
 def expand_block_n_setting() -> str:
-    """``QSERVE_LORA_EXPAND_BLOCK_N`` (unset or empty: "64"); anything but 64, 128, 256 or auto is refused."""
-    value = os.environ.get(EXPAND_BLOCK_N_ENV) or "64"
+    """``QSERVE_LORA_EXPAND_BLOCK_N`` (unset or empty: "auto"); anything but 64, 128, 256 or auto is refused."""
+    value = os.environ.get(EXPAND_BLOCK_N_ENV) or "auto"
     if value not in _EXPAND_BLOCK_N_VALUES:
         raise ValueError(f"{EXPAND_BLOCK_N_ENV}={value!r}: expected one of {', '.join(_EXPAND_BLOCK_N_VALUES)}")
     return value

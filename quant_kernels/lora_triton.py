@@ -31,8 +31,8 @@ Kernels
   slices laid end to end (a narrow k/v slice takes only its own blocks, no masked-out programs);
   the tile's ``[TILE_ROWS, R]`` of ``h`` times ``BLOCK_N`` rows of slice ``s`` of ``B``, added in fp32
   to the base output ``y`` (read, add, one rounding, write back: each row lives in one tile, so no
-  two programs write it). ``BLOCK_N`` is 64 unless the caller asks for 128 or 256
-  (``lora_ops``' ``QSERVE_LORA_EXPAND_BLOCK_N``; its "auto" is ``expand_block_n``'s rule: 256 where a
+  two programs write it). ``BLOCK_N`` is 64, 128 or 256, as the caller asks (``lora_ops``'
+  ``QSERVE_LORA_EXPAND_BLOCK_N``; its default "auto" is ``expand_block_n``'s rule: 256 where a
   64-column grid of a decode graph's padded tiles would pass ``WIDE_EXPAND_PROGRAMS`` programs).
 
 Why split-K: at decode a step has a handful of tiles, and a shrink program that walks all of K
@@ -60,7 +60,7 @@ import triton.language as tl
 
 TILE_ROWS = 16  # rows per tile (the MMA's smallest M); lora_ops builds tiles of this size
 MAX_SLICES = 3  # = lora_ops.MAX_SLICES: a fused qkv; arrival counters per tile
-EXPAND_BLOCK_N = 64  # the expand's output block (the default; lora_ops' QSERVE_LORA_EXPAND_BLOCK_N picks another)
+EXPAND_BLOCK_N = 64  # the expand's narrowest output block (expand_block_n's choice below the wide grids)
 EXPAND_BLOCK_NS = (64, 128, 256)
 # expand_block_n's rule: past this many programs in a 64-column grid, 256-column blocks. A decode graph at
 # batch 32 with 32 slots pads to 34 tiles: gate_up's 34 x 432 programs took 18.6 µs with 64-column

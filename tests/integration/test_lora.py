@@ -298,7 +298,7 @@ def test_gpu_overlapped_lora_gives_the_same_outputs(setup, monkeypatch) -> None:
     stream beside the base GEMM, eagerly (prompt steps) and in the decode graphs, for a batch of
     adapters and the base: "shrink" with the side split left to the heuristic makes the same launches in
     another order, so the same tokens and logprobs as without it; "pair" rounds the expand's sum at another
-    point (lora_ops' module doc), and "shrink" with QSERVE_LORA_SIDE_SPLIT_K=4 sums the shrink's fp32
+    point (lora_ops' module doc), and "shrink" with QSERVE_LORA_SIDE_SPLIT_K=4 (the default split) sums the shrink's fp32
     partials in other groups (h rounds differently: 1 failed, 30 passed when the bitwise check ran with
     it exported, H100, 2026-12-07), so for those two logprobs within fp16 noise and the same tokens but
     for a near-tie."""

@@ -147,7 +147,8 @@ def test_wide_expand_blocks_match_reference(t, k, sizes, num_slots, rank, block_
 def test_expand_block_n_rule_and_setting(monkeypatch) -> None:
     """``expand_block_n``: 256 only where 64-column blocks would launch more than WIDE_EXPAND_PROGRAMS
     programs (Qwen2.5-14B's gate_up in a batch-32 decode graph with 32 slots, 34 tiles), else 64 (its qkv
-    there, any batch-1 graph); the setting: unset is 64, bad values are refused by name."""
+    there, any batch-1 graph); the setting: unset is "auto" (the default since the H200 smoke with it
+    exported, 2026-12-07), bad values are refused by name."""
     gate_up, qkv = (0, 13824, 27648), (0, 5120, 6144, 7168)
     graph_tiles = lora_ops.max_lora_tiles(32, 32)
     assert graph_tiles == 34
@@ -157,7 +158,7 @@ def test_expand_block_n_rule_and_setting(monkeypatch) -> None:
     with pytest.raises(ValueError, match="block_n"):
         lora_triton.expand_geometry(qkv, 32)
     monkeypatch.delenv(lora_ops.EXPAND_BLOCK_N_ENV, raising=False)
-    assert lora_ops.expand_block_n_setting() == "64"
+    assert lora_ops.expand_block_n_setting() == "auto"
     for value in ("64", "128", "256", "auto"):
         monkeypatch.setenv(lora_ops.EXPAND_BLOCK_N_ENV, value)
         assert lora_ops.expand_block_n_setting() == value
@@ -168,7 +169,8 @@ def test_expand_block_n_rule_and_setting(monkeypatch) -> None:
 
 
 def test_add_lora_launches_the_expand_block_the_setting_asks_for(monkeypatch) -> None:
-    """``add_lora`` hands the expand the setting's N block ("auto": the rule for the step's tile count)."""
+    """``add_lora`` hands the expand the setting's N block ("auto", also when unset: the rule for the
+    step's tile count)."""
     seen = []
     real = lora_triton.lora_expand
     monkeypatch.setattr(lora_triton, "lora_expand", lambda *a: seen.append(a[-1]) or real(*a))
@@ -179,7 +181,7 @@ def test_add_lora_launches_the_expand_block_the_setting_asks_for(monkeypatch) ->
     monkeypatch.setattr(lora_triton, "WIDE_EXPAND_PROGRAMS", 1)  # any grid counts as wide
     lora_triton.expand_block_n.cache_clear()
     try:
-        for value, want in ((None, 64), ("128", 128), ("auto", 256)):
+        for value, want in ((None, 256), ("64", 64), ("128", 128), ("auto", 256)):  # unset: "auto"
             if value is None:
                 monkeypatch.delenv(lora_ops.EXPAND_BLOCK_N_ENV, raising=False)
             else:
@@ -541,16 +543,18 @@ def test_overlap_only_on_cuda_and_only_when_asked(monkeypatch) -> None:
 def test_overlap_is_the_side_shrink_by_default_on_cuda(monkeypatch) -> None:
     """On a CUDA device (a stand-in stream here) unset means "shrink" (measured faster in every row of the
     H100 run of 2026-12-07, bench/RESULTS.md); "0" turns it off; QSERVE_LORA_SIDE_SPLIT_K sets the side
-    shrink's K split and a bad value is refused by name, whether or not the overlap is on."""
+    shrink's K split (unset or empty: 4; "auto": the heuristic's) and a bad value is refused by name,
+    whether or not the overlap is on."""
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: ("side", device))
     cuda = torch.device("cuda")
     for env in (lora_ops.OVERLAP_ENV, lora_ops.SIDE_SPLIT_K_ENV):
         monkeypatch.delenv(env, raising=False)
-    assert lora_ops.overlap_for(cuda) == lora_ops.LoRAOverlap(("side", cuda), pair=False, split_k=None)
+    # unset: the side split 4 (the default since the H200 smoke with it exported, 2026-12-07)
+    assert lora_ops.overlap_for(cuda) == lora_ops.LoRAOverlap(("side", cuda), pair=False, split_k=4)
     monkeypatch.setenv(lora_ops.OVERLAP_ENV, "0")
     assert lora_ops.overlap_for(cuda) is None
     monkeypatch.setenv(lora_ops.OVERLAP_ENV, "pair")
-    for value, want in (("auto", None), ("", None), ("4", 4), ("32", 32)):
+    for value, want in (("auto", None), ("", 4), ("4", 4), ("8", 8), ("32", 32)):
         monkeypatch.setenv(lora_ops.SIDE_SPLIT_K_ENV, value)
         assert lora_ops.overlap_for(cuda) == lora_ops.LoRAOverlap(("side", cuda), pair=True, split_k=want)
     for mode in ("0", "pair"):
