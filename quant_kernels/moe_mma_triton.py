@@ -49,6 +49,21 @@ may be empty). A decode step of Qwen3-30B-A3B launches only ~8 pair blocks x 24 
   find it zero) elects the last program, which sums the slots (``.cg`` loads after the counter's
   acquire) and runs the usual epilogue. One launch; same launch count per layer as without split.
 
+``QSERVE_MOE_FUSED_CAST=1`` (``fused_cast_requested``; opt-in until a GPU test run with it on): the
+down launch also writes the layer's output in the activation dtype, so no torch cast follows it (one
+launch fewer a layer: 48 graph nodes of ~1 µs each and their gaps in a Qwen3-30B-A3B decode step, the
+H200 profile of 2026-12-07). Every program of a column tile (all pair blocks and K shares, idle blocks
+included) arrives on that tile's counter (``split_counters``, which gate_up left zero) after its atomic
+adds; the last reads the tile's fp32 sums for all T rows (``.cg``) and stores them rounded, the same
+rounding the torch cast made, then resets the counter.
+
+PDL (``QSERVE_ENABLE_PDL=1``, ``quant_kernels.pdl``): both split-K launches wait for the kernel before
+them and then let the next one start. gate_up's experts come from the router right before it, so it
+reads nothing before the wait; down's blocks were written by that router, which is complete once every
+gate_up program has passed its own wait (the only way down can start), so down reads its block's
+expert id (``.cg``) and prefetches its first ``num_stages`` K-tiles into L2 before waiting, as the
+dense kernel does.
+
 ``QSERVE_MOE_SPLIT_K`` (``split_k_setting``, read where ``default_config`` is chosen): unset,
 empty or "auto" (the default): ``default_config`` picks a split while an expert gets <= 2 pairs
 (decode); "0" or "1": off, exactly the launches without split-K; N >= 2: that split; anything
@@ -69,14 +84,16 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quant_kernels import device as kdevice
 from quant_kernels import moe_reference
 from quant_kernels import w4a16_mma_triton as mma
 from quant_kernels.moe_layout import StackedQuantWeight
 from quant_kernels.moe_triton import block_layout, grouped_moe  # the sort or given blocks, buffers, the sum
+from quant_kernels.pdl import launch_options
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_zeros
-from quant_kernels.w4a16_mma_triton import _accumulate, _block_k_ok
+from quant_kernels.w4a16_mma_triton import _accumulate, _block_k_ok, _prefetch_l2
 
 # Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and bf16 dots are unreliable in the
 # interpreter: the launcher passes FAST=False / DOT_F32=True there, as the dense kernel does.
@@ -428,6 +445,13 @@ def moe_mma_split_kernel(
     OUT_ROW_DIV: tl.constexpr,  # down: top_k (output row = pair // top_k, the k-way sum)
     ZERO_OUT: tl.constexpr,  # gate_up zeroes the down launch's output first
     ZERO_BLOCK: tl.constexpr = 256,
+    # down with QSERVE_MOE_FUSED_CAST: each column tile's last program to arrive (cnt_ptr: one counter a
+    # tile) writes the tile's finished fp32 sums to cast_ptr ([T, H], the activation dtype)
+    CAST_OUT: tl.constexpr = False,
+    cast_ptr=None,
+    CAST_ROWS: tl.constexpr = 16,
+    USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl): the wait before any read or write
+    PDL_TILES: tl.constexpr = 0,  # down: K-tiles of the block's expert weights prefetched into L2 before it
 ):
     """The split-K launch (grid ``(pair blocks, column tiles, split_k)``): program ``z`` sums
     its share of the K-tiles; gate_up reduces the shares in each tile's last program, down adds them
@@ -435,6 +459,18 @@ def moe_mma_split_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if USE_PDL:
+        if PDL_TILES > 0:
+            # The down launch follows gate_up, which waits for the router before its programs let this
+            # launch start: the router's blocks are final here (read from L2, .cg: no L1 line of an earlier
+            # layer's), and the weights are read-only, so the block's first K-tiles can stream into L2
+            # while gate_up finishes. Nothing is written before the wait.
+            _prefetch_expert_tiles(
+                qw_ptr, expert_ids_ptr, num_padded_ptr, pid_m, pid_n, pid_k, split_k, K, stride_qe, stride_qr,
+                BITS, BLOCK_M, BLOCK_N, BLOCK_K, PDL_TILES,
+            )  # fmt: skip
+        gdc_wait()
+        gdc_launch_dependents()
     if ZERO_OUT:
         # Before the early return below: every program of the grid takes a share (grid-stride), so
         # the down launch that follows in the stream finds its accumulator zero without a memset launch.
@@ -445,6 +481,10 @@ def moe_mma_split_kernel(
             tl.store(zero_ptr + offs_z, tl.zeros((ZERO_BLOCK,), dtype=tl.float32), mask=offs_z < zero_numel)
     num_padded = tl.load(num_padded_ptr)
     if pid_m * BLOCK_M >= num_padded:
+        if CAST_OUT:  # an idle block still arrives: its tile's last program casts
+            _arrive_then_cast(
+                cnt_ptr, c_ptr, cast_ptr, pid_n, num_pairs // OUT_ROW_DIV, N_out, stride_cm, BLOCK_N, CAST_ROWS
+            )
         return
     pairs, valid, a_rows, expert, offs_out, offs_n, mask_n, rows = _tile_rows_cols(
         sorted_ids_ptr, expert_ids_ptr, pid_m, pid_n, N_total, num_pairs, up_offset, A_ROW_DIV, SILU_MUL,
@@ -490,8 +530,78 @@ def moe_mma_split_kernel(
                 c_ptr + out_rows[:, None] * stride_cm + offs_out[None, :],
                 tl.trans(res),
                 mask=valid[:, None] & (offs_out < N_out)[None, :],
-                sem="relaxed",  # the kernel's end orders the adds before the cast that reads them
+                sem="relaxed",  # the kernel's end (CAST_OUT: the counter's release) orders them before the cast
             )
+        if CAST_OUT:
+            _arrive_then_cast(
+                cnt_ptr, c_ptr, cast_ptr, pid_n, num_pairs // OUT_ROW_DIV, N_out, stride_cm, BLOCK_N, CAST_ROWS
+            )
+
+
+@triton.jit
+def _arrive_then_cast(
+    cnt_ptr,  # int32 [>= column tiles]: arrival counters, zero between launches
+    acc_ptr,  # fp32 [T, H]: the down launch's accumulator
+    out_ptr,  # [T, H], the activation dtype, same strides
+    pid_n,
+    num_rows,  # T
+    N_out,
+    stride_m,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """The down launch's cast, fused (``CAST_OUT``): every program of column tile ``pid_n`` (all pair
+    blocks and K shares, idle ones included) arrives once after its atomic adds; the last one reads the
+    tile's fp32 sums of all ``T`` rows and writes them in the activation dtype, the rounding the
+    separate cast made, and resets the counter for the next launch (and graph replay)."""
+    # Ordering as the gate_up tile's: the barrier orders every thread's adds before the counter's
+    # gpu-scope release; the last program's acquire then sees them all, its .cg loads from L2.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(2) - 1:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        col_ok = cols < N_out
+        for r0 in range(0, num_rows, ROWS):
+            r = r0 + tl.arange(0, ROWS)  # [ROWS]
+            offs = r.to(tl.int64)[:, None] * stride_m + cols[None, :]  # [ROWS, BN]
+            mask = (r < num_rows)[:, None] & col_ok[None, :]
+            total = tl.load(acc_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _prefetch_expert_tiles(
+    qw_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    pid_m,
+    pid_n,
+    pid_k,
+    split_k,
+    K,
+    stride_qe,
+    stride_qr,
+    BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    """Before a PDL wait: the first ``TILES`` K-tiles of this program's share of its block's expert
+    weight (storage rows of column tile ``pid_n``) into L2 (``w4a16_mma_triton._prefetch_l2``), if
+    the block has pairs (``num_padded``) and its share of K is not empty."""
+    num_padded = tl.load(num_padded_ptr, cache_modifier=".cg")
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(num_k_tiles, split_k)
+    kt_start = pid_k * per
+    kt_end = tl.minimum(kt_start + per, num_k_tiles)
+    if (pid_m * BLOCK_M < num_padded) & (kt_end > kt_start):
+        expert = tl.load(expert_ids_ptr + pid_m, cache_modifier=".cg").to(tl.int64)
+        WORDS: tl.constexpr = BLOCK_K * 4 // (32 // BITS)  # int32 words of one K-tile per storage row
+        rows = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)  # [BN / 4] storage rows
+        nbytes = tl.minimum(kt_end - kt_start, TILES) * (WORDS * 4)
+        _prefetch_l2(qw_ptr + expert * stride_qe + rows * stride_qr + kt_start * WORDS, nbytes)
 
 
 @dataclass(frozen=True)
@@ -509,6 +619,20 @@ MAX_AUTO_SPLIT = 8
 # Programs per SM the automatic split aims for at decode (the measured H100 decode grid, ~192 / ~256
 # programs on 132 SMs, reads its weights at ~1/4 of the bandwidth floor: each program walks all of K).
 AUTO_PROGRAMS_PER_SM = 4
+
+
+FUSED_CAST_ENV = "QSERVE_MOE_FUSED_CAST"  # "1": the split-K down launch casts its own output; unset / "0": off
+
+
+def fused_cast_requested() -> bool:
+    """``QSERVE_MOE_FUSED_CAST``: "1" makes the split-K down launch write the layer's output in the
+    activation dtype itself (each column tile's last program; ``_arrive_then_cast``), one launch fewer
+    a layer than the torch cast after it; unset, empty or "0": off (opt-in until a GPU test run with it on).
+    Anything else is refused."""
+    value = os.environ.get(FUSED_CAST_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{FUSED_CAST_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 def split_k_setting() -> int | str:
@@ -605,6 +729,7 @@ def _launch(
     config: MoEMmaConfig,
     out_row_div: int = 1,  # split-K down: top_k (the k-way sum into ``out``'s token rows)
     zero_out: torch.Tensor | None = None,  # split-K gate_up: the down launch's fp32 [T, H] output, zeroed here
+    cast_out: torch.Tensor | None = None,  # split-K down: [T, H] in x's dtype, ``out`` cast by the launch itself
 ) -> None:
     """``moe_mma_kernel`` (``config.split_k == 1``: the launch of 890e2ef, unchanged) or
     ``moe_mma_split_kernel``, which takes the same arguments first, then its own."""
@@ -640,10 +765,19 @@ def _launch(
         cnt = split_counters(a.device, grid[0] * grid[1])
     elif out.dtype != torch.float32 or out_row_div < 1:
         raise ValueError("split-K down launch: out must be the zeroed float32 [T, H] accumulator")
+    extra = {}
+    if cast_out is not None:
+        if silu_mul or cast_out.shape != out.shape or cast_out.stride() != out.stride():
+            raise ValueError("split-K down launch: cast_out must be [T, H] with the accumulator's strides")
+        cnt = split_counters(a.device, grid[1])  # one a column tile (gate_up left them zero)
+        extra = dict(CAST_OUT=True, cast_ptr=cast_out)
+    pdl = launch_options(a.device)
+    if pdl and not silu_mul:  # down: its blocks are known before the wait (the kernel's PDL comment)
+        extra["PDL_TILES"] = config.num_stages
     zero = zero_out if zero_out is not None else kdevice.placeholder(a.device, torch.float32)
     moe_mma_split_kernel[(*grid, split)](
         *args, ws, cnt, zero, 0 if zero_out is None else zero_out.numel(), split, stride_wsk, stride_wsm,
-        OUT_ROW_DIV=out_row_div, ZERO_OUT=zero_out is not None, **meta,
+        OUT_ROW_DIV=out_row_div, ZERO_OUT=zero_out is not None, **meta, **extra, **pdl,
     )  # fmt: skip
 
 
@@ -714,11 +848,12 @@ def _split_k_moe(
         x, w_gate_up, act, inter, weights, sorted_ids, expert_ids, num_padded, num_pairs, top_k, True, config,
         zero_out=acc,
     )  # fmt: skip
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device) if fused_cast_requested() else None
     _launch(
         act, w_down, acc, hidden, weights, sorted_ids, expert_ids, num_padded, num_pairs, 1, False, config,
-        out_row_div=top_k,
+        out_row_div=top_k, cast_out=out,
     )  # fmt: skip
-    return acc.to(x.dtype)
+    return acc.to(x.dtype) if out is None else out
 
 
 def compile_for(
@@ -730,12 +865,15 @@ def compile_for(
     kwidth: int = 2,
     group_size: int = 128,
     top_k: int = 8,
+    cast: bool = False,
+    pdl: bool = False,
 ):
     """``moe_mma_kernel`` compiled for ``sm_<arch>`` without a GPU (``triton.compile`` with a
     ``GPUTarget``), with the argument types the launcher passes and the JIT's 16-byte
     specialization: ``.asm["ptx"]`` is what tests/kernels/test_moe_mma_ptx.py reads. ``cfg.split_k``
     > 1: ``moe_mma_split_kernel``'s launch (gate_up zeroing the down launch's accumulator; down into
-    fp32)."""
+    fp32; ``cast``: down writing its output in the activation dtype too; ``pdl``: launched with PDL,
+    down prefetching its expert tiles before the wait)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -773,7 +911,13 @@ def compile_for(
     if split:  # down always weights its partials: no MUL_WEIGHT
         pointers.update(c_ptr=f"*{dtype}" if silu_mul else "*fp32", ws_ptr="*fp32", cnt_ptr="*i32", zero_ptr="*fp32")
         del constants["MUL_WEIGHT"]
-        constants.update(OUT_ROW_DIV=1 if silu_mul else top_k, ZERO_OUT=silu_mul, ZERO_BLOCK=256)
+        constants.update(OUT_ROW_DIV=1 if silu_mul else top_k, ZERO_OUT=silu_mul, ZERO_BLOCK=256, CAST_ROWS=16)
+        cast = cast and not silu_mul
+        constants.update(CAST_OUT=cast, USE_PDL=pdl, PDL_TILES=cfg.num_stages if pdl and not silu_mul else 0)
+        if cast:
+            pointers["cast_ptr"] = f"*{dtype}"
+        else:
+            constants["cast_ptr"] = None
     signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in fn.arg_names}
     aligned = [
         (i,)

@@ -176,6 +176,7 @@ def prepare_experts(
         from quant_kernels import moe_mma_triton  # noqa: PLC0415
 
         moe_mma_triton.split_k_setting()  # a misspelt QSERVE_MOE_SPLIT_K stops the load, not the first step
+        moe_mma_triton.fused_cast_requested()  # and so does a misspelt QSERVE_MOE_FUSED_CAST
         if moe_mma_triton.supports(gate_up, down):
             return PreparedExperts(
                 "mma",

@@ -44,6 +44,8 @@ loads, reset by that program for the next launch and graph replay) runs the same
 as ``router_topk_blocks_kernel`` (one ``@triton.jit`` helper, ``_topk_blocks_store``) on all the
 ``[T_PAD, BLOCK_E]`` logits. No host sync, CUDA-graph safe
 (untuned: ``ROUTER_GEMM_PROGRAMS``, 4 warps where the top-k above runs in one at decode).
+With ``QSERVE_ENABLE_PDL=1`` (``quant_kernels.pdl``) it launches with PDL: each program prefetches its
+router rows into L2 (read-only weights) before it waits for the norm that makes ``hidden``.
 """
 
 from __future__ import annotations
@@ -51,8 +53,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quant_kernels import device as kdevice
+from quant_kernels.pdl import launch_options
+from quant_kernels.w4a16_mma_triton import _prefetch_l2
 
 
 @triton.jit
@@ -203,12 +208,21 @@ def router_gemm_topk_blocks_kernel(
     BLOCK_H: tl.constexpr,  # hidden columns per step of the dot products
     BLOCK_M: tl.constexpr,  # the grouped GEMM's rows per block
     RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl)
+    PDL_ROW_BYTES: tl.constexpr = 0,  # > 0: each router row's bytes, prefetched into L2 before the wait
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = tl.arange(0, T_PAD)
     row_ok = rows < num_tokens  # [T_PAD]
     group = pid * BLOCK_EG + tl.arange(0, BLOCK_EG)  # [BLOCK_EG] this program's experts
     group_ok = group < num_experts
+    if USE_PDL:
+        # The router's weight is read-only: this program's rows stream into L2 while the kernel before
+        # (the norm that makes ``hidden``) still runs. Nothing else is read, nothing written, before the wait.
+        if PDL_ROW_BYTES > 0:
+            _prefetch_l2(router_ptr + tl.where(group_ok, group, 0).to(tl.int64) * stride_re, PDL_ROW_BYTES)
+        gdc_wait()
+        gdc_launch_dependents()
     offs_h = tl.arange(0, BLOCK_H)
     # A handful of tokens: fp32 FMAs over a [T_PAD, BLOCK_EG, BLOCK_H] broadcast, no tensor cores (an MMA
     # tile would be mostly padding); the program's time is its BLOCK_EG router rows' read.
@@ -410,5 +424,17 @@ def router_gemm_topk_blocks(
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_EG=block_eg, BLOCK_H=block_h, BLOCK_M=block_m,
         RENORMALIZE=renormalize,
         num_warps=4,  # untuned: the weight read wants many loads in flight; the last program's top-k crosses 4 warps
+        **_pdl_options(w),
     )  # fmt: skip
     return weights, ids, sorted_ids, expert_ids, num_padded, logits
+
+
+def _pdl_options(router_weight: torch.Tensor) -> dict[str, object]:
+    """``quant_kernels.pdl``'s launch options, with the L2 prefetch of the router rows when every row
+    starts 16-byte aligned and is a whole number of 16-byte lines (the bulk prefetch's rule)."""
+    options: dict[str, object] = launch_options(router_weight.device)
+    row_bytes = router_weight.shape[1] * router_weight.element_size()
+    aligned = router_weight.data_ptr() % 16 == 0 and (router_weight.stride(0) * router_weight.element_size()) % 16 == 0
+    if options and aligned and row_bytes % 16 == 0:
+        options["PDL_ROW_BYTES"] = row_bytes
+    return options

@@ -374,7 +374,7 @@ def _run_mma_experts(capture: Capture, prepared, m: int, ep: bool, dtype: torch.
         moe_ops.moe_experts(x, prepared, weights, ids)
 
 
-def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str, pdl: bool = False) -> None:
     """The fused MoE kernels (``QSERVE_MOE_KERNEL=fused``: the token sort, gate_up, down) through
     ``moe_ops``' dispatch, with the ids the MoE block passes (int32 from ``select_experts``), for all
     the experts and for one expert-parallel rank's share (``skip_foreign``: one more sort group)."""
@@ -409,7 +409,7 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
         with mock.patch.dict(os.environ, {moe_ops.FUSED_ROUTER_ENV: "1"}):
             with where(capture, f"MoE router {dtype_name} T={m}"), torch.inference_mode():
                 moe_ops.select_experts(torch.zeros((m, num_experts), dtype=dtype), top_k, True)
-    drive_moe_mma(capture, dtype, dtype_name)
+    drive_moe_mma(capture, dtype, dtype_name, pdl)
 
 
 # (tokens, one expert-parallel rank's share): QSERVE_MOE_DIRECT_BLOCKS=32 (the default) at Qwen3-30B-A3B's top-8 serves 1-4
@@ -417,7 +417,7 @@ def drive_moe(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
 MOE_DIRECT_CASES = [(1, False), (4, True)]
 
 
-def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: str, pdl: bool = False) -> None:
     """The router's one-pair-per-block layout (``QSERVE_MOE_DIRECT_BLOCKS=32`` with
     ``QSERVE_FUSED_ROUTER=1``) as the MoE block runs it: ``moe_ops.route_hidden`` (F.linear, then the
     router kernel that also writes the blocks, ids made local for a rank's share; and again with the
@@ -441,16 +441,20 @@ def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: st
             x = torch.zeros((m, hidden), dtype=dtype)  # [T, H]
             router = torch.zeros((num_experts, hidden), dtype=dtype)  # [E, H]: scores every rank's experts
             rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
-            for fused in ("0", "1"):  # QSERVE_FUSED_ROUTER_GEMM=0's two launches; the default one
+            # QSERVE_FUSED_ROUTER_GEMM=0's two launches; the default one; with ``pdl`` the default one again
+            # under QSERVE_ENABLE_PDL=1 (the router rows prefetched into L2 before the wait)
+            for fused, pdl_env in (("0", "0"), ("1", "0"), *((("1", "1"),) if pdl else ())):
                 label = f"MoE direct blocks{rank} {dtype_name} T={m}" + (" fused router GEMM" if fused == "1" else "")
-                with mock.patch.dict(os.environ, {moe_ops.FUSED_ROUTER_GEMM_ENV: fused}), where(capture, label):
+                label += " PDL" if pdl_env == "1" else ""
+                env = {moe_ops.FUSED_ROUTER_GEMM_ENV: fused, "QSERVE_ENABLE_PDL": pdl_env}
+                with mock.patch.dict(os.environ, env), where(capture, label):
                     with torch.inference_mode():
                         routing = moe_ops.route_hidden(x, router, top_k, True, prepared, local_experts if ep else 0)
                         assert routing.layout is not None, "the router's block layout was not taken"
                         moe_ops.moe_experts(x, prepared, routing.weights, routing.ids, routing.layout)
 
 
-def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str, pdl: bool = False) -> None:
     """The MMA-operand MoE kernel (the default; ``QSERVE_MOE_KERNEL`` unset) through ``moe_ops``'
     dispatch, at the same shapes and token counts, symmetric and with AWQ-style zeros, and one
     expert-parallel rank's share (the experts shuffled to the simulated GPU's k-width at load, as a
@@ -473,7 +477,7 @@ def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None
             rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
             label = f"MoE MMA kernel{rank} {dtype_name} {'sym' if sym else 'asym'} T={m}"
             _run_mma_experts(capture, prepared, m, ep, dtype, label)
-    drive_moe_mma_split(capture, dtype, dtype_name)
+    drive_moe_mma_split(capture, dtype, dtype_name, pdl)
 
 
 # (QSERVE_MOE_SPLIT_K, symmetric, one expert-parallel rank's share, tokens): "auto" at one token is
@@ -481,18 +485,26 @@ def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None
 MOE_SPLIT_CASES = [("auto", True, False, 1), ("2", False, True, 32)]
 
 
-def drive_moe_mma_split(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+def drive_moe_mma_split(capture: Capture, dtype: torch.dtype, dtype_name: str, pdl: bool = False) -> None:
     """The MMA-operand MoE kernel's split-K launches (``QSERVE_MOE_SPLIT_K``, "auto" by default) through
     ``moe_ops``' dispatch: gate_up with its workspace, arrival counters and the zeroing of the down
-    launch's float32 accumulator; down adding into that accumulator."""
+    launch's float32 accumulator; down adding into that accumulator; the first case again with the
+    opt-in ``QSERVE_MOE_FUSED_CAST=1`` (down writing the layer's output itself) and, with ``pdl``, also
+    under ``QSERVE_ENABLE_PDL=1`` (both launches wait; down prefetches its expert tiles first)."""
     from quant_kernels import moe_mma_triton, moe_ops
 
     hidden, num_experts, top_k, inter = MOE_SHAPE
     local_experts = num_experts // MOE_EP_RANKS
-
-    for split, sym, ep, m in MOE_SPLIT_CASES:
+    first = MOE_SPLIT_CASES[0]
+    variants = (
+        [(case, "0", "0") for case in MOE_SPLIT_CASES] + [(first, "1", "0")] + ([(first, "1", "1")] if pdl else [])
+    )
+    for (split, sym, ep, m), cast, pdl_env in variants:
         experts = local_experts if ep else num_experts
-        env = {moe_ops.MOE_KERNEL_ENV: "", moe_mma_triton.SPLIT_K_ENV: split}
+        env = {
+            moe_ops.MOE_KERNEL_ENV: "", moe_mma_triton.SPLIT_K_ENV: split, moe_mma_triton.FUSED_CAST_ENV: cast,
+            "QSERVE_ENABLE_PDL": pdl_env,
+        }  # fmt: skip
         with mock.patch.dict(os.environ, env):
             prepared = moe_ops.prepare_experts(
                 _zero_experts(hidden, 2 * inter, experts, sym),
@@ -502,6 +514,7 @@ def drive_moe_mma_split(capture: Capture, dtype: torch.dtype, dtype_name: str) -
             assert prepared.kind == "mma", "the MMA-operand MoE kernel was not selected"
             rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
             label = f"MoE MMA kernel split-K {split}{rank} {dtype_name} {'sym' if sym else 'asym'} T={m}"
+            label += (" fused cast" if cast == "1" else "") + (" PDL" if pdl_env == "1" else "")
             _run_mma_experts(capture, prepared, m, ep, dtype, label)
 
 
@@ -789,9 +802,10 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
                     f"{len(capture.launches)} distinct launches so far, {capture.compile_seconds:.0f} s compiling")  # fmt: skip
             if gpu.arch >= 90 or plan["consumer_models"] is None:
                 drive_formats(capture, dtype, dtype_name, plan["formats"])
-            drive_moe(capture, dtype, dtype_name)
-            drive_moe_direct_blocks(capture, dtype, dtype_name)
-            drive_qk_norm_rope(capture, dtype, dtype_name, pdl=gpu.arch >= 90 and dtype_name in plan["pdl_dtypes"])
+            pdl = gpu.arch >= 90 and dtype_name in plan["pdl_dtypes"]
+            drive_moe(capture, dtype, dtype_name, pdl)
+            drive_moe_direct_blocks(capture, dtype, dtype_name, pdl)
+            drive_qk_norm_rope(capture, dtype, dtype_name, pdl=pdl)
             drive_attn_fused_reduce(capture, dtype, dtype_name)
     return capture
 

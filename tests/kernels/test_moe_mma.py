@@ -195,6 +195,88 @@ def test_split_k_matches_reference(split, sym, dtype, poisoned) -> None:
     assert not moe_mma.split_counters(x.device, 1).any(), "a tile's arrival counter was left set"
 
 
+@pytest.mark.parametrize("split,tokens", [(2, 5), (4, 1), (3, 7)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_fused_cast_is_the_torch_cast(monkeypatch, split, tokens, dtype, poisoned) -> None:
+    """QSERVE_MOE_FUSED_CAST=1: the split-K down launch writes the layer's output in the activation dtype
+    itself (each column tile's last program, idle pair blocks arriving too): the torch cast of the fp32
+    accumulator (the interpreter runs the programs in one order, so the atomic sums are the same;
+    ``assert_cast_of``), for the tokens of a direct layout's decode (every block one pair) and a sorted one with
+    padding blocks; the counters are left zero, and a second call gives the same bits."""
+    w13, w2 = layer(8, 320, 192, 64, dtype == torch.float16, dtype, seed=101 + split)
+    x, weights, ids = routing(tokens, 8, 2, 320, dtype, seed=102 + split)
+    p13, p2 = moe_mma.prepare_stacked(w13), moe_mma.prepare_stacked(w2)
+    config = moe_mma.MoEMmaConfig(16, 64, split_k=split)
+    monkeypatch.delenv(moe_mma.FUSED_CAST_ENV, raising=False)
+    want = moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, ids, config)
+    casts = []
+    real = moe_mma._launch
+    monkeypatch.setattr(moe_mma, "_launch", lambda *a, **kw: casts.append(kw.get("cast_out")) or real(*a, **kw))
+    monkeypatch.setenv(moe_mma.FUSED_CAST_ENV, "1")
+    got = moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, ids, config)
+    assert casts[-1] is got, "the down launch did not write the output itself"
+    assert_cast_of(got, want)
+    assert not moe_mma.split_counters(x.device, 1 << 10).any(), "a column tile's arrival counter was left set"
+    assert torch.equal(moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, ids, config), got)
+
+
+def assert_cast_of(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp16: the same bits. bf16: within one bf16 unit in the last place, toward zero: the interpreter
+    converts fp32 to bf16 by truncation where torch and the GPU (cvt.rn) round to nearest even."""
+    assert got.dtype == want.dtype and torch.isfinite(got).all()
+    if got.dtype == torch.float16:
+        assert torch.equal(got, want)
+        return
+    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+    assert (got.float().abs() <= want.float().abs()).all(), "not a truncation of the same sum"
+
+
+def test_fused_cast_with_foreign_pairs(monkeypatch, poisoned) -> None:
+    """The fused cast under expert parallelism: a token whose every pair is foreign gets a zero row
+    (its accumulator row, zeroed by gate_up, cast), the others their local sum."""
+    monkeypatch.setenv(moe_mma.FUSED_CAST_ENV, "1")
+    w13, w2 = layer(8, 320, 64, 64, False, torch.float16, seed=111)
+    x, weights, ids = routing(7, 8, 2, 320, torch.float16, seed=112)
+    ids = torch.randint(0, 8, ids.shape, generator=torch.Generator().manual_seed(113), dtype=torch.int32)
+    ids[0] = torch.tensor([0, 1])  # token 0: both pairs on rank 0's experts
+    local = moe_reference.local_expert_ids(ids, 4, 4)  # rank 1 of 2
+    mine13, mine2 = _rank_share(w13, 1, 2), _rank_share(w2, 1, 2)
+    ref = moe_reference.fused_moe_w4a16(x.float(), _as_f32(mine13), _as_f32(mine2), weights, local)
+    p13, p2 = moe_mma.prepare_stacked(mine13), moe_mma.prepare_stacked(mine2)
+    out = moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, local, moe_mma.MoEMmaConfig(16, 64, split_k=3), True)
+    assert_matches(out, ref, torch.float16)
+    assert not out[0].any()
+
+
+def test_fused_cast_setting(monkeypatch) -> None:
+    """``QSERVE_MOE_FUSED_CAST``: off unset, empty or "0", on for "1"; anything else refused by name, also
+    at load (``moe_ops.prepare_experts``), not at a later step."""
+    from quant_kernels import device as kdevice
+    from quant_kernels import moe_ops
+
+    env = moe_mma.FUSED_CAST_ENV
+    monkeypatch.delenv(env, raising=False)
+    assert moe_mma.fused_cast_requested() is False
+    for value, want in (("", False), ("0", False), ("1", True), (" 1", True)):
+        monkeypatch.setenv(env, value)
+        assert moe_mma.fused_cast_requested() is want, value
+    for value in ("yes", "2", "true", "on"):
+        monkeypatch.setenv(env, value)
+        with pytest.raises(ValueError, match=f"QSERVE_MOE_FUSED_CAST={value!r}"):
+            moe_mma.fused_cast_requested()
+    w13, w2 = layer(4, 128, 64, 64, True, torch.float16, seed=115)
+    with mock.patch.object(kdevice, "triton_serves", lambda device: True):
+        with mock.patch.object(kdevice, "capability", lambda device: (9, 0)):
+            monkeypatch.delenv(moe_ops.MOE_KERNEL_ENV, raising=False)
+            monkeypatch.delenv(moe_ops.FUSED_MOE_ENV, raising=False)
+            monkeypatch.setenv(env, "1")
+            assert moe_ops.prepare_experts(w13, w2).kind == "mma"
+            monkeypatch.setenv(env, "on")
+            with pytest.raises(ValueError, match="QSERVE_MOE_FUSED_CAST='on'"):
+                moe_ops.prepare_experts(w13, w2)
+
+
 def test_split_k_skips_foreign_pairs(poisoned) -> None:
     """Expert parallelism with split-K: foreign pairs add nothing to their tokens' rows (a token whose
     every pair is foreign gets a zero row), local pairs their weighted sum."""
@@ -323,6 +405,48 @@ def test_split_k_qwen3_30b_shapes_on_gpu(num_tokens, split_k, dtype, sym):
         # the down adds land in any order: equal up to fp32 reassociation, then one rounding
         torch.testing.assert_close(again, split, atol=1e-2 * float(split.abs().max()), rtol=1e-2)
     assert not moe_mma.split_counters(x.device, 1).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8])
+@pytest.mark.parametrize("cast,pdl", [("1", "0"), ("0", "1"), ("1", "1")], ids=["cast", "pdl", "cast-pdl"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_cast_and_pdl_on_gpu(monkeypatch, num_tokens, cast, pdl, dtype):
+    """QSERVE_MOE_FUSED_CAST=1 (the down launch casts its own output) and QSERVE_ENABLE_PDL=1 (the split-K
+    launches wait for the kernel before; down prefetches its experts' first K-tiles before the wait) at
+    Qwen3-30B-A3B's shapes, split 4, really concurrent programs, after the router as the MoE block runs it:
+    the plain split-K result within the atomic sums' reassociation, twice in a row, counters left zero.
+    (PDL is a no-op below sm90.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from quant_kernels import moe_router_triton
+
+    num_experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13 = random_stacked(num_experts, hidden, 2 * inter, 128, True, dtype, device="cuda", seed=5)
+    w2 = random_stacked(num_experts, inter, hidden, 128, True, dtype, device="cuda", seed=6)
+    p13, p2 = moe_mma.prepare_stacked(w13), moe_mma.prepare_stacked(w2)
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device="cuda")
+    router = torch.randn(num_experts, hidden, dtype=dtype, device="cuda") / hidden**0.5
+    config = moe_mma.MoEMmaConfig(16, 64, split_k=4)
+
+    def layer_out() -> torch.Tensor:
+        routed = moe_router_triton.router_gemm_topk_blocks(x, router, top_k, True, 16)
+        weights, ids, sorted_ids, expert_ids, num_padded, _ = routed
+        layout = moe_reference.BlockLayout(sorted_ids, expert_ids, num_padded, 16)
+        return moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, ids, config, layout=layout)
+
+    monkeypatch.setenv(moe_mma.FUSED_CAST_ENV, "0")
+    monkeypatch.setenv("QSERVE_ENABLE_PDL", "0")
+    want = layer_out()
+    monkeypatch.setenv(moe_mma.FUSED_CAST_ENV, cast)
+    monkeypatch.setenv("QSERVE_ENABLE_PDL", pdl)
+    for _ in range(2):
+        got = layer_out()
+        assert torch.isfinite(got).all() and got.dtype == dtype
+        torch.testing.assert_close(got, want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)
+    torch.cuda.synchronize()
+    assert not moe_mma.split_counters(x.device, 1 << 10).any()
+    assert not moe_router_triton.arrival_counter(x.device).any()
 
 
 def test_a_misspelt_kernel_choice_is_refused(monkeypatch) -> None:

@@ -97,3 +97,40 @@ def test_the_check_sees_a_round_trip(ptx_stats) -> None:
         f"the wrong-layout control stored only {r['control']} B/thread: this Triton no longer round-trips it "
         "through shared memory, so re-check what the test above can detect"
     )
+
+
+_CAST_PDL_SCRIPT = r"""
+import json, re, sys
+from quant_kernels import moe_mma_triton as moe_mma
+from quant_kernels.repack import mma_kwidth
+
+out = []
+for arch, silu, cast, pdl in json.loads(sys.argv[1]):
+    cfg = moe_mma.MoEMmaConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=4)
+    ptx = moe_mma.compile_for(arch, cfg, silu, "bf16", False, mma_kwidth((arch // 10, arch % 10)), 128,
+                              cast=cast, pdl=pdl).asm["ptx"]
+    out.append(dict(arch=arch, silu=silu, cast=cast, pdl=pdl, wait="griddepcontrol.wait" in ptx,
+                    trigger="griddepcontrol.launch_dependents" in ptx, prefetch="cp.async.bulk.prefetch.L2" in ptx,
+                    cvt_bf16=len(re.findall(r"cvt\.rn\.bf16", ptx)), atoms=len(re.findall(r"\batom\.", ptx))))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_fused_cast_and_pdl_launches_compile() -> None:
+    """The split-K launches with QSERVE_MOE_FUSED_CAST=1 (down: the column tile's last program casts, one
+    more counter atomic) and QSERVE_ENABLE_PDL=1 (sm90: the wait and the trigger in both launches, the
+    expert-tile prefetch in down's only, gate_up's experts come from the launch right before it) compile
+    for sm90 and sm86 (cast only: no PDL below sm90), with the instructions that make them what they are."""
+    cases = [(90, False, True, True), (90, True, False, True), (90, False, False, False), (86, False, True, False)]
+    got = {
+        (r["arch"], r["silu"], r["cast"], r["pdl"]): r
+        for r in run_result_script(_CAST_PDL_SCRIPT, json.dumps(cases), timeout=600)
+    }
+    down_cast_pdl, gate_up_pdl, down_plain, down_cast_86 = (got[tuple(c)] for c in cases)
+    assert down_cast_pdl["wait"] and down_cast_pdl["trigger"] and down_cast_pdl["prefetch"]
+    assert gate_up_pdl["wait"] and gate_up_pdl["trigger"] and not gate_up_pdl["prefetch"]
+    assert not (down_plain["wait"] or down_plain["prefetch"])
+    # the cast's own atomics (the counter's add and reset) and its bf16 stores come on top of the plain launch's
+    for cast in (down_cast_pdl, down_cast_86):
+        assert cast["atoms"] >= down_plain["atoms"] + 2, (cast, down_plain)
+        assert cast["cvt_bf16"] > down_plain["cvt_bf16"], (cast, down_plain)
