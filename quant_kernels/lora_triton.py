@@ -34,6 +34,9 @@ Kernels
   two programs write it). ``BLOCK_N`` is 64, 128 or 256, as the caller asks (``lora_ops``'
   ``QSERVE_LORA_EXPAND_BLOCK_N``; its default "auto" is ``expand_block_n``'s rule: 256 where a
   64-column grid of a decode graph's padded tiles would pass ``WIDE_EXPAND_PROGRAMS`` programs).
+  With ``QSERVE_ENABLE_PDL=1`` (``quant_kernels.pdl``) it launches with PDL and waits at its top for the
+  base GEMM it adds to, so its launch overlaps that GEMM's tail (a decode step's expands are on its
+  critical path).
 
 Why split-K: at decode a step has a handful of tiles, and a shrink program that walks all of K
 (5120 or 13824) alone is a serial chain of loads on one SM: 35-105 µs a layer on the H200 whatever
@@ -57,6 +60,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from quant_kernels.pdl import launch_options
 
 TILE_ROWS = 16  # rows per tile (the MMA's smallest M); lora_ops builds tiles of this size
 MAX_SLICES = 3  # = lora_ops.MAX_SLICES: a fused qkv; arrival counters per tile
@@ -246,7 +252,11 @@ def lora_expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl): wait for the kernel before first
 ):
+    if USE_PDL:  # y is the GEMM's output, launched right before: nothing is touched before it ends
+        gdc_wait()
+        gdc_launch_dependents()
     tile = tl.program_id(0)
     block = tl.program_id(1)
     count = tl.load(TILE_LEN + tile)
@@ -424,5 +434,6 @@ def lora_expand(
         BLOCK_N=block_n,
         DOT_F32=_INTERPRET,
         num_warps=4,
+        **launch_options(y.device),
     )
     return y

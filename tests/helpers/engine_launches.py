@@ -577,7 +577,7 @@ def drive_lora(capture: Capture, case: ModelCase, model, config: ModelConfig, dt
 LORA_KERNEL_SHAPES = [(5120, (5120, 1024, 1024)), (13824, (5120,))]
 
 
-def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
+def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str, pdl: bool = False) -> None:
     """``lora_ops.add_lora``'s launches (QSERVE_LORA_TRITON=1) at Qwen2.5-14B's qkv and down shapes,
     rank 16, through the real dispatch: decode at batch 1, a batch-32 decode graph's padded tiles
     (32 slots), a 2048-row prefill over 4 adapters (the split-K heuristic's 20-27, then 2-5 splits),
@@ -606,6 +606,12 @@ def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str) ->
                 y = torch.zeros(rows, starts[-1], dtype=dtype)  # [T, N]
                 with where(capture, f"LoRA kernels {dtype_name} K={k} {label}"):
                     lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, split_k=split_k)
+                if pdl and label == "decode batch 1":  # QSERVE_ENABLE_PDL=1: the expand waits for the GEMM
+                    with (
+                        mock.patch.dict(os.environ, {"QSERVE_ENABLE_PDL": "1"}),
+                        where(capture, f"LoRA kernels {dtype_name} K={k} {label} PDL"),
+                    ):
+                        lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, split_k=split_k)
             # QSERVE_LORA_EXPAND_BLOCK_N's wider expand blocks ("auto" takes 256 for the widest grids)
             for block_n in ("128", "256"):
                 x, y = torch.zeros(32, k, dtype=dtype), torch.zeros(32, starts[-1], dtype=dtype)
@@ -796,7 +802,7 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
                         drive_pdl(capture, model, config, f"{case.name} {dtype_name}")
                 if case is models[0] and dtype == torch.float16:  # the LoRA kernels (sm90 and the lowest
                     drive_lora(capture, case, model, config, dtype_name)  # job's sm86 check fp16)
-                    drive_lora_kernels(capture, dtype, dtype_name)
+                    drive_lora_kernels(capture, dtype, dtype_name, gpu.arch >= 90 and dtype_name in plan["pdl_dtypes"])
                 del model
                 log(f"{gpu.name}: {case.name} {dtype_name} in {time.perf_counter() - t0:.1f} s, "
                     f"{len(capture.launches)} distinct launches so far, {capture.compile_seconds:.0f} s compiling")  # fmt: skip
