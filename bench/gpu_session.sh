@@ -11,7 +11,7 @@
 # (http needs the server's wheels on PYTHONPATH: fastapi, uvicorn, pydantic.)
 # preempt (two runs of up to 2 minutes: recompute vs swap preemption on a KV pool forced small) runs only
 # when named: with it the default set would pass 10 minutes.
-# decode_pdl (decode-only e2e twice: QSERVE_ENABLE_PDL off, then on; quant_kernels.pdl) also only when named.
+# decode_pdl (decode-only e2e three times on one checkpoint: QSERVE_ENABLE_PDL off, on, off; quant_kernels.pdl) also only when named.
 # optin (only when named): what landed opt-in without a GPU run, measured, as four stages that can also be
 #   named alone (with them all the set passes 10 minutes: split it over two calls):
 #   optin_tiles  the Hopper prefill tiles (QSERVE_PREFILL_TILES=h200): GPU attention tests, bench/attention_prefill.py
@@ -168,10 +168,13 @@ if has e2e; then
         2>&1 | grep -v USDT | tail -12
 fi
 if has decode_pdl; then
-    for pdl in 0 1; do
-        stage "end to end, decode batch 1-128, programmatic dependent launch QSERVE_ENABLE_PDL=$pdl"
-        QSERVE_ENABLE_PDL=$pdl timeout 150 python3 bench/e2e.py --skip small,capacity,offline --tmp /tmp/qbe \
-            --out "$OUT/decode_pdl$pdl.md" 2>&1 | grep -v USDT | tail -8
+    # off, on, off on one checkpoint (the last run shows the drift between engines; DECODE_PDL_ORDER moves it)
+    run=0
+    for pdl in ${DECODE_PDL_ORDER:-0 1 0}; do
+        run=$((run + 1))
+        stage "end to end, decode batch 1-128, programmatic dependent launch QSERVE_ENABLE_PDL=$pdl (run $run)"
+        QSERVE_ENABLE_PDL=$pdl timeout 150 python3 bench/e2e.py --skip small,capacity,offline,fp8 --tmp /tmp/qbe \
+            --reuse-checkpoint --out "$OUT/decode_pdl${pdl}_run$run.md" 2>&1 | grep -v USDT | grep -E "decode batch|Error"
     done
 fi
 if has optin_tiles; then
