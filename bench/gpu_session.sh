@@ -175,6 +175,8 @@ if has decode_pdl; then
         stage "end to end, decode batch 1-128, programmatic dependent launch QSERVE_ENABLE_PDL=$pdl (run $run)"
         QSERVE_ENABLE_PDL=$pdl timeout 150 python3 bench/e2e.py --skip small,capacity,offline,fp8 --tmp /tmp/qbe \
             --reuse-checkpoint --out "$OUT/decode_pdl${pdl}_run$run.md" 2>&1 | grep -v USDT | grep -E "decode batch|Error"
+        code=${PIPESTATUS[0]}
+        [[ $code == 0 ]] || echo "bench/e2e.py exit code $code (124: past its 150 s)"
     done
 fi
 if has optin_tiles; then

@@ -29,8 +29,8 @@ with one (the latency with an adapter), each against the base at its batch; last
 with its graphs set aside (Triton eager) at batch 32 with 8 adapters. ``--overlap 0,shrink,pair``: one
 LoRA engine per ``QSERVE_LORA_OVERLAP`` mode, the same rows each (``shrink``: each shrink on a side
 stream beside its base GEMM; ``pair``: the expand too, its fp32 delta added after), the eager row
-with the first; ``--side-split-k auto,4,8``: each overlapping mode once per side shrink's K split
-(``QSERVE_LORA_SIDE_SPLIT_K``). ``--profile-dir DIR``: then
+with the first; ``--side-split-k default,auto,8``: each overlapping mode once per side shrink's K split
+(``QSERVE_LORA_SIDE_SPLIT_K``; ``default``, the default, leaves it unset: the engine's 4). ``--profile-dir DIR``: then
 where a decode step's time goes (``bench/profile_step.py``'s per-kernel and per-family tables, the
 host's CUDA calls and Python, the GPU's idle gaps with the launches that ended them) for the base and
 for the LoRA engine at batch 32 with 8 adapters, ``--profile-steps`` steps each, into DIR
@@ -373,19 +373,25 @@ def e2e(args: argparse.Namespace) -> Table:
     # --overlap: one LoRA engine per QSERVE_LORA_OVERLAP mode, in the order given
     variants = args.overlap.split(",")  # checked by main()
     # --side-split-k: each overlapping mode once per side-stream shrink split (QSERVE_LORA_SIDE_SPLIT_K)
-    engines = [(o, split) for o in variants for split in (["auto"] if o == "0" else args.side_split_k.split(","))]
+    # ("default": QSERVE_LORA_SIDE_SPLIT_K unset, the engine's DEFAULT_SIDE_SPLIT_K)
+    splits = args.side_split_k.split(",")
+    engines = [(o, split) for o in variants for split in (["default"] if o == "0" else splits)]
     for overlap, side_split in engines:
         os.environ[lora_ops.OVERLAP_ENV] = overlap
-        os.environ[lora_ops.SIDE_SPLIT_K_ENV] = side_split
+        if side_split == "default":
+            os.environ.pop(lora_ops.SIDE_SPLIT_K_ENV, None)
+        else:
+            os.environ[lora_ops.SIDE_SPLIT_K_ENV] = side_split
+        shown = f"{lora_ops.DEFAULT_SIDE_SPLIT_K} (default)" if side_split == "default" else side_split
         label = "LoRA, triton + graphs" + (f" + overlap {overlap}" if overlap != "0" else "")
-        label += f", side split {side_split}" if overlap != "0" and side_split != "auto" else ""
+        label += f", side split {shown}" if overlap != "0" else ""
         llm = build(label, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
         for batch, distinct in ((mid, 8), (mid, 1), (mid, MAX_LORAS), (big, 8), (big, 1), (big, MAX_LORAS), (1, 1)):
             measure(label, llm, batch, min(distinct, batch))
         name = (
             "lora"
             if overlap == "0"
-            else f"lora_overlap_{overlap}" + ("" if side_split == "auto" else f"_split{side_split}")
+            else f"lora_overlap_{overlap}" + ("" if side_split == "default" else f"_split{side_split}")
         )
         profile(name, llm, mid, min(8, mid))
         if (overlap, side_split) == engines[0]:
@@ -407,7 +413,7 @@ def main() -> None:
     parser.add_argument(
         "--expand-block-n",
         default="",
-        help="comma list of QSERVE_LORA_EXPAND_BLOCK_N values to time (64, 128, 256, auto; default: unset, 64)",
+        help="comma list of QSERVE_LORA_EXPAND_BLOCK_N values to time (64, 128, 256, auto; default: unset, auto)",
     )
     parser.add_argument("--block-k", default="", help="comma list of shrink K blocks to time (default: heuristic)")
     parser.add_argument("--e2e", action="store_true", help="engine decode throughput with adapters (issue 30)")
@@ -424,13 +430,15 @@ def main() -> None:
     )
     parser.add_argument(
         "--side-split-k",
-        default="auto",
-        help="--e2e: comma list of QSERVE_LORA_SIDE_SPLIT_K values (auto, 1..32), one engine each per overlapping mode",
+        default="default",
+        help="--e2e: comma list of QSERVE_LORA_SIDE_SPLIT_K values (default: unset, the engine's 4; auto: the "
+        "heuristic; 1..32), one engine each per overlapping mode",
     )
     args = parser.parse_args()
     for value in args.side_split_k.split(","):
         try:
-            lora_ops.parse_side_split_k(value)
+            if value != "default":
+                lora_ops.parse_side_split_k(value)
         except ValueError as error:
             parser.error(f"--side-split-k: {error}")
     unknown = [mode for mode in args.overlap.split(",") if mode not in lora_ops.OVERLAP_MODES]
@@ -465,10 +473,10 @@ def main() -> None:
                     k, sizes, rows, distinct, per_seq, max(distinct, 2 if tiny else MAX_LORAS), dtype,
                     bandwidth, split_k, block_k, graph_tiles,
                 )  # fmt: skip
-                raw.append({"layer": name, "case": label, "expand_block_n": expand_n or "64"} | result)
+                raw.append({"layer": name, "case": label, "expand_block_n": expand_n or "auto"} | result)
                 table.add(
                     f"| {name} | {label} ({result['tiles']} tiles) | {result['split_k']} x {result['k_per_split']} | "
-                    f"{expand_n or 64} | "
+                    f"{expand_n or 'auto'} | "
                     f"{result['triton_us']:.1f} | {result['eager_us']:.1f} | {result['reference_us']:.1f} | "
                     f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
                 )

@@ -37,8 +37,9 @@ from the current one and launches the shrink there, the caller launches its base
 on the side stream, into a zeroed fp32 ``delta [T, N]``, and ``finish_lora`` adds it (``y.add_(delta)``:
 fp32, rounded once), so the critical path keeps one elementwise launch per layer instead of two
 dependent kernels. Past ``PAIR_MAX_ROWS`` rows (a long prefill) the delta's traffic outgrows what it
-hides: such a call overlaps the shrink only. ``shrink`` gives ``add_lora``'s outputs bitwise (the same
-launches, reordered). ``pair`` does not quite: on a GPU Triton folds the expand's ``fp32(y) + h @ B``
+hides: such a call overlaps the shrink only. ``shrink`` with ``QSERVE_LORA_SIDE_SPLIT_K=auto`` gives
+``add_lora``'s outputs bitwise (the same launches, reordered); with its default side split of 4 the
+shrink sums its fp32 partials in other groups, so ``h`` may round differently (within fp16 / bf16 noise). ``pair`` does not quite: on a GPU Triton folds the expand's ``fp32(y) + h @ B``
 into the MMA's accumulator (``y`` is its C operand), while the delta is the MMA from zero, added to
 ``y`` after; the two differ in the low bits of the fp32 sum, so a ``pair`` output may be one unit in
 the last place of fp16 / bf16 away from ``add_lora``'s (both are the reference within the kernels'

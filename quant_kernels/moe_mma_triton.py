@@ -72,7 +72,8 @@ else: ValueError.
 The default MoE kernel on CUDA (``QSERVE_MOE_KERNEL=fused`` leaves it; read in ``quant_kernels.moe_ops``):
 it won every row of bench/moe.py on the H200 and the H100.
 Untuned: one starting config per M bucket (``default_config``), the automatic split measured at
-batch 1 only (1.02x on the H100), no stream-K, no PDL. 4-bit, no act-order; other layers keep the other paths.
+batch 1 only (1.02x on the H100), no stream-K; PDL only in the split-K launches (below). 4-bit, no
+act-order; other layers keep the other paths.
 """
 
 from __future__ import annotations
@@ -423,7 +424,7 @@ def moe_mma_split_kernel(
     stride_zg,
     stride_cm,
     ws_ptr,  # gate_up: fp32 [split_k, T*k, 2I] partials (down: a never-read placeholder)
-    cnt_ptr,  # gate_up: int32 [>= tiles] arrival counters, zero between launches (likewise)
+    cnt_ptr,  # int32 arrival counters, zero between launches: gate_up [>= tiles]; down with CAST_OUT [>= column tiles]
     zero_ptr,  # ZERO_OUT: the down launch's fp32 [T, H] output, zeroed here (likewise)
     zero_numel,  # ZERO_OUT: elements of zero_ptr
     split_k,  # programs along K per output tile (grid axis 2)
@@ -450,7 +451,7 @@ def moe_mma_split_kernel(
     CAST_OUT: tl.constexpr = False,
     cast_ptr=None,
     CAST_ROWS: tl.constexpr = 16,
-    USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl): the wait before any read or write
+    USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl): nothing written before the wait
     PDL_TILES: tl.constexpr = 0,  # down: K-tiles of the block's expert weights prefetched into L2 before it
 ):
     """The split-K launch (grid ``(pair blocks, column tiles, split_k)``): program ``z`` sums
@@ -700,7 +701,8 @@ def _launch_shape(cfg: MoEMmaConfig, weight: StackedMmaWeight, out_cols: int, si
     return block_n, block_k
 
 
-# Split-K gate_up arrival counters, one int32 per (pair block, column tile), per device: shared by
+# Split-K arrival counters, per device: gate_up's one int32 per (pair block, column tile), then (after
+# gate_up has reset them all) the fused-cast down launch's one per column tile. Shared by
 # every layer (their launches run one after another in the stream, and each leaves its counters zero).
 # Grown, never shrunk or freed: a CUDA graph captured earlier keeps the address it was captured with
 # (``quant_kernels.device.arrival_counters``, this buffer's owner name below).

@@ -13,7 +13,11 @@ wait a kernel may only read memory nothing on the stream writes: the W4A16 GEMM 
 first weight tiles into L2 there, so a decode step's weight streaming starts under the tail of
 the kernel before (the fixed per-launch latency that bounds the small layers at decode:
 bench/RESULTS.md). Writes stay after the wait: a buffer handed out by the caching allocator may
-be one an earlier kernel still reads.
+be one an earlier kernel still reads. One exception, argued where it is made: the MoE split-K down
+launch reads its blocks' expert ids (``.cg``, from L2) before its wait, to prefetch those experts'
+tiles. The router (or sort) that wrote them is complete by then, because the launch right before
+down, gate_up, waits at its top before it lets down start; that holds only while gate_up stays
+a PDL launch that waits first (``moe_mma_triton``'s module doc).
 
 Off by default until an H200 run decides it (bench/RESULTS.md); a launch without PDL is ordered
 after its predecessor as usual, so kernels that opt in mix freely with those that do not.

@@ -121,16 +121,19 @@ def test_fused_cast_and_pdl_launches_compile() -> None:
     more counter atomic) and QSERVE_ENABLE_PDL=1 (sm90: the wait and the trigger in both launches, the
     expert-tile prefetch in down's only, gate_up's experts come from the launch right before it) compile
     for sm90 and sm86 (cast only: no PDL below sm90), with the instructions that make them what they are."""
-    cases = [(90, False, True, True), (90, True, False, True), (90, False, False, False), (86, False, True, False)]
+    cases = [
+        (90, False, True, True), (90, True, False, True), (90, False, False, False), (86, False, True, False),
+        (86, False, False, False),
+    ]  # fmt: skip
     got = {
         (r["arch"], r["silu"], r["cast"], r["pdl"]): r
         for r in run_result_script(_CAST_PDL_SCRIPT, json.dumps(cases), timeout=600)
     }
-    down_cast_pdl, gate_up_pdl, down_plain, down_cast_86 = (got[tuple(c)] for c in cases)
+    down_cast_pdl, gate_up_pdl, down_plain, down_cast_86, down_plain_86 = (got[tuple(c)] for c in cases)
     assert down_cast_pdl["wait"] and down_cast_pdl["trigger"] and down_cast_pdl["prefetch"]
     assert gate_up_pdl["wait"] and gate_up_pdl["trigger"] and not gate_up_pdl["prefetch"]
     assert not (down_plain["wait"] or down_plain["prefetch"])
     # the cast's own atomics (the counter's add and reset) and its bf16 stores come on top of the plain launch's
-    for cast in (down_cast_pdl, down_cast_86):
-        assert cast["atoms"] >= down_plain["atoms"] + 2, (cast, down_plain)
-        assert cast["cvt_bf16"] > down_plain["cvt_bf16"], (cast, down_plain)
+    for cast, plain in ((down_cast_pdl, down_plain), (down_cast_86, down_plain_86)):
+        assert cast["atoms"] >= plain["atoms"] + 2, (cast, plain)
+        assert cast["cvt_bf16"] > plain["cvt_bf16"], (cast, plain)
