@@ -161,17 +161,21 @@ MODELS = [
 # What each tier drives. "ci" (tests/kernels/test_launch_compile.py): on sm90 (the H200 the engine
 # and bench/kernels.py are measured on) the engine's launches for the models qserve is measured on
 # and for ALiBi, both dtypes, every KV cache dtype, the sweep candidates (fp16, as the bench runs
-# them) and the PDL launches (bf16: the two dtypes' checks take about as long); on
+# them) and the PDL launches in both dtypes (CI's sm90 unit compiles fp16 only: with PDL in bf16 alone no
+# CI job compiled a PDL launch; fp16's 54 more launches cost ~7 s of a 3-minute cold drive); on
 # sm86 / sm89 the same engine launches for the GQA shapes with and without zero points (Qwen2.5-14B
 # GPTQ, Llama-3-8B AWQ: every block config the dispatch picks, at 99 KB of shared memory). "full"
 # (``--tier full``, before changing a kernel or its dispatch): every model on every GPU, Qwen3's q/k
-# norms, the extra weight formats, PDL in bf16. A distinct compile costs ~0.4 s of CPU; "ci" is
+# norms, the extra weight formats. A distinct compile costs ~0.4 s of CPU; "ci" is
 # sized to CI's budget.
 FALLBACK = "g80 (the tile-interleaved fallback kernel)"
 CI_MODELS = ("qwen2.5-14b", "qwen-14b-v1", "llama-3-8b", "baichuan2-13b")
 TIERS = {
     "ci": dict(
-        models=CI_MODELS, consumer_models=("qwen2.5-14b", "llama-3-8b"), formats=(FALLBACK,), pdl_dtypes=("bf16",)
+        models=CI_MODELS,
+        consumer_models=("qwen2.5-14b", "llama-3-8b"),
+        formats=(FALLBACK,),
+        pdl_dtypes=("fp16", "bf16"),
     ),
     "full": dict(models=tuple(c.name for c in MODELS), consumer_models=None, formats=None, pdl_dtypes=("fp16", "bf16")),
 }
