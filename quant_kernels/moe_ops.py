@@ -173,10 +173,11 @@ def prepare_experts(
         return PreparedExperts("stacked", num_experts, inter, gate_up=gate_up, down=down, skip_foreign=skip_foreign)
     grouped = fused_moe_requested()  # QSERVE_FUSED_MOE=0: the per-expert loop, whichever kernel is named
     if mma_moe_requested() and grouped:
-        from quant_kernels import moe_mma_triton  # noqa: PLC0415
+        from quant_kernels import moe_mma_triton, moe_router_triton  # noqa: PLC0415
 
         moe_mma_triton.split_k_setting()  # a misspelt QSERVE_MOE_SPLIT_K stops the load, not the first step
         moe_mma_triton.fused_cast_requested()  # and so does a misspelt QSERVE_MOE_FUSED_CAST
+        moe_router_triton.packed_topk_requested()  # or QSERVE_MOE_PACKED_TOPK
         if moe_mma_triton.supports(gate_up, down):
             return PreparedExperts(
                 "mma",

@@ -447,10 +447,16 @@ def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: st
             rank = f" EP rank 1 of {MOE_EP_RANKS}" if ep else ""
             # QSERVE_FUSED_ROUTER_GEMM=0's two launches; the default one; with ``pdl`` the default one again
             # under QSERVE_ENABLE_PDL=1 (the router rows prefetched into L2 before the wait)
-            for fused, pdl_env in (("0", "0"), ("1", "0"), *((("1", "1"),) if pdl else ())):
+            # and the default one with QSERVE_MOE_PACKED_TOPK=1's one-reduction top-k rounds
+            variants = (("0", "0", "0"), ("1", "0", "0"), ("1", "0", "1"), *((("1", "1", "0"),) if pdl else ()))
+            for fused, pdl_env, packed in variants:
                 label = f"MoE direct blocks{rank} {dtype_name} T={m}" + (" fused router GEMM" if fused == "1" else "")
-                label += " PDL" if pdl_env == "1" else ""
-                env = {moe_ops.FUSED_ROUTER_GEMM_ENV: fused, "QSERVE_ENABLE_PDL": pdl_env}
+                label += (" PDL" if pdl_env == "1" else "") + (" packed top-k" if packed == "1" else "")
+                env = {
+                    moe_ops.FUSED_ROUTER_GEMM_ENV: fused,
+                    "QSERVE_ENABLE_PDL": pdl_env,
+                    "QSERVE_MOE_PACKED_TOPK": packed,
+                }
                 with mock.patch.dict(os.environ, env), where(capture, label):
                     with torch.inference_mode():
                         routing = moe_ops.route_hidden(x, router, top_k, True, prepared, local_experts if ep else 0)

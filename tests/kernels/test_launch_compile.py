@@ -314,11 +314,14 @@ def test_moe_direct_blocks_launches(request, tmp_path) -> None:
         fused = [x for x in launches if x["kernel"] == "router_gemm_topk_blocks_kernel"]
         # 128 experts / 4 rows a program; one token's 2048 hidden columns in one step, four tokens' in 4
         assert {(x["constexprs"]["T_PAD"], x["constexprs"]["BLOCK_H"]) for x in fused} == {(1, 2048), (4, 512)}, gpu
+        assert {x["constexprs"].get("PACKED_TOPK", False) for x in fused} == {False, True}, gpu
         assert all(x["grid"] == [32] and x["constexprs"]["BLOCK_EG"] == 4 and x["constexprs"]["BLOCK_M"] == 16
                    for x in fused), gpu  # fmt: skip
         for kernel, blocks in (("moe_mma_split_kernel", 8), ("moe_mma_kernel", 32)):  # T*k: 1 x top-8, 4 x top-8
             mma = [x for x in launches if x["kernel"] == kernel]
-            assert sum(x["count"] for x in mma) == 4, (gpu, kernel)  # gate_up and down, after either router
+            # gate_up and down after each of the three routers: F.linear + the top-k, the fused one, the fused
+            # one with QSERVE_MOE_PACKED_TOPK=1
+            assert sum(x["count"] for x in mma) == 6, (gpu, kernel)
             assert {x["grid"][0] for x in mma} == {blocks}, (gpu, kernel)
 
 

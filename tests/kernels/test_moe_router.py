@@ -339,6 +339,50 @@ def test_router_gemm_topk_blocks_twice_and_on_any_logits():
         moe_router_triton.router_gemm_topk_blocks(hidden, weight, 8, True, 16, 100, 32)
 
 
+@pytest.mark.parametrize("num_tokens,top_k,renormalize", [(1, 8, True), (3, 8, False), (4, 2, True)])
+def test_packed_topk_picks_what_the_two_reductions_pick(monkeypatch, num_tokens, top_k, renormalize):
+    """QSERVE_MOE_PACKED_TOPK=1: the router GEMM launch's top-k as one max over packed (probability, id)
+    keys gives the same six outputs bit for bit as the max-then-min rounds, on Gaussian logits and on
+    logits with exact ties (duplicated router rows: the lower id first), for all experts and one rank's
+    share; the setting is refused by name when misspelt, also at load."""
+    from quant_kernels import device as kdevice
+    from quant_kernels import moe_ops, moe_router_triton
+
+    gen = torch.Generator().manual_seed(num_tokens * 7 + top_k)
+    hidden = torch.randn(num_tokens, 256, generator=gen).to(torch.float16)  # [T, H]
+    weight = (torch.randn(64, 256, generator=gen) * 0.1).to(torch.float16)  # [E, H]
+    tied = weight.clone()
+    tied[5] = hidden[0] * 0.05  # token 0's largest logit ...
+    tied[9], tied[40], tied[41] = tied[5], tied[5], tied[2]  # ... for experts 5, 9 and 40 at once; 2 and 41 tie
+    for w in (weight, tied):
+        for share in ((0, 64), (16, 32)):
+            outputs = {}
+            for value in ("0", "1"):
+                monkeypatch.setenv(moe_router_triton.PACKED_TOPK_ENV, value)
+                outputs[value] = moe_router_triton.router_gemm_topk_blocks(hidden, w, top_k, renormalize, 16, *share)
+            assert all(torch.equal(a, b) for a, b in zip(outputs["0"], outputs["1"])), share
+    if top_k >= 3:  # the tie at the top went to the lower ids, in order (all experts' ids: the first share)
+        monkeypatch.setenv(moe_router_triton.PACKED_TOPK_ENV, "1")
+        ids = moe_router_triton.router_gemm_topk_blocks(hidden, tied, top_k, renormalize, 16)[1]
+        assert ids[0, :3].tolist() == [5, 9, 40]
+    monkeypatch.delenv(moe_router_triton.PACKED_TOPK_ENV)
+    assert moe_router_triton.packed_topk_requested() is False
+    for bad in ("yes", "2", "on"):
+        monkeypatch.setenv(moe_router_triton.PACKED_TOPK_ENV, bad)
+        with pytest.raises(ValueError, match=f"QSERVE_MOE_PACKED_TOPK={bad!r}"):
+            moe_router_triton.packed_topk_requested()
+    from tests.kernels.test_moe import random_stacked
+
+    w13 = random_stacked(4, 128, 128, 64, True, torch.float16, seed=3)
+    w2 = random_stacked(4, 64, 128, 64, True, torch.float16, seed=4)
+    with mock.patch.object(kdevice, "triton_serves", lambda device: True):
+        with mock.patch.object(kdevice, "capability", lambda device: (9, 0)):
+            monkeypatch.delenv(moe_ops.MOE_KERNEL_ENV, raising=False)
+            monkeypatch.delenv(moe_ops.FUSED_MOE_ENV, raising=False)
+            with pytest.raises(ValueError, match="QSERVE_MOE_PACKED_TOPK='on'"):
+                moe_ops.prepare_experts(w13, w2)
+
+
 def test_fused_router_gemm_setting(monkeypatch):
     """``QSERVE_FUSED_ROUTER_GEMM``: on unless "0"; anything but 0 / 1 refused by name, at load too."""
     from quant_kernels import moe_ops
@@ -483,14 +527,17 @@ def test_router_topk_blocks_on_gpu(num_tokens, share):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_router_gemm_topk_blocks_on_gpu(num_tokens, dtype):
+@pytest.mark.parametrize("packed", ["0", "1"], ids=["topk", "packed-topk"])
+def test_router_gemm_topk_blocks_on_gpu(monkeypatch, num_tokens, dtype, packed):
     """Qwen3-30B-A3B's router (128 x 2048, top-8, renormalized, block_m 16) fused against F.linear +
     ``router_topk_blocks``: eagerly, then captured in a CUDA graph replayed twice with new hidden states
     and router weights (the counter reset by each launch's last program): ids and layout equal, weights
-    close, the logits F.linear's."""
+    close, the logits F.linear's; also with QSERVE_MOE_PACKED_TOPK=1's one-reduction rounds."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from quant_kernels import moe_router_triton
+
+    monkeypatch.setenv(moe_router_triton.PACKED_TOPK_ENV, packed)
 
     def fused(hidden, weight):  # noqa: ANN001, ANN202
         return moe_router_triton.router_gemm_topk_blocks(hidden, weight, 8, True, 16)
