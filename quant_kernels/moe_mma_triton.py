@@ -94,7 +94,7 @@ from quant_kernels.moe_layout import StackedQuantWeight
 from quant_kernels.moe_triton import block_layout, grouped_moe  # the sort or given blocks, buffers, the sum
 from quant_kernels.pdl import launch_options
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_zeros
-from quant_kernels.w4a16_mma_triton import _accumulate, _block_k_ok, _prefetch_l2
+from quant_kernels.w4a16_mma_triton import _accumulate, _block_k_ok, _k_share, _prefetch_k_tiles
 
 # Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and bf16 dots are unreliable in the
 # interpreter: the launcher passes FAST=False / DOT_F32=True there, as the dense kernel does.
@@ -327,14 +327,11 @@ def _expert_tile_sum(
     expert_qw = qw_ptr + expert * stride_qe
     expert_scales = scales_ptr + expert * stride_se
     expert_zeros = zeros_ptr + expert * stride_ze
-    num_k_tiles = tl.cdiv(K, BLOCK_K)
     if SPLIT:
-        per = tl.cdiv(num_k_tiles, split_k)
-        kt_start = pid_k * per
-        kt_end = tl.minimum(kt_start + per, num_k_tiles)  # may be <= kt_start: an empty range, zeros
+        kt_start, kt_end = _k_share(pid_k, split_k, K, BLOCK_K)  # may be an empty range: zeros
     else:
         kt_start = 0
-        kt_end = num_k_tiles
+        kt_end = tl.cdiv(K, BLOCK_K)
     acc = _accumulate(
         a_ptr,
         expert_qw,
@@ -590,19 +587,15 @@ def _prefetch_expert_tiles(
     TILES: tl.constexpr,
 ):
     """Before a PDL wait: the first ``TILES`` K-tiles of this program's share of its block's expert
-    weight (storage rows of column tile ``pid_n``) into L2 (``w4a16_mma_triton._prefetch_l2``), if
+    weight (storage rows of column tile ``pid_n``) into L2 (``w4a16_mma_triton._prefetch_k_tiles``), if
     the block has pairs (``num_padded``) and its share of K is not empty."""
     num_padded = tl.load(num_padded_ptr, cache_modifier=".cg")
-    num_k_tiles = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(num_k_tiles, split_k)
-    kt_start = pid_k * per
-    kt_end = tl.minimum(kt_start + per, num_k_tiles)
+    kt_start, kt_end = _k_share(pid_k, split_k, K, BLOCK_K)
     if (pid_m * BLOCK_M < num_padded) & (kt_end > kt_start):
         expert = tl.load(expert_ids_ptr + pid_m, cache_modifier=".cg").to(tl.int64)
-        WORDS: tl.constexpr = BLOCK_K * 4 // (32 // BITS)  # int32 words of one K-tile per storage row
         rows = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)  # [BN / 4] storage rows
-        nbytes = tl.minimum(kt_end - kt_start, TILES) * (WORDS * 4)
-        _prefetch_l2(qw_ptr + expert * stride_qe + rows * stride_qr + kt_start * WORDS, nbytes)
+        count = tl.minimum(kt_end - kt_start, TILES)
+        _prefetch_k_tiles(qw_ptr + expert * stride_qe, rows, stride_qr, kt_start, count, BITS, BLOCK_K)
 
 
 @dataclass(frozen=True)

@@ -218,6 +218,24 @@ def _prefetch_l2(ptrs, nbytes):
 
 
 @triton.jit
+def _k_share(pid_k, split_k, K, BLOCK_K: tl.constexpr):
+    """``(kt_start, kt_end)``: program ``pid_k``'s K-tiles of ``split_k`` shares, ``cdiv(K-tiles,
+    split_k)`` from ``pid_k`` times that (the last shares may be short or empty: ``kt_end <= kt_start``)."""
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(num_k_tiles, split_k)
+    kt_start = pid_k * per
+    return kt_start, tl.minimum(kt_start + per, num_k_tiles)
+
+
+@triton.jit
+def _prefetch_k_tiles(qw_ptr, rows, stride_qr, kt_start, count, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Before a PDL wait: ``count`` K-tiles from ``kt_start`` of the storage ``rows`` of a weight in the
+    MMA-operand order into L2 (``_prefetch_l2``; one bulk prefetch a row)."""
+    WORDS: tl.constexpr = BLOCK_K * 4 // (32 // BITS)  # int32 words of one K-tile per storage row
+    _prefetch_l2(qw_ptr + rows * stride_qr + kt_start * WORDS, count * (WORDS * 4))
+
+
+@triton.jit
 def _group_params(
     scales_ptr,
     zeros_ptr,
@@ -524,18 +542,15 @@ def w4a16_mma_kernel(
     rows = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)  # [BLOCK_N / 4] storage rows
     mask_n = offs_n < N
     mask_m = offs_m < M
-    num_k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles_per_split = tl.cdiv(num_k_tiles, split_k)
-    kt_start = pid_k * tiles_per_split
-    kt_end = tl.minimum(kt_start + tiles_per_split, num_k_tiles)
+    kt_start, kt_end = _k_share(pid_k, split_k, K, BLOCK_K)
     if USE_PDL:
         # The weights are read-only for the whole stream: their first tiles start streaming into
         # L2 while the kernel before still runs. Everything else (x, the workspace, the counters,
         # the output) only after the wait.
         if PDL_TILES > 0 and kt_end > kt_start:
-            WORDS: tl.constexpr = BLOCK_K * 4 // (32 // BITS)  # int32 words of one K-tile per storage row
-            nbytes = tl.minimum(kt_end - kt_start, PDL_TILES) * (WORDS * 4)
-            _prefetch_l2(qw_ptr + rows * stride_qr + kt_start * WORDS, nbytes)  # [BLOCK_N / 4] rows
+            _prefetch_k_tiles(
+                qw_ptr, rows, stride_qr, kt_start, tl.minimum(kt_end - kt_start, PDL_TILES), BITS, BLOCK_K
+            )
         gdc_wait()
         gdc_launch_dependents()
 
@@ -648,12 +663,11 @@ def w4a16_mma_streamk_kernel(
     end = ((pid + 1) * total) // num_programs
     if USE_PDL:
         if PDL_TILES > 0 and end > it:  # the first segment's weight tiles, as w4a16_mma_kernel does
-            WORDS: tl.constexpr = BLOCK_K * 4 // (32 // BITS)
             first_tile = it // num_k_tiles
             first_kt = it - first_tile * num_k_tiles
             first_rows = (first_tile % num_pid_n) * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
-            nbytes = tl.minimum(tl.minimum(end - it, num_k_tiles - first_kt), PDL_TILES).to(tl.int32) * (WORDS * 4)
-            _prefetch_l2(qw_ptr + first_rows * stride_qr + first_kt * WORDS, nbytes)
+            count = tl.minimum(tl.minimum(end - it, num_k_tiles - first_kt), PDL_TILES).to(tl.int32)
+            _prefetch_k_tiles(qw_ptr, first_rows, stride_qr, first_kt, count, BITS, BLOCK_K)
         gdc_wait()
         gdc_launch_dependents()
     while it < end:

@@ -232,29 +232,9 @@ def assert_cast_of(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got.float().abs() <= want.float().abs()).all(), "not a truncation of the same sum"
 
 
-def test_fused_cast_with_foreign_pairs(monkeypatch, poisoned) -> None:
-    """The fused cast under expert parallelism: a token whose every pair is foreign gets a zero row
-    (its accumulator row, zeroed by gate_up, cast), the others their local sum."""
-    monkeypatch.setenv(moe_mma.FUSED_CAST_ENV, "1")
-    w13, w2 = layer(8, 320, 64, 64, False, torch.float16, seed=111)
-    x, weights, ids = routing(7, 8, 2, 320, torch.float16, seed=112)
-    ids = torch.randint(0, 8, ids.shape, generator=torch.Generator().manual_seed(113), dtype=torch.int32)
-    ids[0] = torch.tensor([0, 1])  # token 0: both pairs on rank 0's experts
-    local = moe_reference.local_expert_ids(ids, 4, 4)  # rank 1 of 2
-    mine13, mine2 = _rank_share(w13, 1, 2), _rank_share(w2, 1, 2)
-    ref = moe_reference.fused_moe_w4a16(x.float(), _as_f32(mine13), _as_f32(mine2), weights, local)
-    p13, p2 = moe_mma.prepare_stacked(mine13), moe_mma.prepare_stacked(mine2)
-    out = moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, local, moe_mma.MoEMmaConfig(16, 64, split_k=3), True)
-    assert_matches(out, ref, torch.float16)
-    assert not out[0].any()
-
-
 def test_fused_cast_setting(monkeypatch) -> None:
     """``QSERVE_MOE_FUSED_CAST``: off unset, empty or "0", on for "1"; anything else refused by name, also
     at load (``moe_ops.prepare_experts``), not at a later step."""
-    from quant_kernels import device as kdevice
-    from quant_kernels import moe_ops
-
     env = moe_mma.FUSED_CAST_ENV
     monkeypatch.delenv(env, raising=False)
     assert moe_mma.fused_cast_requested() is False
@@ -265,21 +245,15 @@ def test_fused_cast_setting(monkeypatch) -> None:
         monkeypatch.setenv(env, value)
         with pytest.raises(ValueError, match=f"QSERVE_MOE_FUSED_CAST={value!r}"):
             moe_mma.fused_cast_requested()
-    w13, w2 = layer(4, 128, 64, 64, True, torch.float16, seed=115)
-    with mock.patch.object(kdevice, "triton_serves", lambda device: True):
-        with mock.patch.object(kdevice, "capability", lambda device: (9, 0)):
-            monkeypatch.delenv(moe_ops.MOE_KERNEL_ENV, raising=False)
-            monkeypatch.delenv(moe_ops.FUSED_MOE_ENV, raising=False)
-            monkeypatch.setenv(env, "1")
-            assert moe_ops.prepare_experts(w13, w2).kind == "mma"
-            monkeypatch.setenv(env, "on")
-            with pytest.raises(ValueError, match="QSERVE_MOE_FUSED_CAST='on'"):
-                moe_ops.prepare_experts(w13, w2)
+    assert_refused_at_load(monkeypatch, env, good="1", bad="on")
 
 
-def test_split_k_skips_foreign_pairs(poisoned) -> None:
+@pytest.mark.parametrize("cast", ["0", "1"], ids=["torch-cast", "fused-cast"])
+def test_split_k_skips_foreign_pairs(monkeypatch, cast, poisoned) -> None:
     """Expert parallelism with split-K: foreign pairs add nothing to their tokens' rows (a token whose
-    every pair is foreign gets a zero row), local pairs their weighted sum."""
+    every pair is foreign gets a zero row), local pairs their weighted sum; also with
+    QSERVE_MOE_FUSED_CAST=1 (the zero row is its accumulator row, zeroed by gate_up, cast by down)."""
+    monkeypatch.setenv(moe_mma.FUSED_CAST_ENV, cast)
     w13, w2 = layer(8, 320, 64, 64, False, torch.float16, seed=91)
     x, weights, ids = routing(7, 8, 2, 320, torch.float16, seed=92)
     ids = torch.randint(0, 8, ids.shape, generator=torch.Generator().manual_seed(93), dtype=torch.int32)
@@ -296,9 +270,6 @@ def test_split_k_skips_foreign_pairs(poisoned) -> None:
 def test_split_k_setting(monkeypatch) -> None:
     """``QSERVE_MOE_SPLIT_K``: "auto" for unset / empty / auto (the default), off for 0 / 1, an integer
     >= 2; the rest refused with the variable's name, also at load (``moe_ops.prepare_experts``)."""
-    from quant_kernels import device as kdevice
-    from quant_kernels import moe_ops
-
     env = moe_mma.SPLIT_K_ENV
     monkeypatch.delenv(env, raising=False)
     assert moe_mma.split_k_setting() == "auto"
@@ -309,15 +280,24 @@ def test_split_k_setting(monkeypatch) -> None:
         monkeypatch.setenv(env, value)
         with pytest.raises(ValueError, match=f"QSERVE_MOE_SPLIT_K={value!r}"):
             moe_mma.split_k_setting()
+    assert_refused_at_load(monkeypatch, env, good="4 ", bad="on")
+
+
+def assert_refused_at_load(monkeypatch, env: str, good: str, bad: str) -> None:
+    """``moe_ops.prepare_experts`` (the MMA kernel on a simulated sm90) loads with ``env=good`` and
+    stops with ``env=bad``, naming the variable and the value: a typo fails the load, not a later step."""
+    from quant_kernels import device as kdevice
+    from quant_kernels import moe_ops
+
     w13, w2 = layer(4, 128, 64, 64, True, torch.float16, seed=95)
     with mock.patch.object(kdevice, "triton_serves", lambda device: True):
         with mock.patch.object(kdevice, "capability", lambda device: (9, 0)):
             monkeypatch.delenv(moe_ops.MOE_KERNEL_ENV, raising=False)
             monkeypatch.delenv(moe_ops.FUSED_MOE_ENV, raising=False)
-            monkeypatch.setenv(env, "4 ")
+            monkeypatch.setenv(env, good)
             assert moe_ops.prepare_experts(w13, w2).kind == "mma"
-            monkeypatch.setenv(env, "on")
-            with pytest.raises(ValueError, match="QSERVE_MOE_SPLIT_K='on'"):
+            monkeypatch.setenv(env, bad)
+            with pytest.raises(ValueError, match=f"{env}={bad!r}"):
                 moe_ops.prepare_experts(w13, w2)
 
 

@@ -345,8 +345,7 @@ def test_packed_topk_picks_what_the_two_reductions_pick(monkeypatch, num_tokens,
     keys gives the same six outputs bit for bit as the max-then-min rounds, on Gaussian logits and on
     logits with exact ties (duplicated router rows: the lower id first), for all experts and one rank's
     share; the setting is refused by name when misspelt, also at load."""
-    from quant_kernels import device as kdevice
-    from quant_kernels import moe_ops, moe_router_triton
+    from quant_kernels import moe_router_triton
 
     gen = torch.Generator().manual_seed(num_tokens * 7 + top_k)
     hidden = torch.randn(num_tokens, 256, generator=gen).to(torch.float16)  # [T, H]
@@ -371,16 +370,9 @@ def test_packed_topk_picks_what_the_two_reductions_pick(monkeypatch, num_tokens,
         monkeypatch.setenv(moe_router_triton.PACKED_TOPK_ENV, bad)
         with pytest.raises(ValueError, match=f"QSERVE_MOE_PACKED_TOPK={bad!r}"):
             moe_router_triton.packed_topk_requested()
-    from tests.kernels.test_moe import random_stacked
+    from tests.kernels.test_moe_mma import assert_refused_at_load
 
-    w13 = random_stacked(4, 128, 128, 64, True, torch.float16, seed=3)
-    w2 = random_stacked(4, 64, 128, 64, True, torch.float16, seed=4)
-    with mock.patch.object(kdevice, "triton_serves", lambda device: True):
-        with mock.patch.object(kdevice, "capability", lambda device: (9, 0)):
-            monkeypatch.delenv(moe_ops.MOE_KERNEL_ENV, raising=False)
-            monkeypatch.delenv(moe_ops.FUSED_MOE_ENV, raising=False)
-            with pytest.raises(ValueError, match="QSERVE_MOE_PACKED_TOPK='on'"):
-                moe_ops.prepare_experts(w13, w2)
+    assert_refused_at_load(monkeypatch, moe_router_triton.PACKED_TOPK_ENV, good="1", bad="on")
 
 
 def test_fused_router_gemm_setting(monkeypatch):
