@@ -11,6 +11,7 @@
 # (http needs the server's wheels on PYTHONPATH: fastapi, uvicorn, pydantic.)
 # preempt (two runs of up to 2 minutes: recompute vs swap preemption on a KV pool forced small) runs only
 # when named: with it the default set would pass 10 minutes.
+# gluon (only when named): the Gluon W4A16 kernel's GPU tests and bench/w4a16_gluon.py (issue 26).
 # decode_pdl (decode-only e2e three times on one checkpoint: QSERVE_ENABLE_PDL off, on, off; quant_kernels.pdl) also only when named.
 # optin (only when named): what landed opt-in without a GPU run, measured, as four stages that can also be
 #   named alone (with them all the set passes 10 minutes: split it over two calls):
@@ -94,7 +95,11 @@ if has smoke; then
     # the files that hold a gpu test (collecting the rest would need the server's packages there)
     # (the longest first: the 14B-layer quantize tests take ~90 s each, async scheduling ~50 s)
     mapfile -t GPU_FILES < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include='test_*.py' \
-        | awk '{ print (/quantize\/test_gpu/ ? 0 : /test_async_scheduling|test_w4a16/ ? 1 : 2), $0 }' | sort | cut -d' ' -f2)
+        | awk '{ print (/quantize\/test_gpu/ ? 0 : /test_async_scheduling|test_w4a16/ ? 1 : 2), $0 }' | sort | cut -d' ' -f2 \
+        | grep -vE "${SMOKE_EXCLUDE:-^$}")
+    # SMOKE_EXCLUDE (a regex of test files): files left out of the count, e.g. an opt-in kernel's file that
+    # failed in a stage of its own before the smoke; the ledger row names them
+    [[ -n ${SMOKE_EXCLUDE:-} ]] && echo "smoke: files matching '$SMOKE_EXCLUDE' left out"
     # ~800 tests, most of their time in Triton compiles (CPU): spread over the machine's cores, work-stealing,
     # one worker per 6 GiB of the card (16 on an H200; 13 on an H100, where 16 workers' models, pools and
     # graphs may have filled the card: a decode-graph capture failed there on 2026-12-05, bench/RESULTS.md)
@@ -178,6 +183,21 @@ if has decode_pdl; then
         code=${PIPESTATUS[0]}
         [[ $code == 0 ]] || echo "bench/e2e.py exit code $code (124: past its 150 s)"
     done
+fi
+if has gluon; then
+    # issue 26: the Gluon W4A16 kernel (opt-in QSERVE_W4A16_GLUON=1): its GPU tests, then its candidates against
+    # cuBLAS fp16 and the built-in dispatch (GLUON_MS rows, GLUON_SHAPES layers, GLUON_BUDGET_S seconds)
+    stage "Gluon W4A16: GPU tests, then bench/w4a16_gluon.py"
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/kernels/test_w4a16_wgmma_gluon.py \
+        > "$OUT/gluon_tests.txt" 2>&1
+    echo "gluon tests exit code $?"
+    grep -E "^(FAILED|ERROR)|Error" "$OUT/gluon_tests.txt" | head -8
+    tail -1 "$OUT/gluon_tests.txt"
+    timeout $(( ${GLUON_BUDGET_S:-200} + 60 )) python3 bench/w4a16_gluon.py --ms "${GLUON_MS:-128,256,1024}" \
+        --shapes "${GLUON_SHAPES:-gate_up,down,qkv,o}" --budget-s "${GLUON_BUDGET_S:-200}" --out "$OUT/w4a16_gluon.md" \
+        > "$OUT/w4a16_gluon.log" 2>&1
+    echo "bench/w4a16_gluon.py exit code $?"
+    tail -20 "$OUT/w4a16_gluon.log"
 fi
 if has optin_tiles; then
     stage "opt-in Hopper prefill tiles: GPU attention tests, then the prefill benchmark"

@@ -60,6 +60,7 @@ from quant_kernels import device as kdevice
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.pdl import use_pdl
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_shuffle
+from quant_kernels.switches import env_switch
 
 # Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and bf16 dots are unreliable in
 # Triton's interpreter, so the launcher passes FAST=False / DOT_F32=True there.
@@ -70,6 +71,33 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # ----------------------------------------------------------------------------------------------
 
 
+# The 8 values of a 4-bit word as ``q - 8``: the PTX of ``_values_fast4`` (shared with the Gluon kernel,
+# quant_kernels.w4a16_wgmma_gluon). bf16: ``(w >> 4i) & 0x000F000F | magic`` is the half2 ``128 + q``
+# and one fma removes ``128 + 8``. fp16: the nibbles at bits 4-7 / 20-23 are taken in place, as
+# ``1024 + 16 q`` (exact below 2048), and one fma by 1/16 with -(64 + 8) gives ``q - 8``: 9
+# instructions per word, not 11.
+BF16_VALUES4_ASM = tl.constexpr(
+    "{ .reg .b32 t0, t1, t2, t3, s0, s1, s2, one, nz; mov.b32 one, 0x3f803f80; mov.b32 nz, 0xc308c308; "
+    "lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea; "
+    "shr.u32 s0, $8, 4; lop3.b32 t1, s0, 0x000f000f, 0x43004300, 0xea; "
+    "shr.u32 s1, $8, 8; lop3.b32 t2, s1, 0x000f000f, 0x43004300, 0xea; "
+    "shr.u32 s2, $8, 12; lop3.b32 t3, s2, 0x000f000f, 0x43004300, 0xea; "
+    "fma.rn.bf16x2 t0, t0, one, nz; fma.rn.bf16x2 t1, t1, one, nz; "
+    "fma.rn.bf16x2 t2, t2, one, nz; fma.rn.bf16x2 t3, t3, one, nz; "
+    "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3; }"
+)
+FP16_VALUES4_ASM = tl.constexpr(
+    "{ .reg .b32 t0, t1, t2, t3, s1, z, m, c; "
+    "mov.b32 z, 0x64086408; mov.b32 m, 0x2c002c00; mov.b32 c, 0xd480d480; "
+    "lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea; "
+    "lop3.b32 t1, $8, 0x00f000f0, 0x64006400, 0xea; "
+    "shr.u32 s1, $8, 8; lop3.b32 t2, s1, 0x000f000f, 0x64006400, 0xea; "
+    "lop3.b32 t3, s1, 0x00f000f0, 0x64006400, 0xea; "
+    "sub.f16x2 t0, t0, z; fma.rn.f16x2 t1, t1, m, c; sub.f16x2 t2, t2, z; fma.rn.f16x2 t3, t3, m, c; "
+    "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3; }"
+)
+
+
 @triton.jit
 def _values_fast4(w, IS_BF16: tl.constexpr):
     """The 8 values of each 4-bit word as fp16/bf16 ``q - 8``, in word-value order v0..v7.
@@ -77,41 +105,15 @@ def _values_fast4(w, IS_BF16: tl.constexpr):
     Value ``2i`` is field ``i``, value ``2i + 1`` field ``i + 4``: ``(w >> 4i) & 0x000F000F |
     magic`` is their half2 ``magic + q`` (fp16 1024, bf16 128: ulp 1) and one packed subtract
     (fp16) or fma (bf16, no sub.bf16x2 before sm90) removes ``magic + 8``. Exact. fp16 takes the
-    odd fields without their shift (below).
+    odd fields without their shift (``FP16_VALUES4_ASM``).
     """
     if IS_BF16:
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1, t2, t3, s0, s1, s2, one, nz; mov.b32 one, 0x3f803f80; mov.b32 nz, 0xc308c308; "
-            "lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea; "
-            "shr.u32 s0, $8, 4; lop3.b32 t1, s0, 0x000f000f, 0x43004300, 0xea; "
-            "shr.u32 s1, $8, 8; lop3.b32 t2, s1, 0x000f000f, 0x43004300, 0xea; "
-            "shr.u32 s2, $8, 12; lop3.b32 t3, s2, 0x000f000f, 0x43004300, 0xea; "
-            "fma.rn.bf16x2 t0, t0, one, nz; fma.rn.bf16x2 t1, t1, one, nz; "
-            "fma.rn.bf16x2 t2, t2, one, nz; fma.rn.bf16x2 t3, t3, one, nz; "
-            "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3; }",
-            "=h,=h,=h,=h,=h,=h,=h,=h,r",
-            [w],
-            dtype=(tl.bfloat16,) * 8,
-            is_pure=True,
-            pack=1,
+            BF16_VALUES4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1
         )
     else:
-        # fp16: the nibbles at bits 4-7 / 20-23 are taken in place, as ``1024 + 16 q`` (exact below
-        # 2048), and one fma by 1/16 with -(64 + 8) gives ``q - 8``: 9 instructions per word, not 11
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1, t2, t3, s1, z, m, c; "
-            "mov.b32 z, 0x64086408; mov.b32 m, 0x2c002c00; mov.b32 c, 0xd480d480; "
-            "lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea; "
-            "lop3.b32 t1, $8, 0x00f000f0, 0x64006400, 0xea; "
-            "shr.u32 s1, $8, 8; lop3.b32 t2, s1, 0x000f000f, 0x64006400, 0xea; "
-            "lop3.b32 t3, s1, 0x00f000f0, 0x64006400, 0xea; "
-            "sub.f16x2 t0, t0, z; fma.rn.f16x2 t1, t1, m, c; sub.f16x2 t2, t2, z; fma.rn.f16x2 t3, t3, m, c; "
-            "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3; }",
-            "=h,=h,=h,=h,=h,=h,=h,=h,r",
-            [w],
-            dtype=(tl.float16,) * 8,
-            is_pure=True,
-            pack=1,
+            FP16_VALUES4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1
         )
 
 
@@ -953,6 +955,23 @@ def _uses_ampere_table(device: torch.device) -> bool:
     return os.environ.get(AMPERE_TABLE_ENV) == "1" and device.type == "cuda" and kdevice.capability(device)[0] == 8
 
 
+GLUON_ENV = "QSERVE_W4A16_GLUON"
+GLUON_MIN_M = 65  # the Gluon kernel's rows: where w4a16_mma_kernel waits on every K-tile's MMA (issue 26)
+
+
+def _uses_gluon(weight: MmaQuantWeight, x: torch.Tensor, m: int) -> bool:
+    """``QSERVE_W4A16_GLUON=1``, an sm90 device, at least ``GLUON_MIN_M`` rows and a weight the Gluon
+    kernel serves (``w4a16_wgmma_gluon.supports``). Opt-in until ``pytest -m gpu`` and the benchmark ran it
+    on the device (bench/RESULTS.md)."""
+    if m < GLUON_MIN_M or not kdevice.triton_serves(x.device) or not env_switch(GLUON_ENV, default=False):
+        return False
+    if kdevice.capability(x.device)[0] != 9:
+        return False
+    from quant_kernels import w4a16_wgmma_gluon
+
+    return w4a16_wgmma_gluon.supports(weight, x.dtype)
+
+
 def _key(weight: MmaQuantWeight, dtype: torch.dtype, m: int) -> tuple:
     device = weight.qweight.device
     index = device.index if device.type == "cuda" else -1
@@ -1115,6 +1134,10 @@ def w4a16_gemm(
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
+    if _uses_gluon(weight, x, m):
+        from quant_kernels import w4a16_wgmma_gluon
+
+        return w4a16_wgmma_gluon.w4a16_wgmma(x, weight, bias, config=w4a16_wgmma_gluon.default_config(m, k, n), out=out)
     if cfg.kind == "dequant":
         return _dequant_mm(x, weight, bias, out, cfg.chunk_n)
 

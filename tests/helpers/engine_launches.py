@@ -329,6 +329,41 @@ def drive_sweep(capture: Capture, case: ModelCase, model) -> None:
                         mma.w4a16_gemm(x, w, None, config=cfg, counters=prepared.counters)
 
 
+GLUON_MS = [65, 128, 256, 2048]  # QSERVE_W4A16_GLUON=1 serves 65 rows and more; 2048 is a prefill chunk
+
+
+def drive_gluon(capture: Capture, case: ModelCase, model, dtype_name: str) -> None:
+    """``QSERVE_W4A16_GLUON=1`` (opt-in, sm90): every 4-bit layer of ``model`` through the real dispatch
+    (``ops.w4a16_linear``) at each row count the Gluon kernel serves, then ``bench/w4a16_gluon.py``'s
+    candidates on the first layer (fp16, as that bench runs them)."""
+    from quant_kernels import w4a16_mma_triton as mma
+    from quant_kernels import w4a16_wgmma_gluon as glk
+
+    first = None
+    with mock.patch.dict(os.environ, {mma.GLUON_ENV: "1"}), torch.inference_mode():
+        for name, module in model.named_modules():
+            if not isinstance(module, Linear) or not hasattr(module, "quant_prepared"):
+                continue
+            for prepared in module.quant_prepared:
+                if not isinstance(prepared, ops.W4A16Prepared) or not isinstance(prepared.weight, MmaQuantWeight):
+                    continue
+                first = first or prepared.weight
+                for m in GLUON_MS:
+                    x = torch.zeros((m, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
+                    with where(capture, f"{case.name} {dtype_name} Gluon W4A16 {name} M={m}"):
+                        ops.w4a16_linear(x, prepared)
+    if first is None or model.dtype != torch.float16:
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from w4a16_gluon import configs
+
+    for m in (128, 256, 1024):
+        x = torch.zeros((m, first.in_features), dtype=torch.float16)  # [M, K]
+        for cfg in configs(m):
+            with where(capture, f"{case.name} Gluon W4A16 bench candidate M={m} {cfg.short()}"), torch.inference_mode():
+                glk.w4a16_wgmma(x, first, config=cfg)
+
+
 def drive_formats(capture: Capture, dtype: torch.dtype, dtype_name: str, labels: tuple[str, ...] | None) -> None:
     """The W4A16 dispatch (``ops``) for each extra weight format (``labels``; None: all) at every M bucket."""
     for label, bits, group, sym, act_order in FORMATS:
@@ -810,6 +845,7 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
                         drive_sweep(capture, case, model)
                     if dtype_name in plan["pdl_dtypes"]:
                         drive_pdl(capture, model, config, f"{case.name} {dtype_name}")
+                    drive_gluon(capture, case, model, dtype_name)
                 if case is models[0] and dtype == torch.float16:  # the LoRA kernels (sm90 and the lowest
                     drive_lora(capture, case, model, config, dtype_name)  # job's sm86 check fp16)
                     drive_lora_kernels(capture, dtype, dtype_name, gpu.arch >= 90 and dtype_name in plan["pdl_dtypes"])

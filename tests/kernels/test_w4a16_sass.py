@@ -19,82 +19,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.sass_hazards import a_operand_hazards
+
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
-_PRED = re.compile(r"^@!?U?P[T\d]+\s+")
-# ops that write no general register (or whose first operand is not a destination)
-_NO_DEST = (
-    "ST", "BAR", "BRA", "WARPGROUP", "LDGSTS", "DEPBAR", "LDGDEPBAR", "RED", "HGMMA", "EXIT", "RET",
-    "WARPSYNC", "NOP", "MEMBAR", "FENCE", "ERRBAR", "CCTL", "SYNCS", "ARRIVES", "CALL",
-)  # fmt: skip
-
-
-def _instructions(sass: str) -> list[tuple[int | None, str]]:
-    out: list[tuple[int | None, str]] = []
-    for line in sass.splitlines():
-        if m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line):
-            out.append((int(m.group(1), 16), m.group(2)))
-        elif m := re.match(r"\.L_x_(\d+):", line):
-            out.append((None, m.group(1)))
-    return out
-
-
-def _dest_regs(text: str) -> set[int]:
-    op, _, rest = _PRED.sub("", text).partition(" ")
-    if not rest or op.startswith(_NO_DEST):
-        return set()
-    m = re.match(r"R(\d+)$", rest.split(",")[0].strip())
-    if not m:
-        return set()
-    if op.startswith("LDSM"):  # ldmatrix: .x4 / .x2 (".4" / ".2" in SASS) write that many registers
-        width = 4 if op.endswith(".4") else 2 if op.endswith(".2") else 1
-    elif ".128" in op:
-        width = 4
-    else:
-        width = 2 if (op.startswith("IMAD.WIDE") or op.endswith(".64") or ".64." in op) else 1
-    return set(range(int(m.group(1)), int(m.group(1)) + width))
-
-
-def a_operand_hazards(sass: str) -> tuple[int, list[str]]:
-    """(HGMMAs with a register A operand seen in loops, writes to the A registers of in-flight ones)."""
-    ins = _instructions(sass)
-    labels = {text: i for i, (addr, text) in enumerate(ins) if addr is None}
-    seen, found = 0, []
-    for i, (addr, text) in enumerate(ins):
-        m = re.search(r"BRA `\(\.L_x_(\d+)\)", text)
-        if addr is None or not m or labels.get(m.group(1), i) >= i:
-            continue
-        body = [x for x in ins[labels[m.group(1)] + 1 : i + 1] if x[0] is not None]
-        pending: list[set[int]] = []  # A registers of each committed, unretired group, oldest first
-        group: set[int] = set()
-        for lap in range(2):  # the second lap starts with what the back edge carries
-            for a, t in body:
-                t0 = _PRED.sub("", t)
-                if t0.startswith("HGMMA"):
-                    if ma := re.match(r"HGMMA\S*\s+R\d+,\s*R(\d+),", t0):
-                        group |= set(range(int(ma.group(1)), int(ma.group(1)) + 4))
-                        seen += lap == 0
-                    if "gsb0" in t0:
-                        pending.append(group)
-                        group = set()
-                    continue
-                if mw := re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", t0):
-                    del pending[: max(0, len(pending) - int(mw.group(1), 16))]
-                    continue
-                # issued HGMMAs not yet committed (no gsb0 yet) read their A registers too
-                hit = _dest_regs(t) & set().union(group, *pending)
-                if hit and lap == 1:
-                    found.append(f"{a:#x} {t}  (A registers R{sorted(hit)[0]}.. of an unretired HGMMA)")
-    return seen, found
-
 
 _FRAGMENT = """
 .L_x_1:

@@ -1,0 +1,578 @@
+"""Gluon W4A16 GEMM for Hopper (sm90) where the card is busy (64-4,096 rows): each K-tile's wgmma
+runs while the next tile is dequantized.
+
+Knows: the MMA-operand layout of ``quant_kernels.repack.MmaQuantWeight`` (4-bit, ``kwidth`` 2: the
+layout ``w4a16_mma_triton`` reads), Hopper's wgmma / TMA / mbarrier through
+``triton.experimental.gluon``, and how to tile one ``(M, K, N)``. Must not know: models, checkpoint
+formats, engines, the dispatch table (``w4a16_mma_triton.select_config`` owns it).
+
+Why a second kernel of the same op. ``w4a16_mma_kernel`` (Triton's frontend) waits for every K-tile's
+wgmma before it dequantizes the next tile: left in flight across the loop's back edge, ptxas reused the
+registers of the in-register A operand while the wgmma still read them (wrong output on the H200,
+bench/RESULTS.md). So at 128 rows and more its tensor cores idle while the same warps dequantize, and
+it lost to dense weights + cuBLAS past 256 rows (issue 26). Gluon states what the frontend could not:
+
+- the weight tile's words arrive by TMA into a ring of ``STAGES`` shared buffers beside the
+  activation tile, one mbarrier per stage;
+- the words are read to registers in the layout whose dequant + ``reshape``/``permute`` (the same
+  unshuffle as the Triton kernel) *is* wgmma's A-operand layout (``convert_layout(...,
+  assert_trivial=True)`` fails the compile otherwise), scaled (and zero-shifted) there;
+- ``warpgroup_mma(..., is_async=True)`` then ``warpgroup_mma_wait(1, deps=(acc, a_prev))``: the
+  previous tile's MMA is done before its stage is refilled, and the previous A operand stays a live
+  value (a loop-carried tensor passed through the wait) until then, so its registers cannot be
+  reused under the running wgmma;
+- scales go on the weight values (``(q - z) * s`` rounded once to the activation dtype, as the
+  reference dequantizes), so the MMAs chain on one fp32 accumulator.
+
+The output tile leaves through shared memory by TMA (rows and columns past M / N are clipped by the
+copy); with ``split_k > 1`` the fp32 partials are added atomically into a zeroed fp32 workspace
+that the wrapper casts (a measured candidate, not a graph-safe default). Serves 4-bit weights
+without act-order whose K-tiles lie in one group (group size a multiple of ``block_k``, or one group
+per column), fp16/bf16 activations; ``supports`` says which. Opt-in (``QSERVE_W4A16_GLUON=1``, read by
+``w4a16_mma_triton.w4a16_gemm`` at 65 rows and more) until
+``pytest -m gpu`` and the benchmark on the device decide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from quant_kernels.repack import MmaQuantWeight
+from quant_kernels.w4a16_mma_triton import BF16_VALUES4_ASM, FP16_VALUES4_ASM
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """One launch of ``w4a16_wgmma_kernel``."""
+
+    block_m: int = 128  # rows of x per program (the wgmma's N: 64-256)
+    block_n: int = 128  # output columns per program (the wgmma's M: 16 per warp of a warpgroup)
+    block_k: int = 128
+    stages: int = 4
+    num_warps: int = 8
+    split_k: int = 1
+
+    def short(self) -> str:
+        return (
+            f"gluon m{self.block_m} n{self.block_n} k{self.block_k} st{self.stages} w{self.num_warps} s{self.split_k}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts (compile time)
+# ----------------------------------------------------------------------------------------------
+
+
+@gluon.constexpr_function
+def _word_layout(BLOCK_N, BLOCK_K, num_warps):
+    """The register layout of one K-tile's words ``[BLOCK_N / 4, BLOCK_K / 2]`` whose dequant and
+    unshuffle is wgmma's A operand with no data movement: each thread 4 contiguous words (16 bytes;
+    8 lanes a 128-byte line), then the next 64-value k chunks, then the next 16-row blocks of its warp
+    (read from Triton's own choice for ``w4a16_mma_kernel``, sm90 TTGIR)."""
+    rows, words = BLOCK_N // 4, BLOCK_K // 2
+    reg = [[0, 1], [0, 2]]
+    w = 32
+    while w < words:
+        reg.append([0, w])
+        w *= 2
+    r = 4 * num_warps
+    while r < rows:
+        reg.append([r, 0])
+        r *= 2
+    warp = []
+    r = 4
+    while r < 4 * num_warps:
+        warp.append([r, 0])
+        r *= 2
+    lane = [[0, 4], [0, 8], [0, 16], [1, 0], [2, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, words])
+
+
+@gluon.constexpr_function
+def _mma_layout(BLOCK_M, num_warps):
+    """The accumulator ``[BLOCK_N, BLOCK_M]``: warps stacked along the weight rows, one wgmma as wide as
+    the row tile of x (at most 256)."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, min(BLOCK_M, 256), 16]
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Device functions
+# ----------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _values4(w, IS_BF16: gl.constexpr):
+    """The 8 values of each 4-bit word as fp16/bf16 ``q - 8`` in word-value order (exact; the asm of
+    ``w4a16_mma_triton._values_fast4``)."""
+    if IS_BF16:
+        return gl.inline_asm_elementwise(
+            BF16_VALUES4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1
+        )
+    else:
+        return gl.inline_asm_elementwise(
+            FP16_VALUES4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8, is_pure=True, pack=1
+        )
+
+
+@gluon.jit
+def _weight_operand(
+    words,  # int32 [BLOCK_N / 4, BLOCK_K / 2] in _word_layout
+    s,  # [BLOCK_N] scales of this K-tile's group
+    z,  # [BLOCK_N] z - 8 (HAS_ZEROS), else unused
+    A_LAYOUT: gl.constexpr,
+    HAS_ZEROS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    dtype: gl.constexpr,
+):
+    """``(q - z) * s`` as wgmma's A operand ``[BLOCK_N, BLOCK_K]`` (registers)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _values4(words, dtype == gl.bfloat16)
+    t = gl.join(
+        gl.join(gl.join(v0, v4), gl.join(v2, v6)),
+        gl.join(gl.join(v1, v5), gl.join(v3, v7)),
+    )  # [R, C, 2, 2, 2]: index (b0, b1, b2) holds v_(4*b0 + 2*b1 + b2)
+    v = gl.reshape(t, (BLOCK_N // 16, 4, BLOCK_K // 64, 2, 4, 4, 2, 2, 2))  # stored order, kwidth 2
+    v = gl.permute(v, (0, 7, 1, 3, 2, 5, 6, 4, 8))  # the inverse of repack.mma_shuffle
+    wt = gl.convert_layout(gl.reshape(v, (BLOCK_N, BLOCK_K)), A_LAYOUT, assert_trivial=True)
+    wt = wt.to(gl.float32)
+    if HAS_ZEROS:
+        wt = wt - gl.expand_dims(z.to(gl.float32), 1)
+    return (wt * gl.expand_dims(s.to(gl.float32), 1)).to(dtype)
+
+
+@gluon.jit
+def _step(
+    i,  # this program's tile number (0 .. count - 1)
+    kt0,
+    count,
+    acc,
+    x_desc,
+    w_desc,
+    x_smem,
+    w_smem,
+    bars,
+    scales_ptr,
+    zeros_ptr,
+    offs_n,
+    mask_n,
+    off_m,
+    pid_n,
+    group_size,
+    stride_sg,
+    stride_zg,
+    A_LAYOUT: gl.constexpr,
+    WORD_LAYOUT: gl.constexpr,
+    HAS_ZEROS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One K-tile: wait for its stage, dequantize, issue its wgmma, wait for the previous tile's, refill
+    that tile's stage with tile ``i + STAGES - 1``."""
+    stage = i % STAGES
+    g = (kt0 + i) * BLOCK_K // group_size
+    s = gl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)  # [BLOCK_N]
+    if HAS_ZEROS:
+        z = gl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0.0)  # [BLOCK_N]
+    else:
+        z = s
+    mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+    words = w_smem.index(stage).load(WORD_LAYOUT)
+    a = _weight_operand(words, s, z, A_LAYOUT, HAS_ZEROS, BLOCK_N, BLOCK_K, x_desc.dtype)
+    acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # tile i - 1's MMA is done: its stage is free
+    nxt = i + STAGES - 1
+    ok = nxt < count
+    ns = nxt % STAGES
+    bar = bars.index(ns)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(x_desc, [off_m, (kt0 + nxt) * BLOCK_K], bar, x_smem.index(ns), pred=ok)
+    tma.async_copy_global_to_shared(
+        w_desc, [pid_n * (BLOCK_N // 4), (kt0 + nxt) * (BLOCK_K // 2)], bar, w_smem.index(ns), pred=ok
+    )
+    return acc
+
+
+@gluon.jit
+def w4a16_wgmma_kernel(
+    x_desc,  # TMA [M, K] fp16/bf16, block [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA int32 [N_pad / 4, K_pad / 2], block [BLOCK_N / 4, BLOCK_K / 2]
+    out_desc,  # TMA [M, N], block [BLOCK_M, BLOCK_N]
+    scales_ptr,  # [groups, N]
+    zeros_ptr,  # fp16 [groups, N]: z - 8 (HAS_ZEROS)
+    bias_ptr,  # [N] (HAS_BIAS)
+    ws_ptr,  # fp32 [M, N] zeros (SPLIT_K > 1)
+    M,
+    N,
+    K,
+    group_size,
+    stride_sg,
+    stride_zg,
+    HAS_ZEROS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    SPLIT_K: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """``out = x @ dequant(W) + bias`` as ``(W^T x^T)^T``; grid ``(N tiles, M tiles, SPLIT_K)``."""
+    dtype: gl.constexpr = x_desc.dtype
+    WORDS: gl.constexpr = BLOCK_K // 2  # int32 words of one K-tile per storage row (4 weight rows)
+    MMA_LAYOUT: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_LAYOUT, k_width=2)
+    WORD_LAYOUT: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps)
+    ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, A_LAYOUT)  # [BLOCK_N] per weight row
+
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    off_n = pid_n * BLOCK_N
+    off_m = pid_m * BLOCK_M
+    num_k_tiles = gl.cdiv(K, BLOCK_K)
+    per = gl.cdiv(num_k_tiles, SPLIT_K)
+    kt0 = pid_k * per
+    kt1 = gl.minimum(kt0 + per, num_k_tiles)
+    count = kt1 - kt0
+    # Every share holds a K-tile (the wrapper's split guarantees it). Said to the compiler, the loop has
+    # no zero-trip path, where the zeroed accumulator would reach the final wait by movs and ptxas
+    # would serialize every wgmma (C7515 in its -v output).
+    gl.assume(count > 0)
+
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N // 4, WORDS], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    tile_bytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    for i in gl.static_range(STAGES - 1):
+        ok = i < count
+        bar = bars.index(i)
+        mbarrier.expect(bar, tile_bytes, pred=ok)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (kt0 + i) * BLOCK_K], bar, x_smem.index(i), pred=ok)
+        tma.async_copy_global_to_shared(
+            w_desc, [pid_n * (BLOCK_N // 4), (kt0 + i) * WORDS], bar, w_smem.index(i), pred=ok
+        )
+
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=ROW_LAYOUT)  # [BLOCK_N]
+    mask_n = offs_n < N
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_LAYOUT)
+    # Two tiles per iteration, each through its own call site: tile i's A operand (registers read by its
+    # wgmma until the wait one tile later) and tile i + 1's are different values, so the PTX never
+    # redefines an A register under a wgmma in flight (one call site in a rolled loop writes the same
+    # virtual registers every iteration: the race the Triton kernel met). The first tile is peeled so
+    # that every path reaches the last wait through a wgmma.
+    acc = _step(
+        0,
+        kt0,
+        count,
+        acc,
+        x_desc,
+        w_desc,
+        x_smem,
+        w_smem,
+        bars,
+        scales_ptr,
+        zeros_ptr,
+        offs_n,
+        mask_n,
+        off_m,
+        pid_n,
+        group_size,
+        stride_sg,
+        stride_zg,
+        A_LAYOUT,
+        WORD_LAYOUT,
+        HAS_ZEROS,
+        BLOCK_N,
+        BLOCK_K,
+        STAGES,
+    )
+    for j in range((count - 1) // 2):
+        acc = _step(
+            2 * j + 1,
+            kt0,
+            count,
+            acc,
+            x_desc,
+            w_desc,
+            x_smem,
+            w_smem,
+            bars,
+            scales_ptr,
+            zeros_ptr,
+            offs_n,
+            mask_n,
+            off_m,
+            pid_n,
+            group_size,
+            stride_sg,
+            stride_zg,
+            A_LAYOUT,
+            WORD_LAYOUT,
+            HAS_ZEROS,
+            BLOCK_N,
+            BLOCK_K,
+            STAGES,
+        )
+        acc = _step(
+            2 * j + 2,
+            kt0,
+            count,
+            acc,
+            x_desc,
+            w_desc,
+            x_smem,
+            w_smem,
+            bars,
+            scales_ptr,
+            zeros_ptr,
+            offs_n,
+            mask_n,
+            off_m,
+            pid_n,
+            group_size,
+            stride_sg,
+            stride_zg,
+            A_LAYOUT,
+            WORD_LAYOUT,
+            HAS_ZEROS,
+            BLOCK_N,
+            BLOCK_K,
+            STAGES,
+        )
+    if count % 2 == 0:
+        acc = _step(
+            count - 1,
+            kt0,
+            count,
+            acc,
+            x_desc,
+            w_desc,
+            x_smem,
+            w_smem,
+            bars,
+            scales_ptr,
+            zeros_ptr,
+            offs_n,
+            mask_n,
+            off_m,
+            pid_n,
+            group_size,
+            stride_sg,
+            stride_zg,
+            A_LAYOUT,
+            WORD_LAYOUT,
+            HAS_ZEROS,
+            BLOCK_N,
+            BLOCK_K,
+            STAGES,
+        )
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    ACC_ROWS: gl.constexpr = gl.SliceLayout(1, MMA_LAYOUT)
+    ACC_COLS: gl.constexpr = gl.SliceLayout(0, MMA_LAYOUT)
+    rows = off_n + gl.arange(0, BLOCK_N, layout=ACC_ROWS)  # [BLOCK_N] output columns
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            b = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+            acc = acc + gl.expand_dims(b, 1)
+        c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
+        c_smem.store(gl.permute(acc.to(dtype), (1, 0)))  # [BLOCK_M, BLOCK_N]
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_smem)
+        tma.store_wait(0)
+    else:
+        cols = off_m + gl.arange(0, BLOCK_M, layout=ACC_COLS)  # [BLOCK_M] rows of x
+        if HAS_BIAS:
+            b = gl.load(bias_ptr + rows, mask=(rows < N) & (pid_k == 0), other=0.0).to(gl.float32)
+            acc = acc + gl.expand_dims(b, 1)
+        ptrs = ws_ptr + gl.expand_dims(cols, 0) * N + gl.expand_dims(rows, 1)  # [BLOCK_N, BLOCK_M]
+        mask = (gl.expand_dims(cols, 0) < M) & (gl.expand_dims(rows, 1) < N)
+        gl.atomic_add(ptrs, acc, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+def supports(weight: MmaQuantWeight, dtype: torch.dtype, block_k: int = 128) -> bool:
+    """Whether the kernel serves this weight: 4-bit, the kwidth-2 layout, no act-order, every K-tile in
+    one group, 16-byte-aligned rows of x and of the output (TMA)."""
+    g, k, n = weight.group_size, weight.in_features, weight.out_features
+    return (
+        weight.bits == 4
+        and weight.kwidth == 2
+        and weight.perm is None
+        and dtype in _GL_DTYPES
+        and (g % block_k == 0 or g >= k)
+        and k % 8 == 0
+        and n % 8 == 0
+    )
+
+
+def fit(cfg: WgmmaConfig, m: int, n: int) -> WgmmaConfig:
+    """Clamp a config to the problem: 16 weight rows per warp at least, the x tile no wider than M
+    needs (at least 64: wgmma's narrowest useful tile here)."""
+    block_m = max(64, min(cfg.block_m, triton.next_power_of_2(m)))
+    warps = min(cfg.num_warps, cfg.block_n // 16)
+    return dataclasses.replace(cfg, block_m=block_m, num_warps=warps)
+
+
+def default_config(m: int, k: int, n: int) -> WgmmaConfig:
+    """The launch ``w4a16_mma_triton`` hands this kernel under ``QSERVE_W4A16_GLUON=1``: 128 x 128 tiles, 8
+    warps, 4 stages (64-row x tiles below 128 rows). Not yet tuned on the device: bench/w4a16_gluon.py
+    times the candidates, and this table follows its first run."""
+    return fit(WgmmaConfig(), m, n)
+
+
+def effective_split(k_tiles: int, split_k: int) -> int:
+    """Shares of ``cdiv(k_tiles, split_k)`` K-tiles each that cover ``k_tiles`` with none empty (the kernel
+    assumes every share holds a tile)."""
+    per = triton.cdiv(k_tiles, max(1, split_k))
+    return triton.cdiv(k_tiles, per)
+
+
+def w4a16_wgmma(
+    x: torch.Tensor,  # [M, K] fp16 / bf16
+    weight: MmaQuantWeight,
+    bias: torch.Tensor | None = None,  # [N]
+    config: WgmmaConfig | None = None,
+    out: torch.Tensor | None = None,  # [M, N]
+) -> torch.Tensor:
+    """``x @ dequant(weight) + bias`` on an sm90 device; ``[M, N]``."""
+    m, k = x.shape
+    n = weight.out_features
+    cfg = fit(config or WgmmaConfig(), m, n)
+    if k != weight.in_features:
+        raise ValueError(f"x has K={k}, weight has in_features={weight.in_features}")
+    if not supports(weight, x.dtype, cfg.block_k):
+        raise ValueError(
+            f"w4a16_wgmma serves 4-bit, kwidth-2, no act-order weights with group size a multiple of "
+            f"{cfg.block_k} and K, N multiples of 8 in fp16/bf16; got bits={weight.bits}, kwidth={weight.kwidth}, "
+            f"act-order={weight.perm is not None}, group_size={weight.group_size}, K={k}, N={n}, {x.dtype}"
+        )
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
+    if m == 0:
+        return out
+    x = x.contiguous()
+    gdt = _GL_DTYPES[x.dtype]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    w_desc = TensorDescriptor.from_tensor(weight.qweight, [bn // 4, bk // 2], w_layout)
+    out_desc = TensorDescriptor.from_tensor(out, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], gdt))
+    split = effective_split(triton.cdiv(k, bk), cfg.split_k)
+    ws = out
+    if split > 1:
+        ws = torch.zeros((m, n), dtype=torch.float32, device=x.device)  # [M, N]
+    zeros = weight.zeros if weight.zeros is not None else weight.scales
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    w4a16_wgmma_kernel[grid](
+        x_desc,
+        w_desc,
+        out_desc,
+        weight.scales,
+        zeros,
+        bias if bias is not None else weight.scales,
+        ws,
+        m,
+        n,
+        k,
+        weight.group_size,
+        weight.scales.stride(0),
+        zeros.stride(0),
+        HAS_ZEROS=weight.zeros is not None,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=split,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        STAGES=cfg.stages,
+        num_warps=cfg.num_warps,
+    )
+    if split > 1:
+        out.copy_(ws)
+    return out
+
+
+def _desc_type(dtype: str, block: list[int], layout: gl.NVMMASharedLayout) -> str:
+    """The JIT's signature string of a Gluon TMA descriptor argument."""
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
+
+
+def compile_for(
+    arch: int,
+    cfg: WgmmaConfig,
+    dtype: str = "fp16",
+    asym: bool = False,
+    bias: bool = False,
+    m: int = 4096,
+):
+    """The compiled ``w4a16_wgmma_kernel`` for ``sm_<arch>`` without a GPU (``triton.compile`` with a
+    ``GPUTarget``), with the argument types and constexprs ``w4a16_wgmma`` launches with."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = fit(cfg, m, 1 << 16)
+    gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    signature = {
+        "x_desc": _desc_type(dtype, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)),
+        "w_desc": _desc_type("i32", [bn // 4, bk // 2], w_layout),
+        "out_desc": _desc_type(dtype, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], gdt)),
+        "scales_ptr": "*fp16",
+        "zeros_ptr": "*fp16",
+        "bias_ptr": f"*{dtype}" if bias else "*fp16",
+        "ws_ptr": "*fp32" if cfg.split_k > 1 else f"*{dtype}",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "group_size": "i32",
+        "stride_sg": "i32",
+        "stride_zg": "i32",
+    }
+    constants = dict(
+        HAS_ZEROS=asym,
+        HAS_BIAS=bias,
+        SPLIT_K=cfg.split_k,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        STAGES=cfg.stages,
+        num_warps=cfg.num_warps,
+    )
+    for name in constants:
+        signature[name] = "constexpr"
+    fn = w4a16_wgmma_kernel
+    aligned = [(i,) for i, name in enumerate(fn.arg_names) if signature[name].startswith("*") or name in ("N", "K")]
+    attrs = {path: [["tt.divisibility", 16]] for path in aligned}
+    return triton.compile(
+        GluonASTSource(fn, signature, constants, attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=cfg.num_warps),
+    )

@@ -1,0 +1,242 @@
+"""The Gluon W4A16 kernel for Hopper (``quant_kernels.w4a16_wgmma_gluon``).
+
+Gluon kernels do not run under TRITON_INTERPRET, so on CPU this file compiles the kernel for sm90 with
+the argument types its wrapper launches with (Triton's own ptxas and nvdisasm, no GPU) and checks what
+the design rests on:
+
+- the dequantized tile reaches wgmma from registers (no shared-memory store of it: the only
+  ``stmatrix`` / ``st.shared`` is the output tile's);
+- ptxas keeps the wgmmas asynchronous (no C7515 "serialized" advisory in ``ptxas -v``);
+- no register of an in-flight wgmma's A operand is written before its group retires, along the loop's
+  back edges and the paths into and out of it (tests/helpers/sass_hazards.py), and the peeled first
+  tile and the tail tile (the path that skips the loop) use different A registers.
+
+The ``gpu``-marked tests run the kernel against an fp32 oracle on NaN-poisoned outputs: odd and even
+K-tile counts (the peeled tile, the unrolled pairs, the tail), ragged M and N, asymmetric zeros, bias,
+bf16, per-column groups, split-K, and under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.sass_hazards import a_operand_hazards, fallthrough_a_operand_hazards, hgmma_groups
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+from quant_kernels import reference  # noqa: E402
+from quant_kernels import w4a16_mma_triton as mma  # noqa: E402
+from quant_kernels import w4a16_wgmma_gluon as glk  # noqa: E402
+from quant_kernels.layout import PackedQuantWeight, pack_codes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+# (config, dtype, asym, bias): the default candidate and the bench's others, each feature once
+COMPILE_CASES = [
+    (glk.WgmmaConfig(), "fp16", False, False),
+    (glk.WgmmaConfig(), "bf16", True, True),
+    (glk.WgmmaConfig(block_m=128, block_n=64, stages=4, num_warps=4), "fp16", True, False),
+    (glk.WgmmaConfig(block_m=64, block_n=128, stages=4, num_warps=8), "fp16", False, True),
+    (glk.WgmmaConfig(block_m=256, block_n=128, stages=2, num_warps=8), "fp16", False, False),
+    (glk.WgmmaConfig(split_k=2), "fp16", False, True),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    if not (BIN / "ptxas").exists() or not (BIN / "nvdisasm").exists():
+        pytest.skip("this Triton ships no ptxas / nvdisasm")
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for cfg, dtype, asym, bias in COMPILE_CASES:
+            kernel = glk.compile_for(90, cfg, dtype=dtype, asym=asym, bias=bias)
+            ptx = Path(tmp, "k.ptx")
+            ptx.write_text(kernel.asm["ptx"])
+            cubin = Path(tmp, "k.cubin")
+            cubin.write_bytes(kernel.asm["cubin"])
+            ptxas = subprocess.run(
+                [str(BIN / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp, "v.cubin"))],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            sass = subprocess.run([str(BIN / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True)
+            label = f"{cfg.short()} {dtype}{' asym' if asym else ''}{' bias' if bias else ''}"
+            out.append(
+                {"label": label, "ptx": kernel.asm["ptx"], "ptxas": ptxas.stderr + ptxas.stdout, "sass": sass.stdout}
+            )
+    return out
+
+
+def test_weight_tile_reaches_wgmma_from_registers(compiled) -> None:
+    for case in compiled:
+        ptx = case["ptx"]
+        assert "wgmma.mma_async.sync.aligned" in ptx, case["label"]
+        # the A operand is a register vector ({%r..}), not a shared-memory descriptor
+        assert "wgmma.mma_async.sync.aligned.m64n" in ptx and ", {%r" in ptx, case["label"]
+        stores = [ln for ln in ptx.splitlines() if "st.shared" in ln and "mbarrier" not in ln]
+        assert not stores, f"{case['label']}: a shared-memory store besides the output tile's stmatrix: {stores[:2]}"
+
+
+def test_ptxas_keeps_the_wgmmas_asynchronous(compiled) -> None:
+    for case in compiled:
+        assert "C7515" not in case["ptxas"] and "serialized" not in case["ptxas"], f"{case['label']}: {case['ptxas']}"
+        assert "spill stores" in case["ptxas"]
+        assert "0 bytes spill stores" in case["ptxas"], f"{case['label']}: {case['ptxas']}"
+
+
+def test_no_a_register_is_rewritten_under_an_inflight_wgmma(compiled) -> None:
+    for case in compiled:
+        seen, found = a_operand_hazards(case["sass"])
+        assert seen > 0, f"{case['label']}: no register-A HGMMA in a loop: the SASS parse is stale"
+        assert not found, f"{case['label']}: {found[:3]}"
+        assert not fallthrough_a_operand_hazards(case["sass"]), case["label"]
+        groups = hgmma_groups(case["sass"])
+        # address order: the peeled first tile, the loop's two tiles, the tail tile (the loop may be skipped)
+        assert len(groups) == 4, f"{case['label']}: {len(groups)} HGMMA groups, the kernel's structure changed"
+        assert not groups[0] & groups[3], f"{case['label']}: the peeled tile and the tail share A registers"
+
+
+_LAYOUT_SCRIPT = r"""
+import json, re
+from quant_kernels import w4a16_mma_triton as mma
+out = {}
+for bm, bn, bk, warps in [(128, 128, 128, 8), (128, 64, 128, 4), (64, 128, 128, 4), (128, 128, 64, 4)]:
+    ir = mma.compile_for(90, mma.MmaConfig("mma", bm, bn, bk, 1, warps, 3)).asm["ttgir"]
+    name = re.search(r"ttg\.local_load .*-> tensor<\d+x\d+xi32, #(\w+)>", ir).group(1)
+    out[f"{bn},{bk},{warps}"] = re.search(r"#%s = #ttg\.linear<\{(.*)\}>" % name, ir).group(1)
+print(json.dumps(out))
+"""
+
+
+def test_word_layout_is_the_triton_kernels_choice() -> None:
+    """The layout written out in ``_word_layout`` is the one Triton derives for ``w4a16_mma_kernel``'s words
+    (its sm90 TTGIR; compiled in a process without TRITON_INTERPRET), for each tile shape the bench times."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _LAYOUT_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for key, theirs in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        bn, bk, warps = map(int, key.split(","))
+        ours = glk._word_layout.fn(bn, bk, warps)  # the constexpr function's Python body
+        for name, bases in (("register", ours.reg_bases), ("lane", ours.lane_bases), ("warp", ours.warp_bases)):
+            assert f"{name} = {bases}".replace(" ", "") in theirs.replace(" ", ""), (key, theirs)
+
+
+def _weight(k, n, group_size, asym, gen, device="cpu") -> PackedQuantWeight:
+    g = k if group_size == -1 else group_size
+    codes = torch.randint(0, 16, (k, n), generator=gen)  # [K, N]
+    scales = (torch.rand(-(-k // g), n, generator=gen) * 0.02 + 0.002).half()  # [G, N]
+    zeros = torch.randint(0, 16, (-(-k // g), n), generator=gen).to(torch.uint8) if asym else None
+    return PackedQuantWeight(4, g, pack_codes(codes, 4), scales, zeros).to(device)
+
+
+def test_unsupported_weights_are_refused_with_the_reason() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = mma.prepare(_weight(256, 64, 64, False, gen))  # groups of 64 inside a 128-deep K-tile
+    with pytest.raises(ValueError, match="group_size=64"):
+        glk.w4a16_wgmma(torch.zeros(64, 256, dtype=torch.float16), w)
+    assert not glk.supports(w, torch.float16)
+    assert glk.supports(mma.prepare(_weight(256, 64, 128, True, gen)), torch.bfloat16)
+    assert not glk.supports(mma.prepare(_weight(256, 64, 128, False, gen)), torch.float32)
+
+
+def test_fit_clamps_tiles_to_the_problem() -> None:
+    assert glk.fit(glk.WgmmaConfig(block_m=256), 100, 4096).block_m == 128
+    assert glk.fit(glk.WgmmaConfig(block_m=128), 1, 4096).block_m == 64
+    assert glk.fit(glk.WgmmaConfig(block_n=64, num_warps=8), 512, 4096).num_warps == 4
+
+
+def test_split_never_leaves_a_share_empty() -> None:
+    # 5 K-tiles in 4 shares of cdiv(5, 4) = 2 would leave the last empty: the wrapper takes 3 shares
+    assert glk.effective_split(5, 4) == 3
+    assert glk.effective_split(40, 2) == 2
+    assert glk.effective_split(1, 8) == 1
+
+
+GPU_CASES = [
+    # m, k, n, group, asym, bias, dtype, config
+    (64, 256, 128, 128, False, False, torch.float16, glk.WgmmaConfig()),  # two K-tiles: peeled + tail
+    (128, 384, 256, 128, False, True, torch.float16, glk.WgmmaConfig()),  # three: peeled + one pair
+    (300, 640, 192, 128, True, True, torch.float16, glk.WgmmaConfig()),  # five; ragged M and N
+    (200, 512, 320, 256, True, False, torch.bfloat16, glk.WgmmaConfig()),  # four; bf16; groups of 256
+    (77, 1024, 136, -1, False, True, torch.float16, glk.WgmmaConfig(block_n=64, num_warps=4)),  # per-column
+    (1, 512, 256, 128, True, True, torch.float16, glk.WgmmaConfig(block_m=64)),  # one row
+    (1024, 1280, 512, 128, False, False, torch.float16, glk.WgmmaConfig(block_m=256, stages=2)),
+    (256, 2560, 384, 128, True, True, torch.bfloat16, glk.WgmmaConfig(split_k=2)),
+    (129, 1408, 200, 128, False, True, torch.float16, glk.WgmmaConfig(split_k=4, block_n=64, num_warps=4)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs an sm90 GPU")
+@pytest.mark.parametrize("m,k,n,group,asym,bias,dtype,cfg", GPU_CASES)
+def test_w4a16_wgmma_gpu_matches_oracle(m, k, n, group, asym, bias, dtype, cfg) -> None:
+    gen = torch.Generator().manual_seed(m * 7 + k + n)
+    weight = _weight(k, n, group, asym, gen, device="cuda")
+    x = torch.randn(m, k, generator=gen).to(dtype).cuda()  # [M, K]
+    b = torch.randn(n, generator=gen).to(dtype).cuda() if bias else None  # [N]
+    ref = x.float() @ reference.dequantize(weight, torch.float32)  # [M, N]
+    if b is not None:
+        ref = ref + b.float()
+    prepared = mma.prepare(weight)
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")  # [M, N] poisoned
+        glk.w4a16_wgmma(x, prepared, b, config=cfg, out=out)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < (3e-3 if dtype == torch.float16 else 2e-2), rel
+        atol = (4e-3 if dtype == torch.float16 else 3e-2) * ref.abs().max().item()
+        torch.testing.assert_close(out.float(), ref, atol=atol, rtol=1e-2 if dtype == torch.float16 else 5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs an sm90 GPU")
+def test_w4a16_wgmma_gpu_equals_the_triton_kernel_and_replays_in_a_graph() -> None:
+    """Same weight, same x: the Gluon kernel against the built-in dispatch (at 512 rows: dense weight +
+    cuBLAS) within fp16 rounding, and the same output replayed from a CUDA graph."""
+    gen = torch.Generator().manual_seed(5)
+    weight = mma.prepare(_weight(5120, 1024, 128, False, gen, device="cuda"))
+    x = (torch.randn(512, 5120, generator=gen) * 0.5).half().cuda()  # [M, K]
+    theirs = mma.w4a16_gemm(x, weight)
+    ours = glk.w4a16_wgmma(x, weight)
+    torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2 * theirs.abs().max().item(), rtol=1e-2)
+    out = torch.full_like(ours, float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        glk.w4a16_wgmma(x, weight, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        glk.w4a16_wgmma(x, weight, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ours)
+
+
+def test_compile_runs_in_a_fresh_process_without_a_gpu() -> None:
+    """The module imports and compiles where no CUDA device exists (CI), with the interpreter switched off."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
+    code = "from quant_kernels import w4a16_wgmma_gluon as g; k = g.compile_for(90, g.WgmmaConfig()); print(k.metadata.shared)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) > 4 * 40 * 1024  # four stages of x and weight tiles
