@@ -448,6 +448,12 @@ def default_config(m: int, k: int, n: int) -> WgmmaConfig:
     return fit(WgmmaConfig(), m, n)
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address ``t`` (2-D, unit inner stride, 16-byte-aligned start and rows)."""
+    size = t.element_size()
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
+
+
 def effective_split(k_tiles: int, split_k: int) -> int:
     """Shares of ``cdiv(k_tiles, split_k)`` K-tiles each that cover ``k_tiles`` with none empty (the kernel
     assumes every share holds a tile)."""
@@ -478,7 +484,12 @@ def w4a16_wgmma(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0:
         return out
+    if not _tma_ok(out):  # a view TMA cannot address (a misaligned start or row): write a fresh tile, copy
+        out.copy_(w4a16_wgmma(x, weight, bias, config))
+        return out
     x = x.contiguous()
+    if not _tma_ok(x):
+        x = x.clone()
     gdt = _GL_DTYPES[x.dtype]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
