@@ -150,10 +150,15 @@ def _weight_operand(
     v = gl.reshape(t, (BLOCK_N // 16, 4, BLOCK_K // 64, 2, 4, 4, 2, 2, 2))  # stored order, kwidth 2
     v = gl.permute(v, (0, 7, 1, 3, 2, 5, 6, 4, 8))  # the inverse of repack.mma_shuffle
     wt = gl.convert_layout(gl.reshape(v, (BLOCK_N, BLOCK_K)), A_LAYOUT, assert_trivial=True)
-    wt = wt.to(gl.float32)
-    if HAS_ZEROS:
-        wt = wt - gl.expand_dims(z.to(gl.float32), 1)
-    return (wt * gl.expand_dims(s.to(gl.float32), 1)).to(dtype)
+    if dtype == gl.float16:  # q - z is exact in fp16 and the product is rounded once: packed half math
+        if HAS_ZEROS:
+            wt = wt - gl.expand_dims(z.to(gl.float16), 1)
+        return wt * gl.expand_dims(s.to(gl.float16), 1)
+    else:  # bf16: the fp16 scale has more mantissa than bf16; one rounding of the fp32 product
+        wt = wt.to(gl.float32)
+        if HAS_ZEROS:
+            wt = wt - gl.expand_dims(z.to(gl.float32), 1)
+        return (wt * gl.expand_dims(s.to(gl.float32), 1)).to(dtype)
 
 
 @gluon.jit
