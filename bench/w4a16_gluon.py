@@ -73,7 +73,7 @@ def bench_m(name: str, m: int, k: int, n: int, copies: list) -> dict:
         n,
         ref,
     )
-    row["default_cfg"] = mma.select_config(w0, x.dtype, m).short()
+    row["default_cfg"] = "gluon (default)" if mma.uses_gluon(w0, x, m) else mma.select_config(w0, x.dtype, m).short()
     for cfg in configs(m):
         try:
             t, err = time_fn(

@@ -49,7 +49,7 @@ may be empty). A decode step of Qwen3-30B-A3B launches only ~8 pair blocks x 24 
   find it zero) elects the last program, which sums the slots (``.cg`` loads after the counter's
   acquire) and runs the usual epilogue. One launch; same launch count per layer as without split.
 
-``QSERVE_MOE_FUSED_CAST=1`` (``fused_cast_requested``; opt-in until a GPU test run with it on): the
+``QSERVE_MOE_FUSED_CAST`` (``fused_cast_requested``; on by default, ``=0`` turns it off): the
 down launch also writes the layer's output in the activation dtype, so no torch cast follows it (one
 launch fewer a layer: 48 graph nodes of ~1 µs each and their gaps in a Qwen3-30B-A3B decode step, the
 H200 profile of 2026-12-07). Every program of a column tile (all pair blocks and K shares, idle blocks
@@ -615,18 +615,18 @@ MAX_AUTO_SPLIT = 8
 AUTO_PROGRAMS_PER_SM = 4
 
 
-FUSED_CAST_ENV = "QSERVE_MOE_FUSED_CAST"  # "1": the split-K down launch casts its own output; unset / "0": off
+FUSED_CAST_ENV = "QSERVE_MOE_FUSED_CAST"  # unset / "1": the split-K down launch casts its own output; "0": off
 
 
 def fused_cast_requested() -> bool:
     """``QSERVE_MOE_FUSED_CAST``: "1" makes the split-K down launch write the layer's output in the
     activation dtype itself (each column tile's last program; ``_arrive_then_cast``), one launch fewer
-    a layer than the torch cast after it; unset, empty or "0": off (opt-in until a GPU test run with it on).
-    Anything else is refused."""
+    a layer than the torch cast after it; unset, empty or "1": on (the default since the H100 smoke and MoE
+    run at 8c424b0, bench/RESULTS.md, nineteenth session); "0": off. Anything else is refused."""
     value = os.environ.get(FUSED_CAST_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{FUSED_CAST_ENV}={value!r}: expected 0 or 1")
-    return value == "1"
+    return value != "0"
 
 
 def split_k_setting() -> int | str:

@@ -19,13 +19,20 @@ tiles. The router (or sort) that wrote them is complete by then, because the lau
 down, gate_up, waits at its top before it lets down start; that holds only while gate_up stays
 a PDL launch that waits first (``moe_mma_triton``'s module doc).
 
-Off by default until an H200 run decides it (bench/RESULTS.md); a launch without PDL is ordered
-after its predecessor as usual, so kernels that opt in mix freely with those that do not.
+Off by default for dense models: on the H100 at 8c424b0 the Qwen2.5-14B-shaped engine decoded 1.8% faster
+at batch 1 with it and 4.6 / 8.4 / 1.5% slower at batch 8 / 32 / 128. On for mixture-of-experts models
+on sm90 unless the user set the switch (``prefer_for_moe``, asked by the engine when it reads the model's
+config): Qwen3-30B-A3B's batch-1 decode 357 -> 387 tok/s with the fused cast and packed top-k, batch 8
+not slower (bench/RESULTS.md, nineteenth session). The switch is the process's: a dense model served
+beside a MoE one in the same process launches with PDL too (``QSERVE_ENABLE_PDL=0`` keeps it off). A
+launch without PDL is ordered after its predecessor as usual, so kernels that opt in mix freely with
+those that do not.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 
 import torch
 
@@ -57,6 +64,17 @@ def env_enabled() -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 1/true/yes/on or 0/false/no/off")
+
+
+def prefer_for_moe(is_moe: bool, device: torch.device, environ: MutableMapping[str, str] | None = None) -> bool:
+    """Set ``QSERVE_ENABLE_PDL=1`` in ``environ`` (``os.environ`` by default) for a mixture-of-experts model
+    on a device with PDL, unless the variable is already set (a user's "0" wins). Returns whether it set
+    it (the engine logs it)."""
+    environ = os.environ if environ is None else environ
+    if not is_moe or ENV in environ or not device_has_pdl(device):
+        return False
+    environ[ENV] = "1"
+    return True
 
 
 def launch_options(device: torch.device, enabled: bool | None = None) -> dict[str, bool]:

@@ -60,7 +60,6 @@ from quant_kernels import device as kdevice
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.pdl import use_pdl
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_shuffle
-from quant_kernels.switches import env_switch
 
 # Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and bf16 dots are unreliable in
 # Triton's interpreter, so the launcher passes FAST=False / DOT_F32=True there.
@@ -956,16 +955,33 @@ def _uses_ampere_table(device: torch.device) -> bool:
 
 
 GLUON_ENV = "QSERVE_W4A16_GLUON"
-GLUON_MIN_M = 65  # the Gluon kernel's rows: where w4a16_mma_kernel waits on every K-tile's MMA (issue 26)
+GLUON_MIN_M = 65  # QSERVE_W4A16_GLUON=1: the Gluon kernel from here up (where w4a16_mma_kernel waits on every MMA)
+GLUON_DEFAULT_M = (129, 256)  # unset: these rows, layers that are not K-heavy (bench/RESULTS.md, nineteenth session)
 
 
-def _uses_gluon(weight: MmaQuantWeight, x: torch.Tensor, m: int) -> bool:
-    """``QSERVE_W4A16_GLUON=1``, an sm90 device, at least ``GLUON_MIN_M`` rows and a weight the Gluon
-    kernel serves (``w4a16_wgmma_gluon.supports``). Opt-in until ``pytest -m gpu`` and the benchmark ran it
-    on the device (bench/RESULTS.md)."""
-    if m < GLUON_MIN_M or not kdevice.triton_serves(x.device) or not env_switch(GLUON_ENV, default=False):
+def gluon_setting() -> str:
+    """``QSERVE_W4A16_GLUON``: "" (unset or empty: the measured rows, ``GLUON_DEFAULT_M``), "1" (every row
+    count from ``GLUON_MIN_M``), "0" (never). Anything else is refused, naming the variable."""
+    value = os.environ.get(GLUON_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{GLUON_ENV}={value!r}: expected 1 (from {GLUON_MIN_M} rows), 0 (off) or unset")
+    return value
+
+
+def uses_gluon(weight: MmaQuantWeight, x: torch.Tensor, m: int) -> bool:
+    """Whether ``w4a16_wgmma_gluon`` serves this product: an sm90 device, a weight it serves
+    (``w4a16_wgmma_gluon.supports``), and the rows ``gluon_setting`` says. By default 129-256 rows of a
+    layer whose K is under twice its N: there it beat dense weight + cuBLAS on the H100 at 256 rows
+    (gate_up 251 -> 190 µs, qkv 72 -> 48, o 58 -> 47), while the K-heavy down layer's split-K Triton
+    launch stayed ahead (110 vs 124 µs), and at 128 and 1,024 rows it did not win (bench/RESULTS.md)."""
+    if m < GLUON_MIN_M or not kdevice.triton_serves(x.device):
         return False
-    if kdevice.capability(x.device)[0] != 9:
+    setting = gluon_setting()
+    if setting == "0" or kdevice.capability(x.device)[0] != 9:
+        return False
+    if setting == "" and not (
+        GLUON_DEFAULT_M[0] <= m <= GLUON_DEFAULT_M[1] and weight.in_features < 2 * weight.out_features
+    ):
         return False
     from quant_kernels import w4a16_wgmma_gluon
 
@@ -1134,7 +1150,7 @@ def w4a16_gemm(
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    if _uses_gluon(weight, x, m):
+    if uses_gluon(weight, x, m):
         from quant_kernels import w4a16_wgmma_gluon
 
         return w4a16_wgmma_gluon.w4a16_wgmma(x, weight, bias, config=w4a16_wgmma_gluon.default_config(m, k, n), out=out)

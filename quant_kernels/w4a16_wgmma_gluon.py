@@ -26,11 +26,13 @@ it lost to dense weights + cuBLAS past 256 rows (issue 26). Gluon states what th
 
 The output tile leaves through shared memory by TMA (rows and columns past M / N are clipped by the
 copy); with ``split_k > 1`` the fp32 partials are added atomically into a zeroed fp32 workspace
-that the wrapper casts (a measured candidate, not a graph-safe default). Serves 4-bit weights
+that the wrapper casts (a bench candidate: it lost 1.3-7x to one share on the H100). Serves 4-bit weights
 without act-order whose K-tiles lie in one group (group size a multiple of ``block_k``, or one group
-per column), fp16/bf16 activations; ``supports`` says which. Opt-in (``QSERVE_W4A16_GLUON=1``, read by
-``w4a16_mma_triton.w4a16_gemm`` at 65 rows and more) until
-``pytest -m gpu`` and the benchmark on the device decide.
+per column), fp16/bf16 activations; ``supports`` says which. ``w4a16_mma_triton.uses_gluon`` decides
+when it runs: by default 129-256 rows of layers whose K is under twice their N, where it beat the
+other paths on the H100 (bench/RESULTS.md, nineteenth session); at 1,024 rows it reached 52% of the
+dense fp16 peak against cuBLAS's 68%: one warpgroup pair both dequantizes and issues the wgmmas, with
+one group in flight, and no warp specialization yet.
 """
 
 from __future__ import annotations
@@ -447,9 +449,10 @@ def fit(cfg: WgmmaConfig, m: int, n: int) -> WgmmaConfig:
 
 
 def default_config(m: int, k: int, n: int) -> WgmmaConfig:
-    """The launch ``w4a16_mma_triton`` hands this kernel under ``QSERVE_W4A16_GLUON=1``: 128 x 128 tiles, 8
-    warps, 4 stages (64-row x tiles below 128 rows). Not yet tuned on the device: bench/w4a16_gluon.py
-    times the candidates, and this table follows its first run."""
+    """The launch ``w4a16_mma_triton`` hands this kernel: 128 x 128 tiles, 8 warps, 4 stages (64-row x tiles
+    below 128 rows): what the smoke at 8c424b0 ran for every row count. bench/w4a16_gluon.py's best at 256
+    rows of gate_up was 256-row x tiles with 2 stages (155 vs 190 µs on the H100), not taken before a smoke
+    runs it through the engine."""
     return fit(WgmmaConfig(), m, n)
 
 

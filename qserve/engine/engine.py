@@ -126,6 +126,7 @@ from qserve.spec_decode.metrics import SpecDecodeStats
 from qserve.spec_decode.ngram import NgramProposer
 from qserve.structured.grammar import GrammarCompiler, GrammarMatchers
 from qserve.tokenization import load_tokenizer, num_token_ids, stop_token_ids
+from quant_kernels.pdl import prefer_for_moe as prefer_pdl_for_moe
 from quant_kernels.switches import env_switch
 
 logger = logging.getLogger(__name__)
@@ -380,6 +381,11 @@ class Engine:
             # read by torch when CUDA started in this process (resolve_device asks first where it can)
             logger.info("%s: CUDA allocator setting: %s", owner or config.model, allocator_setting())
         model_config = read_model_config(config.model)
+        if prefer_pdl_for_moe(model_config.num_experts > 0, self.device):  # measured faster there only
+            logger.info(
+                "%s: a mixture-of-experts model on sm90: QSERVE_ENABLE_PDL=1 (set it to 0 to opt out)",
+                owner or config.model,
+            )
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.model, self.model_config = load_model(
             config.model, self.dtype, self.device, tp=tp, enable_expert_parallel=config.enable_expert_parallel

@@ -207,7 +207,7 @@ def test_fused_cast_is_the_torch_cast(monkeypatch, split, tokens, dtype, poisone
     x, weights, ids = routing(tokens, 8, 2, 320, dtype, seed=102 + split)
     p13, p2 = moe_mma.prepare_stacked(w13), moe_mma.prepare_stacked(w2)
     config = moe_mma.MoEMmaConfig(16, 64, split_k=split)
-    monkeypatch.delenv(moe_mma.FUSED_CAST_ENV, raising=False)
+    monkeypatch.setenv(moe_mma.FUSED_CAST_ENV, "0")
     want = moe_mma.fused_moe_w4a16_mma(x, p13, p2, weights, ids, config)
     casts = []
     real = moe_mma._launch
@@ -233,12 +233,13 @@ def assert_cast_of(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def test_fused_cast_setting(monkeypatch) -> None:
-    """``QSERVE_MOE_FUSED_CAST``: off unset, empty or "0", on for "1"; anything else refused by name, also
-    at load (``moe_ops.prepare_experts``), not at a later step."""
+    """``QSERVE_MOE_FUSED_CAST``: on unset, empty or "1" (the default since the nineteenth session's H100
+    smoke), off for "0"; anything else refused by name, also at load (``moe_ops.prepare_experts``), not at
+    a later step."""
     env = moe_mma.FUSED_CAST_ENV
     monkeypatch.delenv(env, raising=False)
-    assert moe_mma.fused_cast_requested() is False
-    for value, want in (("", False), ("0", False), ("1", True), (" 1", True)):
+    assert moe_mma.fused_cast_requested() is True
+    for value, want in (("", True), ("0", False), (" 0", False), ("1", True), (" 1", True)):
         monkeypatch.setenv(env, value)
         assert moe_mma.fused_cast_requested() is want, value
     for value in ("yes", "2", "true", "on"):

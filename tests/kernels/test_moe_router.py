@@ -365,6 +365,8 @@ def test_packed_topk_picks_what_the_two_reductions_pick(monkeypatch, num_tokens,
         ids = moe_router_triton.router_gemm_topk_blocks(hidden, tied, top_k, renormalize, 16)[1]
         assert ids[0, :3].tolist() == [5, 9, 40]
     monkeypatch.delenv(moe_router_triton.PACKED_TOPK_ENV)
+    assert moe_router_triton.packed_topk_requested() is True  # the default since the nineteenth session
+    monkeypatch.setenv(moe_router_triton.PACKED_TOPK_ENV, "0")
     assert moe_router_triton.packed_topk_requested() is False
     for bad in ("yes", "2", "on"):
         monkeypatch.setenv(moe_router_triton.PACKED_TOPK_ENV, bad)

@@ -51,6 +51,24 @@ def test_pdl_is_off_unless_asked_and_only_on_sm90(monkeypatch) -> None:
     assert not pdl.use_pdl(cuda, enabled=True)
 
 
+def test_moe_models_get_pdl_unless_the_user_chose(monkeypatch) -> None:
+    """``prefer_for_moe``: a MoE model on sm90 turns the switch on where it is unset; a dense model, a
+    device without PDL, or a user's own value (even "0") leave it alone."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl, "_INTERPRET", False)
+    monkeypatch.setattr(pdl.kdevice, "triton_serves", lambda device: device.type == "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    env: dict[str, str] = {}
+    assert not pdl.prefer_for_moe(False, cuda, env) and env == {}
+    assert pdl.prefer_for_moe(True, cuda, env) and env == {pdl.ENV: "1"}
+    env = {pdl.ENV: "0"}
+    assert not pdl.prefer_for_moe(True, cuda, env) and env == {pdl.ENV: "0"}
+    env = {}
+    assert not pdl.prefer_for_moe(True, torch.device("cpu"), env) and env == {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert not pdl.prefer_for_moe(True, cuda, env) and env == {}
+
+
 _SCRIPT = r"""
 import json, re
 import triton

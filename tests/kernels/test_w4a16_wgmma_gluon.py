@@ -168,6 +168,35 @@ def test_split_never_leaves_a_share_empty() -> None:
     assert glk.effective_split(1, 8) == 1
 
 
+def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -> None:
+    """Unset: 129-256 rows of layers whose K is under twice their N (qkv, o, gate_up; not down), on sm90 only;
+    "1": every row count from 65; "0": never; anything else refused by name."""
+    monkeypatch.setattr(mma.kdevice, "triton_serves", lambda device: True)
+    cap = {"v": (9, 0)}
+    monkeypatch.setattr(mma.kdevice, "capability", lambda device: cap["v"])
+    gen = torch.Generator().manual_seed(1)
+    wide = mma.prepare(_weight(512, 1024, 128, False, gen))  # K < 2N: gate_up / qkv / o
+    k_heavy = mma.prepare(_weight(1024, 256, 128, False, gen))  # K >= 2N: down
+    grouped = mma.prepare(_weight(512, 1024, 64, False, gen))  # groups inside a K-tile: not served
+
+    def uses(weight, m):
+        return mma.uses_gluon(weight, torch.zeros(m, weight.in_features, dtype=torch.float16), m)
+
+    monkeypatch.delenv(mma.GLUON_ENV, raising=False)
+    assert [uses(wide, m) for m in (64, 65, 128, 129, 200, 256, 257, 1024)] == [False] * 3 + [True] * 3 + [False] * 2
+    assert not uses(k_heavy, 256) and not uses(grouped, 256)
+    monkeypatch.setenv(mma.GLUON_ENV, "1")
+    assert [uses(wide, m) for m in (64, 65, 1024)] == [False, True, True] and uses(k_heavy, 128)
+    monkeypatch.setenv(mma.GLUON_ENV, "0")
+    assert not uses(wide, 256)
+    monkeypatch.delenv(mma.GLUON_ENV)
+    cap["v"] = (8, 9)
+    assert not uses(wide, 256)
+    monkeypatch.setenv(mma.GLUON_ENV, "yes")
+    with pytest.raises(ValueError, match="QSERVE_W4A16_GLUON='yes'"):
+        uses(wide, 256)
+
+
 GPU_CASES = [
     # m, k, n, group, asym, bias, dtype, config
     (64, 256, 128, 128, False, False, torch.float16, glk.WgmmaConfig()),  # two K-tiles: peeled + tail
