@@ -42,7 +42,7 @@ CANDIDATES = [  # (block_m, block_n, stages, warps, split_k)
 def configs(m: int) -> list[glk.WgmmaConfig]:
     out = []
     for bm, bn, st, w, sk in CANDIDATES:
-        cfg = glk.fit(glk.WgmmaConfig(block_m=bm, block_n=bn, stages=st, num_warps=w, split_k=sk), m, 1 << 16)
+        cfg = glk.fit(glk.WgmmaConfig(block_m=bm, block_n=bn, stages=st, num_warps=w, split_k=sk), m)
         if cfg not in out:
             out.append(cfg)
     return out

@@ -164,34 +164,43 @@ def _weight_operand(
 
 
 @gluon.jit
+def _load_tile(t, ok, ring):
+    """Issue the TMA copies of this program's tile ``t`` (x and weight words) into stage ``t % STAGES`` of
+    ``ring`` = ``(x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count)``, when ``ok``."""
+    x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count = ring
+    stage = t % x_smem.shape[0]
+    bar = bars.index(stage)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=ok)
+    k_tile = kt0 + t
+    tma.async_copy_global_to_shared(
+        x_desc, [off_m, k_tile * x_desc.block_type.shape[1]], bar, x_smem.index(stage), pred=ok
+    )
+    tma.async_copy_global_to_shared(
+        w_desc,
+        [pid_n * w_desc.block_type.shape[0], k_tile * w_desc.block_type.shape[1]],
+        bar,
+        w_smem.index(stage),
+        pred=ok,
+    )
+
+
+@gluon.jit
 def _step(
     i,  # this program's tile number (0 .. count - 1)
-    kt0,
-    count,
     acc,
-    x_desc,
-    w_desc,
-    x_smem,
-    w_smem,
-    bars,
-    scales_ptr,
-    zeros_ptr,
-    offs_n,
-    mask_n,
-    off_m,
-    pid_n,
-    group_size,
-    stride_sg,
-    stride_zg,
+    ring,  # (x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count): _load_tile's
+    params,  # (scales_ptr, zeros_ptr, offs_n, mask_n, group_size, stride_sg, stride_zg)
     A_LAYOUT: gl.constexpr,
     WORD_LAYOUT: gl.constexpr,
     HAS_ZEROS: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr,
 ):
     """One K-tile: wait for its stage, dequantize, issue its wgmma, wait for the previous tile's, refill
     that tile's stage with tile ``i + STAGES - 1``."""
+    x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count = ring
+    scales_ptr, zeros_ptr, offs_n, mask_n, group_size, stride_sg, stride_zg = params
+    STAGES: gl.constexpr = x_smem.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = 4 * w_desc.block_type.shape[0]
     stage = i % STAGES
     g = (kt0 + i) * BLOCK_K // group_size
     s = gl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)  # [BLOCK_N]
@@ -204,15 +213,7 @@ def _step(
     a = _weight_operand(words, s, z, A_LAYOUT, HAS_ZEROS, BLOCK_N, BLOCK_K, x_desc.dtype)
     acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # tile i - 1's MMA is done: its stage is free
-    nxt = i + STAGES - 1
-    ok = nxt < count
-    ns = nxt % STAGES
-    bar = bars.index(ns)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(x_desc, [off_m, (kt0 + nxt) * BLOCK_K], bar, x_smem.index(ns), pred=ok)
-    tma.async_copy_global_to_shared(
-        w_desc, [pid_n * (BLOCK_N // 4), (kt0 + nxt) * (BLOCK_K // 2)], bar, w_smem.index(ns), pred=ok
-    )
+    _load_tile(i + STAGES - 1, i + STAGES - 1 < count, ring)
     return acc
 
 
@@ -268,130 +269,25 @@ def w4a16_wgmma_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
-    tile_bytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    ring = (x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count)
     for i in gl.static_range(STAGES - 1):
-        ok = i < count
-        bar = bars.index(i)
-        mbarrier.expect(bar, tile_bytes, pred=ok)
-        tma.async_copy_global_to_shared(x_desc, [off_m, (kt0 + i) * BLOCK_K], bar, x_smem.index(i), pred=ok)
-        tma.async_copy_global_to_shared(
-            w_desc, [pid_n * (BLOCK_N // 4), (kt0 + i) * WORDS], bar, w_smem.index(i), pred=ok
-        )
+        _load_tile(i, i < count, ring)
 
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=ROW_LAYOUT)  # [BLOCK_N]
     mask_n = offs_n < N
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_LAYOUT)
+    params = (scales_ptr, zeros_ptr, offs_n, mask_n, group_size, stride_sg, stride_zg)
     # Two tiles per iteration, each through its own call site: tile i's A operand (registers read by its
     # wgmma until the wait one tile later) and tile i + 1's are different values, so the PTX never
     # redefines an A register under a wgmma in flight (one call site in a rolled loop writes the same
     # virtual registers every iteration: the race the Triton kernel met). The first tile is peeled so
     # that every path reaches the last wait through a wgmma.
-    acc = _step(
-        0,
-        kt0,
-        count,
-        acc,
-        x_desc,
-        w_desc,
-        x_smem,
-        w_smem,
-        bars,
-        scales_ptr,
-        zeros_ptr,
-        offs_n,
-        mask_n,
-        off_m,
-        pid_n,
-        group_size,
-        stride_sg,
-        stride_zg,
-        A_LAYOUT,
-        WORD_LAYOUT,
-        HAS_ZEROS,
-        BLOCK_N,
-        BLOCK_K,
-        STAGES,
-    )
+    acc = _step(0, acc, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS)
     for j in range((count - 1) // 2):
-        acc = _step(
-            2 * j + 1,
-            kt0,
-            count,
-            acc,
-            x_desc,
-            w_desc,
-            x_smem,
-            w_smem,
-            bars,
-            scales_ptr,
-            zeros_ptr,
-            offs_n,
-            mask_n,
-            off_m,
-            pid_n,
-            group_size,
-            stride_sg,
-            stride_zg,
-            A_LAYOUT,
-            WORD_LAYOUT,
-            HAS_ZEROS,
-            BLOCK_N,
-            BLOCK_K,
-            STAGES,
-        )
-        acc = _step(
-            2 * j + 2,
-            kt0,
-            count,
-            acc,
-            x_desc,
-            w_desc,
-            x_smem,
-            w_smem,
-            bars,
-            scales_ptr,
-            zeros_ptr,
-            offs_n,
-            mask_n,
-            off_m,
-            pid_n,
-            group_size,
-            stride_sg,
-            stride_zg,
-            A_LAYOUT,
-            WORD_LAYOUT,
-            HAS_ZEROS,
-            BLOCK_N,
-            BLOCK_K,
-            STAGES,
-        )
+        acc = _step(2 * j + 1, acc, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS)
+        acc = _step(2 * j + 2, acc, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS)
     if count % 2 == 0:
-        acc = _step(
-            count - 1,
-            kt0,
-            count,
-            acc,
-            x_desc,
-            w_desc,
-            x_smem,
-            w_smem,
-            bars,
-            scales_ptr,
-            zeros_ptr,
-            offs_n,
-            mask_n,
-            off_m,
-            pid_n,
-            group_size,
-            stride_sg,
-            stride_zg,
-            A_LAYOUT,
-            WORD_LAYOUT,
-            HAS_ZEROS,
-            BLOCK_N,
-            BLOCK_K,
-            STAGES,
-        )
+        acc = _step(count - 1, acc, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -440,7 +336,7 @@ def supports(weight: MmaQuantWeight, dtype: torch.dtype, block_k: int = 128) -> 
     )
 
 
-def fit(cfg: WgmmaConfig, m: int, n: int) -> WgmmaConfig:
+def fit(cfg: WgmmaConfig, m: int) -> WgmmaConfig:
     """Clamp a config to the problem: 16 weight rows per warp at least, the x tile no wider than M
     needs (at least 64: wgmma's narrowest useful tile here)."""
     block_m = max(64, min(cfg.block_m, triton.next_power_of_2(m)))
@@ -448,12 +344,12 @@ def fit(cfg: WgmmaConfig, m: int, n: int) -> WgmmaConfig:
     return dataclasses.replace(cfg, block_m=block_m, num_warps=warps)
 
 
-def default_config(m: int, k: int, n: int) -> WgmmaConfig:
+def default_config(m: int) -> WgmmaConfig:
     """The launch ``w4a16_mma_triton`` hands this kernel: 128 x 128 tiles, 8 warps, 4 stages (64-row x tiles
     below 128 rows): what the smoke at 8c424b0 ran for every row count. bench/w4a16_gluon.py's best at 256
     rows of gate_up was 256-row x tiles with 2 stages (155 vs 190 µs on the H100), not taken before a smoke
     runs it through the engine."""
-    return fit(WgmmaConfig(), m, n)
+    return fit(WgmmaConfig(), m)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -479,7 +375,7 @@ def w4a16_wgmma(
     """``x @ dequant(weight) + bias`` on an sm90 device; ``[M, N]``."""
     m, k = x.shape
     n = weight.out_features
-    cfg = fit(config or WgmmaConfig(), m, n)
+    cfg = fit(config or WgmmaConfig(), m)
     if k != weight.in_features:
         raise ValueError(f"x has K={k}, weight has in_features={weight.in_features}")
     if not supports(weight, x.dtype, cfg.block_k):
@@ -556,7 +452,7 @@ def compile_for(
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = fit(cfg, m, 1 << 16)
+    cfg = fit(cfg, m)
     gdt = {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)

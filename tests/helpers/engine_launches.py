@@ -310,51 +310,53 @@ def drive_model(capture: Capture, case: ModelCase, model, config: ModelConfig, d
     _graph_forwards(capture, model, kv_caches, max_len, DEFAULT_BUCKETS if kv == "auto" else (1, 8, 64, 256), label)
 
 
+def mma_layers(model) -> Iterator[tuple[str, ops.W4A16Prepared]]:  # noqa: ANN001 - a LlamaFamilyForCausalLM
+    """``(name, prepared)`` of every linear of ``model`` whose weight is in the MMA-operand layout."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and hasattr(module, "quant_prepared"):
+            for prepared in module.quant_prepared:
+                if isinstance(prepared, ops.W4A16Prepared) and isinstance(prepared.weight, MmaQuantWeight):
+                    yield name, prepared
+
+
 def drive_sweep(capture: Capture, case: ModelCase, model) -> None:
     """Every candidate ``bench/kernels.py --sweep`` times (and may pin with ``set_config``) on this
     model's layers, launched as that bench launches them: fp16, no bias."""
     from quant_kernels import w4a16_mma_triton as mma
 
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear) or not hasattr(module, "quant_prepared"):
-            continue
-        for prepared in module.quant_prepared:
-            if not isinstance(prepared, ops.W4A16Prepared) or not isinstance(prepared.weight, MmaQuantWeight):
-                continue
-            w = prepared.weight
-            for m in SWEEP_MS:
-                x = torch.zeros((m, w.in_features), dtype=model.dtype)  # [M, K]
-                for cfg in mma.candidate_configs(m, w.in_features, w.out_features, w.group_size):
-                    with where(capture, f"{case.name} sweep {name} M={m} {cfg.short()}"), torch.inference_mode():
-                        mma.w4a16_gemm(x, w, None, config=cfg, counters=prepared.counters)
+    for name, prepared in mma_layers(model):
+        w = prepared.weight
+        for m in SWEEP_MS:
+            x = torch.zeros((m, w.in_features), dtype=model.dtype)  # [M, K]
+            for cfg in mma.candidate_configs(m, w.in_features, w.out_features, w.group_size):
+                with where(capture, f"{case.name} sweep {name} M={m} {cfg.short()}"), torch.inference_mode():
+                    mma.w4a16_gemm(x, w, None, config=cfg, counters=prepared.counters)
 
 
 GLUON_MS = [65, 128, 256, 2048]  # QSERVE_W4A16_GLUON=1 serves 65 rows and more; 2048 is a prefill chunk
 
 
 def drive_gluon(capture: Capture, case: ModelCase, model, dtype_name: str) -> None:
-    """``QSERVE_W4A16_GLUON=1`` (opt-in, sm90): every 4-bit layer of ``model`` through the real dispatch
-    (``ops.w4a16_linear``) at each row count the Gluon kernel serves, then ``bench/w4a16_gluon.py``'s
+    """``QSERVE_W4A16_GLUON=1`` (sm90: the Gluon kernel from 65 rows; unset it serves 129-256, which the
+    engine's own warm-up steps reach): every 4-bit layer of ``model`` through the real dispatch
+    (``ops.w4a16_linear``) at each row count the switch sends there, then ``bench/w4a16_gluon.py``'s
     candidates on the first layer (fp16, as that bench runs them)."""
     from quant_kernels import w4a16_mma_triton as mma
     from quant_kernels import w4a16_wgmma_gluon as glk
 
     first = None
     with mock.patch.dict(os.environ, {mma.GLUON_ENV: "1"}), torch.inference_mode():
-        for name, module in model.named_modules():
-            if not isinstance(module, Linear) or not hasattr(module, "quant_prepared"):
-                continue
-            for prepared in module.quant_prepared:
-                if not isinstance(prepared, ops.W4A16Prepared) or not isinstance(prepared.weight, MmaQuantWeight):
-                    continue
-                first = first or prepared.weight
-                for m in GLUON_MS:
-                    x = torch.zeros((m, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
-                    with where(capture, f"{case.name} {dtype_name} Gluon W4A16 {name} M={m}"):
-                        ops.w4a16_linear(x, prepared)
+        for name, prepared in mma_layers(model):
+            first = first or prepared.weight
+            for m in GLUON_MS:
+                x = torch.zeros((m, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
+                with where(capture, f"{case.name} {dtype_name} Gluon W4A16 {name} M={m}"):
+                    ops.w4a16_linear(x, prepared)
     if first is None or model.dtype != torch.float16:
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
     from w4a16_gluon import configs
 
     for m in (128, 256, 1024):

@@ -42,6 +42,37 @@ def _dest_regs(text: str) -> set[int]:
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
+_A_OPERAND = re.compile(r"HGMMA\S*\s+R\d+,\s*R(\d+),")  # an HGMMA whose A operand is a register quad
+
+
+class _InFlight:
+    """The A registers that issued HGMMAs read until their group retires, as instructions go by."""
+
+    def __init__(self) -> None:
+        self.pending: list[set[int]] = []  # A registers of each committed, unretired group, oldest first
+        self.group: set[int] = set()  # issued HGMMAs not yet committed (no gsb0 yet) read theirs too
+
+    def feed(self, text: str) -> tuple[bool, set[int]]:
+        """(whether ``text`` is an HGMMA with a register A operand, the in-flight A registers it writes)."""
+        t0 = _PRED.sub("", text)
+        if t0.startswith("HGMMA"):
+            ma = _A_OPERAND.match(t0)
+            if ma:
+                self.group |= set(range(int(ma.group(1)), int(ma.group(1)) + 4))
+            if "gsb0" in t0:
+                self.pending.append(self.group)
+                self.group = set()
+            return ma is not None, set()
+        if mw := re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", t0):
+            del self.pending[: max(0, len(self.pending) - int(mw.group(1), 16))]
+            return False, set()
+        return False, _dest_regs(text) & set().union(self.group, *self.pending)
+
+
+def _hazard(addr: int, text: str, hit: set[int]) -> str:
+    return f"{addr:#x} {text}  (A registers R{sorted(hit)[0]}.. of an unretired HGMMA)"
+
+
 def a_operand_hazards(sass: str) -> tuple[int, list[str]]:
     """(HGMMAs with a register A operand seen in loops, writes to the A registers of in-flight ones)."""
     ins = _instructions(sass)
@@ -52,63 +83,31 @@ def a_operand_hazards(sass: str) -> tuple[int, list[str]]:
         if addr is None or not m or labels.get(m.group(1), i) >= i:
             continue
         body = [x for x in ins[labels[m.group(1)] + 1 : i + 1] if x[0] is not None]
-        pending: list[set[int]] = []  # A registers of each committed, unretired group, oldest first
-        group: set[int] = set()
+        state = _InFlight()
         for lap in range(2):  # the second lap starts with what the back edge carries
             for a, t in body:
-                t0 = _PRED.sub("", t)
-                if t0.startswith("HGMMA"):
-                    if ma := re.match(r"HGMMA\S*\s+R\d+,\s*R(\d+),", t0):
-                        group |= set(range(int(ma.group(1)), int(ma.group(1)) + 4))
-                        seen += lap == 0
-                    if "gsb0" in t0:
-                        pending.append(group)
-                        group = set()
-                    continue
-                if mw := re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", t0):
-                    del pending[: max(0, len(pending) - int(mw.group(1), 16))]
-                    continue
-                # issued HGMMAs not yet committed (no gsb0 yet) read their A registers too
-                hit = _dest_regs(t) & set().union(group, *pending)
+                register_a, hit = state.feed(t)
+                seen += register_a and lap == 0
                 if hit and lap == 1:
-                    found.append(f"{a:#x} {t}  (A registers R{sorted(hit)[0]}.. of an unretired HGMMA)")
+                    found.append(_hazard(a, t, hit))
     return seen, found
 
 
 def hgmma_groups(sass: str) -> list[set[int]]:
     """The A registers of each committed HGMMA group (one ``gsb0`` commit each), in address order."""
-    groups, group = [], set()
+    state = _InFlight()
     for addr, text in _instructions(sass):
-        t0 = _PRED.sub("", text) if addr is not None else ""
-        if ma := re.match(r"HGMMA\S*\s+R\d+,\s*R(\d+),", t0):
-            group |= set(range(int(ma.group(1)), int(ma.group(1)) + 4))
-        if t0.startswith("HGMMA") and "gsb0" in t0:
-            groups.append(group)
-            group = set()
-    return groups
+        if addr is not None and _PRED.sub("", text).startswith("HGMMA"):
+            state.feed(text)  # only HGMMAs: no group retires, so ``pending`` keeps every commit
+    return state.pending
 
 
 def fallthrough_a_operand_hazards(sass: str) -> list[str]:
     """Writes to the A registers of an unretired HGMMA group along the code in address order: the paths
     that enter a loop from code before it and leave it for code after it (``a_operand_hazards`` follows
     the back edges). Taken branches are not followed."""
-    pending: list[set[int]] = []
-    group: set[int] = set()
-    found = []
+    state, found = _InFlight(), []
     for addr, text in _instructions(sass):
-        if addr is None:
-            continue
-        t0 = _PRED.sub("", text)
-        if t0.startswith("HGMMA"):
-            if ma := re.match(r"HGMMA\S*\s+R\d+,\s*R(\d+),", t0):
-                group |= set(range(int(ma.group(1)), int(ma.group(1)) + 4))
-            if "gsb0" in t0:
-                pending.append(group)
-                group = set()
-            continue
-        if mw := re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", t0):
-            del pending[: max(0, len(pending) - int(mw.group(1), 16))]
-            continue
-        if hit := _dest_regs(text) & set().union(group, *pending):
-            found.append(f"{addr:#x} {text}  (A registers R{sorted(hit)[0]}.. of an unretired HGMMA)")
+        if addr is not None and (hit := state.feed(text)[1]):
+            found.append(_hazard(addr, text, hit))
     return found

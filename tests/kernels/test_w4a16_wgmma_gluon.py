@@ -156,9 +156,9 @@ def test_unsupported_weights_are_refused_with_the_reason() -> None:
 
 
 def test_fit_clamps_tiles_to_the_problem() -> None:
-    assert glk.fit(glk.WgmmaConfig(block_m=256), 100, 4096).block_m == 128
-    assert glk.fit(glk.WgmmaConfig(block_m=128), 1, 4096).block_m == 64
-    assert glk.fit(glk.WgmmaConfig(block_n=64, num_warps=8), 512, 4096).num_warps == 4
+    assert glk.fit(glk.WgmmaConfig(block_m=256), 100).block_m == 128
+    assert glk.fit(glk.WgmmaConfig(block_m=128), 1).block_m == 64
+    assert glk.fit(glk.WgmmaConfig(block_n=64, num_warps=8), 512).num_warps == 4
 
 
 def test_split_never_leaves_a_share_empty() -> None:
@@ -195,6 +195,31 @@ def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -
     monkeypatch.setenv(mma.GLUON_ENV, "yes")
     with pytest.raises(ValueError, match="QSERVE_W4A16_GLUON='yes'"):
         uses(wide, 256)
+
+
+def test_a_config_passed_or_pinned_keeps_the_triton_kernel(monkeypatch) -> None:
+    """The Gluon kernel replaces the built-in dispatch only: ``w4a16_gemm(config=...)`` and a config pinned
+    with ``set_config`` (what bench/kernels.py's sweep times) run the Triton kernel they name."""
+    calls = []
+    monkeypatch.setattr(mma, "uses_gluon", lambda weight, x, m: True)
+    monkeypatch.setattr(
+        glk, "w4a16_wgmma", lambda x, weight, bias=None, config=None, out=None: calls.append(config) or out
+    )
+    monkeypatch.setattr(mma, "_TUNED", {})
+    gen = torch.Generator().manual_seed(2)
+    packed = _weight(128, 64, 128, False, gen)
+    weight = mma.prepare(packed)
+    x = torch.randn(80, 128, generator=gen).half()  # [M, K]
+    ref = x.float() @ reference.dequantize(packed, torch.float32)  # [M, N]
+    mma.w4a16_gemm(x, weight)
+    assert calls == [glk.default_config(80)]
+    cfg = mma.MmaConfig("mma", 16, 64, 128, 1, 4, 2)
+    for out in (mma.w4a16_gemm(x, weight, config=cfg), None):
+        if out is None:
+            mma.set_config(weight, x.dtype, 80, cfg)
+            out = mma.w4a16_gemm(x, weight)
+        assert len(calls) == 1, "a passed or pinned config was handed to the Gluon kernel"
+        torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
 
 
 GPU_CASES = [
