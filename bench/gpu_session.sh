@@ -195,6 +195,7 @@ if has gluon; then
     tail -1 "$OUT/gluon_tests.txt"
     timeout $(( ${GLUON_BUDGET_S:-200} + 60 )) python3 bench/w4a16_gluon.py --ms "${GLUON_MS:-128,256,1024}" \
         --shapes "${GLUON_SHAPES:-gate_up,down,qkv,o}" --budget-s "${GLUON_BUDGET_S:-200}" --out "$OUT/w4a16_gluon.md" \
+        --candidates "${GLUON_CANDIDATES:-}" \
         > "$OUT/w4a16_gluon.log" 2>&1
     echo "bench/w4a16_gluon.py exit code $?"
     tail -20 "$OUT/w4a16_gluon.log"

@@ -32,16 +32,18 @@ CANDIDATES = [  # (block_m, block_n, stages, warps, split_k)
     (128, 64, 4, 4, 1),
     (64, 128, 4, 8, 1),
     (256, 128, 2, 8, 1),
-    (128, 128, 4, 8, 2),
-    (128, 64, 4, 4, 2),
-    (128, 64, 4, 4, 3),
-    (64, 128, 4, 8, 2),
+    # One warpgroup a program in under half the shared memory: two programs an SM, each waiting at its
+    # own barriers while the other's wgmmas run (the 8-warp tiles hold the SM alone: 164 KB).
+    (128, 64, 3, 4, 1),
+    (128, 64, 2, 4, 1),
+    (64, 64, 4, 4, 1),
+    (128, 64, 4, 4, 3),  # split-K (fp32 atomics): lost 1.3-7x at 8c424b0; one kept as the check
 ]
 
 
-def configs(m: int) -> list[glk.WgmmaConfig]:
+def configs(m: int, candidates: list[tuple[int, ...]] | None = None) -> list[glk.WgmmaConfig]:
     out = []
-    for bm, bn, st, w, sk in CANDIDATES:
+    for bm, bn, st, w, sk in candidates or CANDIDATES:
         cfg = glk.fit(glk.WgmmaConfig(block_m=bm, block_n=bn, stages=st, num_warps=w, split_k=sk), m)
         if cfg not in out:
             out.append(cfg)
@@ -58,7 +60,7 @@ def time_fn(one, calls, m: int, n: int, ref: torch.Tensor) -> tuple[float | None
     return graph_us(calls, rep=20, repeats=1), err
 
 
-def bench_m(name: str, m: int, k: int, n: int, copies: list) -> dict:
+def bench_m(name: str, m: int, k: int, n: int, copies: list, candidates: list | None = None) -> dict:
     x = torch.randn(m, k, dtype=torch.float16, device="cuda") * 0.5  # [M, K]
     w0, dense0 = copies[0]
     ref = x.float() @ dense0.float()  # [M, N]
@@ -74,7 +76,7 @@ def bench_m(name: str, m: int, k: int, n: int, copies: list) -> dict:
         ref,
     )
     row["default_cfg"] = "gluon (default)" if mma.uses_gluon(w0, x, m) else mma.select_config(w0, x.dtype, m).short()
-    for cfg in configs(m):
+    for cfg in configs(m, candidates):
         try:
             t, err = time_fn(
                 lambda o, cfg=cfg: glk.w4a16_wgmma(x, w0, config=cfg, out=o),
@@ -92,7 +94,7 @@ def bench_m(name: str, m: int, k: int, n: int, copies: list) -> dict:
     return row
 
 
-def run_shape(name: str, ms: list[int], rows: list[dict], deadline: float) -> None:
+def run_shape(name: str, ms: list[int], rows: list[dict], deadline: float, candidates: list | None = None) -> None:
     k, n = SHAPES[name]
     copies = []
     for _ in range(GRAPH_LAYERS):
@@ -102,7 +104,7 @@ def run_shape(name: str, ms: list[int], rows: list[dict], deadline: float) -> No
         if time.time() > deadline:
             print(f"budget spent before {name} M={m}", flush=True)
             return
-        rows.append(bench_m(name, m, k, n, copies))
+        rows.append(bench_m(name, m, k, n, copies, candidates))
         print(rows[-1], flush=True)
 
 
@@ -116,12 +118,18 @@ def main() -> None:
     ap.add_argument("--ms", default="64,128,256,512,1024,4096")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--out", default="")
+    ap.add_argument(
+        "--candidates",
+        default="",
+        help="comma list of block_m x block_n x stages x warps x split_k (e.g. 128x64x3x4x1); default: CANDIDATES",
+    )
     args = ap.parse_args()
+    candidates = [tuple(int(v) for v in c.split("x")) for c in args.candidates.split(",") if c] or None
     torch.manual_seed(0)
     deadline = time.time() + args.budget_s
     rows: list[dict] = []
     for name in args.shapes.split(","):
-        run_shape(name, [int(v) for v in args.ms.split(",")], rows, deadline)
+        run_shape(name, [int(v) for v in args.ms.split(",")], rows, deadline, candidates)
     props = torch.cuda.get_device_properties(0)
     import triton
 
