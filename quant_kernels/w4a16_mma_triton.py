@@ -956,11 +956,12 @@ def _uses_ampere_table(device: torch.device) -> bool:
 
 GLUON_ENV = "QSERVE_W4A16_GLUON"
 GLUON_MIN_M = 65  # QSERVE_W4A16_GLUON=1: the Gluon kernel from here up (where w4a16_mma_kernel waits on every MMA)
-GLUON_DEFAULT_M = (129, 256)  # unset: these rows, layers that are not K-heavy (bench/RESULTS.md, nineteenth session)
+GLUON_ALL_LAYERS_M = (129, 512)  # unset: every layer at these rows
+GLUON_WIDE_LAYERS_M = (65, 1024)  # unset: layers whose K is under twice their N at these rows
 
 
 def gluon_setting() -> str:
-    """``QSERVE_W4A16_GLUON``: "" (unset or empty: the measured rows, ``GLUON_DEFAULT_M``), "1" (every row
+    """``QSERVE_W4A16_GLUON``: "" (unset or empty: the measured rows, ``gluon_by_default``), "1" (every row
     count from ``GLUON_MIN_M``), "0" (never). Anything else is refused, naming the variable."""
     value = os.environ.get(GLUON_ENV, "").strip()
     if value not in ("", "0", "1"):
@@ -968,20 +969,27 @@ def gluon_setting() -> str:
     return value
 
 
+def gluon_by_default(k: int, n: int, m: int) -> bool:
+    """Where the Gluon kernel's default launch beat the other paths on the H100 (bench/RESULTS.md, twentieth
+    session; Qwen2.5-14B layers, 128 / 256 / 512 / 1,024 rows): every layer at 129-512 rows (down at 256
+    rows 111 -> 84 µs, at 512 179 -> 169), and layers whose K is under twice their N at 65-1,024 rows
+    (gate_up at 128 rows 88 -> 68 µs, at 1,024 586 -> 515-560; qkv at 1,024 151 -> 134). The K-heavy
+    down layer keeps the Triton kernel's split-K launch at 65-128 rows (51 vs 57 µs) and dense weight +
+    cuBLAS past 512 (266-272 vs 280-290)."""
+    if GLUON_ALL_LAYERS_M[0] <= m <= GLUON_ALL_LAYERS_M[1]:
+        return True
+    return GLUON_WIDE_LAYERS_M[0] <= m <= GLUON_WIDE_LAYERS_M[1] and k < 2 * n
+
+
 def uses_gluon(weight: MmaQuantWeight, x: torch.Tensor, m: int) -> bool:
     """Whether ``w4a16_wgmma_gluon`` serves this product: an sm90 device, a weight it serves
-    (``w4a16_wgmma_gluon.supports``), and the rows ``gluon_setting`` says. By default 129-256 rows of a
-    layer whose K is under twice its N: there it beat dense weight + cuBLAS on the H100 at 256 rows
-    (gate_up 251 -> 190 µs, qkv 72 -> 48, o 58 -> 47), while the K-heavy down layer's split-K Triton
-    launch stayed ahead (110 vs 124 µs), and at 128 and 1,024 rows it did not win (bench/RESULTS.md)."""
+    (``w4a16_wgmma_gluon.supports``), and the rows ``gluon_setting`` says (unset: ``gluon_by_default``)."""
     if m < GLUON_MIN_M or not kdevice.triton_serves(x.device):
         return False
     setting = gluon_setting()
     if setting == "0" or kdevice.capability(x.device)[0] != 9:
         return False
-    if setting == "" and not (
-        GLUON_DEFAULT_M[0] <= m <= GLUON_DEFAULT_M[1] and weight.in_features < 2 * weight.out_features
-    ):
+    if setting == "" and not gluon_by_default(weight.in_features, weight.out_features, m):
         return False
     from quant_kernels import w4a16_wgmma_gluon
 

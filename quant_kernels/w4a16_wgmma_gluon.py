@@ -22,17 +22,21 @@ it lost to dense weights + cuBLAS past 256 rows (issue 26). Gluon states what th
   value (a loop-carried tensor passed through the wait) until then, so its registers cannot be
   reused under the running wgmma;
 - scales go on the weight values (``(q - z) * s`` rounded once to the activation dtype, as the
-  reference dequantizes), so the MMAs chain on one fp32 accumulator.
+  reference dequantizes), so the MMAs chain on one fp32 accumulator; each tile's scales (and zeros)
+  are loaded one step ahead, in registers (waiting on them was the loop's largest stall).
 
 The output tile leaves through shared memory by TMA (rows and columns past M / N are clipped by the
 copy); with ``split_k > 1`` the fp32 partials are added atomically into a zeroed fp32 workspace
 that the wrapper casts (a bench candidate: it lost 1.3-7x to one share on the H100). Serves 4-bit weights
 without act-order whose K-tiles lie in one group (group size a multiple of ``block_k``, or one group
 per column), fp16/bf16 activations; ``supports`` says which. ``w4a16_mma_triton.uses_gluon`` decides
-when it runs: by default 129-256 rows of layers whose K is under twice their N, where it beat the
-other paths on the H100 (bench/RESULTS.md, nineteenth session); at 1,024 rows it reached 52% of the
-dense fp16 peak against cuBLAS's 68%: one warpgroup pair both dequantizes and issues the wgmmas, with
-one group in flight, and no warp specialization yet.
+when it runs (where it beat the other paths on the H100, bench/RESULTS.md, twentieth session). What
+limits it (ncu, 1,024 rows of gate_up on the H100): the one-warpgroup 128 x 64 tiles read x from L2
+once per 64 weight rows (L2 at 85% of its peak, tensor pipe 65%); the 8-warp 128 x 128 tiles halve
+that but hold both warpgroups to one CTA barrier before every refill. Producer/consumer warp
+specialization (a TMA warp and one consumer partition per warpgroup sharing the x tile: Triton 3.6
+syncs every warp of a partition around each mbarrier operation) compiled on Triton 3.8 but hit an
+assertion in Triton 3.6's ConvertTritonGPUToLLVM, the device's version (twentieth session): not here.
 """
 
 from __future__ import annotations
@@ -59,13 +63,16 @@ from quant_kernels.w4a16_mma_triton import BF16_VALUES4_ASM, FP16_VALUES4_ASM
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """One launch of ``w4a16_wgmma_kernel``."""
+    """One launch of ``w4a16_wgmma_kernel``. The defaults are the built-in dispatch's: one warpgroup on
+    128 x 64 tiles in 3 stages (110 KB of shared memory, 188 registers), so two programs share an SM and
+    each waits at its own barriers while the other's wgmmas run; it beat the 8-warp 128 x 128 tiles at
+    128-1,024 rows of every Qwen2.5-14B layer on the H100 (bench/RESULTS.md, twentieth session)."""
 
     block_m: int = 128  # rows of x per program (the wgmma's N: 64-256)
-    block_n: int = 128  # output columns per program (the wgmma's M: 16 per warp of a warpgroup)
+    block_n: int = 64  # output columns per program (the wgmma's M: 16 per warp of a warpgroup)
     block_k: int = 128
-    stages: int = 4
-    num_warps: int = 8
+    stages: int = 3
+    num_warps: int = 4
     split_k: int = 1
 
     def short(self) -> str:
@@ -366,10 +373,7 @@ def fit(cfg: WgmmaConfig, m: int) -> WgmmaConfig:
 
 
 def default_config(m: int) -> WgmmaConfig:
-    """The launch ``w4a16_mma_triton`` hands this kernel: 128 x 128 tiles, 8 warps, 4 stages (64-row x tiles
-    below 128 rows): what the smoke at 8c424b0 ran for every row count. bench/w4a16_gluon.py's best at 256
-    rows of gate_up was 256-row x tiles with 2 stages (155 vs 190 µs on the H100), not taken before a smoke
-    runs it through the engine."""
+    """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows."""
     return fit(WgmmaConfig(), m)
 
 
@@ -427,13 +431,13 @@ def w4a16_wgmma(
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    zeros = weight.zeros if weight.zeros is not None else weight.scales
     w_desc = TensorDescriptor.from_tensor(weight.qweight, [bn // 4, bk // 2], w_layout)
     out_desc = TensorDescriptor.from_tensor(out, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], gdt))
     split = effective_split(triton.cdiv(k, bk), cfg.split_k)
     ws = out
     if split > 1:
         ws = torch.zeros((m, n), dtype=torch.float32, device=x.device)  # [M, N]
-    zeros = weight.zeros if weight.zeros is not None else weight.scales
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     w4a16_wgmma_kernel[grid](
         x_desc,

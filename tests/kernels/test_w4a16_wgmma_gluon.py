@@ -46,6 +46,7 @@ COMPILE_CASES = [
     (glk.WgmmaConfig(), "fp16", False, False),
     (glk.WgmmaConfig(), "bf16", True, True),
     (glk.WgmmaConfig(block_m=128, block_n=64, stages=4, num_warps=4), "fp16", True, False),
+    (glk.WgmmaConfig(block_m=128, block_n=128, stages=4, num_warps=8), "fp16", True, False),
     (glk.WgmmaConfig(block_m=64, block_n=128, stages=4, num_warps=8), "fp16", False, True),
     (glk.WgmmaConfig(block_m=256, block_n=128, stages=2, num_warps=8), "fp16", False, False),
     (glk.WgmmaConfig(split_k=2), "fp16", False, True),
@@ -169,8 +170,9 @@ def test_split_never_leaves_a_share_empty() -> None:
 
 
 def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -> None:
-    """Unset: 129-256 rows of layers whose K is under twice their N (qkv, o, gate_up; not down), on sm90 only;
-    "1": every row count from 65; "0": never; anything else refused by name."""
+    """Unset: every layer at 129-512 rows, and layers whose K is under twice their N (qkv, o, gate_up; not
+    down) at 65-1,024 rows, on sm90 only; "1": every row count from 65; "0": never; anything else refused
+    by name."""
     monkeypatch.setattr(mma.kdevice, "triton_serves", lambda device: True)
     cap = {"v": (9, 0)}
     monkeypatch.setattr(mma.kdevice, "capability", lambda device: cap["v"])
@@ -183,10 +185,12 @@ def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -
         return mma.uses_gluon(weight, torch.zeros(m, weight.in_features, dtype=torch.float16), m)
 
     monkeypatch.delenv(mma.GLUON_ENV, raising=False)
-    assert [uses(wide, m) for m in (64, 65, 128, 129, 200, 256, 257, 1024)] == [False] * 3 + [True] * 3 + [False] * 2
-    assert not uses(k_heavy, 256) and not uses(grouped, 256)
+    rows = (64, 65, 128, 129, 256, 512, 513, 1024, 1025, 4096)
+    assert [uses(wide, m) for m in rows] == [False] + [True] * 7 + [False] * 2
+    assert [uses(k_heavy, m) for m in rows] == [False] * 3 + [True] * 3 + [False] * 4
+    assert not uses(grouped, 256)
     monkeypatch.setenv(mma.GLUON_ENV, "1")
-    assert [uses(wide, m) for m in (64, 65, 1024)] == [False, True, True] and uses(k_heavy, 128)
+    assert [uses(wide, m) for m in (64, 65, 4096)] == [False, True, True] and uses(k_heavy, 128)
     monkeypatch.setenv(mma.GLUON_ENV, "0")
     assert not uses(wide, 256)
     monkeypatch.delenv(mma.GLUON_ENV)
@@ -226,6 +230,7 @@ GPU_CASES = [
     # m, k, n, group, asym, bias, dtype, config
     (64, 256, 128, 128, False, False, torch.float16, glk.WgmmaConfig()),  # two K-tiles: peeled + tail
     (128, 384, 256, 128, False, True, torch.float16, glk.WgmmaConfig()),  # three: peeled + one pair
+    (160, 640, 256, 128, True, False, torch.float16, glk.WgmmaConfig(block_n=128, stages=4, num_warps=8)),
     (300, 640, 192, 128, True, True, torch.float16, glk.WgmmaConfig()),  # five; ragged M and N
     (200, 512, 320, 256, True, False, torch.bfloat16, glk.WgmmaConfig()),  # four; bf16; groups of 256
     (77, 1024, 136, -1, False, True, torch.float16, glk.WgmmaConfig(block_n=64, num_warps=4)),  # per-column
@@ -297,4 +302,6 @@ def test_compile_runs_in_a_fresh_process_without_a_gpu() -> None:
     code = "from quant_kernels import w4a16_wgmma_gluon as g; k = g.compile_for(90, g.WgmmaConfig()); print(k.metadata.shared)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert int(proc.stdout.split()[-1]) > 4 * 40 * 1024  # four stages of x and weight tiles
+    cfg = glk.WgmmaConfig()
+    stage = cfg.block_m * cfg.block_k * 2 + cfg.block_n * cfg.block_k // 2  # bytes: fp16 x tile, 4-bit weights
+    assert int(proc.stdout.split()[-1]) >= cfg.stages * stage
