@@ -337,7 +337,7 @@ GLUON_MS = [65, 128, 256, 2048]  # QSERVE_W4A16_GLUON=1 serves 65 rows and more;
 
 
 def drive_gluon(capture: Capture, case: ModelCase, model, dtype_name: str) -> None:
-    """``QSERVE_W4A16_GLUON=1`` (sm90: the Gluon kernel from 65 rows; unset it serves 65-1,024 rows by
+    """``QSERVE_W4A16_GLUON=1`` (sm90: the Gluon kernel from 65 rows; unset it serves 65-512 rows by
     ``w4a16_mma_triton.gluon_by_default``, which the engine's own warm-up steps reach): every 4-bit layer of ``model`` through the real dispatch
     (``ops.w4a16_linear``) at each row count the switch sends there, then ``bench/w4a16_gluon.py``'s
     candidates on the first layer (fp16, as that bench runs them)."""

@@ -170,8 +170,8 @@ def test_split_never_leaves_a_share_empty() -> None:
 
 
 def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -> None:
-    """Unset: every layer at 129-512 rows, and layers whose K is under twice their N (qkv, o, gate_up; not
-    down) at 65-1,024 rows, on sm90 only; "1": every row count from 65; "0": never; anything else refused
+    """Unset: layers whose K is under twice their N (qkv, o, gate_up) at 65-512 rows, the K-heavy down at
+    129-512, on sm90 only; "1": every row count from 65; "0": never; anything else refused
     by name."""
     monkeypatch.setattr(mma.kdevice, "triton_serves", lambda device: True)
     cap = {"v": (9, 0)}
@@ -186,7 +186,7 @@ def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -
 
     monkeypatch.delenv(mma.GLUON_ENV, raising=False)
     rows = (64, 65, 128, 129, 256, 512, 513, 1024, 1025, 4096)
-    assert [uses(wide, m) for m in rows] == [False] + [True] * 7 + [False] * 2
+    assert [uses(wide, m) for m in rows] == [False] + [True] * 5 + [False] * 4
     assert [uses(k_heavy, m) for m in rows] == [False] * 3 + [True] * 3 + [False] * 4
     assert not uses(grouped, 256)
     monkeypatch.setenv(mma.GLUON_ENV, "1")
