@@ -33,10 +33,12 @@ per column), fp16/bf16 activations; ``supports`` says which. ``w4a16_mma_triton.
 when it runs (where it beat the other paths on the H100, bench/RESULTS.md, twentieth session). What
 limits it (ncu, 1,024 rows of gate_up on the H100): the one-warpgroup 128 x 64 tiles read x from L2
 once per 64 weight rows (L2 at 85% of its peak, tensor pipe 65%); the 8-warp 128 x 128 tiles halve
-that but hold both warpgroups to one CTA barrier before every refill. Producer/consumer warp
-specialization (a TMA warp and one consumer partition per warpgroup sharing the x tile: Triton 3.6
-syncs every warp of a partition around each mbarrier operation) compiled on Triton 3.8 but hit an
-assertion in Triton 3.6's ConvertTritonGPUToLLVM, the device's version (twentieth session): not here.
+that but hold both warpgroups to one CTA barrier before every refill. A warp-specialized variant (a
+loader warp issuing the TMA copies beside the 8 consumer warps; twentieth session) was 1-11% faster than
+the same 8-warp tiles but slower than the one-warpgroup tiles at every shape measured (1-11% at 256-1,024
+rows, up to 47% at 128), and was deleted:
+in Triton 3.6 a partition's warps still synchronize around every mbarrier wait and arrive, and a
+consumer partition per warpgroup compiled with every wgmma serialized (ptxas C7512).
 """
 
 from __future__ import annotations
