@@ -27,7 +27,7 @@ from quant_kernels import w4a16_mma_triton as mma  # noqa: E402
 from quant_kernels import w4a16_wgmma_gluon as glk  # noqa: E402
 from quant_kernels.reference import dequantize  # noqa: E402
 
-CANDIDATES = [  # (block_m, block_n, stages, warps, split_k)
+CANDIDATES = [  # (block_m, block_n, stages, warps, split_k[, scales_ahead])
     (128, 128, 4, 8, 1),
     (128, 64, 4, 4, 1),
     (64, 128, 4, 8, 1),
@@ -38,13 +38,17 @@ CANDIDATES = [  # (block_m, block_n, stages, warps, split_k)
     (128, 64, 2, 4, 1),
     (64, 64, 4, 4, 1),
     (128, 64, 4, 4, 3),  # split-K (fp32 atomics): lost 1.3-7x at 8c424b0; one kept as the check
+    (128, 64, 3, 4, 1, 2),  # the default's tiles, the scales two K-tiles ahead
 ]
 
 
 def configs(m: int, candidates: list[tuple[int, ...]] | None = None) -> list[glk.WgmmaConfig]:
     out = []
-    for bm, bn, st, w, sk in candidates or CANDIDATES:
-        cfg = glk.fit(glk.WgmmaConfig(block_m=bm, block_n=bn, stages=st, num_warps=w, split_k=sk), m)
+    for bm, bn, st, w, sk, *ahead in candidates or CANDIDATES:
+        base = glk.WgmmaConfig(
+            block_m=bm, block_n=bn, stages=st, num_warps=w, split_k=sk, scales_ahead=ahead[0] if ahead else 1
+        )
+        cfg = glk.fit(base, m)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -121,7 +125,8 @@ def main() -> None:
     ap.add_argument(
         "--candidates",
         default="",
-        help="comma list of block_m x block_n x stages x warps x split_k (e.g. 128x64x3x4x1); default: CANDIDATES",
+        help="comma list of block_m x block_n x stages x warps x split_k [x scales_ahead] (e.g. 128x64x3x4x1, "
+        "128x64x3x4x1x2); default: CANDIDATES",
     )
     args = ap.parse_args()
     candidates = [tuple(int(v) for v in c.split("x")) for c in args.candidates.split(",") if c] or None

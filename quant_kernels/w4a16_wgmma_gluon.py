@@ -76,10 +76,12 @@ class WgmmaConfig:
     stages: int = 3
     num_warps: int = 4
     split_k: int = 1
+    scales_ahead: int = 1  # K-tiles ahead each tile's scales are loaded (1 or 2)
 
     def short(self) -> str:
         return (
             f"gluon m{self.block_m} n{self.block_n} k{self.block_k} st{self.stages} w{self.num_warps} s{self.split_k}"
+            + (f" a{self.scales_ahead}" if self.scales_ahead != 1 else "")
         )
 
 
@@ -215,28 +217,36 @@ def _group_params(t, params, HAS_ZEROS: gl.constexpr, GROUP_TILES: gl.constexpr)
 def _step(
     i,  # this program's tile number (0 .. count - 1)
     acc,
-    sz,  # (s, z): tile i's group parameters, loaded one step earlier
+    sz,  # SCALES_AHEAD (s, z) pairs in flight: tile i's first (one pair: the pair itself)
     ring,  # (x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count): _load_tile's
     params,  # _group_params's
     A_LAYOUT: gl.constexpr,
     WORD_LAYOUT: gl.constexpr,
     HAS_ZEROS: gl.constexpr,
     GROUP_TILES: gl.constexpr,
+    SCALES_AHEAD: gl.constexpr,
 ):
     """One K-tile: start the next tile's scale loads, wait for this tile's stage, dequantize, issue its
     wgmma, wait for the previous tile's, refill that tile's stage with tile ``i + STAGES - 1``. Returns
-    ``(acc, next tile's (s, z))``.
+    ``(acc, the pairs in flight for tile i + 1)``.
 
     The scales travel one tile ahead in registers: loaded in the step that uses them, their global
     load's latency was the largest stall of the loop (ncu at 1,024 rows of gate_up on the H100: 23% of
-    the warp samples on the scale multiply, waiting on the load)."""
+    the warp samples on the scale multiply, waiting on the load). One tile ahead still left 8-10% of the
+    samples there at 256 rows; ``SCALES_AHEAD`` 2 (a bench candidate) loads them two tiles ahead."""
     x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count = ring
     STAGES: gl.constexpr = x_smem.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = 4 * w_desc.block_type.shape[0]
     stage = i % STAGES
-    s, z = sz
-    sz_next = _group_params(gl.minimum(i + 1, count - 1), params, HAS_ZEROS, GROUP_TILES)
+    incoming = _group_params(gl.minimum(i + SCALES_AHEAD, count - 1), params, HAS_ZEROS, GROUP_TILES)
+    if SCALES_AHEAD == 1:
+        s, z = sz
+        sz_next = incoming
+    else:  # 2: two tiles ahead
+        first, second = sz
+        s, z = first
+        sz_next = (second, incoming)
     mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
     words = w_smem.index(stage).load(WORD_LAYOUT)
     a = _weight_operand(words, s, z, A_LAYOUT, HAS_ZEROS, BLOCK_N, BLOCK_K, x_desc.dtype)
@@ -262,6 +272,7 @@ def w4a16_wgmma_kernel(
     stride_zg,
     HAS_ZEROS: gl.constexpr,
     GROUP_TILES: gl.constexpr,  # K-tiles a group spans; 0: one group over all of K
+    SCALES_AHEAD: gl.constexpr,  # tiles ahead the scales (and zeros) are loaded: 1 or 2
     HAS_BIAS: gl.constexpr,
     SPLIT_K: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -307,17 +318,19 @@ def w4a16_wgmma_kernel(
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_LAYOUT)
     params = (scales_ptr, zeros_ptr, offs_n, mask_n, kt0, stride_sg, stride_zg)
     sz = _group_params(0, params, HAS_ZEROS, GROUP_TILES)
+    if SCALES_AHEAD == 2:
+        sz = (sz, _group_params(gl.minimum(1, count - 1), params, HAS_ZEROS, GROUP_TILES))
     # Two tiles per iteration, each through its own call site: tile i's A operand (registers read by its
     # wgmma until the wait one tile later) and tile i + 1's are different values, so the PTX never
     # redefines an A register under a wgmma in flight (one call site in a rolled loop writes the same
     # virtual registers every iteration: the race the Triton kernel met). The first tile is peeled so
     # that every path reaches the last wait through a wgmma.
-    acc, sz = _step(0, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES)
+    acc, sz = _step(0, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
     for j in range((count - 1) // 2):
-        acc, sz = _step(2 * j + 1, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES)
-        acc, sz = _step(2 * j + 2, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES)
+        acc, sz = _step(2 * j + 1, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
+        acc, sz = _step(2 * j + 2, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
     if count % 2 == 0:
-        acc, sz = _step(count - 1, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES)
+        acc, sz = _step(count - 1, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -369,6 +382,8 @@ def supports(weight: MmaQuantWeight, dtype: torch.dtype, block_k: int = 128) -> 
 def fit(cfg: WgmmaConfig, m: int) -> WgmmaConfig:
     """Clamp a config to the problem: 16 weight rows per warp at least, the x tile no wider than M
     needs (at least 64: wgmma's narrowest useful tile here)."""
+    if cfg.scales_ahead not in (1, 2):
+        raise ValueError(f"scales_ahead={cfg.scales_ahead}: the kernel loads scales 1 or 2 K-tiles ahead")
     block_m = max(64, min(cfg.block_m, triton.next_power_of_2(m)))
     warps = min(cfg.num_warps, cfg.block_n // 16)
     return dataclasses.replace(cfg, block_m=block_m, num_warps=warps)
@@ -456,6 +471,7 @@ def w4a16_wgmma(
         zeros.stride(0),
         HAS_ZEROS=weight.zeros is not None,
         GROUP_TILES=group_tiles(weight.group_size, k, bk),
+        SCALES_AHEAD=cfg.scales_ahead,
         HAS_BIAS=bias is not None,
         SPLIT_K=split,
         BLOCK_M=bm,
@@ -511,6 +527,7 @@ def compile_for(
     constants = dict(
         HAS_ZEROS=asym,
         GROUP_TILES=group_tiles(group_size, k, cfg.block_k),
+        SCALES_AHEAD=cfg.scales_ahead,
         HAS_BIAS=bias,
         SPLIT_K=cfg.split_k,
         BLOCK_M=bm,

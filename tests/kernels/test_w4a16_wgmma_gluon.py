@@ -50,6 +50,7 @@ COMPILE_CASES = [
     (glk.WgmmaConfig(block_m=64, block_n=128, stages=4, num_warps=8), "fp16", False, True),
     (glk.WgmmaConfig(block_m=256, block_n=128, stages=2, num_warps=8), "fp16", False, False),
     (glk.WgmmaConfig(split_k=2), "fp16", False, True),
+    (glk.WgmmaConfig(scales_ahead=2), "fp16", True, True),
 ]
 
 
@@ -158,6 +159,8 @@ def test_unsupported_weights_are_refused_with_the_reason() -> None:
 
 def test_fit_clamps_tiles_to_the_problem() -> None:
     assert glk.fit(glk.WgmmaConfig(block_m=256), 100).block_m == 128
+    with pytest.raises(ValueError, match="scales_ahead=3"):
+        glk.fit(glk.WgmmaConfig(scales_ahead=3), 128)
     assert glk.fit(glk.WgmmaConfig(block_m=128), 1).block_m == 64
     assert glk.fit(glk.WgmmaConfig(block_n=64, num_warps=8), 512).num_warps == 4
 
@@ -226,6 +229,7 @@ def test_a_config_passed_or_pinned_keeps_the_triton_kernel(monkeypatch) -> None:
         torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
 
 
+AHEAD2 = glk.WgmmaConfig(scales_ahead=2)
 GPU_CASES = [
     # m, k, n, group, asym, bias, dtype, config
     (64, 256, 128, 128, False, False, torch.float16, glk.WgmmaConfig()),  # two K-tiles: peeled + tail
@@ -238,6 +242,11 @@ GPU_CASES = [
     (1024, 1280, 512, 128, False, False, torch.float16, glk.WgmmaConfig(block_m=256, stages=2)),
     (256, 2560, 384, 128, True, True, torch.bfloat16, glk.WgmmaConfig(split_k=2)),
     (129, 1408, 200, 128, False, True, torch.float16, glk.WgmmaConfig(split_k=4, block_n=64, num_warps=4)),
+    # scales two K-tiles ahead: two tiles (the clamp at the last tile), five, groups of 256, per-column groups
+    (64, 256, 128, 128, True, False, torch.float16, AHEAD2),
+    (300, 640, 192, 128, True, True, torch.float16, AHEAD2),
+    (200, 512, 320, 256, True, False, torch.bfloat16, AHEAD2),
+    (77, 1024, 136, -1, False, True, torch.float16, AHEAD2),
 ]
 
 
