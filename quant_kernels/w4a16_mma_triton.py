@@ -57,6 +57,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quant_kernels import device as kdevice
+from quant_kernels import int4_values_asm
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.pdl import use_pdl
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_shuffle
@@ -70,31 +71,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # ----------------------------------------------------------------------------------------------
 
 
-# The 8 values of a 4-bit word as ``q - 8``: the PTX of ``_values_fast4`` (shared with the Gluon kernel,
-# quant_kernels.w4a16_wgmma_gluon). bf16: ``(w >> 4i) & 0x000F000F | magic`` is the half2 ``128 + q``
-# and one fma removes ``128 + 8``. fp16: the nibbles at bits 4-7 / 20-23 are taken in place, as
-# ``1024 + 16 q`` (exact below 2048), and one fma by 1/16 with -(64 + 8) gives ``q - 8``: 9
-# instructions per word, not 11.
-BF16_VALUES4_ASM = tl.constexpr(
-    "{ .reg .b32 t0, t1, t2, t3, s0, s1, s2, one, nz; mov.b32 one, 0x3f803f80; mov.b32 nz, 0xc308c308; "
-    "lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea; "
-    "shr.u32 s0, $8, 4; lop3.b32 t1, s0, 0x000f000f, 0x43004300, 0xea; "
-    "shr.u32 s1, $8, 8; lop3.b32 t2, s1, 0x000f000f, 0x43004300, 0xea; "
-    "shr.u32 s2, $8, 12; lop3.b32 t3, s2, 0x000f000f, 0x43004300, 0xea; "
-    "fma.rn.bf16x2 t0, t0, one, nz; fma.rn.bf16x2 t1, t1, one, nz; "
-    "fma.rn.bf16x2 t2, t2, one, nz; fma.rn.bf16x2 t3, t3, one, nz; "
-    "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3; }"
-)
-FP16_VALUES4_ASM = tl.constexpr(
-    "{ .reg .b32 t0, t1, t2, t3, s1, z, m, c; "
-    "mov.b32 z, 0x64086408; mov.b32 m, 0x2c002c00; mov.b32 c, 0xd480d480; "
-    "lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea; "
-    "lop3.b32 t1, $8, 0x00f000f0, 0x64006400, 0xea; "
-    "shr.u32 s1, $8, 8; lop3.b32 t2, s1, 0x000f000f, 0x64006400, 0xea; "
-    "lop3.b32 t3, s1, 0x00f000f0, 0x64006400, 0xea; "
-    "sub.f16x2 t0, t0, z; fma.rn.f16x2 t1, t1, m, c; sub.f16x2 t2, t2, z; fma.rn.f16x2 t3, t3, m, c; "
-    "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3; }"
-)
+# The 8 values of a 4-bit word as ``q - 8``: the PTX of ``_values_fast4`` (quant_kernels.int4_values_asm,
+# shared with the Gluon kernel).
+BF16_VALUES4_ASM = tl.constexpr(int4_values_asm.BF16_VALUES4)
+FP16_VALUES4_ASM = tl.constexpr(int4_values_asm.FP16_VALUES4)
 
 
 @triton.jit

@@ -59,8 +59,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from quant_kernels import int4_values_asm
 from quant_kernels.repack import MmaQuantWeight
-from quant_kernels.w4a16_mma_triton import BF16_VALUES4_ASM, FP16_VALUES4_ASM
 
 
 @dataclass(frozen=True)
@@ -129,10 +129,14 @@ def _mma_layout(BLOCK_M, num_warps):
 # ----------------------------------------------------------------------------------------------
 
 
+BF16_VALUES4_ASM = gl.constexpr(int4_values_asm.BF16_VALUES4)
+FP16_VALUES4_ASM = gl.constexpr(int4_values_asm.FP16_VALUES4)
+
+
 @gluon.jit
 def _values4(w, IS_BF16: gl.constexpr):
-    """The 8 values of each 4-bit word as fp16/bf16 ``q - 8`` in word-value order (exact; the asm of
-    ``w4a16_mma_triton._values_fast4``)."""
+    """The 8 values of each 4-bit word as fp16/bf16 ``q - 8`` in word-value order (exact; the PTX of
+    ``quant_kernels.int4_values_asm``, as ``w4a16_mma_triton._values_fast4``)."""
     if IS_BF16:
         return gl.inline_asm_elementwise(
             BF16_VALUES4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1
