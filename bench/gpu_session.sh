@@ -185,7 +185,7 @@ if has decode_pdl; then
     done
 fi
 if has gluon; then
-    # issue 26: the Gluon W4A16 kernel (the default at 129-256 rows on sm90): its GPU tests, then its candidates against
+    # issue 26: the Gluon W4A16 kernel (the default at 65-512 rows on sm90): its GPU tests, then its candidates against
     # cuBLAS fp16 and the built-in dispatch (GLUON_MS rows, GLUON_SHAPES layers, GLUON_BUDGET_S seconds)
     stage "Gluon W4A16: GPU tests, then bench/w4a16_gluon.py"
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/kernels/test_w4a16_wgmma_gluon.py \

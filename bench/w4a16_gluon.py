@@ -129,7 +129,15 @@ def main() -> None:
         "128x64x3x4x1x2); default: CANDIDATES",
     )
     args = ap.parse_args()
-    candidates = [tuple(int(v) for v in c.split("x")) for c in args.candidates.split(",") if c] or None
+    candidates = []
+    for c in filter(None, args.candidates.split(",")):
+        fields = c.split("x")
+        if len(fields) not in (5, 6) or not all(f.isdigit() for f in fields):
+            ap.error(
+                f"--candidates entry {c!r}: expected block_m x block_n x stages x warps x split_k [x scales_ahead]"
+            )
+        candidates.append(tuple(int(f) for f in fields))
+    candidates = candidates or None
     torch.manual_seed(0)
     deadline = time.time() + args.budget_s
     rows: list[dict] = []
