@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,8 +38,12 @@ CANDIDATES = [  # (block_m, block_n, stages, warps, split_k[, scales_ahead])
     (128, 64, 3, 4, 1),
     (128, 64, 2, 4, 1),
     (64, 64, 4, 4, 1),
-    (128, 64, 4, 4, 3),  # split-K (fp32 atomics): lost 1.3-7x at 8c424b0; one kept as the check
     (128, 64, 3, 4, 1, 2),  # the default's tiles, the scales two K-tiles ahead
+    # split-K: partials to per-share workspace slots, the tile's last share sums them (the fp32-atomic
+    # split it replaced lost 1.3-7x at 8c424b0)
+    (128, 64, 3, 4, 2),
+    (128, 64, 3, 4, 3),
+    (128, 64, 3, 4, 4),
 ]
 
 
@@ -70,21 +75,32 @@ def bench_m(name: str, m: int, k: int, n: int, copies: list, candidates: list | 
     ref = x.float() @ dense0.float()  # [M, N]
     outs = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in copies]
     pairs = [(w, d, o) for (w, d), o in zip(copies, outs)]
+    # each copy's split-K arrival counters, allocated once and left at zero by every launch (as the engine's
+    # weights hold theirs, quant_kernels.ops), one per output tile of any candidate (tiles of 64 x 64 or more)
+    tiles = triton.cdiv(n, 64) * triton.cdiv(m, 64)
+    counters = {id(w): torch.zeros(tiles, dtype=torch.int32, device="cuda") for w, _ in copies}
     row = {"layer": name, "M": m}
     row["cublas"] = graph_us([lambda d=d, o=o: torch.matmul(x, d, out=o) for _, d, o in pairs], rep=20, repeats=1)
     row["default"], _ = time_fn(
-        lambda o: mma.w4a16_gemm(x, w0, out=o),
-        [lambda w=w, o=o: mma.w4a16_gemm(x, w, out=o) for w, _, o in pairs],
+        lambda o: mma.w4a16_gemm(x, w0, out=o, counters=counters[id(w0)]),
+        [lambda w=w, o=o: mma.w4a16_gemm(x, w, out=o, counters=counters[id(w)]) for w, _, o in pairs],
         m,
         n,
         ref,
     )
-    row["default_cfg"] = "gluon (default)" if mma.uses_gluon(w0, x, m) else mma.select_config(w0, x.dtype, m).short()
+    row["default_cfg"] = (
+        glk.default_config(m, k, n, torch.cuda.get_device_properties(0).multi_processor_count).short()
+        if mma.uses_gluon(w0, x, m)
+        else mma.select_config(w0, x.dtype, m).short()
+    )
     for cfg in configs(m, candidates):
         try:
             t, err = time_fn(
-                lambda o, cfg=cfg: glk.w4a16_wgmma(x, w0, config=cfg, out=o),
-                [lambda w=w, o=o, cfg=cfg: glk.w4a16_wgmma(x, w, config=cfg, out=o) for w, _, o in pairs],
+                lambda o, cfg=cfg: glk.w4a16_wgmma(x, w0, config=cfg, out=o, counters=counters[id(w0)]),
+                [
+                    lambda w=w, o=o, cfg=cfg: glk.w4a16_wgmma(x, w, config=cfg, out=o, counters=counters[id(w)])
+                    for w, _, o in pairs
+                ],
                 m,
                 n,
                 ref,
@@ -144,8 +160,6 @@ def main() -> None:
     for name in args.shapes.split(","):
         run_shape(name, [int(v) for v in args.ms.split(",")], rows, deadline, candidates)
     props = torch.cuda.get_device_properties(0)
-    import triton
-
     lines = [
         f"{props.name}, torch {torch.__version__}, Triton {triton.__version__}; graph-timed, {GRAPH_LAYERS} weight copies; "
         "µs (ratio = cuBLAS fp16 µs / this)",

@@ -1133,7 +1133,14 @@ def w4a16_gemm(
     if config is None and uses_gluon(weight, x, m) and _key(weight, x.dtype, m) not in _TUNED:
         from quant_kernels import w4a16_wgmma_gluon
 
-        return w4a16_wgmma_gluon.w4a16_wgmma(x, weight, bias, config=w4a16_wgmma_gluon.default_config(m), out=out)
+        return w4a16_wgmma_gluon.w4a16_wgmma(
+            x,
+            weight,
+            bias,
+            config=w4a16_wgmma_gluon.default_config(m, k, n, _num_sms(x.device)),
+            out=out,
+            counters=counters,
+        )
     cfg = select_config(weight, x.dtype, m) if config is None else _fix(config, m, k, n, g)
     cfg = fit_shared(cfg, kdevice.max_shared(x.device), weight.zeros is not None)
     if out is None:

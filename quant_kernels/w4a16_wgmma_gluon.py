@@ -26,8 +26,12 @@ it lost to dense weights + cuBLAS past 256 rows (issue 26). Gluon states what th
   are loaded one step ahead, in registers (waiting on them was the loop's largest stall).
 
 The output tile leaves through shared memory by TMA (rows and columns past M / N are clipped by the
-copy); with ``split_k > 1`` the fp32 partials are added atomically into a zeroed fp32 workspace
-that the wrapper casts (a bench candidate: it lost 1.3-7x to one share on the H100). Serves 4-bit weights
+copy). With ``split_k > 1`` each K share stores its fp32 partial into a slot of its own (in the
+accumulator's layout: whole 32-byte sectors), then counts itself on its tile's arrival counter; the
+last share sums the others' partials, adds the bias and writes the tile, and leaves the counter at zero
+(one launch, no memset; the pattern of ``w4a16_mma_triton``). For the layers whose tiles leave most of
+the program slots idle (o, qkv, down at 128-256 rows); ``QSERVE_W4A16_GLUON_SPLIT`` (``auto_split``)
+until a GPU run measures it. The fp32-atomic split this replaced lost 1.3-7x. Serves 4-bit weights
 without act-order whose K-tiles lie in one group (group size a multiple of ``block_k``, or one group
 per column), fp16/bf16 activations; ``supports`` says which. ``w4a16_mma_triton.uses_gluon`` decides
 when it runs (where it beat the other paths on the H100, bench/RESULTS.md, twentieth session). What
@@ -44,6 +48,7 @@ consumer partition per warpgroup compiled with every wgmma serialized (ptxas C75
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from quant_kernels import device as kdevice
 from quant_kernels import int4_values_asm
 from quant_kernels.repack import MmaQuantWeight
 
@@ -129,6 +135,8 @@ def _mma_layout(BLOCK_M, num_warps):
 # ----------------------------------------------------------------------------------------------
 
 
+# The CTA barrier: ``gl.thread_barrier`` in Triton 3.6 (the device's), ``gl.barrier`` from 3.7 on.
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 BF16_VALUES4_ASM = gl.constexpr(int4_values_asm.BF16_VALUES4)
 FP16_VALUES4_ASM = gl.constexpr(int4_values_asm.FP16_VALUES4)
 
@@ -268,7 +276,8 @@ def w4a16_wgmma_kernel(
     scales_ptr,  # [groups, N]
     zeros_ptr,  # fp16 [groups, N]: z - 8 (HAS_ZEROS)
     bias_ptr,  # [N] (HAS_BIAS)
-    ws_ptr,  # fp32 [M, N] zeros (SPLIT_K > 1)
+    ws_ptr,  # fp32 [SPLIT_K, tiles, BLOCK_N, BLOCK_M]: one slot per share of each tile (SPLIT_K > 1)
+    cnt_ptr,  # int32 [>= tiles]: arrival counters, zero between launches (SPLIT_K > 1)
     M,
     N,
     K,
@@ -339,26 +348,46 @@ def w4a16_wgmma_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    ACC_ROWS: gl.constexpr = gl.SliceLayout(1, MMA_LAYOUT)
-    ACC_COLS: gl.constexpr = gl.SliceLayout(0, MMA_LAYOUT)
-    rows = off_n + gl.arange(0, BLOCK_N, layout=ACC_ROWS)  # [BLOCK_N] output columns
+    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_LAYOUT))  # [BLOCK_N] output columns
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            b = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-            acc = acc + gl.expand_dims(b, 1)
-        c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
-        c_smem.store(gl.permute(acc.to(dtype), (1, 0)))  # [BLOCK_M, BLOCK_N]
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_smem)
-        tma.store_wait(0)
+        _write_out(acc, out_desc, bias_ptr, rows, N, off_m, off_n, HAS_BIAS)
     else:
-        cols = off_m + gl.arange(0, BLOCK_M, layout=ACC_COLS)  # [BLOCK_M] rows of x
-        if HAS_BIAS:
-            b = gl.load(bias_ptr + rows, mask=(rows < N) & (pid_k == 0), other=0.0).to(gl.float32)
-            acc = acc + gl.expand_dims(b, 1)
-        ptrs = ws_ptr + gl.expand_dims(cols, 0) * N + gl.expand_dims(rows, 1)  # [BLOCK_N, BLOCK_M]
-        mask = (gl.expand_dims(cols, 0) < M) & (gl.expand_dims(rows, 1) < N)
-        gl.atomic_add(ptrs, acc, mask=mask)
+        # This share's fp32 partial goes to its own workspace slot, stored from the accumulator layout into a
+        # tile-major slot whose fastest dimension is the accumulator's (x rows): each thread's pairs are 8
+        # contiguous bytes and a warp's store fills whole 32-byte sectors (the atomic adds this replaced
+        # went out 4 bytes at a time, N apart, into a zeroed [M, N] buffer: 1.3-7x slower than one share).
+        tile = pid_m * gl.num_programs(0) + pid_n
+        tiles = gl.num_programs(0) * gl.num_programs(1)
+        r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_LAYOUT))  # [BLOCK_N]
+        c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_LAYOUT))  # [BLOCK_M]
+        local = gl.expand_dims(r, 1) * BLOCK_M + gl.expand_dims(c, 0)  # [BLOCK_N, BLOCK_M] offsets in a slot
+        slot_elems: gl.constexpr = BLOCK_N * BLOCK_M
+        gl.store(ws_ptr + (pid_k * tiles + tile).to(gl.int64) * slot_elems + local, acc)
+        # Every thread's partial is stored before the counter's gpu-scope release; the last share's acquire
+        # (the same atomic) then sees every other share's (the split-K pattern of w4a16_mma_triton).
+        _cta_barrier()
+        arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last share of this tile: sum, write, leave the counter at zero
+            for sk in gl.static_range(SPLIT_K):
+                if sk != pid_k:
+                    acc += gl.load(ws_ptr + (sk * tiles + tile).to(gl.int64) * slot_elems + local, cache_modifier=".cg")
+            _write_out(acc, out_desc, bias_ptr, rows, N, off_m, off_n, HAS_BIAS)
+            gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _write_out(acc, out_desc, bias_ptr, rows, N, off_m, off_n, HAS_BIAS: gl.constexpr):
+    """The finished tile (fp32 ``[BLOCK_N, BLOCK_M]``) plus the bias, in the output dtype, out through shared
+    memory by TMA (rows and columns past M / N are clipped by the copy)."""
+    if HAS_BIAS:
+        b = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)  # [BLOCK_N]
+        acc = acc + gl.expand_dims(b, 1)
+    dtype: gl.constexpr = out_desc.dtype
+    c_smem = gl.allocate_shared_memory(dtype, [acc.shape[1], acc.shape[0]], out_desc.layout)
+    c_smem.store(gl.permute(acc.to(dtype), (1, 0)))  # [BLOCK_M, BLOCK_N]
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_smem)
+    tma.store_wait(0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,9 +422,58 @@ def fit(cfg: WgmmaConfig, m: int) -> WgmmaConfig:
     return dataclasses.replace(cfg, block_m=block_m, num_warps=warps)
 
 
-def default_config(m: int) -> WgmmaConfig:
-    """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows."""
-    return fit(WgmmaConfig(), m)
+SPLIT_ENV = "QSERVE_W4A16_GLUON_SPLIT"
+PROGRAMS_PER_SM = 2  # the default launch's 110 KB of shared memory: two programs an SM
+MAX_SPLIT = 4
+MIN_SHARE_TILES = 8  # K-tiles a share keeps at least (fewer: the partials' traffic outweighs the fill)
+SPLIT_GAIN = 0.15  # the modelled saving a split must reach (the model ignores the last share's reduce)
+MAX_SPLIT_M_TILES = 4  # split only where the weight's counters cover the tiles (ops: cdiv(N, 64) * 4)
+
+
+def split_setting() -> str:
+    """``QSERVE_W4A16_GLUON_SPLIT``: "" (unset: one share, the launch last measured as the default), "auto"
+    (``auto_split``), or a share count 1-8. Anything else is refused, naming the variable."""
+    value = os.environ.get(SPLIT_ENV, "").strip()
+    if value not in ("", "auto") and not (value.isdigit() and 1 <= int(value) <= 8):
+        raise ValueError(f"{SPLIT_ENV}={value!r}: expected auto, a share count 1-8, or unset")
+    return value
+
+
+def auto_split(m: int, k: int, n: int, sms: int, cfg: WgmmaConfig) -> int:
+    """K shares for one product, from a model of the launch: waves of programs over the SM's program slots
+    times the K-tiles a program runs (a share also writes its partial: one K-tile's worth). The cheapest count
+    of 1-``MAX_SPLIT`` wins if it saves ``SPLIT_GAIN`` of one share's cost. At 128 rows of Qwen2.5-14B on 132
+    SMs: o and down 3 (80 tiles fill 80 of 264 slots), qkv 2, gate_up 1 (432 tiles, 6% to gain); at 256 rows
+    o and down 3, qkv and gate_up 1. No split past ``MAX_SPLIT_M_TILES`` row tiles (the counters) or under
+    ``MIN_SHARE_TILES`` K-tiles a share."""
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    if triton.cdiv(m, cfg.block_m) > MAX_SPLIT_M_TILES:
+        return 1
+    slots = max(1, sms * PROGRAMS_PER_SM)
+
+    def cost(split: int) -> int:
+        return triton.cdiv(tiles * split, slots) * (triton.cdiv(k_tiles, split) + (split > 1))
+
+    best = 1
+    for split in range(2, MAX_SPLIT + 1):
+        if triton.cdiv(k_tiles, split) < MIN_SHARE_TILES:
+            break
+        if cost(split) < cost(best):
+            best = split
+    return best if cost(best) <= (1 - SPLIT_GAIN) * cost(1) else 1
+
+
+def default_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
+    """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows, in the
+    shares ``split_setting`` names (unset: one)."""
+    cfg = fit(WgmmaConfig(), m)
+    setting = split_setting()
+    if setting == "auto":
+        return dataclasses.replace(cfg, split_k=auto_split(m, k, n, sms, cfg))
+    if setting and triton.cdiv(m, cfg.block_m) <= MAX_SPLIT_M_TILES:
+        return dataclasses.replace(cfg, split_k=int(setting))
+    return cfg
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -425,8 +503,12 @@ def w4a16_wgmma(
     bias: torch.Tensor | None = None,  # [N]
     config: WgmmaConfig | None = None,
     out: torch.Tensor | None = None,  # [M, N]
+    counters: torch.Tensor | None = None,  # int32 [>= tiles], zeros, reused across calls (split-K only)
 ) -> torch.Tensor:
-    """``x @ dequant(weight) + bias`` on an sm90 device; ``[M, N]``."""
+    """``x @ dequant(weight) + bias`` on an sm90 device; ``[M, N]``. A split-K launch needs one zeroed
+    arrival counter per output tile (``counters``: the weight's, ``quant_kernels.ops``; each launch leaves
+    them at zero again) and allocates its fp32 workspace per call (graph-safe through the caching
+    allocator, as ``w4a16_mma_triton``'s)."""
     m, k = x.shape
     n = weight.out_features
     cfg = fit(config or WgmmaConfig(), m)
@@ -443,7 +525,7 @@ def w4a16_wgmma(
     if m == 0:
         return out
     if not _tma_ok(out):  # a view TMA cannot address (a misaligned start or row): write a fresh tile, copy
-        out.copy_(w4a16_wgmma(x, weight, bias, config))
+        out.copy_(w4a16_wgmma(x, weight, bias, config, counters=counters))
         return out
     x = x.contiguous()
     if not _tma_ok(x):
@@ -456,10 +538,20 @@ def w4a16_wgmma(
     w_desc = TensorDescriptor.from_tensor(weight.qweight, [bn // 4, bk // 2], w_layout)
     out_desc = TensorDescriptor.from_tensor(out, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], gdt))
     split = effective_split(triton.cdiv(k, bk), cfg.split_k)
-    ws = out
-    if split > 1:
-        ws = torch.zeros((m, n), dtype=torch.float32, device=x.device)  # [M, N]
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    tiles = grid[0] * grid[1]
+    if split > 1:
+        ws = torch.empty((split, tiles, bn, bm), dtype=torch.float32, device=x.device)  # one slot a share
+        if counters is None:
+            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+        elif counters.dtype != torch.int32 or counters.numel() < tiles:
+            raise ValueError(
+                f"split-K over {tiles} output tiles needs int32 counters of >= {tiles} entries, got "
+                f"{counters.dtype} [{counters.numel()}]"
+            )
+    else:
+        ws = kdevice.placeholder(x.device, torch.float32)
+        counters = kdevice.placeholder(x.device, torch.int32)
     w4a16_wgmma_kernel[grid](
         x_desc,
         w_desc,
@@ -468,6 +560,7 @@ def w4a16_wgmma(
         zeros,
         bias if bias is not None else weight.scales,
         ws,
+        counters,
         m,
         n,
         k,
@@ -484,8 +577,6 @@ def w4a16_wgmma(
         STAGES=cfg.stages,
         num_warps=cfg.num_warps,
     )
-    if split > 1:
-        out.copy_(ws)
     return out
 
 
@@ -521,7 +612,8 @@ def compile_for(
         "scales_ptr": "*fp16",
         "zeros_ptr": "*fp16",
         "bias_ptr": f"*{dtype}" if bias else "*fp16",
-        "ws_ptr": "*fp32" if cfg.split_k > 1 else f"*{dtype}",
+        "ws_ptr": "*fp32",
+        "cnt_ptr": "*i32",
         "M": "i32",
         "N": "i32",
         "K": "i32",

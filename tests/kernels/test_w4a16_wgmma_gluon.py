@@ -19,6 +19,7 @@ bf16, per-column groups, split-K, and under CUDA-graph capture.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,7 @@ COMPILE_CASES = [
     (glk.WgmmaConfig(block_m=64, block_n=128, stages=4, num_warps=8), "fp16", False, True),
     (glk.WgmmaConfig(block_m=256, block_n=128, stages=2, num_warps=8), "fp16", False, False),
     (glk.WgmmaConfig(split_k=2), "fp16", False, True),
+    (glk.WgmmaConfig(split_k=3), "bf16", True, True),
     (glk.WgmmaConfig(scales_ahead=2), "fp16", True, True),
 ]
 
@@ -86,7 +88,15 @@ def test_weight_tile_reaches_wgmma_from_registers(compiled) -> None:
         assert "wgmma.mma_async.sync.aligned" in ptx, case["label"]
         # the A operand is a register vector ({%r..}), not a shared-memory descriptor
         assert "wgmma.mma_async.sync.aligned.m64n" in ptx and ", {%r" in ptx, case["label"]
-        stores = [ln for ln in ptx.splitlines() if "st.shared" in ln and "mbarrier" not in ln]
+        # the split-K counter's atomic result, broadcast to the program's threads, is not a weight tile
+        atomic_results = set(re.findall(r"atom\.global\S* (%r\d+),", ptx))
+        stores = [
+            ln
+            for ln in ptx.splitlines()
+            if "st.shared" in ln
+            and "mbarrier" not in ln
+            and ln.rstrip(" ;").split(",")[-1].strip() not in atomic_results
+        ]
         assert not stores, f"{case['label']}: a shared-memory store besides the output tile's stmatrix: {stores[:2]}"
 
 
@@ -172,6 +182,43 @@ def test_split_never_leaves_a_share_empty() -> None:
     assert glk.effective_split(1, 8) == 1
 
 
+def test_auto_split_fills_the_program_slots_and_stays_in_the_counters() -> None:
+    """``auto_split`` on 132 SMs (two programs each) at Qwen2.5-14B's layers: the narrow layers split where
+    their tiles leave most slots idle, gate_up never; no split past 4 row tiles (the weight's counters) or
+    under 8 K-tiles a share."""
+    cfg128, cfg256 = glk.default_config(128, 5120, 5120, 132), glk.default_config(256, 5120, 5120, 132)
+    shapes = {"qkv": (5120, 7168), "o": (5120, 5120), "gate_up": (5120, 27648), "down": (13824, 5120)}
+    at128 = {name: glk.auto_split(128, k, n, 132, cfg128) for name, (k, n) in shapes.items()}
+    at256 = {name: glk.auto_split(256, k, n, 132, cfg256) for name, (k, n) in shapes.items()}
+    assert at128 == {"qkv": 2, "o": 3, "gate_up": 1, "down": 3}
+    assert at256 == {"qkv": 1, "o": 3, "gate_up": 1, "down": 3}
+    assert glk.auto_split(1024, 5120, 5120, 132, glk.default_config(1024, 5120, 5120, 132)) == 1
+    assert glk.auto_split(128, 1024, 256, 132, cfg128) == 1  # 8 K-tiles: a share would hold 4
+    assert glk.auto_split(128, 2048, 256, 132, cfg128) == 2
+    # the counters a weight holds (quant_kernels.ops) cover every tile of every split the rule can choose
+    for m in (65, 128, 256, 512):
+        for k, n in shapes.values():
+            cfg = glk.default_config(m, k, n, 132)
+            tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+            assert glk.auto_split(m, k, n, 132, cfg) == 1 or tiles <= mma.num_split_counters(n)
+
+
+def test_split_setting_picks_the_shares_and_refuses_anything_else(monkeypatch) -> None:
+    """``QSERVE_W4A16_GLUON_SPLIT`` unset: one share (the default last measured); "auto": ``auto_split``; a
+    count: that many (never past 4 row tiles); anything else refused, naming the variable."""
+    monkeypatch.delenv(glk.SPLIT_ENV, raising=False)
+    assert glk.default_config(128, 5120, 5120, 132).split_k == 1
+    monkeypatch.setenv(glk.SPLIT_ENV, "auto")
+    assert glk.default_config(128, 5120, 5120, 132).split_k == 3
+    monkeypatch.setenv(glk.SPLIT_ENV, "2")
+    assert glk.default_config(128, 5120, 5120, 132).split_k == 2
+    assert glk.default_config(1024, 5120, 5120, 132).split_k == 1
+    for bad in ("yes", "0", "9", "-1"):
+        monkeypatch.setenv(glk.SPLIT_ENV, bad)
+        with pytest.raises(ValueError, match=f"QSERVE_W4A16_GLUON_SPLIT='{bad}'"):
+            glk.default_config(128, 5120, 5120, 132)
+
+
 def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -> None:
     """Unset: layers whose K is under twice their N (qkv, o, gate_up) at 65-512 rows, the K-heavy down at
     129-512, on sm90 only; "1": every row count from 65; "0": never; anything else refused
@@ -210,7 +257,9 @@ def test_a_config_passed_or_pinned_keeps_the_triton_kernel(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(mma, "uses_gluon", lambda weight, x, m: True)
     monkeypatch.setattr(
-        glk, "w4a16_wgmma", lambda x, weight, bias=None, config=None, out=None: calls.append(config) or out
+        glk,
+        "w4a16_wgmma",
+        lambda x, weight, bias=None, config=None, out=None, counters=None: calls.append(config) or out,
     )
     monkeypatch.setattr(mma, "_TUNED", {})
     gen = torch.Generator().manual_seed(2)
@@ -219,7 +268,7 @@ def test_a_config_passed_or_pinned_keeps_the_triton_kernel(monkeypatch) -> None:
     x = torch.randn(80, 128, generator=gen).half()  # [M, K]
     ref = x.float() @ reference.dequantize(packed, torch.float32)  # [M, N]
     mma.w4a16_gemm(x, weight)
-    assert calls == [glk.default_config(80)]
+    assert calls == [glk.default_config(80, 128, 64, 1)]
     cfg = mma.MmaConfig("mma", 16, 64, 128, 1, 4, 2)
     for out in (mma.w4a16_gemm(x, weight, config=cfg), None):
         if out is None:
@@ -242,6 +291,10 @@ GPU_CASES = [
     (1024, 1280, 512, 128, False, False, torch.float16, glk.WgmmaConfig(block_m=256, stages=2)),
     (256, 2560, 384, 128, True, True, torch.bfloat16, glk.WgmmaConfig(split_k=2)),
     (129, 1408, 200, 128, False, True, torch.float16, glk.WgmmaConfig(split_k=4, block_n=64, num_warps=4)),
+    # the default tiles in 3 shares: ragged M and N, zeros, bias, bf16, per-column groups, uneven shares
+    (300, 1664, 200, 128, True, True, torch.float16, glk.WgmmaConfig(split_k=3)),
+    (65, 1280, 320, 256, True, False, torch.bfloat16, glk.WgmmaConfig(split_k=3)),
+    (128, 1792, 136, -1, False, True, torch.float16, glk.WgmmaConfig(split_k=3, scales_ahead=2)),
     # scales two K-tiles ahead: two tiles (the clamp at the last tile), five, groups of 256, per-column groups
     (64, 256, 128, 128, True, False, torch.float16, AHEAD2),
     (300, 640, 192, 128, True, True, torch.float16, AHEAD2),
@@ -301,6 +354,42 @@ def test_w4a16_wgmma_gpu_equals_the_triton_kernel_and_replays_in_a_graph() -> No
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs an sm90 GPU")
+def test_split_k_leaves_its_counters_at_zero_and_replays_in_a_graph() -> None:
+    """Three shares of every tile through the weight's own counters (``quant_kernels.ops``): the counters are
+    zero after each launch (the last share resets its tile's), a replayed graph writes the eager output
+    again, and counters too few for the tiles are refused by name."""
+    gen = torch.Generator().manual_seed(9)
+    packed = _weight(3072, 640, 128, True, gen, device="cuda")
+    weight = mma.prepare(packed)
+    counters = torch.zeros(mma.num_split_counters(640), dtype=torch.int32, device="cuda")
+    x = (torch.randn(256, 3072, generator=gen) * 0.5).half().cuda()  # [M, K]
+    ref = x.float() @ reference.dequantize(packed, torch.float32)  # [M, N]
+    cfg = glk.WgmmaConfig(split_k=3)
+    eager = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
+    torch.cuda.synchronize()
+    assert int(counters.abs().sum()) == 0
+    torch.testing.assert_close(eager.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
+    out = torch.full_like(eager, float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        glk.w4a16_wgmma(x, weight, config=cfg, out=out, counters=counters)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        glk.w4a16_wgmma(x, weight, config=cfg, out=out, counters=counters)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, eager, atol=2e-3 * ref.abs().max().item(), rtol=0)
+        assert int(counters.abs().sum()) == 0
+    with pytest.raises(ValueError, match="needs int32 counters"):
+        glk.w4a16_wgmma(x, weight, config=cfg, counters=counters[:3])
 
 
 def test_compile_runs_in_a_fresh_process_without_a_gpu() -> None:
