@@ -935,9 +935,8 @@ def _uses_ampere_table(device: torch.device) -> bool:
 
 
 GLUON_ENV = "QSERVE_W4A16_GLUON"
-GLUON_MIN_M = 65  # QSERVE_W4A16_GLUON=1: the Gluon kernel from here up (where w4a16_mma_kernel waits on every MMA)
+GLUON_MIN_M = 65  # the Gluon kernel from here up (where w4a16_mma_kernel waits on every MMA)
 GLUON_MAX_M = 512  # unset: up to here (past it dense weight + cuBLAS won the engine's 1,024-row mixed step)
-GLUON_K_HEAVY_MIN_M = 129  # unset: the K-heavy layers (K >= 2N) from here; the others from GLUON_MIN_M
 
 
 def gluon_setting() -> str:
@@ -950,14 +949,13 @@ def gluon_setting() -> str:
 
 
 def gluon_by_default(k: int, n: int, m: int) -> bool:
-    """Where the Gluon kernel's default launch beat the other paths on the H100 (bench/RESULTS.md, twentieth
-    session; Qwen2.5-14B layers): 65-512 rows of layers whose K is under twice their N (gate_up at 128 rows
-    88 -> 68 µs, at 256 166 -> 129; the pure-decode step at 128 running 12.45 -> 11.08 ms of GPU time), and
-    129-512 rows of the K-heavy down layer (256 rows 111 -> 84 µs), whose Triton split-K launch stays ahead
-    at 65-128 rows (51 vs 57 µs). Past 512 rows dense weight + cuBLAS stays: the mixed step of 1,024 rows
-    took 56.19 ms of GPU time with the Gluon kernel for gate_up / qkv / o against 54.05 without, though the
-    layer benchmark had it ahead at 1,024 rows (gate_up 515-560 vs 586 µs)."""
-    return GLUON_MIN_M <= m <= GLUON_MAX_M and (m >= GLUON_K_HEAVY_MIN_M or k < 2 * n)
+    """Where the Gluon kernel's default launch beat the other paths on the H100 (bench/RESULTS.md, twentieth and
+    twenty-first sessions; Qwen2.5-14B layers): 65-512 rows of every layer (gate_up at 128 rows 88 -> 66 µs,
+    at 256 166 -> 131; the K-heavy down at 128 rows in 3 K shares 50 µs by the Triton split-K launch -> 40).
+    Past 512 rows dense weight + cuBLAS stays: the mixed step of 1,024 rows took 56.19 ms of GPU time with the
+    Gluon kernel for gate_up / qkv / o against 54.05 without, though the layer benchmark had it ahead at
+    1,024 rows (gate_up 515-560 vs 586 µs). ``k`` and ``n`` are the weight's (the rule is by rows alone)."""
+    return GLUON_MIN_M <= m <= GLUON_MAX_M
 
 
 def uses_gluon(weight: MmaQuantWeight, x: torch.Tensor, m: int) -> bool:

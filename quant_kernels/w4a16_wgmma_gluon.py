@@ -23,7 +23,7 @@ it lost to dense weights + cuBLAS past 256 rows (issue 26). Gluon states what th
   reused under the running wgmma;
 - scales go on the weight values (``(q - z) * s`` rounded once to the activation dtype, as the
   reference dequantizes), so the MMAs chain on one fp32 accumulator; each tile's scales (and zeros)
-  are loaded one step ahead, in registers (waiting on them was the loop's largest stall).
+  are loaded two steps ahead, in registers (waiting on them was the loop's largest stall).
 
 The output tile leaves through shared memory by TMA (rows and columns past M / N are clipped by the
 copy). With ``split_k > 1`` each K share stores its fp32 partial into a slot of its own (in the
@@ -72,9 +72,11 @@ from quant_kernels.repack import MmaQuantWeight
 @dataclass(frozen=True)
 class WgmmaConfig:
     """One launch of ``w4a16_wgmma_kernel``. The defaults are the built-in dispatch's: one warpgroup on
-    128 x 64 tiles in 3 stages (110 KB of shared memory, 188 registers), so two programs share an SM and
+    128 x 64 tiles in 3 stages (110 KB of shared memory, 188-199 registers), so two programs share an SM and
     each waits at its own barriers while the other's wgmmas run; it beat the 8-warp 128 x 128 tiles at
-    128-1,024 rows of every Qwen2.5-14B layer on the H100 (bench/RESULTS.md, twentieth session)."""
+    128-1,024 rows of every Qwen2.5-14B layer on the H100 (bench/RESULTS.md, twentieth session). The scales
+    two K-tiles ahead took 2-8% off every shape of the twenty-first session's run; ``default_config`` sets
+    the K shares (``auto_split``)."""
 
     block_m: int = 128  # rows of x per program (the wgmma's N: 64-256)
     block_n: int = 64  # output columns per program (the wgmma's M: 16 per warp of a warpgroup)
@@ -82,12 +84,12 @@ class WgmmaConfig:
     stages: int = 3
     num_warps: int = 4
     split_k: int = 1
-    scales_ahead: int = 1  # K-tiles ahead each tile's scales are loaded (1 or 2)
+    scales_ahead: int = 2  # K-tiles ahead each tile's scales are loaded (1 or 2)
 
     def short(self) -> str:
         return (
-            f"gluon m{self.block_m} n{self.block_n} k{self.block_k} st{self.stages} w{self.num_warps} s{self.split_k}"
-            + (f" a{self.scales_ahead}" if self.scales_ahead != 1 else "")
+            f"gluon m{self.block_m} n{self.block_n} k{self.block_k} st{self.stages} w{self.num_warps} "
+            f"s{self.split_k} a{self.scales_ahead}"
         )
 
 
@@ -245,7 +247,8 @@ def _step(
     The scales travel one tile ahead in registers: loaded in the step that uses them, their global
     load's latency was the largest stall of the loop (ncu at 1,024 rows of gate_up on the H100: 23% of
     the warp samples on the scale multiply, waiting on the load). One tile ahead still left 8-10% of the
-    samples there at 256 rows; ``SCALES_AHEAD`` 2 (a bench candidate) loads them two tiles ahead."""
+    samples there at 256 rows; ``SCALES_AHEAD`` 2 (the default launch's since the twenty-first session: 2-8%
+    faster at every shape measured) loads them two tiles ahead."""
     x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count = ring
     STAGES: gl.constexpr = x_smem.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -426,13 +429,14 @@ SPLIT_ENV = "QSERVE_W4A16_GLUON_SPLIT"
 PROGRAMS_PER_SM = 2  # the default launch's 110 KB of shared memory: two programs an SM
 MAX_SPLIT = 4
 MIN_SHARE_TILES = 8  # K-tiles a share keeps at least (fewer: the partials' traffic outweighs the fill)
-SPLIT_GAIN = 0.15  # the modelled saving a split must reach (the model ignores the last share's reduce)
+PROGRAM_OVERHEAD_TILES = 16  # a program's fixed cost (pipeline fill, epilogue) in K-tiles: fitted below
+SPLIT_GAIN = 0.1  # the modelled saving a split must reach
 MAX_SPLIT_M_TILES = 4  # split only where the weight's counters cover the tiles (ops: cdiv(N, 64) * 4)
 
 
 def split_setting() -> str:
-    """``QSERVE_W4A16_GLUON_SPLIT``: "" (unset: one share, the launch last measured as the default), "auto"
-    (``auto_split``), or a share count 1-8. Anything else is refused, naming the variable."""
+    """``QSERVE_W4A16_GLUON_SPLIT``: "" (unset: ``auto_split``, the default), "auto" (the same), or a share
+    count 1-8 (1: never split). Anything else is refused, naming the variable."""
     value = os.environ.get(SPLIT_ENV, "").strip()
     if value not in ("", "auto") and not (value.isdigit() and 1 <= int(value) <= 8):
         raise ValueError(f"{SPLIT_ENV}={value!r}: expected auto, a share count 1-8, or unset")
@@ -440,12 +444,14 @@ def split_setting() -> str:
 
 
 def auto_split(m: int, k: int, n: int, sms: int, cfg: WgmmaConfig) -> int:
-    """K shares for one product, from a model of the launch: waves of programs over the SM's program slots
-    times the K-tiles a program runs (a share also writes its partial: one K-tile's worth). The cheapest count
-    of 1-``MAX_SPLIT`` wins if it saves ``SPLIT_GAIN`` of one share's cost. At 128 rows of Qwen2.5-14B on 132
-    SMs: o and down 3 (80 tiles fill 80 of 264 slots), qkv 2, gate_up 1 (432 tiles, 6% to gain); at 256 rows
-    o and down 3, qkv and gate_up 1. No split past ``MAX_SPLIT_M_TILES`` row tiles (the counters) or under
-    ``MIN_SHARE_TILES`` K-tiles a share."""
+    """K shares for one product, from a model of the launch: waves of programs over the SMs' program slots,
+    times what a program costs: its K-tiles, a fixed ``PROGRAM_OVERHEAD_TILES``, and one K-tile's worth for
+    a share's partial. The cheapest count of 1-``MAX_SPLIT`` wins where it saves ``SPLIT_GAIN``. The overhead
+    is fitted to the H100's timings of 1-4 shares at 128-512 rows of the four Qwen2.5-14B layers
+    (bench/RESULTS.md, twenty-first session): it picks the measured best or one within 1% at every one but
+    qkv at 128 rows (2 shares, 4% ahead of 1). On 132 SMs: at 128 rows o and down 3, qkv 2, gate_up 1; at
+    256 and 512 rows down 3, the others 1. No split past ``MAX_SPLIT_M_TILES`` row tiles (the counters) or
+    under ``MIN_SHARE_TILES`` K-tiles a share."""
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
     k_tiles = triton.cdiv(k, cfg.block_k)
     if triton.cdiv(m, cfg.block_m) > MAX_SPLIT_M_TILES:
@@ -453,7 +459,8 @@ def auto_split(m: int, k: int, n: int, sms: int, cfg: WgmmaConfig) -> int:
     slots = max(1, sms * PROGRAMS_PER_SM)
 
     def cost(split: int) -> int:
-        return triton.cdiv(tiles * split, slots) * (triton.cdiv(k_tiles, split) + (split > 1))
+        per_program = triton.cdiv(k_tiles, split) + PROGRAM_OVERHEAD_TILES + (split > 1)
+        return triton.cdiv(tiles * split, slots) * per_program
 
     best = 1
     for split in range(2, MAX_SPLIT + 1):
@@ -466,10 +473,10 @@ def auto_split(m: int, k: int, n: int, sms: int, cfg: WgmmaConfig) -> int:
 
 def default_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
     """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows, in the
-    shares ``split_setting`` names (unset: one)."""
+    shares ``split_setting`` names (unset: ``auto_split``)."""
     cfg = fit(WgmmaConfig(), m)
     setting = split_setting()
-    if setting == "auto":
+    if setting in ("", "auto"):
         return dataclasses.replace(cfg, split_k=auto_split(m, k, n, sms, cfg))
     if setting and triton.cdiv(m, cfg.block_m) <= MAX_SPLIT_M_TILES:
         return dataclasses.replace(cfg, split_k=int(setting))
