@@ -941,10 +941,14 @@ GLUON_MAX_M = 512  # unset: up to here (past it dense weight + cuBLAS won the en
 
 def gluon_setting() -> str:
     """``QSERVE_W4A16_GLUON``: "" (unset or empty: the measured rows, ``gluon_by_default``), "1" (every row
-    count from ``GLUON_MIN_M``), "0" (never). Anything else is refused, naming the variable."""
+    count from ``GLUON_MIN_M``), "decode" (the measured rows and decode's 1-64, opt-in: not measured in the
+    engine yet), "0" (never). Anything else is refused, naming the variable."""
     value = os.environ.get(GLUON_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{GLUON_ENV}={value!r}: expected 1 (from {GLUON_MIN_M} rows), 0 (off) or unset")
+    if value not in ("", "0", "1", "decode"):
+        raise ValueError(
+            f"{GLUON_ENV}={value!r}: expected 1 (from {GLUON_MIN_M} rows), decode (the default rows and 1-64), "
+            "0 (off) or unset"
+        )
     return value
 
 
@@ -961,12 +965,18 @@ def gluon_by_default(k: int, n: int, m: int) -> bool:
 def uses_gluon(weight: MmaQuantWeight, x: torch.Tensor, m: int) -> bool:
     """Whether ``w4a16_wgmma_gluon`` serves this product: an sm90 device, a weight it serves
     (``w4a16_wgmma_gluon.supports``), and the rows ``gluon_setting`` says (unset: ``gluon_by_default``)."""
-    if m < GLUON_MIN_M or not kdevice.triton_serves(x.device):
+    if m == 0 or not kdevice.triton_serves(x.device):
         return False
     setting = gluon_setting()
     if setting == "0" or kdevice.capability(x.device)[0] != 9:
         return False
-    if setting == "" and not gluon_by_default(weight.in_features, weight.out_features, m):
+    if m < GLUON_MIN_M and setting != "decode":
+        return False
+    if (
+        setting in ("", "decode")
+        and m >= GLUON_MIN_M
+        and not gluon_by_default(weight.in_features, weight.out_features, m)
+    ):
         return False
     from quant_kernels import w4a16_wgmma_gluon
 

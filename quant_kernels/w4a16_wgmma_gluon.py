@@ -415,12 +415,15 @@ def supports(weight: MmaQuantWeight, dtype: torch.dtype, block_k: int = 128) -> 
     )
 
 
+MIN_BLOCK_M = 16  # the narrowest x tile (wgmma's N): decode rows
+
+
 def fit(cfg: WgmmaConfig, m: int) -> WgmmaConfig:
     """Clamp a config to the problem: 16 weight rows per warp at least, the x tile no wider than M
-    needs (at least 64: wgmma's narrowest useful tile here)."""
+    needs (at least ``MIN_BLOCK_M``)."""
     if cfg.scales_ahead not in (1, 2):
         raise ValueError(f"scales_ahead={cfg.scales_ahead}: the kernel loads scales 1 or 2 K-tiles ahead")
-    block_m = max(64, min(cfg.block_m, triton.next_power_of_2(m)))
+    block_m = max(MIN_BLOCK_M, min(cfg.block_m, triton.next_power_of_2(m)))
     warps = min(cfg.num_warps, cfg.block_n // 16)
     return dataclasses.replace(cfg, block_m=block_m, num_warps=warps)
 
@@ -471,9 +474,30 @@ def auto_split(m: int, k: int, n: int, sms: int, cfg: WgmmaConfig) -> int:
     return best if cost(best) <= (1 - SPLIT_GAIN) * cost(1) else 1
 
 
+DECODE_MAX_M = 64  # up to here a decode launch (``decode_config``)
+DECODE_PROGRAMS_PER_SM = 3  # the decode launch's 49-82 KB of shared memory and ~150 registers: three an SM
+MIN_DECODE_SHARE_TILES = 4
+
+
+def decode_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
+    """The launch for 1-64 rows (decode steps; ``QSERVE_W4A16_GLUON=decode``, not measured yet): x tiles of
+    16-64 rows, 6 stages (4 at 64 rows) to keep weight bytes in flight, and K shares that bring the programs
+    to ``DECODE_PROGRAMS_PER_SM`` an SM (qkv 3, o 5, gate_up 1, down 5 at Qwen2.5-14B's layers on 132 SMs),
+    never under ``MIN_DECODE_SHARE_TILES`` K-tiles a share."""
+    cfg = fit(WgmmaConfig(stages=6), m)
+    if cfg.block_m > 32:
+        cfg = dataclasses.replace(cfg, stages=4)
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    split = max(1, min(8, round(DECODE_PROGRAMS_PER_SM * sms / tiles), k_tiles // MIN_DECODE_SHARE_TILES))
+    return dataclasses.replace(cfg, split_k=split)
+
+
 def default_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
     """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows, in the
-    shares ``split_setting`` names (unset: ``auto_split``)."""
+    shares ``split_setting`` names (unset: ``auto_split``); ``decode_config`` up to ``DECODE_MAX_M`` rows."""
+    if m <= DECODE_MAX_M:
+        return decode_config(m, k, n, sms)
     cfg = fit(WgmmaConfig(), m)
     setting = split_setting()
     if setting in ("", "auto"):

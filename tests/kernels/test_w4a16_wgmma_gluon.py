@@ -201,7 +201,8 @@ def test_fit_clamps_tiles_to_the_problem() -> None:
     assert glk.fit(glk.WgmmaConfig(block_m=256), 100).block_m == 128
     with pytest.raises(ValueError, match="scales_ahead=3"):
         glk.fit(glk.WgmmaConfig(scales_ahead=3), 128)
-    assert glk.fit(glk.WgmmaConfig(block_m=128), 1).block_m == 64
+    assert glk.fit(glk.WgmmaConfig(block_m=128), 1).block_m == 16  # MIN_BLOCK_M: a decode tile
+    assert glk.fit(glk.WgmmaConfig(block_m=128), 40).block_m == 64
     assert glk.fit(glk.WgmmaConfig(block_n=64, num_warps=8), 512).num_warps == 4
 
 
@@ -233,6 +234,19 @@ def test_auto_split_fills_the_program_slots_and_stays_in_the_counters() -> None:
             cfg = glk.default_config(m, k, n, 132)
             tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
             assert glk.auto_split(m, k, n, 132, cfg) == 1 or tiles <= mma.num_split_counters(n)
+
+
+def test_decode_config_keeps_three_programs_an_sm_busy() -> None:
+    """1-64 rows (``QSERVE_W4A16_GLUON=decode``): x tiles of 16-64 rows, 6 stages (4 at 64 rows), K shares to
+    about three programs an SM on 132 SMs, none under 4 K-tiles; from 65 rows the busy launch."""
+    shapes = {"qkv": (5120, 7168), "o": (5120, 5120), "gate_up": (5120, 27648), "down": (13824, 5120)}
+    one = {name: glk.default_config(1, k, n, 132) for name, (k, n) in shapes.items()}
+    assert {name: cfg.split_k for name, cfg in one.items()} == {"qkv": 4, "o": 5, "gate_up": 1, "down": 5}
+    assert {(cfg.block_m, cfg.stages) for cfg in one.values()} == {(16, 6)}
+    assert glk.default_config(32, 5120, 5120, 132).block_m == 32
+    assert (glk.default_config(64, 5120, 5120, 132).block_m, glk.default_config(64, 5120, 5120, 132).stages) == (64, 4)
+    assert glk.default_config(65, 5120, 5120, 132).block_m == 128
+    assert glk.default_config(1, 1024, 256, 132).split_k == 2  # 8 K-tiles: shares of 4 at least
 
 
 def test_split_setting_picks_the_shares_and_refuses_anything_else(monkeypatch) -> None:
@@ -275,6 +289,8 @@ def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -
     assert not uses(grouped, 256)
     monkeypatch.setenv(mma.GLUON_ENV, "1")
     assert [uses(wide, m) for m in (64, 65, 4096)] == [False, True, True] and uses(k_heavy, 128)
+    monkeypatch.setenv(mma.GLUON_ENV, "decode")
+    assert [uses(wide, m) for m in rows] == [True] * 6 + [False] * 4 and uses(k_heavy, 1)
     monkeypatch.setenv(mma.GLUON_ENV, "0")
     assert not uses(wide, 256)
     monkeypatch.delenv(mma.GLUON_ENV)
@@ -338,6 +354,11 @@ GPU_CASES = [
     (300, 1664, 200, 128, True, True, torch.float16, glk.WgmmaConfig(split_k=3)),
     (65, 1280, 320, 256, True, False, torch.bfloat16, glk.WgmmaConfig(split_k=3)),
     (128, 1792, 136, -1, False, True, torch.float16, glk.WgmmaConfig(split_k=3, scales_ahead=1)),
+    # decode launches (QSERVE_W4A16_GLUON=decode): 16-64-row x tiles, 4-6 stages, 4-5 shares
+    (1, 2560, 320, 128, True, True, torch.float16, glk.default_config(1, 2560, 320, 132)),
+    (8, 1280, 200, 128, False, False, torch.bfloat16, glk.default_config(8, 1280, 200, 132)),
+    (27, 1536, 136, -1, True, True, torch.float16, glk.default_config(27, 1536, 136, 132)),
+    (64, 2048, 384, 256, False, True, torch.float16, glk.default_config(64, 2048, 384, 132)),
     # scales one K-tile ahead (the default's were two from the twenty-first session): two tiles, five,
     # groups of 256, per-column groups
     (64, 256, 128, 128, True, False, torch.float16, AHEAD1),
