@@ -941,14 +941,12 @@ GLUON_MAX_M = 512  # unset: up to here (past it dense weight + cuBLAS won the en
 
 def gluon_setting() -> str:
     """``QSERVE_W4A16_GLUON``: "" (unset or empty: the measured rows, ``gluon_by_default``), "1" (every row
-    count from ``GLUON_MIN_M``), "decode" (the measured rows and decode's 1-64, opt-in: not measured in the
-    engine yet), "0" (never). Anything else is refused, naming the variable."""
+    count from ``GLUON_MIN_M``), "0" (never). Anything else is refused, naming the variable. Under 65 rows
+    the Triton kernel stays: a Gluon launch for 1-64 rows (16-64-row x tiles, 6 stages, K shares to three
+    programs an SM) decoded 27% slower at batch 1 (bench/RESULTS.md, twenty-first session)."""
     value = os.environ.get(GLUON_ENV, "").strip()
-    if value not in ("", "0", "1", "decode"):
-        raise ValueError(
-            f"{GLUON_ENV}={value!r}: expected 1 (from {GLUON_MIN_M} rows), decode (the default rows and 1-64), "
-            "0 (off) or unset"
-        )
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{GLUON_ENV}={value!r}: expected 1 (from {GLUON_MIN_M} rows), 0 (off) or unset")
     return value
 
 
@@ -965,18 +963,12 @@ def gluon_by_default(k: int, n: int, m: int) -> bool:
 def uses_gluon(weight: MmaQuantWeight, x: torch.Tensor, m: int) -> bool:
     """Whether ``w4a16_wgmma_gluon`` serves this product: an sm90 device, a weight it serves
     (``w4a16_wgmma_gluon.supports``), and the rows ``gluon_setting`` says (unset: ``gluon_by_default``)."""
-    if m == 0 or not kdevice.triton_serves(x.device):
+    if m < GLUON_MIN_M or not kdevice.triton_serves(x.device):
         return False
     setting = gluon_setting()
     if setting == "0" or kdevice.capability(x.device)[0] != 9:
         return False
-    if m < GLUON_MIN_M and setting != "decode":
-        return False
-    if (
-        setting in ("", "decode")
-        and m >= GLUON_MIN_M
-        and not gluon_by_default(weight.in_features, weight.out_features, m)
-    ):
+    if setting == "" and not gluon_by_default(weight.in_features, weight.out_features, m):
         return False
     from quant_kernels import w4a16_wgmma_gluon
 

@@ -85,11 +85,16 @@ class WgmmaConfig:
     num_warps: int = 4
     split_k: int = 1
     scales_ahead: int = 2  # K-tiles ahead each tile's scales are loaded (1 or 2)
+    # split-K: the last share sums every partial in share order, so the output is the same bit for bit from
+    # run to run (the launch smoked at 55d25b8 adds the others' partials to its own, in an order that follows
+    # which share arrived last: last-bit differences between runs). Opt-in until a GPU run
+    # (QSERVE_W4A16_GLUON_FIXED_SUM=1, ``default_config``).
+    fixed_sum: bool = False
 
     def short(self) -> str:
         return (
             f"gluon m{self.block_m} n{self.block_n} k{self.block_k} st{self.stages} w{self.num_warps} "
-            f"s{self.split_k} a{self.scales_ahead}"
+            f"s{self.split_k} a{self.scales_ahead}" + (" fixed" if self.fixed_sum else "")
         )
 
 
@@ -291,6 +296,7 @@ def w4a16_wgmma_kernel(
     SCALES_AHEAD: gl.constexpr,  # tiles ahead the scales (and zeros) are loaded: 1 or 2
     HAS_BIAS: gl.constexpr,
     SPLIT_K: gl.constexpr,
+    FIXED_SUM: gl.constexpr,  # SPLIT_K > 1: the last share sums the partials in share order (WgmmaConfig.fixed_sum)
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
@@ -371,9 +377,22 @@ def w4a16_wgmma_kernel(
         _cta_barrier()
         arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last share of this tile: sum, write, leave the counter at zero
-            for sk in gl.static_range(SPLIT_K):
-                if sk != pid_k:
-                    acc += gl.load(ws_ptr + (sk * tiles + tile).to(gl.int64) * slot_elems + local, cache_modifier=".cg")
+            if FIXED_SUM:  # in share order: the same bits whichever share arrives last
+                total = gl.zeros_like(acc)
+                for sk in gl.static_range(SPLIT_K):
+                    if sk == pid_k:
+                        total += acc
+                    else:
+                        total += gl.load(
+                            ws_ptr + (sk * tiles + tile).to(gl.int64) * slot_elems + local, cache_modifier=".cg"
+                        )
+                acc = total
+            else:  # the others' partials onto this share's own: the order follows which share came last
+                for sk in gl.static_range(SPLIT_K):
+                    if sk != pid_k:
+                        acc += gl.load(
+                            ws_ptr + (sk * tiles + tile).to(gl.int64) * slot_elems + local, cache_modifier=".cg"
+                        )
             _write_out(acc, out_desc, bias_ptr, rows, N, off_m, off_n, HAS_BIAS)
             gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
@@ -415,7 +434,7 @@ def supports(weight: MmaQuantWeight, dtype: torch.dtype, block_k: int = 128) -> 
     )
 
 
-MIN_BLOCK_M = 16  # the narrowest x tile (wgmma's N): decode rows
+MIN_BLOCK_M = 16  # the narrowest x tile (wgmma's N): decode rows (bench candidates; the decode launch lost, RESULTS)
 
 
 def fit(cfg: WgmmaConfig, m: int) -> WgmmaConfig:
@@ -429,6 +448,7 @@ def fit(cfg: WgmmaConfig, m: int) -> WgmmaConfig:
 
 
 SPLIT_ENV = "QSERVE_W4A16_GLUON_SPLIT"
+FIXED_SUM_ENV = "QSERVE_W4A16_GLUON_FIXED_SUM"
 PROGRAMS_PER_SM = 2  # the default launch's 110 KB of shared memory: two programs an SM
 MAX_SPLIT = 4
 MIN_SHARE_TILES = 8  # K-tiles a share keeps at least (fewer: the partials' traffic outweighs the fill)
@@ -474,31 +494,11 @@ def auto_split(m: int, k: int, n: int, sms: int, cfg: WgmmaConfig) -> int:
     return best if cost(best) <= (1 - SPLIT_GAIN) * cost(1) else 1
 
 
-DECODE_MAX_M = 64  # up to here a decode launch (``decode_config``)
-DECODE_PROGRAMS_PER_SM = 3  # the decode launch's 49-82 KB of shared memory and ~150 registers: three an SM
-MIN_DECODE_SHARE_TILES = 4
-
-
-def decode_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
-    """The launch for 1-64 rows (decode steps; ``QSERVE_W4A16_GLUON=decode``, not measured yet): x tiles of
-    16-64 rows, 6 stages (4 at 64 rows) to keep weight bytes in flight, and K shares that bring the programs
-    to ``DECODE_PROGRAMS_PER_SM`` an SM (qkv 3, o 5, gate_up 1, down 5 at Qwen2.5-14B's layers on 132 SMs),
-    never under ``MIN_DECODE_SHARE_TILES`` K-tiles a share."""
-    cfg = fit(WgmmaConfig(stages=6), m)
-    if cfg.block_m > 32:
-        cfg = dataclasses.replace(cfg, stages=4)
-    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    k_tiles = triton.cdiv(k, cfg.block_k)
-    split = max(1, min(8, round(DECODE_PROGRAMS_PER_SM * sms / tiles), k_tiles // MIN_DECODE_SHARE_TILES))
-    return dataclasses.replace(cfg, split_k=split)
-
-
 def default_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
     """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows, in the
-    shares ``split_setting`` names (unset: ``auto_split``); ``decode_config`` up to ``DECODE_MAX_M`` rows."""
-    if m <= DECODE_MAX_M:
-        return decode_config(m, k, n, sms)
-    cfg = fit(WgmmaConfig(), m)
+    shares ``split_setting`` names (unset: ``auto_split``), summed in share order with
+    ``QSERVE_W4A16_GLUON_FIXED_SUM=1`` (``WgmmaConfig.fixed_sum``)."""
+    cfg = fit(WgmmaConfig(fixed_sum=os.environ.get(FIXED_SUM_ENV, "").strip() == "1"), m)
     setting = split_setting()
     if setting in ("", "auto"):
         return dataclasses.replace(cfg, split_k=auto_split(m, k, n, sms, cfg))
@@ -602,6 +602,7 @@ def w4a16_wgmma(
         SCALES_AHEAD=cfg.scales_ahead,
         HAS_BIAS=bias is not None,
         SPLIT_K=split,
+        FIXED_SUM=cfg.fixed_sum,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -657,6 +658,7 @@ def compile_for(
         SCALES_AHEAD=cfg.scales_ahead,
         HAS_BIAS=bias,
         SPLIT_K=cfg.split_k,
+        FIXED_SUM=cfg.fixed_sum,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,

@@ -334,12 +334,10 @@ def drive_sweep(capture: Capture, case: ModelCase, model) -> None:
 
 
 GLUON_MS = [65, 128, 256, 2048]  # QSERVE_W4A16_GLUON=1 serves 65 rows and more; 2048 is a prefill chunk
-GLUON_DECODE_MS = [1, 16, 33, 64]  # QSERVE_W4A16_GLUON=decode: the decode launch's x tiles of 16, 32 and 64 rows
 
 
 def drive_gluon(capture: Capture, case: ModelCase, model, dtype_name: str) -> None:
-    """``QSERVE_W4A16_GLUON=1`` and ``=decode`` (sm90: the Gluon kernel from 65 rows, and the decode launch at
-    1-64 rows; unset it serves 65-512 rows by
+    """``QSERVE_W4A16_GLUON=1`` (sm90: the Gluon kernel from 65 rows; unset it serves 65-512 rows by
     ``w4a16_mma_triton.gluon_by_default``, which the engine's own warm-up steps reach): every 4-bit layer of ``model`` through the real dispatch
     (``ops.w4a16_linear``) at each row count the switch sends there, then ``bench/w4a16_gluon.py``'s
     candidates on the first layer (fp16, as that bench runs them)."""
@@ -347,14 +345,19 @@ def drive_gluon(capture: Capture, case: ModelCase, model, dtype_name: str) -> No
     from quant_kernels import w4a16_wgmma_gluon as glk
 
     first = None
-    for setting, ms in (("1", GLUON_MS), ("decode", GLUON_DECODE_MS)):
-        with mock.patch.dict(os.environ, {mma.GLUON_ENV: setting}), torch.inference_mode():
-            for name, prepared in mma_layers(model):
-                first = first or prepared.weight
-                for m in ms:
-                    x = torch.zeros((m, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
-                    with where(capture, f"{case.name} {dtype_name} Gluon W4A16 {name} M={m}"):
-                        ops.w4a16_linear(x, prepared)
+    with mock.patch.dict(os.environ, {mma.GLUON_ENV: "1"}), torch.inference_mode():
+        for name, prepared in mma_layers(model):
+            first = first or prepared.weight
+            for m in GLUON_MS:
+                x = torch.zeros((m, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
+                with where(capture, f"{case.name} {dtype_name} Gluon W4A16 {name} M={m}"):
+                    ops.w4a16_linear(x, prepared)
+    # the split launch summed in share order (QSERVE_W4A16_GLUON_FIXED_SUM=1, opt-in), where the shares split
+    with mock.patch.dict(os.environ, {glk.FIXED_SUM_ENV: "1"}), torch.inference_mode():
+        for name, prepared in mma_layers(model):
+            x = torch.zeros((128, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
+            with where(capture, f"{case.name} {dtype_name} Gluon W4A16 fixed sum {name} M=128"):
+                ops.w4a16_linear(x, prepared)
     if first is None or model.dtype != torch.float16:
         return
     bench = str(Path(__file__).resolve().parents[2] / "bench")
