@@ -1,5 +1,5 @@
-"""Gluon W4A16 GEMM for Hopper (sm90) where the card is busy (64-4,096 rows): each K-tile's wgmma
-runs while the next tile is dequantized.
+"""Gluon W4A16 GEMM for Hopper (sm90) where the card is busy (the default dispatch: 65-512 rows): each
+K-tile's wgmma runs while the next tile is dequantized.
 
 Knows: the MMA-operand layout of ``quant_kernels.repack.MmaQuantWeight`` (4-bit, ``kwidth`` 2: the
 layout ``w4a16_mma_triton`` reads), Hopper's wgmma / TMA / mbarrier through
@@ -29,12 +29,16 @@ The output tile leaves through shared memory by TMA (rows and columns past M / N
 copy). With ``split_k > 1`` each K share stores its fp32 partial into a slot of its own (in the
 accumulator's layout: whole 32-byte sectors), then counts itself on its tile's arrival counter; the
 last share sums the others' partials, adds the bias and writes the tile, and leaves the counter at zero
-(one launch, no memset; the pattern of ``w4a16_mma_triton``). For the layers whose tiles leave most of
-the program slots idle (o, qkv, down at 128-256 rows); ``QSERVE_W4A16_GLUON_SPLIT`` (``auto_split``)
-until a GPU run measures it. The fp32-atomic split this replaced lost 1.3-7x. Serves 4-bit weights
+(one launch, no memset; the pattern of ``w4a16_mma_triton``). ``auto_split`` picks the shares where the
+tiles leave SMs idle (o and down 3, qkv 2 at 65-128 rows; the long-K down 3 up to 512), measured on the
+H100 (twenty-first session); ``QSERVE_W4A16_GLUON_SPLIT=1`` never splits, ``=N`` forces N. The last share
+adds the others' partials onto its own, so with 3 or more shares the fp32 sum's order follows which share
+arrived last (two shares commute): ``fixed_sum`` (``QSERVE_W4A16_GLUON_FIXED_SUM=1``, opt-in until a GPU
+run) sums them in share order. The fp32-atomic split this replaced lost 1.3-7x. Serves 4-bit weights
 without act-order whose K-tiles lie in one group (group size a multiple of ``block_k``, or one group
 per column), fp16/bf16 activations; ``supports`` says which. ``w4a16_mma_triton.uses_gluon`` decides
-when it runs (where it beat the other paths on the H100, bench/RESULTS.md, twentieth session). What
+when it runs (where it beat the other paths on the H100, bench/RESULTS.md, twentieth and twenty-first
+sessions). What
 limits it (ncu, 1,024 rows of gate_up on the H100): the one-warpgroup 128 x 64 tiles read x from L2
 once per 64 weight rows (L2 at 85% of its peak, tensor pipe 65%); the 8-warp 128 x 128 tiles halve
 that but hold both warpgroups to one CTA barrier before every refill. A warp-specialized variant (a
@@ -249,11 +253,11 @@ def _step(
     wgmma, wait for the previous tile's, refill that tile's stage with tile ``i + STAGES - 1``. Returns
     ``(acc, the pairs in flight for tile i + 1)``.
 
-    The scales travel one tile ahead in registers: loaded in the step that uses them, their global
-    load's latency was the largest stall of the loop (ncu at 1,024 rows of gate_up on the H100: 23% of
+    The scales travel ``SCALES_AHEAD`` tiles ahead in registers: loaded in the step that uses them, their
+    global load's latency was the largest stall of the loop (ncu at 1,024 rows of gate_up on the H100: 23% of
     the warp samples on the scale multiply, waiting on the load). One tile ahead still left 8-10% of the
-    samples there at 256 rows; ``SCALES_AHEAD`` 2 (the default launch's since the twenty-first session: 2-8%
-    faster at every shape measured) loads them two tiles ahead."""
+    samples there at 256 rows; two (the default launch's since the twenty-first session) took 2-8% off every
+    shape measured."""
     x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count = ring
     STAGES: gl.constexpr = x_smem.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -657,7 +661,7 @@ def compile_for(
         GROUP_TILES=group_tiles(group_size, k, cfg.block_k),
         SCALES_AHEAD=cfg.scales_ahead,
         HAS_BIAS=bias,
-        SPLIT_K=cfg.split_k,
+        SPLIT_K=effective_split(triton.cdiv(k, cfg.block_k), cfg.split_k),  # as the launch's
         FIXED_SUM=cfg.fixed_sum,
         BLOCK_M=bm,
         BLOCK_N=bn,

@@ -353,7 +353,7 @@ def drive_gluon(capture: Capture, case: ModelCase, model, dtype_name: str) -> No
                 with where(capture, f"{case.name} {dtype_name} Gluon W4A16 {name} M={m}"):
                     ops.w4a16_linear(x, prepared)
     # the split launch summed in share order (QSERVE_W4A16_GLUON_FIXED_SUM=1, opt-in), where the shares split
-    with mock.patch.dict(os.environ, {glk.FIXED_SUM_ENV: "1"}), torch.inference_mode():
+    with mock.patch.dict(os.environ, {glk.FIXED_SUM_ENV: "1", mma.GLUON_ENV: ""}), torch.inference_mode():
         for name, prepared in mma_layers(model):
             x = torch.zeros((128, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
             with where(capture, f"{case.name} {dtype_name} Gluon W4A16 fixed sum {name} M=128"):
