@@ -101,7 +101,7 @@ def bench_m(name: str, m: int, k: int, n: int, copies: list, candidates: list | 
     row["default_cfg"] = (
         glk.default_config(m, k, n, torch.cuda.get_device_properties(0).multi_processor_count).short()
         if mma.uses_gluon(w0, x, m)
-        else mma.select_config(w0, x.dtype, m).short()
+        else row["triton_cfg"]
     )
     for cfg in configs(m, candidates):
         try:

@@ -71,6 +71,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from quant_kernels import device as kdevice
 from quant_kernels import int4_values_asm
 from quant_kernels.repack import MmaQuantWeight
+from quant_kernels.switches import env_switch
 
 
 @dataclass(frozen=True)
@@ -502,11 +503,11 @@ def default_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
     """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows, in the
     shares ``split_setting`` names (unset: ``auto_split``), summed in share order with
     ``QSERVE_W4A16_GLUON_FIXED_SUM=1`` (``WgmmaConfig.fixed_sum``)."""
-    cfg = fit(WgmmaConfig(fixed_sum=os.environ.get(FIXED_SUM_ENV, "").strip() == "1"), m)
+    cfg = fit(WgmmaConfig(fixed_sum=env_switch(FIXED_SUM_ENV, default=False)), m)
     setting = split_setting()
     if setting in ("", "auto"):
         return dataclasses.replace(cfg, split_k=auto_split(m, k, n, sms, cfg))
-    if setting and triton.cdiv(m, cfg.block_m) <= MAX_SPLIT_M_TILES:
+    if triton.cdiv(m, cfg.block_m) <= MAX_SPLIT_M_TILES:  # a forced count, where the counters cover it
         return dataclasses.replace(cfg, split_k=int(setting))
     return cfg
 

@@ -254,6 +254,9 @@ def test_split_setting_picks_the_shares_and_refuses_anything_else(monkeypatch) -
     assert not glk.default_config(128, 5120, 5120, 132).fixed_sum
     monkeypatch.setenv(glk.FIXED_SUM_ENV, "1")
     assert glk.default_config(128, 5120, 5120, 132).fixed_sum
+    monkeypatch.setenv(glk.FIXED_SUM_ENV, "true")  # not silently off: refused by name
+    with pytest.raises(ValueError, match="QSERVE_W4A16_GLUON_FIXED_SUM='true'"):
+        glk.default_config(128, 5120, 5120, 132)
     monkeypatch.delenv(glk.FIXED_SUM_ENV)
     monkeypatch.setenv(glk.SPLIT_ENV, "2")
     assert glk.default_config(128, 5120, 5120, 132).split_k == 2
@@ -410,18 +413,23 @@ def test_w4a16_wgmma_gpu_equals_the_triton_kernel_and_replays_in_a_graph() -> No
     assert torch.equal(out, ours)
 
 
+def _split_problem(seed: int, m: int, k: int, n: int, asym: bool) -> tuple:
+    """A split-K case on the GPU: the MMA-layout weight, its zeroed counters (as ``quant_kernels.ops`` holds
+    them), x ``[M, K]`` and the fp32 oracle ``[M, N]``."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = _weight(k, n, 128, asym, gen, device="cuda")
+    counters = torch.zeros(mma.num_split_counters(n), dtype=torch.int32, device="cuda")
+    x = (torch.randn(m, k, generator=gen) * 0.5).half().cuda()  # [M, K]
+    return mma.prepare(packed), counters, x, x.float() @ reference.dequantize(packed, torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs an sm90 GPU")
 def test_split_k_leaves_its_counters_at_zero_and_replays_in_a_graph() -> None:
     """Three shares of every tile through the weight's own counters (``quant_kernels.ops``): the counters are
     zero after each launch (the last share resets its tile's), a replayed graph writes the eager output
     again, and counters too few for the tiles are refused by name."""
-    gen = torch.Generator().manual_seed(9)
-    packed = _weight(3072, 640, 128, True, gen, device="cuda")
-    weight = mma.prepare(packed)
-    counters = torch.zeros(mma.num_split_counters(640), dtype=torch.int32, device="cuda")
-    x = (torch.randn(256, 3072, generator=gen) * 0.5).half().cuda()  # [M, K]
-    ref = x.float() @ reference.dequantize(packed, torch.float32)  # [M, N]
+    weight, counters, x, ref = _split_problem(9, 256, 3072, 640, True)
     cfg = glk.WgmmaConfig(split_k=3)
     eager = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
     torch.cuda.synchronize()
@@ -454,12 +462,7 @@ def test_fixed_sum_gives_the_same_bits_from_run_to_run() -> None:
     runs with 3 or more shares, likely what failed the PDL chain test when every decode GEMM took 4-5 shares),
     and matches the oracle. Where the shares happen to arrive in one order every run, the default would pass
     too: 4 shares of 64 tiles (256 programs, more than one wave) to vary the order."""
-    gen = torch.Generator().manual_seed(21)
-    packed = _weight(5120, 1024, 128, False, gen, device="cuda")
-    weight = mma.prepare(packed)
-    counters = torch.zeros(mma.num_split_counters(1024), dtype=torch.int32, device="cuda")
-    x = (torch.randn(512, 5120, generator=gen) * 0.5).half().cuda()  # [M, K]
-    ref = x.float() @ reference.dequantize(packed, torch.float32)  # [M, N]
+    weight, counters, x, ref = _split_problem(21, 512, 5120, 1024, False)
     cfg = glk.WgmmaConfig(split_k=4, fixed_sum=True)
     first = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
     torch.testing.assert_close(first.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
