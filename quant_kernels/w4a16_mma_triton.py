@@ -61,6 +61,7 @@ from quant_kernels import int4_values_asm
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.pdl import use_pdl
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_shuffle
+from quant_kernels.switches import env_switch
 
 # Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and bf16 dots are unreliable in
 # Triton's interpreter, so the launcher passes FAST=False / DOT_F32=True there.
@@ -960,15 +961,37 @@ def gluon_by_default(k: int, n: int, m: int) -> bool:
     return GLUON_MIN_M <= m <= GLUON_MAX_M
 
 
+GLUON_NARROW_ENV = "QSERVE_W4A16_GLUON_NARROW"
+GLUON_NARROW_MIN_M = 33  # the narrow launch's rows: GLUON_NARROW_MIN_M .. GLUON_MIN_M - 1 (decode buckets 48, 64)
+
+
+def gluon_narrow(k: int, n: int, m: int, sms: int) -> bool:
+    """``QSERVE_W4A16_GLUON_NARROW=1`` (opt-in until a GPU run): at 33-64 rows the Gluon kernel's 64-row x
+    tiles in K shares serve the layers whose output tiles leave the SMs' program slots idle, i.e. where
+    ``auto_split`` splits (qkv, o and down of Qwen2.5-14B; gate_up fills the card and stays with the Triton
+    table). At 64 rows on the H100 such a launch took qkv from 21.8 to 17.4 µs and o from 20.8 to 16.8
+    (bench/RESULTS.md, twenty-first session, call 4); the Triton table won every layer at 32 rows."""
+    from quant_kernels import w4a16_wgmma_gluon
+
+    if not GLUON_NARROW_MIN_M <= m < GLUON_MIN_M or not env_switch(GLUON_NARROW_ENV, default=False):
+        return False
+    return w4a16_wgmma_gluon.default_config(m, k, n, sms).split_k > 1
+
+
 def uses_gluon(weight: MmaQuantWeight, x: torch.Tensor, m: int) -> bool:
     """Whether ``w4a16_wgmma_gluon`` serves this product: an sm90 device, a weight it serves
-    (``w4a16_wgmma_gluon.supports``), and the rows ``gluon_setting`` says (unset: ``gluon_by_default``)."""
-    if m < GLUON_MIN_M or not kdevice.triton_serves(x.device):
+    (``w4a16_wgmma_gluon.supports``), and the rows ``gluon_setting`` says (unset: ``gluon_by_default``; under
+    65 rows only ``gluon_narrow``'s)."""
+    if m < GLUON_NARROW_MIN_M or not kdevice.triton_serves(x.device):
         return False
     setting = gluon_setting()
     if setting == "0" or kdevice.capability(x.device)[0] != 9:
         return False
-    if setting == "" and not gluon_by_default(weight.in_features, weight.out_features, m):
+    k, n = weight.in_features, weight.out_features
+    if m < GLUON_MIN_M:
+        if not gluon_narrow(k, n, m, _num_sms(x.device)):
+            return False
+    elif setting == "" and not gluon_by_default(k, n, m):
         return False
     from quant_kernels import w4a16_wgmma_gluon
 

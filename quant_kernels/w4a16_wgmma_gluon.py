@@ -499,11 +499,18 @@ def auto_split(m: int, k: int, n: int, sms: int, cfg: WgmmaConfig) -> int:
     return best if cost(best) <= (1 - SPLIT_GAIN) * cost(1) else 1
 
 
+NARROW_BLOCK_M = 64  # x tiles this narrow or narrower (33-64 rows: the opt-in narrow launch) get NARROW_STAGES
+NARROW_STAGES = 4  # 80 KB of shared memory at 64 x 64 tiles: still two programs an SM
+
+
 def default_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
-    """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows, in the
-    shares ``split_setting`` names (unset: ``auto_split``), summed in share order with
-    ``QSERVE_W4A16_GLUON_FIXED_SUM=1`` (``WgmmaConfig.fixed_sum``)."""
+    """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows (x tiles of
+    64 rows or fewer in ``NARROW_STAGES``: the 64-row launch that beat the Triton table for qkv and o on the
+    H100, twenty-first session), in the shares ``split_setting`` names (unset: ``auto_split``), summed in
+    share order with ``QSERVE_W4A16_GLUON_FIXED_SUM=1`` (``WgmmaConfig.fixed_sum``)."""
     cfg = fit(WgmmaConfig(fixed_sum=env_switch(FIXED_SUM_ENV, default=False)), m)
+    if cfg.block_m <= NARROW_BLOCK_M:
+        cfg = dataclasses.replace(cfg, stages=NARROW_STAGES)
     setting = split_setting()
     if setting in ("", "auto"):
         return dataclasses.replace(cfg, split_k=auto_split(m, k, n, sms, cfg))

@@ -298,6 +298,44 @@ def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -
         uses(wide, 256)
 
 
+def test_narrow_launch_serves_33_to_64_rows_where_the_split_fills_the_card(monkeypatch) -> None:
+    """``QSERVE_W4A16_GLUON_NARROW=1``: at 33-64 rows the Gluon kernel (64-row x tiles, 4 stages) serves the
+    layers ``auto_split`` splits, i.e. whose tiles leave the program slots idle (Qwen2.5-14B's qkv, o, down on
+    132 SMs), never gate_up (432 tiles fill the card) nor 32 rows; off by default and with ``QSERVE_W4A16_GLUON=0``."""
+    monkeypatch.setattr(mma.kdevice, "triton_serves", lambda device: True)
+    monkeypatch.setattr(mma.kdevice, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(mma, "_num_sms", lambda device: 132)
+    monkeypatch.delenv(mma.GLUON_ENV, raising=False)
+    shapes = {"qkv": (5120, 7168), "o": (5120, 5120), "gate_up": (5120, 27648), "down": (13824, 5120)}
+    monkeypatch.setenv(mma.GLUON_NARROW_ENV, "1")
+    assert {name: mma.gluon_narrow(k, n, 64, 132) for name, (k, n) in shapes.items()} == {
+        "qkv": True,
+        "o": True,
+        "gate_up": False,
+        "down": True,
+    }
+    cfg = glk.default_config(64, 5120, 7168, 132)
+    assert (cfg.block_m, cfg.stages, cfg.split_k) == (64, glk.NARROW_STAGES, 2)
+    assert glk.default_config(48, 5120, 5120, 132).split_k == 3
+    assert glk.default_config(128, 5120, 5120, 132).stages == 3  # the 65-512-row launch keeps its 3 stages
+    assert not mma.gluon_narrow(5120, 5120, 32, 132) and not mma.gluon_narrow(5120, 5120, 65, 132)
+    gen = torch.Generator().manual_seed(3)
+    narrow = mma.prepare(_weight(2048, 256, 128, False, gen))  # 4 tiles of 16 K-tiles: split in 2
+
+    def uses(weight, m):
+        return mma.uses_gluon(weight, torch.zeros(m, weight.in_features, dtype=torch.float16), m)
+
+    assert [uses(narrow, m) for m in (32, 33, 48, 64, 65)] == [False, True, True, True, True]
+    monkeypatch.setenv(mma.GLUON_ENV, "0")
+    assert not uses(narrow, 48)
+    monkeypatch.delenv(mma.GLUON_ENV)
+    monkeypatch.delenv(mma.GLUON_NARROW_ENV)
+    assert [uses(narrow, m) for m in (48, 64, 65)] == [False, False, True]
+    monkeypatch.setenv(mma.GLUON_NARROW_ENV, "on")
+    with pytest.raises(ValueError, match="QSERVE_W4A16_GLUON_NARROW='on'"):
+        uses(narrow, 48)
+
+
 def test_a_config_passed_or_pinned_keeps_the_triton_kernel(monkeypatch) -> None:
     """The Gluon kernel replaces the built-in dispatch only: ``w4a16_gemm(config=...)`` and a config pinned
     with ``set_config`` (what bench/kernels.py's sweep times) run the Triton kernel they name."""
@@ -356,6 +394,9 @@ GPU_CASES = [
     (8, 1280, 200, 128, False, False, torch.bfloat16, glk.WgmmaConfig(block_m=16, stages=6, split_k=2)),
     (27, 1536, 136, -1, True, True, torch.float16, glk.WgmmaConfig(block_m=32, stages=6, split_k=3)),
     (64, 2048, 384, 256, False, True, torch.float16, glk.WgmmaConfig(block_m=64, stages=4, split_k=4)),
+    # the narrow launch (QSERVE_W4A16_GLUON_NARROW=1: 64-row x tiles in 4 stages, 33-64 rows), summed in share order
+    (48, 2560, 320, 128, True, True, torch.float16, glk.WgmmaConfig(block_m=64, stages=4, split_k=3, fixed_sum=True)),
+    (64, 1792, 200, -1, False, True, torch.bfloat16, glk.WgmmaConfig(block_m=64, stages=4, split_k=2, fixed_sum=True)),
 ]
 
 
@@ -452,6 +493,30 @@ def test_split_k_leaves_its_counters_at_zero_and_replays_in_a_graph() -> None:
         assert int(counters.abs().sum()) == 0
     with pytest.raises(ValueError, match="needs int32 counters"):
         glk.w4a16_wgmma(x, weight, config=cfg, counters=counters[:3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs an sm90 GPU")
+def test_narrow_dispatch_matches_the_triton_table(monkeypatch) -> None:
+    """``QSERVE_W4A16_GLUON_NARROW=1`` through the built-in dispatch at 48 and 64 rows: the Gluon kernel runs
+    (its tiles leave the card idle: split), with the weight's counters left at zero, and its output matches
+    the Triton table's launch of the same product."""
+    weight, counters, x64, ref64 = _split_problem(13, 64, 5120, 1024, True)
+    monkeypatch.setenv(mma.GLUON_NARROW_ENV, "1")
+    monkeypatch.delenv(mma.GLUON_ENV, raising=False)
+    ran = []
+    real = glk.w4a16_wgmma
+    monkeypatch.setattr(glk, "w4a16_wgmma", lambda *a, **kw: ran.append(kw["config"]) or real(*a, **kw))
+    for m in (48, 64):
+        x, ref = x64[:m].contiguous(), ref64[:m]
+        ours = mma.w4a16_gemm(x, weight, counters=counters)
+        theirs = mma.w4a16_gemm(x, weight, config=mma.select_config(weight, x.dtype, m), counters=counters)
+        torch.cuda.synchronize()
+        assert ran and ran[-1].split_k > 1 and ran[-1].block_m == 64, ran
+        assert int(counters.abs().sum()) == 0
+        torch.testing.assert_close(ours.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
+    assert len(ran) == 2
 
 
 @pytest.mark.gpu
