@@ -966,14 +966,15 @@ GLUON_NARROW_MIN_M = 33  # the narrow launch's rows: GLUON_NARROW_MIN_M .. GLUON
 
 
 def gluon_narrow(k: int, n: int, m: int, sms: int) -> bool:
-    """``QSERVE_W4A16_GLUON_NARROW=1`` (opt-in until a GPU run): at 33-64 rows the Gluon kernel's 64-row x
-    tiles in K shares serve the layers whose output tiles leave the SMs' program slots idle, i.e. where
+    """The narrow launch (``QSERVE_W4A16_GLUON_NARROW=0`` opts out): at 33-64 rows the Gluon kernel's 64-row
+    x tiles in K shares serve the layers whose output tiles leave the SMs' program slots idle, i.e. where
     ``auto_split`` splits (qkv, o and down of Qwen2.5-14B; gate_up fills the card and stays with the Triton
-    table). At 64 rows on the H100 such a launch took qkv from 21.8 to 17.4 µs and o from 20.8 to 16.8
-    (bench/RESULTS.md, twenty-first session, call 4); the Triton table won every layer at 32 rows."""
+    table: 44 against 57 µs). On the H100 at 48 / 64 rows it took qkv from 20.5 / 21.6 µs to 17.7, o from
+    20.4 / 21.0 to 15.0 / 14.8, down from 37.9 / 38.9 to 28.0 / 27.8, and decode at batch 48 and 64 rose 14.5%
+    (bench/RESULTS.md, twenty-second session); the Triton table won every layer at 32 rows (twenty-first)."""
     from quant_kernels import w4a16_wgmma_gluon
 
-    if not GLUON_NARROW_MIN_M <= m < GLUON_MIN_M or not env_switch(GLUON_NARROW_ENV, default=False):
+    if not GLUON_NARROW_MIN_M <= m < GLUON_MIN_M or not env_switch(GLUON_NARROW_ENV, default=True):
         return False
     return w4a16_wgmma_gluon.default_config(m, k, n, sms).split_k > 1
 

@@ -28,13 +28,14 @@ it lost to dense weights + cuBLAS past 256 rows (issue 26). Gluon states what th
 The output tile leaves through shared memory by TMA (rows and columns past M / N are clipped by the
 copy). With ``split_k > 1`` each K share stores its fp32 partial into a slot of its own (in the
 accumulator's layout: whole 32-byte sectors), then counts itself on its tile's arrival counter; the
-last share sums the others' partials, adds the bias and writes the tile, and leaves the counter at zero
-(one launch, no memset; the pattern of ``w4a16_mma_triton``). ``auto_split`` picks the shares where the
-tiles leave SMs idle (o and down 3, qkv 2 at 65-128 rows; the long-K down 3 up to 512), measured on the
-H100 (twenty-first session); ``QSERVE_W4A16_GLUON_SPLIT=1`` never splits, ``=N`` forces N. The last share
-adds the others' partials onto its own, so with 3 or more shares the fp32 sum's order follows which share
-arrived last (two shares commute): ``fixed_sum`` (``QSERVE_W4A16_GLUON_FIXED_SUM=1``, opt-in until a GPU
-run) sums them in share order. The fp32-atomic split this replaced lost 1.3-7x. Serves 4-bit weights
+last share sums every share's partial in share order (the same bits whichever share arrives last), adds
+the bias and writes the tile, and leaves the counter at zero (one launch, no memset; the pattern of
+``w4a16_mma_triton``). ``auto_split`` picks the shares where the tiles leave SMs idle (o and down 3, qkv 2
+at 33-128 rows; the long-K down 3 up to 512), measured on the H100 (twenty-first and twenty-second
+sessions); ``QSERVE_W4A16_GLUON_SPLIT=1`` never splits, ``=N`` forces N. Summing in arrival order (the
+others' partials onto the last share's own) made the output's last bit vary from run to run with 3 or
+more shares and was no faster (twenty-second session); the fp32-atomic split before it lost 1.3-7x.
+At 33-64 rows the x tiles are 64 rows in 4 stages (the narrow launch). Serves 4-bit weights
 without act-order whose K-tiles lie in one group (group size a multiple of ``block_k``, or one group
 per column), fp16/bf16 activations; ``supports`` says which. ``w4a16_mma_triton.uses_gluon`` decides
 when it runs (where it beat the other paths on the H100, bench/RESULTS.md, twentieth and twenty-first
@@ -71,7 +72,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from quant_kernels import device as kdevice
 from quant_kernels import int4_values_asm
 from quant_kernels.repack import MmaQuantWeight
-from quant_kernels.switches import env_switch
 
 
 @dataclass(frozen=True)
@@ -90,16 +90,11 @@ class WgmmaConfig:
     num_warps: int = 4
     split_k: int = 1
     scales_ahead: int = 2  # K-tiles ahead each tile's scales are loaded (1 or 2)
-    # split-K: the last share sums every partial in share order, so the output is the same bit for bit from
-    # run to run (the launch smoked at 55d25b8 adds the others' partials to its own, in an order that follows
-    # which share arrived last: last-bit differences between runs). Opt-in until a GPU run
-    # (QSERVE_W4A16_GLUON_FIXED_SUM=1, ``default_config``).
-    fixed_sum: bool = False
 
     def short(self) -> str:
         return (
             f"gluon m{self.block_m} n{self.block_n} k{self.block_k} st{self.stages} w{self.num_warps} "
-            f"s{self.split_k} a{self.scales_ahead}" + (" fixed" if self.fixed_sum else "")
+            f"s{self.split_k} a{self.scales_ahead}"
         )
 
 
@@ -301,7 +296,6 @@ def w4a16_wgmma_kernel(
     SCALES_AHEAD: gl.constexpr,  # tiles ahead the scales (and zeros) are loaded: 1 or 2
     HAS_BIAS: gl.constexpr,
     SPLIT_K: gl.constexpr,
-    FIXED_SUM: gl.constexpr,  # SPLIT_K > 1: the last share sums the partials in share order (WgmmaConfig.fixed_sum)
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
@@ -382,22 +376,17 @@ def w4a16_wgmma_kernel(
         _cta_barrier()
         arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last share of this tile: sum, write, leave the counter at zero
-            if FIXED_SUM:  # in share order: the same bits whichever share arrives last
-                total = gl.zeros_like(acc)
-                for sk in gl.static_range(SPLIT_K):
-                    if sk == pid_k:
-                        total += acc
-                    else:
-                        total += gl.load(
-                            ws_ptr + (sk * tiles + tile).to(gl.int64) * slot_elems + local, cache_modifier=".cg"
-                        )
-                acc = total
-            else:  # the others' partials onto this share's own: the order follows which share came last
-                for sk in gl.static_range(SPLIT_K):
-                    if sk != pid_k:
-                        acc += gl.load(
-                            ws_ptr + (sk * tiles + tile).to(gl.int64) * slot_elems + local, cache_modifier=".cg"
-                        )
+            # in share order, whichever share arrives last: the same bits from run to run (adding the others'
+            # partials onto the last share's own made the fp32 order follow the arrival with 3 or more shares)
+            total = gl.zeros_like(acc)
+            for sk in gl.static_range(SPLIT_K):
+                if sk == pid_k:
+                    total += acc
+                else:
+                    total += gl.load(
+                        ws_ptr + (sk * tiles + tile).to(gl.int64) * slot_elems + local, cache_modifier=".cg"
+                    )
+            acc = total
             _write_out(acc, out_desc, bias_ptr, rows, N, off_m, off_n, HAS_BIAS)
             gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
@@ -453,7 +442,6 @@ def fit(cfg: WgmmaConfig, m: int) -> WgmmaConfig:
 
 
 SPLIT_ENV = "QSERVE_W4A16_GLUON_SPLIT"
-FIXED_SUM_ENV = "QSERVE_W4A16_GLUON_FIXED_SUM"
 PROGRAMS_PER_SM = 2  # the default launch's 110 KB of shared memory: two programs an SM
 MAX_SPLIT = 4
 MIN_SHARE_TILES = 8  # K-tiles a share keeps at least (fewer: the partials' traffic outweighs the fill)
@@ -499,16 +487,16 @@ def auto_split(m: int, k: int, n: int, sms: int, cfg: WgmmaConfig) -> int:
     return best if cost(best) <= (1 - SPLIT_GAIN) * cost(1) else 1
 
 
-NARROW_BLOCK_M = 64  # x tiles this narrow or narrower (33-64 rows: the opt-in narrow launch) get NARROW_STAGES
+NARROW_BLOCK_M = 64  # x tiles this narrow or narrower (33-64 rows: the narrow launch) get NARROW_STAGES
 NARROW_STAGES = 4  # 80 KB of shared memory at 64 x 64 tiles: still two programs an SM
 
 
 def default_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
     """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows (x tiles of
-    64 rows or fewer in ``NARROW_STAGES``: the 64-row launch that beat the Triton table for qkv and o on the
-    H100, twenty-first session), in the shares ``split_setting`` names (unset: ``auto_split``), summed in
-    share order with ``QSERVE_W4A16_GLUON_FIXED_SUM=1`` (``WgmmaConfig.fixed_sum``)."""
-    cfg = fit(WgmmaConfig(fixed_sum=env_switch(FIXED_SUM_ENV, default=False)), m)
+    64 rows or fewer in ``NARROW_STAGES``: the 64-row launch that beat the Triton table for qkv, o and down
+    on the H100, twenty-first and twenty-second sessions), in the shares ``split_setting`` names (unset:
+    ``auto_split``)."""
+    cfg = fit(WgmmaConfig(), m)
     if cfg.block_m <= NARROW_BLOCK_M:
         cfg = dataclasses.replace(cfg, stages=NARROW_STAGES)
     setting = split_setting()
@@ -614,7 +602,6 @@ def w4a16_wgmma(
         SCALES_AHEAD=cfg.scales_ahead,
         HAS_BIAS=bias is not None,
         SPLIT_K=split,
-        FIXED_SUM=cfg.fixed_sum,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -670,7 +657,6 @@ def compile_for(
         SCALES_AHEAD=cfg.scales_ahead,
         HAS_BIAS=bias,
         SPLIT_K=effective_split(triton.cdiv(k, cfg.block_k), cfg.split_k),  # as the launch's
-        FIXED_SUM=cfg.fixed_sum,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,

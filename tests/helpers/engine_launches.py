@@ -352,14 +352,12 @@ def drive_gluon(capture: Capture, case: ModelCase, model, dtype_name: str) -> No
                 x = torch.zeros((m, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
                 with where(capture, f"{case.name} {dtype_name} Gluon W4A16 {name} M={m}"):
                     ops.w4a16_linear(x, prepared)
-    # the split launch summed in share order (QSERVE_W4A16_GLUON_FIXED_SUM=1, opt-in), where the shares split,
-    # and the narrow launch at 33-64 rows (QSERVE_W4A16_GLUON_NARROW=1, opt-in) where its tiles split
-    switches = {glk.FIXED_SUM_ENV: "1", mma.GLUON_ENV: "", mma.GLUON_NARROW_ENV: "1"}
-    with mock.patch.dict(os.environ, switches), torch.inference_mode():
+    # the built-in rows: the narrow launch at 33-64 rows where its tiles split, the split launch at 128
+    with mock.patch.dict(os.environ, {mma.GLUON_ENV: "", mma.GLUON_NARROW_ENV: ""}), torch.inference_mode():
         for name, prepared in mma_layers(model):
             for m in (48, 64, 128):
                 x = torch.zeros((m, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
-                with where(capture, f"{case.name} {dtype_name} Gluon W4A16 fixed sum, narrow {name} M={m}"):
+                with where(capture, f"{case.name} {dtype_name} Gluon W4A16 built-in {name} M={m}"):
                     ops.w4a16_linear(x, prepared)
     if first is None or model.dtype != torch.float16:
         return

@@ -156,9 +156,9 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0
 def test_pdl_decode_chain_in_a_cuda_graph_matches_plain_launches(monkeypatch, m) -> None:
     """add+norm -> gate_up GEMM -> SiLU*mul -> down GEMM -> add+norm, captured with every launch
     PDL-enabled and replayed three times, against the same chain launched plainly: the same
-    bits (split-K included: the Triton kernel's last program sums the slots in order; at 200 rows the down
-    GEMM takes the Gluon kernel's split, whose 2 shares commute; 3 or more would need
-    ``QSERVE_W4A16_GLUON_FIXED_SUM=1``, twenty-first session)."""
+    bits (split-K included: the Triton kernel's last program sums the slots in order, and so does the Gluon
+    kernel's last share, since the twenty-second session; at 64 rows the narrow launch and at 200 rows the
+    down GEMM take the Gluon kernel's split)."""
     from quant_kernels import elementwise_triton as ew
     from quant_kernels import w4a16_mma_triton as mma
     from quant_kernels.layout import PackedQuantWeight, pack_codes

@@ -54,7 +54,7 @@ COMPILE_CASES = [
     (glk.WgmmaConfig(block_m=256, block_n=128, stages=2, num_warps=8, scales_ahead=1), "fp16", False, False),
     (glk.WgmmaConfig(split_k=2), "fp16", False, True),
     (glk.WgmmaConfig(split_k=3), "bf16", True, True),
-    (glk.WgmmaConfig(split_k=3, fixed_sum=True), "fp16", True, True),
+    (glk.WgmmaConfig(block_m=64, stages=4, split_k=3), "fp16", True, True),  # the narrow launch (33-64 rows)
     (glk.WgmmaConfig(scales_ahead=1), "fp16", True, True),
 ]
 
@@ -251,13 +251,6 @@ def test_split_setting_picks_the_shares_and_refuses_anything_else(monkeypatch) -
     assert glk.default_config(128, 5120, 5120, 132).split_k == 3
     monkeypatch.setenv(glk.SPLIT_ENV, "1")
     assert glk.default_config(128, 5120, 5120, 132).split_k == 1
-    assert not glk.default_config(128, 5120, 5120, 132).fixed_sum
-    monkeypatch.setenv(glk.FIXED_SUM_ENV, "1")
-    assert glk.default_config(128, 5120, 5120, 132).fixed_sum
-    monkeypatch.setenv(glk.FIXED_SUM_ENV, "true")  # not silently off: refused by name
-    with pytest.raises(ValueError, match="QSERVE_W4A16_GLUON_FIXED_SUM='true'"):
-        glk.default_config(128, 5120, 5120, 132)
-    monkeypatch.delenv(glk.FIXED_SUM_ENV)
     monkeypatch.setenv(glk.SPLIT_ENV, "2")
     assert glk.default_config(128, 5120, 5120, 132).split_k == 2
     assert glk.default_config(1024, 5120, 5120, 132).split_k == 1
@@ -299,15 +292,16 @@ def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -
 
 
 def test_narrow_launch_serves_33_to_64_rows_where_the_split_fills_the_card(monkeypatch) -> None:
-    """``QSERVE_W4A16_GLUON_NARROW=1``: at 33-64 rows the Gluon kernel (64-row x tiles, 4 stages) serves the
-    layers ``auto_split`` splits, i.e. whose tiles leave the program slots idle (Qwen2.5-14B's qkv, o, down on
-    132 SMs), never gate_up (432 tiles fill the card) nor 32 rows; off by default and with ``QSERVE_W4A16_GLUON=0``."""
+    """The narrow launch: at 33-64 rows the Gluon kernel (64-row x tiles, 4 stages) serves the layers
+    ``auto_split`` splits, i.e. whose tiles leave the program slots idle (Qwen2.5-14B's qkv, o, down on 132
+    SMs), never gate_up (432 tiles fill the card) nor 32 rows; off with ``QSERVE_W4A16_GLUON_NARROW=0`` or
+    ``QSERVE_W4A16_GLUON=0``; another value refused by name."""
     monkeypatch.setattr(mma.kdevice, "triton_serves", lambda device: True)
     monkeypatch.setattr(mma.kdevice, "capability", lambda device: (9, 0))
     monkeypatch.setattr(mma, "_num_sms", lambda device: 132)
     monkeypatch.delenv(mma.GLUON_ENV, raising=False)
+    monkeypatch.delenv(mma.GLUON_NARROW_ENV, raising=False)
     shapes = {"qkv": (5120, 7168), "o": (5120, 5120), "gate_up": (5120, 27648), "down": (13824, 5120)}
-    monkeypatch.setenv(mma.GLUON_NARROW_ENV, "1")
     assert {name: mma.gluon_narrow(k, n, 64, 132) for name, (k, n) in shapes.items()} == {
         "qkv": True,
         "o": True,
@@ -329,8 +323,10 @@ def test_narrow_launch_serves_33_to_64_rows_where_the_split_fills_the_card(monke
     monkeypatch.setenv(mma.GLUON_ENV, "0")
     assert not uses(narrow, 48)
     monkeypatch.delenv(mma.GLUON_ENV)
-    monkeypatch.delenv(mma.GLUON_NARROW_ENV)
+    monkeypatch.setenv(mma.GLUON_NARROW_ENV, "0")
     assert [uses(narrow, m) for m in (48, 64, 65)] == [False, False, True]
+    monkeypatch.setenv(mma.GLUON_NARROW_ENV, "1")
+    assert uses(narrow, 48)
     monkeypatch.setenv(mma.GLUON_NARROW_ENV, "on")
     with pytest.raises(ValueError, match="QSERVE_W4A16_GLUON_NARROW='on'"):
         uses(narrow, 48)
@@ -394,9 +390,9 @@ GPU_CASES = [
     (8, 1280, 200, 128, False, False, torch.bfloat16, glk.WgmmaConfig(block_m=16, stages=6, split_k=2)),
     (27, 1536, 136, -1, True, True, torch.float16, glk.WgmmaConfig(block_m=32, stages=6, split_k=3)),
     (64, 2048, 384, 256, False, True, torch.float16, glk.WgmmaConfig(block_m=64, stages=4, split_k=4)),
-    # the narrow launch (QSERVE_W4A16_GLUON_NARROW=1: 64-row x tiles in 4 stages, 33-64 rows), summed in share order
-    (48, 2560, 320, 128, True, True, torch.float16, glk.WgmmaConfig(block_m=64, stages=4, split_k=3, fixed_sum=True)),
-    (64, 1792, 200, -1, False, True, torch.bfloat16, glk.WgmmaConfig(block_m=64, stages=4, split_k=2, fixed_sum=True)),
+    # the narrow launch (33-64 rows: 64-row x tiles in 4 stages)
+    (48, 2560, 320, 128, True, True, torch.float16, glk.WgmmaConfig(block_m=64, stages=4, split_k=3)),
+    (64, 1792, 200, -1, False, True, torch.bfloat16, glk.WgmmaConfig(block_m=64, stages=4, split_k=2)),
 ]
 
 
@@ -498,11 +494,11 @@ def test_split_k_leaves_its_counters_at_zero_and_replays_in_a_graph() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs an sm90 GPU")
 def test_narrow_dispatch_matches_the_triton_table(monkeypatch) -> None:
-    """``QSERVE_W4A16_GLUON_NARROW=1`` through the built-in dispatch at 48 and 64 rows: the Gluon kernel runs
+    """The narrow launch through the built-in dispatch at 48 and 64 rows: the Gluon kernel runs
     (its tiles leave the card idle: split), with the weight's counters left at zero, and its output matches
     the Triton table's launch of the same product."""
     weight, counters, x64, ref64 = _split_problem(13, 64, 5120, 1024, True)
-    monkeypatch.setenv(mma.GLUON_NARROW_ENV, "1")
+    monkeypatch.delenv(mma.GLUON_NARROW_ENV, raising=False)
     monkeypatch.delenv(mma.GLUON_ENV, raising=False)
     ran = []
     real = glk.w4a16_wgmma
@@ -521,14 +517,15 @@ def test_narrow_dispatch_matches_the_triton_table(monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs an sm90 GPU")
-def test_fixed_sum_gives_the_same_bits_from_run_to_run() -> None:
-    """``fixed_sum``: the last share sums the partials in share order, so whichever share arrives last the
-    output is the same bit for bit (the default adds the others onto its own: last-bit differences between
-    runs with 3 or more shares, likely what failed the PDL chain test when every decode GEMM took 4-5 shares),
-    and matches the oracle. Where the shares happen to arrive in one order every run, the default would pass
-    too: 4 shares of 64 tiles (256 programs, more than one wave) to vary the order."""
+def test_split_k_gives_the_same_bits_from_run_to_run() -> None:
+    """The last share sums the partials in share order, so whichever share arrives last the output is the
+    same bit for bit and matches the oracle (adding the others onto the last share's own, the launch before the
+    twenty-second session, gave last-bit differences between runs with 3 or more shares: likely what failed
+    the PDL chain test when every decode GEMM took 4-5 shares). Where the shares happen to arrive in one order
+    every run, an arrival-order sum would pass too: 4 shares of 64 tiles (256 programs, more than one wave) to
+    vary the order."""
     weight, counters, x, ref = _split_problem(21, 512, 5120, 1024, False)
-    cfg = glk.WgmmaConfig(split_k=4, fixed_sum=True)
+    cfg = glk.WgmmaConfig(split_k=4)
     first = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
     torch.testing.assert_close(first.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
     for _ in range(30):
