@@ -10,11 +10,6 @@ Both ops keep the reference signatures (``quant_kernels.reference``) plus option
 and int8 caches; see ``quant_kernels.reference_kv_quant`` for the encodings. int4 caches
 (``torch.uint8``, each row carrying its own scale and zero, ``quant_kernels.reference_kv_int4``)
 take no scales and run ``quant_kernels.attention_int4_triton`` on CUDA.
-
-``QSERVE_ATTN_FUSED_REDUCE=1`` (opt-in, default off until a GPU run measures it) is read where the
-decode launch is decided, ``attention_triton.paged_attention``: a split decode's last program per
-(seq, kv head) combines the splits instead of a second launch (one graph node fewer per layer at
-small batch). It changes nothing off CUDA or for int4 caches.
 """
 
 from __future__ import annotations

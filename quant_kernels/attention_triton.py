@@ -21,7 +21,7 @@ Kernels
   (exp2, fp32 max / sum / accumulator) over its run. With one split it writes the output;
   otherwise it writes its partial (unnormalized accumulator, max, sum) to an fp32 workspace and
   ``paged_attention_reduce_kernel`` combines the partials of each ``(seq, head)`` in a second
-  launch, or (``FUSED_REDUCE``, opt-in: below) the last program of each ``(seq, kv head)`` does.
+  launch.
 ``paged_attention_decode_packed_kernel``: the decode kernel for fp8 / int8 caches (the default
   when the head dim is a power of two >= 64 and the cache rows are contiguous): K/V are read as
   int32 words of 4 codes, two codes become two fp16 lanes of one 32-bit word in ~2.5 integer ops
@@ -62,24 +62,9 @@ shape and the device's SM count). Under CUDA graphs pass a fixed ``num_splits`` 
 not depend on ``max_seq_len``; the partition of each sequence is computed in the kernel from its
 own length, so any fixed value is correct.
 
-Fused split reduce (``QSERVE_ATTN_FUSED_REDUCE=1``, ``fused_reduce_requested``, read at each decode
-launch in ``paged_attention``; opt-in: it measured slower than the reduce launch, Qwen3-30B-A3B's
-batch-1 decode 336.0 tok/s with it against 348.8 without on an H100, bench/RESULTS.md, sixteenth
-session; not profiled: one last program per KV head combining every split in series is a suspect): at small batch a
-decode splits (``num_splits > 1``) and the reduce is a launch of its own, one CUDA-graph node per
-layer of a launch-bound step (48 on a 48-layer model such as Qwen3-30B-A3B). With the switch on, the
-split decode kernels (``FUSED_REDUCE``) write their partials as above, then count themselves on an
-int32 arrival counter per ``(seq, kv head)`` (a barrier, then an acq_rel atomic: the split-K pattern
-of ``moe_mma_triton``); the last of the ``num_splits`` programs to arrive (empty splits and other
-sequences' programs arrive too) reads every split's partials of its kv head's query heads (``.cg``
-loads) and combines them with ``_combine_splits``, the reduce kernel's math with the splits added one
-by one in split order (the reduce kernel's ``tl.sum`` adds them in its layout's order: the two paths agree
-to fp32 rounding before the output's, not bit for bit; the reduce kernel stays as it was measured
-for the default path); it then resets its counter. The counters
-(``quant_kernels.device.arrival_counters``, owner ``FUSED_REDUCE_OWNER``) are per device, sized from
-the launch's ``num_seqs * num_kv_heads`` (a graph's largest bucket, allocated at its warm-up outside
-capture), zeroed once and grown, never freed, so captured graphs keep valid addresses; no host sync.
-The workspace is unchanged (per call). ``attention_int4_triton``'s decode keeps the two launches.
+A fused reduce (the last split program of each ``(seq, kv head)`` combining the splits in the decode
+launch, opt-in ``QSERVE_ATTN_FUSED_REDUCE=1``) measured slower than the reduce launch twice on an H100
+(Qwen3-30B-A3B's decode, bench/RESULTS.md) and was deleted.
 """
 
 from __future__ import annotations
@@ -94,7 +79,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quant_kernels import device as kdevice
 from quant_kernels.pdl import launch_options
-from quant_kernels.switches import env_switch
 
 # Under TRITON_INTERPRET=1 (CPU tests) bf16 tl.dot gives garbage in Triton 3.6's interpreter:
 # dots run in fp32 there.
@@ -104,14 +88,6 @@ KV_NONE, KV_FP8, KV_INT8 = 0, 1, 2
 FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
 LOG2E = 1.4426950408889634
-
-# "1": a split decode's last program per (seq, KV head) reduces the splits (no reduce launch); default off
-FUSED_REDUCE_ENV = "QSERVE_ATTN_FUSED_REDUCE"
-# The fused reduce's arrival counters (``quant_kernels.device.arrival_counters``): one int32 per (seq, KV
-# head), shared by every layer. 4,096 (16 KB) covers any automatic split: ``choose_num_splits`` splits only
-# while num_seqs * num_kv_heads < 2 * SMs; a caller's larger fixed split grows the buffer.
-FUSED_REDUCE_OWNER = "attention_fused_reduce"
-MIN_FUSED_REDUCE_COUNTERS = 1 << 12
 
 # ----------------------------------------------------------------------------------------------
 # Element helpers
@@ -184,91 +160,6 @@ def _split_row(seq, heads, split, num_queries_per_kv, num_splits):
     """Row of ``(seq, head, split)`` in the split-KV workspace ``[num_seqs, num_heads, num_splits, ...]``
     (grid axis 1 runs over KV heads, each owning ``num_queries_per_kv`` query heads)."""
     return (seq.to(tl.int64) * tl.num_programs(1) * num_queries_per_kv + heads) * num_splits + split
-
-
-@triton.jit
-def _combine_splits(
-    part_out_ptr,  # fp32 [num_seqs, num_heads, num_splits, head_dim]
-    part_ml_ptr,  # fp32 [num_seqs, num_heads, num_splits, 2]: running max (log2 units), sum
-    row0,  # int64 [R]: workspace row of each (seq, head)'s split 0
-    lim,  # int [R]: splits to combine per row (num_splits, or 0 for a row left alone)
-    d,  # [BLOCK_D]
-    dmask,  # [BLOCK_D]
-    head_dim,  # the workspace's row length
-    BLOCK_S: tl.constexpr,  # a power of two >= num_splits
-    CACHE: tl.constexpr,  # load cache modifier: ".cg" where other SMs wrote the partials in this launch
-):
-    """fp32 ``[R, BLOCK_D]`` attention output of ``R`` (seq, query head) rows from their split partials:
-    weights ``exp2(m_s - max_s m_s)`` (splits that saw no key: m = -1e30, l = 0, weight 0), the weighted
-    partial sums over the weighted sums: ``paged_attention_reduce_kernel``'s math for the decode kernels'
-    ``FUSED_REDUCE`` tail (a KV head's query heads at once). The max is exact in any order; the sums are
-    added split by split in split order (unrolled; elementwise, no cross-thread reduction), so each
-    output element's value does not depend on the kernel's layout or warps."""
-    s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
-    m = tl.load(
-        part_ml_ptr + (row0[:, None] + s[None, :]) * 2, mask=s[None, :] < lim[:, None], other=-1.0e30,
-        cache_modifier=CACHE,
-    )  # [R, BLOCK_S]  # fmt: skip
-    m_max = tl.max(m, 1)  # [R]
-    denom = tl.zeros_like(m_max)  # [R]
-    acc = tl.zeros([row0.shape[0], d.shape[0]], dtype=tl.float32)  # [R, BLOCK_D]
-    for i in tl.static_range(BLOCK_S):
-        ok = lim > i  # [R]: a tensor bound, never a broadcast scalar bool (see store_kv_kernel)
-        row = row0 + i  # [R]
-        w = tl.exp2(tl.load(part_ml_ptr + row * 2, mask=ok, other=-1.0e30, cache_modifier=CACHE) - m_max)  # [R]
-        denom += tl.load(part_ml_ptr + row * 2 + 1, mask=ok, other=0.0, cache_modifier=CACHE) * w
-        part = tl.load(
-            part_out_ptr + row[:, None] * head_dim + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0,
-            cache_modifier=CACHE,
-        )  # [R, BLOCK_D]  # fmt: skip
-        acc += part * w[:, None]
-    return acc / tl.where(denom > 0, denom, 1.0)[:, None]
-
-
-@triton.jit
-def _last_split_reduces(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    part_out_ptr,  # fp32 [num_seqs, num_heads, num_splits, head_dim]: this launch's partials
-    part_ml_ptr,  # fp32 [num_seqs, num_heads, num_splits, 2]
-    cnt_ptr,  # int32 [>= num_seqs * num_kv_heads] arrival counters, zero between launches
-    seq,
-    kvh,
-    heads,  # [BLOCK_G] this program's query heads
-    smask,  # [BLOCK_G] the heads whose partials this launch wrote (none unless the sequence decodes)
-    num_queries_per_kv,
-    num_splits,
-    q_start,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    head_dim,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """A split decode program's ``FUSED_REDUCE`` tail, after its partial stores: the last of the
-    ``num_splits`` programs of its (seq, KV head) to arrive combines every split's partials of the KV
-    head's query heads (``_combine_splits``, ``paged_attention_reduce_kernel``'s math) and writes the
-    output, then resets the counter. Every program arrives, empty splits and non-decode sequences
-    included (those store nothing), so the count always reaches ``num_splits``."""
-    # Ordering (moe_mma_triton's split-K tail): the barrier orders every thread's partial stores before
-    # the counter's gpu-scope release; the last program's acquire (same atomic) then sees every split's
-    # partials, and its .cg loads read them from L2, never a stale L1 line.
-    tl.debug_barrier()
-    counter = cnt_ptr + seq.to(tl.int64) * tl.num_programs(1) + kvh  # one per (seq, KV head)
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-        dmask = d < head_dim
-        row0 = _split_row(seq, heads, 0, num_queries_per_kv, num_splits)  # [BLOCK_G]
-        lim = tl.where(smask, num_splits, 0)  # [BLOCK_G]
-        out = _combine_splits(
-            part_out_ptr, part_ml_ptr, row0, lim, d, dmask, head_dim, BLOCK_S, ".cg"
-        )  # [BLOCK_G, BLOCK_D]
-        o_ptrs = out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=smask[:, None] & dmask[None, :])
-        # Reset for the next launch (another layer's, a graph replay): every program of this (seq, KV
-        # head) has arrived, so nothing adds to it again in this launch.
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -421,7 +312,6 @@ def paged_attention_decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (written when not USE_SPLIT)
     part_out_ptr,  # fp32 [num_seqs, num_heads, num_splits, head_dim] (USE_SPLIT)
     part_ml_ptr,  # fp32 [num_seqs, num_heads, num_splits, 2]: running max (log2 units), sum
-    cnt_ptr,  # int32 [>= num_seqs * num_kv_heads] arrival counters, zero between launches (FUSED_REDUCE)
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -461,8 +351,6 @@ def paged_attention_decode_kernel(
     BLOCK_D: tl.constexpr,
     USE_ALIBI: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
-    FUSED_REDUCE: tl.constexpr = False,  # USE_SPLIT: the last split program reduces (_last_split_reduces)
-    BLOCK_S: tl.constexpr = 1,  # FUSED_REDUCE: a power of two >= num_splits
 ):
     if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
         gdc_wait()
@@ -525,11 +413,6 @@ def paged_attention_decode_kernel(
         tl.store(part_out_ptr + row[:, None] * head_dim + d[None, :], acc, mask=smask[:, None] & dmask[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=smask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=smask)
-        if FUSED_REDUCE:
-            _last_split_reduces(
-                out_ptr, part_out_ptr, part_ml_ptr, cnt_ptr, seq, kvh, heads, smask, num_queries_per_kv, num_splits,
-                q_start, stride_ot, stride_oh, stride_od, head_dim, BLOCK_D, BLOCK_S,
-            )  # fmt: skip
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od
@@ -568,7 +451,6 @@ def paged_attention_decode_packed_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (written when not USE_SPLIT)
     part_out_ptr,  # fp32 [num_seqs, num_heads, num_splits, head_dim] (USE_SPLIT)
     part_ml_ptr,  # fp32 [num_seqs, num_heads, num_splits, 2]
-    cnt_ptr,  # int32 [>= num_seqs * num_kv_heads] arrival counters, zero between launches (FUSED_REDUCE)
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # int32 [num_blocks, block_size, num_kv_heads, head_dim // 4]: 4 fp8 / int8 codes a word
     value_cache_ptr,  # int32 [num_blocks, block_size, num_kv_heads, head_dim // 4]
@@ -603,8 +485,6 @@ def paged_attention_decode_packed_kernel(
     HEAD_DIM: tl.constexpr,  # a power of two >= 64, contiguous in the cache
     USE_ALIBI: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,  # launched with PDL: wait for the kernel before first
-    FUSED_REDUCE: tl.constexpr = False,  # USE_SPLIT: the last split program reduces (_last_split_reduces)
-    BLOCK_S: tl.constexpr = 1,  # FUSED_REDUCE: a power of two >= num_splits
 ):
     """``paged_attention_decode_kernel`` for fp8 / int8 caches read as 32-bit words.
 
@@ -696,11 +576,6 @@ def paged_attention_decode_packed_kernel(
     tl.store(o_ptrs + 1, (acc1 * norm[:, None]).to(o_ty), mask=smask[:, None])
     tl.store(o_ptrs + 2, (acc2 * norm[:, None]).to(o_ty), mask=smask[:, None])
     tl.store(o_ptrs + 3, (acc3 * norm[:, None]).to(o_ty), mask=smask[:, None])
-    if USE_SPLIT and FUSED_REDUCE:  # after all four slices of the partial are stored
-        _last_split_reduces(
-            out_ptr, part_out_ptr, part_ml_ptr, cnt_ptr, seq, kvh, heads, smask, num_queries_per_kv, num_splits,
-            q_start, stride_ot, stride_oh, 1, HEAD_DIM, HEAD_DIM, BLOCK_S,
-        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])
@@ -1058,14 +933,6 @@ def _decode_num_splits(
     return choose_num_splits(num_seqs, num_kv_heads, ctx, _num_sms(device), cfg.min_split_tokens)
 
 
-def fused_reduce_requested() -> bool:
-    """Off unless ``QSERVE_ATTN_FUSED_REDUCE=1`` (a split decode's last program per (seq, KV head) reduces
-    the splits, in place of ``paged_attention_reduce_kernel``'s launch; measured slower: module doc);
-    unset, empty or "0": the two launches. Anything else is refused, naming the variable (a typo
-    must not silently measure the other path). Read at each decode launch (``paged_attention``)."""
-    return env_switch(FUSED_REDUCE_ENV, default=False)
-
-
 def _split_workspace(
     out: torch.Tensor, num_seqs: int, num_heads: int, num_splits: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1177,8 +1044,7 @@ def paged_attention(
 
     ``max_query_len == 1``: split-KV decode only. Otherwise the prefill kernel, plus (with
     several sequences) the decode kernel for the sequences that have one new token. A split decode
-    is followed by the reduce launch, unless ``QSERVE_ATTN_FUSED_REDUCE=1`` (``fused_reduce_requested``,
-    read here; ValueError for a value other than 0 / 1) has its last programs reduce in the same launch.
+    is followed by the reduce launch.
     """
     cfg = config or _DEFAULT_CONFIG
     num_tokens, num_heads, head_dim = query.shape
@@ -1250,14 +1116,7 @@ def paged_attention(
         if block_d > 128:
             block_n = min(block_n, 32)
         use_split = num_splits > 1
-        fused_reduce = fused_reduce_requested() and use_split  # read (and checked) at every decode launch
         part_out, part_ml = _split_workspace(out, num_seqs, num_heads, num_splits, head_dim)
-        # int32 [>= num_seqs * num_kv_heads], zero; a typed placeholder when nothing reduces in the launch
-        counters = (
-            kdevice.arrival_counters(out.device, num_seqs * num_kv_heads, FUSED_REDUCE_OWNER, MIN_FUSED_REDUCE_COUNTERS)
-            if fused_reduce
-            else kdevice.placeholder(out.device, torch.int32)
-        )
         packed = None
         if quant != KV_NONE and cfg.decode_packed and query.stride(2) == 1 and out.stride(2) == 1:
             kp, vp = _packed_view(key_cache), _packed_view(value_cache)
@@ -1269,8 +1128,6 @@ def paged_attention(
             DOT_F32=_INTERPRET,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_N=block_n,
-            # only with the switch on; off, the kernel's defaults (no tail: the reduce kernel follows)
-            **(dict(FUSED_REDUCE=True, BLOCK_S=triton.next_power_of_2(num_splits)) if fused_reduce else {}),
             num_warps=cfg.decode_num_warps,
             num_stages=cfg.decode_num_stages,
             **launch_options(out.device),
@@ -1282,7 +1139,6 @@ def paged_attention(
                 out,
                 part_out,
                 part_ml,
-                counters,
                 query,
                 kp,
                 vp,
@@ -1313,7 +1169,6 @@ def paged_attention(
                 out,
                 part_out,
                 part_ml,
-                counters,
                 query,
                 kc,
                 vc,
@@ -1334,7 +1189,7 @@ def paged_attention(
                 BLOCK_D=block_d,
                 **common,
             )
-        if use_split and not fused_reduce:
+        if use_split:
             _reduce_splits(out, part_out, part_ml, query_start_loc, num_seqs, num_heads, head_dim, num_splits)
     return out
 
@@ -1348,11 +1203,9 @@ def decode_kv_bytes(num_seqs: int, ctx_len: int, num_kv_heads: int, head_dim: in
 __all__ = [
     "AttentionConfig",
     "FP8_E4M3_MAX",
-    "FUSED_REDUCE_ENV",
     "INT8_MAX",
     "choose_num_splits",
     "decode_kv_bytes",
-    "fused_reduce_requested",
     "paged_attention",
     "store_kv",
 ]

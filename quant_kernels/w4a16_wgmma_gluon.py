@@ -42,7 +42,9 @@ when it runs (where it beat the other paths on the H100, bench/RESULTS.md, twent
 sessions). What
 limits it (ncu, 1,024 rows of gate_up on the H100): the one-warpgroup 128 x 64 tiles read x from L2
 once per 64 weight rows (L2 at 85% of its peak, tensor pipe 65%); the 8-warp 128 x 128 tiles halve
-that but hold both warpgroups to one CTA barrier before every refill. A warp-specialized variant (a
+that but hold both warpgroups to one CTA barrier before every refill; one warpgroup on 128 weight rows (64 or
+128 x rows) would halve it too, but ptxas serializes its wgmmas for want of registers (C7511, twenty-second
+session, at compile time). A warp-specialized variant (a
 loader warp issuing the TMA copies beside the 8 consumer warps; twentieth session) was 1-11% faster than
 the same 8-warp tiles but slower than the one-warpgroup tiles at every shape measured (1-11% at 256-1,024
 rows, up to 47% at 128), and was deleted:

@@ -9,9 +9,7 @@ the multi-LoRA steps: a prefill of sequences on two adapters and the base, mixed
 decode graphs' forward with adapter slots as inputs, and ``add_lora`` alone at 14B shapes with and
 without split-K: ``drive_lora_kernels``; with ``QSERVE_FUSED_QK_NORM_ROPE=1`` a Qwen3-30B-A3B attention's
 q/k norms and rotary as one launch, and with ``QSERVE_FUSED_ROPE_KV_STORE=1`` that launch storing the keys
-and values too: ``drive_qk_norm_rope``; with ``QSERVE_ATTN_FUSED_REDUCE=1`` a
-Qwen3-30B-A3B split decode whose last program per (seq, kv head) reduces the splits:
-``drive_attn_fused_reduce``). Must not know: what any kernel computes
+and values too: ``drive_qk_norm_rope``). Must not know: what any kernel computes
 (``tests/helpers/kernel_launches.py`` captures and compiles).
 
 Each model is built with one decoder layer at its real dimensions (every layer of a model launches
@@ -795,46 +793,6 @@ def drive_qk_norm_rope(capture: Capture, dtype: torch.dtype, dtype_name: str, pd
     assert {bool(c.get("QK_NORM")) for c in stores if c.get("STORE_KV")} == {False, True}
 
 
-# Qwen3-30B-A3B's decode attention: 32 q heads over 4 kv heads of 128; a batch-1 step at 4,096 tokens of
-# context splits the keys 16 ways on sm90 (choose_num_splits), 16 on sm89 too.
-FUSED_REDUCE_CONTEXT = 4096
-
-
-def drive_attn_fused_reduce(capture: Capture, dtype: torch.dtype, dtype_name: str) -> None:
-    """``QSERVE_ATTN_FUSED_REDUCE`` off (the default) and on: a Qwen3-30B-A3B layer's batch-1 split decode through
-    ``attention_ops.paged_attention``, its last program per (seq, kv head) reducing the splits (the decode
-    kernels' ``FUSED_REDUCE`` tail, no reduce launch), over a model-dtype cache (``paged_attention_decode_kernel``)
-    and an fp8 one (``paged_attention_decode_packed_kernel``). No model is driven: the tail is the switch's
-    only new code, and the ci tier has no Qwen3 model; two launches, a few seconds of compiling a unit."""
-    from quant_kernels import attention_ops, attention_triton
-
-    heads, kv_heads, head_dim = 32, 4, 128
-    blocks = FUSED_REDUCE_CONTEXT // BLOCK_SIZE
-    query = torch.zeros((1, heads, head_dim), dtype=dtype)  # [T=1, H, D]
-    block_tables = torch.arange(blocks, dtype=torch.int32).view(1, blocks)  # [1, blocks]
-    seq_lens = torch.tensor([FUSED_REDUCE_CONTEXT], dtype=torch.int64)  # [1]
-    query_start_loc = torch.tensor([0, 1], dtype=torch.int64)  # [2]
-    for kv, cache_dtype in (("auto", dtype), ("fp8", torch.float8_e4m3fn)):
-        cache = torch.zeros((blocks, BLOCK_SIZE, kv_heads, head_dim), dtype=cache_dtype)  # [blocks, 16, Hkv, D]
-        scale = torch.ones((), dtype=torch.float32) if kv == "fp8" else None
-        for fused in ("0", "1"):  # the decode and the reduce launch (the default); the fused tail
-            label = (
-                f"qwen3-30b-a3b split reduce fused={fused} {dtype_name} kv={kv} decode batch 1 "
-                f"context {FUSED_REDUCE_CONTEXT}"
-            )
-            with mock.patch.dict(os.environ, {attention_triton.FUSED_REDUCE_ENV: fused}), where(capture, label):
-                with torch.inference_mode():
-                    attention_ops.paged_attention(
-                        query, cache, cache, block_tables, seq_lens, query_start_loc, 1, FUSED_REDUCE_CONTEXT,
-                        head_dim**-0.5, None, scale, scale,
-                    )  # fmt: skip
-    # distinct launches are recorded once: a model drive before this one may have made the same fused launch
-    fused = [x for x in capture.launches.values() if dict(x.constexprs).get("FUSED_REDUCE")]
-    assert {x.kernel for x in fused} >= {"paged_attention_decode_kernel", "paged_attention_decode_packed_kernel"}, (
-        "QSERVE_ATTN_FUSED_REDUCE=1 did not take the fused reduce"
-    )
-
-
 def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", "bf16"), log=print) -> Capture:
     """All the launches of ``tier`` (``TIERS``) for ``gpu``; ``log`` gets one line per stage."""
     plan = TIERS[tier]
@@ -867,7 +825,6 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
             drive_moe(capture, dtype, dtype_name, pdl)
             drive_moe_direct_blocks(capture, dtype, dtype_name, pdl)
             drive_qk_norm_rope(capture, dtype, dtype_name, pdl=pdl)
-            drive_attn_fused_reduce(capture, dtype, dtype_name)
     return capture
 
 

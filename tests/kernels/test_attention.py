@@ -6,10 +6,8 @@ with small tiles (so loops, splits and page boundaries are crossed at tiny sizes
 head dim 64, 128 x fp16, bf16 x model-dtype, fp8, int8 cache) at real sizes on CUDA. Every case
 draws fresh random inputs, poisons the output with NaN, and checks against the fp32 reference
 (``reference`` for model-dtype caches, ``reference_kv_quant`` for quantized ones) with explicit
-per-dtype tolerances; quantized caches are also bounded against the unquantized result. The opt-in
-fused split reduce (``QSERVE_ATTN_FUSED_REDUCE=1``) must give the two launches' results to one rounding of
-the output dtype (its splits are added in split order, the reduce kernel's in its layout's), on the CPU
-and (Qwen3-30B-A3B's heads, eager and in CUDA graphs) on the GPU.
+per-dtype tolerances; quantized caches are also bounded against the unquantized result. A split
+decode launches ``paged_attention_reduce_kernel`` once; one split never does.
 """
 
 from __future__ import annotations
@@ -372,33 +370,8 @@ def test_flat_prefill_grid_covers_every_query_block(block_q: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# QSERVE_ATTN_FUSED_REDUCE=1: the split decode's last program per (seq, kv head) reduces
+# The split reduce launch
 # ----------------------------------------------------------------------------------------------
-
-FUSED_REDUCE_ENV = attention_triton.FUSED_REDUCE_ENV
-# 8 q heads over 2 kv heads, 16-key tiles: a 3-key sequence has one tile, so its splits past the first
-# are empty (and a 17-key one's past the second); they must still arrive on the counter.
-FUSED_CASES = {
-    "fp16-split4": Case((1, 1, 1, 1), (3, 17, 45, 100), 8, 2, num_splits=4, config=SMALL),
-    "bf16-split2": Case((1, 1, 1, 1), (3, 17, 45, 100), 8, 2, dtype=torch.bfloat16, num_splits=2, config=SMALL),
-    "bf16-split4-window": Case(
-        (1, 1, 1), (5, 50, 77), 8, 2, dtype=torch.bfloat16, window=20, num_splits=4, config=SMALL
-    ),
-    # fp8 / int8 caches: the packed decode kernel (4 codes a word) and the byte-wise one
-    "fp8-packed-split4": Case((1, 1, 1), (3, 40, 90), 8, 2, cache="fp8", num_splits=4, strided=True, config=SMALL),
-    "int8-bytes-bf16-split2": Case(
-        (1, 1), (9, 70), 8, 2, 64, 32, torch.bfloat16, "int8", per_head_scale=True, num_splits=2, config=SMALL_BYTES
-    ),
-    # a mixed batch: the prefill sequence's decode programs store nothing but arrive all the same
-    "mixed-fp16-split4": Case((1, 5, 1), (3, 20, 60), 8, 2, num_splits=4, config=SMALL),
-}
-
-
-def _fused_counters(device: torch.device) -> torch.Tensor:
-    """The fused reduce's arrival counters on ``device`` (a launch's output device: "cuda:0", not "cuda")."""
-    from quant_kernels import device as kdevice
-
-    return kdevice.arrival_counters(device, 1, attention_triton.FUSED_REDUCE_OWNER)
 
 
 def _stored_args(case: Case, b: Batch) -> tuple:
@@ -415,37 +388,6 @@ def _attend(case: Case, args: tuple) -> torch.Tensor:
     return attention_triton.paged_attention(*args, out=out, num_splits=case.num_splits, config=case.config)
 
 
-def assert_same_rounding(fused: torch.Tensor, two_launches: torch.Tensor) -> None:
-    """Equal but for the output dtype's last bit: the fp32 combine's summation order differs between the
-    fused tail and the reduce kernel, which can move a value across a rounding boundary."""
-    assert not fused.isnan().any(), "the fused reduce left outputs unwritten"
-    ulp = torch.finfo(fused.dtype).eps
-    scale = two_launches.float().abs().amax().item()
-    torch.testing.assert_close(fused.float(), two_launches.float(), rtol=ulp, atol=ulp * scale)
-
-
-@pytest.mark.parametrize("name", list(FUSED_CASES))
-def test_fused_split_reduce_matches_two_launches(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """QSERVE_ATTN_FUSED_REDUCE=1 gives the two launches' results to one rounding (``_combine_splits`` adds the
-    splits in split order, the reduce kernel in its layout's) and the reference within the usual tolerance: GQA 4, empty splits, 2 and 4 splits, fp16 / bf16, a
-    sliding window, fp8 (packed) and int8 (byte-wise) caches, a mixed batch. Called twice: the second
-    call finds the counters reset (a counter left at num_splits would elect no last program, leaving
-    NaN)."""
-    case = FUSED_CASES[name]
-    b = make_batch(case, torch.Generator().manual_seed(zlib.crc32(name.encode())))
-    args = _stored_args(case, b)
-    ref = reference_kv_quant.paged_attention(*args).float()
-    monkeypatch.setenv(FUSED_REDUCE_ENV, "0")
-    two_launches = _attend(case, args)
-    assert_matches(two_launches, ref, case.dtype)
-    monkeypatch.setenv(FUSED_REDUCE_ENV, "1")
-    for _ in range(2):
-        fused = _attend(case, args)
-        assert_same_rounding(fused, two_launches)
-        assert_matches(fused, ref, case.dtype)
-        assert not _fused_counters(fused.device).any(), "an arrival counter was left set"
-
-
 class _CountingKernel:
     """A Triton kernel's stand-in that counts its launches (``kernel[grid](...)``) and makes them."""
 
@@ -457,42 +399,22 @@ class _CountingKernel:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("value,reduce_launches", [(None, 1), ("", 1), ("0", 1), ("1", 0), (" 1 ", 0)])
-def test_fused_split_reduce_switch_decides_the_reduce_launch(
-    value: str | None, reduce_launches: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Off (unset, empty, "0": the default) a split decode launches ``paged_attention_reduce_kernel``;
-    on ("1") it does not, and the output is the same. One split never launches it."""
-    if value is None:
-        monkeypatch.delenv(FUSED_REDUCE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(FUSED_REDUCE_ENV, value)
+def test_split_decode_launches_the_reduce_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split decode launches ``paged_attention_reduce_kernel`` once, after the decode launch; one split
+    never launches it (the decode kernel writes the output)."""
     counting = _CountingKernel(attention_triton.paged_attention_reduce_kernel)
     monkeypatch.setattr(attention_triton, "paged_attention_reduce_kernel", counting)
     case = Case((1, 1), (20, 37), 8, 2, num_splits=2, config=SMALL)
     b = make_batch(case, torch.Generator().manual_seed(13))
     args = _stored_args(case, b)
     assert_matches(_attend(case, args), reference_kv_quant.paged_attention(*args).float(), case.dtype)
-    assert len(counting.grids) == reduce_launches
+    assert len(counting.grids) == 1
     _attend(replace(case, num_splits=1), args)
-    assert len(counting.grids) == reduce_launches
-
-
-@pytest.mark.parametrize("value", ["2", "true", "on", "yes", "-1"])
-def test_fused_split_reduce_switch_refuses_other_values(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A value other than 0 or 1 is refused by name (a typo must not silently measure the other path),
-    by the switch and by a decode launch (which reads it), split or not."""
-    monkeypatch.setenv(FUSED_REDUCE_ENV, value)
-    with pytest.raises(ValueError, match=FUSED_REDUCE_ENV):
-        attention_triton.fused_reduce_requested()
-    case = Case((1,), (20,), 8, 2, num_splits=1, config=SMALL)
-    b = make_batch(case, torch.Generator().manual_seed(1))
-    with pytest.raises(ValueError, match=FUSED_REDUCE_ENV):
-        _attend(case, _stored_args(case, b))
+    assert len(counting.grids) == 1
 
 
 def test_arrival_counters_per_owner_grow_and_keep_old_buffers() -> None:
-    """``quant_kernels.device.arrival_counters`` (the fused reduce's, MoE split-K's and the router's): one
+    """``quant_kernels.device.arrival_counters`` (MoE split-K's and the router's): one
     zeroed buffer per (owner, device), returned as is while large enough, at least doubled past it,
     the replaced one kept alive (a CUDA graph captured with it keeps a valid address)."""
     from quant_kernels import device as kdevice
@@ -597,65 +519,6 @@ def test_decode_cuda_graph_replay_gpu() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(out, reference.paged_attention(*args()).float(), case.dtype)
-
-
-# Qwen3-30B-A3B's attention: 32 q heads over 4 kv heads of 128. Eager lengths, then two rounds of new
-# lengths for the graphs' replays (the tables hold 4,096 keys for every sequence).
-QWEN3_MOE_LENS = {
-    1: ((4096,), (1000,), (17,)),
-    8: ((4096, 1, 17, 300, 1000, 2049, 3001, 4095), (5, 4096, 129, 64, 2222, 700, 1, 3333), (4096,) * 8),
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("cache", ["auto", "fp8"])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_fused_split_reduce_qwen3_30b_a3b_gpu(
-    batch: int, cache: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """QSERVE_ATTN_FUSED_REDUCE=1 against the two launches at Qwen3-30B-A3B's decode attention, batch 1
-    (16 splits on an H100 / H200) and 8 (8 splits), contexts up to 4,096: the same to one rounding eagerly, and
-    in a CUDA graph of each path (captured at the fixed max_seq_len, as the engine's) replayed twice
-    with new lengths and queries; the reference within tolerance; the counters left zero."""
-    eager_lens, *replay_lens = QWEN3_MOE_LENS[batch]
-    case = Case((1,) * batch, (4096,) * batch, 32, 4, 128, 16, dtype, cache)
-    gen = torch.Generator().manual_seed(batch)
-    b = make_batch(case, gen)
-    args = (
-        b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 1, 4096, 128**-0.5,
-        None, b.k_scale, b.v_scale,
-    )  # fmt: skip
-
-    def new_inputs(lens: tuple[int, ...]) -> torch.Tensor:  # the reference's fp32 output for them
-        b.seq_lens.copy_(torch.tensor(lens, device=DEVICE))
-        b.query.copy_(torch.randn(b.query.shape, generator=gen).to(dtype))
-        return reference_kv_quant.paged_attention(*args).float()
-
-    ref = new_inputs(eager_lens)
-    outs = {}
-    for flag in ("0", "1"):  # eager: compiles and allocates the counters outside capture, as the warm-up does
-        monkeypatch.setenv(FUSED_REDUCE_ENV, flag)
-        outs[flag] = attention_triton.paged_attention(*args, out=torch.full_like(b.query, float("nan")))
-    torch.cuda.synchronize()
-    assert_same_rounding(outs["1"], outs["0"])
-    assert_matches(outs["1"], ref, dtype)
-    graphs = {}
-    for flag, out in outs.items():  # the switch is read at capture: each graph holds its own path
-        monkeypatch.setenv(FUSED_REDUCE_ENV, flag)
-        graphs[flag] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[flag]):
-            attention_triton.paged_attention(*args, out=out)
-    for lens in replay_lens:
-        ref = new_inputs(lens)
-        for flag, graph in graphs.items():
-            outs[flag].fill_(float("nan"))
-            graph.replay()
-        torch.cuda.synchronize()
-        assert_same_rounding(outs["1"], outs["0"])
-        assert_matches(outs["1"], ref, dtype)
-    assert not _fused_counters(b.query.device).any()
 
 
 @pytest.mark.gpu
