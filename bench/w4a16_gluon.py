@@ -49,9 +49,16 @@ CANDIDATES = [  # (block_m, block_n, stages, warps, split_k[, scales_ahead: 1 if
 
 def configs(m: int, candidates: list[tuple[int, ...]] | None = None) -> list[glk.WgmmaConfig]:
     out = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
     for bm, bn, st, w, sk, *ahead in candidates or CANDIDATES:
         base = glk.WgmmaConfig(
-            block_m=bm, block_n=bn, stages=st, num_warps=w, split_k=sk, scales_ahead=ahead[0] if ahead else 1
+            block_m=bm,
+            block_n=bn,
+            stages=st,
+            num_warps=w,
+            split_k=max(1, sk),
+            scales_ahead=ahead[0] if ahead else 1,
+            stream_k_programs=0 if sk else sms * glk.PROGRAMS_PER_SM,  # split_k 0: stream-K, two programs an SM
         )
         cfg = glk.fit(base, m)
         if cfg not in out:
@@ -152,7 +159,7 @@ def main() -> None:
         "--candidates",
         default="",
         help="comma list of block_m x block_n x stages x warps x split_k [x scales_ahead] (e.g. 128x64x3x4x1, "
-        "128x64x3x4x1x2); default: CANDIDATES",
+        "128x64x3x4x1x2; split_k 0: stream-K over two programs an SM); default: CANDIDATES",
     )
     args = ap.parse_args()
     candidates = []

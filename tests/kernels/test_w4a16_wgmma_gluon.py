@@ -56,6 +56,9 @@ COMPILE_CASES = [
     (glk.WgmmaConfig(split_k=3), "bf16", True, True),
     (glk.WgmmaConfig(block_m=64, stages=4, split_k=3), "fp16", True, True),  # the narrow launch (33-64 rows)
     (glk.WgmmaConfig(scales_ahead=1), "fp16", True, True),
+    # stream-K (QSERVE_W4A16_GLUON_STREAM_K=1, opt-in; bf16 with zeros spills 32 bytes at 255 registers)
+    (glk.WgmmaConfig(stream_k_programs=264), "fp16", False, True),
+    (glk.WgmmaConfig(stream_k_programs=264), "fp16", True, False),
 ]
 
 
@@ -208,6 +211,16 @@ def test_fit_clamps_tiles_to_the_problem() -> None:
     assert glk.fit(glk.WgmmaConfig(block_n=64, num_warps=8), 512).num_warps == 4
 
 
+def test_stream_k_runs_cover_every_iteration_and_the_slots_every_part() -> None:
+    """``stream_k_grid``: no program without an iteration, every iteration in one run; ``stream_k_parts``: as
+    many workspace slots as the most programs one tile's iterations meet (brute force)."""
+    for tiles, kt, asked in [(320, 108, 264), (160, 40, 264), (7, 13, 100), (1, 1, 264), (864, 40, 264), (5, 3, 4)]:
+        programs, per = glk.stream_k_grid(tiles * kt, asked)
+        assert programs <= asked and (programs - 1) * per < tiles * kt <= programs * per
+        meets = [len({it // per for it in range(t * kt, (t + 1) * kt)}) for t in range(tiles)]
+        assert max(meets) <= glk.stream_k_parts(kt, per)
+
+
 def test_split_never_leaves_a_share_empty() -> None:
     # 5 K-tiles in 4 shares of cdiv(5, 4) = 2 would leave the last empty: the wrapper takes 3 shares
     assert glk.effective_split(5, 4) == 3
@@ -258,6 +271,25 @@ def test_split_setting_picks_the_shares_and_refuses_anything_else(monkeypatch) -
         monkeypatch.setenv(glk.SPLIT_ENV, bad)
         with pytest.raises(ValueError, match=f"QSERVE_W4A16_GLUON_SPLIT='{bad}'"):
             glk.default_config(128, 5120, 5120, 132)
+
+
+def test_stream_k_setting_gives_two_programs_an_sm_past_64_rows(monkeypatch) -> None:
+    """``QSERVE_W4A16_GLUON_STREAM_K=1`` (opt-in): 65-512 rows take a stream-K launch of two programs an SM;
+    the narrow launch and past 4 row tiles (the counters) keep theirs; unset: off; another value refused."""
+    monkeypatch.delenv(glk.SPLIT_ENV, raising=False)
+    monkeypatch.delenv(glk.STREAM_K_ENV, raising=False)
+    assert glk.default_config(256, 13824, 5120, 132).stream_k_programs == 0
+    monkeypatch.setenv(glk.STREAM_K_ENV, "1")
+    assert [glk.default_config(m, 13824, 5120, 132).stream_k_programs for m in (48, 65, 256, 512, 513)] == [
+        0,
+        264,
+        264,
+        264,
+        0,
+    ]
+    monkeypatch.setenv(glk.STREAM_K_ENV, "yes")
+    with pytest.raises(ValueError, match="QSERVE_W4A16_GLUON_STREAM_K='yes'"):
+        glk.default_config(256, 13824, 5120, 132)
 
 
 def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -> None:
@@ -393,6 +425,12 @@ GPU_CASES = [
     # the narrow launch (33-64 rows: 64-row x tiles in 4 stages)
     (48, 2560, 320, 128, True, True, torch.float16, glk.WgmmaConfig(block_m=64, stages=4, split_k=3)),
     (64, 1792, 200, -1, False, True, torch.bfloat16, glk.WgmmaConfig(block_m=64, stages=4, split_k=2)),
+    # stream-K: runs that cut tiles in 2-3 parts and ones that hold several whole tiles; ragged M and N, zeros,
+    # bias, bf16, per-column groups
+    (300, 1664, 200, 128, True, True, torch.float16, glk.WgmmaConfig(stream_k_programs=7)),
+    (256, 2560, 384, 128, False, True, torch.bfloat16, glk.WgmmaConfig(stream_k_programs=11)),
+    (129, 1408, 200, -1, True, False, torch.float16, glk.WgmmaConfig(stream_k_programs=264)),
+    (512, 1280, 640, 128, False, False, torch.float16, glk.WgmmaConfig(stream_k_programs=3)),
 ]
 
 
@@ -525,13 +563,14 @@ def test_split_k_gives_the_same_bits_from_run_to_run() -> None:
     every run, an arrival-order sum would pass too: 4 shares of 64 tiles (256 programs, more than one wave) to
     vary the order."""
     weight, counters, x, ref = _split_problem(21, 512, 5120, 1024, False)
-    cfg = glk.WgmmaConfig(split_k=4)
-    first = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
-    torch.testing.assert_close(first.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
-    for _ in range(30):
-        assert torch.equal(glk.w4a16_wgmma(x, weight, config=cfg, counters=counters), first)
-    torch.cuda.synchronize()
-    assert int(counters.abs().sum()) == 0
+    # and stream-K (opt-in): 64 tiles x 40 K-tiles over 132 programs, every tile cut in 2-3 parts
+    for cfg in (glk.WgmmaConfig(split_k=4), glk.WgmmaConfig(stream_k_programs=132)):
+        first = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
+        torch.testing.assert_close(first.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
+        for _ in range(30):
+            assert torch.equal(glk.w4a16_wgmma(x, weight, config=cfg, counters=counters), first), cfg.short()
+        torch.cuda.synchronize()
+        assert int(counters.abs().sum()) == 0, cfg.short()
 
 
 def test_compile_runs_in_a_fresh_process_without_a_gpu() -> None:
