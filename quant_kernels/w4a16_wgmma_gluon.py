@@ -424,7 +424,7 @@ def w4a16_wgmma_stream_k_kernel(
     scales_ptr,  # [groups, N]
     zeros_ptr,  # fp16 [groups, N]: z - 8 (HAS_ZEROS)
     bias_ptr,  # [N] (HAS_BIAS)
-    ws_ptr,  # fp32 [MAX_PARTS, tiles, BLOCK_N, BLOCK_M]: a slot per program that meets a tile
+    ws_ptr,  # fp32 [P, 2, BLOCK_N, BLOCK_M]: a program's two slots (its first segment's part, its last's)
     cnt_ptr,  # int32 [>= tiles]: arrival counters, zero between launches
     M,
     N,
@@ -444,10 +444,12 @@ def w4a16_wgmma_stream_k_kernel(
     """Stream-K: grid ``(P,)``; the product's ``tiles x K-tiles`` iterations (tile-major) are cut into ``P``
     equal runs of ``per`` iterations, one a program, so no wave is left partly empty (ncu at 512 rows of down,
     twenty-second session: the last of 3.64 waves was ncu's largest estimated loss after latency). A program
-    walks the tiles its run meets: a whole tile it writes, a part of one it stores as an fp32 partial in the
-    slot of its rank among the programs that meet the tile, and the last of them to arrive sums every slot in
-    K order (the same bits from run to run), adds the bias, writes the tile and resets the counter. Each
-    segment is ``w4a16_wgmma_kernel``'s main loop (the ring refilled from the segment's first K-tile)."""
+    walks the tiles its run meets: a whole tile it writes; a part of one it stores as an fp32 partial, and the
+    last of the tile's programs to arrive sums the parts in K order (the same bits from run to run), adds the
+    bias, writes the tile and resets the counter. Only a run's first and last segments can be parts, so a
+    program has two slots: 1 for the part of a tile that starts in its run (its last segment), 0 for the one
+    that started before (its first). Each segment is ``w4a16_wgmma_kernel``'s main loop (the ring refilled
+    from the segment's first K-tile)."""
     dtype: gl.constexpr = x_desc.dtype
     WORDS: gl.constexpr = BLOCK_K // 2
     MMA_LAYOUT: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
@@ -516,14 +518,18 @@ def w4a16_wgmma_stream_k_kernel(
             r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_LAYOUT))  # [BLOCK_N]
             c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_LAYOUT))  # [BLOCK_M]
             local = gl.expand_dims(r, 1) * BLOCK_M + gl.expand_dims(c, 0)  # [BLOCK_N, BLOCK_M] offsets in a slot
-            gl.store(ws_ptr + ((pid - first) * tiles + t).to(gl.int64) * slot_elems + local, acc)
+            slot = 2 * pid + (pid == first).to(gl.int32)
+            gl.store(ws_ptr + slot.to(gl.int64) * slot_elems + local, acc)
             _cta_barrier()  # every thread's partial before the counter's release (w4a16_wgmma_kernel's order)
             arrived = gl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
             finished = arrived == parts - 1
             if finished:  # every part in K order, whichever came last: the same bits from run to run
-                acc = gl.zeros_like(acc)
-                for part in range(parts):
-                    acc += gl.load(ws_ptr + (part * tiles + t).to(gl.int64) * slot_elems + local, cache_modifier=".cg")
+                # part 0 is program first's slot 1 (the tile starts in its run); part j its successor's slot 0
+                acc = gl.load(ws_ptr + (2 * first + 1).to(gl.int64) * slot_elems + local, cache_modifier=".cg")
+                for part in range(1, parts):
+                    acc += gl.load(
+                        ws_ptr + (2 * (first + part)).to(gl.int64) * slot_elems + local, cache_modifier=".cg"
+                    )
                 gl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
         if finished:
             rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_LAYOUT))  # [BLOCK_N] output columns
@@ -534,6 +540,7 @@ def w4a16_wgmma_stream_k_kernel(
             fence_async_shared()
             tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_smem)
             tma.store_wait(0)  # out of the stage before the next segment's loads refill it
+            _cta_barrier()  # and so for every warp, whichever issues the refill (not left to Triton's lowering)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -662,12 +669,6 @@ def stream_k_grid(iterations: int, programs: int) -> tuple[int, int]:
     return triton.cdiv(iterations, per), per
 
 
-def stream_k_parts(k_tiles: int, per: int) -> int:
-    """The most programs a tile's ``k_tiles`` consecutive iterations can meet with runs of ``per``: the
-    workspace's slots a tile."""
-    return triton.cdiv(k_tiles - 1, per) + 1
-
-
 def _checked_counters(counters: torch.Tensor | None, tiles: int, device: torch.device) -> torch.Tensor:
     """The split launches' arrival counters: the caller's (zeroed, one an output tile at least, else refused by
     name), or fresh zeros."""
@@ -734,7 +735,7 @@ def w4a16_wgmma(
     if cfg.stream_k_programs > 0:
         kt = triton.cdiv(k, bk)
         programs, per = stream_k_grid(tiles * kt, cfg.stream_k_programs)
-        ws = torch.empty((stream_k_parts(kt, per), tiles, bn, bm), dtype=torch.float32, device=x.device)
+        ws = torch.empty((programs, 2, bn, bm), dtype=torch.float32, device=x.device)  # two slots a program
         counters = _checked_counters(counters, tiles, x.device)
         w4a16_wgmma_stream_k_kernel[(programs,)](
             x_desc,

@@ -211,14 +211,32 @@ def test_fit_clamps_tiles_to_the_problem() -> None:
     assert glk.fit(glk.WgmmaConfig(block_n=64, num_warps=8), 512).num_warps == 4
 
 
-def test_stream_k_runs_cover_every_iteration_and_the_slots_every_part() -> None:
-    """``stream_k_grid``: no program without an iteration, every iteration in one run; ``stream_k_parts``: as
-    many workspace slots as the most programs one tile's iterations meet (brute force)."""
+def test_stream_k_runs_cover_every_iteration_and_each_part_has_its_own_slot() -> None:
+    """``stream_k_grid``: no program without an iteration, every iteration in one run. The kernel's slots (a
+    program's part of a tile starting in its run: slot 2p + 1, else 2p), brute force over its own formulas:
+    every part of every cut tile has a slot no other part uses, and the last arriver's reading order (program
+    first's slot 1, then its successors' slot 0) is the parts in K order."""
     for tiles, kt, asked in [(320, 108, 264), (160, 40, 264), (7, 13, 100), (1, 1, 264), (864, 40, 264), (5, 3, 4)]:
         programs, per = glk.stream_k_grid(tiles * kt, asked)
         assert programs <= asked and (programs - 1) * per < tiles * kt <= programs * per
-        meets = [len({it // per for it in range(t * kt, (t + 1) * kt)}) for t in range(tiles)]
-        assert max(meets) <= glk.stream_k_parts(kt, per)
+        used = {}  # slot -> (tile, K-tile of the part's start)
+        for pid in range(programs):
+            it0, it1 = pid * per, min(pid * per + per, tiles * kt)
+            for t in range(it0 // kt, (it1 - 1) // kt + 1):
+                k0, k1 = max(it0, t * kt) - t * kt, min(it1, t * kt + kt) - t * kt
+                if k1 - k0 == kt:
+                    continue
+                first = t * kt // per
+                slot = 2 * pid + (pid == first)
+                assert slot not in used and slot < 2 * programs
+                used[slot] = (t, k0)
+        for t in range(tiles):
+            first = t * kt // per
+            parts = (t * kt + kt - 1) // per - first + 1
+            if parts > 1:
+                order = [used[2 * first + 1]] + [used[2 * (first + j)] for j in range(1, parts)]
+                assert [tile for tile, _ in order] == [t] * parts
+                assert [k0 for _, k0 in order] == sorted(k0 for _, k0 in order) and order[0][1] == 0
 
 
 def test_split_never_leaves_a_share_empty() -> None:
@@ -431,6 +449,8 @@ GPU_CASES = [
     (256, 2560, 384, 128, False, True, torch.bfloat16, glk.WgmmaConfig(stream_k_programs=11)),
     (129, 1408, 200, -1, True, False, torch.float16, glk.WgmmaConfig(stream_k_programs=264)),
     (512, 1280, 640, 128, False, False, torch.float16, glk.WgmmaConfig(stream_k_programs=3)),
+    # 4 parts a tile with middle parts of 6 K-tiles, groups of two K-tiles entered at odd K-tiles
+    (256, 2560, 384, 256, True, True, torch.float16, glk.WgmmaConfig(stream_k_programs=40)),
 ]
 
 
@@ -500,12 +520,15 @@ def _split_problem(seed: int, m: int, k: int, n: int, asym: bool) -> tuple:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs an sm90 GPU")
-def test_split_k_leaves_its_counters_at_zero_and_replays_in_a_graph() -> None:
-    """Three shares of every tile through the weight's own counters (``quant_kernels.ops``): the counters are
-    zero after each launch (the last share resets its tile's), a replayed graph writes the eager output
-    again, and counters too few for the tiles are refused by name."""
+@pytest.mark.parametrize(
+    "cfg", [glk.WgmmaConfig(split_k=3), glk.WgmmaConfig(stream_k_programs=50)], ids=["split3", "streamk"]
+)
+def test_split_k_leaves_its_counters_at_zero_and_replays_in_a_graph(cfg) -> None:
+    """Three shares of every tile (and stream-K, opt-in: 20 tiles x 24 K-tiles over 48 programs of 10, every tile
+    in 3-4 parts) through the weight's own counters (``quant_kernels.ops``): the counters are zero after each
+    launch (the last share resets its tile's), a replayed graph writes the eager output again, and counters
+    too few for the tiles are refused by name."""
     weight, counters, x, ref = _split_problem(9, 256, 3072, 640, True)
-    cfg = glk.WgmmaConfig(split_k=3)
     eager = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
     torch.cuda.synchronize()
     assert int(counters.abs().sum()) == 0
@@ -563,8 +586,9 @@ def test_split_k_gives_the_same_bits_from_run_to_run() -> None:
     every run, an arrival-order sum would pass too: 4 shares of 64 tiles (256 programs, more than one wave) to
     vary the order."""
     weight, counters, x, ref = _split_problem(21, 512, 5120, 1024, False)
-    # and stream-K (opt-in): 64 tiles x 40 K-tiles over 132 programs, every tile cut in 2-3 parts
-    for cfg in (glk.WgmmaConfig(split_k=4), glk.WgmmaConfig(stream_k_programs=132)):
+    # and stream-K (opt-in): 64 tiles x 40 K-tiles over 197 programs of 13, every tile cut in 4 parts (with 2
+    # parts, as with 132 programs, any sum order gives the same bits)
+    for cfg in (glk.WgmmaConfig(split_k=4), glk.WgmmaConfig(stream_k_programs=200)):
         first = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
         torch.testing.assert_close(first.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
         for _ in range(30):
