@@ -287,6 +287,57 @@ def _step(
 
 
 @gluon.jit
+def _main_loop(
+    ring,  # (x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count): _load_tile's
+    scales_ptr,
+    zeros_ptr,
+    N,
+    stride_sg,
+    stride_zg,
+    MMA_LAYOUT: gl.constexpr,
+    A_LAYOUT: gl.constexpr,
+    WORD_LAYOUT: gl.constexpr,
+    HAS_ZEROS: gl.constexpr,
+    GROUP_TILES: gl.constexpr,
+    SCALES_AHEAD: gl.constexpr,
+):
+    """This program's ``count`` K-tiles from ``kt0`` of one output tile: the ring's barriers set up, its first
+    ``STAGES - 1`` tiles requested, every tile dequantized into its wgmma (``_step``), the last wgmma waited
+    for and the barriers released; returns the fp32 accumulator ``[BLOCK_N, BLOCK_M]``.
+
+    Two tiles per iteration, each through its own call site: tile i's A operand (registers read by its
+    wgmma until the wait one tile later) and tile i + 1's are different values, so the PTX never redefines
+    an A register under a wgmma in flight (one call site in a rolled loop writes the same virtual registers
+    every iteration: the race the Triton kernel met). The first tile is peeled so that every path reaches
+    the last wait through a wgmma."""
+    x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count = ring
+    STAGES: gl.constexpr = x_smem.shape[0]
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = 4 * w_desc.block_type.shape[0]
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES - 1):
+        _load_tile(i, i < count, ring)
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A_LAYOUT))  # [BLOCK_N]
+    mask_n = offs_n < N
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_LAYOUT)
+    params = (scales_ptr, zeros_ptr, offs_n, mask_n, kt0, stride_sg, stride_zg)
+    sz = _group_params(0, params, HAS_ZEROS, GROUP_TILES)
+    if SCALES_AHEAD == 2:
+        sz = (sz, _group_params(gl.minimum(1, count - 1), params, HAS_ZEROS, GROUP_TILES))
+    acc, sz = _step(0, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
+    for j in range((count - 1) // 2):
+        acc, sz = _step(2 * j + 1, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
+        acc, sz = _step(2 * j + 2, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
+    if count % 2 == 0:
+        acc, sz = _step(count - 1, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    return acc
+
+
+@gluon.jit
 def w4a16_wgmma_kernel(
     x_desc,  # TMA [M, K] fp16/bf16, block [BLOCK_M, BLOCK_K]
     w_desc,  # TMA int32 [N_pad / 4, K_pad / 2], block [BLOCK_N / 4, BLOCK_K / 2]
@@ -318,7 +369,6 @@ def w4a16_wgmma_kernel(
     MMA_LAYOUT: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_LAYOUT, k_width=2)
     WORD_LAYOUT: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps)
-    ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, A_LAYOUT)  # [BLOCK_N] per weight row
 
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
@@ -338,33 +388,11 @@ def w4a16_wgmma_kernel(
     x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N // 4, WORDS], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
     ring = (x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count)
-    for i in gl.static_range(STAGES - 1):
-        _load_tile(i, i < count, ring)
-
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=ROW_LAYOUT)  # [BLOCK_N]
-    mask_n = offs_n < N
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_LAYOUT)
-    params = (scales_ptr, zeros_ptr, offs_n, mask_n, kt0, stride_sg, stride_zg)
-    sz = _group_params(0, params, HAS_ZEROS, GROUP_TILES)
-    if SCALES_AHEAD == 2:
-        sz = (sz, _group_params(gl.minimum(1, count - 1), params, HAS_ZEROS, GROUP_TILES))
-    # Two tiles per iteration, each through its own call site: tile i's A operand (registers read by its
-    # wgmma until the wait one tile later) and tile i + 1's are different values, so the PTX never
-    # redefines an A register under a wgmma in flight (one call site in a rolled loop writes the same
-    # virtual registers every iteration: the race the Triton kernel met). The first tile is peeled so
-    # that every path reaches the last wait through a wgmma.
-    acc, sz = _step(0, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
-    for j in range((count - 1) // 2):
-        acc, sz = _step(2 * j + 1, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
-        acc, sz = _step(2 * j + 2, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
-    if count % 2 == 0:
-        acc, sz = _step(count - 1, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+    acc = _main_loop(
+        ring, scales_ptr, zeros_ptr, N, stride_sg, stride_zg,
+        MMA_LAYOUT, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD,
+    )  # fmt: skip
 
     rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_LAYOUT))  # [BLOCK_N] output columns
     if SPLIT_K == 1:
@@ -448,14 +476,13 @@ def w4a16_wgmma_stream_k_kernel(
     last of the tile's programs to arrive sums the parts in K order (the same bits from run to run), adds the
     bias, writes the tile and resets the counter. Only a run's first and last segments can be parts, so a
     program has two slots: 1 for the part of a tile that starts in its run (its last segment), 0 for the one
-    that started before (its first). Each segment is ``w4a16_wgmma_kernel``'s main loop (the ring refilled
-    from the segment's first K-tile)."""
+    that started before (its first). Each segment is ``_main_loop`` (the ring refilled from the segment's
+    first K-tile), as in ``w4a16_wgmma_kernel``."""
     dtype: gl.constexpr = x_desc.dtype
     WORDS: gl.constexpr = BLOCK_K // 2
     MMA_LAYOUT: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_LAYOUT, k_width=2)
     WORD_LAYOUT: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps)
-    ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, A_LAYOUT)  # [BLOCK_N] per weight row
 
     pid = gl.program_id(0)
     tiles_n = gl.cdiv(N, BLOCK_N)
@@ -484,32 +511,11 @@ def w4a16_wgmma_stream_k_kernel(
         pid_n = t % tiles_n
         off_n = pid_n * BLOCK_N
         off_m = (t // tiles_n) * BLOCK_M
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
         ring = (x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count)
-        for i in gl.static_range(STAGES - 1):
-            _load_tile(i, i < count, ring)
-        offs_n = off_n + gl.arange(0, BLOCK_N, layout=ROW_LAYOUT)  # [BLOCK_N]
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA_LAYOUT)
-        params = (scales_ptr, zeros_ptr, offs_n, offs_n < N, kt0, stride_sg, stride_zg)
-        sz = _group_params(0, params, HAS_ZEROS, GROUP_TILES)
-        if SCALES_AHEAD == 2:
-            sz = (sz, _group_params(gl.minimum(1, count - 1), params, HAS_ZEROS, GROUP_TILES))
-        acc, sz = _step(0, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD)
-        for j in range((count - 1) // 2):
-            acc, sz = _step(
-                2 * j + 1, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD
-            )
-            acc, sz = _step(
-                2 * j + 2, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD
-            )
-        if count % 2 == 0:
-            acc, sz = _step(
-                count - 1, acc, sz, ring, params, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD
-            )
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
+        acc = _main_loop(
+            ring, scales_ptr, zeros_ptr, N, stride_sg, stride_zg,
+            MMA_LAYOUT, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD,
+        )  # fmt: skip
 
         finished = count == kt  # the whole tile in this program's run
         if not finished:  # a part: its slot, then the last of the tile's programs to arrive sums the parts
@@ -732,35 +738,31 @@ def w4a16_wgmma(
     split = effective_split(triton.cdiv(k, bk), cfg.split_k)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     tiles = grid[0] * grid[1]
+    args = (
+        x_desc,
+        w_desc,
+        out_desc,
+        weight.scales,
+        zeros,
+        bias if bias is not None else weight.scales,
+    )
+    shapes = (m, n, k, weight.scales.stride(0), zeros.stride(0))
+    constants = dict(
+        HAS_ZEROS=weight.zeros is not None,
+        GROUP_TILES=group_tiles(weight.group_size, k, bk),
+        SCALES_AHEAD=cfg.scales_ahead,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        STAGES=cfg.stages,
+        num_warps=cfg.num_warps,
+    )
     if cfg.stream_k_programs > 0:
-        kt = triton.cdiv(k, bk)
-        programs, per = stream_k_grid(tiles * kt, cfg.stream_k_programs)
+        programs, _per = stream_k_grid(tiles * triton.cdiv(k, bk), cfg.stream_k_programs)
         ws = torch.empty((programs, 2, bn, bm), dtype=torch.float32, device=x.device)  # two slots a program
         counters = _checked_counters(counters, tiles, x.device)
-        w4a16_wgmma_stream_k_kernel[(programs,)](
-            x_desc,
-            w_desc,
-            out_desc,
-            weight.scales,
-            zeros,
-            bias if bias is not None else weight.scales,
-            ws,
-            counters,
-            m,
-            n,
-            k,
-            weight.scales.stride(0),
-            zeros.stride(0),
-            HAS_ZEROS=weight.zeros is not None,
-            GROUP_TILES=group_tiles(weight.group_size, k, bk),
-            SCALES_AHEAD=cfg.scales_ahead,
-            HAS_BIAS=bias is not None,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            STAGES=cfg.stages,
-            num_warps=cfg.num_warps,
-        )
+        w4a16_wgmma_stream_k_kernel[(programs,)](*args, ws, counters, *shapes, **constants)
         return out
     if split > 1:
         ws = torch.empty((split, tiles, bn, bm), dtype=torch.float32, device=x.device)  # one slot a share
@@ -768,31 +770,7 @@ def w4a16_wgmma(
     else:
         ws = kdevice.placeholder(x.device, torch.float32)
         counters = kdevice.placeholder(x.device, torch.int32)
-    w4a16_wgmma_kernel[grid](
-        x_desc,
-        w_desc,
-        out_desc,
-        weight.scales,
-        zeros,
-        bias if bias is not None else weight.scales,
-        ws,
-        counters,
-        m,
-        n,
-        k,
-        weight.scales.stride(0),
-        zeros.stride(0),
-        HAS_ZEROS=weight.zeros is not None,
-        GROUP_TILES=group_tiles(weight.group_size, k, bk),
-        SCALES_AHEAD=cfg.scales_ahead,
-        HAS_BIAS=bias is not None,
-        SPLIT_K=split,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        STAGES=cfg.stages,
-        num_warps=cfg.num_warps,
-    )
+    w4a16_wgmma_kernel[grid](*args, ws, counters, *shapes, SPLIT_K=split, **constants)
     return out
 
 
