@@ -28,7 +28,7 @@ from quant_kernels import w4a16_mma_triton as mma  # noqa: E402
 from quant_kernels import w4a16_wgmma_gluon as glk  # noqa: E402
 from quant_kernels.reference import dequantize  # noqa: E402
 
-CANDIDATES = [  # (block_m, block_n, stages, warps, split_k[, scales_ahead: 1 if left out])
+CANDIDATES = [  # (block_m, block_n, stages, warps, split_k[, scales_ahead: 1 if left out[, block_k: 128]])
     (128, 128, 4, 8, 1),
     (128, 64, 4, 4, 1),
     (64, 128, 4, 8, 1),
@@ -49,16 +49,15 @@ CANDIDATES = [  # (block_m, block_n, stages, warps, split_k[, scales_ahead: 1 if
 
 def configs(m: int, candidates: list[tuple[int, ...]] | None = None) -> list[glk.WgmmaConfig]:
     out = []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-    for bm, bn, st, w, sk, *ahead in candidates or CANDIDATES:
+    for bm, bn, st, w, sk, *rest in candidates or CANDIDATES:
         base = glk.WgmmaConfig(
             block_m=bm,
             block_n=bn,
+            block_k=rest[1] if len(rest) > 1 else 128,
             stages=st,
             num_warps=w,
-            split_k=max(1, sk),
-            scales_ahead=ahead[0] if ahead else 1,
-            stream_k_programs=0 if sk else sms * glk.PROGRAMS_PER_SM,  # split_k 0: stream-K, two programs an SM
+            split_k=sk,
+            scales_ahead=rest[0] if rest else 1,
         )
         cfg = glk.fit(base, m)
         if cfg not in out:
@@ -158,16 +157,17 @@ def main() -> None:
     ap.add_argument(
         "--candidates",
         default="",
-        help="comma list of block_m x block_n x stages x warps x split_k [x scales_ahead] (e.g. 128x64x3x4x1, "
-        "128x64x3x4x1x2; split_k 0: stream-K over two programs an SM); default: CANDIDATES",
+        help="comma list of block_m x block_n x stages x warps x split_k [x scales_ahead [x block_k]] (e.g. "
+        "128x64x3x4x1, 128x64x3x4x1x2, 64x128x4x4x1x2x64); default: CANDIDATES",
     )
     args = ap.parse_args()
     candidates = []
     for c in filter(None, args.candidates.split(",")):
         fields = c.split("x")
-        if len(fields) not in (5, 6) or not all(f.isdigit() for f in fields):
+        if len(fields) not in (5, 6, 7) or not all(f.isdigit() for f in fields):
             ap.error(
-                f"--candidates entry {c!r}: expected block_m x block_n x stages x warps x split_k [x scales_ahead]"
+                f"--candidates entry {c!r}: expected block_m x block_n x stages x warps x split_k "
+                "[x scales_ahead [x block_k]]"
             )
         candidates.append(tuple(int(f) for f in fields))
     candidates = candidates or None

@@ -35,10 +35,10 @@ at 33-128 rows; the long-K down 3 up to 512), measured on the H100 (twenty-first
 sessions); ``QSERVE_W4A16_GLUON_SPLIT=1`` never splits, ``=N`` forces N. Summing in arrival order (the
 others' partials onto the last share's own) made the output's last bit vary from run to run with 3 or
 more shares and was no faster (twenty-second session); the fp32-atomic split before it lost 1.3-7x.
-At 33-64 rows the x tiles are 64 rows in 4 stages (the narrow launch). ``w4a16_wgmma_stream_k_kernel``
-(``QSERVE_W4A16_GLUON_STREAM_K=1``, opt-in until a GPU run) cuts the product's tile x K-tile iterations in
-equal runs, one a program, so no wave is left partly empty (ncu at 512 rows of down, twenty-second session:
-3.64 waves). Serves 4-bit weights
+At 33-64 rows the x tiles are 64 rows in 4 stages (the narrow launch). A stream-K variant (the product's
+tile x K-tile iterations cut into equal runs over two programs an SM, aimed at the partial last wave) lost
+19-40% to this launch at every layer at 128-512 rows on the H100 and was deleted (twenty-third session,
+bench/RESULTS.md: ncu put its L2 at 81% against the split's 65%). Serves 4-bit weights
 without act-order whose K-tiles lie in one group (group size a multiple of ``block_k``, or one group
 per column), fp16/bf16 activations; ``supports`` says which. ``w4a16_mma_triton.uses_gluon`` decides
 when it runs (where it beat the other paths on the H100, bench/RESULTS.md, twentieth and twenty-first
@@ -77,7 +77,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from quant_kernels import device as kdevice
 from quant_kernels import int4_values_asm
 from quant_kernels.repack import MmaQuantWeight
-from quant_kernels.switches import env_switch
 
 
 @dataclass(frozen=True)
@@ -96,15 +95,11 @@ class WgmmaConfig:
     num_warps: int = 4
     split_k: int = 1
     scales_ahead: int = 2  # K-tiles ahead each tile's scales are loaded (1 or 2)
-    # > 0: stream-K over this many programs (``w4a16_wgmma_stream_k_kernel``; split_k is then unused). Opt-in
-    # until a GPU run (QSERVE_W4A16_GLUON_STREAM_K=1, ``default_config``: two programs an SM)
-    stream_k_programs: int = 0
 
     def short(self) -> str:
         return (
             f"gluon m{self.block_m} n{self.block_n} k{self.block_k} st{self.stages} w{self.num_warps} "
-            + (f"sk{self.stream_k_programs}" if self.stream_k_programs else f"s{self.split_k}")
-            + f" a{self.scales_ahead}"
+            f"s{self.split_k} a{self.scales_ahead}"
         )
 
 
@@ -444,111 +439,6 @@ def _write_out(acc, out_desc, bias_ptr, rows, N, off_m, off_n, HAS_BIAS: gl.cons
     tma.store_wait(0)
 
 
-@gluon.jit
-def w4a16_wgmma_stream_k_kernel(
-    x_desc,  # TMA [M, K] fp16/bf16, block [BLOCK_M, BLOCK_K]
-    w_desc,  # TMA int32 [N_pad / 4, K_pad / 2], block [BLOCK_N / 4, BLOCK_K / 2]
-    out_desc,  # TMA [M, N], block [BLOCK_M, BLOCK_N]
-    scales_ptr,  # [groups, N]
-    zeros_ptr,  # fp16 [groups, N]: z - 8 (HAS_ZEROS)
-    bias_ptr,  # [N] (HAS_BIAS)
-    ws_ptr,  # fp32 [P, 2, BLOCK_N, BLOCK_M]: a program's two slots (its first segment's part, its last's)
-    cnt_ptr,  # int32 [>= tiles]: arrival counters, zero between launches
-    M,
-    N,
-    K,
-    stride_sg,
-    stride_zg,
-    HAS_ZEROS: gl.constexpr,
-    GROUP_TILES: gl.constexpr,
-    SCALES_AHEAD: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    """Stream-K: grid ``(P,)``; the product's ``tiles x K-tiles`` iterations (tile-major) are cut into ``P``
-    equal runs of ``per`` iterations, one a program, so no wave is left partly empty (ncu at 512 rows of down,
-    twenty-second session: the last of 3.64 waves was ncu's largest estimated loss after latency). A program
-    walks the tiles its run meets: a whole tile it writes; a part of one it stores as an fp32 partial, and the
-    last of the tile's programs to arrive sums the parts in K order (the same bits from run to run), adds the
-    bias, writes the tile and resets the counter. Only a run's first and last segments can be parts, so a
-    program has two slots: 1 for the part of a tile that starts in its run (its last segment), 0 for the one
-    that started before (its first). Each segment is ``_main_loop`` (the ring refilled from the segment's
-    first K-tile), as in ``w4a16_wgmma_kernel``."""
-    dtype: gl.constexpr = x_desc.dtype
-    WORDS: gl.constexpr = BLOCK_K // 2
-    MMA_LAYOUT: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
-    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_LAYOUT, k_width=2)
-    WORD_LAYOUT: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps)
-
-    pid = gl.program_id(0)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    tiles = tiles_n * gl.cdiv(M, BLOCK_M)
-    kt = gl.cdiv(K, BLOCK_K)
-    total = tiles * kt
-    per = gl.cdiv(total, gl.num_programs(0))  # the wrapper's grid leaves no program without an iteration
-    it0 = pid * per
-    it1 = gl.minimum(it0 + per, total)
-
-    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N // 4, WORDS], w_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # The output tile's staging: the last stage's x buffer (32 KB at 128 x 128; the tile needs half). A buffer of
-    # its own beside the ring, live through every segment, made 127 KB: one program an SM. Each tile's store is
-    # waited for before the next segment's loads can reach that stage.
-    STAGE_ROWS: gl.constexpr = BLOCK_M * BLOCK_K // BLOCK_N  # the stage's bytes as rows of the output tile
-    stage_as_out = x_smem.index(STAGES - 1)._reinterpret(out_desc.dtype, [STAGE_ROWS, BLOCK_N], out_desc.layout)
-    c_smem = stage_as_out.slice(0, BLOCK_M)  # [BLOCK_M, BLOCK_N]
-    slot_elems: gl.constexpr = BLOCK_N * BLOCK_M
-
-    for t in range(it0 // kt, (it1 - 1) // kt + 1):
-        kt0 = gl.maximum(it0, t * kt) - t * kt  # this segment's K-tiles of tile t: [kt0, kt1)
-        count = gl.minimum(it1, t * kt + kt) - t * kt - kt0
-        gl.assume(count > 0)  # as in w4a16_wgmma_kernel: no zero-trip path to the last wait
-        pid_n = t % tiles_n
-        off_n = pid_n * BLOCK_N
-        off_m = (t // tiles_n) * BLOCK_M
-        ring = (x_desc, w_desc, x_smem, w_smem, bars, off_m, pid_n, kt0, count)
-        acc = _main_loop(
-            ring, scales_ptr, zeros_ptr, N, stride_sg, stride_zg,
-            MMA_LAYOUT, A_LAYOUT, WORD_LAYOUT, HAS_ZEROS, GROUP_TILES, SCALES_AHEAD,
-        )  # fmt: skip
-
-        finished = count == kt  # the whole tile in this program's run
-        if not finished:  # a part: its slot, then the last of the tile's programs to arrive sums the parts
-            first = (t * kt) // per  # the programs whose runs meet tile t: first .. last, in K order
-            parts = (t * kt + kt - 1) // per - first + 1
-            r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_LAYOUT))  # [BLOCK_N]
-            c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA_LAYOUT))  # [BLOCK_M]
-            local = gl.expand_dims(r, 1) * BLOCK_M + gl.expand_dims(c, 0)  # [BLOCK_N, BLOCK_M] offsets in a slot
-            slot = 2 * pid + (pid == first).to(gl.int32)
-            gl.store(ws_ptr + slot.to(gl.int64) * slot_elems + local, acc)
-            _cta_barrier()  # every thread's partial before the counter's release (w4a16_wgmma_kernel's order)
-            arrived = gl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
-            finished = arrived == parts - 1
-            if finished:  # every part in K order, whichever came last: the same bits from run to run
-                # part 0 is program first's slot 1 (the tile starts in its run); part j its successor's slot 0
-                acc = gl.load(ws_ptr + (2 * first + 1).to(gl.int64) * slot_elems + local, cache_modifier=".cg")
-                for part in range(1, parts):
-                    acc += gl.load(
-                        ws_ptr + (2 * (first + part)).to(gl.int64) * slot_elems + local, cache_modifier=".cg"
-                    )
-                gl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
-        if finished:
-            rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA_LAYOUT))  # [BLOCK_N] output columns
-            if HAS_BIAS:
-                b = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)  # [BLOCK_N]
-                acc = acc + gl.expand_dims(b, 1)
-            c_smem.store(gl.permute(acc.to(out_desc.dtype), (1, 0)))  # [BLOCK_M, BLOCK_N]
-            fence_async_shared()
-            tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_smem)
-            tma.store_wait(0)  # out of the stage before the next segment's loads refill it
-            _cta_barrier()  # and so for every warp, whichever issues the refill (not left to Triton's lowering)
-
-
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
@@ -585,7 +475,6 @@ def fit(cfg: WgmmaConfig, m: int) -> WgmmaConfig:
 
 
 SPLIT_ENV = "QSERVE_W4A16_GLUON_SPLIT"
-STREAM_K_ENV = "QSERVE_W4A16_GLUON_STREAM_K"
 PROGRAMS_PER_SM = 2  # the default launch's 110 KB of shared memory: two programs an SM
 MAX_SPLIT = 4
 MIN_SHARE_TILES = 8  # K-tiles a share keeps at least (fewer: the partials' traffic outweighs the fill)
@@ -643,8 +532,6 @@ def default_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
     cfg = fit(WgmmaConfig(), m)
     if cfg.block_m <= NARROW_BLOCK_M:
         cfg = dataclasses.replace(cfg, stages=NARROW_STAGES)
-    elif env_switch(STREAM_K_ENV, default=False) and triton.cdiv(m, cfg.block_m) <= MAX_SPLIT_M_TILES:
-        return dataclasses.replace(cfg, stream_k_programs=max(1, sms * PROGRAMS_PER_SM))
     setting = split_setting()
     if setting in ("", "auto"):
         return dataclasses.replace(cfg, split_k=auto_split(m, k, n, sms, cfg))
@@ -665,14 +552,6 @@ def group_tiles(group_size: int, k: int, block_k: int) -> int:
     if group_size >= k:
         return 0
     return group_size // block_k
-
-
-def stream_k_grid(iterations: int, programs: int) -> tuple[int, int]:
-    """(programs, iterations a program) of a stream-K launch over ``iterations`` (tiles x K-tiles) asked for
-    ``programs``: runs of ``cdiv(iterations, programs)``, and only as many programs as such runs need (the
-    kernel assumes every program holds an iteration)."""
-    per = triton.cdiv(iterations, max(1, programs))
-    return triton.cdiv(iterations, per), per
 
 
 def _checked_counters(counters: torch.Tensor | None, tiles: int, device: torch.device) -> torch.Tensor:
@@ -758,12 +637,6 @@ def w4a16_wgmma(
         STAGES=cfg.stages,
         num_warps=cfg.num_warps,
     )
-    if cfg.stream_k_programs > 0:
-        programs, _per = stream_k_grid(tiles * triton.cdiv(k, bk), cfg.stream_k_programs)
-        ws = torch.empty((programs, 2, bn, bm), dtype=torch.float32, device=x.device)  # two slots a program
-        counters = _checked_counters(counters, tiles, x.device)
-        w4a16_wgmma_stream_k_kernel[(programs,)](*args, ws, counters, *shapes, **constants)
-        return out
     if split > 1:
         ws = torch.empty((split, tiles, bn, bm), dtype=torch.float32, device=x.device)  # one slot a share
         counters = _checked_counters(counters, tiles, x.device)
@@ -789,8 +662,7 @@ def compile_for(
     group_size: int = 128,
     k: int = 5120,
 ):
-    """The compiled ``w4a16_wgmma_kernel`` (``w4a16_wgmma_stream_k_kernel`` where ``cfg.stream_k_programs``)
-    for ``sm_<arch>`` without a GPU (``triton.compile`` with a ``GPUTarget``), with the argument types and
+    """The compiled ``w4a16_wgmma_kernel`` for ``sm_<arch>`` without a GPU (``triton.compile`` with a ``GPUTarget``), with the argument types and
     constexprs ``w4a16_wgmma`` launches with (a weight of this group size and K)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -827,9 +699,6 @@ def compile_for(
         num_warps=cfg.num_warps,
     )
     fn = w4a16_wgmma_kernel
-    if cfg.stream_k_programs:
-        del constants["SPLIT_K"]
-        fn = w4a16_wgmma_stream_k_kernel
     for name in constants:
         signature[name] = "constexpr"
     aligned = [(i,) for i, name in enumerate(fn.arg_names) if signature[name].startswith("*") or name in ("N", "K")]

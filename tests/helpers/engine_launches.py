@@ -350,17 +350,14 @@ def drive_gluon(capture: Capture, case: ModelCase, model, dtype_name: str) -> No
                 x = torch.zeros((m, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
                 with where(capture, f"{case.name} {dtype_name} Gluon W4A16 {name} M={m}"):
                     ops.w4a16_linear(x, prepared)
-    # the built-in rows: the narrow launch at 33-64 rows where its tiles split, the split launch at 128; then
-    # stream-K at 128 and 512 rows (QSERVE_W4A16_GLUON_STREAM_K=1, opt-in)
-    for stream_k in ("", "1"):
-        switches = {mma.GLUON_ENV: "", mma.GLUON_NARROW_ENV: "", glk.STREAM_K_ENV: stream_k}
-        with mock.patch.dict(os.environ, switches), torch.inference_mode():
-            for name, prepared in mma_layers(model):
-                for m in (128, 512) if stream_k else (48, 64, 128):
-                    x = torch.zeros((m, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
-                    label = "stream-K" if stream_k else "built-in"
-                    with where(capture, f"{case.name} {dtype_name} Gluon W4A16 {label} {name} M={m}"):
-                        ops.w4a16_linear(x, prepared)
+    # the built-in rows: the narrow launch at 33-64 rows where its tiles split, the split launch at 128
+    switches = {mma.GLUON_ENV: "", mma.GLUON_NARROW_ENV: ""}
+    with mock.patch.dict(os.environ, switches), torch.inference_mode():
+        for name, prepared in mma_layers(model):
+            for m in (48, 64, 128):
+                x = torch.zeros((m, prepared.weight.in_features), dtype=model.dtype)  # [M, K]
+                with where(capture, f"{case.name} {dtype_name} Gluon W4A16 built-in {name} M={m}"):
+                    ops.w4a16_linear(x, prepared)
     if first is None or model.dtype != torch.float16:
         return
     bench = str(Path(__file__).resolve().parents[2] / "bench")

@@ -56,9 +56,6 @@ COMPILE_CASES = [
     (glk.WgmmaConfig(split_k=3), "bf16", True, True),
     (glk.WgmmaConfig(block_m=64, stages=4, split_k=3), "fp16", True, True),  # the narrow launch (33-64 rows)
     (glk.WgmmaConfig(scales_ahead=1), "fp16", True, True),
-    # stream-K (QSERVE_W4A16_GLUON_STREAM_K=1, opt-in; bf16 with zeros spills 32 bytes at 255 registers)
-    (glk.WgmmaConfig(stream_k_programs=264), "fp16", False, True),
-    (glk.WgmmaConfig(stream_k_programs=264), "fp16", True, False),
 ]
 
 
@@ -211,34 +208,6 @@ def test_fit_clamps_tiles_to_the_problem() -> None:
     assert glk.fit(glk.WgmmaConfig(block_n=64, num_warps=8), 512).num_warps == 4
 
 
-def test_stream_k_runs_cover_every_iteration_and_each_part_has_its_own_slot() -> None:
-    """``stream_k_grid``: no program without an iteration, every iteration in one run. The kernel's slots (a
-    program's part of a tile starting in its run: slot 2p + 1, else 2p), brute force over its own formulas:
-    every part of every cut tile has a slot no other part uses, and the last arriver's reading order (program
-    first's slot 1, then its successors' slot 0) is the parts in K order."""
-    for tiles, kt, asked in [(320, 108, 264), (160, 40, 264), (7, 13, 100), (1, 1, 264), (864, 40, 264), (5, 3, 4)]:
-        programs, per = glk.stream_k_grid(tiles * kt, asked)
-        assert programs <= asked and (programs - 1) * per < tiles * kt <= programs * per
-        used = {}  # slot -> (tile, K-tile of the part's start)
-        for pid in range(programs):
-            it0, it1 = pid * per, min(pid * per + per, tiles * kt)
-            for t in range(it0 // kt, (it1 - 1) // kt + 1):
-                k0, k1 = max(it0, t * kt) - t * kt, min(it1, t * kt + kt) - t * kt
-                if k1 - k0 == kt:
-                    continue
-                first = t * kt // per
-                slot = 2 * pid + (pid == first)
-                assert slot not in used and slot < 2 * programs
-                used[slot] = (t, k0)
-        for t in range(tiles):
-            first = t * kt // per
-            parts = (t * kt + kt - 1) // per - first + 1
-            if parts > 1:
-                order = [used[2 * first + 1]] + [used[2 * (first + j)] for j in range(1, parts)]
-                assert [tile for tile, _ in order] == [t] * parts
-                assert [k0 for _, k0 in order] == sorted(k0 for _, k0 in order) and order[0][1] == 0
-
-
 def test_split_never_leaves_a_share_empty() -> None:
     # 5 K-tiles in 4 shares of cdiv(5, 4) = 2 would leave the last empty: the wrapper takes 3 shares
     assert glk.effective_split(5, 4) == 3
@@ -289,25 +258,6 @@ def test_split_setting_picks_the_shares_and_refuses_anything_else(monkeypatch) -
         monkeypatch.setenv(glk.SPLIT_ENV, bad)
         with pytest.raises(ValueError, match=f"QSERVE_W4A16_GLUON_SPLIT='{bad}'"):
             glk.default_config(128, 5120, 5120, 132)
-
-
-def test_stream_k_setting_gives_two_programs_an_sm_past_64_rows(monkeypatch) -> None:
-    """``QSERVE_W4A16_GLUON_STREAM_K=1`` (opt-in): 65-512 rows take a stream-K launch of two programs an SM;
-    the narrow launch and past 4 row tiles (the counters) keep theirs; unset: off; another value refused."""
-    monkeypatch.delenv(glk.SPLIT_ENV, raising=False)
-    monkeypatch.delenv(glk.STREAM_K_ENV, raising=False)
-    assert glk.default_config(256, 13824, 5120, 132).stream_k_programs == 0
-    monkeypatch.setenv(glk.STREAM_K_ENV, "1")
-    assert [glk.default_config(m, 13824, 5120, 132).stream_k_programs for m in (48, 65, 256, 512, 513)] == [
-        0,
-        264,
-        264,
-        264,
-        0,
-    ]
-    monkeypatch.setenv(glk.STREAM_K_ENV, "yes")
-    with pytest.raises(ValueError, match="QSERVE_W4A16_GLUON_STREAM_K='yes'"):
-        glk.default_config(256, 13824, 5120, 132)
 
 
 def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -> None:
@@ -443,14 +393,6 @@ GPU_CASES = [
     # the narrow launch (33-64 rows: 64-row x tiles in 4 stages)
     (48, 2560, 320, 128, True, True, torch.float16, glk.WgmmaConfig(block_m=64, stages=4, split_k=3)),
     (64, 1792, 200, -1, False, True, torch.bfloat16, glk.WgmmaConfig(block_m=64, stages=4, split_k=2)),
-    # stream-K: runs that cut tiles in 2-3 parts and ones that hold several whole tiles; ragged M and N, zeros,
-    # bias, bf16, per-column groups
-    (300, 1664, 200, 128, True, True, torch.float16, glk.WgmmaConfig(stream_k_programs=7)),
-    (256, 2560, 384, 128, False, True, torch.bfloat16, glk.WgmmaConfig(stream_k_programs=11)),
-    (129, 1408, 200, -1, True, False, torch.float16, glk.WgmmaConfig(stream_k_programs=264)),
-    (512, 1280, 640, 128, False, False, torch.float16, glk.WgmmaConfig(stream_k_programs=3)),
-    # 4 parts a tile with middle parts of 6 K-tiles, groups of two K-tiles entered at odd K-tiles
-    (256, 2560, 384, 256, True, True, torch.float16, glk.WgmmaConfig(stream_k_programs=40)),
 ]
 
 
@@ -520,15 +462,12 @@ def _split_problem(seed: int, m: int, k: int, n: int, asym: bool) -> tuple:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs an sm90 GPU")
-@pytest.mark.parametrize(
-    "cfg", [glk.WgmmaConfig(split_k=3), glk.WgmmaConfig(stream_k_programs=50)], ids=["split3", "streamk"]
-)
-def test_split_k_leaves_its_counters_at_zero_and_replays_in_a_graph(cfg) -> None:
-    """Three shares of every tile (and stream-K, opt-in: 20 tiles x 24 K-tiles over 48 programs of 10, every tile
-    in 3-4 parts) through the weight's own counters (``quant_kernels.ops``): the counters are zero after each
-    launch (the last share resets its tile's), a replayed graph writes the eager output again, and counters
-    too few for the tiles are refused by name."""
+def test_split_k_leaves_its_counters_at_zero_and_replays_in_a_graph() -> None:
+    """Three shares of every tile through the weight's own counters (``quant_kernels.ops``): the counters are
+    zero after each launch (the last share resets its tile's), a replayed graph writes the eager output
+    again, and counters too few for the tiles are refused by name."""
     weight, counters, x, ref = _split_problem(9, 256, 3072, 640, True)
+    cfg = glk.WgmmaConfig(split_k=3)
     eager = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
     torch.cuda.synchronize()
     assert int(counters.abs().sum()) == 0
@@ -586,15 +525,13 @@ def test_split_k_gives_the_same_bits_from_run_to_run() -> None:
     every run, an arrival-order sum would pass too: 4 shares of 64 tiles (256 programs, more than one wave) to
     vary the order."""
     weight, counters, x, ref = _split_problem(21, 512, 5120, 1024, False)
-    # and stream-K (opt-in): 64 tiles x 40 K-tiles over 197 programs of 13, every tile cut in 4 parts (with 2
-    # parts, as with 132 programs, any sum order gives the same bits)
-    for cfg in (glk.WgmmaConfig(split_k=4), glk.WgmmaConfig(stream_k_programs=200)):
-        first = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
-        torch.testing.assert_close(first.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
-        for _ in range(30):
-            assert torch.equal(glk.w4a16_wgmma(x, weight, config=cfg, counters=counters), first), cfg.short()
-        torch.cuda.synchronize()
-        assert int(counters.abs().sum()) == 0, cfg.short()
+    cfg = glk.WgmmaConfig(split_k=4)
+    first = glk.w4a16_wgmma(x, weight, config=cfg, counters=counters)
+    torch.testing.assert_close(first.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
+    for _ in range(30):
+        assert torch.equal(glk.w4a16_wgmma(x, weight, config=cfg, counters=counters), first)
+    torch.cuda.synchronize()
+    assert int(counters.abs().sum()) == 0
 
 
 def test_compile_runs_in_a_fresh_process_without_a_gpu() -> None:
