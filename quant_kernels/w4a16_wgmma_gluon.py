@@ -524,13 +524,46 @@ NARROW_BLOCK_M = 64  # x tiles this narrow or narrower (33-64 rows: the narrow l
 NARROW_STAGES = 4  # 80 KB of shared memory at 64 x 64 tiles: still two programs an SM
 
 
+TILE_ENV = "QSERVE_W4A16_GLUON_TILE"
+
+
+def tile_setting() -> WgmmaConfig | None:
+    """``QSERVE_W4A16_GLUON_TILE`` (a measurement switch, unset by default): ``block_m x block_n x block_k x
+    stages x warps`` (e.g. ``64x128x64x4x4``: 128 weight rows a program, half the x reads from L2) for the
+    launch at 65+ rows in place of ``WgmmaConfig()``'s; unset or empty: the built-in tiles. A value the kernel
+    cannot compile (block_k 64 or 128, block_n a multiple of 16 per warp, 1 or 2 warpgroups) is refused,
+    naming the variable."""
+    value = os.environ.get(TILE_ENV, "").strip()
+    if not value:
+        return None
+    fields = value.split("x")
+    if len(fields) != 5 or not all(f.isdigit() for f in fields):
+        raise ValueError(f"{TILE_ENV}={value!r}: expected block_m x block_n x block_k x stages x warps")
+    bm, bn, bk, stages, warps = (int(f) for f in fields)
+    if (
+        bm not in (16, 32, 64, 128, 256)
+        or bk not in (64, 128)
+        or warps not in (4, 8)
+        or bn % (16 * warps) != 0
+        or not 2 <= stages <= 8
+    ):
+        raise ValueError(
+            f"{TILE_ENV}={value!r}: block_m 16-256 (a power of two), block_k 64 or 128, 4 or 8 warps with "
+            "block_n a multiple of 16 a warp, 2-8 stages"
+        )
+    return WgmmaConfig(block_m=bm, block_n=bn, block_k=bk, stages=stages, num_warps=warps)
+
+
 def default_config(m: int, k: int, n: int, sms: int) -> WgmmaConfig:
     """The launch ``w4a16_mma_triton`` hands this kernel: ``WgmmaConfig()`` fitted to ``m`` rows (x tiles of
     64 rows or fewer in ``NARROW_STAGES``: the 64-row launch that beat the Triton table for qkv, o and down
-    on the H100, twenty-first and twenty-second sessions), in the shares ``split_setting`` names (unset:
-    ``auto_split``)."""
+    on the H100, twenty-first and twenty-second sessions; past 64 rows ``tile_setting``'s tiles where set),
+    in the shares ``split_setting`` names (unset: ``auto_split``)."""
     cfg = fit(WgmmaConfig(), m)
-    if cfg.block_m <= NARROW_BLOCK_M:
+    tiles = tile_setting() if m > NARROW_BLOCK_M else None
+    if tiles is not None:
+        cfg = fit(tiles, m)
+    elif cfg.block_m <= NARROW_BLOCK_M:
         cfg = dataclasses.replace(cfg, stages=NARROW_STAGES)
     setting = split_setting()
     if setting in ("", "auto"):

@@ -260,6 +260,27 @@ def test_split_setting_picks_the_shares_and_refuses_anything_else(monkeypatch) -
             glk.default_config(128, 5120, 5120, 132)
 
 
+def test_tile_setting_replaces_the_tiles_past_64_rows_and_refuses_what_cannot_compile(monkeypatch) -> None:
+    """``QSERVE_W4A16_GLUON_TILE`` (a measurement switch): past 64 rows its tiles, fitted to M and split by
+    ``auto_split``; the narrow launch (33-64 rows) keeps its own; unset: the built-in tiles; a malformed or
+    uncompilable value refused, naming the variable."""
+    monkeypatch.delenv(glk.SPLIT_ENV, raising=False)
+    monkeypatch.delenv(glk.TILE_ENV, raising=False)
+    assert glk.default_config(256, 5120, 27648, 132) == glk.WgmmaConfig(split_k=1)
+    monkeypatch.setenv(glk.TILE_ENV, "64x128x64x4x4")
+    cfg = glk.default_config(256, 5120, 27648, 132)
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, cfg.num_warps) == (64, 128, 64, 4, 4)
+    monkeypatch.delenv(glk.TILE_ENV)
+    narrow = glk.default_config(64, 5120, 5120, 132)
+    monkeypatch.setenv(glk.TILE_ENV, "128x128x64x3x4")
+    assert glk.default_config(80, 5120, 5120, 132).block_m == 128  # fitted: next power of two of 80
+    assert glk.default_config(64, 5120, 5120, 132) == narrow  # the narrow launch keeps its tiles
+    for bad in ("128x128", "128x128x32x3x4", "128x96x64x3x8", "100x128x64x3x4", "128x128x64x1x4", "axbxcxdxe"):
+        monkeypatch.setenv(glk.TILE_ENV, bad)
+        with pytest.raises(ValueError, match=f"QSERVE_W4A16_GLUON_TILE='{bad}'"):
+            glk.default_config(256, 5120, 5120, 132)
+
+
 def test_dispatch_takes_the_gluon_kernel_where_it_measured_faster(monkeypatch) -> None:
     """Unset: every layer at 65-512 rows (the K-heavy down too since its split launch, twenty-first session), on
     sm90 only; "1": every row count from 65; "0": never; anything else refused by name."""
