@@ -80,11 +80,21 @@ SHAPES = {  # name: (K, N) of Qwen2.5-14B
     "o": (5120, 5120),
     "gate_up": (5120, 27648),
     "down": (13824, 5120),
+    # Qwen3-30B-A3B's attention projections (issue 32: at batch 1 they were 6.1 µs a launch, 96 a step)
+    "a3b_qkv": (2048, 5120),
+    "a3b_o": (4096, 2048),
 }
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 GROUP = 128
 REL_TOL = 1e-2  # fp16 output vs the reference: measured ~3e-4
 GRAPH_LAYERS = 8  # distinct weight copies per graph: together far larger than the 50 MB L2
+COPIES_BYTES = 200e6  # a shape's copies together at least this (four L2s): the small layers get more
+
+
+def graph_copies(k: int, n: int) -> int:
+    """Distinct 4-bit weight copies a graph cycles through: ``GRAPH_LAYERS``, or more where that many would
+    sit in L2 (Qwen3-30B-A3B's 5 MB projections: 40, as its 48 layers never stay there)."""
+    return max(GRAPH_LAYERS, int(-(-COPIES_BYTES // (k * n // 2))))
 
 
 def bench_us(fn, warmup: int = 10, rep: int = 25) -> float:
@@ -199,27 +209,26 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
     k, n = SHAPES[name]
     weight, codes = make_weight(k, n, GROUP)
     dense = reference.dequantize(weight, torch.float16)  # [K, N]
-    denses = [dense] + [dense.clone() for _ in range(GRAPH_LAYERS - 1)]
-    tinys = [make_tinygemm(codes, weight) for _ in range(GRAPH_LAYERS)] if "tiny" in peers else [None]
+    layers = graph_copies(k, n)
+    denses = [dense] + [dense.clone() for _ in range(layers - 1)]
+    tinys = [make_tinygemm(codes, weight) for _ in range(layers)] if "tiny" in peers else [None]
     tinys = tinys if all(t is not None for t in tinys) else None
-    gems = [make_gemlite(codes, weight) for _ in range(GRAPH_LAYERS)] if "gemlite" in peers else [None]
+    gems = [make_gemlite(codes, weight) for _ in range(layers)] if "gemlite" in peers else [None]
     gems = gems if all(g is not None for g in gems) else None
     old = old_kernel() if "old" in peers else None
     if old is not None:
         old_w = old.prepare(weight)
         old_copies = [old_w] + [
             dataclasses.replace(old_w, qweight=old_w.qweight.clone(), scales=old_w.scales.clone())
-            for _ in range(GRAPH_LAYERS - 1)
+            for _ in range(layers - 1)
         ]
-        old_counters = [
-            torch.zeros(old.num_split_counters(n), dtype=torch.int32, device="cuda") for _ in range(GRAPH_LAYERS)
-        ]
+        old_counters = [torch.zeros(old.num_split_counters(n), dtype=torch.int32, device="cuda") for _ in range(layers)]
     new_w = prepare_weight(weight)  # load-time shuffle into the MMA-operand order
     copies = [new_w] + [
         dataclasses.replace(new_w, qweight=new_w.qweight.clone(), scales=new_w.scales.clone())
-        for _ in range(GRAPH_LAYERS - 1)
+        for _ in range(layers - 1)
     ]
-    counters = [torch.zeros(mma.num_split_counters(n), dtype=torch.int32, device="cuda") for _ in range(GRAPH_LAYERS)]
+    counters = [torch.zeros(mma.num_split_counters(n), dtype=torch.int32, device="cuda") for _ in range(layers)]
     del codes
     for m in ms:
         x = torch.randn(m, k, dtype=torch.float16, device="cuda")  # [M, K] fresh per M
