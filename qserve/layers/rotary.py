@@ -29,11 +29,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-import numpy as np
 import torch
 from torch import nn
 
 from qserve.config import RopeConfig
+from qserve.runner.ntk_index import ntk_alpha_index
 from quant_kernels import elementwise_ops
 from quant_kernels.kv_store import KVStore
 
@@ -54,24 +54,6 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     return inv_freq
-
-
-def ntk_alpha_index(prompt_len: int, seq_length: int) -> int:
-    """Qwen v1's dynamic NTK, fixed per sequence at prefill from its prompt length L:
-    alpha = max(2^ceil(log2(L / S) + 1) - 1, 1) = 2^(k + 1) - 1 with k = ceil(log2(L / S)) for
-    L > S. Returns k (0 for L <= S), the index of the sequence's table. Integer arithmetic."""
-    k = 0
-    while seq_length << k < prompt_len:
-        k += 1
-    return k
-
-
-def ntk_alpha_indices(prompt_lens: np.ndarray, seq_length: int) -> np.ndarray:
-    """``ntk_alpha_index`` of every sequence at once (int64 [S] -> int64 [S]), for the runner's
-    per-step table indices. The smallest k with S * 2^k >= L is the bit length of (L - 1) // S;
-    ``frexp``'s exponent is that bit length, exact for any length below 2^53."""
-    quotient = (np.maximum(prompt_lens, 1) - 1) // seq_length  # [S]
-    return np.frexp(quotient.astype(np.float64))[1].astype(np.int64)
 
 
 def num_ntk_tables(max_positions: int, seq_length: int) -> int:

@@ -69,10 +69,10 @@ import numpy as np
 import torch
 
 from qserve.config import ModelConfig
-from qserve.layers.rotary import ntk_alpha_indices
 from qserve.runner.attn_metadata import AttentionMetadata
 from qserve.runner.cuda_graphs import DecodeGraphs
 from qserve.runner.kv_swap import KVSwapper
+from qserve.runner.ntk_index import ntk_alpha_indices
 from qserve.runner.piecewise_graphs import PiecewiseGraphs
 from qserve.runner.rejection_sampler import accepted_tokens, verify_rows
 from qserve.runner.sampler import (

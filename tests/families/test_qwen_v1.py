@@ -156,7 +156,7 @@ def test_served_with_its_tiktoken_tokenizer(tmp_path):
 def test_ntk_alpha_indices_match_the_scalar_rule():
     import numpy as np
 
-    from qserve.layers.rotary import ntk_alpha_index, ntk_alpha_indices
+    from qserve.runner.ntk_index import ntk_alpha_index, ntk_alpha_indices
 
     lens = np.array([1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4096, 4097, 10**6])
     for seq_length in (1, 16, 2048):
