@@ -39,9 +39,6 @@ cuBLAS router GEMM, ~5 µs at one token on the H200, then the router's): 48 fewe
 decode step of Qwen3-30B-A3B (its batch-1 decode 336.0 tok/s against 328.5 with the two launches, H100,
 bench/RESULTS.md, sixteenth session). Elsewhere (or with the switch off) ``route_hidden`` is
 ``F.linear`` + ``route``. ``route`` stays for callers that already have logits (bench/moe.py).
-``route_add_norm`` (``QSERVE_MOE_FUSED_NORM=1``, opt-in) takes the attention's output and the residual
-instead of the normed rows: the post-attention add + RMSNorm run inside that same launch, one graph node
-fewer again per MoE layer, and hand back the normed rows and the new residual with the routing.
 
 Must not know: models, checkpoint formats. Triton stays a lazy import.
 """
@@ -66,8 +63,6 @@ MOE_KERNELS = ("mma", "fused")
 FUSED_ROUTER_ENV = "QSERVE_FUSED_ROUTER"  # "0": the router's torch ops instead of its one launch (moe_router_triton)
 # "1" / unset: the router's GEMM in the same launch as the direct layout's top-k (route_hidden); "0" off
 FUSED_ROUTER_GEMM_ENV = "QSERVE_FUSED_ROUTER_GEMM"
-# "1": the post-attention add + RMSNorm inside the router GEMM's launch too (route_add_norm); unset / "0" off
-FUSED_NORM_ENV = "QSERVE_MOE_FUSED_NORM"
 # N > 0: steps of at most N (token, expert) pairs take the router's one-pair-per-block layout (route)
 DIRECT_BLOCKS_ENV = "QSERVE_MOE_DIRECT_BLOCKS"
 # The default N: Qwen3-30B-A3B's top-8 for 1-4 tokens (1.08x at batch 1 with split-K on the H100, RESULTS).
@@ -85,13 +80,6 @@ def fused_router_gemm_requested() -> bool:
     layout's launch; +2.3% at Qwen3-30B-A3B batch 1 on the H100); a value other than 0 or 1 is refused
     (``prepare_experts`` reads it, so a typo stops the load)."""
     return env_switch(FUSED_ROUTER_GEMM_ENV, default=True)
-
-
-def fused_norm_requested() -> bool:
-    """``QSERVE_MOE_FUSED_NORM=1`` (opt-in until a GPU run): ``route_add_norm`` folds the post-attention
-    residual add + RMSNorm into the router GEMM's launch, one launch fewer per MoE layer at decode; a value
-    other than 0 or 1 is refused."""
-    return env_switch(FUSED_NORM_ENV, default=False)
 
 
 def fused_moe_requested() -> bool:
@@ -330,42 +318,6 @@ def route_hidden(
             return Routing(weights, ids, moe_reference.BlockLayout(sorted_ids, expert_ids, num_padded, block_m))
     router_logits = F.linear(hidden, router_weight)  # [T, E], in the model dtype
     return route(router_logits, top_k, renormalize, prepared, expert_start)
-
-
-def route_add_norm(
-    attn_out: torch.Tensor,  # [T, H] the attention block's output, in the model dtype
-    residual: torch.Tensor,  # [T, H] the residual stream
-    norm_weight: torch.Tensor,  # [H] the post-attention RMSNorm's weight
-    eps: float,
-    router_weight: torch.Tensor,  # [E, H] the router (``gate.weight``)
-    top_k: int,
-    renormalize: bool,
-    prepared: PreparedExperts,
-    expert_start: int = 0,
-) -> tuple[Routing, torch.Tensor, torch.Tensor] | None:
-    """``fused_add_rms_norm(attn_out, residual, norm_weight, eps)`` then ``route_hidden`` on the normed rows,
-    in one launch (``moe_router_triton.add_norm_router_gemm_topk_blocks``): ``(routing, normed [T, H],
-    new_residual [T, H])``. Only where ``QSERVE_MOE_FUSED_NORM=1``, ``route_hidden`` would fuse the router
-    GEMM (its direct layout at this step) and the four tensors share one dtype; None elsewhere (the caller
-    runs the add + norm and ``route_hidden`` itself). Host-side decisions from the shapes and the
-    environment only: no host sync, CUDA-graph safe."""
-    if not (fused_norm_requested() and fused_router_gemm_requested()):
-        return None
-    if len({attn_out.dtype, residual.dtype, norm_weight.dtype, router_weight.dtype}) != 1:
-        return None
-    block_m = _direct_block_m(prepared, attn_out.shape[0], top_k, attn_out.device)
-    if block_m is None:
-        return None
-    from quant_kernels import moe_router_triton  # noqa: PLC0415
-
-    start, num_local = _share(prepared, router_weight.shape[0], expert_start)
-    weights, ids, sorted_ids, expert_ids, num_padded, _, normed, new_residual = (
-        moe_router_triton.add_norm_router_gemm_topk_blocks(
-            attn_out, residual, norm_weight, eps, router_weight, top_k, renormalize, block_m, start, num_local
-        )
-    )
-    layout = moe_reference.BlockLayout(sorted_ids, expert_ids, num_padded, block_m)
-    return Routing(weights, ids, layout), normed, new_residual
 
 
 def moe_experts(

@@ -216,13 +216,7 @@ def router_gemm_topk_blocks_kernel(
     sorted_ids_ptr,  # int32 [T*k*BLOCK_M]
     expert_ids_ptr,  # int32 [T*k]
     num_padded_ptr,  # int32 [1]
-    res_ptr,  # [T, H] the residual stream (FUSED_NORM; else unused)
-    norm_w_ptr,  # [H] the RMSNorm's weight (FUSED_NORM)
-    normed_ptr,  # [T, H] contiguous: rms_norm(hidden + residual), written by program 0 (FUSED_NORM)
-    res_out_ptr,  # [T, H] contiguous: hidden + residual in the model dtype, written by program 0 (FUSED_NORM)
     num_tokens, num_experts, hidden_size, stride_ht, stride_re, stride_lt, expert_start, num_local,
-    stride_rt,  # the residual's row stride (FUSED_NORM)
-    eps,  # the RMSNorm's epsilon (FUSED_NORM)
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,  # next power of two >= TOP_K
     T_PAD: tl.constexpr,  # next power of two >= num_tokens
@@ -234,7 +228,6 @@ def router_gemm_topk_blocks_kernel(
     USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl)
     PDL_ROW_BYTES: tl.constexpr = 0,  # > 0: each router row's bytes, prefetched into L2 before the wait
     PACKED_TOPK: tl.constexpr = False,  # QSERVE_MOE_PACKED_TOPK=1 (_topk_blocks_store's PACKED)
-    FUSED_NORM: tl.constexpr = False,  # hidden is the attention's output: add the residual and RMS-normalize first
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = tl.arange(0, T_PAD)
@@ -249,40 +242,15 @@ def router_gemm_topk_blocks_kernel(
         gdc_wait()
         gdc_launch_dependents()
     offs_h = tl.arange(0, BLOCK_H)
-    if FUSED_NORM:
-        # The post-attention add + RMSNorm (rms_norm_kernel's arithmetic: the sum rounded to the model dtype,
-        # its mean square in fp32), computed by every program for the few rows it holds: the rows' inverse RMS
-        # first, then each step below normalizes its columns. A launch fewer per MoE layer; program 0 also
-        # writes the normed rows (the experts' input) and the new residual.
-        sum_sq = tl.zeros((T_PAD,), dtype=tl.float32)
-        for h0 in range(0, hidden_size, BLOCK_H):
-            cols = h0 + offs_h  # [BLOCK_H]
-            tile_ok = row_ok[:, None] & (cols < hidden_size)[None, :]
-            a = tl.load(hidden_ptr + rows[:, None] * stride_ht + cols[None, :], mask=tile_ok, other=0.0)
-            r = tl.load(res_ptr + rows[:, None] * stride_rt + cols[None, :], mask=tile_ok, other=0.0)
-            s = (a.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty).to(tl.float32)
-            sum_sq += tl.sum(s * s, 1)  # [T_PAD]
-        rstd = tl.math.rsqrt(sum_sq / hidden_size + eps)  # [T_PAD]
     # A handful of tokens: fp32 FMAs over a [T_PAD, BLOCK_EG, BLOCK_H] broadcast, no tensor cores (an MMA
     # tile would be mostly padding); the program's time is its BLOCK_EG router rows' read.
     acc = tl.zeros((T_PAD, BLOCK_EG), dtype=tl.float32)
     for h0 in range(0, hidden_size, BLOCK_H):
         cols = h0 + offs_h  # [BLOCK_H]
         col_ok = cols < hidden_size
-        tile_ok = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(hidden_ptr + rows[:, None] * stride_ht + cols[None, :], mask=tile_ok, other=0.0)
-        if FUSED_NORM:
-            r = tl.load(res_ptr + rows[:, None] * stride_rt + cols[None, :], mask=tile_ok, other=0.0)
-            s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # [T_PAD, BLOCK_H]
-            g = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_H]
-            x = ((s.to(tl.float32) * rstd[:, None]).to(s.dtype).to(tl.float32) * g[None, :]).to(
-                normed_ptr.dtype.element_ty
-            )  # the norm's output in the model dtype, as the experts read it
-            if pid == 0:
-                out_offs = rows[:, None] * hidden_size + cols[None, :]
-                tl.store(normed_ptr + out_offs, x, mask=tile_ok)
-                tl.store(res_out_ptr + out_offs, s, mask=tile_ok)
-        x = x.to(tl.float32)  # [T_PAD, BLOCK_H]
+        x = tl.load(
+            hidden_ptr + rows[:, None] * stride_ht + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
+        ).to(tl.float32)  # [T_PAD, BLOCK_H]
         w = tl.load(
             router_ptr + group[:, None] * stride_re + cols[None, :], mask=group_ok[:, None] & col_ok[None, :], other=0.0
         ).to(tl.float32)  # [BLOCK_EG, BLOCK_H]
@@ -449,54 +417,6 @@ def router_gemm_topk_blocks(
     ``[1]``), then the router logits ``[T, E]`` in hidden's dtype it chose from (F.linear's up to the
     fp32 sum's order). Meant for a handful of tokens (``QSERVE_MOE_DIRECT_BLOCKS``): every program
     holds all T rows, and the last one all ``[T, E]`` logits."""
-    return _router_gemm_launch(hidden, router_weight, top_k, renormalize, block_m, expert_start, num_local_experts)
-
-
-def add_norm_router_gemm_topk_blocks(
-    attn_out: torch.Tensor,  # [T, H] the attention block's output
-    residual: torch.Tensor,  # [T, H] the residual stream, attn_out's dtype
-    norm_weight: torch.Tensor,  # [H] the post-attention RMSNorm's weight, attn_out's dtype
-    eps: float,
-    router_weight: torch.Tensor,  # [E, H], attn_out's dtype
-    top_k: int,
-    renormalize: bool,
-    block_m: int,
-    expert_start: int = 0,
-    num_local_experts: int | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """``fused_add_rms_norm(attn_out, residual, norm_weight, eps)`` and ``router_gemm_topk_blocks`` on its
-    normed output, in one launch (``QSERVE_MOE_FUSED_NORM=1``, ``quant_kernels.moe_ops.route_add_norm``):
-    ``router_gemm_topk_blocks``' six outputs, then the normed rows ``[T, H]`` (the experts' input) and the
-    new residual ``[T, H]`` (``attn_out + residual`` in the model dtype), as ``fused_add_rms_norm`` gives
-    them up to its fp32 mean square's summation order (chunks of ``BLOCK_H`` columns here)."""
-    if residual.shape != attn_out.shape or residual.dtype != attn_out.dtype:
-        raise ValueError(
-            f"residual {tuple(residual.shape)} {residual.dtype}: expected attn_out's {tuple(attn_out.shape)} "
-            f"{attn_out.dtype}"
-        )
-    if norm_weight.shape != (attn_out.shape[-1],) or norm_weight.dtype != attn_out.dtype:
-        raise ValueError(
-            f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype}: expected [{attn_out.shape[-1]}] "
-            f"{attn_out.dtype}"
-        )
-    return _router_gemm_launch(
-        attn_out, router_weight, top_k, renormalize, block_m, expert_start, num_local_experts,
-        norm=(residual, norm_weight, eps),
-    )  # fmt: skip
-
-
-def _router_gemm_launch(
-    hidden: torch.Tensor,  # [T, H]
-    router_weight: torch.Tensor,  # [E, H]
-    top_k: int,
-    renormalize: bool,
-    block_m: int,
-    expert_start: int,
-    num_local_experts: int | None,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (residual [T, H], weight [H], eps)
-) -> tuple[torch.Tensor, ...]:
-    """The checks, outputs and launch both public wrappers share; with ``norm`` also the normed rows and
-    the new residual (``FUSED_NORM``)."""
     if hidden.dim() != 2 or router_weight.dim() != 2 or hidden.shape[1] != router_weight.shape[1]:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and router {tuple(router_weight.shape)}: expected [T, H] and [E, H]"
@@ -513,33 +433,20 @@ def _router_gemm_launch(
     )
     weights, ids, sorted_ids, expert_ids, num_padded = outputs
     logits = torch.empty((num_tokens, num_experts), dtype=x.dtype, device=device)  # [T, E]
-    fused = ()
-    if norm is not None:
-        residual, norm_weight, eps = norm
-        res = residual if residual.stride(-1) == 1 else residual.contiguous()
-        normed = torch.empty((num_tokens, hidden_size), dtype=x.dtype, device=device)  # [T, H]
-        fused = (normed, torch.empty_like(normed))  # the normed rows, the new residual [T, H]
-        norm_args = (res, norm_weight.contiguous(), *fused)
-        norm_scalars = (res.stride(0), float(eps))
-    else:
-        norm_args = (x, x, x, x)  # never read: FUSED_NORM off
-        norm_scalars = (0, 0.0)
     if num_tokens == 0:
-        return *outputs, logits, *fused
+        return *outputs, logits
     block_eg, block_h = router_gemm_blocks_config(num_tokens, num_experts, hidden_size)
     router_gemm_topk_blocks_kernel[(triton.cdiv(num_experts, block_eg),)](
-        x, w, logits, arrival_counter(device), weights, ids, sorted_ids, expert_ids, num_padded, *norm_args,
+        x, w, logits, arrival_counter(device), weights, ids, sorted_ids, expert_ids, num_padded,
         num_tokens, num_experts, hidden_size, x.stride(0), w.stride(0), logits.stride(0), expert_start, num_local,
-        *norm_scalars,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), T_PAD=triton.next_power_of_2(num_tokens),
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_EG=block_eg, BLOCK_H=block_h, BLOCK_M=block_m,
         RENORMALIZE=renormalize,
         num_warps=4,  # untuned: the weight read wants many loads in flight; the last program's top-k crosses 4 warps
         **_pdl_options(w),
         **({"PACKED_TOPK": True} if packed_topk_requested() else {}),
-        **({"FUSED_NORM": True} if norm is not None else {}),
     )  # fmt: skip
-    return *outputs, logits, *fused
+    return weights, ids, sorted_ids, expert_ids, num_padded, logits
 
 
 PACKED_TOPK_ENV = "QSERVE_MOE_PACKED_TOPK"

@@ -22,8 +22,8 @@ import torch
 from qserve.distributed.parallel_state import TPGroup
 from qserve.distributed.sharding import ExpertShard, expert_shard, expert_weight_shard
 from qserve.layers.moe import SparseMoeBlock
-from quant_kernels import moe_ops
 from quant_kernels.layout import PackedQuantWeight
+from quant_kernels.lora_ops import LoRAIndices
 
 
 class ParallelSparseMoeBlock(SparseMoeBlock):
@@ -49,9 +49,8 @@ class ParallelSparseMoeBlock(SparseMoeBlock):
             value = expert_weight_shard(value, proj_index, self.shard, self.tp.rank, self.tp.size, name)
         super().load_expert(expert, proj, value, name)
 
-    def _experts(self, hidden: torch.Tensor, routing: moe_ops.Routing) -> torch.Tensor:  # [T, H] -> [T, H]
-        """The base block's experts, all-reduced: both ``forward`` and ``forward_add_norm`` end here."""
-        partial = super()._experts(hidden, routing)  # [T, H]: this rank's experts (+ its shared-expert slice)
+    def forward(self, hidden: torch.Tensor, lora: LoRAIndices | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
+        partial = super().forward(hidden, lora)  # [T, H]: this rank's experts (+ its shared-expert slice)
         return self.tp.all_reduce(partial.contiguous())
 
 

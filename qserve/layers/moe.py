@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qserve.layers.norm import RMSNorm
 from quant_kernels import moe_ops
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.lora_ops import LoRAIndices
@@ -170,32 +169,6 @@ class SparseMoeBlock(nn.Module):
         routing = moe_ops.route_hidden(
             hidden, self.gate.weight, self.top_k, self.renormalize, self.prepared, self.expert_start
         )
-        return self._experts(hidden, routing)
-
-    def forward_add_norm(
-        self,
-        attn_out: torch.Tensor,  # [T, H] the attention block's output
-        residual: torch.Tensor,  # [T, H]
-        norm: RMSNorm,  # the layer's post-attention norm, whose output the block reads
-        lora: LoRAIndices | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (out [T, H], new residual [T, H])
-        """``forward(norm.add_and_norm(attn_out, residual)[0])`` and the new residual: where
-        ``moe_ops.route_add_norm`` applies (``QSERVE_MOE_FUSED_NORM=1`` at a decode-sized step), the add and
-        the norm run inside the router's launch; elsewhere the norm's own launch, then ``forward``."""
-        if self.prepared is None:
-            raise RuntimeError(f"{self.prefix}: experts used before process_after_loading")
-        fused = moe_ops.route_add_norm(
-            attn_out, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
-            self.prepared, self.expert_start,
-        )  # fmt: skip
-        if fused is None:
-            normed, residual = norm.add_and_norm(attn_out, residual)
-            return self.forward(normed, lora), residual
-        routing, normed, residual = fused
-        return self._experts(normed, routing), residual
-
-    def _experts(self, hidden: torch.Tensor, routing: moe_ops.Routing) -> torch.Tensor:  # [T, H] -> [T, H]
-        """The routed experts' weighted sum for ``routing``, plus the gated shared expert (Qwen2-MoE)."""
         out = moe_ops.moe_experts(hidden, self.prepared, routing.weights, routing.ids, routing.layout)  # [T, H]
         if self.shared_expert is not None:
             shared_gate = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight))  # [T, 1]

@@ -414,11 +414,8 @@ class DecoderLayer(nn.Module):
         attn_out = self.self_attn.project_out(out, lora)
         if self.post_self_attn_layernorm is not None:
             attn_out = self.post_self_attn_layernorm(attn_out)
-        if isinstance(self.mlp, SparseMoeBlock):  # the add + norm may run inside its router's launch
-            mlp_out, residual = self.mlp.forward_add_norm(attn_out, residual, self.post_attention_layernorm, lora)
-        else:
-            normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-            mlp_out = self.mlp(normed, lora)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        mlp_out = self.mlp(normed, lora)
         if self.post_mlp_layernorm is not None:
             mlp_out = self.post_mlp_layernorm(mlp_out)
         return mlp_out, residual

@@ -505,18 +505,6 @@ def drive_moe_direct_blocks(capture: Capture, dtype: torch.dtype, dtype_name: st
                         routing = moe_ops.route_hidden(x, router, top_k, True, prepared, local_experts if ep else 0)
                         assert routing.layout is not None, "the router's block layout was not taken"
                         moe_ops.moe_experts(x, prepared, routing.weights, routing.ids, routing.layout)
-            # QSERVE_MOE_FUSED_NORM=1 (opt-in): the post-attention add + RMSNorm inside the router GEMM's launch,
-            # as the MoE block's forward_add_norm calls it (plain and under PDL)
-            norm_weight = torch.zeros((hidden,), dtype=dtype)  # [H]
-            for pdl_env in ("0", "1") if pdl else ("0",):
-                label = f"MoE direct blocks{rank} {dtype_name} T={m} fused add + norm + router GEMM"
-                label += " PDL" if pdl_env == "1" else ""
-                env = {moe_ops.FUSED_ROUTER_GEMM_ENV: "1", moe_ops.FUSED_NORM_ENV: "1", "QSERVE_ENABLE_PDL": pdl_env}
-                with mock.patch.dict(os.environ, env), where(capture, label), torch.inference_mode():
-                    fused = moe_ops.route_add_norm(
-                        x, x, norm_weight, 1e-6, router, top_k, True, prepared, local_experts if ep else 0
-                    )
-                    assert fused is not None, "the fused add + norm + router launch was not taken"
 
 
 def drive_moe_mma(capture: Capture, dtype: torch.dtype, dtype_name: str, pdl: bool = False) -> None:

@@ -4,10 +4,7 @@ its sibling that also writes the one-pair-per-block layout (``router_topk_blocks
 ``local_expert_ids`` and ``direct_block_layout``), ``QSERVE_MOE_DIRECT_BLOCKS`` and ``moe_ops.route``;
 the opt-in launch that also computes the logits (``router_gemm_topk_blocks``, against ``F.linear`` in the
 model dtype then the same oracles, and on GPU against ``F.linear`` + ``router_topk_blocks``, in a CUDA
-graph too), ``QSERVE_FUSED_ROUTER_GEMM`` and ``moe_ops.route_hidden`` (and the MoE block through it); the
-opt-in launch that also runs the post-attention add + RMSNorm (``add_norm_router_gemm_topk_blocks``, against
-``fused_add_rms_norm`` then the launch above; ``QSERVE_MOE_FUSED_NORM``, ``moe_ops.route_add_norm`` and the
-MoE block's ``forward_add_norm``)."""
+graph too), ``QSERVE_FUSED_ROUTER_GEMM`` and ``moe_ops.route_hidden`` (and the MoE block through it)."""
 
 from __future__ import annotations
 
@@ -488,124 +485,6 @@ def test_route_hidden_and_the_moe_block_fall_back_off_triton(monkeypatch):
     assert routing.layout is None and torch.equal(routing.ids, ref_ids) and torch.equal(routing.weights, ref_weights)
 
 
-def norm_router_problem(num_tokens: int, num_experts: int, hidden_size: int, dtype: torch.dtype, seed: int,
-                        device: str = "cpu") -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """(attn_out [T, H], residual [T, H], norm weight [H], router [E, H]): Gaussian, the residual stream a few
-    times the attention's output and the router's logits a few units, as in a trained model."""
-    gen = torch.Generator().manual_seed(seed)
-    attn_out = torch.randn(num_tokens, hidden_size, generator=gen)
-    residual = torch.randn(num_tokens, hidden_size, generator=gen) * 3
-    norm_weight = 1 + 0.1 * torch.randn(hidden_size, generator=gen)
-    router = torch.randn(num_experts, hidden_size, generator=gen) * (2 / hidden_size**0.5)
-    return tuple(t.to(dtype).to(device) for t in (attn_out, residual, norm_weight, router))
-
-
-@pytest.mark.parametrize(
-    ("num_tokens", "num_experts", "hidden_size", "top_k", "dtype", "share"),
-    [
-        (1, 128, 512, 8, torch.float16, None),  # Qwen3-30B-A3B's router, one token: one column step
-        (3, 16, 256, 4, torch.bfloat16, (8, 8)),  # T padded to 4, an expert-parallel rank's share
-        (4, 128, 2048, 8, torch.float16, None),  # four tokens: the hidden columns in steps of 512
-        (2, 60, 1000, 4, torch.float32, None),  # H not a power of two: a masked last step
-    ],
-)
-def test_add_norm_router_gemm_topk_blocks_is_the_norm_then_the_router(num_tokens, num_experts, hidden_size, top_k,
-                                                                     dtype, share):  # fmt: skip
-    """QSERVE_MOE_FUSED_NORM's launch: the normed rows and the new residual are ``fused_add_rms_norm``'s (its
-    Triton kernel, as the unfused step runs it) bit for bit, and the six routing outputs
-    ``router_gemm_topk_blocks``' on those normed rows, every output poisoned first; the counter left zero;
-    a residual or norm weight of another shape or dtype refused by name."""
-    from quant_kernels import elementwise_triton, moe_router_triton
-
-    attn_out, residual, norm_weight, router = norm_router_problem(num_tokens, num_experts, hidden_size, dtype, seed=3)
-    start, held = share or (0, num_experts)
-    real_empty = torch.empty
-    poison = lambda *a, **kw: real_empty(*a, **kw).fill_(-7)  # noqa: E731
-    with mock.patch.object(moe_router_triton.torch, "empty", poison):
-        got = moe_router_triton.add_norm_router_gemm_topk_blocks(
-            attn_out, residual, norm_weight, 1e-6, router, top_k, True, 16, start, held
-        )
-    normed, new_residual = elementwise_triton.fused_add_rms_norm(attn_out, residual, norm_weight, 1e-6)
-    assert torch.equal(got[7], new_residual) and torch.equal(got[6], normed)
-    two = moe_router_triton.router_gemm_topk_blocks(normed, router, top_k, True, 16, start, held)
-    assert all(torch.equal(g, w) for g, w in zip(got[:6], two))
-    assert moe_router_triton.arrival_counter(attn_out.device).item() == 0
-    with pytest.raises(ValueError, match="residual"):
-        moe_router_triton.add_norm_router_gemm_topk_blocks(attn_out, residual[:, :8], norm_weight, 1e-6, router, 2,
-                                                           True, 16)  # fmt: skip
-    with pytest.raises(ValueError, match="norm weight"):
-        moe_router_triton.add_norm_router_gemm_topk_blocks(attn_out, residual, norm_weight.double(), 1e-6, router, 2,
-                                                           True, 16)  # fmt: skip
-
-
-def test_fused_norm_setting_and_the_moe_block_through_it(monkeypatch):
-    """``QSERVE_MOE_FUSED_NORM``: unset or "0" off, "1" on, anything else refused by name. On a device Triton
-    serves (the CPU stands in, the interpreter runs the kernels), with it on, ``SparseMoeBlock.forward_add_norm``
-    makes one launch where ``route_hidden`` would fuse the router GEMM, and its output and residual equal
-    the norm's launch then ``forward`` bit for bit; ``route_add_norm`` declines (None) with the switch off,
-    with the router GEMM unfused, past the direct layout's pairs and for mixed dtypes, and the block then
-    runs the norm itself."""
-    from qserve.layers.moe import SparseMoeBlock
-    from qserve.layers.norm import RMSNorm
-    from quant_kernels import device as kdevice
-    from quant_kernels import moe_ops, moe_router_triton
-    from tests.kernels.test_moe import random_stacked
-
-    monkeypatch.delenv(moe_ops.FUSED_NORM_ENV, raising=False)
-    assert not moe_ops.fused_norm_requested()
-    monkeypatch.setenv(moe_ops.FUSED_NORM_ENV, "yes")
-    with pytest.raises(ValueError, match="QSERVE_MOE_FUSED_NORM"):
-        moe_ops.fused_norm_requested()
-
-    num_experts, top_k, hidden_size, inter, dtype = 16, 4, 128, 64, torch.bfloat16
-    for name in (
-        moe_ops.FUSED_ROUTER_ENV,
-        moe_ops.MOE_KERNEL_ENV,
-        moe_ops.FUSED_MOE_ENV,
-        moe_ops.FUSED_ROUTER_GEMM_ENV,
-    ):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(moe_ops.DIRECT_BLOCKS_ENV, "12")  # 3 tokens x top-4: just fits
-    block = SparseMoeBlock(prefix="mlp", hidden_size=hidden_size, num_experts=num_experts, top_k=top_k,
-                           intermediate_size=inter, renormalize=True, expert_names=("gate_proj", "up_proj", "down_proj"),
-                           quantized=True, dtype=dtype)  # fmt: skip
-    attn_out, residual, norm_weight, router = norm_router_problem(3, num_experts, hidden_size, dtype, seed=9)
-    norm = RMSNorm(hidden_size, 1e-6, dtype)
-    with torch.no_grad():
-        block.gate.weight.copy_(router)
-        norm.weight.copy_(norm_weight)
-    launches = []
-    real = moe_router_triton.add_norm_router_gemm_topk_blocks
-    monkeypatch.setattr(
-        moe_router_triton, "add_norm_router_gemm_topk_blocks", lambda *a, **k: launches.append(1) or real(*a, **k)
-    )
-    with mock.patch.object(kdevice, "triton_serves", lambda device: True), \
-            mock.patch.object(kdevice, "capability", lambda device: (9, 0)):  # fmt: skip
-        block.prepared = moe_ops.prepare_experts(
-            random_stacked(num_experts, hidden_size, 2 * inter, 64, False, dtype, seed=5),
-            random_stacked(num_experts, inter, hidden_size, 64, False, dtype, seed=6),
-        )
-        assert block.prepared.kind == "mma"
-        normed, want_residual = norm.add_and_norm(attn_out, residual)
-        want = block(normed)
-        monkeypatch.setenv(moe_ops.FUSED_NORM_ENV, "0")
-        out, new_residual = block.forward_add_norm(attn_out, residual, norm)
-        assert not launches and torch.equal(out, want) and torch.equal(new_residual, want_residual)
-        monkeypatch.setenv(moe_ops.FUSED_NORM_ENV, "1")
-        out, new_residual = block.forward_add_norm(attn_out, residual, norm)
-        assert launches == [1] and torch.equal(out, want) and torch.equal(new_residual, want_residual)
-        args = (attn_out, residual, norm.weight, norm.eps, router, top_k, True, block.prepared)
-        assert moe_ops.route_add_norm(attn_out, residual.float(), *args[2:]) is None  # mixed dtypes
-        monkeypatch.setenv(moe_ops.FUSED_ROUTER_GEMM_ENV, "0")
-        assert moe_ops.route_add_norm(*args) is None
-        monkeypatch.setenv(moe_ops.FUSED_ROUTER_GEMM_ENV, "1")
-        monkeypatch.setenv(moe_ops.DIRECT_BLOCKS_ENV, "8")  # 12 pairs: the sorted path
-        assert moe_ops.route_add_norm(*args) is None
-        out, new_residual = block.forward_add_norm(attn_out, residual, norm)
-        assert torch.equal(out, block(normed)) and torch.equal(new_residual, want_residual)
-    assert launches == [1]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 8, 128, 4096])
 @pytest.mark.parametrize(("num_experts", "top_k", "renormalize"), [(128, 8, True), (8, 2, True), (60, 4, False)])
@@ -678,40 +557,3 @@ def test_router_gemm_topk_blocks_on_gpu(monkeypatch, num_tokens, dtype, packed):
         assert torch.equal(captured[5], exact), seed
         assert_same_blocks(captured, two_launches(hidden, weight))
     assert moe_router_triton.arrival_counter(hidden.device).item() == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 4])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_add_norm_router_gemm_topk_blocks_on_gpu(num_tokens, dtype):
-    """QSERVE_MOE_FUSED_NORM's launch at Qwen3-30B-A3B's router (128 x 2048, top-8, block_m 16), eagerly and
-    in a CUDA graph replayed with new inputs: the new residual is ``fused_add_rms_norm``'s bit for bit, the
-    normed rows within one unit in the last place of it (the mean square summed in another order), and the
-    routing ``router_gemm_topk_blocks``' on the launch's own normed rows bit for bit."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    from quant_kernels import elementwise_triton, moe_router_triton
-
-    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
-
-    def check(got, attn_out, residual, norm_weight, router):  # noqa: ANN001, ANN202
-        normed, new_residual = elementwise_triton.fused_add_rms_norm(attn_out, residual, norm_weight, 1e-6)
-        assert torch.equal(got[7], new_residual)
-        torch.testing.assert_close(got[6], normed, rtol=ulp, atol=ulp * 1e-2)
-        two = moe_router_triton.router_gemm_topk_blocks(got[6], router, 8, True, 16)
-        assert all(torch.equal(g, w) for g, w in zip(got[:6], two))
-
-    inputs = norm_router_problem(num_tokens, 128, 2048, dtype, seed=num_tokens, device="cuda")
-    launch = lambda a, r, g, w: moe_router_triton.add_norm_router_gemm_topk_blocks(a, r, g, 1e-6, w, 8, True, 16)  # noqa: E731
-    check(launch(*inputs), *inputs)
-    static = [t.clone() for t in inputs]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = launch(*static)
-    for seed in (101, 102):
-        for dst, src in zip(static, norm_router_problem(num_tokens, 128, 2048, dtype, seed=seed, device="cuda")):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        check(captured, *static)
-    assert moe_router_triton.arrival_counter(static[0].device).item() == 0
