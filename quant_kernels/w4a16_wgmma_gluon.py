@@ -37,7 +37,7 @@ others' partials onto the last share's own) made the output's last bit vary from
 more shares and was no faster (twenty-second session); the fp32-atomic split before it lost 1.3-7x.
 At 33-64 rows the x tiles are 64 rows in 4 stages (the narrow launch). A stream-K variant (the product's
 tile x K-tile iterations cut into equal runs over two programs an SM, aimed at the partial last wave) lost
-19-40% to this launch at every layer at 128-512 rows on the H100 and was deleted (twenty-third session,
+18-68% to this launch at every layer at 128-512 rows on the H100 and was deleted (twenty-third session,
 bench/RESULTS.md: ncu put its L2 at 81% against the split's 65%). Serves 4-bit weights
 without act-order whose K-tiles lie in one group (group size a multiple of ``block_k``, or one group
 per column), fp16/bf16 activations; ``supports`` says which. ``w4a16_mma_triton.uses_gluon`` decides
@@ -45,9 +45,10 @@ when it runs (where it beat the other paths on the H100, bench/RESULTS.md, twent
 sessions). What
 limits it (ncu, 1,024 rows of gate_up on the H100): the one-warpgroup 128 x 64 tiles read x from L2
 once per 64 weight rows (L2 at 85% of its peak, tensor pipe 65%); the 8-warp 128 x 128 tiles halve
-that but hold both warpgroups to one CTA barrier before every refill; one warpgroup on 128 weight rows (64 or
-128 x rows) would halve it too, but ptxas serializes its wgmmas for want of registers (C7511, twenty-second
-session, at compile time). A warp-specialized variant (a
+that but hold both warpgroups to one CTA barrier before every refill; one warpgroup on 128 weight rows halves
+it too: with 128-deep K-tiles ptxas serializes its wgmmas (C7511, twenty-second session), and with 64-deep
+ones (``QSERVE_W4A16_GLUON_TILE=128x128x64x3x4``) it compiles but lost at 128-256 rows and tied at 512
+(twenty-third session: twice the steps, half the programs). A warp-specialized variant (a
 loader warp issuing the TMA copies beside the 8 consumer warps; twentieth session) was 1-11% faster than
 the same 8-warp tiles but slower than the one-warpgroup tiles at every shape measured (1-11% at 256-1,024
 rows, up to 47% at 128), and was deleted:
