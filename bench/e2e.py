@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import memory_pools  # noqa: E402
 from qserve import LLM, SamplingParams  # noqa: E402
 from qserve.runner.cuda_allocator import prefer_expandable_segments  # noqa: E402
 from tests.helpers.tokenizer import make_tokenizer  # noqa: E402
@@ -667,6 +668,15 @@ def main() -> None:
                 "plan vs held",
                 f"planned {planned / GIB:.3f} GiB, held by the allocator after empty_cache (graph pools included) "
                 f"{held / GIB:.3f} GiB ({100 * (held - planned) / planned:+.2f}%)",
+            )
+        )
+        # pool by pool (issue 25): the plan's overheads against the graph pools they estimate
+        rows.append(
+            (
+                "held by pool",
+                memory_pools.describe(memory_pools.pools(torch.cuda.memory_snapshot()))
+                + f"; planned overheads {plan.overhead_bytes / GIB:.3f} GiB, activation peak "
+                f"{plan.activation_bytes / GIB:.3f} GiB",
             )
         )
     emit(rows, args.out)
