@@ -94,7 +94,7 @@ COPIES_BYTES = 200e6  # a shape's copies together at least this (four L2s): the 
 def graph_copies(k: int, n: int) -> int:
     """Distinct 4-bit weight copies a graph cycles through: ``GRAPH_LAYERS``, or more where that many would
     sit in L2 (Qwen3-30B-A3B's 5 MB projections: 40, as its 48 layers never stay there)."""
-    return max(GRAPH_LAYERS, int(-(-COPIES_BYTES // (k * n // 2))))
+    return max(GRAPH_LAYERS, math.ceil(COPIES_BYTES / (k * n / 2)))
 
 
 def bench_us(fn, warmup: int = 10, rep: int = 25) -> float:

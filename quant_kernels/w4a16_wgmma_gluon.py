@@ -588,19 +588,6 @@ def group_tiles(group_size: int, k: int, block_k: int) -> int:
     return group_size // block_k
 
 
-def _checked_counters(counters: torch.Tensor | None, tiles: int, device: torch.device) -> torch.Tensor:
-    """The split launches' arrival counters: the caller's (zeroed, one an output tile at least, else refused by
-    name), or fresh zeros."""
-    if counters is None:
-        return torch.zeros(tiles, dtype=torch.int32, device=device)
-    if counters.dtype != torch.int32 or counters.numel() < tiles:
-        raise ValueError(
-            f"split-K over {tiles} output tiles needs int32 counters of >= {tiles} entries, got "
-            f"{counters.dtype} [{counters.numel()}]"
-        )
-    return counters
-
-
 def effective_split(k_tiles: int, split_k: int) -> int:
     """Shares of ``cdiv(k_tiles, split_k)`` K-tiles each that cover ``k_tiles`` with none empty (the kernel
     assumes every share holds a tile)."""
@@ -651,33 +638,43 @@ def w4a16_wgmma(
     split = effective_split(triton.cdiv(k, bk), cfg.split_k)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     tiles = grid[0] * grid[1]
-    args = (
+    if split > 1:
+        ws = torch.empty((split, tiles, bn, bm), dtype=torch.float32, device=x.device)  # one slot a share
+        if counters is None:
+            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+        elif counters.dtype != torch.int32 or counters.numel() < tiles:
+            raise ValueError(
+                f"split-K over {tiles} output tiles needs int32 counters of >= {tiles} entries, got "
+                f"{counters.dtype} [{counters.numel()}]"
+            )
+    else:
+        ws = kdevice.placeholder(x.device, torch.float32)
+        counters = kdevice.placeholder(x.device, torch.int32)
+    w4a16_wgmma_kernel[grid](
         x_desc,
         w_desc,
         out_desc,
         weight.scales,
         zeros,
         bias if bias is not None else weight.scales,
-    )
-    shapes = (m, n, k, weight.scales.stride(0), zeros.stride(0))
-    constants = dict(
+        ws,
+        counters,
+        m,
+        n,
+        k,
+        weight.scales.stride(0),
+        zeros.stride(0),
         HAS_ZEROS=weight.zeros is not None,
         GROUP_TILES=group_tiles(weight.group_size, k, bk),
         SCALES_AHEAD=cfg.scales_ahead,
         HAS_BIAS=bias is not None,
+        SPLIT_K=split,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
         STAGES=cfg.stages,
         num_warps=cfg.num_warps,
     )
-    if split > 1:
-        ws = torch.empty((split, tiles, bn, bm), dtype=torch.float32, device=x.device)  # one slot a share
-        counters = _checked_counters(counters, tiles, x.device)
-    else:
-        ws = kdevice.placeholder(x.device, torch.float32)
-        counters = kdevice.placeholder(x.device, torch.int32)
-    w4a16_wgmma_kernel[grid](*args, ws, counters, *shapes, SPLIT_K=split, **constants)
     return out
 
 
@@ -696,8 +693,9 @@ def compile_for(
     group_size: int = 128,
     k: int = 5120,
 ):
-    """The compiled ``w4a16_wgmma_kernel`` for ``sm_<arch>`` without a GPU (``triton.compile`` with a ``GPUTarget``), with the argument types and
-    constexprs ``w4a16_wgmma`` launches with (a weight of this group size and K)."""
+    """The compiled ``w4a16_wgmma_kernel`` for ``sm_<arch>`` without a GPU (``triton.compile`` with a
+    ``GPUTarget``), with the argument types and constexprs ``w4a16_wgmma`` launches with (a weight of
+    this group size and K)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -732,9 +730,9 @@ def compile_for(
         STAGES=cfg.stages,
         num_warps=cfg.num_warps,
     )
-    fn = w4a16_wgmma_kernel
     for name in constants:
         signature[name] = "constexpr"
+    fn = w4a16_wgmma_kernel
     aligned = [(i,) for i, name in enumerate(fn.arg_names) if signature[name].startswith("*") or name in ("N", "K")]
     attrs = {path: [["tt.divisibility", 16]] for path in aligned}
     return triton.compile(

@@ -56,6 +56,9 @@ COMPILE_CASES = [
     (glk.WgmmaConfig(split_k=3), "bf16", True, True),
     (glk.WgmmaConfig(block_m=64, stages=4, split_k=3), "fp16", True, True),  # the narrow launch (33-64 rows)
     (glk.WgmmaConfig(scales_ahead=1), "fp16", True, True),
+    # 128 weight rows a warpgroup in 64-deep K-tiles (QSERVE_W4A16_GLUON_TILE's measured candidates): no C7511
+    (glk.WgmmaConfig(block_m=64, block_n=128, block_k=64, stages=4), "bf16", True, True),
+    (glk.WgmmaConfig(block_m=128, block_n=128, block_k=64, stages=3), "fp16", False, False),
 ]
 
 
@@ -414,6 +417,9 @@ GPU_CASES = [
     # the narrow launch (33-64 rows: 64-row x tiles in 4 stages)
     (48, 2560, 320, 128, True, True, torch.float16, glk.WgmmaConfig(block_m=64, stages=4, split_k=3)),
     (64, 1792, 200, -1, False, True, torch.bfloat16, glk.WgmmaConfig(block_m=64, stages=4, split_k=2)),
+    # 128 weight rows a warpgroup in 64-deep K-tiles (QSERVE_W4A16_GLUON_TILE): groups of two K-tiles, split
+    (200, 1536, 384, 128, True, True, torch.float16, glk.WgmmaConfig(block_n=128, block_k=64, split_k=3)),
+    (96, 1024, 264, 64, False, False, torch.bfloat16, glk.WgmmaConfig(block_m=64, block_n=128, block_k=64, stages=4)),
 ]
 
 
