@@ -152,6 +152,14 @@ class Table:
         return "\n".join(self.lines + ([""] + self.notes if self.notes else [])) + "\n"
 
 
+def set_env(name: str, value: str | None) -> None:
+    """An environment switch for the next cases (None: unset, the default)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def set_expand_block_n(block_n: str | None) -> None:
     """``--expand-block-n``: QSERVE_LORA_EXPAND_BLOCK_N for the next cases (None: unset, the default)."""
     if block_n is None:
@@ -214,6 +222,9 @@ def run_case(
     assert error < 3e-2, f"kernel differs from the reference by {error:.2e} (relative)"
     eager_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, **knobs))
     triton_us = graph_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, **knobs))
+    # the expand alone (what a decode step's critical path keeps with the shrink on the side stream)
+    h_in = reference_lora.lora_shrink(x, lora_a, indices.token_slots, h.clone())
+    expand_us = graph_us(lambda: lora_ops.lora_expand(y, h_in, lora_b, starts, indices))
     os.environ[lora_ops.TRITON_ENV] = "0"
     reference_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices))
     elem = x.element_size()
@@ -221,6 +232,7 @@ def run_case(
     floor_us = moved / bandwidth * 1e6
     return {
         "triton_us": triton_us,
+        "expand_us": expand_us,
         "eager_us": eager_us,
         "reference_us": reference_us,
         "floor_us": floor_us,
@@ -375,8 +387,13 @@ def e2e(args: argparse.Namespace) -> Table:
     # --side-split-k: each overlapping mode once per side-stream shrink split (QSERVE_LORA_SIDE_SPLIT_K)
     # ("default": QSERVE_LORA_SIDE_SPLIT_K unset, the engine's DEFAULT_SIDE_SPLIT_K)
     splits = args.side_split_k.split(",")
-    engines = [(o, split) for o in variants for split in (["default"] if o == "0" else splits)]
-    for overlap, side_split in engines:
+    # --expand-rows: each of those once per QSERVE_LORA_EXPAND_ROWS value ("" : unset, the default)
+    rows_values = [v for v in args.expand_rows.split(",") if v] or [""]
+    engines = [
+        (o, split, rows) for o in variants for split in (["default"] if o == "0" else splits) for rows in rows_values
+    ]
+    for overlap, side_split, rows_max in engines:
+        set_env(lora_ops.EXPAND_ROWS_ENV, rows_max or None)
         os.environ[lora_ops.OVERLAP_ENV] = overlap
         if side_split == "default":
             os.environ.pop(lora_ops.SIDE_SPLIT_K_ENV, None)
@@ -385,6 +402,7 @@ def e2e(args: argparse.Namespace) -> Table:
         shown = f"{lora_ops.DEFAULT_SIDE_SPLIT_K} (default)" if side_split == "default" else side_split
         label = "LoRA, triton + graphs" + (f" + overlap {overlap}" if overlap != "0" else "")
         label += f", side split {shown}" if overlap != "0" else ""
+        label += f", expand rows {rows_max}" if rows_max else ""
         llm = build(label, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
         for batch, distinct in ((mid, 8), (mid, 1), (mid, MAX_LORAS), (big, 8), (big, 1), (big, MAX_LORAS), (1, 1)):
             measure(label, llm, batch, min(distinct, batch))
@@ -392,14 +410,15 @@ def e2e(args: argparse.Namespace) -> Table:
             "lora"
             if overlap == "0"
             else f"lora_overlap_{overlap}" + ("" if side_split == "default" else f"_split{side_split}")
-        )
+        ) + (f"_rows{rows_max}" if rows_max else "")
         profile(name, llm, mid, min(8, mid))
-        if (overlap, side_split) == engines[0]:
+        if (overlap, side_split, rows_max) == engines[0]:
             measure_eager("LoRA, triton eager", llm, mid, min(8, mid))
         del llm
         release()
     os.environ.pop(lora_ops.OVERLAP_ENV, None)
     os.environ.pop(lora_ops.SIDE_SPLIT_K_ENV, None)
+    set_env(lora_ops.EXPAND_ROWS_ENV, None)
     table.note(f"- total {time.perf_counter() - t0:.0f} s")
     return table
 
@@ -416,6 +435,12 @@ def main() -> None:
         help="comma list of QSERVE_LORA_EXPAND_BLOCK_N values to time (64, 128, 256, auto; default: unset, auto)",
     )
     parser.add_argument("--block-k", default="", help="comma list of shrink K blocks to time (default: heuristic)")
+    parser.add_argument(
+        "--expand-rows",
+        default="",
+        help="comma list of QSERVE_LORA_EXPAND_ROWS values (calls of at most N rows expand row-wise; 0: tiled); "
+        "the kernel table times each, --e2e builds one LoRA engine each (default: unset, the engine's default)",
+    )
     parser.add_argument("--e2e", action="store_true", help="engine decode throughput with adapters (issue 30)")
     parser.add_argument("--small", action="store_true", help="--e2e on a tiny shape (CPU check of the script)")
     parser.add_argument("--budget", default="24GiB")
@@ -453,6 +478,7 @@ def main() -> None:
     splits = [int(v) for v in args.split_k.split(",") if v] or [None]
     expand_ns = [v for v in args.expand_block_n.split(",") if v] or [None]
     blocks = [int(v) for v in args.block_k.split(",") if v] or [None]
+    expand_rows = [v for v in args.expand_rows.split(",") if v] or [None]
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (interpreter)"
     table = Table(
@@ -460,27 +486,32 @@ def main() -> None:
         [
             f"# LoRA shrink + expand, rank {RANK}, {args.dtype}, {device}; copy bandwidth {bandwidth / 1e9:.0f} GB/s",
             "",
-            "| layer | case | split x columns | expand N block | triton µs (graph) | triton µs (eager) | reference µs | floor µs | floor / triton |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|",
+            "| layer | case | split x columns | expand | triton µs (graph) | expand alone µs (graph) | triton µs (eager) | reference µs | floor µs | floor / triton |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ],
     )
     raw = []
     for name, (k, sizes) in layers.items():
         for label, rows, distinct, per_seq, graph_tiles in cases:
-            for split_k, block_k, expand_n in itertools.product(splits, blocks, expand_ns):
+            for split_k, block_k, expand_n, rows_max in itertools.product(splits, blocks, expand_ns, expand_rows):
                 set_expand_block_n(expand_n)
+                set_env(lora_ops.EXPAND_ROWS_ENV, rows_max)
+                row_wise = rows <= int(rows_max or 0)
+                expand_label = "rows" if row_wise else f"tiles {expand_n or 'auto'}"
                 result = run_case(
                     k, sizes, rows, distinct, per_seq, max(distinct, 2 if tiny else MAX_LORAS), dtype,
                     bandwidth, split_k, block_k, graph_tiles,
                 )  # fmt: skip
-                raw.append({"layer": name, "case": label, "expand_block_n": expand_n or "auto"} | result)
+                raw.append({"layer": name, "case": label, "expand": expand_label} | result)
                 table.add(
                     f"| {name} | {label} ({result['tiles']} tiles) | {result['split_k']} x {result['k_per_split']} | "
-                    f"{expand_n or 'auto'} | "
-                    f"{result['triton_us']:.1f} | {result['eager_us']:.1f} | {result['reference_us']:.1f} | "
+                    f"{expand_label} | "
+                    f"{result['triton_us']:.1f} | {result['expand_us']:.1f} | {result['eager_us']:.1f} | "
+                    f"{result['reference_us']:.1f} | "
                     f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
                 )
     set_expand_block_n(None)
+    set_env(lora_ops.EXPAND_ROWS_ENV, None)
     print(table.text())
     if args.out:
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
