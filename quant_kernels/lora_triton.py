@@ -334,23 +334,27 @@ def lora_expand_rows_kernel(
     row_block = tl.program_id(0)
     block = tl.program_id(1)
     m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(SLOTS + m, mask=m < num_rows, other=-1)  # [BLOCK_M]
-    if tl.max(slot, axis=0) >= 0:  # a block of base rows only (or a graph's pad rows) does nothing
+    in_step = m < num_rows
+    s = (block >= first_block1).to(tl.int32) + (block >= first_block2).to(tl.int32)
+    block_lo = tl.where(s == 0, 0, tl.where(s == 1, first_block1, first_block2))
+    n_lo = tl.where(s == 0, n_bound0, tl.where(s == 1, n_bound1, n_bound2))
+    n_hi = tl.where(s == 0, n_bound1, tl.where(s == 1, n_bound2, n_bound3))
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < RANK
+    n = (n_lo + (block - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = n < n_hi
+    rows = m.to(tl.int64)
+    # The slots, h and y need only the program's place: issued together, so that a row's B gather is the one
+    # load that waits for another (a decode step's expand is a chain of dependent loads on its critical path).
+    slot = tl.load(SLOTS + m, mask=in_step, other=-1)  # [BLOCK_M]
+    h = tl.load(
+        H + rows[:, None] * stride_hm + (s * RANK + r)[None, :], mask=in_step[:, None] & r_mask[None, :], other=0.0
+    ).to(tl.float32)  # [BLOCK_M, BLOCK_R]; a base row's h is never written (it may hold anything): masked below
+    y_ptr = Y + rows[:, None] * stride_ym + n[None, :]
+    y = tl.load(y_ptr, mask=in_step[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+    if tl.max(slot, axis=0) >= 0:  # a block of base rows only (or a graph's pad rows) writes nothing
         row_mask = slot >= 0
-        s = (block >= first_block1).to(tl.int32) + (block >= first_block2).to(tl.int32)
-        block_lo = tl.where(s == 0, 0, tl.where(s == 1, first_block1, first_block2))
-        n_lo = tl.where(s == 0, n_bound0, tl.where(s == 1, n_bound1, n_bound2))
-        n_hi = tl.where(s == 0, n_bound1, tl.where(s == 1, n_bound2, n_bound3))
-        r = tl.arange(0, BLOCK_R)
-        r_mask = r < RANK
-        n = (n_lo + (block - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        n_mask = n < n_hi
-        rows = m.to(tl.int64)
-        h = tl.load(
-            H + rows[:, None] * stride_hm + (s * RANK + r)[None, :],
-            mask=row_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_M, BLOCK_R]
+        h = tl.where(row_mask[:, None], h, 0.0)
         # Each row's own adapter: a gather of [BLOCK_N, R] per row (R contiguous: 16-byte loads); rows of one
         # slot read the same lines, which the SM's L1 serves after the first.
         b = tl.load(
@@ -362,10 +366,7 @@ def lora_expand_rows_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_N, BLOCK_R]
         acc = tl.sum(h[:, None, :] * b.to(tl.float32), axis=2)  # [BLOCK_M, BLOCK_N] fp32
-        mask = row_mask[:, None] & n_mask[None, :]
-        y_ptr = Y + rows[:, None] * stride_ym + n[None, :]
-        y = tl.load(y_ptr, mask=mask, other=0.0)
-        tl.store(y_ptr, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_ptr, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
 # The per-launch host arithmetic below is plain Python, cached per shape: ``triton.cdiv`` and
