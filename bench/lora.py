@@ -374,8 +374,16 @@ def e2e(args: argparse.Namespace) -> Table:
         finally:
             runner.decode_graphs = graphs
 
+    # --cases: the LoRA engines' (batch, adapters) rows, e.g. "32x8,1x1" (default: all seven below)
+    every = ((mid, 8), (mid, 1), (mid, MAX_LORAS), (big, 8), (big, 1), (big, MAX_LORAS), (1, 1))
+    scale = {32: mid, 128: big, 1: 1}
+    lora_rows = (
+        every
+        if not args.cases
+        else [(scale.get(int(b), int(b)), int(a)) for b, a in (c.split("x") for c in args.cases.split(","))]
+    )
     llm = build("base, CUDA graphs")
-    for batch in (mid, big, 1):
+    for batch in sorted({b for b, _ in lora_rows}, key=lambda b: (b == 1, b)):
         measure("base, CUDA graphs", llm, batch, 0)
     profile("base", llm, mid, 0)
     del llm
@@ -404,7 +412,7 @@ def e2e(args: argparse.Namespace) -> Table:
         label += f", side split {shown}" if overlap != "0" else ""
         label += f", expand rows {rows_max}" if rows_max else ""
         llm = build(label, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
-        for batch, distinct in ((mid, 8), (mid, 1), (mid, MAX_LORAS), (big, 8), (big, 1), (big, MAX_LORAS), (1, 1)):
+        for batch, distinct in lora_rows:
             measure(label, llm, batch, min(distinct, batch))
         name = (
             "lora"
@@ -412,7 +420,7 @@ def e2e(args: argparse.Namespace) -> Table:
             else f"lora_overlap_{overlap}" + ("" if side_split == "default" else f"_split{side_split}")
         ) + (f"_rows{rows_max}" if rows_max else "")
         profile(name, llm, mid, min(8, mid))
-        if (overlap, side_split, rows_max) == engines[0]:
+        if (overlap, side_split, rows_max) == engines[0] and not args.skip_eager:
             measure_eager("LoRA, triton eager", llm, mid, min(8, mid))
         del llm
         release()
@@ -446,6 +454,10 @@ def main() -> None:
     parser.add_argument("--budget", default="24GiB")
     parser.add_argument("--tmp", default="/tmp/qserve-bench")
     parser.add_argument("--time-limit", type=float, default=180.0, help="--e2e: start no row after this (s)")
+    parser.add_argument(
+        "--cases", default="", help="--e2e: the LoRA rows as BATCHxADAPTERS, comma-separated (default: all)"
+    )
+    parser.add_argument("--skip-eager", action="store_true", help="--e2e: no eager row")
     parser.add_argument("--profile-dir", default=None, help="--e2e: profile batch 32 x 8 adapters and the base there")
     parser.add_argument("--profile-steps", type=int, default=4, help="--profile-dir: profiled steps per kind")
     parser.add_argument(
