@@ -455,7 +455,9 @@ def main() -> None:
     parser.add_argument("--tmp", default="/tmp/qserve-bench")
     parser.add_argument("--time-limit", type=float, default=180.0, help="--e2e: start no row after this (s)")
     parser.add_argument(
-        "--cases", default="", help="--e2e: the LoRA rows as BATCHxADAPTERS, comma-separated (default: all)"
+        "--cases",
+        default="",
+        help="the rows as BATCHxADAPTERS, comma-separated (default: all); the kernel table keeps those decode-graph cases",
     )
     parser.add_argument("--skip-eager", action="store_true", help="--e2e: no eager row")
     parser.add_argument("--profile-dir", default=None, help="--e2e: profile batch 32 x 8 adapters and the base there")
@@ -487,6 +489,9 @@ def main() -> None:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     tiny = args.tiny or DEVICE == "cpu"
     layers, cases = (TINY_LAYERS, TINY_CASES) if tiny else (LAYERS, CASES)
+    if args.cases:  # BATCHxADAPTERS: those decode cases, with a decode graph's padded tiles
+        wanted = set(args.cases.split(","))
+        cases = [c for c in cases if f"{c[1]}x{c[2]}" in wanted and c[4]]
     splits = [int(v) for v in args.split_k.split(",") if v] or [None]
     expand_ns = [v for v in args.expand_block_n.split(",") if v] or [None]
     blocks = [int(v) for v in args.block_k.split(",") if v] or [None]
