@@ -17,7 +17,11 @@ CUDA graph of ``GRAPH_CALLS`` calls (the kernels' own time, as a decode graph ru
 eager step pays; the H200 run of 2026-12-05 timed only this, ~140 µs in every case), ``reference`` µs
 (the gather-based torch path, ``QSERVE_LORA_TRITON=0``), ``floor`` µs = bytes the kernels must move
 (each distinct adapter's A and B once, x read, y read and written) / the measured copy bandwidth,
-and ``floor / triton``. ``--tiny`` is a CPU smoke run under ``TRITON_INTERPRET=1`` at
+and ``floor / triton``, and ``expand alone`` µs: the expand by itself replayed from a graph (what a decode
+step's critical path keeps when the shrink runs beside the base GEMM). ``--expand-rows 0,128``: every
+case once per ``QSERVE_LORA_EXPAND_ROWS`` value (the row-wise expand for calls of at most that many rows;
+0 the tiled one); ``--cases 1x1,32x8``: only those decode-graph cases (batch x adapters).
+``--tiny`` is a CPU smoke run under ``TRITON_INTERPRET=1`` at
 toy sizes (wall-clock times, meaningless as performance). Rows are written to ``--out`` as they come.
 
 ``--e2e`` (issue 30's targets): a Qwen2.5-14B-shaped random GPTQ checkpoint (``bench/e2e.py``'s) under
@@ -37,7 +41,9 @@ for the LoRA engine at batch 32 with 8 adapters, ``--profile-steps`` steps each,
 (``profile_base.md``, ``profile_lora.md``, ``profile_lora_overlap_{shrink,pair}.md``, their traces
 gzipped). One base engine and one LoRA engine per overlap mode, not one per configuration: the whole
 run fits ``--time-limit`` (200 s on the H200); a row that would start past it is skipped and says so. The table is rewritten after every row, so a run cut short still leaves
-what it measured. ``--e2e --small`` checks the script on CPU (the reference path: no Triton there).
+what it measured. With ``--e2e``, ``--expand-rows`` builds one LoRA engine per value (each overlap mode and
+split), ``--cases`` keeps only those LoRA rows (and the base rows at their batches), ``--skip-eager`` drops
+the eager row. ``--e2e --small`` checks the script on CPU (the reference path: no Triton there).
 """
 
 from __future__ import annotations
@@ -217,7 +223,10 @@ def run_case(
         workspace = torch.empty(config.split_k, *h.shape, dtype=torch.float32)  # [split_k, T, S * R]
         lora_triton.lora_shrink(x, lora_a, *tiles, len(sizes), h, config, workspace, indices.tile_counters)
         block_n = lora_ops.expand_block_n(tiles[1].numel(), tuple(starts))  # the block add_lora takes on CUDA
-        got = lora_triton.lora_expand(y.clone(), h, lora_b, *tiles, starts, block_n)
+        if 0 < rows <= lora_ops.expand_rows_setting():  # QSERVE_LORA_EXPAND_ROWS: the row-wise expand
+            got = lora_triton.lora_expand_rows(y.clone(), h, lora_b, indices.token_slots, starts)
+        else:
+            got = lora_triton.lora_expand(y.clone(), h, lora_b, *tiles, starts, block_n)
     error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert error < 3e-2, f"kernel differs from the reference by {error:.2e} (relative)"
     eager_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, **knobs))
@@ -474,6 +483,9 @@ def main() -> None:
         "heuristic; 1..32), one engine each per overlapping mode",
     )
     args = parser.parse_args()
+    for value in (v for v in args.expand_rows.split(",") if v):
+        if not (value.isascii() and value.isdigit()):
+            parser.error(f"--expand-rows {value!r}: expected a comma list of row counts (0: the tiled expand)")
     for value in args.side_split_k.split(","):
         try:
             if value != "default":
@@ -490,8 +502,10 @@ def main() -> None:
     tiny = args.tiny or DEVICE == "cpu"
     layers, cases = (TINY_LAYERS, TINY_CASES) if tiny else (LAYERS, CASES)
     if args.cases:  # BATCHxADAPTERS: those decode cases, with a decode graph's padded tiles
-        wanted = set(args.cases.split(","))
+        wanted = {c.strip() for c in args.cases.split(",")}
         cases = [c for c in cases if f"{c[1]}x{c[2]}" in wanted and c[4]]
+        if not cases:
+            parser.error(f"--cases {args.cases}: none of the decode-graph cases {[f'{c[1]}x{c[2]}' for c in CASES]}")
     splits = [int(v) for v in args.split_k.split(",") if v] or [None]
     expand_ns = [v for v in args.expand_block_n.split(",") if v] or [None]
     blocks = [int(v) for v in args.block_k.split(",") if v] or [None]

@@ -106,9 +106,9 @@ class LoRAOverlap:
 class LoRAIndices:
     """Which adapter slot each row of a step uses, shared by every LoRA layer of the step.
 
-    ``token_slots`` serves the reference; the tiles serve the kernels: the rows with a slot, sorted
-    by slot (stable: a prefill segment stays in order) and cut into runs of at most ``TILE_ROWS`` rows
-    of one slot.
+    ``token_slots`` serves the reference and the row-wise expand; the tiles serve the other kernels: the
+    rows with a slot, sorted by slot (stable: a prefill segment stays in order) and cut into runs of at
+    most ``TILE_ROWS`` rows of one slot.
     """
 
     token_slots: torch.Tensor  # int32 [T], -1: base row
@@ -442,7 +442,7 @@ def expand_rows_setting() -> int:
     """``QSERVE_LORA_EXPAND_ROWS``: calls of at most this many rows take the row-wise expand (unset or empty:
     0, never); anything but a non-negative integer is refused, naming the variable."""
     value = os.environ.get(EXPAND_ROWS_ENV) or "0"
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise ValueError(f"{EXPAND_ROWS_ENV}={value!r}: expected a number of rows (0: off)")
     return int(value)
 
@@ -453,7 +453,8 @@ def _expand(
     """The Triton expand: row-wise up to ``QSERVE_LORA_EXPAND_ROWS`` rows, else tiled with the N block
     ``QSERVE_LORA_EXPAND_BLOCK_N`` asks for."""
     starts = tuple(slice_starts)
-    if y.shape[0] <= expand_rows_setting():
+    rows_max = expand_rows_setting() if os.environ.get(EXPAND_ROWS_ENV) else 0  # unset: no parse (~190 calls a step)
+    if 0 < y.shape[0] <= rows_max:
         return _lora_triton().lora_expand_rows(y, h, lora_b, indices.token_slots, starts)
     block_n = expand_block_n(indices.tile_offsets.shape[0], starts)
     return _lora_triton().lora_expand(y, h, lora_b, *_tiles(indices), starts, block_n)

@@ -13,7 +13,7 @@ a tile of length 0 is padding (a CUDA graph's fixed tile count) and does nothing
 A tile of a prefill segment is up to 16 consecutive tokens of one sequence; in a decode step the
 rows of every sequence on the same adapter share tiles, so an adapter's A and B are read once per
 16 rows, not once per row (the point of Punica's grouped GEMMs). Rows of the base model are in no
-tile: the kernels never touch them.
+tile: the tiled kernels never touch them (the row-wise expand reads their ``h`` and ``y``, writes neither).
 
 Kernels
 -------
@@ -41,8 +41,8 @@ Kernels
 ``lora_expand_rows_kernel`` (``QSERVE_LORA_EXPAND_ROWS``, opt-in): the expand without tiles, grid
   ``(ceil(T / BLOCK_M), sum_s ceil(N_s / BLOCK_N))``: ``BLOCK_M`` rows in the step's own order, each row
   gathering ``[BLOCK_N, R]`` of its own slot's ``B`` (rows without a slot masked out; a block of base or pad
-  rows returns at once), the ``R``-long dot per row and column in fp32, then ``y``'s read, add, one
-  rounding, write, as above. Why: a decode graph's tile count is fixed for the most adapters a batch can
+  rows reads its slots, ``h`` and ``y`` and writes nothing), the ``R``-long dot per row and column in fp32,
+  then ``y`` plus it, rounded once, stored for the rows with a slot. Why: a decode graph's tile count is fixed for the most adapters a batch can
   hold (``lora_ops.max_lora_tiles``: 34 tiles for a batch of 32 with 32 slots), so the tiled expand
   launches ``34 x N / BLOCK_N`` programs whatever the step uses, most of them empty; their launches cost
   1.5-6 µs a layer on the H100 (bench/RESULTS.md, seventeenth session) and the expand sits on the step's
@@ -54,7 +54,7 @@ Why split-K: at decode a step has a handful of tiles, and a shrink program that 
 (5120 or 13824) alone is a serial chain of loads on one SM: 35-105 µs a layer on the H200 whatever
 the batch, for microseconds of bytes. Splitting K puts the same bytes in flight on many SMs.
 
-Both allocate nothing, never synchronise with the host and launch a grid fixed by host integers
+All three allocate nothing, never synchronise with the host and launch a grid fixed by host integers
 (the caller allocates ``h`` and the workspace; the counters come with the step's indices).
 
 Fusing the pair into one launch would need every K split of a tile-slice done before any of its N
@@ -349,12 +349,12 @@ def lora_expand_rows_kernel(
     slot = tl.load(SLOTS + m, mask=in_step, other=-1)  # [BLOCK_M]
     h = tl.load(
         H + rows[:, None] * stride_hm + (s * RANK + r)[None, :], mask=in_step[:, None] & r_mask[None, :], other=0.0
-    ).to(tl.float32)  # [BLOCK_M, BLOCK_R]; a base row's h is never written (it may hold anything): masked below
+    ).to(tl.float32)  # [BLOCK_M, BLOCK_R]; a base row's h is never written (anything there stays in its row's
+    # sum, which the store leaves out)
     y_ptr = Y + rows[:, None] * stride_ym + n[None, :]
     y = tl.load(y_ptr, mask=in_step[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
     if tl.max(slot, axis=0) >= 0:  # a block of base rows only (or a graph's pad rows) writes nothing
         row_mask = slot >= 0
-        h = tl.where(row_mask[:, None], h, 0.0)
         # Each row's own adapter: a gather of [BLOCK_N, R] per row (R contiguous: 16-byte loads); rows of one
         # slot read the same lines, which the SM's L1 serves after the first.
         b = tl.load(
@@ -476,10 +476,11 @@ def lora_shrink(
 
 
 @functools.lru_cache(maxsize=64)
-def rows_block_m(num_rows: int) -> int:
-    """The row-wise expand's rows per program: ``ROWS_BLOCK_M``, fewer for a smaller step (no masked rows
-    past a batch of 1, 2 or 4)."""
-    return min(ROWS_BLOCK_M, _next_power_of_2(num_rows))
+def rows_block_m(num_rows: int, block_r: int) -> int:
+    """The row-wise expand's rows per program: ``ROWS_BLOCK_M`` at rank 16 or less, fewer for a higher rank
+    (its B gather holds ``rows x ROWS_BLOCK_N x block_r`` values in registers: 126 a thread at 8 x 64 x 16
+    on sm90) and for a smaller step (no masked rows past a batch of 1, 2 or 4)."""
+    return max(1, min(ROWS_BLOCK_M * 16 // block_r, _next_power_of_2(num_rows)))
 
 
 def lora_expand_rows(
@@ -497,7 +498,7 @@ def lora_expand_rows(
         return y
     bounds, total, first1, first2 = expand_geometry(tuple(slice_starts), block_n)
     rank = lora_b.shape[2]
-    block_m = rows_block_m(num_rows)
+    block_m = rows_block_m(num_rows, _block_r(rank))
     lora_expand_rows_kernel[(-(-num_rows // block_m), total)](
         y,
         h,

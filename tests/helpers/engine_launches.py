@@ -683,6 +683,12 @@ def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str, pd
                     where(capture, f"LoRA kernels {dtype_name} K={k} row-wise expand, {label}"),
                 ):
                     lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices)
+                if pdl and label == "decode batch 1":  # with PDL (on by default for MoE models on sm90)
+                    with (
+                        mock.patch.dict(os.environ, {lora_ops.EXPAND_ROWS_ENV: "32", "QSERVE_ENABLE_PDL": "1"}),
+                        where(capture, f"LoRA kernels {dtype_name} K={k} row-wise expand, {label} PDL"),
+                    ):
+                        lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices)
             # QSERVE_LORA_OVERLAP=pair in a decode graph: the expand into the fp32 delta (a launch of its own
             # dtypes), through begin_lora / finish_lora; the streams stand in (no CUDA here), the launches are real
             pair = lora_ops.indices_from_buffer(
@@ -694,7 +700,9 @@ def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str, pd
                     mock.patch.object(torch.cuda, "current_stream", lambda device=None: _NoStream()),
                     mock.patch.object(torch.cuda, "stream", lambda stream: contextlib.nullcontext()),
                     mock.patch.dict(os.environ, {lora_ops.EXPAND_ROWS_ENV: expand_rows}),
-                    where(capture, f"LoRA kernels {dtype_name} K={k} overlap pair, decode graph batch 32"),
+                    where(
+                        capture, f"LoRA kernels {dtype_name} K={k} overlap pair, expand rows {expand_rows}, graph 32"
+                    ),
                 ):
                     pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, pair)
                     assert pending.delta is not None and pending.delta.dtype == torch.float32

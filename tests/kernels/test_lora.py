@@ -209,12 +209,15 @@ def test_add_lora_launches_the_expand_block_the_setting_asks_for(monkeypatch) ->
         (3, [40, 8, 8], 3, 16, 1),  # qkv, a graph's pad row (slot -1) at the end
         (20, [70], 4, 24, 4),  # rank not a power of two, N past one block, rows past one row block
         (13, [130, 130], 2, 8, 3),  # gate_up: two slices each past two blocks
+        (11, [40], 3, 32, 0),  # rank 32 (4 rows a program); 11 rows: a row block past the step's end
     ],
 )
 def test_row_wise_expand_matches_reference(t, sizes, num_slots, rank, pad_rows, dtype, out_dtype) -> None:
     """``lora_expand_rows`` (QSERVE_LORA_EXPAND_ROWS): each row's own adapter, in the step's row order; base
     and pad rows (slot -1) keep their bits; into ``y`` or into ``pair`` mode's fp32 delta."""
     x, lora_a, lora_b, slots, y, starts = make_case(t, 32, sizes, num_slots, rank, dtype, seed=t * 7 + rank)
+    if t == 11:  # the first row block all base rows: it writes nothing
+        slots[: lora_triton.rows_block_m(t, 32)] = -1
     slots = np.concatenate([slots, np.full(pad_rows, -1, dtype=np.int32)])  # [T + pad]
     y = torch.cat([y, torch.randn(pad_rows, y.shape[1]).to(dtype).to(DEVICE)])  # [T + pad, N]
     if out_dtype == "fp32":
@@ -223,11 +226,18 @@ def test_row_wise_expand_matches_reference(t, sizes, num_slots, rank, pad_rows, 
     h = torch.randn(t + pad_rows, lora_a.shape[1]).to(dtype).to(DEVICE)  # [T + pad, S * R]
     base = torch.from_numpy(slots < 0).to(DEVICE)
     want = reference_lora.lora_expand(y.clone(), h, lora_b, token_slots, starts)
-    h[base] = float("nan")  # the shrink never writes a base row's h: whatever it holds must not reach y
+    h[base] = float("nan")  # the shrink never writes a base row's h: whatever it holds must not reach any y
     got = lora_triton.lora_expand_rows(y.clone(), h, lora_b, token_slots, starts)
     assert torch.equal(got[base], y[base]), "base or pad rows of the output changed"
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+def test_row_wise_expand_rows_per_program() -> None:
+    """8 rows a program at rank 16 or less, fewer at higher ranks (the B gather's registers) and for
+    smaller steps."""
+    assert [lora_triton.rows_block_m(rows, 16) for rows in (1, 2, 3, 8, 32, 128)] == [1, 2, 4, 8, 8, 8]
+    assert [lora_triton.rows_block_m(32, block_r) for block_r in (16, 32, 64, 128, 256)] == [8, 4, 2, 1, 1]
 
 
 def test_row_wise_expand_setting_and_dispatch(monkeypatch) -> None:
@@ -235,7 +245,7 @@ def test_row_wise_expand_setting_and_dispatch(monkeypatch) -> None:
     rows take the row-wise expand; bad values are refused by name."""
     monkeypatch.delenv(lora_ops.EXPAND_ROWS_ENV, raising=False)
     assert lora_ops.expand_rows_setting() == 0
-    for bad in ("-1", "all", "3.5"):
+    for bad in ("-1", "all", "3.5", "\u00b2"):
         monkeypatch.setenv(lora_ops.EXPAND_ROWS_ENV, bad)
         with pytest.raises(ValueError, match=lora_ops.EXPAND_ROWS_ENV):
             lora_ops.expand_rows_setting()
