@@ -639,7 +639,8 @@ def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str, pd
     from quant_kernels import lora_ops
 
     rank = 16
-    with mock.patch.dict(os.environ, {lora_ops.TRITON_ENV: "1"}), torch.inference_mode():
+    # the tiled expand unless a case asks for the row-wise one (an exported QSERVE_LORA_EXPAND_ROWS changes nothing)
+    with mock.patch.dict(os.environ, {lora_ops.TRITON_ENV: "1", lora_ops.EXPAND_ROWS_ENV: "0"}), torch.inference_mode():
         for k, sizes in LORA_KERNEL_SHAPES:
             starts = [0, *np.cumsum(sizes).tolist()]
             lora_a = torch.zeros(4, len(sizes) * rank, k, dtype=dtype)  # [L, S * R, K]
