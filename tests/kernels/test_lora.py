@@ -485,7 +485,12 @@ def test_gpu_add_lora_in_a_cuda_graph(monkeypatch, expand_rows) -> None:
     with torch.cuda.graph(graph):
         step()
     gen = np.random.default_rng(0)
-    for step_slots in (gen.integers(-1, max_loras, batch), np.arange(batch) % 3 - 1):
+    # the last: a step of fewer rows than the graph's batch (its pad rows take no slot)
+    for step_slots in (
+        gen.integers(-1, max_loras, batch),
+        np.arange(batch) % 3 - 1,
+        gen.integers(0, max_loras, batch - 5),
+    ):
         lora_ops.fill_index_buffer(host, step_slots.astype(np.int32), batch, tiles)
         buffer.copy_(torch.from_numpy(host))
         graph.replay()
