@@ -158,6 +158,18 @@ class Table:
         return "\n".join(self.lines + ([""] + self.notes if self.notes else [])) + "\n"
 
 
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """``--cases``: ``"32x8,1x1"`` -> ``[(32, 8), (1, 1)]`` (batch, distinct adapters); anything else is refused,
+    naming the entry."""
+    out = []
+    for entry in text.split(","):
+        parts = entry.strip().split("x")
+        if len(parts) != 2 or not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--cases {entry!r}: expected BATCHxADAPTERS, e.g. 32x8")
+        out.append((int(parts[0]), int(parts[1])))
+    return out
+
+
 def set_env(name: str, value: str | None) -> None:
     """An environment switch for the next cases (None: unset, the default)."""
     if value is None:
@@ -385,12 +397,8 @@ def e2e(args: argparse.Namespace) -> Table:
 
     # --cases: the LoRA engines' (batch, adapters) rows, e.g. "32x8,1x1" (default: all seven below)
     every = ((mid, 8), (mid, 1), (mid, MAX_LORAS), (big, 8), (big, 1), (big, MAX_LORAS), (1, 1))
-    scale = {32: mid, 128: big, 1: 1}
-    lora_rows = (
-        every
-        if not args.cases
-        else [(scale.get(int(b), int(b)), int(a)) for b, a in (c.split("x") for c in args.cases.split(","))]
-    )
+    scale = {32: mid, 128: big}  # the full-size batches stand for --small's
+    lora_rows = [(scale.get(b, b), a) for b, a in parse_cases(args.cases)] if args.cases else every
     llm = build("base, CUDA graphs")
     for batch in sorted({b for b, _ in lora_rows}, key=lambda b: (b == 1, b)):
         measure("base, CUDA graphs", llm, batch, 0)
@@ -483,6 +491,10 @@ def main() -> None:
         "heuristic; 1..32), one engine each per overlapping mode",
     )
     args = parser.parse_args()
+    try:
+        wanted = set(parse_cases(args.cases)) if args.cases else None
+    except ValueError as error:
+        parser.error(str(error))
     for value in (v for v in args.expand_rows.split(",") if v):
         if not (value.isascii() and value.isdigit()):
             parser.error(f"--expand-rows {value!r}: expected a comma list of row counts (0: the tiled expand)")
@@ -501,11 +513,11 @@ def main() -> None:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     tiny = args.tiny or DEVICE == "cpu"
     layers, cases = (TINY_LAYERS, TINY_CASES) if tiny else (LAYERS, CASES)
-    if args.cases:  # BATCHxADAPTERS: those decode cases, with a decode graph's padded tiles
-        wanted = {c.strip() for c in args.cases.split(",")}
-        cases = [c for c in cases if f"{c[1]}x{c[2]}" in wanted and c[4]]
+    if wanted is not None:  # those decode cases, with a decode graph's padded tiles
+        known = [f"{c[1]}x{c[2]}" for c in cases if c[4]]
+        cases = [c for c in cases if (c[1], c[2]) in wanted and c[4]]
         if not cases:
-            parser.error(f"--cases {args.cases}: none of the decode-graph cases {[f'{c[1]}x{c[2]}' for c in CASES]}")
+            parser.error(f"--cases {args.cases}: none of this run's decode-graph cases ({', '.join(known)})")
     splits = [int(v) for v in args.split_k.split(",") if v] or [None]
     expand_ns = [v for v in args.expand_block_n.split(",") if v] or [None]
     blocks = [int(v) for v in args.block_k.split(",") if v] or [None]

@@ -851,3 +851,27 @@ def test_gpu_overlapped_lora_in_a_cuda_graph_is_add_lora(monkeypatch, pair) -> N
         torch.cuda.synchronize()
         assert not overlapped.tile_counters.any()
         assert_same(outputs, want, "the graph's overlapped LoRA differs from add_lora")
+
+
+# ----------------------------------------------------------------------------------------------
+# bench/lora.py's switches for short device calls: bad values refused before any work, naming them
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bench_cases_and_expand_rows_are_checked(monkeypatch, capsys) -> None:
+    from bench import lora as bench_lora
+
+    assert bench_lora.parse_cases("32x8, 1x1") == [(32, 8), (1, 1)]
+    for bad in ("32-8", "32x", "x8", "0x8", "32x8x1", "3.5x2"):
+        with pytest.raises(ValueError, match="--cases"):
+            bench_lora.parse_cases(bad)
+    for argv, named in (
+        (["--expand-rows", "0,all"], "--expand-rows 'all'"),
+        (["--cases", "32-8"], "--cases '32-8'"),
+        (["--tiny", "--cases", "32x8"], "none of this run's decode-graph cases (4x2)"),  # --tiny has only 4x2
+    ):
+        monkeypatch.setattr("sys.argv", ["lora.py", *argv])
+        with pytest.raises(SystemExit) as stop:
+            bench_lora.main()
+        assert stop.value.code == 2
+        assert named in capsys.readouterr().err
