@@ -453,8 +453,7 @@ def _expand(
     """The Triton expand: row-wise up to ``QSERVE_LORA_EXPAND_ROWS`` rows, else tiled with the N block
     ``QSERVE_LORA_EXPAND_BLOCK_N`` asks for."""
     starts = tuple(slice_starts)
-    rows_max = expand_rows_setting() if os.environ.get(EXPAND_ROWS_ENV) else 0  # unset: no parse (~190 calls a step)
-    if 0 < y.shape[0] <= rows_max:
+    if 0 < y.shape[0] <= expand_rows_setting():
         return _lora_triton().lora_expand_rows(y, h, lora_b, indices.token_slots, starts)
     block_n = expand_block_n(indices.tile_offsets.shape[0], starts)
     return _lora_triton().lora_expand(y, h, lora_b, *_tiles(indices), starts, block_n)
