@@ -178,14 +178,6 @@ def set_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def set_expand_block_n(block_n: str | None) -> None:
-    """``--expand-block-n``: QSERVE_LORA_EXPAND_BLOCK_N for the next cases (None: unset, the default)."""
-    if block_n is None:
-        os.environ.pop(lora_ops.EXPAND_BLOCK_N_ENV, None)
-    else:
-        os.environ[lora_ops.EXPAND_BLOCK_N_ENV] = block_n
-
-
 def run_case(
     k: int,
     sizes: list[int],
@@ -537,7 +529,7 @@ def main() -> None:
     for name, (k, sizes) in layers.items():
         for label, rows, distinct, per_seq, graph_tiles in cases:
             for split_k, block_k, expand_n, rows_max in itertools.product(splits, blocks, expand_ns, expand_rows):
-                set_expand_block_n(expand_n)
+                set_env(lora_ops.EXPAND_BLOCK_N_ENV, expand_n)
                 set_env(lora_ops.EXPAND_ROWS_ENV, rows_max)
                 row_wise = rows <= int(rows_max or 0)
                 expand_label = "rows" if row_wise else f"tiles {expand_n or 'auto'}"
@@ -553,7 +545,7 @@ def main() -> None:
                     f"{result['reference_us']:.1f} | "
                     f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
                 )
-    set_expand_block_n(None)
+    set_env(lora_ops.EXPAND_BLOCK_N_ENV, None)
     set_env(lora_ops.EXPAND_ROWS_ENV, None)
     print(table.text())
     if args.out:
