@@ -1,4 +1,4 @@
-"""W4A16 kernel benchmark: the MMA-operand kernel vs cuBLAS fp16, the previous kernel, GemLite, tinygemm.
+"""W4A16 kernel benchmark: the MMA-operand kernel vs cuBLAS fp16, GemLite, tinygemm.
 
 Knows: Qwen2.5-14B linear shapes, how to time (CUDA-graph replay of 8 calls on 8 weight copies,
 ``triton.testing.do_bench`` median), the int4 bandwidth floor (bytes that must move / copy
@@ -11,9 +11,8 @@ relative error bound), in the same run.
 ``--sweep`` times every candidate config of the MMA kernel per (shape, M) and reports the
 fastest (the table the dispatch defaults come from) beside the built-in dispatch; without it
 only the built-in dispatch (``select_config``) is timed. Peers: cuBLAS fp16 on the dense weight
-(``x @ W``), the previous tile-interleaved kernel (``quant_kernels.w4a16_triton``, its own
-dispatch, if still present), GemLite (``gemlite``, its H100 config, if installed) and torch's
-tinygemm (M <= 256). ``--ptx`` also compiles the kernel for sm90 and sm86 on this machine's Triton
+(``x @ W``), GemLite (``gemlite``, its H100 config, if installed) and torch's tinygemm
+(M <= 256). ``--ptx`` also compiles the kernel for sm90 and sm86 on this machine's Triton
 and counts shared-memory stores in the PTX. ``--jobs N`` compiles every kernel variant the run will
 time in N processes first (Triton's on-disk cache), so a whole sweep fits one device call.
 
@@ -183,15 +182,6 @@ def load_gemlite_config() -> str:
     return f"gemlite {gemlite.__version__}, config {os.path.basename(path)} loaded={ok}"
 
 
-def old_kernel():
-    """The previous tile-interleaved kernel module, if this tree still has it."""
-    try:
-        from quant_kernels import w4a16_triton
-    except ImportError:
-        return None
-    return w4a16_triton
-
-
 def time_candidate(fn_one, calls, ref, m, n) -> tuple[float | None, float]:
     """(µs, rel err) of one candidate: checked on a poisoned buffer first, then graph-timed."""
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")  # poisoned
@@ -215,14 +205,6 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
     tinys = tinys if all(t is not None for t in tinys) else None
     gems = [make_gemlite(codes, weight) for _ in range(layers)] if "gemlite" in peers else [None]
     gems = gems if all(g is not None for g in gems) else None
-    old = old_kernel() if "old" in peers else None
-    if old is not None:
-        old_w = old.prepare(weight)
-        old_copies = [old_w] + [
-            dataclasses.replace(old_w, qweight=old_w.qweight.clone(), scales=old_w.scales.clone())
-            for _ in range(layers - 1)
-        ]
-        old_counters = [torch.zeros(old.num_split_counters(n), dtype=torch.int32, device="cuda") for _ in range(layers)]
     new_w = prepare_weight(weight)  # load-time shuffle into the MMA-operand order
     copies = [new_w] + [
         dataclasses.replace(new_w, qweight=new_w.qweight.clone(), scales=new_w.scales.clone())
@@ -251,19 +233,6 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
                     print(f"  WRONG gemlite {name} M={m}: rel err {err:.2e}", flush=True)
             except Exception as exc:  # noqa: BLE001
                 print(f"gemlite failed at M={m}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        if old is not None:
-            try:
-                calls = [
-                    lambda w=w, c=c, x=x: old.w4a16_gemm(x, w, None, None, c) for w, c in zip(old_copies, old_counters)
-                ]
-                t, err = time_candidate(
-                    lambda out, x=x: old.w4a16_gemm(x, old_w, None, None, old_counters[0], out=out), calls, ref, m, n
-                )
-                if t is not None:
-                    row["old_us"] = graph_us(calls)
-                    row["old_cfg"] = old.select_config(old_w, torch.float16, m).short()
-            except Exception as exc:  # noqa: BLE001
-                print(f"old kernel failed at M={m}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
         default = mma.select_config(new_w, torch.float16, m)
         cfgs = [default]
@@ -346,7 +315,7 @@ def bench_shape(name, ms, sweep, bw, rows, sweep_log, t_start, budget_s, peers, 
         print(
             f"{name:8s} M={m:5d} new {best[0]:8.1f}us [{best[1].short()}] "
             f"dflt {f'{default_t:8.1f}us' if default_t else '   WRONG'}  "
-            f"cuBLAS {t_cublas:8.1f}us ({ratio('cublas_us')})  old {ratio('old_us')}  gemlite {ratio('gemlite_us')}  "
+            f"cuBLAS {t_cublas:8.1f}us ({ratio('cublas_us')})  gemlite {ratio('gemlite_us')}  "
             f"tiny {ratio('tiny_us')}  floor {100 * row['floor_us'] / best[0]:5.1f}%  err {best[2]:.1e}  "
             f"{pdl_note}"
             f"({time.time() - t_start:.0f}s)",
@@ -441,22 +410,22 @@ def write_table(path: str, rows: list[dict], bw: float, header: str) -> None:
     lines = [
         header,
         "",
-        "| shape (KxN) | M | new µs | xcuBLAS | xold | xGemLite | xtiny | % floor | cuBLAS µs | old µs | GemLite µs "
+        "| shape (KxN) | M | new µs | xcuBLAS | xGemLite | xtiny | % floor | cuBLAS µs | GemLite µs "
         "| default µs | default+PDL µs (xcuBLAS) | rel err | best config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("no_correct_config"):
-            lines.append(f"| {r['shape']} {r['K']}x{r['N']} | {r['M']} | WRONG: no correct config |" + " |" * 12)
+            lines.append(f"| {r['shape']} {r['K']}x{r['N']} | {r['M']} | WRONG: no correct config |" + " |" * 10)
             continue
         us = r["us"]
         default = f"{r['default_us']:.1f}" if r.get("default_us") else "WRONG"
         with_pdl = f"{r['pdl_us']:.1f} ({r['cublas_us'] / r['pdl_us']:.2f}x)" if r.get("pdl_us") else "n/a"
         lines.append(
             f"| {r['shape']} {r['K']}x{r['N']} | {r['M']} | {us:.1f} | {r['cublas_us'] / us:.2f} | "
-            f"{f(r.get('old_us') and r['old_us'] / us, '{:.2f}')} | {f(r.get('gemlite_us') and r['gemlite_us'] / us, '{:.2f}')} | "
+            f"{f(r.get('gemlite_us') and r['gemlite_us'] / us, '{:.2f}')} | "
             f"{f(r.get('tiny_us') and r['tiny_us'] / us, '{:.2f}')} | {100 * r['floor_us'] / us:.0f} | "
-            f"{r['cublas_us']:.1f} | {f(r.get('old_us'))} | {f(r.get('gemlite_us'))} | {default} "
+            f"{r['cublas_us']:.1f} | {f(r.get('gemlite_us'))} | {default} "
             f"[{r['default_cfg']}] | {with_pdl} | {r['err']:.1e} | {r['cfg']} |"
         )
     with open(path, "w") as fh:
@@ -468,7 +437,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time every candidate config, report the fastest")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
-    ap.add_argument("--peers", default="old,gemlite,tiny", help="comma-separated: old, gemlite, tiny")
+    ap.add_argument("--peers", default="gemlite,tiny", help="comma-separated: gemlite, tiny")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping (keep timing defaults) after this")
     ap.add_argument("--sweep-ms", default="", help="sweep only these M (others: built-in dispatch); default all")
     ap.add_argument("--ptx", action="store_true", help="also count st.shared in the sm90/sm86 PTX")
@@ -519,14 +488,13 @@ def main() -> None:
         with open(json_path, "w") as fh:  # partial results survive a timeout
             json.dump({"rows": rows, "sweep": sweep_log, "copy_bw": bw, "ptx": ptx, "header": header}, fh, indent=1)
         write_table(args.out, rows, bw, header)
-    print("\nshape       M   new µs  xcuBLAS   xold  xGemLite  default")
+    print("\nshape       M   new µs  xcuBLAS  xGemLite  default")
     wrong = [r for r in rows if r.get("default_wrong") or r.get("no_correct_config")]
     rows = [r for r in rows if not r.get("no_correct_config")]
     for r in rows:
-        old_x = f"{r['old_us'] / r['us']:.2f}" if r.get("old_us") else "n/a"
         gem_x = f"{r['gemlite_us'] / r['us']:.2f}" if r.get("gemlite_us") else "n/a"
         print(
-            f"{r['shape']:8s} {r['M']:5d} {r['us']:8.1f} {r['cublas_us'] / r['us']:7.2f} {old_x:>6s} {gem_x:>8s}"
+            f"{r['shape']:8s} {r['M']:5d} {r['us']:8.1f} {r['cublas_us'] / r['us']:7.2f} {gem_x:>8s}"
             f"  {r['cublas_us'] / r['default_us']:.2f} [{r['default_cfg']}]"
             if r["default_us"]
             else "  WRONG"

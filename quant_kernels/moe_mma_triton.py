@@ -94,7 +94,7 @@ from quant_kernels.moe_layout import StackedQuantWeight
 from quant_kernels.moe_triton import block_layout, grouped_moe  # the sort or given blocks, buffers, the sum
 from quant_kernels.pdl import launch_options
 from quant_kernels.repack import MMA_PAD_N, MmaQuantWeight, mma_kwidth, mma_zeros
-from quant_kernels.w4a16_mma_triton import _accumulate, _block_k_ok, _k_share, _prefetch_k_tiles
+from quant_kernels.w4a16_mma_triton import _accumulate, _block_k_ok, _k_share, _prefetch_k_tiles, groups_per_tile
 
 # Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and bf16 dots are unreliable in the
 # interpreter: the launcher passes FAST=False / DOT_F32=True there, as the dense kernel does.
@@ -730,7 +730,7 @@ def _launch(
     ``moe_mma_split_kernel``, which takes the same arguments first, then its own."""
     block_n, block_k = _launch_shape(config, weight, out_cols, silu_mul)
     g, k = weight.group_size, weight.in_features
-    ng = 1 if (g % block_k == 0 or g >= k) else block_k // g
+    ng = groups_per_tile(block_k, g, k)
     has_zeros = weight.zeros is not None
     zeros = weight.zeros if has_zeros else kdevice.placeholder(a.device, torch.float16)
     stride_ze, stride_zg = (zeros.stride(0), zeros.stride(1)) if has_zeros else (0, 0)

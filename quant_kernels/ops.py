@@ -7,10 +7,11 @@ imports on a machine without triton, and only the CUDA branch touches it.
 
 On CUDA, preparation shuffles the canonical weight once into the MMA-operand order of this
 device's generation (``quant_kernels.repack.mma_shuffle``, served by
-``quant_kernels.w4a16_mma_triton``) and allocates the split-K arrival counters. A weight whose
-group size that kernel cannot tile (e.g. the 16-row-padded act-order groups of a sharded layer)
-takes the older tile-interleaved kernel (``quant_kernels.w4a16_triton``); one neither serves
-stays canonical and takes the reference path.
+``quant_kernels.w4a16_mma_triton``, one kernel family: its Triton and Gluon launches) and
+allocates the split-K arrival counters. On sm80 and newer that kernel serves every group size in
+steps of 16 rows (48 or 80 included: the padded act-order groups of a row-parallel shard) and
+those that divide its K-tiles (``w4a16_mma_triton.supports``); a weight it cannot serve (other
+group sizes, an older card) stays canonical and takes the reference path.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from quant_kernels.layout import PackedQuantWeight
 class W4A16Prepared:
     """A weight ready for a Triton kernel: the kernel-layout weight plus per-weight scratch.
 
-    ``weight`` is a ``quant_kernels.repack.MmaQuantWeight`` (MMA kernel) or ``TiledQuantWeight``
-    (fallback kernel). ``counters`` (int32, zeros) are the split-K arrival counters: each split-K
-    launch leaves them at zero again, so they are allocated once here and never reset per call.
+    ``weight`` is a ``quant_kernels.repack.MmaQuantWeight``. ``counters`` (int32, zeros) are the
+    split-K arrival counters: each split-K launch leaves them at zero again, so they are allocated
+    once here and never reset per call.
     """
 
-    weight: Any  # MmaQuantWeight | TiledQuantWeight (typed loosely: this module must import without triton)
+    weight: Any  # MmaQuantWeight (typed loosely: this module must import without triton)
     counters: torch.Tensor  # int32 [num_split_counters(N)]
 
     @property
@@ -46,13 +47,6 @@ class W4A16Prepared:
         return self.weight.out_features
 
 
-def _kernel_module(prepared: W4A16Prepared) -> Any:
-    from quant_kernels import w4a16_mma_triton, w4a16_triton
-    from quant_kernels.repack import MmaQuantWeight
-
-    return w4a16_mma_triton if isinstance(prepared.weight, MmaQuantWeight) else w4a16_triton
-
-
 def prepare_w4a16(weight: PackedQuantWeight) -> Any:
     """Turn a canonical weight (already on its device) into what ``w4a16_linear`` consumes.
 
@@ -60,34 +54,29 @@ def prepare_w4a16(weight: PackedQuantWeight) -> Any:
     """
     if not kdevice.triton_serves(weight.qweight.device):
         return weight
-    from quant_kernels import w4a16_mma_triton, w4a16_triton
+    from quant_kernels import w4a16_mma_triton
 
-    if w4a16_mma_triton.supports(weight):
-        module = w4a16_mma_triton
-    elif w4a16_triton.supports(weight):
-        module = w4a16_triton
-    else:
+    if not w4a16_mma_triton.supports(weight):
         return weight
     counters = torch.zeros(
-        module.num_split_counters(weight.out_features), dtype=torch.int32, device=weight.qweight.device
+        w4a16_mma_triton.num_split_counters(weight.out_features), dtype=torch.int32, device=weight.qweight.device
     )  # [num_split_counters(N)]
-    return W4A16Prepared(weight=module.prepare(weight), counters=counters)
+    return W4A16Prepared(weight=w4a16_mma_triton.prepare(weight), counters=counters)
 
 
 def w4a16_linear(x: torch.Tensor, prepared: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x: [..., K] -> [..., N]`` from a weight made by ``prepare_w4a16``."""
     if isinstance(prepared, W4A16Prepared) and kdevice.triton_serves(x.device):
-        module = _kernel_module(prepared)
+        from quant_kernels import w4a16_mma_triton
+
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        out = module.w4a16_gemm(x2, prepared.weight, bias, counters=prepared.counters)  # [M, N]
+        out = w4a16_mma_triton.w4a16_gemm(x2, prepared.weight, bias, counters=prepared.counters)  # [M, N]
         return out.reshape(*lead, out.shape[-1])
     if isinstance(prepared, W4A16Prepared):  # a CUDA-prepared weight used off CUDA: undo the kernel layout
-        from quant_kernels.repack import MmaQuantWeight, mma_unshuffle, untile
+        from quant_kernels.repack import mma_unshuffle
 
-        prepared = (
-            mma_unshuffle(prepared.weight) if isinstance(prepared.weight, MmaQuantWeight) else untile(prepared.weight)
-        )
+        prepared = mma_unshuffle(prepared.weight)
     return reference.w4a16_matmul(x, prepared, bias)
 
 

@@ -48,6 +48,7 @@ not round-trip through DRAM.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -235,7 +236,10 @@ def _group_params(
     BLOCK_K: tl.constexpr,
 ):
     """Scales and zeros of K-tile ``kt``: ``[BN]`` each when the tile lies in one group and the
-    scales go on the partial, else ``[BN, NG]``. Without zeros the second value is a dummy."""
+    scales go on the partial, else ``[BN, NG]``: one per ``BLOCK_K // NG`` rows of the tile, which is
+    the group size when groups divide the tile, or the step between group boundaries when they do not
+    (groups of 48 or 80 rows: a 128-row tile in 8 runs of 16, each inside one group). Without zeros
+    the second value is a dummy."""
     k0 = kt * BLOCK_K
     if NG == 1 and not SCALE_W:
         g = k0 // group_size
@@ -245,8 +249,13 @@ def _group_params(
         else:
             z = s
     else:
-        offs_g = k0 // group_size + tl.arange(0, NG)  # [NG]
-        mask_g = mask_n[:, None] & (offs_g * group_size < K)[None, :]  # the last tile may hold fewer groups
+        if NG == 1 or BLOCK_K // NG == group_size:  # the tile lies in one group or holds whole groups
+            offs_g = k0 // group_size + tl.arange(0, NG)  # [NG]
+            mask_g = mask_n[:, None] & (offs_g * group_size < K)[None, :]  # the last tile may hold fewer groups
+        else:  # runs of BLOCK_K // NG rows, each inside one group (consecutive runs may share it)
+            starts = k0 + tl.arange(0, NG) * (BLOCK_K // NG)  # [NG] each run's first row
+            offs_g = starts // group_size  # [NG]
+            mask_g = mask_n[:, None] & (starts < K)[None, :]  # runs past K (in the last tile) load nothing
         s = tl.load(scales_ptr + offs_g[None, :] * stride_sg + offs_n[:, None], mask=mask_g, other=0.0)  # [BN, NG]
         if HAS_ZEROS:
             z = tl.load(zeros_ptr + offs_g[None, :] * stride_zg + offs_n[:, None], mask=mask_g, other=0.0)  # [BN, NG]
@@ -364,7 +373,7 @@ def _accumulate(
                 part = tl.dot(wt, tl.trans(xk))  # [BN, BM]
             acc += part * s[:, None]
         else:
-            G: tl.constexpr = BLOCK_K // NG  # columns of the tile per scale (the group size when NG > 1)
+            G: tl.constexpr = BLOCK_K // NG  # columns of the tile per scale (_group_params)
             wdt = tl.float32 if DOT_F32 else dtype  # interpreter: bf16 arithmetic there is unreliable
             wt = wt.to(wdt)
             if HAS_ZEROS:
@@ -817,7 +826,18 @@ def m_bucket(m: int) -> int:
 
 
 def _block_k_ok(block_k: int, group_size: int, k: int) -> bool:
-    return group_size % block_k == 0 or group_size >= k or block_k % group_size == 0
+    """A K-tile of ``block_k`` rows lies in one group, holds whole groups, or is cut by group boundaries
+    only at multiples of 16 rows (groups of 48 or 80: the padded act-order groups of a row-parallel
+    shard, qserve.distributed.sharding), at most 8 runs of one group (``_group_params``)."""
+    return (
+        group_size % block_k == 0 or group_size >= k or block_k % group_size == 0 or math.gcd(group_size, block_k) >= 16
+    )
+
+
+def groups_per_tile(block_k: int, group_size: int, k: int) -> int:
+    """The kernels' ``NG`` for a K-tile of ``block_k`` rows that ``_block_k_ok`` accepts: 1 when the
+    tile lies in one group, else its runs of one group (``_group_params``)."""
+    return 1 if (group_size % block_k == 0 or group_size >= k) else block_k // math.gcd(group_size, block_k)
 
 
 def _fix(cfg: MmaConfig, m: int, k: int, n: int, group_size: int) -> MmaConfig:
@@ -1034,8 +1054,9 @@ def _num_sms(device: torch.device) -> int:
 
 def supports(weight: PackedQuantWeight) -> bool:
     """Whether the kernel serves this weight: on a CUDA device, one with 16-bit tensor-core MMA
-    (sm80+; older cards keep the tile-interleaved kernel), and every K-tile of 64 or 128 lies in
-    one group or holds whole groups (else the caller keeps the reference path)."""
+    (sm80+; older cards take the reference path), and every K-tile of 64 or 128 lies in
+    one group or holds whole groups (``ops.tileable`` cuts groups in steps of 16 into ones that
+    do; the caller keeps the reference path for the rest)."""
     device = weight.qweight.device
     if kdevice.triton_serves(device) and kdevice.capability(device) < (8, 0):
         return False
@@ -1204,7 +1225,7 @@ def w4a16_gemm(
     zeros = weight.zeros if weight.zeros is not None else kdevice.placeholder(x.device, torch.float16)
     perm = weight.perm if weight.perm is not None else kdevice.placeholder(x.device, torch.int64)
     bias_arg = bias if bias is not None else kdevice.placeholder(x.device, x.dtype)
-    ng = 1 if (g % cfg.block_k == 0 or g >= k) else cfg.block_k // g
+    ng = groups_per_tile(cfg.block_k, g, k)
     launch_opts = {"maxnreg": cfg.max_regs} if cfg.max_regs and not _INTERPRET else {}
     with_pdl = use_pdl(x.device, pdl)
     if with_pdl:

@@ -91,7 +91,7 @@ INTERPRETED_MODULES = frozenset(
         "moe_mma",
         "moe_router",
         "reference_attention_bounded",
-        "w4a16",
+        "w4a16_ops",
         "w4a16_mma",
     )
 )

@@ -43,9 +43,9 @@ import torch
 from qserve.config import ModelConfig
 from quant_kernels.layout import PackedQuantWeight, pack_codes, pack_factor, unpack_codes
 
-# Padded act-order groups are rounded up to this many rows: a multiple of every pack factor and
-# of the Triton kernels' interleave (quant_kernels.repack.DEFAULT_INTERLEAVE), so the shard
-# stays servable by the kernels.
+# Padded act-order groups are rounded up to this many rows: a multiple of every pack factor, and
+# a size the W4A16 kernel serves (its K-tiles take groups of 48 or 80 rows as runs of 16 inside one
+# group: quant_kernels.w4a16_mma_triton._group_params).
 ACT_ORDER_GROUP_ALIGN = 16
 
 Weight = torch.Tensor | PackedQuantWeight

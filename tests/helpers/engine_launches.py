@@ -166,13 +166,13 @@ MODELS = [
 # (``--tier full``, before changing a kernel or its dispatch): every model on every GPU, Qwen3's q/k
 # norms, the extra weight formats. A distinct compile costs ~0.4 s of CPU; "ci" is
 # sized to CI's budget.
-FALLBACK = "g80 (the tile-interleaved fallback kernel)"
+SHARD_GROUPS_FORMAT = "g80 (a padded act-order shard's groups: runs of 16 rows a K-tile)"
 CI_MODELS = ("qwen2.5-14b", "qwen-14b-v1", "llama-3-8b", "baichuan2-13b")
 TIERS = {
     "ci": dict(
         models=CI_MODELS,
         consumer_models=("qwen2.5-14b", "llama-3-8b"),
-        formats=(FALLBACK,),
+        formats=(SHARD_GROUPS_FORMAT,),
         pdl_dtypes=("fp16", "bf16"),
     ),
     "full": dict(models=tuple(c.name for c in MODELS), consumer_models=None, formats=None, pdl_dtypes=("fp16", "bf16")),
@@ -185,7 +185,8 @@ FORMATS = [
     ("g64-act-order", 4, 64, True, True),
     ("8bit-g128", 8, 128, True, False),
     ("channelwise", 4, -1, True, False),
-    (FALLBACK, 4, 80, True, False),
+    (SHARD_GROUPS_FORMAT, 4, 80, True, False),  # as the shard reaches the kernel: its perm applied before
+    ("g48-asym-act-order", 4, 48, False, True),
 ]
 FORMAT_SHAPES = [(5120, 7168), (13824, 5120)]  # (K, N): qkv and down of Qwen2.5-14B
 M_BUCKETS = [1, 9, 32, 64, 128, 256, 2048]  # one M of each dispatch bucket
@@ -851,7 +852,6 @@ def run(gpu: SimulatedGpu, tier: str = "ci", dtypes: tuple[str, ...] = ("fp16", 
 
 KERNEL_MODULES = (
     "w4a16_mma_triton",
-    "w4a16_triton",
     "attention_triton",
     "attention_int4_triton",
     "elementwise_triton",

@@ -432,14 +432,18 @@ def test_w4a16_mma_gpu_ops_and_cuda_graph() -> None:
 
 
 @pytest.mark.parametrize("capability,served", [((7, 5), False), ((8, 6), True), ((9, 0), True)])
-def test_pre_ampere_cards_keep_the_older_kernel(monkeypatch, capability, served) -> None:
-    """The MMA layout needs sm80+: on a Turing card the weight goes to the tile-interleaved kernel
-    instead of failing to load (mma_kwidth refuses sm75)."""
+def test_pre_ampere_cards_take_the_reference_path(monkeypatch, capability, served) -> None:
+    """The MMA layout needs sm80+: on a Turing card the weight stays canonical and takes the
+    reference path (``quant_kernels.ops``) instead of failing to load (mma_kwidth refuses sm75)."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     weight = SimpleNamespace(qweight=SimpleNamespace(device=torch.device("cuda", 0)), group_size=128, in_features=256)
     assert mma.supports(weight) is served
+    if not served:
+        from quant_kernels import ops
+
+        assert ops.prepare_w4a16(weight) is weight  # canonical: ops.w4a16_linear's reference path
 
 
 def test_counters_of_another_dtype_are_refused() -> None:
