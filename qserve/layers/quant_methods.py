@@ -116,6 +116,23 @@ class W4A16LinearMethod(LinearMethod):
         return tensor_nbytes(layer.quant_prepared) + tensor_nbytes(layer.quant_shards)
 
 
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def reference_path_layers(model: torch.nn.Module) -> list[str]:
+    """Prefixes of the quantized layers on a GPU that no kernel serves (a card before sm80, no
+    Triton, or groups not in steps of 16): their weights stayed canonical and every step dequantizes
+    them (``quant_kernels.ops``), so the loader warns about them. Weights on the CPU (the reference
+    path is their normal one) or on the meta device (a tensor check) are not named."""
+    slow = []
+    for module in model.modules():
+        parts = getattr(module, "quant_prepared", None) or []
+        if any(isinstance(p, PackedQuantWeight) and _on_gpu(p.qweight) for p in parts):
+            slow.append(module.prefix)
+    return slow
+
+
 def tensor_nbytes(obj: Any) -> int:
     """Bytes of every tensor reachable through lists and dataclass fields of ``obj``."""
     if isinstance(obj, torch.Tensor):

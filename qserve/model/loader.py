@@ -14,7 +14,7 @@ import torch
 import loaders
 from qserve.config import ModelConfig
 from qserve.distributed.parallel_state import TPGroup
-from qserve.layers.quant_methods import make_linear_method
+from qserve.layers.quant_methods import make_linear_method, reference_path_layers
 from qserve.model.llama import LlamaFamilyForCausalLM
 from qserve.model.registry import checkpoint_view, read_model_config
 
@@ -52,6 +52,14 @@ def load_model(
         if str(path) in str(err):
             raise
         raise ValueError(f"{path}: {err}") from err  # name the checkpoint in every user error
+    slow = reference_path_layers(model)
+    if slow:
+        logger.warning(
+            "%d quantized layers (first: %s) have no W4A16 kernel on this GPU (the kernels need Triton, sm80 "
+            "or newer and groups in steps of 16 rows): each step dequantizes their weights in PyTorch, which is slow",
+            len(slow),
+            slow[0],
+        )
     model.eval()
     return model, config
 

@@ -99,3 +99,25 @@ def test_make_linear_method() -> None:
     assert isinstance(make_linear_method(CheckpointSpec(method="none"), NAMES), DenseLinearMethod)
     with pytest.raises(ValueError, match="some but not all shards.*k_proj=unquantized"):
         make_linear_method(spec, [n.replace("layers.0", "layers.1") for n in NAMES])
+
+
+def test_reference_path_layers_names_the_gpu_layers_no_kernel_serves(monkeypatch) -> None:
+    """A weight ``prepare_w4a16`` left canonical on a GPU (a card before sm80, or groups of 24 rows)
+    is named, so the loader can warn that every step dequantizes it; on the CPU or the meta device
+    (``checkpoint_check``'s tensor check) it is not. The GPU is stood in for by the meta device."""
+    from qserve.layers import quant_methods
+
+    def loaded(prefix: str) -> Linear:
+        layer = _layer([32, 16, 16], W4A16LinearMethod(NAMES))
+        layer.prefix = prefix
+        for i, n in enumerate([32, 16, 16]):
+            layer.load_weight(i, _packed(n, i, sym=True))
+        layer.process_after_loading()
+        return layer
+
+    model = torch.nn.ModuleDict({"on_cpu": loaded("model.layers.0.self_attn.qkv_proj")})
+    monkeypatch.setattr(quant_methods.ops, "prepare_w4a16", lambda w: w.to("meta"))  # left canonical off the CPU
+    model["off_cpu"] = loaded("model.layers.1.self_attn.qkv_proj")
+    assert quant_methods.reference_path_layers(model) == []  # the meta device is not a GPU
+    monkeypatch.setattr(quant_methods, "_on_gpu", lambda t: t.device.type == "meta")
+    assert quant_methods.reference_path_layers(model) == ["model.layers.1.self_attn.qkv_proj"]
