@@ -18,9 +18,8 @@ eager step pays; the H200 run of 2026-12-05 timed only this, ~140 µs in every c
 (the gather-based torch path, ``QSERVE_LORA_TRITON=0``), ``floor`` µs = bytes the kernels must move
 (each distinct adapter's A and B once, x read, y read and written) / the measured copy bandwidth,
 and ``floor / triton``, and ``expand alone`` µs: the expand by itself replayed from a graph (what a decode
-step's critical path keeps when the shrink runs beside the base GEMM). ``--expand-rows 0,128``: every
-case once per ``QSERVE_LORA_EXPAND_ROWS`` value (the row-wise expand for calls of at most that many rows;
-0 the tiled one); ``--cases 1x1,32x8``: only those decode-graph cases (batch x adapters).
+step's critical path keeps when the shrink runs beside the base GEMM). ``--cases 1x1,32x8``: only
+those decode-graph cases (batch x adapters).
 ``--tiny`` is a CPU smoke run under ``TRITON_INTERPRET=1`` at
 toy sizes (wall-clock times, meaningless as performance). Rows are written to ``--out`` as they come.
 
@@ -41,9 +40,8 @@ for the LoRA engine at batch 32 with 8 adapters, ``--profile-steps`` steps each,
 (``profile_base.md``, ``profile_lora.md``, ``profile_lora_overlap_{shrink,pair}.md``, their traces
 gzipped). One base engine and one LoRA engine per overlap mode, not one per configuration: the whole
 run fits ``--time-limit`` (200 s on the H200); a row that would start past it is skipped and says so. The table is rewritten after every row, so a run cut short still leaves
-what it measured. With ``--e2e``, ``--expand-rows`` builds one LoRA engine per value (each overlap mode and
-split), ``--cases`` keeps only those LoRA rows (and the base rows at their batches), ``--skip-eager`` drops
-the eager row. ``--e2e --small`` checks the script on CPU (the reference path: no Triton there).
+what it measured. With ``--e2e``, ``--cases`` keeps only those LoRA rows (and the base rows at their
+batches), ``--skip-eager`` drops the eager row. ``--e2e --small`` checks the script on CPU (the reference path: no Triton there).
 """
 
 from __future__ import annotations
@@ -227,10 +225,7 @@ def run_case(
         workspace = torch.empty(config.split_k, *h.shape, dtype=torch.float32)  # [split_k, T, S * R]
         lora_triton.lora_shrink(x, lora_a, *tiles, len(sizes), h, config, workspace, indices.tile_counters)
         block_n = lora_ops.expand_block_n(tiles[1].numel(), tuple(starts))  # the block add_lora takes on CUDA
-        if 0 < rows <= lora_ops.expand_rows_setting():  # QSERVE_LORA_EXPAND_ROWS: the row-wise expand
-            got = lora_triton.lora_expand_rows(y.clone(), h, lora_b, indices.token_slots, starts)
-        else:
-            got = lora_triton.lora_expand(y.clone(), h, lora_b, *tiles, starts, block_n)
+        got = lora_triton.lora_expand(y.clone(), h, lora_b, *tiles, starts, block_n)
     error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert error < 3e-2, f"kernel differs from the reference by {error:.2e} (relative)"
     eager_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices, **knobs))
@@ -404,13 +399,8 @@ def e2e(args: argparse.Namespace) -> Table:
     # --side-split-k: each overlapping mode once per side-stream shrink split (QSERVE_LORA_SIDE_SPLIT_K)
     # ("default": QSERVE_LORA_SIDE_SPLIT_K unset, the engine's DEFAULT_SIDE_SPLIT_K)
     splits = args.side_split_k.split(",")
-    # --expand-rows: each of those once per QSERVE_LORA_EXPAND_ROWS value ("" : unset, the default)
-    rows_values = [v for v in args.expand_rows.split(",") if v] or [""]
-    engines = [
-        (o, split, rows) for o in variants for split in (["default"] if o == "0" else splits) for rows in rows_values
-    ]
-    for overlap, side_split, rows_max in engines:
-        set_env(lora_ops.EXPAND_ROWS_ENV, rows_max or None)
+    engines = [(o, split) for o in variants for split in (["default"] if o == "0" else splits)]
+    for overlap, side_split in engines:
         os.environ[lora_ops.OVERLAP_ENV] = overlap
         if side_split == "default":
             os.environ.pop(lora_ops.SIDE_SPLIT_K_ENV, None)
@@ -419,7 +409,6 @@ def e2e(args: argparse.Namespace) -> Table:
         shown = f"{lora_ops.DEFAULT_SIDE_SPLIT_K} (default)" if side_split == "default" else side_split
         label = "LoRA, triton + graphs" + (f" + overlap {overlap}" if overlap != "0" else "")
         label += f", side split {shown}" if overlap != "0" else ""
-        label += f", expand rows {rows_max}" if rows_max else ""
         llm = build(label, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
         for batch, distinct in lora_rows:
             measure(label, llm, batch, min(distinct, batch))
@@ -427,15 +416,14 @@ def e2e(args: argparse.Namespace) -> Table:
             "lora"
             if overlap == "0"
             else f"lora_overlap_{overlap}" + ("" if side_split == "default" else f"_split{side_split}")
-        ) + (f"_rows{rows_max}" if rows_max else "")
+        )
         profile(name, llm, mid, min(8, mid))
-        if (overlap, side_split, rows_max) == engines[0] and not args.skip_eager:
+        if (overlap, side_split) == engines[0] and not args.skip_eager:
             measure_eager("LoRA, triton eager", llm, mid, min(8, mid))
         del llm
         release()
     os.environ.pop(lora_ops.OVERLAP_ENV, None)
     os.environ.pop(lora_ops.SIDE_SPLIT_K_ENV, None)
-    set_env(lora_ops.EXPAND_ROWS_ENV, None)
     table.note(f"- total {time.perf_counter() - t0:.0f} s")
     return table
 
@@ -452,12 +440,6 @@ def main() -> None:
         help="comma list of QSERVE_LORA_EXPAND_BLOCK_N values to time (64, 128, 256, auto; default: unset, auto)",
     )
     parser.add_argument("--block-k", default="", help="comma list of shrink K blocks to time (default: heuristic)")
-    parser.add_argument(
-        "--expand-rows",
-        default="",
-        help="comma list of QSERVE_LORA_EXPAND_ROWS values (calls of at most N rows expand row-wise; 0: tiled); "
-        "the kernel table times each, --e2e builds one LoRA engine each (default: unset, the engine's default)",
-    )
     parser.add_argument("--e2e", action="store_true", help="engine decode throughput with adapters (issue 30)")
     parser.add_argument("--small", action="store_true", help="--e2e on a tiny shape (CPU check of the script)")
     parser.add_argument("--budget", default="24GiB")
@@ -487,9 +469,6 @@ def main() -> None:
         wanted = set(parse_cases(args.cases)) if args.cases else None
     except ValueError as error:
         parser.error(str(error))
-    for value in (v for v in args.expand_rows.split(",") if v):
-        if not (value.isascii() and value.isdigit()):
-            parser.error(f"--expand-rows {value!r}: expected a comma list of row counts (0: the tiled expand)")
     for value in args.side_split_k.split(","):
         try:
             if value != "default":
@@ -513,7 +492,6 @@ def main() -> None:
     splits = [int(v) for v in args.split_k.split(",") if v] or [None]
     expand_ns = [v for v in args.expand_block_n.split(",") if v] or [None]
     blocks = [int(v) for v in args.block_k.split(",") if v] or [None]
-    expand_rows = [v for v in args.expand_rows.split(",") if v] or [None]
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (interpreter)"
     table = Table(
@@ -528,11 +506,9 @@ def main() -> None:
     raw = []
     for name, (k, sizes) in layers.items():
         for label, rows, distinct, per_seq, graph_tiles in cases:
-            for split_k, block_k, expand_n, rows_max in itertools.product(splits, blocks, expand_ns, expand_rows):
+            for split_k, block_k, expand_n in itertools.product(splits, blocks, expand_ns):
                 set_env(lora_ops.EXPAND_BLOCK_N_ENV, expand_n)
-                set_env(lora_ops.EXPAND_ROWS_ENV, rows_max)
-                row_wise = rows <= int(rows_max or 0)
-                expand_label = "rows" if row_wise else f"tiles {expand_n or 'auto'}"
+                expand_label = f"tiles {expand_n or 'auto'}"
                 result = run_case(
                     k, sizes, rows, distinct, per_seq, max(distinct, 2 if tiny else MAX_LORAS), dtype,
                     bandwidth, split_k, block_k, graph_tiles,
@@ -546,7 +522,6 @@ def main() -> None:
                     f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
                 )
     set_env(lora_ops.EXPAND_BLOCK_N_ENV, None)
-    set_env(lora_ops.EXPAND_ROWS_ENV, None)
     print(table.text())
     if args.out:
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:

@@ -25,10 +25,6 @@ plan is kept: every call allocates from the graph's pool as before, so no plan b
 into. What is launched is unchanged (same kernels, grids, constexprs).
 ``PYTHONPATH=. python bench/lora_host.py`` measures the per-call host cost on a CPU.
 
-Row-wise expand (``QSERVE_LORA_EXPAND_ROWS=N``, opt-in): calls of at most N rows expand through
-``lora_triton.lora_expand_rows`` (each row gathers its own slot's B, no tiles: a decode graph's padding
-tiles launch nothing), the rest through the tiled expand. Same sums in fp32, rounded once into ``y``.
-
 Overlap (``QSERVE_LORA_OVERLAP``: unset = ``shrink``, the default since the H100 smoke at ``f609d24``;
 ``pair``; ``0`` off; CUDA, Triton kernels):
 a profiled decode step at batch 32 with 8 adapters on an H100 spent 1.75 ms in 192 shrinks (9.1 µs
@@ -84,9 +80,6 @@ DEFAULT_SIDE_SPLIT_K = 4
 # grids; H200 2026-12-07: batch 32 x 8 0.82x -> 0.84x), "64", "128" or "256"
 EXPAND_BLOCK_N_ENV = "QSERVE_LORA_EXPAND_BLOCK_N"
 _EXPAND_BLOCK_N_VALUES = ("64", "128", "256", "auto")
-# The row-wise expand (lora_triton.lora_expand_rows: no padded tiles) for calls of at most this many rows;
-# unset or 0: never (the tiled expand, the last measured default)
-EXPAND_ROWS_ENV = "QSERVE_LORA_EXPAND_ROWS"
 PAIR_MAX_ROWS = 512  # past it a "pair" call overlaps the shrink only (module doc)
 
 
@@ -106,7 +99,7 @@ class LoRAOverlap:
 class LoRAIndices:
     """Which adapter slot each row of a step uses, shared by every LoRA layer of the step.
 
-    ``token_slots`` serves the reference and the row-wise expand; the tiles serve the other kernels: the
+    ``token_slots`` serves the reference; the tiles serve the Triton kernels: the
     rows with a slot, sorted by slot (stable: a prefill segment stays in order) and cut into runs of at
     most ``TILE_ROWS`` rows of one slot.
     """
@@ -438,23 +431,11 @@ def expand_block_n_setting() -> str:
     return value
 
 
-def expand_rows_setting() -> int:
-    """``QSERVE_LORA_EXPAND_ROWS``: calls of at most this many rows take the row-wise expand (unset or empty:
-    0, never); anything but a non-negative integer is refused, naming the variable."""
-    value = os.environ.get(EXPAND_ROWS_ENV) or "0"
-    if not (value.isascii() and value.isdigit()):
-        raise ValueError(f"{EXPAND_ROWS_ENV}={value!r}: expected a number of rows (0: off)")
-    return int(value)
-
-
 def _expand(
     y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, indices: LoRAIndices, slice_starts: Sequence[int]
 ) -> torch.Tensor:
-    """The Triton expand: row-wise up to ``QSERVE_LORA_EXPAND_ROWS`` rows, else tiled with the N block
-    ``QSERVE_LORA_EXPAND_BLOCK_N`` asks for."""
+    """The Triton expand, with the N block ``QSERVE_LORA_EXPAND_BLOCK_N`` asks for."""
     starts = tuple(slice_starts)
-    if 0 < y.shape[0] <= expand_rows_setting():
-        return _lora_triton().lora_expand_rows(y, h, lora_b, indices.token_slots, starts)
     block_n = expand_block_n(indices.tile_offsets.shape[0], starts)
     return _lora_triton().lora_expand(y, h, lora_b, *_tiles(indices), starts, block_n)
 

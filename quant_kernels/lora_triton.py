@@ -13,7 +13,7 @@ a tile of length 0 is padding (a CUDA graph's fixed tile count) and does nothing
 A tile of a prefill segment is up to 16 consecutive tokens of one sequence; in a decode step the
 rows of every sequence on the same adapter share tiles, so an adapter's A and B are read once per
 16 rows, not once per row (the point of Punica's grouped GEMMs). Rows of the base model are in no
-tile: the tiled kernels never touch them (the row-wise expand reads their ``h`` and ``y``, writes neither).
+tile: the kernels never touch them.
 
 Kernels
 -------
@@ -38,23 +38,11 @@ Kernels
   base GEMM it adds to, so its launch overlaps that GEMM's tail (a decode step's expands are on its
   critical path).
 
-``lora_expand_rows_kernel`` (``QSERVE_LORA_EXPAND_ROWS``, opt-in): the expand without tiles, grid
-  ``(ceil(T / BLOCK_M), sum_s ceil(N_s / BLOCK_N))``: ``BLOCK_M`` rows in the step's own order, each row
-  gathering ``[BLOCK_N, R]`` of its own slot's ``B`` (rows without a slot masked out; a block of base or pad
-  rows reads its slots, ``h`` and ``y`` and writes nothing), the ``R``-long dot per row and column in fp32,
-  then ``y`` plus it, rounded once, stored for the rows with a slot. Why: a decode graph's tile count is fixed for the most adapters a batch can
-  hold (``lora_ops.max_lora_tiles``: 34 tiles for a batch of 32 with 32 slots), so the tiled expand
-  launches ``34 x N / BLOCK_N`` programs whatever the step uses, most of them empty; their launches cost
-  1.5-6 µs a layer on the H100 (bench/RESULTS.md, seventeenth session) and the expand sits on the step's
-  critical path. The row-wise grid depends on the rows alone. Its price: a slot's ``B`` is read once per
-  row, not once per tile (from L1/L2 after the first row; the gather makes it once per row block
-  and slot in L2 traffic). Which wins for which rows is the device's to say (``bench/lora.py``).
-
 Why split-K: at decode a step has a handful of tiles, and a shrink program that walks all of K
 (5120 or 13824) alone is a serial chain of loads on one SM: 35-105 µs a layer on the H200 whatever
 the batch, for microseconds of bytes. Splitting K puts the same bytes in flight on many SMs.
 
-All three allocate nothing, never synchronise with the host and launch a grid fixed by host integers
+Both allocate nothing, never synchronise with the host and launch a grid fixed by host integers
 (the caller allocates ``h`` and the workspace; the counters come with the step's indices).
 
 Fusing the pair into one launch would need every K split of a tile-slice done before any of its N
@@ -85,9 +73,6 @@ EXPAND_BLOCK_NS = (64, 128, 256)
 # blocks, 14.2 with 256 (H100, bench/lora.py), while qkv (34 x 112), o and down were even and batch 1
 # (2 tiles) 0.2-1.0 µs slower with 256.
 WIDE_EXPAND_PROGRAMS = 8192
-# The row-wise expand (lora_expand_rows): rows per program and output columns per program
-ROWS_BLOCK_M = 8
-ROWS_BLOCK_N = 64
 # shrink_config's knobs (see there).
 SHRINK_BLOCK_K = 128
 PROGRAMS_PER_SM = 4
@@ -315,67 +300,6 @@ def lora_expand_kernel(
         tl.store(y_ptr, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def lora_expand_rows_kernel(
-    Y,  # [T, N], updated in place
-    H,  # [T, S * R]
-    B,  # [L, N, R]
-    SLOTS,  # int32 [T]: each row's adapter slot, -1: base
-    num_rows,
-    n_bound0,
-    n_bound1,
-    n_bound2,
-    n_bound3,
-    first_block1,  # the first output block of slice 1 (past the grid when there is none)
-    first_block2,  # likewise slice 2
-    stride_ym,
-    stride_hm,
-    stride_bl,
-    stride_bn,
-    RANK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # as lora_expand_kernel's
-):
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    row_block = tl.program_id(0)
-    block = tl.program_id(1)
-    m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_step = m < num_rows
-    s, block_lo, n_lo, n_hi = _output_slice(block, first_block1, first_block2, n_bound0, n_bound1, n_bound2, n_bound3)
-    r = tl.arange(0, BLOCK_R)
-    r_mask = r < RANK
-    n = (n_lo + (block - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    n_mask = n < n_hi
-    rows = m.to(tl.int64)
-    # The slots, h and y need only the program's place: issued together, so that a row's B gather is the one
-    # load that waits for another (a decode step's expand is a chain of dependent loads on its critical path).
-    slot = tl.load(SLOTS + m, mask=in_step, other=-1)  # [BLOCK_M]
-    h = tl.load(
-        H + rows[:, None] * stride_hm + (s * RANK + r)[None, :], mask=in_step[:, None] & r_mask[None, :], other=0.0
-    ).to(tl.float32)  # [BLOCK_M, BLOCK_R]; a base row's h is never written (anything there stays in its row's
-    # sum, which the store leaves out)
-    y_ptr = Y + rows[:, None] * stride_ym + n[None, :]
-    y = tl.load(y_ptr, mask=in_step[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
-    if tl.max(slot, axis=0) >= 0:  # a block of base rows only (or a graph's pad rows) writes nothing
-        row_mask = slot >= 0
-        # Each row's own adapter: a gather of [BLOCK_N, R] per row (R contiguous: 16-byte loads); rows of one
-        # slot read the same lines, which the SM's L1 serves after the first.
-        b = tl.load(
-            B
-            + tl.maximum(slot, 0).to(tl.int64)[:, None, None] * stride_bl
-            + n[None, :, None] * stride_bn
-            + r[None, None, :],
-            mask=row_mask[:, None, None] & n_mask[None, :, None] & r_mask[None, None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_N, BLOCK_R]
-        acc = tl.sum(h[:, None, :] * b.to(tl.float32), axis=2)  # [BLOCK_M, BLOCK_N] fp32
-        tl.store(y_ptr, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
-
-
 # The per-launch host arithmetic below is plain Python, cached per shape: ``triton.cdiv`` and
 # ``triton.next_power_of_2`` are constexpr functions, ~2-3 µs a call from host code (issue 30: an
 # eager step makes ~190 LoRA calls).
@@ -480,53 +404,6 @@ def lora_shrink(
         num_warps=4,
     )
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def rows_block_m(num_rows: int, block_r: int) -> int:
-    """The row-wise expand's rows per program: ``ROWS_BLOCK_M`` at rank 16 or less, fewer for a higher rank
-    (its B gather holds ``rows x ROWS_BLOCK_N x block_r`` values in registers: 126 a thread at 8 x 64 x 16
-    on sm90) and for a smaller step (no masked rows past a batch of 1, 2 or 4)."""
-    return max(1, min(ROWS_BLOCK_M * 16 // block_r, _next_power_of_2(num_rows)))
-
-
-def lora_expand_rows(
-    y: torch.Tensor,  # [T, N], updated in place, last dim contiguous
-    h: torch.Tensor,  # [T, S * R], last dim contiguous
-    lora_b: torch.Tensor,  # [L, N, R], last dim contiguous
-    token_slots: torch.Tensor,  # int32 [T]: each row's slot, -1: base
-    slice_starts: Sequence[int],  # S + 1 bounds along N, S <= 3
-    block_n: int = ROWS_BLOCK_N,
-) -> torch.Tensor:
-    """``lora_expand``'s result over rows in their own order, each gathering its slot's ``B`` (no tiles; see
-    the module doc, "Row-wise expand")."""
-    num_rows = token_slots.shape[0]
-    if num_rows == 0:
-        return y
-    bounds, total, first1, first2 = expand_geometry(tuple(slice_starts), block_n)
-    rank = lora_b.shape[2]
-    block_m = rows_block_m(num_rows, _block_r(rank))
-    lora_expand_rows_kernel[(-(-num_rows // block_m), total)](
-        y,
-        h,
-        lora_b,
-        token_slots,
-        num_rows,
-        *bounds,
-        first1,
-        first2,
-        y.stride(0),
-        h.stride(0),
-        lora_b.stride(0),
-        lora_b.stride(1),
-        RANK=rank,
-        BLOCK_M=block_m,
-        BLOCK_R=_block_r(rank),
-        BLOCK_N=block_n,
-        num_warps=4,
-        **launch_options(y.device),
-    )
-    return y
 
 
 def lora_expand(

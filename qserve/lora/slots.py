@@ -103,7 +103,6 @@ class LoRAManager:
         # QSERVE_LORA_OVERLAP (CUDA): the side stream the step's shrinks run on beside the base GEMMs
         self.overlap = lora_ops.overlap_for(device)
         lora_ops.expand_block_n_setting()  # a bad QSERVE_LORA_EXPAND_BLOCK_N stops the load, not a later step
-        lora_ops.expand_rows_setting()  # likewise QSERVE_LORA_EXPAND_ROWS
         rank = config.max_lora_rank
         self.targets: dict[str, TargetLayer] = {}  # the whole layers' sizes: what adapters are checked against
         self.layers: dict[str, LoRALayerWeights] = {}

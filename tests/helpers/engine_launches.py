@@ -640,8 +640,7 @@ def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str, pd
     from quant_kernels import lora_ops
 
     rank = 16
-    # the tiled expand unless a case asks for the row-wise one (an exported QSERVE_LORA_EXPAND_ROWS changes nothing)
-    with mock.patch.dict(os.environ, {lora_ops.TRITON_ENV: "1", lora_ops.EXPAND_ROWS_ENV: "0"}), torch.inference_mode():
+    with mock.patch.dict(os.environ, {lora_ops.TRITON_ENV: "1"}), torch.inference_mode():
         for k, sizes in LORA_KERNEL_SHAPES:
             starts = [0, *np.cumsum(sizes).tolist()]
             lora_a = torch.zeros(4, len(sizes) * rank, k, dtype=dtype)  # [L, S * R, K]
@@ -676,39 +675,20 @@ def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str, pd
                     where(capture, f"LoRA kernels {dtype_name} K={k} expand block {block_n}, decode graph batch 32"),
                 ):
                     lora_ops.add_lora(y, x, lora_a, lora_b, starts, graph)
-            # QSERVE_LORA_EXPAND_ROWS's row-wise expand: batch 1 (one row a program) and the batch-32 decode graph
-            for label, indices in (("decode batch 1", cases[0][1]), ("decode graph batch 32", cases[1][1])):
-                rows = indices.token_slots.shape[0]
-                x, y = torch.zeros(rows, k, dtype=dtype), torch.zeros(rows, starts[-1], dtype=dtype)
-                with (
-                    mock.patch.dict(os.environ, {lora_ops.EXPAND_ROWS_ENV: "32"}),
-                    where(capture, f"LoRA kernels {dtype_name} K={k} row-wise expand, {label}"),
-                ):
-                    lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices)
-                if pdl and label == "decode batch 1":  # with PDL (on by default for MoE models on sm90)
-                    with (
-                        mock.patch.dict(os.environ, {lora_ops.EXPAND_ROWS_ENV: "32", "QSERVE_ENABLE_PDL": "1"}),
-                        where(capture, f"LoRA kernels {dtype_name} K={k} row-wise expand, {label} PDL"),
-                    ):
-                        lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices)
             # QSERVE_LORA_OVERLAP=pair in a decode graph: the expand into the fp32 delta (a launch of its own
             # dtypes), through begin_lora / finish_lora; the streams stand in (no CUDA here), the launches are real
             pair = lora_ops.indices_from_buffer(
                 graph_buffer, 32, graph_tiles, overlap=lora_ops.LoRAOverlap(_NoStream(), pair=True)
             )
             x, y = torch.zeros(32, k, dtype=dtype), torch.zeros(32, starts[-1], dtype=dtype)
-            for expand_rows in ("0", "32"):  # the delta through the tiled and the row-wise expand
-                with (
-                    mock.patch.object(torch.cuda, "current_stream", lambda device=None: _NoStream()),
-                    mock.patch.object(torch.cuda, "stream", lambda stream: contextlib.nullcontext()),
-                    mock.patch.dict(os.environ, {lora_ops.EXPAND_ROWS_ENV: expand_rows}),
-                    where(
-                        capture, f"LoRA kernels {dtype_name} K={k} overlap pair, expand rows {expand_rows}, graph 32"
-                    ),
-                ):
-                    pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, pair)
-                    assert pending.delta is not None and pending.delta.dtype == torch.float32
-                    lora_ops.finish_lora(y, pending, lora_b, starts, pair)
+            with (
+                mock.patch.object(torch.cuda, "current_stream", lambda device=None: _NoStream()),
+                mock.patch.object(torch.cuda, "stream", lambda stream: contextlib.nullcontext()),
+                where(capture, f"LoRA kernels {dtype_name} K={k} overlap pair, decode graph batch 32"),
+            ):
+                pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, pair)
+                assert pending.delta is not None and pending.delta.dtype == torch.float32
+                lora_ops.finish_lora(y, pending, lora_b, starts, pair)
 
 
 class _NoStream:

@@ -247,7 +247,7 @@ def test_lora_off_refuses_lora_request(tiny_checkpoints) -> None:
 
 @pytest.mark.parametrize(
     "variable",
-    ["QSERVE_LORA_EXPAND_BLOCK_N", "QSERVE_LORA_SIDE_SPLIT_K", "QSERVE_LORA_OVERLAP", "QSERVE_LORA_EXPAND_ROWS"],
+    ["QSERVE_LORA_EXPAND_BLOCK_N", "QSERVE_LORA_SIDE_SPLIT_K", "QSERVE_LORA_OVERLAP"],
 )
 def test_bad_lora_kernel_setting_stops_the_load(tiny_checkpoints, monkeypatch, variable) -> None:
     """A misspelt LoRA kernel setting is refused by name when the engine is built, not at a later step."""

@@ -200,74 +200,6 @@ def test_add_lora_launches_the_expand_block_the_setting_asks_for(monkeypatch) ->
         lora_triton.expand_block_n.cache_clear()
 
 
-@pytest.mark.parametrize("out_dtype", ["act", "fp32"], ids=["y", "fp32-delta"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(
-    "t,sizes,num_slots,rank,pad_rows",
-    [
-        (1, [48], 1, 8, 0),  # batch-1 decode: one row a program
-        (3, [40, 8, 8], 3, 16, 1),  # qkv, a graph's pad row (slot -1) at the end
-        (20, [70], 4, 24, 4),  # rank not a power of two, N past one block, rows past one row block
-        (13, [130, 130], 2, 8, 3),  # gate_up: two slices each past two blocks
-        (11, [40], 3, 32, 0),  # rank 32 (4 rows a program); 11 rows: a row block past the step's end
-    ],
-)
-def test_row_wise_expand_matches_reference(t, sizes, num_slots, rank, pad_rows, dtype, out_dtype) -> None:
-    """``lora_expand_rows`` (QSERVE_LORA_EXPAND_ROWS): each row's own adapter, in the step's row order; base
-    and pad rows (slot -1) keep their bits; into ``y`` or into ``pair`` mode's fp32 delta."""
-    x, lora_a, lora_b, slots, y, starts = make_case(t, 32, sizes, num_slots, rank, dtype, seed=t * 7 + rank)
-    if t == 11:  # the first row block all base rows: it writes nothing
-        slots[: lora_triton.rows_block_m(t, 32)] = -1
-    slots = np.concatenate([slots, np.full(pad_rows, -1, dtype=np.int32)])  # [T + pad]
-    y = torch.cat([y, torch.randn(pad_rows, y.shape[1]).to(dtype).to(DEVICE)])  # [T + pad, N]
-    if out_dtype == "fp32":
-        y = y.float()
-    token_slots = torch.from_numpy(slots).to(DEVICE)
-    h = torch.randn(t + pad_rows, lora_a.shape[1]).to(dtype).to(DEVICE)  # [T + pad, S * R]
-    base = torch.from_numpy(slots < 0).to(DEVICE)
-    want = reference_lora.lora_expand(y.clone(), h, lora_b, token_slots, starts)
-    h[base] = float("nan")  # the shrink never writes a base row's h: whatever it holds must not reach any y
-    got = lora_triton.lora_expand_rows(y.clone(), h, lora_b, token_slots, starts)
-    assert torch.equal(got[base], y[base]), "base or pad rows of the output changed"
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
-
-
-def test_row_wise_expand_rows_per_program() -> None:
-    """8 rows a program at rank 16 or less, fewer at higher ranks (the B gather's registers) and for
-    smaller steps."""
-    assert [lora_triton.rows_block_m(rows, 16) for rows in (1, 2, 3, 8, 32, 128)] == [1, 2, 4, 8, 8, 8]
-    assert [lora_triton.rows_block_m(32, block_r) for block_r in (16, 32, 64, 128, 256)] == [8, 4, 2, 1, 1]
-
-
-def test_row_wise_expand_setting_and_dispatch(monkeypatch) -> None:
-    """QSERVE_LORA_EXPAND_ROWS: unset is 0 (the tiled expand, the measured default); calls of at most N
-    rows take the row-wise expand; bad values are refused by name."""
-    monkeypatch.delenv(lora_ops.EXPAND_ROWS_ENV, raising=False)
-    assert lora_ops.expand_rows_setting() == 0
-    for bad in ("-1", "all", "3.5", "\u00b2"):
-        monkeypatch.setenv(lora_ops.EXPAND_ROWS_ENV, bad)
-        with pytest.raises(ValueError, match=lora_ops.EXPAND_ROWS_ENV):
-            lora_ops.expand_rows_setting()
-    _cpu_triton_branch(monkeypatch)
-    calls = []
-    for name in ("lora_expand", "lora_expand_rows"):
-        real = getattr(lora_triton, name)
-        monkeypatch.setattr(lora_triton, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
-    x, lora_a, lora_b, slots, y, starts = make_case(6, 32, [40, 8], 3, 8, torch.float16, seed=4)
-    indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
-    h = reference_lora.lora_shrink(x, lora_a, indices.token_slots, torch.empty(6, 16, dtype=x.dtype))
-    want = reference_lora.lora_expand(y.clone(), h, lora_b, indices.token_slots, starts)
-    for value, kernel in ((None, "lora_expand"), ("5", "lora_expand"), ("6", "lora_expand_rows"), ("0", "lora_expand")):
-        if value is None:
-            monkeypatch.delenv(lora_ops.EXPAND_ROWS_ENV, raising=False)
-        else:
-            monkeypatch.setenv(lora_ops.EXPAND_ROWS_ENV, value)
-        got = lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, indices)
-        assert calls[-1] == kernel, value
-        torch.testing.assert_close(got.float(), want.float(), atol=4e-3, rtol=4e-3)
-
-
 def test_split_k_is_deterministic_and_counters_are_reused() -> None:
     """Two layers' shrinks share one counter array (as a step's layers do): the second launch finds
     them at zero; the same inputs give bit-identical ``h`` (the reduction order is fixed)."""
@@ -416,10 +348,8 @@ def test_dispatch_is_reference_off_cuda(monkeypatch) -> None:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("t", [1, 8, 32, 128, 300, 2048])
 @pytest.mark.parametrize("k,sizes", [(5120, [5120, 1024, 1024]), (5120, [13824, 13824]), (13824, [5120])])
-@pytest.mark.parametrize("expand_rows", ["0", "4096"], ids=["tiled", "row-wise"])
-def test_gpu_real_sizes(monkeypatch, t, k, sizes, expand_rows) -> None:
+def test_gpu_real_sizes(monkeypatch, t, k, sizes) -> None:
     monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
-    monkeypatch.setenv(lora_ops.EXPAND_ROWS_ENV, expand_rows)
     x, lora_a, lora_b, slots, y, starts = make_case(t, k, sizes, 8, 16, torch.float16, seed=t)
     indices = lora_ops.build_lora_indices(slots, torch.device("cuda"))
     got = lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, indices)
@@ -452,15 +382,13 @@ def test_gpu_split_k_overrides(monkeypatch, split_k, k, sizes) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("expand_rows", ["0", "32"], ids=["tiled", "row-wise"])
-def test_gpu_add_lora_in_a_cuda_graph(monkeypatch, expand_rows) -> None:
+def test_gpu_add_lora_in_a_cuda_graph(monkeypatch) -> None:
     """Two LoRA layers of a decode step (qkv, then down) captured in one CUDA graph with a graph's
     padded indices (one int32 buffer, ``fill_index_buffer``) and replayed for two different slot
     assignments: each replay gives the reference's output (the split-K counters are reused by both
-    layers and every replay; the workspace lives in the graph's pool), with the tiled expand and with
-    the row-wise one (QSERVE_LORA_EXPAND_ROWS)."""
+    layers and every replay; the workspace lives in the graph's pool), also for a step of fewer rows
+    than the graph's batch."""
     monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
-    monkeypatch.setenv(lora_ops.EXPAND_ROWS_ENV, expand_rows)
     batch, max_loras = 32, 8
     tiles = lora_ops.max_lora_tiles(batch, max_loras)
     total, _ = lora_ops.index_layout(batch, tiles)
@@ -858,7 +786,7 @@ def test_gpu_overlapped_lora_in_a_cuda_graph_is_add_lora(monkeypatch, pair) -> N
 # ----------------------------------------------------------------------------------------------
 
 
-def test_bench_cases_and_expand_rows_are_checked(monkeypatch, capsys) -> None:
+def test_bench_cases_are_checked(monkeypatch, capsys) -> None:
     from bench import lora as bench_lora
 
     assert bench_lora.parse_cases("32x8, 1x1") == [(32, 8), (1, 1)]
@@ -866,7 +794,6 @@ def test_bench_cases_and_expand_rows_are_checked(monkeypatch, capsys) -> None:
         with pytest.raises(ValueError, match="--cases"):
             bench_lora.parse_cases(bad)
     for argv, named in (
-        (["--expand-rows", "0,all"], "--expand-rows 'all'"),
         (["--cases", "32-8"], "--cases '32-8'"),
         (["--tiny", "--cases", "32x8"], "none of this run's decode-graph cases (4x2)"),  # --tiny has only 4x2
     ):
