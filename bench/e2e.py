@@ -671,14 +671,16 @@ def main() -> None:
             )
         )
         # pool by pool (issue 25): the plan's overheads against the graph pools they estimate
+        snapshot = torch.cuda.memory_snapshot()
         rows.append(
             (
                 "held by pool",
-                memory_pools.describe(memory_pools.pools(torch.cuda.memory_snapshot()))
+                memory_pools.describe(memory_pools.pools(snapshot))
                 + f"; planned overheads {plan.overhead_bytes / GIB:.3f} GiB, activation peak "
                 f"{plan.activation_bytes / GIB:.3f} GiB",
             )
         )
+        rows.append(("default pool by stream", memory_pools.default_pool_parts(snapshot)))
     emit(rows, args.out)
 
     # Bytes read per decode step at batch 1: every weight once (the floor ignores KV at short context).

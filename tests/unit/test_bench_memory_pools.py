@@ -3,7 +3,7 @@ CUDA graph's private pool), reserved and live bytes, as bench/e2e.py prints them
 
 from __future__ import annotations
 
-from bench.memory_pools import DEFAULT_POOL, GIB, describe, pools
+from bench.memory_pools import DEFAULT_POOL, GIB, default_pool_parts, describe, pools
 
 SNAPSHOT = [  # torch.cuda.memory_snapshot()'s segment dicts, the fields the summary reads
     {"segment_pool_id": (0, 0), "total_size": 8 * GIB, "allocated_size": 7 * GIB},
@@ -22,3 +22,26 @@ def test_pools_sum_reserved_and_live_bytes_per_pool() -> None:
     assert text.startswith("default pool 10.000 GiB (9.000 live); graph pool (2, 0) 2.000 GiB (0.000 live); ")
     assert "graph pool (1, 0) 1.500 GiB (0.250 live)" in text
     assert text.endswith("graph pools together 3.500 GiB")
+
+
+def test_default_pool_parts_by_stream_and_segment_type() -> None:
+    """The default pool's segments summed by (stream, segment type), with their free (inactive) blocks; graph
+    pools left out."""
+    mib = 1 << 20
+    free = {"state": "inactive"}
+    snapshot = [
+        {"segment_pool_id": (0, 0), "stream": 0, "segment_type": "large", "total_size": 8 * GIB,
+         "allocated_size": 7 * GIB, "blocks": [{"state": "active_allocated", "size": 7 * GIB},
+                                              free | {"size": GIB // 2}, free | {"size": GIB // 2}]},
+        {"segment_pool_id": (0, 0), "stream": 7, "segment_type": "large", "total_size": GIB,
+         "allocated_size": 0, "blocks": [free | {"size": GIB}]},
+        {"segment_pool_id": (0, 0), "stream": 0, "segment_type": "small", "total_size": 2 * mib,
+         "allocated_size": mib, "blocks": [{"state": "active_allocated", "size": mib}, free | {"size": mib}]},
+        {"segment_pool_id": (1, 0), "stream": 0, "segment_type": "large", "total_size": GIB,
+         "allocated_size": 0, "blocks": [free | {"size": GIB}]},  # a graph's pool: not the default one
+    ]  # fmt: skip
+    assert default_pool_parts(snapshot) == (
+        "stream 0 large 8.000 GiB (7.000 live, 1.000 free in 2 blocks, largest 0.500); "
+        "stream 7 large 1.000 GiB (0.000 live, 1.000 free in 1 blocks, largest 1.000); "
+        "stream 0 small 0.002 GiB (0.001 live, 0.001 free in 1 blocks, largest 0.001)"
+    )
