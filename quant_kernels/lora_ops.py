@@ -99,9 +99,9 @@ class LoRAOverlap:
 class LoRAIndices:
     """Which adapter slot each row of a step uses, shared by every LoRA layer of the step.
 
-    ``token_slots`` serves the reference; the tiles serve the Triton kernels: the
-    rows with a slot, sorted by slot (stable: a prefill segment stays in order) and cut into runs of at
-    most ``TILE_ROWS`` rows of one slot.
+    ``token_slots`` serves the reference; the tiles serve the kernels: the rows with a slot, sorted
+    by slot (stable: a prefill segment stays in order) and cut into runs of at most ``TILE_ROWS`` rows
+    of one slot.
     """
 
     token_slots: torch.Tensor  # int32 [T], -1: base row
@@ -434,7 +434,7 @@ def expand_block_n_setting() -> str:
 def _expand(
     y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, indices: LoRAIndices, slice_starts: Sequence[int]
 ) -> torch.Tensor:
-    """The Triton expand, with the N block ``QSERVE_LORA_EXPAND_BLOCK_N`` asks for."""
+    """The Triton expand with the N block ``QSERVE_LORA_EXPAND_BLOCK_N`` asks for."""
     starts = tuple(slice_starts)
     block_n = expand_block_n(indices.tile_offsets.shape[0], starts)
     return _lora_triton().lora_expand(y, h, lora_b, *_tiles(indices), starts, block_n)

@@ -152,17 +152,6 @@ def _tile_rows(ROWS, TILE_OFF, TILE_SLOT, tile, count, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _output_slice(block, first_block1, first_block2, n_bound0, n_bound1, n_bound2, n_bound3):
-    """``(slice s, its first block, its columns' bounds n_lo, n_hi)`` of an expand's output block ``block``
-    (the blocks of all slices end to end: ``expand_geometry``'s bounds and first blocks)."""
-    s = (block >= first_block1).to(tl.int32) + (block >= first_block2).to(tl.int32)
-    block_lo = tl.where(s == 0, 0, tl.where(s == 1, first_block1, first_block2))
-    n_lo = tl.where(s == 0, n_bound0, tl.where(s == 1, n_bound1, n_bound2))
-    n_hi = tl.where(s == 0, n_bound1, tl.where(s == 1, n_bound2, n_bound3))
-    return s, block_lo, n_lo, n_hi
-
-
-@triton.jit
 def lora_shrink_kernel(
     X,  # [T, K]
     A,  # [L, S * R, K]
@@ -272,9 +261,10 @@ def lora_expand_kernel(
     block = tl.program_id(1)
     count = tl.load(TILE_LEN + tile)
     if count > 0:  # an empty tile (padding) does nothing
-        s, block_lo, n_lo, n_hi = _output_slice(
-            block, first_block1, first_block2, n_bound0, n_bound1, n_bound2, n_bound3
-        )
+        s = (block >= first_block1).to(tl.int32) + (block >= first_block2).to(tl.int32)
+        block_lo = tl.where(s == 0, 0, tl.where(s == 1, first_block1, first_block2))
+        n_lo = tl.where(s == 0, n_bound0, tl.where(s == 1, n_bound1, n_bound2))
+        n_hi = tl.where(s == 0, n_bound1, tl.where(s == 1, n_bound2, n_bound3))
         slot, rows, row_mask = _tile_rows(ROWS, TILE_OFF, TILE_SLOT, tile, count, BLOCK_M)
         r = tl.arange(0, BLOCK_R)
         r_mask = r < RANK

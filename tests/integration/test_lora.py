@@ -245,10 +245,7 @@ def test_lora_off_refuses_lora_request(tiny_checkpoints) -> None:
         llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False, lora_request=LoRARequest("a", 1, "/x"))
 
 
-@pytest.mark.parametrize(
-    "variable",
-    ["QSERVE_LORA_EXPAND_BLOCK_N", "QSERVE_LORA_SIDE_SPLIT_K", "QSERVE_LORA_OVERLAP"],
-)
+@pytest.mark.parametrize("variable", ["QSERVE_LORA_EXPAND_BLOCK_N", "QSERVE_LORA_SIDE_SPLIT_K", "QSERVE_LORA_OVERLAP"])
 def test_bad_lora_kernel_setting_stops_the_load(tiny_checkpoints, monkeypatch, variable) -> None:
     """A misspelt LoRA kernel setting is refused by name when the engine is built, not at a later step."""
     monkeypatch.setenv(variable, "wide")
