@@ -1054,9 +1054,9 @@ def _num_sms(device: torch.device) -> int:
 
 def supports(weight: PackedQuantWeight) -> bool:
     """Whether the kernel serves this weight: on a CUDA device, one with 16-bit tensor-core MMA
-    (sm80+; older cards take the reference path), and every K-tile of 64 or 128 lies in
-    one group or holds whole groups (``ops.tileable`` cuts groups in steps of 16 into ones that
-    do; the caller keeps the reference path for the rest)."""
+    (sm80+; older cards take the reference path), and a K-tile of 64 or 128 rows that ``_block_k_ok``
+    accepts: in one group, whole groups, or runs of one group in steps of 16 rows (else the caller
+    keeps the reference path)."""
     device = weight.qweight.device
     if kdevice.triton_serves(device) and kdevice.capability(device) < (8, 0):
         return False
