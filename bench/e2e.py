@@ -173,10 +173,12 @@ def _moe_linears(shape: dict) -> tuple[list[tuple[str, int, int]], list[tuple[st
     return attention, expert
 
 
-def write_random_moe_gptq(path: Path, shape: dict, group: int = 128) -> int:
+def write_random_moe_gptq(path: Path, shape: dict, group: int = 128, lm_head_bits: int = 16) -> int:
     """A Qwen3-MoE GPTQ v1 sym 4-bit checkpoint with random codes (every attention and expert
     linear quantized, per-expert tensors; routers, norms, embeddings and lm_head fp16), one
-    shard per layer; returns its size in bytes."""
+    shard per layer; returns its size in bytes. ``lm_head_bits=4``: the lm_head quantized too, as
+    GPTQModel writes it with ``lm_head=True`` (``quantization_config.lm_head``; llama.cpp's Q4_K_M
+    keeps it at 6 bits, Qwen's own GPTQ-Int4 release at 16)."""
     path.mkdir(parents=True, exist_ok=True)
     h, vocab, d = shape["hidden"], shape["vocab"], shape["head_dim"]
     gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
@@ -193,10 +195,14 @@ def write_random_moe_gptq(path: Path, shape: dict, group: int = 128) -> int:
         weight_map.update(dict.fromkeys(shard, name))
         return sum(t.numel() * t.element_size() for t in shard.values())
 
+    if lm_head_bits == 4:
+        head = {f"lm_head.{suffix}": t for suffix, t in random_gptq_linear(gen, h, vocab, group).items()}
+    else:
+        head = {"lm_head.weight": dense(vocab, h)}
     total += flush(
-        {"model.embed_tokens.weight": dense(vocab, h), "lm_head.weight": dense(vocab, h),
-         "model.norm.weight": torch.ones(h, dtype=torch.float16)}, 0,
-    )  # fmt: skip
+        {"model.embed_tokens.weight": dense(vocab, h), **head, "model.norm.weight": torch.ones(h, dtype=torch.float16)},
+        0,
+    )
     for i in range(shape["layers"]):
         p = f"model.layers.{i}"
         shard: dict[str, torch.Tensor] = {}
@@ -213,12 +219,12 @@ def write_random_moe_gptq(path: Path, shape: dict, group: int = 128) -> int:
             shard[f"{p}.{norm}.weight"] = torch.ones(d, dtype=torch.float16)
         total += flush(shard, i + 1)
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(qwen3_moe_config(shape, group)))
+    (path / "config.json").write_text(json.dumps(qwen3_moe_config(shape, group, lm_head_bits)))
     make_tokenizer(str(path))
     return total
 
 
-def qwen3_moe_config(shape: dict, group: int = 128) -> dict:
+def qwen3_moe_config(shape: dict, group: int = 128, lm_head_bits: int = 16) -> dict:
     """The ``config.json`` of ``write_random_moe_gptq``'s checkpoint."""
     h, d = shape["hidden"], shape["head_dim"]
     return {
@@ -245,7 +251,7 @@ def qwen3_moe_config(shape: dict, group: int = 128) -> dict:
         "torch_dtype": "float16",
         "eos_token_id": 0,
         "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
-                                "sym": True, "checkpoint_format": "gptq"},
+                                "sym": True, "checkpoint_format": "gptq", "lm_head": lm_head_bits == 4},
     }  # fmt: skip
 
 
@@ -254,10 +260,10 @@ def expected_experts_hit(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** batch)
 
 
-def moe_step_bytes(shape: dict, batch: int, group: int = 128) -> dict[str, float]:
+def moe_step_bytes(shape: dict, batch: int, group: int = 128, lm_head_bits: int = 16) -> dict[str, float]:
     """Bytes one decode step of ``batch`` sequences must read from the weights (KV ignored: short
     context), as qserve holds them: 4-bit codes + fp16 scales per linear (sym: no zeros), fp16
-    routers, norms, lm_head. Keys: ``dense`` (everything but the experts), ``experts`` (the hit
+    routers, norms, lm_head (4-bit with ``lm_head_bits=4``). Keys: ``dense`` (everything but the experts), ``experts`` (the hit
     ones), ``hit`` (experts per layer), ``total``."""
     h, layers, d = shape["hidden"], shape["layers"], shape["head_dim"]
     attention, expert = _moe_linears(shape)
@@ -266,7 +272,8 @@ def moe_step_bytes(shape: dict, batch: int, group: int = 128) -> dict[str, float
         return k * n // 2 + 2 * (k // group) * n
 
     per_layer = sum(linear(k, n) for _, k, n in attention) + 2 * shape["experts"] * h + 2 * (2 * h + 2 * d)
-    dense = layers * per_layer + 2 * shape["vocab"] * h + 2 * h  # + lm_head, final norm
+    head = linear(h, shape["vocab"]) if lm_head_bits == 4 else 2 * shape["vocab"] * h
+    dense = layers * per_layer + head + 2 * h  # + lm_head, final norm
     hit = expected_experts_hit(shape["experts"], shape["top_k"], batch)
     experts = layers * hit * sum(linear(k, n) for _, k, n in expert)
     return {"dense": dense, "experts": experts, "hit": hit, "total": dense + experts}
@@ -588,6 +595,14 @@ def main() -> None:
     parser.add_argument("--v1-kv-dtypes", default="auto,fp8,int8,int4", help="KV dtypes of --qwen14b-v1")
     parser.add_argument("--decode-batches", default="1,8,32,128", help="batch sizes of the decode part")
     parser.add_argument(
+        "--lm-head-bits",
+        type=int,
+        default=16,
+        choices=(16, 4),
+        help="--model qwen3-30b-a3b: the checkpoint's lm_head at 16 bits (Qwen's GPTQ-Int4 release) or GPTQ 4-bit "
+        "(GPTQModel's lm_head=True); its own checkpoint folder",
+    )
+    parser.add_argument(
         "--reuse-checkpoint",
         action="store_true",
         help="keep the random checkpoint an earlier run wrote under --tmp (its cold start then reads a warm page cache)",
@@ -620,12 +635,16 @@ def main() -> None:
         emit(rows, args.out)
 
     t0 = time.perf_counter()
-    ckpt = tmp / (f"{args.model}-gptq" if not args.small else f"small-{args.model}-gptq")
+    head_bits = args.lm_head_bits if moe else 16
+    if args.lm_head_bits != head_bits:
+        parser.error("--lm-head-bits 4 is built for --model qwen3-30b-a3b only")
+    name = f"{args.model}-gptq" + ("-q4head" if head_bits == 4 else "")
+    ckpt = tmp / (name if not args.small else f"small-{name}")
     if args.reuse_checkpoint and (ckpt / "config.json").is_file():  # a same-shape run wrote it (cold start: warm cache)
         size = sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file())
         rows.append(("checkpoint", f"{size / GIB:.2f} GiB reused from {ckpt}"))
     else:
-        size = (write_random_moe_gptq if moe else write_random_gptq)(ckpt, shape)
+        size = write_random_moe_gptq(ckpt, shape, lm_head_bits=head_bits) if moe else write_random_gptq(ckpt, shape)
         rows.append(("checkpoint", f"{size / GIB:.2f} GiB written in {time.perf_counter() - t0:.1f} s"))
     bandwidth = copy_bandwidth()
     rows.append(("copy bandwidth", f"{bandwidth / 1e12:.2f} TB/s"))
@@ -690,7 +709,7 @@ def main() -> None:
             tps = timed_decode(llm, batch, 128, 32 if not args.small else 4, shape["vocab"])
             read = ""
             if moe:  # the experts a step reads grow with the batch
-                step = moe_step_bytes(shape, batch)
+                step = moe_step_bytes(shape, batch, lm_head_bits=head_bits)
                 weight_bytes = step["total"]
                 read = (
                     f"; reads {step['total'] / 1e9:.3g} GB/step: {step['dense'] / 1e9:.3g} GB attention, routers "

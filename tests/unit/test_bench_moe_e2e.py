@@ -40,18 +40,20 @@ def test_shape_is_the_published_config() -> None:
     assert {k: ours[k] for k in keys} == {k: PUBLISHED[k] for k in keys}
 
 
+@pytest.mark.parametrize("lm_head_bits", [16, 4])
 @pytest.mark.parametrize("shape", [SMALL_MOE, QWEN3_30B_A3B], ids=["small", "qwen3-30b-a3b"])
-def test_step_bytes_with_every_expert_hit_are_the_planned_weights(tmp_path, shape) -> None:
+def test_step_bytes_with_every_expert_hit_are_the_planned_weights(tmp_path, shape, lm_head_bits) -> None:
     """All experts hit: the floor's bytes == the planner's weights less the embeddings (never read
-    whole) and the float32 rotary tables (held, not weights of the checkpoint)."""
-    (tmp_path / "config.json").write_text(json.dumps(qwen3_moe_config(shape)))
+    whole) and the float32 rotary tables (held, not weights of the checkpoint); with a 4-bit lm_head
+    too (the planner reads quantization_config.lm_head)."""
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_moe_config(shape, lm_head_bits=lm_head_bits)))
     config = read_model_config(tmp_path)
     planned = weight_bytes(config, loaders.detect(tmp_path), torch.float16)
     unread = shape["vocab"] * shape["hidden"] * 2 + config.max_position_embeddings * config.head_dim * 4
-    step = moe_step_bytes(shape, batch=10**6)
+    step = moe_step_bytes(shape, batch=10**6, lm_head_bits=lm_head_bits)
     assert step["hit"] == pytest.approx(shape["experts"])
     assert step["total"] == pytest.approx(planned - unread, rel=1e-12)
-    one = moe_step_bytes(shape, batch=1)
+    one = moe_step_bytes(shape, batch=1, lm_head_bits=lm_head_bits)
     assert one["dense"] == step["dense"] and one["experts"] == pytest.approx(
         step["experts"] * shape["top_k"] / shape["experts"]
     )
@@ -68,6 +70,23 @@ def test_small_moe_checkpoint_loads_with_the_bytes_the_floor_counts(tmp_path) ->
     model, _ = load_model(str(tmp_path), torch.float16, torch.device("cpu"))
     held = sum(m.expert_nbytes() for m in model.modules() if hasattr(m, "expert_nbytes"))
     assert held == moe_step_bytes(SMALL_MOE, batch=10**6)["experts"]
+
+
+def test_small_checkpoint_with_a_4bit_lm_head_loads_it_quantized(tmp_path) -> None:
+    """--lm-head-bits 4: the lm_head is written as GPTQ tensors (config lm_head: true) and qserve holds
+    it as a 4-bit linear whose bytes are what the floor counts for it; logits come out of it."""
+    from qserve.model.loader import load_model
+
+    write_random_moe_gptq(tmp_path, SMALL_MOE, lm_head_bits=4)
+    assert loaders.detect(tmp_path).lm_head_quantized
+    model, _ = load_model(str(tmp_path), torch.float16, torch.device("cpu"))
+    head = model.lm_head
+    assert not isinstance(getattr(head, "weight", None), torch.Tensor)  # not a dense [V, H] weight
+    head_bytes = head.method.weight_nbytes(head)
+    step16, step4 = (moe_step_bytes(SMALL_MOE, 1, lm_head_bits=b)["dense"] for b in (16, 4))
+    assert step16 - step4 == 2 * SMALL_MOE["vocab"] * SMALL_MOE["hidden"] - head_bytes
+    hidden = torch.randn(3, SMALL_MOE["hidden"], dtype=torch.float16) * 0.1
+    assert head(hidden).shape == (3, SMALL_MOE["vocab"])
 
 
 @pytest.mark.slow  # builds and serves a toy MoE checkpoint end to end (~10 s)
