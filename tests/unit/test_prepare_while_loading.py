@@ -1,0 +1,65 @@
+"""QSERVE_PREPARE_WHILE_LOADING=1 (issue 25): a quantized layer's one-time work (fusing its shards, the kernel
+layout) runs as soon as its last shard arrives, before the next layer's tensors are read, and the model it
+builds computes what the default (everything prepared after the whole checkpoint) does."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.e2e import SMALL, write_random_gptq
+from qserve.layers.linear import Linear
+from qserve.model import llama
+from qserve.model.loader import load_model
+
+
+def _load(path, monkeypatch, early: str) -> tuple[torch.nn.Module, list[str]]:
+    monkeypatch.setenv(llama.PREPARE_WHILE_LOADING_ENV, early)
+    events: list[str] = []
+    real_process, real_load = Linear.process_after_loading, llama.LlamaFamilyForCausalLM.load_weights
+
+    def process(self: Linear) -> None:
+        events.append(f"prepare {self.prefix}")
+        real_process(self)
+
+    def load_weights(self, weights) -> None:  # noqa: ANN001
+        def noted():  # noqa: ANN202
+            for name, value in weights:
+                events.append(f"read {name}")
+                yield name, value
+
+        real_load(self, noted())
+
+    monkeypatch.setattr(Linear, "process_after_loading", process)
+    monkeypatch.setattr(llama.LlamaFamilyForCausalLM, "load_weights", load_weights)
+    model, _ = load_model(str(path), torch.float16, torch.device("cpu"))
+    monkeypatch.undo()
+    return model, events
+
+
+def test_layers_are_prepared_as_their_last_shard_arrives(tmp_path, monkeypatch) -> None:
+    write_random_gptq(tmp_path, SMALL)
+    _, late = _load(tmp_path, monkeypatch, "0")
+    model, early = _load(tmp_path, monkeypatch, "1")
+    qkv = "prepare model.layers.0.self_attn.qkv_proj"
+    # the default: every layer after the last tensor is read
+    assert late.index(qkv) > max(i for i, e in enumerate(late) if e.startswith("read "))
+    # early: layer 0's qkv right after its v_proj, before anything of layer 1 is read
+    v_proj = next(i for i, e in enumerate(early) if e.startswith("read model.layers.0.self_attn.v_proj"))
+    first_of_layer1 = next(i for i, e in enumerate(early) if e.startswith("read model.layers.1."))
+    assert v_proj < early.index(qkv) < first_of_layer1
+    assert sorted(e for e in early if e.startswith("prepare")) == sorted(e for e in late if e.startswith("prepare"))
+    assert all(not any(s is not None for s in m.quant_shards) for m in model.modules() if hasattr(m, "quant_shards"))
+
+
+def test_the_early_model_computes_what_the_default_does(tmp_path, monkeypatch) -> None:
+    write_random_gptq(tmp_path, SMALL)
+    late, _ = _load(tmp_path, monkeypatch, "0")
+    early, _ = _load(tmp_path, monkeypatch, "1")
+    gen = torch.Generator().manual_seed(0)
+    compared = 0
+    for name, module in late.named_modules():
+        if isinstance(module, Linear):
+            x = (torch.randn(5, module.in_features, generator=gen) * 0.1).half()  # [5, K]
+            torch.testing.assert_close(early.get_submodule(name)(x), module(x), rtol=0, atol=0)
+            compared += 1
+    assert compared == 4 * SMALL["layers"] + 1  # qkv, o, gate_up, down a layer, and the lm_head
