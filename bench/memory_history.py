@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import memory_pools  # noqa: E402
 from bench.memory_pools import DEFAULT_POOL  # noqa: E402
 
 MB = 1 << 20
@@ -168,7 +169,7 @@ def main() -> None:
         f"Start-up with the allocator's history recorded: {startup:.1f} s, {len(trace):,} trace events "
         f"(ring {args.max_entries:,}{': full, the oldest lost' if len(trace) >= args.max_entries else ''}). "
         f"Held after empty_cache {held / GIB:.3f} GiB; the default pool's free blocks of >= {args.min_hole_mib} MiB: "
-        f"{len(holes)}, {free / GIB:.3f} GiB."
+        f"{len(holes)}, {free / GIB:.3f} GiB. Held by pool: {memory_pools.describe(memory_pools.pools(snapshot['segments']))}."
     )
     text = head + "\n\n" + table(summarize(holes, args.depth)) + "\n"
     Path(args.out).write_text(text)

@@ -40,6 +40,11 @@ class LinearMethod(ABC):
         """One-time work after every shard arrived (fusing, repacking for kernels)."""
         return None  # dense weights need none
 
+    def relocate(self, layer: Linear) -> None:
+        """Copy what ``process_after_loading`` made into fresh memory (the loader's weights pool, issue 25);
+        dense weights were allocated when the layer was built and stay."""
+        return None
+
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x: [num_tokens, K] -> [num_tokens, N]``, plus ``bias [N]`` when given (methods fuse
@@ -118,6 +123,9 @@ class Linear(nn.Module):
 
     def process_after_loading(self) -> None:
         self.method.process_after_loading(self)
+
+    def relocate(self) -> None:
+        self.method.relocate(self)
 
     # LoRA under tensor parallelism: an adapter is read for the whole (unsplit) layer, then cut to the
     # part this layer holds. A single-process layer is whole: both are identities here.

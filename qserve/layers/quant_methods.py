@@ -115,6 +115,9 @@ class W4A16LinearMethod(LinearMethod):
     def weight_nbytes(self, layer: Linear) -> int:
         return tensor_nbytes(layer.quant_prepared) + tensor_nbytes(layer.quant_shards)
 
+    def relocate(self, layer: Linear) -> None:
+        layer.quant_prepared = clone_tensors(layer.quant_prepared)
+
 
 def _on_gpu(t: torch.Tensor) -> bool:
     return t.is_cuda
@@ -142,6 +145,22 @@ def tensor_nbytes(obj: Any) -> int:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return sum(tensor_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
     return 0
+
+
+def clone_tensors(obj: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """``obj`` with every tensor reachable through lists, tuples and dataclass fields replaced by a fresh
+    copy (allocated where the caller's allocator context puts it); a tensor reached twice is copied once."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.clone()
+        return memo[id(obj)]
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tensors(item, memo) for item in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: clone_tensors(getattr(obj, f.name), memo) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **fields)
+    return obj
 
 
 def make_linear_method(spec: CheckpointSpec, hf_module_names: list[str]) -> LinearMethod:

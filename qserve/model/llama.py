@@ -545,11 +545,17 @@ class LlamaFamilyForCausalLM(nn.Module):
             return True
         return not isinstance(block, SparseMoeBlock) or block.holds_expert(int(expert.group(2)))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedQuantWeight]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | PackedQuantWeight]],
+        after_prepare: Callable[[Linear], None] | None = None,
+    ) -> None:
         """Route checkpoint tensors (HF names) into this model; every weight must arrive.
 
         Dense tensors come as ``(param_name, tensor)``; quantized linears as
-        ``(module_prefix, PackedQuantWeight)``.
+        ``(module_prefix, PackedQuantWeight)``. ``after_prepare``: called with each linear layer as soon
+        as its last shard arrived and it was prepared (``QSERVE_PREPARE_WHILE_LOADING``'s order, which
+        giving it implies).
         """
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
         moe_blocks = {name: m for name, m in self.named_modules() if isinstance(m, SparseMoeBlock)}
@@ -558,7 +564,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             name for name, _ in self.named_parameters() if not any(name.startswith(f"{lin}.") for lin in linears)
         }
         loaded_params: set[str] = set()
-        prepare_early = env_switch(PREPARE_WHILE_LOADING_ENV, default=False)
+        prepare_early = after_prepare is not None or env_switch(PREPARE_WHILE_LOADING_ENV, default=False)
         prepared: set[str] = set()
         for name, value in weights:
             if "rotary_emb" in name:
@@ -598,6 +604,8 @@ class LlamaFamilyForCausalLM(nn.Module):
                         del value  # the canonical tensor this loop holds: freed before the prepared copy exists
                         linears[layer_name].process_after_loading()
                         prepared.add(layer_name)
+                        if after_prepare is not None:
+                            after_prepare(linears[layer_name])
                 else:
                     linears[layer_name].load_bias(shard_id, value)
             elif name in plain_params and hasattr(self.get_parameter(name), "weight_loader"):

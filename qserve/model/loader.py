@@ -1,7 +1,14 @@
 """Build a model from a checkpoint directory: config, linear methods, streamed weights.
 
-Knows: the glue between ``loaders`` (formats and tensors) and ``qserve.model`` (modules). Must
-not know: format details (``loaders`` owns them) or the engine.
+Knows: the glue between ``loaders`` (formats and tensors) and ``qserve.model`` (modules), and where
+on the GPU the prepared weights go. Must not know: format details (``loaders`` owns them) or the engine.
+
+``QSERVE_WEIGHTS_POOL=1`` (opt-in, issue 25; CUDA): each linear layer is prepared as its last shard arrives
+and its prepared tensors are copied into a private allocator pool of the weights alone (``torch.cuda.MemPool``),
+one after another. The checkpoint's canonical tensors and the repacking's temporaries stay in the default
+pool, where nothing long-lived sits between them, so ``empty_cache`` gives their pages back whole; in the
+default layout the prepared weights land between them and strand the free parts of the allocator's 20 MiB
+pages (0.84 GiB on the 14B engine, bench/RESULTS.md, twenty-fifth session).
 """
 
 from __future__ import annotations
@@ -14,11 +21,15 @@ import torch
 import loaders
 from qserve.config import ModelConfig
 from qserve.distributed.parallel_state import TPGroup
+from qserve.layers.linear import Linear
 from qserve.layers.quant_methods import make_linear_method, reference_path_layers
 from qserve.model.llama import LlamaFamilyForCausalLM
 from qserve.model.registry import checkpoint_view, read_model_config
+from quant_kernels.switches import env_switch
 
 logger = logging.getLogger(__name__)
+
+WEIGHTS_POOL_ENV = "QSERVE_WEIGHTS_POOL"
 
 
 def load_model(
@@ -46,8 +57,13 @@ def load_model(
             enable_expert_parallel=enable_expert_parallel,
         )
     keep = model.holds_weight if tp is not None and enable_expert_parallel and config.moe_layers else None
+    pool = _weights_pool(device)
+    model.weights_pool = pool  # the pool lives as long as the model that holds its tensors
     try:
-        model.load_weights(_on_device(loaders.iter_weights(path, spec, view, keep), device))
+        model.load_weights(
+            _on_device(loaders.iter_weights(path, spec, view, keep), device),
+            after_prepare=None if pool is None else (lambda layer: _relocate(layer, pool)),
+        )
     except ValueError as err:
         if str(path) in str(err):
             raise
@@ -62,6 +78,24 @@ def load_model(
         )
     model.eval()
     return model, config
+
+
+def _weights_pool(device: torch.device | str) -> object | None:
+    """A private allocator pool for the prepared weights (``QSERVE_WEIGHTS_POOL=1`` on CUDA), else None."""
+    if not env_switch(WEIGHTS_POOL_ENV, default=False) or torch.device(device).type != "cuda":
+        return None
+    if not hasattr(torch.cuda, "MemPool"):
+        logger.warning(
+            "%s=1: this torch has no torch.cuda.MemPool; the weights stay in the default pool", WEIGHTS_POOL_ENV
+        )
+        return None
+    return torch.cuda.MemPool()
+
+
+def _relocate(layer: Linear, pool: object) -> None:
+    """Copy one prepared layer into the weights pool; its default-pool tensors die with the old references."""
+    with torch.cuda.use_mem_pool(pool):
+        layer.relocate()
 
 
 def _on_device(weights, device):  # noqa: ANN001, ANN202 - a thin generator adapter

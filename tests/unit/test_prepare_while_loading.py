@@ -8,7 +8,8 @@ import torch
 
 from bench.e2e import SMALL, write_random_gptq
 from qserve.layers.linear import Linear
-from qserve.model import llama
+from qserve.layers.quant_methods import clone_tensors
+from qserve.model import llama, loader
 from qserve.model.loader import load_model
 
 
@@ -21,13 +22,13 @@ def _load(path, monkeypatch, early: str) -> tuple[torch.nn.Module, list[str]]:
         events.append(f"prepare {self.prefix}")
         real_process(self)
 
-    def load_weights(self, weights) -> None:  # noqa: ANN001
+    def load_weights(self, weights, **kwargs) -> None:  # noqa: ANN001, ANN003
         def noted():  # noqa: ANN202
             for name, value in weights:
                 events.append(f"read {name}")
                 yield name, value
 
-        real_load(self, noted())
+        real_load(self, noted(), **kwargs)
 
     monkeypatch.setattr(Linear, "process_after_loading", process)
     monkeypatch.setattr(llama.LlamaFamilyForCausalLM, "load_weights", load_weights)
@@ -63,3 +64,51 @@ def test_the_early_model_computes_what_the_default_does(tmp_path, monkeypatch) -
             torch.testing.assert_close(early.get_submodule(name)(x), module(x), rtol=0, atol=0)
             compared += 1
     assert compared == 4 * SMALL["layers"] + 1  # qkv, o, gate_up, down a layer, and the lm_head
+
+
+def test_after_prepare_sees_each_layer_prepared_and_relocation_keeps_the_outputs(tmp_path, monkeypatch) -> None:
+    """The loader's weights-pool hook (QSERVE_WEIGHTS_POOL=1 on CUDA): called once per linear, right after
+    its prepare; ``relocate`` gives the layer fresh copies of every prepared tensor (shared ones once) and
+    the layer computes the same."""
+    write_random_gptq(tmp_path, SMALL)
+    reference, _ = _load(tmp_path, monkeypatch, "0")
+    seen: list[str] = []
+    before: dict[str, list[int]] = {}
+
+    def relocate(layer: Linear) -> None:
+        assert all(s is None for s in getattr(layer, "quant_shards", [None]))  # prepared: shards released
+        seen.append(layer.prefix)
+        before[layer.prefix] = [id(t) for t in _tensors(getattr(layer, "quant_prepared", None))]
+        layer.relocate()
+
+    monkeypatch.setattr(loader, "_weights_pool", lambda device: "pool")
+    monkeypatch.setattr(loader, "_relocate", lambda layer, pool: relocate(layer))
+    model, _ = load_model(str(tmp_path), torch.float16, torch.device("cpu"))
+    linears = [name for name, m in model.named_modules() if isinstance(m, Linear)]
+    assert sorted(seen) == sorted(linears) and len(seen) == len(set(seen))
+    linears = [name for name in linears if before[name]]  # the quantized ones (the dense lm_head stays)
+    assert len(linears) == 4 * SMALL["layers"]
+    gen = torch.Generator().manual_seed(1)
+    for name in linears:
+        layer = model.get_submodule(name)
+        assert not set(before[name]) & {id(t) for t in _tensors(layer.quant_prepared)}  # every tensor a new copy
+        x = (torch.randn(3, layer.in_features, generator=gen) * 0.1).half()
+        torch.testing.assert_close(layer(x), reference.get_submodule(name)(x), rtol=0, atol=0)
+
+
+def test_clone_tensors_copies_shared_tensors_once() -> None:
+    shared = torch.arange(4)
+    a, b = clone_tensors([shared, (shared, torch.ones(2))])
+    assert a is b[0] and a is not shared and torch.equal(a, shared)
+
+
+def _tensors(obj) -> list[torch.Tensor]:  # noqa: ANN001
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    return []
