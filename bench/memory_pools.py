@@ -4,8 +4,9 @@ graph) apart from each CUDA-graph private pool (the decode graphs' and the piece
 each as reserved bytes and the bytes live in it. bench/e2e.py prints it beside "plan vs held", so the plan's
 overheads (``qserve.memory.planner``: the graph pools' estimate) can be checked against what each pool took.
 
-Knows: the snapshot's segment dicts (``segment_pool_id``: ``(0, 0)`` for the default pool, another pair
-for a graph's private pool; ``total_size`` reserved, ``allocated_size`` live; ``stream``, ``segment_type``
+Knows: the snapshot's segment dicts (``segment_pool_id``: ``(0, 0)`` for the default pool, ``(n, 0)`` for a
+CUDA graph's private pool, ``(0, n)`` for a pool made with ``torch.cuda.MemPool``: the engine's weights,
+``qserve.model.loader``; ``total_size`` reserved, ``allocated_size`` live; ``stream``, ``segment_type``
 and the ``blocks`` with their ``state``). Must not know: the engine.
 
 ``default_pool_parts`` splits the default pool by stream and segment type (small: allocations under 1 MB)
@@ -34,15 +35,23 @@ def pools(snapshot: Iterable[dict]) -> dict[tuple[int, int], tuple[int, int]]:
     return out
 
 
+def is_graph_pool(pool: tuple[int, int]) -> bool:
+    """A CUDA graph's pool (torch numbers them ``(n, 0)``; a ``torch.cuda.MemPool`` is ``(0, n)``)."""
+    return pool[0] != 0 and pool[1] == 0
+
+
 def describe(by_pool: dict[tuple[int, int], tuple[int, int]]) -> str:
-    """One line: the default pool first, then the graph pools largest first, each ``reserved (live) GiB``."""
+    """One line: the default pool first, then the other pools largest first (a ``torch.cuda.MemPool``, as the
+    weights' pool, is a "MemPool"), each ``reserved (live) GiB``; then the graph pools' sum."""
     order = sorted(by_pool, key=lambda p: (p != DEFAULT_POOL, -by_pool[p][0]))
     parts = []
     for pool in order:
         reserved, live = by_pool[pool]
-        name = "default pool" if pool == DEFAULT_POOL else f"graph pool {pool}"
+        name = (
+            "default pool" if pool == DEFAULT_POOL else f"{'graph pool' if is_graph_pool(pool) else 'MemPool'} {pool}"
+        )
         parts.append(f"{name} {reserved / GIB:.3f} GiB ({live / GIB:.3f} live)")
-    graphs = sum(r for p, (r, _) in by_pool.items() if p != DEFAULT_POOL)
+    graphs = sum(r for p, (r, _) in by_pool.items() if is_graph_pool(p))
     return "; ".join(parts) + f"; graph pools together {graphs / GIB:.3f} GiB"
 
 

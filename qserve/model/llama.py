@@ -76,11 +76,6 @@ FUSED_QK_NORM_ROPE_ENV = "QSERVE_FUSED_QK_NORM_ROPE"
 # "1": the rotary's launch also stores the step's keys and values into a model-dtype paged cache (no
 # store_kv launch; the default: measured faster, seventeenth session); "0": the attention stores them
 FUSED_ROPE_KV_STORE_ENV = "QSERVE_FUSED_ROPE_KV_STORE"
-# "1": a linear layer's one-time work (fusing its shards, the kernel layout) runs as soon as its last shard
-# arrives, not after the whole checkpoint (issue 25: the canonical copies then die beside the next layer's
-# loads instead of between every layer's prepared weights; the holes they leave in the allocator's
-# 20 MiB pages are what it still holds past the plan). Off by default until a GPU run measures it.
-PREPARE_WHILE_LOADING_ENV = "QSERVE_PREPARE_WHILE_LOADING"
 
 
 class Attention(nn.Module):
@@ -553,9 +548,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         """Route checkpoint tensors (HF names) into this model; every weight must arrive.
 
         Dense tensors come as ``(param_name, tensor)``; quantized linears as
-        ``(module_prefix, PackedQuantWeight)``. ``after_prepare``: called with each linear layer as soon
-        as its last shard arrived and it was prepared (``QSERVE_PREPARE_WHILE_LOADING``'s order, which
-        giving it implies).
+        ``(module_prefix, PackedQuantWeight)``. A linear layer's one-time work (fusing its shards, the
+        kernel layout) runs as soon as its last shard arrives, so its canonical copies die beside the next
+        layer's loads (issue 25); ``after_prepare`` is then called with the layer (the loader's weights
+        pool).
         """
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
         moe_blocks = {name: m for name, m in self.named_modules() if isinstance(m, SparseMoeBlock)}
@@ -564,8 +560,6 @@ class LlamaFamilyForCausalLM(nn.Module):
             name for name, _ in self.named_parameters() if not any(name.startswith(f"{lin}.") for lin in linears)
         }
         loaded_params: set[str] = set()
-        prepare_early = after_prepare is not None or env_switch(PREPARE_WHILE_LOADING_ENV, default=False)
-        prepared: set[str] = set()
         for name, value in weights:
             if "rotary_emb" in name:
                 continue
@@ -600,10 +594,9 @@ class LlamaFamilyForCausalLM(nn.Module):
                 if leaf == "weight":
                     linears[layer_name].load_weight(shard_id, value)
                     loaded_shards[layer_name].add(shard_id)
-                    if prepare_early and len(loaded_shards[layer_name]) == len(linears[layer_name].output_sizes):
+                    if len(loaded_shards[layer_name]) == len(linears[layer_name].output_sizes):
                         del value  # the canonical tensor this loop holds: freed before the prepared copy exists
                         linears[layer_name].process_after_loading()
-                        prepared.add(layer_name)
                         if after_prepare is not None:
                             after_prepare(linears[layer_name])
                 else:
@@ -635,9 +628,6 @@ class LlamaFamilyForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing tensors: {shown}")
         if self.config.lm_head_normalized:
             self._normalize_lm_head()
-        for layer_name, layer in linears.items():
-            if layer_name not in prepared:
-                layer.process_after_loading()
         for block in moe_blocks.values():
             block.process_after_loading()
 

@@ -3,12 +3,13 @@
 Knows: the glue between ``loaders`` (formats and tensors) and ``qserve.model`` (modules), and where
 on the GPU the prepared weights go. Must not know: format details (``loaders`` owns them) or the engine.
 
-``QSERVE_WEIGHTS_POOL=1`` (opt-in, issue 25; CUDA): each linear layer is prepared as its last shard arrives
-and its prepared tensors are copied into a private allocator pool of the weights alone (``torch.cuda.MemPool``),
-one after another. The checkpoint's canonical tensors and the repacking's temporaries stay in the default
-pool, where nothing long-lived sits between them, so ``empty_cache`` gives their pages back whole; in the
-default layout the prepared weights land between them and strand the free parts of the allocator's 20 MiB
-pages (0.84 GiB on the 14B engine, bench/RESULTS.md, twenty-fifth session).
+``QSERVE_WEIGHTS_POOL`` (on CUDA unless ``0``): each linear layer's prepared tensors are copied into a private
+allocator pool of the weights alone (``torch.cuda.MemPool``), one layer after another, as the model prepares
+each layer once its last shard arrives. The checkpoint's canonical tensors and the repacking's temporaries
+stay in the default pool with nothing long-lived between them, so ``empty_cache`` gives their pages back
+whole. Without it the prepared weights land among them and strand the free parts of the allocator's 20 MiB
+pages: the 14B engine held 3.42% over its memory plan, with the pool 0.24% under it, at the same decode
+speed (H100, bench/RESULTS.md, twenty-sixth session; bench/memory_history.py names what lay in each hole).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def load_model(
 
 
 def _weights_pool(device: torch.device | str) -> object | None:
-    """A private allocator pool for the prepared weights (``QSERVE_WEIGHTS_POOL=1`` on CUDA), else None."""
-    if not env_switch(WEIGHTS_POOL_ENV, default=False) or torch.device(device).type != "cuda":
+    """A private allocator pool for the prepared weights (on CUDA unless ``QSERVE_WEIGHTS_POOL=0``), else None."""
+    if not env_switch(WEIGHTS_POOL_ENV, default=True) or torch.device(device).type != "cuda":
         return None
     if not hasattr(torch.cuda, "MemPool"):
         logger.warning(

@@ -5,7 +5,8 @@ Knows: torch's caching allocator reads ``PYTORCH_CUDA_ALLOC_CONF`` (or its newer
 environment; qserve's default is ``expandable_segments:True``. Why: with fixed-size segments the 14B
 engine's allocator still held 24.69 GiB after ``empty_cache`` against the 22.49 GiB its memory plan
 counts (+9.80%: fragmentation, on a 24 GiB budget), with expandable segments 23.27 GiB (+3.42%), at
-the same decode speed (H100, bench/RESULTS.md, seventh session). A user's own setting, even an empty
+the same decode speed (H100, bench/RESULTS.md, seventh session); with the weights in their own pool as
+well (``qserve.model.loader``, twenty-sixth session) 22.44 GiB (-0.24%). A user's own setting, even an empty
 one, is left as it is. Must not know: models, engines, the memory plan.
 """
 

@@ -24,6 +24,14 @@ def test_pools_sum_reserved_and_live_bytes_per_pool() -> None:
     assert text.endswith("graph pools together 3.500 GiB")
 
 
+def test_a_mempool_is_named_apart_from_the_graph_pools() -> None:
+    """torch numbers a torch.cuda.MemPool (0, n) (the weights' pool) and a graph's pool (n, 0): the first is not
+    summed with the graphs (the twenty-sixth session's first rows called the weights a graph pool)."""
+    text = describe(pools(SNAPSHOT + [{"segment_pool_id": (0, 1), "total_size": 6 * GIB, "allocated_size": 6 * GIB}]))
+    assert "; MemPool (0, 1) 6.000 GiB (6.000 live); graph pool (2, 0)" in text
+    assert text.endswith("graph pools together 3.500 GiB")
+
+
 def test_default_pool_parts_by_stream_and_segment_type() -> None:
     """The default pool's segments summed by (stream, segment type), with their free (inactive) blocks; graph
     pools left out."""
