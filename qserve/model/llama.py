@@ -592,6 +592,12 @@ class LlamaFamilyForCausalLM(nn.Module):
                 continue
             if layer_name in linears and leaf in ("weight", "bias"):
                 if leaf == "weight":
+                    if (
+                        shard_id in loaded_shards[layer_name]
+                    ):  # the layer may be prepared already: refuse, not overwrite
+                        raise ValueError(
+                            f"{name}: the checkpoint holds this weight twice ({layer_name} shard {shard_id})"
+                        )
                     linears[layer_name].load_weight(shard_id, value)
                     loaded_shards[layer_name].add(shard_id)
                     if len(loaded_shards[layer_name]) == len(linears[layer_name].output_sizes):

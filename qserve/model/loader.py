@@ -63,7 +63,7 @@ def load_model(
     try:
         model.load_weights(
             _on_device(loaders.iter_weights(path, spec, view, keep), device),
-            after_prepare=None if pool is None else (lambda layer: _relocate(layer, pool)),
+            after_prepare=None if pool is None else (lambda layer: _relocate(layer, pool, device)),
         )
     except ValueError as err:
         if str(path) in str(err):
@@ -83,20 +83,28 @@ def load_model(
 
 def _weights_pool(device: torch.device | str) -> object | None:
     """A private allocator pool for the prepared weights (on CUDA unless ``QSERVE_WEIGHTS_POOL=0``), else None."""
-    if not env_switch(WEIGHTS_POOL_ENV, default=True) or torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or not env_switch(WEIGHTS_POOL_ENV, default=True):
         return None
     if not hasattr(torch.cuda, "MemPool"):
         logger.warning(
-            "%s=1: this torch has no torch.cuda.MemPool; the weights stay in the default pool", WEIGHTS_POOL_ENV
+            "this torch has no torch.cuda.MemPool: the weights stay in the default pool (%s)", WEIGHTS_POOL_ENV
         )
         return None
-    return torch.cuda.MemPool()
+    with torch.cuda.device(_cuda_index(device)):  # a pool belongs to the device current when it is made
+        return torch.cuda.MemPool()
 
 
-def _relocate(layer: Linear, pool: object) -> None:
+def _relocate(layer: Linear, pool: object, device: torch.device | str) -> None:
     """Copy one prepared layer into the weights pool; its default-pool tensors die with the old references."""
-    with torch.cuda.use_mem_pool(pool):
+    with torch.cuda.use_mem_pool(pool, device=_cuda_index(device)):
         layer.relocate()
+
+
+def _cuda_index(device: torch.device | str) -> int:
+    """The CUDA device's index; "cuda" alone is the current device (torch's pool calls refuse an index-less
+    device, and a pool used on another device than it was made on would route nothing)."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
 
 
 def _on_device(weights, device):  # noqa: ANN001, ANN202 - a thin generator adapter

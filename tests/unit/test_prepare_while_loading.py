@@ -52,8 +52,33 @@ def test_layers_are_prepared_as_their_last_shard_arrives(tmp_path, monkeypatch) 
     assert all(not any(s is not None for s in m.quant_shards) for m in model.modules() if hasattr(m, "quant_shards"))
 
 
+def test_a_weight_given_twice_is_refused(tmp_path, monkeypatch) -> None:
+    """A shard that arrives again after its layer was prepared would be dropped (or break the prepare):
+    refused, naming the tensor (the review of the early prepare found it)."""
+    write_random_gptq(tmp_path, SMALL)
+    real = llama.LlamaFamilyForCausalLM.load_weights
+
+    def twice(self, weights, **kwargs) -> None:  # noqa: ANN001, ANN003
+        def again():  # noqa: ANN202
+            for name, value in weights:
+                yield name, value
+                if name == "model.layers.0.self_attn.k_proj":
+                    yield name, value
+
+        real(self, again(), **kwargs)
+
+    monkeypatch.setattr(llama.LlamaFamilyForCausalLM, "load_weights", twice)
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.self_attn\.k_proj: the checkpoint holds this weight twice"
+    ):
+        load_model(str(tmp_path), torch.float16, torch.device("cpu"))
+
+
 def test_no_pool_off_cuda_or_when_switched_off(monkeypatch) -> None:
     assert loader._weights_pool("cpu") is None
+    monkeypatch.setenv(loader.WEIGHTS_POOL_ENV, "yes")
+    assert loader._weights_pool("cpu") is None  # the switch is not read off CUDA (CPU and meta loads)
+    monkeypatch.delenv(loader.WEIGHTS_POOL_ENV)
     monkeypatch.setenv(loader.WEIGHTS_POOL_ENV, "0")
     assert loader._weights_pool("cuda") is None
     monkeypatch.setenv(loader.WEIGHTS_POOL_ENV, "yes")
@@ -77,7 +102,7 @@ def test_after_prepare_sees_each_layer_prepared_and_relocation_keeps_the_outputs
         layer.relocate()
 
     monkeypatch.setattr(loader, "_weights_pool", lambda device: "pool")
-    monkeypatch.setattr(loader, "_relocate", lambda layer, pool: relocate(layer))
+    monkeypatch.setattr(loader, "_relocate", lambda layer, pool, device: relocate(layer))
     model, _ = load_model(str(tmp_path), torch.float16, torch.device("cpu"))
     linears = [name for name, m in model.named_modules() if isinstance(m, Linear)]
     assert sorted(seen) == sorted(linears) and len(seen) == len(set(seen))
@@ -107,3 +132,32 @@ def _tensors(obj) -> list[torch.Tensor]:  # noqa: ANN001
     if dataclasses.is_dataclass(obj):
         return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
     return []
+
+
+def test_the_pool_calls_get_a_device_index(monkeypatch) -> None:
+    """torch.cuda.use_mem_pool(pool, device=torch.device("cuda")) raises (an index-less device): the loader
+    passes the index, the current device's for plain "cuda" (the review of the weights pool found the call)."""
+    used: list[object] = []
+
+    class _Use:
+        def __init__(self, pool, device) -> None:  # noqa: ANN001
+            used.append((pool, device))
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc) -> None:  # noqa: ANN002
+            return None
+
+    class _Layer:
+        relocated = 0
+
+        def relocate(self) -> None:
+            self.relocated += 1
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda pool, device=None: _Use(pool, device))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    layer = _Layer()
+    loader._relocate(layer, "pool", "cuda")
+    loader._relocate(layer, "pool", torch.device("cuda", 1))
+    assert used == [("pool", 3), ("pool", 1)] and layer.relocated == 2
