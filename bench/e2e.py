@@ -635,8 +635,8 @@ def main() -> None:
         emit(rows, args.out)
 
     t0 = time.perf_counter()
-    head_bits = args.lm_head_bits if moe else 16
-    if args.lm_head_bits != head_bits:
+    head_bits = args.lm_head_bits
+    if head_bits == 4 and not moe:
         parser.error("--lm-head-bits 4 is built for --model qwen3-30b-a3b only")
     name = f"{args.model}-gptq" + ("-q4head" if head_bits == 4 else "")
     ckpt = tmp / (name if not args.small else f"small-{name}")

@@ -24,7 +24,7 @@ import bisect
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,8 +46,8 @@ class Hole:
     size: int
     stream: int
     last_alloc: dict | None = None  # the last alloc event over any byte of it
-    unmapped_after_free: bool = False  # a segment_unmap over it after that allocation's free
-    frees: list[int] = field(default_factory=list)  # indexes of free_completed events over it
+    freed: bool = False  # a free_completed over it since that allocation
+    unmapped_after_free: bool = False  # a segment_unmap over it after that free
 
     @property
     def end(self) -> int:
@@ -83,10 +83,10 @@ def attribute(holes: Sequence[Hole], trace: Iterable[dict]) -> None:
             hole = holes[i]
             if hole.end > lo:
                 if action == "alloc":
-                    hole.last_alloc, hole.unmapped_after_free, hole.frees = event, False, []
+                    hole.last_alloc, hole.freed, hole.unmapped_after_free = event, False, False
                 elif action == "free_completed":
-                    hole.frees.append(int(event["addr"]))
-                elif hole.frees:  # unmapped after the last occupant was freed
+                    hole.freed = True
+                elif hole.freed:  # unmapped after the last occupant was freed
                     hole.unmapped_after_free = True
             i += 1
 

@@ -592,9 +592,8 @@ class LlamaFamilyForCausalLM(nn.Module):
                 continue
             if layer_name in linears and leaf in ("weight", "bias"):
                 if leaf == "weight":
-                    if (
-                        shard_id in loaded_shards[layer_name]
-                    ):  # the layer may be prepared already: refuse, not overwrite
+                    # the layer may be prepared already: a second copy is refused, never overwritten
+                    if shard_id in loaded_shards[layer_name]:
                         raise ValueError(
                             f"{name}: the checkpoint holds this weight twice ({layer_name} shard {shard_id})"
                         )

@@ -107,3 +107,11 @@ def test_small_mode_runs_on_cpu(tmp_path, monkeypatch) -> None:
     assert "| capacity, KV auto | 8 sequences of 1,024 tokens" in table
     assert "| offline ShareGPT-like, model-dtype KV | 4 requests" in table
     assert "fp8" not in table  # --skip fp8: the fp8-KV engine is not built
+
+
+def test_a_4bit_lm_head_is_refused_for_the_dense_model(monkeypatch, capsys) -> None:
+    """--lm-head-bits 4 builds only the MoE checkpoint: asked of the dense 14B it stops, naming the option."""
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--small", "--lm-head-bits", "4"])
+    with pytest.raises(SystemExit):
+        main()
+    assert "--lm-head-bits 4 is built for --model qwen3-30b-a3b only" in capsys.readouterr().err
