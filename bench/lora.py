@@ -33,7 +33,8 @@ with its graphs set aside (Triton eager) at batch 32 with 8 adapters. ``--overla
 LoRA engine per ``QSERVE_LORA_OVERLAP`` mode, the same rows each (``shrink``: each shrink on a side
 stream beside its base GEMM; ``pair``: the expand too, its fp32 delta added after), the eager row
 with the first; ``--side-split-k default,auto,8``: each overlapping mode once per side shrink's K split
-(``QSERVE_LORA_SIDE_SPLIT_K``; ``default``, the default, leaves it unset: the engine's 4). ``--profile-dir DIR``: then
+(``QSERVE_LORA_SIDE_SPLIT_K``; ``default``, the default, leaves it unset: the engine's 4); ``--fused-silu 0,1``: each
+of those engines without and with ``QSERVE_LORA_FUSED_SILU`` (gate_up's expand inside the SiLU-and-mul). ``--profile-dir DIR``: then
 where a decode step's time goes (``bench/profile_step.py``'s per-kernel and per-family tables, the
 host's CUDA calls and Python, the GPU's idle gaps with the launches that ended them) for the base and
 for the LoRA engine at batch 32 with 8 adapters, ``--profile-steps`` steps each, into DIR
@@ -399,8 +400,13 @@ def e2e(args: argparse.Namespace) -> Table:
     # --side-split-k: each overlapping mode once per side-stream shrink split (QSERVE_LORA_SIDE_SPLIT_K)
     # ("default": QSERVE_LORA_SIDE_SPLIT_K unset, the engine's DEFAULT_SIDE_SPLIT_K)
     splits = args.side_split_k.split(",")
-    engines = [(o, split) for o in variants for split in (["default"] if o == "0" else splits)]
-    for overlap, side_split in engines:
+    # --fused-silu: each of those engines once per QSERVE_LORA_FUSED_SILU value (gate_up's expand in the SiLU)
+    fused_values = args.fused_silu.split(",")  # checked by main()
+    engines = [
+        (o, split, fused) for o in variants for split in (["default"] if o == "0" else splits) for fused in fused_values
+    ]
+    for overlap, side_split, fused in engines:
+        os.environ[lora_ops.FUSED_SILU_ENV] = fused
         os.environ[lora_ops.OVERLAP_ENV] = overlap
         if side_split == "default":
             os.environ.pop(lora_ops.SIDE_SPLIT_K_ENV, None)
@@ -409,6 +415,7 @@ def e2e(args: argparse.Namespace) -> Table:
         shown = f"{lora_ops.DEFAULT_SIDE_SPLIT_K} (default)" if side_split == "default" else side_split
         label = "LoRA, triton + graphs" + (f" + overlap {overlap}" if overlap != "0" else "")
         label += f", side split {shown}" if overlap != "0" else ""
+        label += ", fused SiLU" if fused == "1" else ""
         llm = build(label, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=RANK)
         for batch, distinct in lora_rows:
             measure(label, llm, batch, min(distinct, batch))
@@ -416,14 +423,15 @@ def e2e(args: argparse.Namespace) -> Table:
             "lora"
             if overlap == "0"
             else f"lora_overlap_{overlap}" + ("" if side_split == "default" else f"_split{side_split}")
-        )
+        ) + ("_fused_silu" if fused == "1" else "")
         profile(name, llm, mid, min(8, mid))
-        if (overlap, side_split) == engines[0] and not args.skip_eager:
+        if (overlap, side_split, fused) == engines[0] and not args.skip_eager:
             measure_eager("LoRA, triton eager", llm, mid, min(8, mid))
         del llm
         release()
     os.environ.pop(lora_ops.OVERLAP_ENV, None)
     os.environ.pop(lora_ops.SIDE_SPLIT_K_ENV, None)
+    os.environ.pop(lora_ops.FUSED_SILU_ENV, None)
     table.note(f"- total {time.perf_counter() - t0:.0f} s")
     return table
 
@@ -459,6 +467,12 @@ def main() -> None:
         help="--e2e: comma list of QSERVE_LORA_OVERLAP modes (0, shrink, pair), one LoRA engine each",
     )
     parser.add_argument(
+        "--fused-silu",
+        default="0",
+        help="--e2e: comma list of QSERVE_LORA_FUSED_SILU values (0, 1: gate_up's expand inside the SiLU-and-mul), "
+        "one LoRA engine each per overlap mode and side split",
+    )
+    parser.add_argument(
         "--side-split-k",
         default="default",
         help="--e2e: comma list of QSERVE_LORA_SIDE_SPLIT_K values (default: unset, the engine's 4; auto: the "
@@ -475,6 +489,8 @@ def main() -> None:
                 lora_ops.parse_side_split_k(value)
         except ValueError as error:
             parser.error(f"--side-split-k: {error}")
+    if not set(args.fused_silu.split(",")) <= {"0", "1"}:
+        parser.error(f"--fused-silu {args.fused_silu}: expected a comma list of 0 and 1")
     unknown = [mode for mode in args.overlap.split(",") if mode not in lora_ops.OVERLAP_MODES]
     if unknown:
         parser.error(f"--overlap {','.join(unknown)}: expected a comma list of {', '.join(lora_ops.OVERLAP_MODES)}")

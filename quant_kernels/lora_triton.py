@@ -37,6 +37,12 @@ Kernels
   With ``QSERVE_ENABLE_PDL=1`` (``quant_kernels.pdl``) it launches with PDL and waits at its top for the
   base GEMM it adds to, so its launch overlaps that GEMM's tail (a decode step's expands are on its
   critical path).
+``lora_expand_silu_mul_kernel`` (``QSERVE_LORA_FUSED_SILU=1``, opt-in: ``lora_ops``): a gate_up layer's
+  expand fused into the SiLU-and-mul that reads its output: one 1-D grid of every base row's column
+  blocks (plain ``silu(gate) * up``), then every tile's ``BLOCK_N``-column blocks, each adding the tile's
+  ``h @ B`` to gate's and up's columns, rounding to the activation dtype as the expand does, then
+  multiplying. A decode step's gate_up then launches one kernel after its GEMM, not two, and
+  ``y + B(h)`` is never written back and read again.
 
 Why split-K: at decode a step has a handful of tiles, and a shrink program that walks all of K
 (5120 or 13824) alone is a serial chain of loads on one SM: 35-105 µs a layer on the H200 whatever
@@ -290,6 +296,83 @@ def lora_expand_kernel(
         tl.store(y_ptr, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def lora_expand_silu_mul_kernel(
+    Y,  # [T, 2I]: a gate_up layer's base output (read only)
+    OUT,  # [T, I]: silu(gate) * up, Y's dtype
+    H,  # [T, 2R]: the shrink's output (gate's R columns, then up's)
+    B,  # [L, 2I, R]
+    SLOTS,  # int32 [T], -1: a base row
+    ROWS,  # int32 [T_lora]
+    TILE_OFF,  # int32 [G]
+    TILE_LEN,  # int32 [G]
+    TILE_SLOT,  # int32 [G]
+    num_rows,  # T
+    n_cols,  # I
+    row_blocks,  # cdiv(I, ROW_BLOCK): a base row's programs
+    tile_blocks,  # cdiv(I, BLOCK_N): a tile's programs
+    stride_ym,
+    stride_om,
+    stride_hm,
+    stride_bl,
+    stride_bn,
+    RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with PDL (quant_kernels.pdl): wait for the kernel before first
+):
+    if USE_PDL:  # Y is the GEMM's output, launched right before: nothing is touched before it ends
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    row_programs = num_rows * row_blocks
+    if pid < row_programs:  # a base row's column block (a row with a slot is its tile's: nothing here)
+        row = pid // row_blocks
+        if tl.load(SLOTS + row) < 0:
+            row64 = row.to(tl.int64)
+            cols = (pid % row_blocks) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
+            mask = cols < n_cols
+            gate = tl.load(Y + row64 * stride_ym + cols, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(Y + row64 * stride_ym + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(
+                OUT + row64 * stride_om + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(OUT.dtype.element_ty), mask=mask
+            )
+    else:  # a tile's column block: gate and up columns n get their adapter's expand, then the product
+        tile = (pid - row_programs) // tile_blocks
+        block = (pid - row_programs) % tile_blocks
+        count = tl.load(TILE_LEN + tile)
+        if count > 0:  # an empty tile (padding) does nothing
+            slot, rows, row_mask = _tile_rows(ROWS, TILE_OFF, TILE_SLOT, tile, count, BLOCK_M)
+            r = tl.arange(0, BLOCK_R)
+            r_mask = r < RANK
+            n = (block * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+            n_mask = n < n_cols
+            h_mask = row_mask[:, None] & r_mask[None, :]
+            h_gate = tl.load(H + rows[:, None] * stride_hm + r[None, :], mask=h_mask, other=0.0)  # [BLOCK_M, BLOCK_R]
+            h_up = tl.load(H + rows[:, None] * stride_hm + (RANK + r)[None, :], mask=h_mask, other=0.0)
+            b_ptr = B + slot * stride_bl + n[None, :] * stride_bn + r[:, None]  # [BLOCK_R, BLOCK_N]: gate's rows
+            b_mask = r_mask[:, None] & n_mask[None, :]
+            b_gate = tl.load(b_ptr, mask=b_mask, other=0.0)
+            b_up = tl.load(b_ptr + n_cols * stride_bn, mask=b_mask, other=0.0)  # up's rows, I further
+            if DOT_F32:
+                acc_gate = tl.dot(h_gate.to(tl.float32), b_gate.to(tl.float32))  # [BLOCK_M, BLOCK_N]
+                acc_up = tl.dot(h_up.to(tl.float32), b_up.to(tl.float32))
+            else:
+                acc_gate = tl.dot(h_gate.to(b_gate.dtype), b_gate)  # [BLOCK_M, BLOCK_N] fp32
+                acc_up = tl.dot(h_up.to(b_up.dtype), b_up)
+            mask = row_mask[:, None] & n_mask[None, :]
+            y_ptr = Y + rows[:, None] * stride_ym + n[None, :]
+            # y + B(h) rounded to the activation dtype, as lora_expand_kernel leaves it for silu_and_mul
+            gate = (tl.load(y_ptr, mask=mask, other=0.0).to(tl.float32) + acc_gate).to(Y.dtype.element_ty)
+            up = (tl.load(y_ptr + n_cols, mask=mask, other=0.0).to(tl.float32) + acc_up).to(Y.dtype.element_ty)
+            gate = gate.to(tl.float32)
+            out = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+            tl.store(OUT + rows[:, None] * stride_om + n[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+
+
 # The per-launch host arithmetic below is plain Python, cached per shape: ``triton.cdiv`` and
 # ``triton.next_power_of_2`` are constexpr functions, ~2-3 µs a call from host code (issue 30: an
 # eager step makes ~190 LoRA calls).
@@ -437,3 +520,69 @@ def lora_expand(
         **launch_options(y.device),
     )
     return y
+
+
+SILU_ROW_BLOCK = 1024  # a base row's columns per program (= elementwise_triton.SILU_BLOCK, not imported)
+
+
+def lora_expand_silu_and_mul(
+    y: torch.Tensor,  # [T, 2I]: a gate_up layer's base output, last dim contiguous (read only)
+    h: torch.Tensor,  # [T, 2R], last dim contiguous
+    lora_b: torch.Tensor,  # [L, 2I, R], last dim contiguous
+    token_slots: torch.Tensor,  # int32 [T], -1: base row
+    sorted_rows: torch.Tensor,  # int32 [T_lora]
+    tile_offsets: torch.Tensor,  # int32 [G]
+    tile_lens: torch.Tensor,  # int32 [G]
+    tile_slots: torch.Tensor,  # int32 [G]
+    out: torch.Tensor,  # [T, I], y's dtype, contiguous
+    block_n: int = EXPAND_BLOCK_N,  # one of EXPAND_BLOCK_NS: a tile program's columns of gate (and of up)
+) -> torch.Tensor:
+    """``out = silu(gate) * up`` for ``gate, up = (y + B(h)).chunk(2, -1)``: ``lora_expand`` over the two
+    slices ``(0, I, 2I)`` and ``elementwise_triton.silu_and_mul`` in one launch, the sum rounded to y's
+    dtype between them as there, so the output is theirs while ``y + B(h)`` never goes to memory.
+    Programs: each base row's ``cdiv(I, SILU_ROW_BLOCK)`` column blocks (a row with a slot returns at
+    once: its tile writes it), then each tile's ``cdiv(I, block_n)`` blocks."""
+    num_rows, width = y.shape
+    if width % 2 or lora_b.shape[1] != width or h.shape[1] != 2 * lora_b.shape[2]:
+        raise ValueError(
+            f"lora_expand_silu_and_mul: y [T, 2I], B [L, 2I, R] and h [T, 2R] expected, got y {tuple(y.shape)}, "
+            f"B {tuple(lora_b.shape)}, h {tuple(h.shape)}"
+        )
+    if block_n not in EXPAND_BLOCK_NS:
+        raise ValueError(f"lora_expand_silu_and_mul: block_n must be one of {EXPAND_BLOCK_NS}, got {block_n}")
+    n_cols = width // 2
+    if num_rows == 0 or n_cols == 0:
+        return out
+    rank = lora_b.shape[2]
+    row_block = min(SILU_ROW_BLOCK, _next_power_of_2(n_cols))
+    row_blocks = -(-n_cols // row_block)
+    tile_blocks = -(-n_cols // block_n)
+    lora_expand_silu_mul_kernel[(num_rows * row_blocks + tile_offsets.shape[0] * tile_blocks,)](
+        y,
+        out,
+        h,
+        lora_b,
+        token_slots,
+        sorted_rows,
+        tile_offsets,
+        tile_lens,
+        tile_slots,
+        num_rows,
+        n_cols,
+        row_blocks,
+        tile_blocks,
+        y.stride(0),
+        out.stride(0),
+        h.stride(0),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        RANK=rank,
+        BLOCK_M=TILE_ROWS,
+        BLOCK_R=_block_r(rank),
+        BLOCK_N=block_n,
+        ROW_BLOCK=row_block,
+        DOT_F32=_INTERPRET,
+        num_warps=4,
+        **launch_options(out.device),
+    )
+    return out

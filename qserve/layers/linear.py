@@ -150,3 +150,15 @@ class Linear(nn.Module):
         if lora is not None and w is not None:
             y = lora_ops.add_lora(y, x, w.a, w.b, w.slice_starts, lora)
         return y
+
+    def forward_unexpanded(
+        self, x: torch.Tensor, lora: lora_ops.LoRAIndices | None
+    ) -> tuple[torch.Tensor, lora_ops.PendingLoRA | None]:  # [num_tokens, K] -> ([num_tokens, N], pending)
+        """The base output and, where this layer holds adapters and the step uses them, the adapter's
+        shrink launched (``lora_ops.begin_lora``: beside the GEMM under ``QSERVE_LORA_OVERLAP``), its
+        expand left to the caller (``lora_ops.finish_lora`` or a consumer that fuses it); else None."""
+        w = self.lora
+        if lora is None or w is None:
+            return self.method.apply(self, x, self.bias), None
+        pending = lora_ops.begin_lora(x, w.a, w.b, w.slice_starts, lora)
+        return self.method.apply(self, x, self.bias), pending

@@ -21,6 +21,9 @@ sixteenth session).
 the rotary the step's values, cache and slots, so its launch also stores the keys and values and the
 attention launches no ``store_kv`` (whole-head rotary, a cache in the activations' dtype; the piecewise
 graphs' ``pre_attention`` passes none: their eager attention stores).
+
+``QSERVE_LORA_FUSED_SILU`` (off unless ``1``; read once per ``MLP``): with adapters in the step, gate_up's
+expand runs inside the SiLU-and-mul (``quant_kernels.lora_ops.finish_lora_silu_and_mul``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from qserve.layers.moe import SparseMoeBlock
 from qserve.layers.norm import RMSNorm
 from qserve.layers.rotary import RotaryEmbedding, interleaved_permutation, num_ntk_tables
 from qserve.runner.attn_metadata import AttentionMetadata
-from quant_kernels import elementwise_ops
+from quant_kernels import elementwise_ops, lora_ops
 from quant_kernels.kv_store import KVStore
 from quant_kernels.layout import PackedQuantWeight
 from quant_kernels.lora_ops import LoRAIndices
@@ -274,6 +277,7 @@ class MLP(nn.Module):
         super().__init__()
         inter = config.intermediate_size if intermediate_size is None else intermediate_size
         self.intermediate_size = inter // (1 if tp is None else tp.size)  # per rank
+        self.fused_lora_silu = lora_ops.fused_silu_enabled()  # QSERVE_LORA_FUSED_SILU, read once
         self.gate_up_proj = column_linear(
             config.hidden_size,
             [inter, inter],
@@ -295,6 +299,14 @@ class MLP(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, lora: LoRAIndices | None = None) -> torch.Tensor:  # [T, hidden]
+        if self.fused_lora_silu and lora is not None:
+            # QSERVE_LORA_FUSED_SILU: gate_up's adapter expand inside the SiLU-and-mul (one launch, not two)
+            gate_up, pending = self.gate_up_proj.forward_unexpanded(hidden, lora)  # [T, 2 * intermediate]
+            if pending is not None:
+                w = self.gate_up_proj.lora
+                act = lora_ops.finish_lora_silu_and_mul(gate_up, pending, w.b, w.slice_starts, lora)
+                return self.down_proj(act, lora)
+            return self.down_proj(elementwise_ops.silu_and_mul(gate_up), lora)
         gate_up = self.gate_up_proj(hidden, lora)  # [num_tokens, 2 * intermediate (this rank's)]
         return self.down_proj(elementwise_ops.silu_and_mul(gate_up), lora)
 

@@ -689,6 +689,28 @@ def drive_lora_kernels(capture: Capture, dtype: torch.dtype, dtype_name: str, pd
                 pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, pair)
                 assert pending.delta is not None and pending.delta.dtype == torch.float32
                 lora_ops.finish_lora(y, pending, lora_b, starts, pair)
+        # QSERVE_LORA_FUSED_SILU: gate_up's expand inside the SiLU-and-mul, as the MLP launches it (in order,
+        # finish_lora_silu_and_mul) at Qwen2.5-14B's gate_up: decode at batch 1 (also with PDL), a batch-32 graph
+        lora_a = torch.zeros(4, 2 * rank, 5120, dtype=dtype)  # [L, 2R, K]
+        lora_b = torch.zeros(4, 2 * 13824, rank, dtype=dtype)  # [L, 2I, R]
+        starts = [0, 13824, 2 * 13824]
+        fused = (
+            ("decode batch 1", lora_ops.build_lora_indices(np.zeros(1, dtype=np.int32), torch.device("cpu")), False),
+            ("decode batch 1 PDL", lora_ops.build_lora_indices(np.zeros(1, dtype=np.int32), torch.device("cpu")), True),
+            ("decode graph batch 32", lora_ops.indices_from_buffer(graph_buffer, 32, graph_tiles), False),
+        )  # fmt: skip
+        for label, indices, with_pdl in fused:
+            if with_pdl and not pdl:
+                continue
+            rows = indices.token_slots.shape[0]
+            x, y = torch.zeros(rows, 5120, dtype=dtype), torch.zeros(rows, 2 * 13824, dtype=dtype)
+            with (
+                mock.patch.dict(os.environ, {"QSERVE_ENABLE_PDL": "1" if with_pdl else "0"}),
+                where(capture, f"LoRA fused SiLU {dtype_name} gate_up {label}"),
+            ):
+                pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, indices)
+                out = lora_ops.finish_lora_silu_and_mul(y, pending, lora_b, starts, indices)
+                assert out.shape == (rows, 13824)
 
 
 class _NoStream:

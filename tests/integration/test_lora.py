@@ -245,12 +245,40 @@ def test_lora_off_refuses_lora_request(tiny_checkpoints) -> None:
         llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False, lora_request=LoRARequest("a", 1, "/x"))
 
 
-@pytest.mark.parametrize("variable", ["QSERVE_LORA_EXPAND_BLOCK_N", "QSERVE_LORA_SIDE_SPLIT_K", "QSERVE_LORA_OVERLAP"])
+@pytest.mark.parametrize(
+    "variable",
+    ["QSERVE_LORA_EXPAND_BLOCK_N", "QSERVE_LORA_SIDE_SPLIT_K", "QSERVE_LORA_OVERLAP", "QSERVE_LORA_FUSED_SILU"],
+)
 def test_bad_lora_kernel_setting_stops_the_load(tiny_checkpoints, monkeypatch, variable) -> None:
     """A misspelt LoRA kernel setting is refused by name when the engine is built, not at a later step."""
     monkeypatch.setenv(variable, "wide")
     with pytest.raises(ValueError, match=variable):
         LLM(tiny_checkpoints["LlamaForCausalLM"][1], device="cpu", dtype="float32", num_kv_blocks=16, enable_lora=True)
+
+
+def test_fused_silu_switch_gives_the_same_outputs(setup, monkeypatch) -> None:
+    """QSERVE_LORA_FUSED_SILU=1 (read when the model is built): every MLP routes gate_up's adapter through
+    ``finish_lora_silu_and_mul``; on CPU that is the reference's expand, then the product: the outputs of
+    the engine without it, bit for bit, for a batch of adapters (one of them not on gate_up) and the base."""
+    from quant_kernels import lora_ops
+
+    llm, requests, _, root = setup
+    monkeypatch.setenv(lora_ops.FUSED_SILU_ENV, "1")
+    fused = LLM(str(root / "base"), device="cpu", dtype="float32", skip_tokenizer_init=True, enable_lora=True,
+                max_loras=4, max_lora_rank=16, num_kv_blocks=64, max_num_seqs=16)  # fmt: skip
+    mlps = [m for m in fused.engine.runner.model.modules() if hasattr(m, "fused_lora_silu")]
+    assert mlps and all(m.fused_lora_silu for m in mlps)
+    calls = []
+    finish = lora_ops.finish_lora_silu_and_mul
+    monkeypatch.setattr(lora_ops, "finish_lora_silu_and_mul", lambda *a: calls.append(1) or finish(*a))
+    names = ["mlp-r16-rs", "qv-r4", None, "all-r8"]
+    loras = [None if n is None else requests[n] for n in names]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[: len(names)]]
+    got = fused.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
+    want = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
+    assert calls, "the fused path was not taken"
+    for name, a, b in zip(names, got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and _prompt_lp(a) == _prompt_lp(b), name
 
 
 def test_rslora_scale() -> None:
@@ -338,6 +366,34 @@ def test_gpu_overlapped_lora_gives_the_same_outputs(setup, monkeypatch) -> None:
             assert max(abs(a - b) for a, b in zip(_prompt_lp(got), _prompt_lp(want))) < 2e-2, (other, name)
         same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(runs["0"], runs[other]))
         assert same >= len(prompts) - 1, other  # fp16: one near-tie may flip a greedy token
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_silu_gives_the_same_outputs(setup, monkeypatch) -> None:
+    """QSERVE_LORA_FUSED_SILU=1 on CUDA (fp16, the Triton kernels, the shrink beside the GEMM, decode graphs):
+    gate_up's expand inside the SiLU-and-mul gives the two launches' tokens (but for a near-tie) and
+    logprobs within fp16 noise (the expand may fold y into its MMA's accumulator, the fused kernel adds
+    it after), for a batch of adapters and the base."""
+    from quant_kernels import lora_ops
+
+    _, requests, _, root = setup
+    names = [*ADAPTERS, None, None]
+    loras = [None if n is None else requests[n] for n in names]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(lora_ops.FUSED_SILU_ENV, flag)
+        llm = LLM(str(root / "base"), dtype="float16", skip_tokenizer_init=True, enable_lora=True, max_loras=4,
+                  num_kv_blocks=64)  # fmt: skip
+        assert llm.engine.runner.decode_graphs is not None
+        runs[flag] = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        del llm
+    for name, want, got in zip(names, runs["0"], runs["1"]):
+        assert max(abs(a - b) for a, b in zip(_prompt_lp(got), _prompt_lp(want))) < 2e-2, name
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(runs["0"], runs["1"]))
+    assert same >= len(prompts) - 1  # fp16: one near-tie may flip a greedy token
 
 
 def test_embed_takes_an_adapter(setup) -> None:

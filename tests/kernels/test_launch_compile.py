@@ -259,13 +259,16 @@ def test_lora_launches_compile(request, tmp_path) -> None:
     """The multi-LoRA kernels as ``lora_ops.add_lora`` launches them (QSERVE_LORA_TRITON=1) at
     Qwen2.5-14B's qkv and down shapes, fp16 and bf16, compile for sm90, sm89 and sm86: the split-K
     shrink (workspace, arrival counters, the last program's reduction) and the one-split shrink, and
-    the expand, into y and (QSERVE_LORA_OVERLAP=pair, through begin_lora / finish_lora) into an fp32 delta. Selectable alone (``-k lora``): no engine drive, about a minute."""
+    the expand, into y and (QSERVE_LORA_OVERLAP=pair, through begin_lora / finish_lora) into an fp32 delta, and
+    gate_up's expand fused into the SiLU-and-mul (QSERVE_LORA_FUSED_SILU, finish_lora_silu_and_mul). Selectable alone (``-k lora``): no engine drive, about a minute."""
     for gpu, launches in _compiled_launches(request, tmp_path).items():
         splits = {x["constexprs"]["SPLIT_PAD"] for x in launches if x["kernel"] == "lora_shrink_kernel"}
         assert 1 in splits and max(splits) == 32, (gpu, splits)  # one split, and the heuristic's decode split
         expands = {x["signature"][0] for x in launches if x["kernel"] == "lora_expand_kernel"}  # Y's type
         # into y (fp16 / bf16), and into QSERVE_LORA_OVERLAP=pair's fp32 delta
         assert "*float32" in expands and len(expands) >= 2, (gpu, expands)
+        fused = [x for x in launches if x["kernel"] == "lora_expand_silu_mul_kernel"]  # QSERVE_LORA_FUSED_SILU
+        assert {x["signature"][0] for x in fused} == {"*float16", "*bfloat16"}, (gpu, fused)
 
 
 _MOE_DIRECT = r"""

@@ -782,6 +782,167 @@ def test_gpu_overlapped_lora_in_a_cuda_graph_is_add_lora(monkeypatch, pair) -> N
 
 
 # ----------------------------------------------------------------------------------------------
+# QSERVE_LORA_FUSED_SILU: a gate_up layer's expand inside the SiLU-and-mul (lora_expand_silu_mul_kernel)
+# ----------------------------------------------------------------------------------------------
+
+
+def _expand_then_silu(y, h, lora_b, indices, starts, block_n):  # noqa: ANN001, ANN202
+    """The two launches the fused kernel replaces: the expand into a copy of y, then silu_and_mul."""
+    from quant_kernels import elementwise_triton
+
+    tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
+    return elementwise_triton.silu_and_mul(lora_triton.lora_expand(y.clone(), h, lora_b, *tiles, starts, block_n))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "t,inter,num_slots,rank,block_n,pad_tiles",
+    [
+        (1, 40, 1, 8, 64, 0),  # batch-1 decode: one tile, I under one block
+        (13, 72, 3, 16, 64, 3),  # decode rows of three adapters and base rows, a graph's empty tiles
+        (37, 150, 4, 16, 128, 0),  # prefill runs longer than a tile, I past a block with a tail
+        (20, 96, 2, 24, 256, 0),  # a rank under its power-of-two block
+    ],
+)
+def test_fused_silu_is_expand_then_silu_and_mul(t, inter, num_slots, rank, block_n, pad_tiles, dtype) -> None:
+    """The fused launch gives the two launches' output bit for bit (same dots, the sum rounded to the
+    activation dtype between them) and the reference's within the kernels' tolerance; y is left as it
+    was; rows of the base model are silu_and_mul of y alone."""
+    x, lora_a, lora_b, slots, y, starts = make_case(t, 32, [inter, inter], num_slots, rank, dtype, seed=t + inter)
+    indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
+    if pad_tiles:  # a CUDA graph's fixed tile count: empty tiles (length 0) after the real ones
+        pad = torch.zeros(pad_tiles, dtype=torch.int32, device=DEVICE)
+        padded = (indices.tile_offsets, indices.tile_lens, indices.tile_slots)
+        indices = lora_ops.LoRAIndices(
+            indices.token_slots,
+            indices.sorted_rows,
+            *(torch.cat([tile, pad]) for tile in padded),
+            indices.tile_counters,
+        )
+    h = reference_lora.lora_shrink(x, lora_a, indices.token_slots, torch.zeros(t, 2 * rank, dtype=dtype, device=DEVICE))
+    y_before = y.clone()
+    out = torch.full((t, inter), float("nan"), dtype=dtype, device=DEVICE)
+    tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
+    got = lora_triton.lora_expand_silu_and_mul(y, h, lora_b, indices.token_slots, *tiles, out, block_n)
+    assert got is out and not torch.isnan(out).any(), "a row or column of the output was not written"
+    assert torch.equal(y, y_before), "the fused launch wrote the base output"
+    assert torch.equal(got, _expand_then_silu(y, h, lora_b, indices, starts, block_n))
+    from quant_kernels import reference_elementwise
+
+    want = reference_elementwise.silu_and_mul(
+        reference_lora.lora_expand(y.clone(), h, lora_b, indices.token_slots, starts)
+    )
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+def test_fused_silu_refuses_what_is_not_a_gate_up() -> None:
+    x, lora_a, lora_b, slots, y, starts = make_case(3, 32, [16, 16], 1, 8, torch.float16, seed=1)
+    indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
+    tiles = (indices.sorted_rows, indices.tile_offsets, indices.tile_lens, indices.tile_slots)
+    h = torch.zeros(3, 16, dtype=torch.float16, device=DEVICE)
+    out = torch.empty(3, 16, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"h \[T, 2R\]"):
+        lora_triton.lora_expand_silu_and_mul(y, h[:, :8], lora_b, indices.token_slots, *tiles, out)
+    with pytest.raises(ValueError, match="block_n"):
+        lora_triton.lora_expand_silu_and_mul(y, h, lora_b, indices.token_slots, *tiles, out, 32)
+
+
+@pytest.mark.parametrize("mode", ["in order", "shrink", "pair"])
+def test_finish_lora_silu_and_mul_is_silu_of_finish_lora(monkeypatch, mode) -> None:
+    """``finish_lora_silu_and_mul`` after ``begin_lora`` is ``silu_and_mul(finish_lora(...))``: the fused
+    launch after the join (in order: after the shrink; "pair": the delta added, then the plain product),
+    bitwise; off the Triton branch, the reference's expand and product. A layer that is not a gate_up
+    (one slice) takes the expand, then the product."""
+    _cpu_triton_branch(monkeypatch)
+    from quant_kernels import elementwise_ops
+
+    x, lora_a, lora_b, slots, y, starts = make_case(9, 256, [48, 48], 3, 8, torch.float16, seed=7)
+    _, side = _record_streams(monkeypatch, [])
+    overlap = None if mode == "in order" else lora_ops.LoRAOverlap(side, mode == "pair")
+    launched = []
+    fused = lora_ops._lora_triton().lora_expand_silu_and_mul
+    monkeypatch.setattr(lora_ops._lora_triton(), "lora_expand_silu_and_mul", lambda *a: launched.append(1) or fused(*a))
+
+    def both(indices):  # noqa: ANN001, ANN202
+        pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, indices)
+        unfused = elementwise_ops.silu_and_mul(lora_ops.finish_lora(y.clone(), pending, lora_b, starts, indices))
+        pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, indices)
+        return lora_ops.finish_lora_silu_and_mul(y.clone(), pending, lora_b, starts, indices), unfused
+
+    got, want = both(lora_ops.build_lora_indices(slots, x.device, overlap))
+    assert torch.equal(got, want)
+    assert launched == ([] if mode == "pair" else [1])
+    monkeypatch.setattr(lora_ops.kdevice, "triton_serves", lambda device: False)  # off CUDA: the reference
+    got, want = both(lora_ops.build_lora_indices(slots, x.device))
+    assert torch.equal(got, want) and len(launched) == (0 if mode == "pair" else 1)
+    monkeypatch.setattr(lora_ops.kdevice, "triton_serves", lambda device: True)
+    one = [0, 96]  # one slice of 96 columns: not a gate_up
+    h = reference_lora.lora_shrink(x, lora_a[:, :8], torch.from_numpy(slots), torch.zeros(9, 8, dtype=torch.float16))
+    indices = lora_ops.build_lora_indices(slots, x.device)
+    got = lora_ops.expand_silu_and_mul(y.clone(), h, lora_b, one, indices)
+    assert torch.equal(got, elementwise_ops.silu_and_mul(lora_ops.lora_expand(y.clone(), h, lora_b, one, indices)))
+
+
+def test_fused_silu_switch(monkeypatch) -> None:
+    monkeypatch.delenv(lora_ops.FUSED_SILU_ENV, raising=False)
+    assert lora_ops.fused_silu_enabled() is False  # opt-in until a GPU run passed with it
+    monkeypatch.setenv(lora_ops.FUSED_SILU_ENV, "1")
+    assert lora_ops.fused_silu_enabled() is True
+    monkeypatch.setenv(lora_ops.FUSED_SILU_ENV, "yes")
+    with pytest.raises(ValueError, match=lora_ops.FUSED_SILU_ENV):
+        lora_ops.fused_silu_enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("batch,max_loras", [(1, 1), (32, 8), (128, 32)])
+def test_gpu_fused_silu_in_a_cuda_graph_is_expand_then_silu(monkeypatch, batch, max_loras) -> None:
+    """Qwen2.5-14B's gate_up (2 x 13,824, rank 16) in a decode graph's padded indices, the shrink beside
+    on a side stream: the fused launch, eager and replayed for two slot assignments (one leaving pad
+    rows), gives the expand-then-product output within an ulp of fp16 (the expand may fold y into its
+    MMA's accumulator where the fused kernel adds it after), and y unchanged."""
+    monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
+    tiles = lora_ops.max_lora_tiles(batch, max_loras)
+    total, _ = lora_ops.index_layout(batch, tiles)
+    buffer = torch.zeros(total, dtype=torch.int32, device="cuda")
+    indices = lora_ops.indices_from_buffer(
+        buffer, batch, tiles, overlap=lora_ops.LoRAOverlap(torch.cuda.Stream(), False)
+    )
+    plain = lora_ops.indices_from_buffer(buffer, batch, tiles)
+    x, lora_a, lora_b, _, y, starts = make_case(batch, 5120, [13824, 13824], max_loras, 16, torch.float16, seed=batch)
+    out = torch.empty(batch, 13824, dtype=torch.float16, device="cuda")
+
+    def fused() -> None:
+        pending = lora_ops.begin_lora(x, lora_a, lora_b, starts, indices)
+        out.copy_(lora_ops.finish_lora_silu_and_mul(y, pending, lora_b, starts, indices))
+
+    from quant_kernels import elementwise_ops
+
+    host = np.zeros(total, dtype=np.int32)
+    gen = np.random.default_rng(batch)
+    assignments = (gen.integers(-1, max_loras, batch), gen.integers(0, max_loras, max(1, batch - 5)))
+    lora_ops.fill_index_buffer(host, assignments[0].astype(np.int32), batch, tiles)
+    buffer.copy_(torch.from_numpy(host))
+    y_before = y.clone()
+    fused()  # eager, and the warm-up before the capture
+    want = elementwise_ops.silu_and_mul(lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, plain))
+    torch.testing.assert_close(out, want, atol=1e-3, rtol=2e-3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused()
+    for step_slots in assignments:
+        lora_ops.fill_index_buffer(host, step_slots.astype(np.int32), batch, tiles)
+        buffer.copy_(torch.from_numpy(host))
+        want = elementwise_ops.silu_and_mul(lora_ops.add_lora(y.clone(), x, lora_a, lora_b, starts, plain))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, atol=1e-3, rtol=2e-3)
+    assert torch.equal(y, y_before)
+
+
+# ----------------------------------------------------------------------------------------------
 # bench/lora.py's switches for short device calls: bad values refused before any work, naming them
 # ----------------------------------------------------------------------------------------------
 
