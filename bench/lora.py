@@ -18,7 +18,9 @@ eager step pays; the H200 run of 2026-12-05 timed only this, ~140 µs in every c
 (the gather-based torch path, ``QSERVE_LORA_TRITON=0``), ``floor`` µs = bytes the kernels must move
 (each distinct adapter's A and B once, x read, y read and written) / the measured copy bandwidth,
 and ``floor / triton``, and ``expand alone`` µs: the expand by itself replayed from a graph (what a decode
-step's critical path keeps when the shrink runs beside the base GEMM). ``--cases 1x1,32x8``: only
+step's critical path keeps when the shrink runs beside the base GEMM); for gate_up also ``expand + SiLU`` µs
+(the expand, then ``silu_and_mul`` of its output) and ``fused SiLU`` µs (the two in one launch,
+``lora_ops.expand_silu_and_mul``: what ``QSERVE_LORA_FUSED_SILU=1`` puts there). ``--cases 1x1,32x8``: only
 those decode-graph cases (batch x adapters).
 ``--tiny`` is a CPU smoke run under ``TRITON_INTERPRET=1`` at
 toy sizes (wall-clock times, meaningless as performance). Rows are written to ``--out`` as they come.
@@ -88,7 +90,7 @@ CASES = [
     ("decode b128 x32", 128, 32, 1, True),
     ("prefill 2048 x4", 2048, 4, 512, False),
 ]
-TINY_LAYERS = {"qkv": (64, [64, 16, 16]), "down": (96, [64])}
+TINY_LAYERS = {"qkv": (64, [64, 16, 16]), "gate_up": (64, [48, 48]), "down": (96, [64])}
 TINY_CASES = [("decode b4 x2", 4, 2, 1, True), ("prefill 40 x2", 40, 2, 20, False)]
 
 
@@ -234,6 +236,12 @@ def run_case(
     # the expand alone (what a decode step's critical path keeps with the shrink on the side stream)
     h_in = reference_lora.lora_shrink(x, lora_a, indices.token_slots, h.clone())
     expand_us = graph_us(lambda: lora_ops.lora_expand(y, h_in, lora_b, starts, indices))
+    silu_us = fused_us = None
+    if len(sizes) == 2 and sizes[0] == sizes[1]:  # a gate_up: its expand + SiLU-and-mul, and the fused launch
+        from quant_kernels import elementwise_ops
+
+        silu_us = graph_us(lambda: elementwise_ops.silu_and_mul(lora_ops.lora_expand(y, h_in, lora_b, starts, indices)))
+        fused_us = graph_us(lambda: lora_ops.expand_silu_and_mul(y, h_in, lora_b, starts, indices))
     os.environ[lora_ops.TRITON_ENV] = "0"
     reference_us = bench_us(lambda: lora_ops.add_lora(y, x, lora_a, lora_b, starts, indices))
     elem = x.element_size()
@@ -242,6 +250,8 @@ def run_case(
     return {
         "triton_us": triton_us,
         "expand_us": expand_us,
+        "expand_silu_us": silu_us,
+        "fused_silu_us": fused_us,
         "eager_us": eager_us,
         "reference_us": reference_us,
         "floor_us": floor_us,
@@ -515,11 +525,16 @@ def main() -> None:
         [
             f"# LoRA shrink + expand, rank {RANK}, {args.dtype}, {device}; copy bandwidth {bandwidth / 1e9:.0f} GB/s",
             "",
-            "| layer | case | split x columns | expand | triton µs (graph) | expand alone µs (graph) | triton µs (eager) | reference µs | floor µs | floor / triton |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| layer | case | split x columns | expand | triton µs (graph) | expand alone µs (graph) | expand + SiLU µs (graph) "
+            "| fused SiLU µs (graph) | triton µs (eager) | reference µs | floor µs | floor / triton |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ],
     )
     raw = []
+
+    def shown(us: float | None) -> str:
+        return "" if us is None else f"{us:.1f}"
+
     for name, (k, sizes) in layers.items():
         for label, rows, distinct, per_seq, graph_tiles in cases:
             for split_k, block_k, expand_n in itertools.product(splits, blocks, expand_ns):
@@ -533,7 +548,8 @@ def main() -> None:
                 table.add(
                     f"| {name} | {label} ({result['tiles']} tiles) | {result['split_k']} x {result['k_per_split']} | "
                     f"{expand_label} | "
-                    f"{result['triton_us']:.1f} | {result['expand_us']:.1f} | {result['eager_us']:.1f} | "
+                    f"{result['triton_us']:.1f} | {result['expand_us']:.1f} | {shown(result['expand_silu_us'])} | "
+                    f"{shown(result['fused_silu_us'])} | {result['eager_us']:.1f} | "
                     f"{result['reference_us']:.1f} | "
                     f"{result['floor_us']:.1f} | {result['floor_us'] / result['triton_us']:.2f} |"
                 )
