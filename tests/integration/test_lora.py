@@ -333,10 +333,7 @@ def test_gpu_overlapped_lora_gives_the_same_outputs(setup, monkeypatch) -> None:
     from quant_kernels import lora_ops
 
     _, requests, _, root = setup
-    names = [*ADAPTERS, None, None]
-    loras = [None if n is None else requests[n] for n in names]
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+    names, loras, prompts, params = _every_adapter_and_the_base(requests)
     runs = {}
     for mode, side_split in (("0", "auto"), ("shrink", "auto"), ("pair", "auto"), ("shrink", "4")):
         monkeypatch.setenv(lora_ops.OVERLAP_ENV, mode)
@@ -378,10 +375,7 @@ def test_gpu_fused_silu_gives_the_same_outputs(setup, monkeypatch) -> None:
     from quant_kernels import lora_ops
 
     _, requests, _, root = setup
-    names = [*ADAPTERS, None, None]
-    loras = [None if n is None else requests[n] for n in names]
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+    names, loras, prompts, params = _every_adapter_and_the_base(requests)
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv(lora_ops.FUSED_SILU_ENV, flag)
@@ -394,6 +388,15 @@ def test_gpu_fused_silu_gives_the_same_outputs(setup, monkeypatch) -> None:
         assert max(abs(a - b) for a, b in zip(_prompt_lp(got), _prompt_lp(want))) < 2e-2, name
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(runs["0"], runs["1"]))
     assert same >= len(prompts) - 1  # fp16: one near-tie may flip a greedy token
+
+
+def _every_adapter_and_the_base(requests: dict) -> tuple[list, list, list, SamplingParams]:
+    """(names, LoRA requests, prompts, decode params) of a batch of every adapter and the base twice."""
+    names = [*ADAPTERS, None, None]
+    loras = [None if n is None else requests[n] for n in names]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+    return names, loras, prompts, params
 
 
 def test_embed_takes_an_adapter(setup) -> None:

@@ -710,6 +710,16 @@ def test_begin_lora_holds_what_the_side_stream_writes_until_the_join(monkeypatch
     assert torch.equal(got, want)
 
 
+def _graph_indices(batch: int, max_loras: int, pair: bool):  # noqa: ANN202
+    """(the int32 buffer, indices over it with a side stream, the same without) of a decode graph of
+    ``batch`` rows and ``max_loras`` slots (its fixed tile count: ``max_lora_tiles``)."""
+    tiles = lora_ops.max_lora_tiles(batch, max_loras)
+    buffer = torch.zeros(lora_ops.index_layout(batch, tiles)[0], dtype=torch.int32, device="cuda")
+    overlap = lora_ops.LoRAOverlap(torch.cuda.Stream(), pair)
+    overlapped = lora_ops.indices_from_buffer(buffer, batch, tiles, overlap=overlap)
+    return buffer, overlapped, lora_ops.indices_from_buffer(buffer, batch, tiles)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("pair", [False, True], ids=["shrink", "pair"])
@@ -723,13 +733,8 @@ def test_gpu_overlapped_lora_in_a_cuda_graph_is_add_lora(monkeypatch, pair) -> N
     replay."""
     monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
     batch, max_loras = 32, 8
-    tiles = lora_ops.max_lora_tiles(batch, max_loras)
-    total, _ = lora_ops.index_layout(batch, tiles)
-    buffer = torch.zeros(total, dtype=torch.int32, device="cuda")
-    overlapped = lora_ops.indices_from_buffer(
-        buffer, batch, tiles, overlap=lora_ops.LoRAOverlap(torch.cuda.Stream(), pair)
-    )
-    plain = lora_ops.indices_from_buffer(buffer, batch, tiles)
+    buffer, overlapped, plain = _graph_indices(batch, max_loras, pair)
+    tiles, total = overlapped.tile_offsets.numel(), buffer.numel()
     layers = []
     for k, sizes in ((5120, [5120, 1024, 1024]), (13824, [5120])):
         x, lora_a, lora_b, _, _, starts = make_case(batch, k, sizes, max_loras, 16, torch.float16, seed=k)
@@ -903,13 +908,8 @@ def test_gpu_fused_silu_in_a_cuda_graph_is_expand_then_silu(monkeypatch, batch, 
     rows), gives the expand-then-product output within an ulp of fp16 (the expand may fold y into its
     MMA's accumulator where the fused kernel adds it after), and y unchanged."""
     monkeypatch.setenv(lora_ops.TRITON_ENV, "1")
-    tiles = lora_ops.max_lora_tiles(batch, max_loras)
-    total, _ = lora_ops.index_layout(batch, tiles)
-    buffer = torch.zeros(total, dtype=torch.int32, device="cuda")
-    indices = lora_ops.indices_from_buffer(
-        buffer, batch, tiles, overlap=lora_ops.LoRAOverlap(torch.cuda.Stream(), False)
-    )
-    plain = lora_ops.indices_from_buffer(buffer, batch, tiles)
+    buffer, indices, plain = _graph_indices(batch, max_loras, pair=False)
+    tiles, total = indices.tile_offsets.numel(), buffer.numel()
     x, lora_a, lora_b, _, y, starts = make_case(batch, 5120, [13824, 13824], max_loras, 16, torch.float16, seed=batch)
     out = torch.empty(batch, 13824, dtype=torch.float16, device="cuda")
 
