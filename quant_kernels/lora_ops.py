@@ -5,7 +5,8 @@ Knows: which implementation serves which device (the Triton kernels on CUDA unle
 ``QSERVE_LORA_TRITON=0``: faster than the reference in every case bench/lora.py timed on the H200;
 the PyTorch reference everywhere else), and
 how rows are grouped into tiles of one slot, and what the kernels need besides the tiles (the split-K
-shrink's arrival counters, its workspace). Must not know: models, layers, PEFT, engines. Triton stays
+shrink's arrival counters, its workspace); that a gate_up's output is its gate's and its up's columns
+laid end to end (``(0, I, 2I)``), for ``expand_silu_and_mul``. Must not know: models, layers, PEFT, engines. Triton stays
 a lazy import. Layout and numerics: ``quant_kernels.reference_lora``.
 
 A step's indices reach the device in ONE host-to-device copy: every array is a view of one int32
@@ -56,6 +57,8 @@ expand and the SiLU-and-mul that reads its output become one launch (``finish_lo
 one kernel after each gate_up GEMM instead of two (the expands are on the step's critical path: 0.94
 ms of a batch-32 step with 8 adapters, fourteenth session) and ``y + B(h)`` is not written back and
 read again. The sum is rounded to the activation dtype before the product, as the two launches do.
+A "pair" call that added its delta at the join (``PAIR_MAX_ROWS`` rows or fewer) has nothing left to
+expand: the plain product follows.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@ expand (``y += h @ B^T``) over the token rows of a step, each row with its own a
 
 Knows: the layout and numerics of ``quant_kernels.reference_lora``, the row grouping of
 ``quant_kernels.lora_ops.LoRAIndices`` and how to split the shrink's K over enough programs to fill a
-GPU (``shrink_config``). Must not know: models, layers, PEFT files, engines. Imported lazily (by
+GPU (``shrink_config``), and for the fused gate_up kernel the SiLU-and-mul's numerics
+(``elementwise_triton.silu_and_mul``: ``silu(gate) * up`` in fp32, rounded once; its 1,024-column row
+blocks, ``SILU_ROW_BLOCK``). Must not know: models, layers, PEFT files, engines. Imported lazily (by
 ``quant_kernels.lora_ops`` on CUDA unless ``QSERVE_LORA_TRITON=0``, or by tests under
 ``TRITON_INTERPRET=1``).
 
@@ -13,7 +15,8 @@ a tile of length 0 is padding (a CUDA graph's fixed tile count) and does nothing
 A tile of a prefill segment is up to 16 consecutive tokens of one sequence; in a decode step the
 rows of every sequence on the same adapter share tiles, so an adapter's A and B are read once per
 16 rows, not once per row (the point of Punica's grouped GEMMs). Rows of the base model are in no
-tile: the kernels never touch them.
+tile: the shrink and the expand never touch them (the fused SiLU kernel writes their product, from y
+alone).
 
 Kernels
 -------
@@ -48,8 +51,10 @@ Why split-K: at decode a step has a handful of tiles, and a shrink program that 
 (5120 or 13824) alone is a serial chain of loads on one SM: 35-105 µs a layer on the H200 whatever
 the batch, for microseconds of bytes. Splitting K puts the same bytes in flight on many SMs.
 
-Both allocate nothing, never synchronise with the host and launch a grid fixed by host integers
-(the caller allocates ``h`` and the workspace; the counters come with the step's indices).
+None allocates, synchronises with the host or launches a grid not fixed by host integers (the caller
+allocates ``h``, the workspace and the fused kernel's output; the counters come with the step's
+indices). The fused kernel's row count is not specialised on (``do_not_specialize``): it changes with
+every eager step, and a count of 1 or a multiple of 16 would otherwise compile another variant mid-serving.
 
 Fusing the pair into one launch would need every K split of a tile-slice done before any of its N
 blocks starts: a grid-wide dependency (a spin-wait on programs that may not be resident, or the last
@@ -296,7 +301,7 @@ def lora_expand_kernel(
         tl.store(y_ptr, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def lora_expand_silu_mul_kernel(
     Y,  # [T, 2I]: a gate_up layer's base output (read only)
     OUT,  # [T, I]: silu(gate) * up, Y's dtype

@@ -11,6 +11,8 @@ LoRA (``qserve.lora``): a layer may hold adapter slots (``lora``, set by ``LoRAM
 given the step's ``LoRAIndices`` adds each row's adapter to the base output. Without indices (LoRA
 off, or no row of the step uses an adapter) the forward is the base layer's alone. Indices with a side
 stream (``QSERVE_LORA_OVERLAP``) launch the adapter's shrink before the base GEMM, beside it.
+``forward_unexpanded`` stops short of the expand: the base output and the pending shrink, for a consumer
+that fuses the expand into its own launch (the MLP's SiLU-and-mul).
 """
 
 from __future__ import annotations

@@ -807,6 +807,7 @@ def _expand_then_silu(y, h, lora_b, indices, starts, block_n):  # noqa: ANN001, 
         (13, 72, 3, 16, 64, 3),  # decode rows of three adapters and base rows, a graph's empty tiles
         (37, 150, 4, 16, 128, 0),  # prefill runs longer than a tile, I past a block with a tail
         (20, 96, 2, 24, 256, 0),  # a rank under its power-of-two block
+        (5, 1100, 2, 8, 64, 0),  # a base row wider than one row block (1,024 columns)
     ],
 )
 def test_fused_silu_is_expand_then_silu_and_mul(t, inter, num_slots, rank, block_n, pad_tiles, dtype) -> None:
@@ -839,6 +840,32 @@ def test_fused_silu_is_expand_then_silu_and_mul(t, inter, num_slots, rank, block
     )
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+def test_fused_silu_writes_a_row_with_a_slot_only_from_its_tile() -> None:
+    """Each row is written by one program: with every tile emptied (length 0) the rows with a slot keep
+    the output's poison and the base rows get their product; with no tile at all (every row a base row)
+    every row gets it. (The interpreter runs the tiles' programs last, so a base-row program that also
+    wrote a slot's row would go unseen in the other tests; on a GPU the two would race.)"""
+    x, lora_a, lora_b, slots, y, starts = make_case(13, 32, [1100, 1100], 3, 8, torch.float16, seed=11)
+    indices = lora_ops.build_lora_indices(slots, torch.device(DEVICE))
+    mask = torch.from_numpy(slots >= 0).to(DEVICE)
+    assert mask.any() and (~mask).any()
+    h = torch.zeros(13, 16, dtype=torch.float16, device=DEVICE)
+    empty = torch.zeros_like(indices.tile_lens)
+    out = torch.full((13, 1100), float("nan"), dtype=torch.float16, device=DEVICE)
+    lora_triton.lora_expand_silu_and_mul(
+        y, h, lora_b, indices.token_slots, indices.sorted_rows, indices.tile_offsets, empty, indices.tile_slots, out
+    )
+    from quant_kernels import elementwise_triton  # the launch the fused one replaces
+
+    assert torch.isnan(out[mask]).all(), "a base-row program wrote a row that has a slot"
+    assert torch.equal(out[~mask], elementwise_triton.silu_and_mul(y[~mask]))
+    base = lora_ops.build_lora_indices(np.full(13, -1, dtype=np.int32), torch.device(DEVICE))
+    out.fill_(float("nan"))
+    tiles = (base.sorted_rows, base.tile_offsets, base.tile_lens, base.tile_slots)
+    lora_triton.lora_expand_silu_and_mul(y, h, lora_b, base.token_slots, *tiles, out)
+    assert torch.equal(out, elementwise_triton.silu_and_mul(y))
 
 
 def test_fused_silu_refuses_what_is_not_a_gate_up() -> None:
@@ -921,7 +948,12 @@ def test_gpu_fused_silu_in_a_cuda_graph_is_expand_then_silu(monkeypatch, batch, 
 
     host = np.zeros(total, dtype=np.int32)
     gen = np.random.default_rng(batch)
-    assignments = (gen.integers(-1, max_loras, batch), gen.integers(0, max_loras, max(1, batch - 5)))
+    # a mix with base rows; fewer rows than the graph's (pad rows) but at batch 1; every row a base row
+    assignments = (
+        gen.integers(-1, max_loras, batch),
+        gen.integers(0, max_loras, max(1, batch - 5)),
+        np.full(batch, -1),
+    )
     lora_ops.fill_index_buffer(host, assignments[0].astype(np.int32), batch, tiles)
     buffer.copy_(torch.from_numpy(host))
     y_before = y.clone()
