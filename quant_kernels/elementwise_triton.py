@@ -275,6 +275,13 @@ def _rotary_program(
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """``silu(gate) * up`` of fp32 tiles: the SiLU-and-mul's numerics, shared with the LoRA kernel that
+    fuses gate_up's expand into it (``lora_triton.lora_expand_silu_mul_kernel``)."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def silu_and_mul_kernel(GU, OUT, n_cols, stride_row, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     if USE_PDL:  # launched with PDL (quant_kernels.pdl): nothing is touched before the kernel before ends
         gdc_wait()
@@ -284,7 +291,7 @@ def silu_and_mul_kernel(GU, OUT, n_cols, stride_row, BLOCK: tl.constexpr, USE_PD
     mask = cols < n_cols
     gate = tl.load(GU + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(GU + row * stride_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    y = silu_mul(gate, up)
     tl.store(OUT + row * n_cols + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 

@@ -4,8 +4,7 @@ expand (``y += h @ B^T``) over the token rows of a step, each row with its own a
 Knows: the layout and numerics of ``quant_kernels.reference_lora``, the row grouping of
 ``quant_kernels.lora_ops.LoRAIndices`` and how to split the shrink's K over enough programs to fill a
 GPU (``shrink_config``), and for the fused gate_up kernel the SiLU-and-mul's numerics
-(``elementwise_triton.silu_and_mul``: ``silu(gate) * up`` in fp32, rounded once; its 1,024-column row
-blocks, ``SILU_ROW_BLOCK``). Must not know: models, layers, PEFT files, engines. Imported lazily (by
+(``elementwise_triton.silu_mul`` in fp32, rounded once, in its ``SILU_BLOCK``-column row blocks). Must not know: models, layers, PEFT files, engines. Imported lazily (by
 ``quant_kernels.lora_ops`` on CUDA unless ``QSERVE_LORA_TRITON=0``, or by tests under
 ``TRITON_INTERPRET=1``).
 
@@ -73,6 +72,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from quant_kernels.elementwise_triton import SILU_BLOCK, silu_mul
 from quant_kernels.pdl import launch_options
 
 TILE_ROWS = 16  # rows per tile (the MMA's smallest M); lora_ops builds tiles of this size
@@ -342,9 +342,7 @@ def lora_expand_silu_mul_kernel(
             mask = cols < n_cols
             gate = tl.load(Y + row64 * stride_ym + cols, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(Y + row64 * stride_ym + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(
-                OUT + row64 * stride_om + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(OUT.dtype.element_ty), mask=mask
-            )
+            tl.store(OUT + row64 * stride_om + cols, silu_mul(gate, up).to(OUT.dtype.element_ty), mask=mask)
     else:  # a tile's column block: gate and up columns n get their adapter's expand, then the product
         tile = (pid - row_programs) // tile_blocks
         block = (pid - row_programs) % tile_blocks
@@ -374,7 +372,7 @@ def lora_expand_silu_mul_kernel(
             gate = (tl.load(y_ptr, mask=mask, other=0.0).to(tl.float32) + acc_gate).to(Y.dtype.element_ty)
             up = (tl.load(y_ptr + n_cols, mask=mask, other=0.0).to(tl.float32) + acc_up).to(Y.dtype.element_ty)
             gate = gate.to(tl.float32)
-            out = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+            out = silu_mul(gate, up.to(tl.float32))
             tl.store(OUT + rows[:, None] * stride_om + n[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -527,9 +525,6 @@ def lora_expand(
     return y
 
 
-SILU_ROW_BLOCK = 1024  # a base row's columns per program (= elementwise_triton.SILU_BLOCK, not imported)
-
-
 def lora_expand_silu_and_mul(
     y: torch.Tensor,  # [T, 2I]: a gate_up layer's base output, last dim contiguous (read only)
     h: torch.Tensor,  # [T, 2R], last dim contiguous
@@ -545,7 +540,7 @@ def lora_expand_silu_and_mul(
     """``out = silu(gate) * up`` for ``gate, up = (y + B(h)).chunk(2, -1)``: ``lora_expand`` over the two
     slices ``(0, I, 2I)`` and ``elementwise_triton.silu_and_mul`` in one launch, the sum rounded to y's
     dtype between them as there, so the output is theirs while ``y + B(h)`` never goes to memory.
-    Programs: each base row's ``cdiv(I, SILU_ROW_BLOCK)`` column blocks (a row with a slot returns at
+    Programs: each base row's ``cdiv(I, SILU_BLOCK)`` column blocks (a row with a slot returns at
     once: its tile writes it), then each tile's ``cdiv(I, block_n)`` blocks."""
     num_rows, width = y.shape
     if width % 2 or lora_b.shape[1] != width or h.shape[1] != 2 * lora_b.shape[2]:
@@ -559,7 +554,7 @@ def lora_expand_silu_and_mul(
     if num_rows == 0 or n_cols == 0:
         return out
     rank = lora_b.shape[2]
-    row_block = min(SILU_ROW_BLOCK, _next_power_of_2(n_cols))
+    row_block = min(SILU_BLOCK, _next_power_of_2(n_cols))
     row_blocks = -(-n_cols // row_block)
     tile_blocks = -(-n_cols // block_n)
     lora_expand_silu_mul_kernel[(num_rows * row_blocks + tile_offsets.shape[0] * tile_blocks,)](

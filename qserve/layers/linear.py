@@ -146,8 +146,8 @@ class Linear(nn.Module):
         w = self.lora
         if lora is not None and w is not None and lora.overlap is not None:
             # QSERVE_LORA_OVERLAP: the shrink (it reads x only) runs beside the base GEMM on a side stream
-            pending = lora_ops.begin_lora(x, w.a, w.b, w.slice_starts, lora)
-            return lora_ops.finish_lora(self.method.apply(self, x, self.bias), pending, w.b, w.slice_starts, lora)
+            y, pending = self.forward_unexpanded(x, lora)
+            return lora_ops.finish_lora(y, pending, w.b, w.slice_starts, lora)
         y = self.method.apply(self, x, self.bias)
         if lora is not None and w is not None:
             y = lora_ops.add_lora(y, x, w.a, w.b, w.slice_starts, lora)
@@ -160,7 +160,5 @@ class Linear(nn.Module):
         shrink launched (``lora_ops.begin_lora``: beside the GEMM under ``QSERVE_LORA_OVERLAP``), its
         expand left to the caller (``lora_ops.finish_lora`` or a consumer that fuses it); else None."""
         w = self.lora
-        if lora is None or w is None:
-            return self.method.apply(self, x, self.bias), None
-        pending = lora_ops.begin_lora(x, w.a, w.b, w.slice_starts, lora)
+        pending = None if lora is None or w is None else lora_ops.begin_lora(x, w.a, w.b, w.slice_starts, lora)
         return self.method.apply(self, x, self.bias), pending

@@ -302,13 +302,14 @@ class MLP(nn.Module):
         if self.fused_lora_silu and lora is not None:
             # QSERVE_LORA_FUSED_SILU: gate_up's adapter expand inside the SiLU-and-mul (one launch, not two)
             gate_up, pending = self.gate_up_proj.forward_unexpanded(hidden, lora)  # [T, 2 * intermediate]
-            if pending is not None:
-                w = self.gate_up_proj.lora
+            w = self.gate_up_proj.lora
+            if pending is None:  # no adapter slots on gate_up
+                act = elementwise_ops.silu_and_mul(gate_up)
+            else:
                 act = lora_ops.finish_lora_silu_and_mul(gate_up, pending, w.b, w.slice_starts, lora)
-                return self.down_proj(act, lora)
-            return self.down_proj(elementwise_ops.silu_and_mul(gate_up), lora)
-        gate_up = self.gate_up_proj(hidden, lora)  # [num_tokens, 2 * intermediate (this rank's)]
-        return self.down_proj(elementwise_ops.silu_and_mul(gate_up), lora)
+        else:
+            act = elementwise_ops.silu_and_mul(self.gate_up_proj(hidden, lora))  # [T, intermediate (this rank's)]
+        return self.down_proj(act, lora)
 
 
 def _moe_block(
